@@ -1,0 +1,217 @@
+"""Per-session state in Redis, kept in step with the session log.
+
+The log is the source of truth; the state hash ``{p}:session:{id}`` is a fold
+over it that records how many bytes of the log it has seen (``logSize``).
+
+Invariants, for every writer (watcher or worker):
+- All appends to a log happen inside ``SessionLog.lock()``; the state is read,
+  brought up to date with any lines past ``logSize`` (a crashed writer's), and
+  saved with the new ``logSize`` inside the same lock. So the state never
+  describes a log other than the one on disk, and two writers never interleave.
+- An entry whose ``streamId`` is at or below the session's last applied one is
+  already in the log: it is reported as a duplicate and not written again.
+- An event that fails a check (wrong cwd for the session, a turn id going
+  backwards) raises ``InvalidEvent`` before anything is written.
+- Missing or stale state is rebuilt from the log, never guessed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import redis
+
+from compactor.keys import Keys
+from events.config import Settings
+from events.errors import InvalidEvent
+from events.log import SessionLog
+from events.models import TURN_SCOPED_TYPES
+from events.state import SessionState, fold, rebuild
+from events.tokens import stamp
+
+logger = logging.getLogger(__name__)
+
+Guard = Callable[[], None]
+
+
+@dataclass
+class ApplyResult:
+    """What ``SessionStore.apply`` did: the new state, the lines written, what was refused."""
+
+    state: SessionState
+    appended: list[dict[str, Any]] = field(default_factory=list)
+    duplicates: int = 0
+    rejected: list[tuple[dict[str, Any], InvalidEvent]] = field(default_factory=list)
+
+
+def stream_id_key(stream_id: str) -> tuple[int, int]:
+    """A Redis stream id (``ms-seq``) as a sortable tuple."""
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def is_applied(stream_id: str | None, last_applied: str | None) -> bool:
+    """Whether the entry ``stream_id`` is at or before the last one applied."""
+    if not stream_id or not last_applied:
+        return False
+    return stream_id_key(stream_id) <= stream_id_key(last_applied)
+
+
+class SessionStore:
+    """Loads, saves and advances session state next to the logs."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.redis = client
+        self.settings = settings
+        self.keys = Keys(settings.redis.prefix, settings.redis.shards)
+
+    def log(self, session_id: str, cwd: str) -> SessionLog:
+        return SessionLog(self.settings.data_dir, cwd, session_id, fsync=self.settings.log.fsync)
+
+    def load(self, session_id: str) -> SessionState | None:
+        """The stored state, or None when Redis has none."""
+        raw = self.redis.hgetall(self.keys.session(session_id))
+        if not raw:
+            return None
+        return SessionState.from_hash({_text(k): _text(v) for k, v in raw.items()})
+
+    def save(self, state: SessionState, pipeline: Any | None = None) -> None:
+        """Store the state (one HSET) and mark the session active."""
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
+        pipe.hset(self.keys.session(state.session_id), mapping=state.to_hash())
+        pipe.zadd(self.keys.sessions, {state.session_id: time.time()})
+        if pipeline is None:
+            pipe.execute()
+
+    def rebuild(self, session_id: str, cwd: str, log: SessionLog | None = None) -> SessionState:
+        """Fold the whole log from scratch (does not save)."""
+        log = log or self.log(session_id, cwd)
+        with log.lock():
+            size = log.size() if log.exists() else 0
+            events = log.read() if size else []
+        return rebuild(session_id, cwd, events, self.settings.context, size)
+
+    def refresh(self, session_id: str, cwd: str, log: SessionLog | None = None) -> SessionState:
+        """Rebuild the state from the log and save it."""
+        log = log or self.log(session_id, cwd)
+        with log.lock():
+            state = self.rebuild(session_id, cwd, log)
+            self.save(state)
+        return state
+
+    def current(
+        self,
+        session_id: str,
+        cwd: str,
+        log: SessionLog | None = None,
+        cached: SessionState | None = None,
+    ) -> SessionState:
+        """The state brought up to date with the log on disk (call with the log locked).
+
+        ``cached`` (a caller's in-process copy) is used as is when it matches the
+        log's size, which saves the Redis read on the watcher's hot path.
+        """
+        log = log or self.log(session_id, cwd)
+        size = log.size() if log.exists() else 0
+        state = cached if cached is not None and cached.log_size == size else None
+        if state is None:
+            state = self.load(session_id)
+        if state is not None and state.cwd != cwd:
+            raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}")
+        if state is None or size < state.log_size:
+            return self.rebuild(session_id, cwd, log)
+        if size > state.log_size:
+            logger.info("state catch-up session=%s from=%d to=%d", session_id, state.log_size, size)
+            state = replace(state)
+            if not _fold_all(state, log.read(state.log_size), self.settings):
+                return self.rebuild(session_id, cwd, log)
+            state.log_size = size
+        return state
+
+    def apply(
+        self,
+        session_id: str,
+        cwd: str,
+        events: Iterable[dict[str, Any]],
+        *,
+        log: SessionLog | None = None,
+        guard: Guard | None = None,
+        pipeline: Any | None = None,
+        cached: SessionState | None = None,
+    ) -> ApplyResult:
+        """Append ``events`` to the session's log exactly once and advance its state.
+
+        An event carrying a ``streamId`` at or below the session's last applied
+        one is counted as a duplicate and skipped; an event whose turn id goes
+        backwards is returned in ``rejected`` and not written. ``guard`` runs
+        inside the lock right before the write (the watcher checks its shard
+        lease there). ``pipeline`` receives the state write, so a caller can put
+        its own commands (XACK) in the same round trip; it is executed here.
+        The state passed in as ``cached`` is never modified.
+        """
+        log = log or self.log(session_id, cwd)
+        with log.lock():
+            state = replace(self.current(session_id, cwd, log, cached))
+            batch = list(events)
+            fresh = [e for e in batch if not is_applied(e.get("streamId"), state.last_stream_id)]
+            result = ApplyResult(state, duplicates=len(batch) - len(fresh))
+            needs_rebuild = self._admit(state, fresh, result)
+            if result.appended:
+                if guard is not None:
+                    guard()
+                state.log_size = log.append(result.appended)
+                if needs_rebuild:
+                    state = self.rebuild(session_id, cwd, log)
+            result.state = state
+            self._save_with(state, pipeline)
+        return result
+
+    def _admit(self, state: SessionState, events: list[dict[str, Any]], result: ApplyResult) -> bool:
+        """Stamp and fold each acceptable event into ``state``; True when a rebuild is due."""
+        needs_rebuild = False
+        for event in events:
+            if not needs_rebuild:
+                try:
+                    _check_turn_order(state, event)
+                except InvalidEvent as e:
+                    result.rejected.append((event, e))
+                    continue
+            line = stamp(_unstamped(event), state.encoding)
+            result.appended.append(line)
+            if not needs_rebuild and not fold(state, line, self.settings.context):
+                needs_rebuild = True
+        return needs_rebuild
+
+    def _save_with(self, state: SessionState, pipeline: Any | None) -> None:
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
+        self.save(state, pipe)
+        pipe.execute()
+
+
+def _fold_all(state: SessionState, events: Iterable[dict[str, Any]], settings: Settings) -> bool:
+    """Fold events into ``state``; False as soon as one needs a rebuild."""
+    return all(fold(state, event, settings.context) for event in events)
+
+
+def _unstamped(event: dict[str, Any]) -> dict[str, Any]:
+    """The event without a token stamp (a producer's stamp is never trusted)."""
+    if "tokenCount" in event or "tokenEncoding" in event:
+        return {k: v for k, v in event.items() if k not in ("tokenCount", "tokenEncoding")}
+    return event
+
+
+def _check_turn_order(state: SessionState, event: dict[str, Any]) -> None:
+    if event.get("type") in TURN_SCOPED_TYPES:
+        turn = event.get("turnId")
+        if isinstance(turn, int) and turn < state.current_turn_id:
+            raise InvalidEvent(
+                "turnId", f"goes backwards: {turn} < currentTurnId {state.current_turn_id}"
+            )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
