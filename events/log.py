@@ -1,0 +1,309 @@
+"""The session log: one JSONL file per session, the source of truth (SPEC §3).
+
+Layout: ``{data_dir}/{encode_project_path(cwd)}/sessions/{session_id}.jsonl``,
+with a sibling ``{id}.jsonl.lock`` (the cross-process lock) and
+``{id}.jsonl.torn`` (fragments cut off a torn tail, kept for forensics).
+
+Invariants:
+- The session id and cwd are validated before anything touches the disk, and
+  the log path is always inside ``data_dir``.
+- The log is append-only: lines are never rewritten. The only truncations are
+  (a) cutting a torn tail (a last line without ``\\n``, left by a crashed
+  writer) after copying it to the ``.torn`` file, and (b) undoing an append
+  that failed half-way. No complete line is ever dropped.
+- Every append happens under an exclusive ``flock`` on the lock file, through
+  an ``O_APPEND`` descriptor, in whole lines; an append either lands entirely
+  or leaves the file as it was and raises ``LogWriteFailed``.
+- Readers take no lock: they parse complete lines only and ignore a torn last
+  line (a writer may be mid-way). A complete line that does not parse is
+  ``LogCorrupted``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from events.errors import InvalidEvent, LogCorrupted, LogWriteFailed
+from events.models import validate_cwd, validate_session_id
+
+logger = logging.getLogger(__name__)
+
+LOG_SUFFIX = ".jsonl"
+LOCK_SUFFIX = ".jsonl.lock"
+TORN_SUFFIX = ".jsonl.torn"
+MAX_NAME_BYTES = 255  # NAME_MAX of common file systems
+WRITE_CHUNK_BYTES = 1 << 22  # lines are batched into writes of about this size (whole lines only)
+TAIL_SCAN_BYTES = 1 << 16  # read backwards in blocks of this size to find the last newline
+
+_SEPARATOR_RUN = re.compile(r"[:/\\ ]+")
+_DRIVE = re.compile(r"^([A-Za-z]):")
+
+
+def encode_project_path(cwd: str) -> str:
+    """SPEC §3's encodeProjectPath: ``/Users/Foo/my app`` -> ``users-foo-my-app``."""
+    path = cwd.replace("\\", "/")
+    path = _DRIVE.sub(lambda m: m.group(1).lower() + ":", path)
+    return _SEPARATOR_RUN.sub("-", path).strip("-").lower()
+
+
+def _project_dir_name(cwd: str) -> str:
+    encoded = encode_project_path(validate_cwd(cwd))
+    if encoded in ("", ".", ".."):
+        raise InvalidEvent("cwd", f"encodes to the unusable directory name {encoded!r}")
+    if len(encoded.encode("utf-8")) > MAX_NAME_BYTES:
+        raise InvalidEvent("cwd", f"encodes to a directory name longer than {MAX_NAME_BYTES} bytes")
+    return encoded
+
+
+def session_log_path(data_dir: str | os.PathLike[str], cwd: str, session_id: str) -> Path:
+    """The log file of a session; validates both ids; the result is always inside ``data_dir``."""
+    validate_session_id(session_id)
+    root = Path(os.path.abspath(os.path.expanduser(data_dir)))
+    path = root / _project_dir_name(cwd) / "sessions" / f"{session_id}{LOG_SUFFIX}"
+    if os.path.commonpath([root, os.path.abspath(path)]) != str(root):
+        raise InvalidEvent("cwd", "resolves outside the data directory")
+    return path
+
+
+def _sibling(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name[: -len(LOG_SUFFIX)] + suffix)
+
+
+class SessionLog:
+    """One session's JSONL log: locked appends, lock-free reads from a byte offset."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str],
+        cwd: str,
+        session_id: str,
+        *,
+        fsync: bool = False,
+    ) -> None:
+        self.path = session_log_path(data_dir, cwd, session_id)
+        self.lock_path = _sibling(self.path, LOCK_SUFFIX)
+        self.torn_path = _sibling(self.path, TORN_SUFFIX)
+        self.fsync = fsync
+        self._mutex = threading.RLock()
+        self._depth = 0
+        self._lock_fd: int | None = None
+
+    def __repr__(self) -> str:
+        return f"SessionLog({str(self.path)!r})"
+
+    def exists(self) -> bool:
+        """Whether the log file exists."""
+        return self.path.is_file()
+
+    def size(self) -> int:
+        """The log's size in bytes (0 when it does not exist)."""
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    # -- locking -------------------------------------------------------------
+
+    @contextmanager
+    def lock(self) -> Iterator[SessionLog]:
+        """Hold the exclusive cross-process lock (re-entrant within this object)."""
+        with self._mutex:
+            if self._depth == 0:
+                self._acquire()
+            self._depth += 1
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._release()
+
+    def _acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._lock_fd = fd
+
+    def _release(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the flock
+
+    # -- reading -------------------------------------------------------------
+
+    def _read_bytes(self, start: int) -> bytes:
+        try:
+            with open(self.path, "rb") as f:
+                if start:
+                    f.seek(start)
+                return f.read()
+        except FileNotFoundError:
+            return b""
+
+    def read(self, start: int = 0) -> list[dict[str, Any]]:
+        """The events of the complete lines from byte ``start`` on; a torn last line is ignored."""
+        lines = self._read_bytes(start).split(b"\n")
+        del lines[-1]  # b"" after the last newline, or a torn fragment
+        try:
+            events = [orjson.loads(line) for line in lines if line]
+        except orjson.JSONDecodeError:
+            events = []  # locate the bad line below
+        if len(events) != len(lines) or not all(type(e) is dict for e in events):
+            return [event for _, event in self._parse_records(start, lines)]
+        return events
+
+    def read_records(self, start: int = 0) -> list[tuple[int, dict[str, Any]]]:
+        """``(end_offset, event)`` per complete line from byte ``start``.
+
+        ``end_offset`` is the byte offset just past the line's newline: the log
+        size a reader has consumed once it has seen that event.
+        """
+        lines = self._read_bytes(start).split(b"\n")
+        del lines[-1]
+        return self._parse_records(start, lines)
+
+    def _parse_records(self, start: int, lines: list[bytes]) -> list[tuple[int, dict[str, Any]]]:
+        records: list[tuple[int, dict[str, Any]]] = []
+        offset = start
+        for number, line in enumerate(lines, 1):
+            offset += len(line) + 1
+            if not line.strip():
+                continue
+            records.append((offset, self._parse_line(line, number, offset - len(line) - 1)))
+        return records
+
+    def _parse_line(self, line: bytes, number: int, offset: int) -> dict[str, Any]:
+        try:
+            event = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            raise LogCorrupted(f"{self.path}: line {number} (byte {offset}) is not JSON: {e}") from e
+        if type(event) is not dict:
+            raise LogCorrupted(f"{self.path}: line {number} (byte {offset}) is not a JSON object")
+        return event
+
+    # -- appending -----------------------------------------------------------
+
+    def append(self, events: list[dict[str, Any]]) -> int:
+        """Append one line per event (under the lock); return the new size in bytes.
+
+        A torn tail is moved to the ``.torn`` file first. On a disk error the
+        file is truncated back to its size before this call and
+        ``LogWriteFailed`` is raised.
+        """
+        chunks = _serialize(events)
+        with self.lock():
+            fd = self._open_for_append()
+            try:
+                size = self._repair_torn_tail(fd)
+                if not chunks:
+                    return size
+                return self._write_all(fd, chunks, size)
+            finally:
+                os.close(fd)
+
+    def _open_for_append(self) -> int:
+        created = not self.path.exists()
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise LogWriteFailed(f"{self.path}: cannot open for append: {e}") from e
+        if created and self.fsync:
+            _fsync_dir(self.path.parent)
+        return fd
+
+    def _repair_torn_tail(self, fd: int) -> int:
+        size = os.fstat(fd).st_size
+        if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+            return size
+        keep = _end_of_last_line(fd, size)
+        fragment = os.pread(fd, size - keep, keep)
+        logger.warning("torn tail of %d bytes moved from %s to %s", len(fragment), self.path, self.torn_path)
+        try:
+            with open(self.torn_path, "ab") as torn:
+                torn.write(fragment + b"\n")
+                if self.fsync:
+                    torn.flush()
+                    os.fsync(torn.fileno())
+            os.ftruncate(fd, keep)
+        except OSError as e:
+            raise LogWriteFailed(f"{self.path}: cannot repair the torn tail: {e}") from e
+        return keep
+
+    def _write_all(self, fd: int, chunks: list[bytes], size: int) -> int:
+        written = 0
+        try:
+            for chunk in chunks:
+                n = os.write(fd, chunk)
+                written += n
+                if n != len(chunk):
+                    raise OSError(errno.EIO, f"short write: {n} of {len(chunk)} bytes")
+            if self.fsync:
+                os.fsync(fd)
+        except OSError as e:
+            self._undo(fd, size, written)
+            raise LogWriteFailed(f"{self.path}: append failed, log left unchanged: {e}") from e
+        return size + written
+
+    def _undo(self, fd: int, size: int, written: int) -> None:
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            logger.exception("could not truncate %s back to %d bytes after a failed append", self.path, size)
+        else:
+            logger.error("append to %s failed after %d bytes; truncated back to %d", self.path, written, size)
+
+
+def _serialize(events: list[dict[str, Any]]) -> list[bytes]:
+    """The events as ``\\n``-terminated lines, batched into whole-line chunks."""
+    chunks: list[bytes] = []
+    current: list[bytes] = []
+    current_size = 0
+    for index, event in enumerate(events):
+        try:
+            line = orjson.dumps(event) + b"\n"
+        except TypeError as e:  # orjson.JSONEncodeError is a TypeError
+            raise InvalidEvent("event", f"cannot be written as JSON: {e}", index) from e
+        if current and current_size + len(line) > WRITE_CHUNK_BYTES:
+            chunks.append(b"".join(current))
+            current, current_size = [], 0
+        current.append(line)
+        current_size += len(line)
+    if current:
+        chunks.append(b"".join(current))
+    return chunks
+
+
+def _end_of_last_line(fd: int, size: int) -> int:
+    """The offset just past the last ``\\n`` in the file (0 when there is none)."""
+    end = size
+    while end > 0:
+        start = max(0, end - TAIL_SCAN_BYTES)
+        block = os.pread(fd, end - start, start)
+        index = block.rfind(b"\n")
+        if index >= 0:
+            return start + index + 1
+        end = start
+    return 0
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

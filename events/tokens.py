@@ -1,0 +1,175 @@
+"""Offline token counting and the per-line token stamp (SPEC §4.5).
+
+Invariants:
+- Counting never touches the network: before tiktoken loads its first encoding,
+  ``TIKTOKEN_CACHE_DIR`` (when unset) points at the BPE files litellm ships in
+  ``litellm/litellm_core_utils/tokenizers/`` (found without importing litellm,
+  which costs seconds). Both ``cl100k_base`` and ``o200k_base`` are there.
+- Special-token text such as ``<|endoftext|>`` is counted as ordinary text;
+  counting never raises on user content.
+- ``event_tokens`` is the one definition of an event's contribution to
+  promptEstimate; ``stamp`` stores exactly that number on the line
+  (``tokenCount``) with the encoding it was computed with (``tokenEncoding``),
+  and ``stamped_tokens`` reuses it only when the encodings match.
+- litellm is imported lazily, once, and only for ``model_max_input_tokens``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from functools import lru_cache
+from typing import Any
+
+import tiktoken
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENCODING = "cl100k_base"
+MESSAGE_OVERHEAD_TOKENS = 4  # per counted item, SPEC §4.5
+TOKEN_COUNT_FIELD = "tokenCount"
+TOKEN_ENCODING_FIELD = "tokenEncoding"
+COUNTED_TYPES = frozenset({"user", "assistant", "tool_result", "summary"})
+_LITELLM_TOKENIZER_DIR = ("litellm_core_utils", "tokenizers")
+# json.dumps(separators=(",", ":"), ensure_ascii=False), built once (dumps builds one per call).
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
+def litellm_tokenizer_dir() -> str | None:
+    """The directory of litellm's bundled tiktoken files, found without importing litellm."""
+    try:
+        spec = importlib.util.find_spec("litellm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = os.path.join(location, *_LITELLM_TOKENIZER_DIR)
+        if os.path.isdir(candidate):
+            return candidate
+    return None
+
+
+def ensure_offline_cache() -> None:
+    """Point tiktoken at litellm's bundled files unless the user chose a cache dir."""
+    if "TIKTOKEN_CACHE_DIR" in os.environ:
+        return
+    directory = litellm_tokenizer_dir()
+    if directory is None:
+        logger.warning("litellm's tokenizer files not found; tiktoken may need the network")
+        return
+    os.environ["TIKTOKEN_CACHE_DIR"] = directory
+
+
+@lru_cache(maxsize=None)
+def get_encoding(name: str) -> tiktoken.Encoding:
+    """The tiktoken ``Encoding`` called ``name``, loaded once (offline)."""
+    ensure_offline_cache()
+    return tiktoken.get_encoding(name)
+
+
+@lru_cache(maxsize=1024)
+def encoding_for_model(model: str | None) -> str:
+    """tiktoken's encoding name for ``model`` (provider prefixes stripped); cl100k_base if unknown."""
+    if not model:
+        return DEFAULT_ENCODING
+    candidates = [model]
+    if "/" in model:
+        candidates.append(model.rsplit("/", 1)[-1])
+    for candidate in candidates:
+        try:
+            return tiktoken.encoding_name_for_model(candidate)
+        except KeyError:
+            continue
+    return DEFAULT_ENCODING
+
+
+def count_tokens(text: str, encoding: str) -> int:
+    """Tokens of ``text`` in ``encoding``; special-token text counts as ordinary text."""
+    if not text:
+        return 0
+    return len(get_encoding(encoding).encode_ordinary(text))
+
+
+def arguments_json(arguments: Any) -> str:
+    """Tool-call arguments as compact JSON: a string is kept as it is, anything else is dumped."""
+    if isinstance(arguments, str):
+        return arguments
+    if arguments is None:
+        return ""
+    return _COMPACT_JSON.encode(arguments)
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _tool_call_tokens(calls: Any, encoding: str) -> int:
+    if not isinstance(calls, list):
+        return 0
+    total = 0
+    for call in calls:
+        if isinstance(call, dict):
+            total += count_tokens(_text(call.get("name")), encoding)
+            total += count_tokens(arguments_json(call.get("arguments", "")), encoding)
+    return total
+
+
+def event_tokens(event: dict[str, Any], encoding: str) -> int:
+    """An event's SPEC §4.5 contribution (tool output not elided); 0 for uncounted types."""
+    kind = event.get("type")
+    if kind == "user":
+        return count_tokens(_text(event.get("content")), encoding) + MESSAGE_OVERHEAD_TOKENS
+    if kind == "assistant":
+        content = count_tokens(_text(event.get("content")), encoding)
+        calls = _tool_call_tokens(event.get("toolCalls"), encoding)
+        return content + calls + MESSAGE_OVERHEAD_TOKENS
+    if kind == "tool_result":
+        return tool_result_tokens(_text(event.get("output")), _text(event.get("toolName")), encoding)
+    if kind == "summary":
+        return count_tokens(_text(event.get("summaryText")), encoding) + MESSAGE_OVERHEAD_TOKENS
+    return 0
+
+
+def tool_result_tokens(output: str, tool_name: str, encoding: str) -> int:
+    """A tool result's contribution given the output as shown."""
+    return count_tokens(output, encoding) + count_tokens(tool_name, encoding) + MESSAGE_OVERHEAD_TOKENS
+
+
+def stamp(event: dict[str, Any], encoding: str) -> dict[str, Any]:
+    """A copy of ``event`` carrying its own token stamp; a stamp sent by a producer is replaced."""
+    stamped = dict(event)
+    stamped.pop(TOKEN_COUNT_FIELD, None)
+    stamped.pop(TOKEN_ENCODING_FIELD, None)
+    if event.get("type") in COUNTED_TYPES:
+        stamped[TOKEN_COUNT_FIELD] = event_tokens(event, encoding)
+        stamped[TOKEN_ENCODING_FIELD] = encoding
+    return stamped
+
+
+def stamped_tokens(event: dict[str, Any], encoding: str) -> int:
+    """The stamp when it was computed with ``encoding``, else a fresh ``event_tokens``."""
+    count = event.get(TOKEN_COUNT_FIELD)
+    if type(count) is int and event.get(TOKEN_ENCODING_FIELD) == encoding:
+        return count
+    return event_tokens(event, encoding)
+
+
+@lru_cache(maxsize=256)
+def model_max_input_tokens(model: str) -> int | None:
+    """litellm's max input tokens for ``model``; None when unknown (never raises)."""
+    if not model:
+        return None
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    try:
+        import litellm
+
+        litellm.suppress_debug_info = True  # no "Provider List" banner for unknown models
+        info = litellm.get_model_info(model)
+        value = info.get("max_input_tokens")
+    except Exception:  # litellm raises plain Exception for unknown models
+        logger.debug("no model info for %s", model, exc_info=True)
+        return None
+    return value if isinstance(value, int) and value > 0 else None

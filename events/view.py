@@ -1,0 +1,415 @@
+"""The context view: what the model sees of a session log (SPEC §4).
+
+Works on the plain camelCase dicts ``SessionLog.read`` returns; nothing here
+validates with pydantic or re-tokenizes a stamped line, so a view of a large
+log costs one reverse and one forward pass.
+
+Rules, in SPEC order:
+1. A ``rollback`` hides the turn-scoped events *before it* with
+   ``turnId >= throughTurnId`` (``turn_end`` included) and the ``compact`` /
+   ``summary`` events before it that cover such a turn. Later events are
+   unaffected.
+2. A ``summary`` not hidden by a rollback hides the events whose uuids it
+   ``replaces``. A summary replaced by a later such summary is not shown, but
+   what it replaced stays hidden: an incremental summary (SPEC §5) replaces
+   only the new targets and the previous summary, whose text it folds in. When
+   a rollback hides the later summary, the earlier one is shown again.
+   ``replaces`` refers to events before the summary; uuids of later events are
+   ignored.
+3. A visible ``compact`` marks turns ``startTurnId..endTurnId``; there a
+   ``tool_result`` of a compactable tool longer than ``microCompactMinChars``
+   is shown elided (``elide``), always strictly shorter than the original.
+4. Messages: visible summaries first (``system``/``compacted_history``), then
+   user / assistant / tool messages in log order. An assistant message is kept
+   only if each of its tool calls is answered by a visible tool result later in
+   the log; a tool message only if its call is in a kept assistant message (the
+   first answer wins; duplicates are dropped). Adjacent user messages, and
+   adjacent assistant messages without tool calls, are merged with a blank line.
+5. promptEstimate sums SPEC §4.5 over the visible summary / user / assistant /
+   tool_result events before pairing and merging, with the output as shown.
+
+``current_turn_id`` and the session model ignore summaries and only honour
+rollbacks: a summarized turn has still happened.
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from typing import Any
+
+from events.config import ContextSettings
+from events.tokens import (
+    MESSAGE_OVERHEAD_TOKENS,
+    arguments_json,
+    count_tokens,
+    encoding_for_model,
+    stamped_tokens,
+)
+
+logger = logging.getLogger(__name__)
+
+Event = dict[str, Any]
+Message = dict[str, Any]
+
+SUMMARY_MESSAGE_NAME = "compacted_history"
+MERGE_SEPARATOR = "\n\n"
+_TURN_SCOPED = frozenset({"user", "assistant", "tool_result", "turn_end"})
+_NO_ROLLBACK = float("inf")
+
+
+def elision_marker(omitted: int) -> str:
+    """The text that replaces ``omitted`` characters of an elided output."""
+    return f"\n…[{omitted} characters elided]…\n"
+
+
+def elide(output: str, keep_chars: int) -> str:
+    """Head + marker + tail of ``output``, strictly shorter than it.
+
+    Head and tail keep up to ``keep_chars`` characters each, fewer when needed.
+    An output too short to hold even the bare marker is returned unchanged.
+    """
+    length = len(output)
+    keep = max(0, min(keep_chars, (length - len(elision_marker(length)) - 1) // 2))
+    shown = output[:keep] + elision_marker(length - 2 * keep) + output[length - keep:]
+    if len(shown) < length:
+        return shown
+    return output
+
+
+@dataclass(frozen=True, slots=True)
+class ContextView:
+    """The view of one log. ``visible`` holds the raw visible events in log order."""
+
+    messages: list[Message]
+    prompt_estimate: int
+    current_turn_id: int
+    model: str | None
+    encoding: str
+    summary: Event | None  # the latest visible summary
+    visible: list[Event]
+    last_ended_turn: int  # highest visible turn_end (0 none)
+    max_turn: int  # highest visible turnId (0 none)
+    context_window: int | None  # contextWindow of the latest visible turn_end
+    candidates: list[Event]  # visible compactable long tool results not compacted, any turn
+    compacted: tuple[tuple[int, int], ...]  # merged visible compact ranges, sorted
+
+    @property
+    def min_candidate_turn(self) -> int:
+        """The smallest turn holding a micro-compaction candidate (0 when none)."""
+        return min((e["turnId"] for e in self.candidates), default=0)
+
+
+@dataclass(frozen=True, slots=True)
+class LlmTargets:
+    """What an LLM compaction summarizes (SPEC §5)."""
+
+    previous_summary: Event | None
+    events: list[Event]  # as shown: an elided tool_result is a copy whose output is the shown text
+    end_turn: int
+    start_after: int  # lastSummarizedTurnId of previous_summary, 0 without one
+
+
+@dataclass(slots=True)
+class _Scan:
+    """Result of the reverse pass: visibility and the facts that need it."""
+
+    hidden: list[bool]
+    model: str | None = None
+    meta_model: str | None = None
+    turn_end_seen: bool = False
+    context_window: int | None = None
+    last_ended_turn: int = 0
+    max_turn: int = 0
+    compacts: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _int(value: Any) -> int:
+    return value if type(value) is int else 0
+
+
+def _scan(events: list[Event]) -> _Scan:
+    """One reverse pass: rollback and summary hiding, the model, the turn counters."""
+    scan = _Scan(hidden=[False] * len(events))
+    through: float = _NO_ROLLBACK
+    replaced: set[Any] = set()
+    for i in range(len(events) - 1, -1, -1):
+        event = events[i]
+        kind = event.get("type")
+        if kind in _TURN_SCOPED:
+            turn = _int(event.get("turnId"))
+            if turn >= through:
+                scan.hidden[i] = True
+                continue
+            _note_turn(scan, event, kind, turn)
+        elif kind == "rollback":
+            through = min(through, _int(event.get("throughTurnId")))
+            continue
+        elif kind == "summary":
+            if _int(event.get("lastSummarizedTurnId")) >= through:
+                scan.hidden[i] = True
+                continue
+            if event.get("uuid") in replaced:
+                scan.hidden[i] = True  # superseded: not shown, but what it replaced stays hidden
+            replaces = event.get("replaces")
+            if isinstance(replaces, list):
+                replaced.update(r for r in replaces if isinstance(r, str))
+            continue
+        elif kind == "compact":
+            end = _int(event.get("endTurnId"))
+            if end >= through:
+                scan.hidden[i] = True
+            else:
+                scan.compacts.append((_int(event.get("startTurnId")), end))
+            continue
+        elif kind == "session_meta":
+            if scan.meta_model is None and isinstance(event.get("model"), str) and event["model"]:
+                scan.meta_model = event["model"]
+            continue
+        if replaced and event.get("uuid") in replaced:
+            scan.hidden[i] = True
+    if not scan.turn_end_seen:
+        scan.model = scan.meta_model
+    return scan
+
+
+def _note_turn(scan: _Scan, event: Event, kind: Any, turn: int) -> None:
+    if turn > scan.max_turn:
+        scan.max_turn = turn
+    if kind != "turn_end":
+        return
+    if turn > scan.last_ended_turn:
+        scan.last_ended_turn = turn
+    if not scan.turn_end_seen:  # the first seen in reverse is the latest
+        scan.turn_end_seen = True
+        model = event.get("model")
+        scan.model = model if isinstance(model, str) and model else None
+        window = event.get("contextWindow")
+        scan.context_window = window if type(window) is int and window > 0 else None
+
+
+def _merge_ranges(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(r for r in ranges if r[0] <= r[1]):
+        if merged and start <= merged[-1][1] + 1:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return tuple(merged)
+
+
+def _in_ranges(turn: int, starts: list[int], ranges: tuple[tuple[int, int], ...]) -> bool:
+    index = bisect_right(starts, turn) - 1
+    return index >= 0 and turn <= ranges[index][1]
+
+
+def _current_turn(last_ended: int, max_turn: int) -> int:
+    return max(last_ended + 1, max_turn)
+
+
+class _Builder:
+    """The forward pass: visible events, shown outputs, candidate messages, the estimate."""
+
+    def __init__(self, ctx: ContextSettings, encoding: str, compacted: tuple[tuple[int, int], ...]) -> None:
+        self.ctx = ctx
+        self.encoding = encoding
+        self.compacted = compacted
+        self.starts = [start for start, _ in compacted]
+        self.min_chars = ctx.micro_compact_min_chars
+        self.compactable: dict[str, bool] = {}
+        self.name_tokens: dict[str, int] = {}
+        self.visible: list[Event] = []
+        self.summaries: list[Event] = []
+        self.messages: list[Message] = []
+        self.call_ids: list[list[str] | None] = []  # per message: an assistant's call ids
+        self.candidates: list[Event] = []
+        self.estimate = 0
+
+    def is_compactable(self, name: str) -> bool:
+        known = self.compactable.get(name)
+        if known is None:
+            known = self.compactable[name] = self.ctx.is_compactable(name)
+        return known
+
+    def add(self, event: Event) -> None:
+        self.visible.append(event)
+        kind = event.get("type")
+        if kind == "tool_result":
+            self._tool_result(event)
+        elif kind == "user":
+            self.estimate += stamped_tokens(event, self.encoding)
+            self._message({"role": "user", "content": _str(event.get("content"))}, None)
+        elif kind == "assistant":
+            self.estimate += stamped_tokens(event, self.encoding)
+            self._assistant(event)
+        elif kind == "summary":
+            self.estimate += stamped_tokens(event, self.encoding)
+            self.summaries.append(event)
+
+    def _message(self, message: Message, call_ids: list[str] | None) -> None:
+        self.messages.append(message)
+        self.call_ids.append(call_ids)
+
+    def _assistant(self, event: Event) -> None:
+        message: Message = {"role": "assistant", "content": _str(event.get("content"))}
+        calls = event.get("toolCalls")
+        if not calls:
+            self._message(message, None)
+            return
+        tool_calls = [_tool_call(call) for call in calls if isinstance(call, dict)]
+        message["tool_calls"] = tool_calls
+        self._message(message, [call["id"] for call in tool_calls])
+
+    def _tool_result(self, event: Event) -> None:
+        output = _str(event.get("output"))
+        name = _str(event.get("toolName"))
+        shown = output
+        if len(output) > self.min_chars and self.is_compactable(name):
+            if self.compacted and _in_ranges(_int(event.get("turnId")), self.starts, self.compacted):
+                shown = elide(output, self.ctx.micro_compact_keep_chars)
+            else:
+                self.candidates.append(event)
+        if shown is output:
+            self.estimate += stamped_tokens(event, self.encoding)
+        else:
+            self.estimate += count_tokens(shown, self.encoding) + self._name_tokens(name) + MESSAGE_OVERHEAD_TOKENS
+        message = {"role": "tool", "tool_call_id": event.get("toolCallId"), "name": name, "content": shown}
+        self._message(message, None)
+
+    def _name_tokens(self, name: str) -> int:
+        known = self.name_tokens.get(name)
+        if known is None:
+            known = self.name_tokens[name] = count_tokens(name, self.encoding)
+        return known
+
+
+def _str(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _tool_call(call: Event) -> Message:
+    return {
+        "id": call.get("id"),
+        "type": "function",
+        "function": {"name": _str(call.get("name")), "arguments": arguments_json(call.get("arguments", ""))},
+    }
+
+
+def _pair(messages: list[Message], call_ids: list[list[str] | None]) -> list[Message]:
+    """Drop assistants with an unanswered call and tool messages without a kept call."""
+    answered: dict[Any, int] = {}
+    for position, message in enumerate(messages):
+        if message["role"] == "tool":
+            answered.setdefault(message["tool_call_id"], position)
+    kept_calls: set[Any] = set()
+    kept: list[Message] = []
+    for position, message in enumerate(messages):
+        ids = call_ids[position]
+        if ids is not None:
+            if not all(answered.get(i, -1) > position for i in ids):
+                continue
+            kept_calls.update(ids)
+        elif message["role"] == "tool":
+            call = message["tool_call_id"]
+            if call not in kept_calls or answered[call] != position:
+                continue
+        kept.append(message)
+    return kept
+
+
+def _mergeable(message: Message) -> bool:
+    return message["role"] in ("user", "assistant") and "tool_calls" not in message
+
+
+def _merge(messages: list[Message]) -> list[Message]:
+    """Merge adjacent user messages and adjacent plain assistant messages."""
+    merged: list[Message] = []
+    for message in messages:
+        if merged and _mergeable(message) and _mergeable(merged[-1]) and merged[-1]["role"] == message["role"]:
+            previous = merged[-1]
+            merged[-1] = {**previous, "content": previous["content"] + MERGE_SEPARATOR + message["content"]}
+        else:
+            merged.append(message)
+    return merged
+
+
+def _summary_message(summary: Event) -> Message:
+    return {"role": "system", "name": SUMMARY_MESSAGE_NAME, "content": _str(summary.get("summaryText"))}
+
+
+def build_view(events: list[Event], ctx: ContextSettings) -> ContextView:
+    """The SPEC §4 view of a log's events (as read, camelCase dicts)."""
+    scan = _scan(events)
+    encoding = encoding_for_model(scan.model)
+    compacted = _merge_ranges(scan.compacts)
+    builder = _Builder(ctx, encoding, compacted)
+    hidden = scan.hidden
+    for i, event in enumerate(events):
+        if not hidden[i]:
+            builder.add(event)
+    chat = _merge(_pair(builder.messages, builder.call_ids))
+    messages = [_summary_message(s) for s in builder.summaries] + chat
+    return ContextView(
+        messages=messages,
+        prompt_estimate=builder.estimate,
+        current_turn_id=_current_turn(scan.last_ended_turn, scan.max_turn),
+        model=scan.model,
+        encoding=encoding,
+        summary=builder.summaries[-1] if builder.summaries else None,
+        visible=builder.visible,
+        last_ended_turn=scan.last_ended_turn,
+        max_turn=scan.max_turn,
+        context_window=scan.context_window,
+        candidates=builder.candidates,
+        compacted=compacted,
+    )
+
+
+def current_turn_id(events: list[Event]) -> int:
+    """SPEC §3: the turn about to run (t + 1 after turn_end t, or a later turn in progress)."""
+    scan = _scan(events)
+    return _current_turn(scan.last_ended_turn, scan.max_turn)
+
+
+def session_model(events: list[Event]) -> str | None:
+    """The model of the latest visible turn_end, else session_meta's model, else None."""
+    return _scan(events).model
+
+
+def micro_candidates(
+    events: list[Event], ctx: ContextSettings, current_turn_id: int | None = None
+) -> list[Event]:
+    """Visible compactable tool results over the minimum, in turns < currentTurnId - 1, not compacted."""
+    view = build_view(events, ctx)
+    current = view.current_turn_id if current_turn_id is None else current_turn_id
+    return [e for e in view.candidates if e["turnId"] < current - 1]
+
+
+def _shown(event: Event, ctx: ContextSettings, compacted: tuple[tuple[int, int], ...], starts: list[int]) -> Event:
+    """``event`` as the model sees it: a compacted long tool output elided (in a copy)."""
+    if event.get("type") != "tool_result" or not compacted:
+        return event
+    output = _str(event.get("output"))
+    if len(output) <= ctx.micro_compact_min_chars or not ctx.is_compactable(_str(event.get("toolName"))):
+        return event
+    if not _in_ranges(_int(event.get("turnId")), starts, compacted):
+        return event
+    shown = elide(output, ctx.micro_compact_keep_chars)
+    return event if shown is output else {**event, "output": shown}
+
+
+def llm_targets(events: list[Event], ctx: ContextSettings) -> LlmTargets:
+    """SPEC §5: visible user/assistant/tool_result events with start_after < turnId <= endTurn."""
+    view = build_view(events, ctx)
+    end_turn = view.current_turn_id - ctx.keep_recent_turns - 1
+    previous = view.summary
+    start_after = _int(previous.get("lastSummarizedTurnId")) if previous else 0
+    starts = [start for start, _ in view.compacted]
+    targets = [
+        _shown(e, ctx, view.compacted, starts)
+        for e in view.visible
+        if e.get("type") in ("user", "assistant", "tool_result") and start_after < _int(e.get("turnId")) <= end_turn
+    ]
+    return LlmTargets(previous_summary=previous, events=targets, end_turn=end_turn, start_after=start_after)

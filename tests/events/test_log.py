@@ -1,0 +1,298 @@
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from events.errors import InvalidEvent, LogCorrupted, LogWriteFailed
+from events.log import SessionLog, encode_project_path, session_log_path
+
+CWD = "/Users/Foo/my app"
+
+
+def _event(i: int, text: str = "x") -> dict[str, Any]:
+    return {"type": "user", "uuid": f"u{i}", "turnId": 1, "content": f"{text} {i}"}
+
+
+def _log(tmp_path: Path, **kwargs: Any) -> SessionLog:
+    return SessionLog(tmp_path / "data", CWD, "s1", **kwargs)
+
+
+# -- paths ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cwd", "encoded"),
+    [
+        ("/Users/Foo/my app", "users-foo-my-app"),
+        ("C:\\Users\\Foo\\proj", "c-users-foo-proj"),
+        ("c:/Work", "c-work"),
+        ("/a//b  c/", "a-b-c"),
+        ("/srv/x:y", "srv-x-y"),
+        ("/Mixed/CASE_and-dash", "mixed-case_and-dash"),
+    ],
+)
+def test_encode_project_path_follows_spec(cwd: str, encoded: str) -> None:
+    assert encode_project_path(cwd) == encoded
+
+
+def test_session_log_path_layout(tmp_path: Path) -> None:
+    assert session_log_path(tmp_path, CWD, "s-1_x") == tmp_path / "users-foo-my-app" / "sessions" / "s-1_x.jsonl"
+
+
+@pytest.mark.parametrize("session_id", ["", "../x", "a/b", "-lead", "x" * 129, "a b", "a.b"])
+def test_bad_session_ids_are_rejected_before_touching_disk(tmp_path: Path, session_id: str) -> None:
+    data = tmp_path / "data"
+    with pytest.raises(InvalidEvent) as info:
+        SessionLog(data, CWD, session_id)
+    assert info.value.field == "sessionId"
+    assert not data.exists()
+
+
+@pytest.mark.parametrize("cwd", ["relative/dir", "", "/", "/..", "/.", "//", "/ ", "/a\x00b", "/" + "x" * 300])
+def test_unusable_cwds_are_rejected_before_touching_disk(tmp_path: Path, cwd: str) -> None:
+    data = tmp_path / "data"
+    with pytest.raises(InvalidEvent) as info:
+        SessionLog(data, cwd, "s1")
+    assert info.value.field == "cwd"
+    assert not data.exists()
+
+
+@given(cwd=st.text(min_size=1, max_size=60).map(lambda s: "/" + s))
+@settings(max_examples=300, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_accepted_cwd_maps_to_a_directory_directly_inside_data_dir(tmp_path: Path, cwd: str) -> None:
+    try:
+        path = session_log_path(tmp_path, cwd, "s1")
+    except InvalidEvent:
+        return
+    assert path.parent.parent.parent == tmp_path
+    assert Path(os.path.abspath(path)) == path
+    assert path.parent.parent.name not in ("", ".", "..")
+
+
+# -- append and read ----------------------------------------------------------
+
+
+def test_append_writes_one_newline_terminated_json_line_per_event(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    assert not log.exists() and log.size() == 0 and log.read() == []
+    events = [_event(1, "héllo"), {"type": "x", "nested": {"a": [1, 2]}}]
+    size = log.append(events)
+    raw = log.path.read_bytes()
+    assert size == len(raw) == log.size()
+    assert raw.count(b"\n") == 2 and raw.endswith(b"\n")
+    assert [orjson.loads(line) for line in raw.splitlines()] == events
+    assert log.read() == events
+
+
+def test_read_from_an_offset_and_read_records_offsets(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    first = log.append([_event(1), _event(2)])
+    log.append([_event(3)])
+    assert log.read(first) == [_event(3)]
+    records = log.read_records()
+    assert [offset for offset, _ in records][1] == first
+    assert records[-1][0] == log.size()
+    assert [event for _, event in log.read_records(first)] == [_event(3)]
+
+
+def test_a_torn_last_line_is_ignored_by_readers(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.append([_event(1)])
+    with open(log.path, "ab") as f:
+        f.write(b'{"type":"user","uu')
+    assert log.read() == [_event(1)]
+    assert len(log.read_records()) == 1
+
+
+def test_a_corrupt_complete_line_raises_log_corrupted_naming_file_and_line(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.append([_event(1)])
+    with open(log.path, "ab") as f:
+        f.write(b"not json\n")
+    log.append([_event(3)])
+    with pytest.raises(LogCorrupted, match=r"s1\.jsonl: line 2"):
+        log.read()
+    with pytest.raises(LogCorrupted, match="line 2"):
+        log.read_records()
+
+
+def test_a_json_line_that_is_not_an_object_is_corrupt(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.path.parent.mkdir(parents=True)
+    log.path.write_bytes(b'{"a":1}\n[1,2]\n')
+    with pytest.raises(LogCorrupted, match="line 2"):
+        log.read()
+
+
+def test_an_unserializable_event_is_rejected_and_nothing_is_written(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.append([_event(1)])
+    before = log.path.read_bytes()
+    with pytest.raises(InvalidEvent) as info:
+        log.append([_event(2), {"type": "user", "bad": {1: object()}}])
+    assert info.value.index == 1
+    assert log.path.read_bytes() == before
+
+
+def test_torn_tail_is_moved_aside_before_an_append(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.append([_event(1), _event(2)])
+    with open(log.path, "ab") as f:
+        f.write(b'{"type":"user","uuid":"half')
+    log.append([_event(3)])
+    assert log.read() == [_event(1), _event(2), _event(3)]
+    assert log.path.read_bytes().count(b"\n") == 3
+    assert log.torn_path.read_bytes() == b'{"type":"user","uuid":"half\n'
+
+
+def test_a_file_that_is_all_fragment_is_emptied_into_the_torn_file(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.path.parent.mkdir(parents=True)
+    log.path.write_bytes(b"x" * 100_000)  # longer than one backwards scan block
+    log.append([_event(1)])
+    assert log.read() == [_event(1)]
+    assert log.torn_path.stat().st_size == 100_001
+
+
+@given(
+    texts=st.lists(st.text(max_size=40), min_size=1, max_size=8),
+    cut=st.floats(min_value=0, max_value=1, exclude_max=True),
+)
+@settings(max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+def test_torn_tail_repair_keeps_every_complete_line(tmp_path: Path, texts: list[str], cut: float) -> None:
+    log = SessionLog(tmp_path / f"d{time.monotonic_ns()}", CWD, "s1")
+    events = [_event(i, t) for i, t in enumerate(texts)]
+    log.append(events)
+    raw = log.path.read_bytes()
+    keep = int(len(raw) * cut)
+    os.truncate(log.path, keep)
+    complete = raw[:keep].count(b"\n")
+    log.append([_event(99)])
+    assert log.read() == events[:complete] + [_event(99)]
+
+
+def test_fsync_appends_work(tmp_path: Path) -> None:
+    log = _log(tmp_path, fsync=True)
+    log.append([_event(1)])
+    assert log.read() == [_event(1)]
+
+
+# -- write failures -------------------------------------------------------------
+
+
+def test_a_partial_write_is_undone_and_raises_log_write_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = _log(tmp_path)
+    log.append([_event(1)])
+    before = log.path.read_bytes()
+    real_write = os.write
+
+    def half_then_fail(fd: int, data: bytes) -> int:
+        real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", half_then_fail)
+    with pytest.raises(LogWriteFailed) as info:
+        log.append([_event(2), _event(3)])
+    assert isinstance(info.value.__cause__, OSError)
+    monkeypatch.undo()
+    assert log.path.read_bytes() == before
+    log.append([_event(4)])
+    assert log.read() == [_event(1), _event(4)]
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_leaves_the_log_unchanged(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.append([_event(1)])
+    before = log.path.read_bytes()
+    script = textwrap.dedent(
+        f"""
+        import resource, signal, sys
+        from events.errors import LogWriteFailed
+        from events.log import SessionLog
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        limit = {len(before) + 500}
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        log = SessionLog({str(tmp_path / "data")!r}, {CWD!r}, "s1")
+        try:
+            log.append([{{"type": "user", "turnId": 1, "content": "y" * 5000}}])
+        except LogWriteFailed as e:
+            print("failed:", e)
+            sys.exit(3)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "left unchanged" in done.stdout
+    assert log.path.read_bytes() == before
+
+
+# -- locking and concurrency ------------------------------------------------------
+
+
+def test_the_lock_is_reentrant_within_one_object(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    with log.lock():
+        with log.lock():
+            log.append([_event(1)])
+        log.append([_event(2)])
+    assert log.read() == [_event(1), _event(2)]
+
+
+def _append_under_lock(data_dir: str, marker: str) -> None:
+    SessionLog(data_dir, CWD, "s1").append([{"type": "user", "content": marker}])
+
+
+@pytest.mark.slow
+def test_another_process_waits_for_the_lock(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    ctx = multiprocessing.get_context("spawn")
+    with log.lock():
+        child = ctx.Process(target=_append_under_lock, args=(str(tmp_path / "data"), "child"))
+        child.start()
+        time.sleep(1.0)
+        assert log.read() == []  # the child is blocked on the lock
+        log.append([{"type": "user", "content": "parent"}])
+    child.join(30)
+    assert child.exitcode == 0
+    assert [e["content"] for e in log.read()] == ["parent", "child"]
+
+
+def _hammer(data_dir: str, worker: int, batches: int) -> None:
+    log = SessionLog(data_dir, CWD, "s1")
+    for batch in range(batches):
+        log.append([{"type": "user", "w": worker, "b": batch, "i": i, "pad": "z" * (97 * i)} for i in range(3)])
+
+
+@pytest.mark.slow
+def test_four_processes_appending_at_once_lose_and_tear_nothing(tmp_path: Path) -> None:
+    data_dir, batches = str(tmp_path / "data"), 150
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_hammer, args=(data_dir, w, batches)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    log = SessionLog(data_dir, CWD, "s1")
+    raw = log.path.read_bytes()
+    assert raw.endswith(b"\n")
+    events = [orjson.loads(line) for line in raw.splitlines()]
+    assert len(events) == 4 * batches * 3
+    for start in range(0, len(events), 3):  # each batch landed as one contiguous run of lines
+        assert len({(e["w"], e["b"]) for e in events[start:start + 3]}) == 1
+    for worker in range(4):
+        mine = [(e["b"], e["i"]) for e in events if e["w"] == worker]
+        assert mine == [(b, i) for b in range(batches) for i in range(3)]  # whole batches, in order
+    assert not log.torn_path.exists()

@@ -1,0 +1,189 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from events.config import ContextSettings
+from events.state import SessionState, decide, fold, rebuild
+from events.tokens import stamp
+from events.view import build_view
+from tests.events.builders import (
+    assistant,
+    call,
+    compact,
+    meta,
+    result,
+    rollback,
+    simple_turn,
+    summary,
+    turn_end,
+    user,
+)
+
+CTX = ContextSettings()
+LONG = "L" * 500
+
+
+def _fold_all(events: list[dict[str, Any]], ctx: ContextSettings = CTX) -> tuple[SessionState, int]:
+    """Fold one by one as the store does: rebuild from the prefix when fold says so."""
+    state = SessionState.empty("s1", "/w", ctx)
+    rebuilds = 0
+    for index, event in enumerate(events):
+        if not fold(state, event, ctx):
+            state = rebuild("s1", "/w", events[: index + 1], ctx, log_size=0)
+            rebuilds += 1
+    return state, rebuilds
+
+
+# -- the hash -----------------------------------------------------------------------
+
+
+def test_to_hash_and_from_hash_round_trip_including_bytes_and_none() -> None:
+    state = SessionState(
+        session_id="s1", cwd="/w x", model="gpt-4o", encoding="o200k_base", window=128_000,
+        current_turn_id=7, max_turn=6, last_ended_turn=6, prompt_estimate=12_345,
+        min_candidate_turn=2, log_size=99, events=40, last_stream_id="1-0",
+        last_compaction={"kind": "llm", "uuid": "u", "timestamp": "t"}, compacted_through=3,
+    )
+    data = state.to_hash()
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in data.items())
+    assert SessionState.from_hash(data) == state
+    assert SessionState.from_hash({k.encode(): v.encode() for k, v in data.items()}) == state
+    empty = SessionState.empty("s2", "/w", CTX)
+    assert empty.to_hash()["model"] == "" and SessionState.from_hash(empty.to_hash()) == empty
+
+
+# -- fold -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("event", [rollback(1), compact(1, 1), summary([], "S", 1)])
+def test_fold_asks_for_a_rebuild_on_events_that_change_the_past(event: dict[str, Any]) -> None:
+    state = SessionState.empty("s1", "/w", CTX)
+    assert fold(state, event, CTX) is False
+
+
+def test_a_turn_end_changing_the_encoding_needs_a_rebuild_but_a_same_encoding_one_does_not() -> None:
+    state = SessionState.empty("s1", "/w", CTX)
+    assert fold(state, user(1, "hello world"), CTX)
+    assert state.prompt_estimate == 6
+    assert fold(state, turn_end(1, "gpt-4", contextWindow=8000), CTX)  # cl100k_base, as before
+    assert (state.model, state.window, state.current_turn_id) == ("gpt-4", 8000, 2)
+    assert fold(state, turn_end(2, "gpt-4o"), CTX) is False  # o200k_base
+
+
+def test_an_event_in_a_compacted_turn_needs_a_rebuild() -> None:
+    events = [*simple_turn(1, output=LONG), *simple_turn(2), *simple_turn(3), compact(1, 1)]
+    state = rebuild("s1", "/w", events, CTX, log_size=0)
+    assert fold(state, result(1, "late", LONG), CTX) is False
+    assert fold(state, user(2, "late but not compacted"), CTX) is True
+
+
+def test_fold_tracks_lines_and_stream_ids() -> None:
+    state = SessionState.empty("s1", "/w", CTX)
+    fold(state, {**user(1), "streamId": "5-0"}, CTX)
+    fold(state, assistant(1), CTX)
+    assert (state.events, state.last_stream_id) == (2, "5-0")
+
+
+def test_the_window_is_the_turn_ends_then_litellms_then_the_default() -> None:
+    ctx = ContextSettings(default_context_window=50_000)
+    assert rebuild("s1", "/w", [turn_end(1, "gpt-4o", contextWindow=9000)], ctx, 0).window == 9000
+    assert rebuild("s1", "/w", [turn_end(1, "gpt-4o")], ctx, 0).window == 128_000
+    assert rebuild("s1", "/w", [turn_end(1, "my-private-model")], ctx, 0).window == 50_000
+    assert rebuild("s1", "/w", [meta("gpt-4o")], ctx, 0).window == 128_000
+    assert rebuild("s1", "/w", [], ctx, 0).window == 50_000
+
+
+def test_rebuild_records_the_last_compaction_and_the_log_size() -> None:
+    events = [*simple_turn(1, output=LONG), *simple_turn(2), *simple_turn(3), compact(1, 1)]
+    state = rebuild("s1", "/w", events, CTX, log_size=1234)
+    assert state.last_compaction == {"kind": "micro", "uuid": events[-1]["uuid"], "timestamp": None}
+    assert (state.log_size, state.events, state.compacted_through, state.min_candidate_turn) == (1234, 16, 1, 0)
+
+
+# -- decide ---------------------------------------------------------------------------
+
+
+def _state(estimate: int, min_candidate: int, current: int = 5, window: int = 1000) -> SessionState:
+    return SessionState(session_id="s1", cwd="/w", window=window, current_turn_id=current,
+                        last_ended_turn=current - 1, prompt_estimate=estimate, min_candidate_turn=min_candidate)
+
+
+def test_decide_llm_over_the_compaction_threshold_when_the_breaker_is_closed() -> None:
+    assert decide(_state(901, 0), CTX, breaker_open=False) == "llm"
+    assert decide(_state(900, 0), CTX, breaker_open=False) is None  # strictly greater
+
+
+def test_decide_micro_over_its_threshold_only_with_an_old_candidate() -> None:
+    assert decide(_state(251, 3), CTX, breaker_open=False) == "micro"
+    assert decide(_state(250, 3), CTX, breaker_open=False) is None
+    assert decide(_state(251, 4), CTX, breaker_open=False) is None  # turn T itself is too recent
+    assert decide(_state(251, 0), CTX, breaker_open=False) is None
+
+
+def test_an_open_breaker_falls_back_to_micro_or_nothing() -> None:
+    assert decide(_state(950, 2), CTX, breaker_open=True) == "micro"
+    assert decide(_state(950, 0), CTX, breaker_open=True) is None
+
+
+# -- incremental == from scratch ----------------------------------------------------------
+
+MODELS = ("gpt-4", "gpt-4o", "gpt-3.5-turbo", "unknown-model")
+TOOLS = ("read_file", "Execute_Command", "ask_user", "web_search")
+texts = st.text(alphabet="ab <|>é\n{}", max_size=30)
+
+
+@st.composite
+def logs(draw: st.DrawFn) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    if draw(st.booleans()):
+        events.append(meta(draw(st.sampled_from(MODELS))))
+    turn = 0
+    for _ in range(draw(st.integers(0, 6))):
+        turn += draw(st.integers(1, 2))
+        events.append(user(turn, draw(texts)))
+        for _ in range(draw(st.integers(0, 2))):
+            cid = f"c{len(events)}"
+            args = draw(st.one_of(st.just({"path": "a"}), texts))
+            events.append(assistant(turn, draw(texts), [call(cid, draw(st.sampled_from(TOOLS)), args)]))
+            if draw(st.booleans()):
+                size = draw(st.sampled_from([5, 120, 121, 300]))
+                events.append(result(draw(st.sampled_from([turn, 1])), cid, "x" * size, draw(st.sampled_from(TOOLS))))
+        if draw(st.booleans()):
+            events.append(turn_end(turn, draw(st.sampled_from(MODELS)), **(
+                {"contextWindow": 4096} if draw(st.booleans()) else {})))
+        if draw(st.integers(0, 9)) == 0:
+            events.append(user(max(1, turn - 1), "backwards"))
+        if turn >= 3 and draw(st.integers(0, 2)) == 0:
+            events.append(compact(1, turn - 2))
+        if turn >= 3 and draw(st.integers(0, 7)) == 0:
+            done = [e["uuid"] for e in events if e.get("turnId") == 1 and e["type"] != "turn_end"]
+            events.append(summary(done, draw(texts), 1))
+        if turn >= 2 and draw(st.integers(0, 7)) == 0:
+            events.append(rollback(draw(st.integers(1, turn))))
+    if draw(st.booleans()):
+        encoding = draw(st.sampled_from(["cl100k_base", "o200k_base"]))
+        events = [stamp(e, encoding) for e in events]
+    return events
+
+
+@given(events=logs())
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_folding_event_by_event_equals_rebuilding_from_scratch(events: list[dict[str, Any]]) -> None:
+    folded, _ = _fold_all(events)
+    scratch = rebuild("s1", "/w", events, CTX, log_size=0)
+    view = build_view(events, CTX)
+    assert folded == scratch
+    assert (folded.prompt_estimate, folded.current_turn_id, folded.min_candidate_turn) == (
+        view.prompt_estimate, view.current_turn_id, view.min_candidate_turn)
+
+
+def test_a_long_ordinary_log_folds_without_any_rebuild() -> None:
+    events = [e for t in range(1, 40) for e in simple_turn(t, output=LONG)]
+    folded, rebuilds = _fold_all(events)
+    assert rebuilds == 0
+    assert folded == rebuild("s1", "/w", events, CTX, log_size=0)
+    assert folded.min_candidate_turn == 1 and folded.current_turn_id == 40

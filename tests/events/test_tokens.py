@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from events import tokens
+from events.tokens import (
+    count_tokens,
+    encoding_for_model,
+    event_tokens,
+    litellm_tokenizer_dir,
+    model_max_input_tokens,
+    stamp,
+    stamped_tokens,
+)
+from tests.events.builders import assistant, call, result, summary, turn_end, user
+
+ENCODINGS = ("cl100k_base", "o200k_base")
+BPE_URL = "https://openaipublic.blob.core.windows.net/encodings/{}.tiktoken"
+
+
+def test_a_lone_hello_world_user_message_is_six_tokens() -> None:
+    assert count_tokens("hello world", "cl100k_base") == 2
+    assert event_tokens(user(1, "hello world"), "cl100k_base") == 6
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_assistant_counts_content_and_each_calls_name_and_compact_arguments(encoding: str) -> None:
+    args = {"path": "src/a.py", "lines": [1, 2], "note": "é"}
+    event = assistant(1, "let me look", [call("c1", "read_file", args), call("c2", "fetch_url", '{"u": 1}')])
+    expected = (
+        count_tokens("let me look", encoding) + 4
+        + count_tokens("read_file", encoding) + count_tokens('{"path":"src/a.py","lines":[1,2],"note":"é"}', encoding)
+        + count_tokens("fetch_url", encoding) + count_tokens('{"u": 1}', encoding)
+    )
+    assert event_tokens(event, encoding) == expected
+
+
+def test_arguments_object_is_counted_as_compact_json_not_pretty() -> None:
+    args = {"a": [1, 2, 3], "b": {"c": "d"}}
+    compact = assistant(1, "", [call("c", "x", args)])
+    spaced = assistant(1, "", [call("c", "x", json.dumps(args))])
+    assert event_tokens(compact, "cl100k_base") < event_tokens(spaced, "cl100k_base")
+
+
+def test_tool_result_counts_output_and_tool_name() -> None:
+    event = result(1, "c1", "file contents here", "read_file")
+    enc = "cl100k_base"
+    assert event_tokens(event, enc) == count_tokens("file contents here", enc) + count_tokens("read_file", enc) + 4
+
+
+def test_summary_counts_its_text_and_other_types_count_zero() -> None:
+    assert event_tokens(summary([], "the summary", 1), "cl100k_base") == count_tokens("the summary", "cl100k_base") + 4
+    assert event_tokens(turn_end(1), "cl100k_base") == 0
+    assert event_tokens({"type": "rollback", "throughTurnId": 1}, "cl100k_base") == 0
+
+
+def test_special_token_text_is_counted_as_ordinary_text() -> None:
+    assert count_tokens("a <|endoftext|> b", "cl100k_base") > 3
+    assert event_tokens(user(1, "<|endoftext|><|fim_prefix|>"), "o200k_base") > 4
+
+
+@pytest.mark.parametrize(
+    ("model", "encoding"),
+    [
+        ("gpt-4o", "o200k_base"),
+        ("openai/gpt-4o", "o200k_base"),
+        ("openrouter/openai/gpt-4o-mini", "o200k_base"),
+        ("gpt-4", "cl100k_base"),
+        ("claude-3-5-sonnet", "cl100k_base"),
+        (None, "cl100k_base"),
+        ("", "cl100k_base"),
+    ],
+)
+def test_encoding_for_model_strips_provider_and_falls_back_to_cl100k(model: str | None, encoding: str) -> None:
+    assert encoding_for_model(model) == encoding
+
+
+def test_stamp_replaces_a_producer_stamp_and_is_reused_only_for_its_encoding() -> None:
+    forged = {**user(1, "hello world"), "tokenCount": 999, "tokenEncoding": "cl100k_base"}
+    stamped = stamp(forged, "cl100k_base")
+    assert stamped["tokenCount"] == 6 and stamped["tokenEncoding"] == "cl100k_base"
+    assert forged["tokenCount"] == 999  # a copy, the input is untouched
+    assert stamped_tokens(forged, "cl100k_base") == 999  # a matching stamp is trusted by readers
+    assert stamped_tokens(forged, "o200k_base") == event_tokens(forged, "o200k_base")
+
+
+def test_stamp_of_an_uncounted_event_carries_no_stamp() -> None:
+    stamped = stamp({**turn_end(1), "tokenCount": 5, "tokenEncoding": "x"}, "cl100k_base")
+    assert "tokenCount" not in stamped and "tokenEncoding" not in stamped
+
+
+@pytest.mark.parametrize("name", ENCODINGS)
+def test_litellm_ships_the_bpe_files_of_both_encodings(name: str) -> None:
+    directory = litellm_tokenizer_dir()
+    assert directory is not None
+    assert (Path(directory) / hashlib.sha1(BPE_URL.format(name).encode()).hexdigest()).is_file()
+
+
+def test_token_counting_works_offline_without_importing_litellm(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import os, socket, sys
+        def refuse(*args, **kwargs):
+            raise OSError("network disabled in this test")
+        socket.socket = refuse
+        socket.create_connection = refuse
+        from events.tokens import count_tokens
+        print(count_tokens("hello world", "cl100k_base"), count_tokens("hello world", "o200k_base"))
+        print("litellm" in sys.modules)
+        print(os.environ["TIKTOKEN_CACHE_DIR"])
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
+    env.update(HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9", TMPDIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    counts, imported, cache_dir = done.stdout.splitlines()
+    assert counts == "2 2"
+    assert imported == "False"
+    assert cache_dir == litellm_tokenizer_dir()
+
+
+def test_a_user_chosen_tiktoken_cache_dir_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "/somewhere/else")
+    tokens.ensure_offline_cache()
+    assert os.environ["TIKTOKEN_CACHE_DIR"] == "/somewhere/else"
+
+
+def test_model_max_input_tokens_from_litellm_and_none_when_unknown() -> None:
+    assert model_max_input_tokens("gpt-4o") == 128_000
+    assert model_max_input_tokens("openai/gpt-4o") == 128_000
+    assert model_max_input_tokens("no-such-model-xyz") is None
+    assert model_max_input_tokens("") is None

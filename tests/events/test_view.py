@@ -1,0 +1,336 @@
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compactor.bench.view import run as run_bench
+from events.config import ContextSettings
+from events.tokens import count_tokens, event_tokens, stamp
+from events.view import (
+    build_view,
+    current_turn_id,
+    elide,
+    llm_targets,
+    micro_candidates,
+    session_model,
+)
+from tests.events.builders import (
+    assistant,
+    call,
+    compact,
+    meta,
+    result,
+    rollback,
+    simple_turn,
+    summary,
+    turn_end,
+    user,
+)
+
+CTX = ContextSettings()
+LONG = "L" * 500
+ENC = "cl100k_base"
+
+
+def _users(messages: list[dict]) -> list[str]:
+    return [m["content"] for m in messages if m["role"] == "user"]
+
+
+# -- rollback -------------------------------------------------------------------
+
+
+def _three_turns() -> list[dict]:
+    return [e for t in (1, 2, 3) for e in simple_turn(t, f"question {t}")]
+
+
+def test_rollback_through_turn_one_hides_every_user_message() -> None:
+    view = build_view([*_three_turns(), rollback(1)], CTX)
+    assert _users(view.messages) == []
+    assert view.messages == [] and view.prompt_estimate == 0
+    assert view.current_turn_id == 1
+
+
+def test_rollback_through_turn_two_keeps_only_turn_one() -> None:
+    view = build_view([*_three_turns(), rollback(2)], CTX)
+    assert _users(view.messages) == ["question 1"]
+    assert {e.get("turnId") for e in view.visible if "turnId" in e} == {1}
+    assert view.current_turn_id == 2
+
+
+def test_events_after_a_rollback_are_unaffected() -> None:
+    events = [*_three_turns(), rollback(2), *simple_turn(2, "redo 2")]
+    view = build_view(events, CTX)
+    assert _users(view.messages) == ["question 1", "redo 2"]
+    assert view.current_turn_id == 3
+
+
+def test_rollback_hides_a_compact_and_a_summary_covering_a_rolled_back_turn() -> None:
+    turns = [simple_turn(t, f"q{t}", LONG) for t in (1, 2, 3)]
+    replaced = [e["uuid"] for e in turns[0] if e["type"] != "turn_end"]
+    events = [*turns[0], *turns[1], *turns[2], compact(1, 2), summary(replaced, "S", 1), rollback(2)]
+    view = build_view(events, CTX)
+    # the compact covered turn 2 (hidden), the summary only turn 1 (kept)
+    assert view.compacted == ()
+    assert view.summary is not None and view.messages[0]["content"] == "S"
+    assert _users(view.messages) == []
+
+
+# -- summaries ------------------------------------------------------------------
+
+
+def test_a_summary_hides_what_it_replaces_and_is_shown_first() -> None:
+    t1, t2 = simple_turn(1, "q1"), simple_turn(2, "q2")
+    replaced = [e["uuid"] for e in t1 if e["type"] != "turn_end"]
+    s = summary(replaced, "SUMMARY ONE", 1)
+    view = build_view([*t1, *t2, s], CTX)
+    assert view.messages[0] == {"role": "system", "name": "compacted_history", "content": "SUMMARY ONE"}
+    assert _users(view.messages) == ["q2"]
+    assert view.summary == s
+    expected = sum(event_tokens(e, ENC) for e in [s, *t2])
+    assert view.prompt_estimate == expected
+
+
+def test_a_later_summary_replacing_an_earlier_one_leaves_exactly_one() -> None:
+    t1, t2, t3 = simple_turn(1, "q1"), simple_turn(2, "q2"), simple_turn(3, "q3")
+    first = summary([e["uuid"] for e in t1], "FIRST", 1)
+    second = summary([*(e["uuid"] for e in t2), first["uuid"]], "SECOND", 2)
+    view = build_view([*t1, *t2, first, *t3, second], CTX)
+    systems = [m for m in view.messages if m["role"] == "system"]
+    assert [m["content"] for m in systems] == ["SECOND"]
+    assert _users(view.messages) == ["q3"]
+    assert view.summary == second
+
+
+def test_rolling_back_the_later_summary_shows_the_earlier_one_again() -> None:
+    t1, t2, t3 = simple_turn(1, "q1"), simple_turn(2, "q2"), simple_turn(3, "q3")
+    first = summary([e["uuid"] for e in t1], "FIRST", 1)
+    second = summary([*(e["uuid"] for e in t2), first["uuid"]], "SECOND", 2)
+    view = build_view([*t1, *t2, first, *t3, second, rollback(2)], CTX)
+    assert [m["content"] for m in view.messages if m["role"] == "system"] == ["FIRST"]
+    assert _users(view.messages) == []
+
+
+# -- micro elision ----------------------------------------------------------------
+
+
+def _tool_turn(turn: int, output: str, tool: str) -> list[dict]:
+    return simple_turn(turn, f"q{turn}", output, tool)
+
+
+def _tool_contents(view_messages: list[dict]) -> list[str]:
+    return [m["content"] for m in view_messages if m["role"] == "tool"]
+
+
+def test_elision_applies_only_to_compactable_tools_case_insensitively_over_the_minimum() -> None:
+    exactly = "e" * CTX.micro_compact_min_chars
+    over = "o" * (CTX.micro_compact_min_chars + 1)
+    events = [
+        *_tool_turn(1, LONG, "Read_File"),
+        *_tool_turn(2, LONG, "ask_user"),
+        *_tool_turn(3, exactly, "read_file"),
+        *_tool_turn(4, over, "EXECUTE_COMMAND"),
+        *_tool_turn(5, LONG, "read_file"),  # not in the compacted range
+        compact(1, 4),
+    ]
+    shown = _tool_contents(build_view(events, CTX).messages)
+    assert "characters elided" in shown[0] and len(shown[0]) < len(LONG)
+    assert shown[1] == LONG
+    assert shown[2] == exactly
+    assert "characters elided" in shown[3] and len(shown[3]) < len(over)
+    assert shown[4] == LONG
+
+
+def test_elided_output_keeps_head_and_tail_and_names_the_omitted_count() -> None:
+    output = "HEAD" + "m" * 1000 + "TAIL"
+    shown = elide(output, 40)
+    assert shown.startswith(output[:40]) and shown.endswith(output[-40:])
+    assert re.search(r"\[(\d+) characters elided\]", shown).group(1) == str(len(output) - 80)  # type: ignore[union-attr]
+
+
+@given(output=st.text(min_size=CTX.micro_compact_min_chars + 1, max_size=600), keep=st.integers(0, 400))
+@settings(max_examples=300)
+def test_elided_text_is_always_strictly_shorter(output: str, keep: int) -> None:
+    shown = elide(output, keep)
+    assert len(shown) < len(output)
+    kept = int(re.search(r"\[(\d+) characters elided\]", shown).group(1))  # type: ignore[union-attr]
+    head = (len(output) - kept) // 2
+    assert shown.startswith(output[:head]) and shown.endswith(output[len(output) - head:])
+
+
+@given(min_chars=st.integers(1, 200), keep=st.integers(0, 200), size=st.integers(0, 400))
+@settings(max_examples=200)
+def test_an_elided_tool_result_in_a_view_is_never_longer(min_chars: int, keep: int, size: int) -> None:
+    ctx = ContextSettings(micro_compact_min_chars=min_chars, micro_compact_keep_chars=keep)
+    output = "x" * size
+    view = build_view([*_tool_turn(1, output, "read_file"), compact(1, 1)], ctx)
+    assert len(_tool_contents(view.messages)[0]) <= size
+
+
+def test_prompt_estimate_counts_the_elided_output_as_shown() -> None:
+    t1 = _tool_turn(1, LONG, "read_file")
+    view = build_view([*t1, compact(1, 1)], CTX)
+    shown = _tool_contents(view.messages)[0]
+    expected = sum(event_tokens(e, ENC) for e in t1 if e["type"] != "tool_result")
+    expected += count_tokens(shown, ENC) + count_tokens("read_file", ENC) + 4
+    assert view.prompt_estimate == expected
+    assert view.prompt_estimate < build_view(t1, CTX).prompt_estimate
+
+
+def test_prompt_estimate_reuses_matching_stamps() -> None:
+    forged = {**user(1, "hello world"), "tokenCount": 1000, "tokenEncoding": ENC}
+    assert build_view([forged], CTX).prompt_estimate == 1000
+    other = {**forged, "tokenEncoding": "o200k_base"}
+    assert build_view([other], CTX).prompt_estimate == 6
+    assert build_view([stamp(user(1, "hello world"), ENC)], CTX).prompt_estimate == 6
+
+
+# -- messages -------------------------------------------------------------------------
+
+
+def test_messages_are_openai_chat_messages() -> None:
+    events = [
+        user(1, "read it"),
+        assistant(1, "", [call("c1", "read_file", {"path": "a.py"}), call("c2", "fetch_url", '{"u":1}')]),
+        result(1, "c1", "A", "read_file"),
+        result(1, "c2", "B", "fetch_url"),
+        assistant(1, "done"),
+        turn_end(1),
+    ]
+    assert build_view(events, CTX).messages == [
+        {"role": "user", "content": "read it"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path":"a.py"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "fetch_url", "arguments": '{"u":1}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "name": "read_file", "content": "A"},
+        {"role": "tool", "tool_call_id": "c2", "name": "fetch_url", "content": "B"},
+        {"role": "assistant", "content": "done"},
+    ]
+
+
+def test_an_assistant_with_an_unanswered_tool_call_is_dropped_with_its_answered_results() -> None:
+    events = [
+        user(1, "go"),
+        assistant(1, "calling", [call("c1"), call("c2")]),
+        result(1, "c1", "only one answered"),
+        result(1, "orphan", "no call for this"),
+        assistant(1, "end"),
+    ]
+    view = build_view(events, CTX)
+    assert view.messages == [{"role": "user", "content": "go"}, {"role": "assistant", "content": "end"}]
+    # promptEstimate is computed before pairing: dropped messages still count
+    assert view.prompt_estimate == sum(event_tokens(e, ENC) for e in events)
+
+
+def test_a_tool_result_before_its_call_does_not_answer_it() -> None:
+    events = [user(1), result(1, "c1", "early"), assistant(1, "", [call("c1")])]
+    assert build_view(events, CTX).messages == [{"role": "user", "content": "hi"}]
+
+
+def test_a_duplicate_tool_result_is_dropped() -> None:
+    events = [assistant(1, "", [call("c1")]), result(1, "c1", "first"), result(1, "c1", "second")]
+    assert _tool_contents(build_view(events, CTX).messages) == ["first"]
+
+
+def test_adjacent_same_role_messages_are_merged_with_a_blank_line() -> None:
+    events = [
+        user(1, "one"), user(1, "two"),
+        assistant(1, "a"), assistant(1, "b"),
+        assistant(1, "c", [call("c1")]), result(1, "c1", "r"),
+        assistant(1, "d", [call("c2")]), result(1, "c2", "r2"),
+        assistant(1, "e"), assistant(1, "f"),
+    ]
+    messages = build_view(events, CTX).messages
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("user", "one\n\ntwo"), ("assistant", "a\n\nb"), ("assistant", "c"), ("tool", "r"),
+        ("assistant", "d"), ("tool", "r2"), ("assistant", "e\n\nf"),
+    ]
+
+
+def test_summaries_are_not_merged_and_the_log_is_not_mutated() -> None:
+    s1, s2 = summary([], "S1", 1), summary([], "S2", 1)
+    events = [s1, user(2, "x"), s2, user(2, "y")]
+    copy = [dict(e) for e in events]
+    messages = build_view(events, CTX).messages
+    assert [m["content"] for m in messages] == ["S1", "S2", "x\n\ny"]
+    assert events == copy
+
+
+# -- turns and model --------------------------------------------------------------------
+
+
+def test_current_turn_id() -> None:
+    assert current_turn_id([]) == 1
+    assert current_turn_id([meta("gpt-4o")]) == 1
+    assert current_turn_id([user(1)]) == 1
+    assert current_turn_id([user(1), turn_end(1)]) == 2
+    assert current_turn_id([*simple_turn(1), *simple_turn(3), user(5)]) == 5
+    assert current_turn_id([*simple_turn(1), *simple_turn(2), rollback(2)]) == 2
+
+
+def test_session_model_prefers_the_latest_visible_turn_end() -> None:
+    assert session_model([]) is None
+    assert session_model([meta("gpt-4o")]) == "gpt-4o"
+    assert session_model([meta("gpt-4o"), turn_end(1, "gpt-4"), turn_end(2, "o1")]) == "o1"
+    assert session_model([meta("gpt-4o"), turn_end(1, "gpt-4"), turn_end(2, "o1"), rollback(2)]) == "gpt-4"
+    assert session_model([meta("gpt-4o"), turn_end(1, "gpt-4"), rollback(1)]) == "gpt-4o"
+    view = build_view([meta("x"), user(1, "hello world"), turn_end(1, "gpt-4o")], CTX)
+    assert (view.model, view.encoding) == ("gpt-4o", "o200k_base")
+
+
+# -- candidates and targets -------------------------------------------------------------
+
+
+def test_micro_candidates_are_old_uncompacted_visible_long_compactable_outputs() -> None:
+    events = [
+        *_tool_turn(1, LONG, "read_file"),  # compacted below
+        *_tool_turn(2, LONG, "read_file"),  # candidate
+        *_tool_turn(3, LONG, "ask_user"),  # not compactable
+        *_tool_turn(4, "short", "read_file"),  # too short
+        *_tool_turn(5, LONG, "web_search"),  # candidate
+        *_tool_turn(6, LONG, "read_file"),  # turn T: too recent
+        compact(1, 1),
+    ]
+    assert [e["turnId"] for e in micro_candidates(events, CTX)] == [2, 5]
+    assert [e["turnId"] for e in micro_candidates(events, CTX, current_turn_id=6)] == [2]
+    assert build_view(events, CTX).min_candidate_turn == 2
+
+
+def test_micro_candidates_skip_summarized_and_rolled_back_outputs() -> None:
+    t1, t2, t3 = (_tool_turn(t, LONG, "read_file") for t in (1, 2, 3))
+    s = summary([e["uuid"] for e in t1], "S", 1)
+    assert [e["turnId"] for e in micro_candidates([*t1, *t2, *t3, s], CTX)] == [2]  # t1 summarized; turns < 3
+    t4 = _tool_turn(4, LONG, "read_file")
+    assert [e["turnId"] for e in micro_candidates([*t1, *t2, *t3, s, *t4], CTX)] == [2, 3]
+    assert micro_candidates([*t1, *t2, *t3, s, *t4, rollback(3)], CTX) == []  # only turn 1 is < 2
+
+
+def test_llm_targets_cover_turns_after_the_previous_summary_up_to_end_turn() -> None:
+    turns = [_tool_turn(t, LONG, "read_file") for t in (1, 2, 3, 4)]
+    s = summary([e["uuid"] for e in turns[0] if e["type"] != "turn_end"], "S", 1)
+    events = [*turns[0], *turns[1], s, *turns[2], *turns[3], compact(2, 2)]
+    targets = llm_targets(events, CTX)
+    assert targets.previous_summary == s
+    assert (targets.start_after, targets.end_turn) == (1, 3)  # currentTurnId 5, keep 1
+    assert {e["turnId"] for e in targets.events} == {2, 3}
+    assert {e["type"] for e in targets.events} == {"user", "assistant", "tool_result"}
+    outputs = {e["turnId"]: e["output"] for e in targets.events if e["type"] == "tool_result"}
+    assert "characters elided" in outputs[2] and outputs[3] == LONG
+    assert turns[1][2]["output"] == LONG  # the log's dict is untouched
+
+
+def test_llm_targets_are_empty_when_only_the_kept_turn_exists() -> None:
+    targets = llm_targets(simple_turn(1), CTX)
+    assert targets.end_turn == 0 and targets.events == [] and targets.previous_summary is None
+
+
+# -- performance --------------------------------------------------------------------------
+
+
+def test_view_bench_quick_reports_times() -> None:
+    result_ = run_bench(quick=True)
+    assert result_["view_s"] > 0 and result_["baseline_s"] > 0
+    assert result_["ratio"] == pytest.approx(result_["view_s"] / result_["baseline_s"], rel=0.01)
