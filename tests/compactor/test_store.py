@@ -1,0 +1,126 @@
+"""The session store against a real Redis: exactly-once appends, state in step with the log."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+
+from compactor.store import SessionStore, is_applied
+from events.config import Settings
+from events.errors import InvalidEvent
+from events.state import rebuild
+
+CWD = "/home/dev/project"
+SID = "sess-1"
+
+
+def user(turn: int, text: str, stream_id: str | None = None, uuid: str | None = None) -> dict[str, Any]:
+    event: dict[str, Any] = {
+        "type": "user", "uuid": uuid or f"u{turn}-{text}", "timestamp": "2026-01-01T00:00:00Z",
+        "turnId": turn, "content": text,
+    }
+    if stream_id:
+        event["streamId"] = stream_id
+    return event
+
+
+def turn_end(turn: int, stream_id: str | None = None) -> dict[str, Any]:
+    event: dict[str, Any] = {
+        "type": "turn_end", "uuid": f"te{turn}", "timestamp": "2026-01-01T00:00:00Z",
+        "turnId": turn, "model": "gpt-4", "contextWindow": 1000,
+    }
+    if stream_id:
+        event["streamId"] = stream_id
+    return event
+
+
+@pytest.fixture
+def store(r: redis.Redis, settings: Settings) -> SessionStore:
+    return SessionStore(r, settings)
+
+
+def test_apply_appends_and_state_equals_a_rebuild_from_the_log(store: SessionStore) -> None:
+    store.apply(SID, CWD, [user(1, "hello world", "1-0"), turn_end(1, "2-0")])
+    state = store.load(SID)
+    log = store.log(SID, CWD)
+    expected = rebuild(SID, CWD, log.read(), store.settings.context, log.size())
+    assert state is not None
+    assert state.prompt_estimate == expected.prompt_estimate == 6
+    assert state.current_turn_id == expected.current_turn_id == 2
+    assert state.log_size == log.size()
+    assert state.last_stream_id == "2-0"
+
+
+def test_redelivered_entry_is_skipped_not_written_twice(store: SessionStore) -> None:
+    store.apply(SID, CWD, [user(1, "a", "5-0")])
+    result = store.apply(SID, CWD, [user(1, "a", "5-0"), user(1, "b", "6-0")])
+    assert result.duplicates == 1
+    assert [e["content"] for e in store.log(SID, CWD).read()] == ["a", "b"]
+
+
+def test_crash_between_append_and_state_save_does_not_duplicate(store: SessionStore) -> None:
+    store.apply(SID, CWD, [user(1, "a", "5-0")])
+    stale = store.load(SID)
+    # A watcher appended entry 6-0 and died before saving the state.
+    store.log(SID, CWD).append([user(1, "b", "6-0")])
+    assert stale is not None and store.load(SID) == stale
+    result = store.apply(SID, CWD, [user(1, "b", "6-0"), user(1, "c", "7-0")])
+    assert result.duplicates == 1
+    assert [e["content"] for e in store.log(SID, CWD).read()] == ["a", "b", "c"]
+    state = store.load(SID)
+    assert state is not None and state.log_size == store.log(SID, CWD).size()
+
+
+def test_turn_going_backwards_is_rejected_and_not_written(store: SessionStore) -> None:
+    store.apply(SID, CWD, [user(1, "a"), turn_end(1), user(2, "b")])
+    result = store.apply(SID, CWD, [user(1, "late"), user(2, "ok")])
+    assert [e["content"] for e, _ in result.rejected] == ["late"]
+    assert "goes backwards" in str(result.rejected[0][1])
+    assert [e.get("content") for e in store.log(SID, CWD).read() if e["type"] == "user"] == ["a", "b", "ok"]
+
+
+def test_session_is_bound_to_its_first_cwd(store: SessionStore) -> None:
+    store.apply(SID, CWD, [user(1, "a")])
+    with pytest.raises(InvalidEvent) as err:
+        store.apply(SID, "/somewhere/else", [user(1, "b")])
+    assert err.value.field == "cwd"
+
+
+def test_lost_redis_state_is_rebuilt_from_the_log(store: SessionStore, r: redis.Redis) -> None:
+    store.apply(SID, CWD, [user(1, "hello world", "1-0"), turn_end(1, "2-0")])
+    before = store.load(SID)
+    r.flushall()
+    result = store.apply(SID, CWD, [user(2, "x", "2-0"), user(2, "y", "3-0")])
+    assert result.duplicates == 1  # 2-0 is in the log already
+    assert before is not None and result.state.prompt_estimate > before.prompt_estimate
+    assert [e.get("content") for e in store.log(SID, CWD).read() if e["type"] == "user"] == [
+        "hello world", "y",
+    ]
+
+
+def test_producer_token_stamp_is_replaced(store: SessionStore) -> None:
+    forged = dict(user(1, "hello world"), tokenCount=999_999, tokenEncoding="cl100k_base")
+    store.apply(SID, CWD, [forged])
+    line = store.log(SID, CWD).read()[0]
+    assert line["tokenCount"] == 6
+    state = store.load(SID)
+    assert state is not None and state.prompt_estimate == 6
+
+
+def test_cached_state_is_not_modified_and_stale_cache_is_ignored(store: SessionStore) -> None:
+    first = store.apply(SID, CWD, [user(1, "a")]).state
+    snapshot = first.to_hash()
+    store.log(SID, CWD).append([user(1, "written by someone else")])
+    second = store.apply(SID, CWD, [user(1, "b")], cached=first).state
+    assert first.to_hash() == snapshot
+    assert second.events == 3
+
+
+def test_is_applied_compares_stream_ids_numerically() -> None:
+    assert is_applied("9-0", "10-0") is True
+    assert is_applied("10-1", "10-0") is False
+    assert is_applied("10-0", "10-0") is True
+    assert is_applied(None, "10-0") is False
+    assert is_applied("10-0", None) is False
