@@ -9,11 +9,15 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
     {p}:sessions                zset: sessionId -> last activity (unix seconds)
     {p}:lease:{n}               string: watcher id owning shard n (PX lease)
     {p}:fence:{n}               counter: fencing token of shard n, bumped per new lease
+    {p}:watchers                zset: live watcher id -> last heartbeat (server ms)
     {p}:job:{sessionId}         string: id of the one compaction job queued/running
     {p}:retrigger:{sessionId}   string: a trigger that arrived while a job was pending
 
-Consumer group on every shard: ``{p}-watchers``. RQ queue: ``{p}``; RQ's own
-keys keep RQ's ``rq:`` prefix (override with ``RQ_KEY_PREFIX``).
+Consumer group on every shard: ``{p}-watchers``, with one consumer per shard,
+``shard-{n}``, read only by the watcher holding the shard's lease (stable
+across restarts and takeovers: the shard's backlog is that consumer's PEL).
+RQ queue: ``{p}``; RQ's own keys keep RQ's ``rq:`` prefix (override with
+``RQ_KEY_PREFIX``).
 Redis holds only derived or in-flight state: the logs are the source of truth.
 """
 
@@ -63,6 +67,10 @@ class Keys:
     def fence(self, shard: int) -> str:
         return f"{self.prefix}:fence:{shard}"
 
+    @property
+    def watchers(self) -> str:
+        return f"{self.prefix}:watchers"
+
     def job(self, session_id: str) -> str:
         return f"{self.prefix}:job:{session_id}"
 
@@ -72,6 +80,9 @@ class Keys:
     @property
     def group(self) -> str:
         return f"{self.prefix}-watchers"
+
+    def consumer(self, shard: int) -> str:
+        return f"shard-{shard}"
 
     @property
     def queue(self) -> str:

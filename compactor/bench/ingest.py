@@ -1,0 +1,332 @@
+"""Benchmark: the watcher's ingestion vs. a bare consume-and-append loop.
+
+Everything runs against an embedded Redis in a temporary directory, with 2 KB
+events (user / assistant / tool_result, a ``turn_end`` closing each turn) from
+many concurrent sessions (1 000; 100 with ``quick``):
+
+- ``baseline_events_per_s``: a loop doing only XREADGROUP (batches of 256),
+  ``orjson.loads``, counting the tokens, appending the line to the session's
+  file and XACK — the floor any ingestion has to pay;
+- ``events_per_s``: ``Watcher.run_once`` draining the same amount of events
+  (validation, uuid/timestamp, stamps, state, lease fencing, thresholds);
+  ``ratio`` = events_per_s / baseline_events_per_s (target >= 0.7);
+- ``p99_turn_end_to_enqueue_ms``: a watcher *process* fed at half of
+  ``events_per_s``; each session's window is a few turns' worth, so sessions
+  cross the micro / LLM thresholds mid-run; the delay runs from the time in
+  the triggering ``turn_end``'s entry id (when Redis took it) to the time in
+  the id of the job it enqueued (target <= 20);
+- ``cost_ratio_long_vs_short``: per-event cost of applying a 5 000-event
+  session vs. 50-event sessions (target <= 1.2: cost does not grow with the log).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+import yaml
+
+from compactor.embedded import EmbeddedRedis
+from compactor.keys import Keys
+from compactor.queue import parse_job_id
+from events.config import Settings
+from events.tokens import count_tokens, encoding_for_model
+from producer.publisher import Publisher
+from producer.watcher import Watcher
+
+logger = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+Event = dict[str, Any]
+
+FULL_SESSIONS, QUICK_SESSIONS = 1_000, 100
+FULL_EVENTS, QUICK_EVENTS = 20_000, 3_000
+FULL_LOAD_S, QUICK_LOAD_S = 10.0, 3.0
+LONG_SESSION_EVENTS = 5_000
+SHORT_SESSION_EVENTS = 50
+EVENT_CHARS = 2048
+BATCH = 256
+MODEL = "gpt-4"
+CWD = "/bench/project"
+NO_TRIGGER_WINDOW = 100_000_000  # throughput runs never cross a threshold
+TOKENS_PER_TURN = 1_500  # about what one benchmark turn adds to the estimate
+TRIGGER_TURNS = (2, 8)  # a session's window is this many turns' worth: triggers come mid-run
+WATCHER_START_TIMEOUT_S = 60.0
+_WORDS = ["def", "return", "self", "import", "value", "token", "event", "log", "session", "turn", "output", "error", "test", "file", "line", "path", "cache", "config", "async", "await", "class"]
+WATCHER_SCRIPT = (
+    "import sys\n"
+    "from events.config import load_settings\n"
+    "from producer.watcher import main\n"
+    "main(load_settings(sys.argv[1]), name='bench')\n"
+)
+
+
+def run(*, quick: bool = False, progress: Progress | None = None) -> dict[str, Any]:
+    """Run the four measurements; the numbers with their targets."""
+    say = progress or (lambda message: logger.info("%s", message))
+    sessions = QUICK_SESSIONS if quick else FULL_SESSIONS
+    events = QUICK_EVENTS if quick else FULL_EVENTS
+    with tempfile.TemporaryDirectory(prefix="compactor-bench-") as tmp, \
+            EmbeddedRedis(Path(tmp) / "redis", persist=False) as server:
+        client = redis.Redis.from_url(server.url)
+        try:
+            say(f"baseline: {events} events from {sessions} sessions")
+            baseline = _baseline(client, _settings(tmp, server.url, "base"), sessions, events)
+            say(f"watcher: {events} events from {sessions} sessions")
+            watcher = _watcher_rate(client, _settings(tmp, server.url, "watch"), sessions, events)
+            say(f"latency at half load ({watcher / 2:.0f} events/s)")
+            p99 = _latency(client, _settings(tmp, server.url, "lat"), Path(tmp), sessions,
+                           watcher / 2, QUICK_LOAD_S if quick else FULL_LOAD_S)
+            say("cost of a long session vs short ones")
+            cost = _cost_ratio(client, _settings(tmp, server.url, "cost"))
+        finally:
+            client.close()
+    return {
+        "events_per_s": round(watcher, 1),
+        "baseline_events_per_s": round(baseline, 1),
+        "ratio": round(watcher / baseline, 3),
+        "ratio_target": 0.7,
+        "p99_turn_end_to_enqueue_ms": round(p99, 2),
+        "p99_target_ms": 20,
+        "cost_ratio_long_vs_short": round(cost, 3),
+        "cost_ratio_target": 1.2,
+        "sessions": sessions,
+        "events": events,
+        "event_bytes": EVENT_CHARS,
+    }
+
+
+def _settings(tmp: str, url: str, name: str) -> Settings:
+    return Settings.model_validate({
+        "dataDir": str(Path(tmp) / f"data-{name}"),
+        "redis": {"url": url, "prefix": f"bench-{name}"},
+        "watcher": {"batchSize": BATCH, "blockMs": 5, "leaseMs": 10_000},
+    })
+
+
+# -- workload -------------------------------------------------------------------------
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    words: list[str] = []
+    size = 0
+    while size < chars:
+        word = rng.choice(_WORDS)
+        words.append(word)
+        size += len(word) + 1
+    return " ".join(words)[:chars]
+
+
+def _turn(rng: random.Random, turn: int, window: int) -> list[Event]:
+    """A 2 KB user message, a tool call with a 2 KB result, a 2 KB answer, the turn end."""
+    call_id = f"c{turn}"
+    return [
+        {"type": "user", "turnId": turn, "content": _text(rng, EVENT_CHARS)},
+        {"type": "assistant", "turnId": turn, "content": "",
+         "toolCalls": [{"id": call_id, "name": "read_file", "arguments": {"path": "a.py"}}]},
+        {"type": "tool_result", "turnId": turn, "toolCallId": call_id, "toolName": "read_file",
+         "output": _text(rng, EVENT_CHARS)},
+        {"type": "assistant", "turnId": turn, "content": _text(rng, EVENT_CHARS)},
+        {"type": "turn_end", "turnId": turn, "model": MODEL, "contextWindow": window},
+    ]
+
+
+def _publish(client: redis.Redis, settings: Settings, sessions: list[str], total: int, window: int) -> int:
+    """Publish turns round-robin over ``sessions`` until ``total`` events; the number published."""
+    rng, publisher, published, turn = random.Random(7), Publisher(client, settings), 0, 1
+    while published < total:
+        for sid in sessions:
+            published += len(publisher.publish(sid, CWD, _turn(rng, turn, window)))
+            if published >= total:
+                break
+        turn += 1
+    return published
+
+
+# -- baseline -----------------------------------------------------------------------------
+
+
+def _baseline(client: redis.Redis, settings: Settings, sessions: int, events: int) -> float:
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    for stream in keys.all_streams():
+        client.xgroup_create(stream, keys.group, id="0", mkstream=True)
+    total = _publish(client, settings, [f"s{i}" for i in range(sessions)], events, NO_TRIGGER_WINDOW)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    encoding = encoding_for_model(MODEL)
+    streams: dict[Any, Any] = {stream: ">" for stream in keys.all_streams()}
+    done = 0
+    with _timed() as elapsed:
+        while done < total:
+            reply: Any = client.xreadgroup(keys.group, "baseline", streams, count=BATCH)
+            for stream, entries in reply:
+                for _, fields in entries:
+                    _baseline_apply(settings.data_dir, fields, encoding)
+                client.xack(stream, keys.group, *[entry_id for entry_id, _ in entries])
+                done += len(entries)
+    return total / elapsed()
+
+
+def _baseline_apply(data_dir: Path, fields: dict[bytes, bytes], encoding: str) -> None:
+    event = orjson.loads(fields[b"event"])
+    text = event.get("content") or event.get("output") or ""
+    event["tokenCount"] = count_tokens(text, encoding) + 4
+    with open(data_dir / f"{fields[b'session'].decode()}.jsonl", "ab") as log:
+        log.write(orjson.dumps(event) + b"\n")
+
+
+# -- the watcher ------------------------------------------------------------------------------
+
+
+def _watcher_rate(client: redis.Redis, settings: Settings, sessions: int, events: int) -> float:
+    watcher = Watcher(client, settings, name="bench")
+    watcher.run_once()  # warm up, take the leases
+    total = _publish(client, settings, [f"s{i}" for i in range(sessions)], events, NO_TRIGGER_WINDOW)
+    done = 0
+    with _timed() as elapsed:
+        while done < total:
+            done += watcher.run_once()
+    watcher.close()
+    return total / elapsed()
+
+
+def _cost_ratio(client: redis.Redis, settings: Settings) -> float:
+    """Per-event time in one 5 000-event session over per-event time in 50-event sessions."""
+    watcher = Watcher(client, settings, name="bench")
+    watcher.run_once()
+    long_s = _drain_timed(client, watcher, settings, ["long"], LONG_SESSION_EVENTS)
+    shorts = [f"short{i}" for i in range(LONG_SESSION_EVENTS // SHORT_SESSION_EVENTS)]
+    short_s = _drain_timed(client, watcher, settings, shorts, LONG_SESSION_EVENTS, per_session=SHORT_SESSION_EVENTS)
+    watcher.close()
+    return long_s / short_s
+
+
+def _drain_timed(client: redis.Redis, watcher: Watcher, settings: Settings, sessions: list[str],
+                 total: int, per_session: int | None = None) -> float:
+    """Seconds per event to apply ``total`` events (published first, session after session)."""
+    rng, publisher, published = random.Random(11), Publisher(client, settings), 0
+    for sid in sessions:
+        turn, count = 1, 0
+        while count < (per_session or total):
+            count += len(publisher.publish(sid, CWD, _turn(rng, turn, NO_TRIGGER_WINDOW)))
+            turn += 1
+        published += count
+    done = 0
+    with _timed() as elapsed:
+        while done < published:
+            done += watcher.run_once()
+    return elapsed() / published
+
+
+# -- latency at half load -------------------------------------------------------------------
+
+
+def _latency(client: redis.Redis, settings: Settings, tmp: Path, sessions: int, rate: float,
+             duration_s: float) -> float:
+    """p99 of turn_end -> enqueue in ms, with a watcher process fed at ``rate`` events/s."""
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    with _watcher_process(client, settings, tmp):
+        turn_ends = _paced_publish(client, settings, [f"s{i}" for i in range(sessions)], rate, duration_s)
+        _wait_drained(client, keys)
+    delays = sorted(d for sid, ids in turn_ends.items() if (d := _delay_ms(client, keys, sid, ids)) is not None)
+    if not delays:
+        raise RuntimeError("no compaction job was enqueued during the latency run")
+    return delays[min(len(delays) - 1, int(len(delays) * 0.99))]
+
+
+def _delay_ms(client: redis.Redis, keys: Keys, session_id: str, turn_end_ids: list[str]) -> float | None:
+    """From the turn_end that triggered the session's job (the last one before it) to the enqueue."""
+    job_id: Any = client.get(keys.job(session_id))
+    parsed = parse_job_id(job_id.decode()) if job_id else None
+    if parsed is None:
+        return None
+    enqueued_ms = parsed[0] / 1e6
+    before = [int(i.split("-")[0]) for i in turn_end_ids if int(i.split("-")[0]) <= enqueued_ms]
+    return enqueued_ms - max(before) if before else None
+
+
+def _wait_drained(client: redis.Redis, keys: Keys, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        groups: Any = [client.xinfo_groups(stream) for stream in keys.all_streams()]
+        if all(int(g["pending"]) == 0 and not g["lag"] for gs in groups for g in gs):
+            return
+        time.sleep(0.05)
+    raise RuntimeError("the benchmark's watcher did not keep up")
+
+
+def _paced_publish(client: redis.Redis, settings: Settings, sessions: list[str], rate: float,
+                   duration_s: float) -> dict[str, list[str]]:
+    """Publish whole turns at ``rate`` events/s for ``duration_s``; the turn_end entry ids per session.
+
+    Each session's window makes it cross a threshold after a few turns (micro
+    first, LLM later), so triggers are spread over the run as in real use.
+    """
+    rng, publisher = random.Random(13), Publisher(client, settings)
+    windows = {sid: rng.randint(*TRIGGER_TURNS) * TOKENS_PER_TURN for sid in sessions}
+    turns = {sid: 1 for sid in sessions}
+    turn_ends: dict[str, list[str]] = {sid: [] for sid in sessions}
+    start, published = time.monotonic(), 0
+    while time.monotonic() - start < duration_s:
+        sid = sessions[published // 5 % len(sessions)]
+        ids = publisher.publish(sid, CWD, _turn(rng, turns[sid], windows[sid]))
+        turn_ends[sid].append(ids[-1])
+        turns[sid] += 1
+        published += len(ids)
+        ahead = published / rate - (time.monotonic() - start)
+        if ahead > 0:
+            time.sleep(ahead)
+    return turn_ends
+
+
+@contextmanager
+def _watcher_process(client: redis.Redis, settings: Settings, tmp: Path) -> Iterator[None]:
+    config = tmp / "bench-watcher.yaml"
+    config.write_text(yaml.safe_dump({
+        "dataDir": str(settings.data_dir),
+        "redis": {"url": settings.redis.url, "prefix": settings.redis.prefix},
+        "watcher": {"batchSize": BATCH, "blockMs": 100, "leaseMs": 10_000},
+    }))
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    process = subprocess.Popen([sys.executable, "-c", WATCHER_SCRIPT, str(config)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_leases(client, settings, process)
+        yield
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def _wait_for_leases(client: redis.Redis, settings: Settings, process: subprocess.Popen[bytes]) -> None:
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    deadline = time.monotonic() + WATCHER_START_TIMEOUT_S
+    while sum(client.exists(keys.lease(n)) for n in range(keys.shards)) < keys.shards:
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the benchmark's watcher process did not start")
+        time.sleep(0.05)
+
+
+@contextmanager
+def _timed() -> Iterator[Callable[[], float]]:
+    """Time the block with the garbage collector paused; yields a function returning seconds."""
+    gc.collect()
+    gc.disable()
+    start = time.perf_counter()
+    end: list[float] = []
+    try:
+        yield lambda: (end[0] if end else time.perf_counter()) - start
+    finally:
+        end.append(time.perf_counter())
+        gc.enable()

@@ -1,0 +1,111 @@
+"""The agent-side Python API: push a session's events into its stream shard.
+
+Invariants:
+- Nothing reaches Redis unless the session id, the cwd and *every* event of the
+  call are valid (all or nothing); the error names the bad event's index and field.
+- One call is one ``MULTI``/``EXEC``: its entries land contiguously, in the
+  order given, or not at all.
+- Each entry has exactly the fields of SPEC §6 — ``session``, ``cwd`` and
+  ``event`` (compact JSON of the validated event without ``sessionId``/``cwd``);
+  ``docs/STREAM_PROTOCOL.md`` describes them for agents in other languages.
+- The publisher never trims a stream: unconsumed entries are the watcher's to ack.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+import redis
+from pydantic import BaseModel
+
+from compactor.keys import Keys
+from compactor.queue import enqueue_compaction
+from events.config import Settings
+from events.errors import InvalidEvent, InvalidInput
+from events.models import parse_event, to_wire, validate_cwd, validate_session_id
+
+logger = logging.getLogger(__name__)
+
+# Keys the stream entry carries outside the event (SPEC §6).
+IDENTITY_FIELDS = ("sessionId", "cwd")
+
+EventLike = Mapping[str, Any] | BaseModel
+
+
+class Publisher:
+    """Validates events and XADDs them to ``Keys.stream_for(session_id)``."""
+
+    def __init__(self, redis_client: redis.Redis, settings: Settings) -> None:
+        self.redis = redis_client
+        self.settings = settings
+        self.keys = Keys(settings.redis.prefix, settings.redis.shards)
+
+    def publish(self, session_id: str, cwd: str, events: EventLike | Sequence[EventLike]) -> list[str]:
+        """Validate all events, then XADD them in one transaction; return their stream ids."""
+        session_id = validate_session_id(session_id)
+        cwd = validate_cwd(cwd)
+        batch = [events] if isinstance(events, (Mapping, BaseModel)) else list(events)
+        payloads = [self._encode(session_id, cwd, event, index) for index, event in enumerate(batch)]
+        if not payloads:
+            return []
+        stream = self.keys.stream_for(session_id)
+        pipe = self.redis.pipeline(transaction=True)
+        for payload in payloads:
+            pipe.xadd(stream, {"session": session_id, "cwd": cwd, "event": payload})
+        ids = [_as_str(entry_id) for entry_id in pipe.execute()]
+        logger.debug("published session=%s events=%d stream=%s last=%s", session_id, len(ids), stream, ids[-1])
+        return ids
+
+    def end_turn(
+        self, session_id: str, cwd: str, turn_id: int, model: str, context_window: int | None = None
+    ) -> str:
+        """Publish the ``turn_end`` of ``turn_id``; the watcher checks the thresholds after it."""
+        event: dict[str, Any] = {"type": "turn_end", "turnId": turn_id, "model": model}
+        if context_window is not None:
+            event["contextWindow"] = context_window
+        return self.publish(session_id, cwd, event)[0]
+
+    def request_compaction(self, session_id: str, cwd: str, forced: bool = True) -> str | None:
+        """Enqueue an LLM compaction; the job id, or None when one is already pending (coalesced)."""
+        session_id = validate_session_id(session_id)
+        cwd = validate_cwd(cwd)
+        return enqueue_compaction(self.redis, self.settings, session_id, cwd, "llm", forced=forced)
+
+    def _encode(self, session_id: str, cwd: str, event: object, index: int) -> bytes:
+        """The entry's ``event`` field: validated, identity fields checked and dropped, size-limited."""
+        try:
+            wire = to_wire(parse_event(_as_data(event)))
+            _check_identity(wire, session_id, cwd)
+            payload = orjson.dumps(wire)
+        except InvalidInput as e:
+            raise e.at(index) from e
+        except TypeError as e:  # orjson: a value JSON cannot hold
+            raise InvalidEvent("event", f"is not JSON-serialisable: {e}", index) from e
+        limit = self.settings.limits.max_event_bytes
+        if len(payload) > limit:
+            raise InvalidEvent("event", f"is {len(payload)} bytes, more than limits.maxEventBytes ({limit})", index)
+        return payload
+
+
+def _check_identity(wire: dict[str, Any], session_id: str, cwd: str) -> None:
+    """Drop ``sessionId``/``cwd`` from the event; they must match the entry's when present."""
+    expected = {"sessionId": session_id, "cwd": cwd}
+    for field in IDENTITY_FIELDS:
+        if field in wire and wire.pop(field) != expected[field]:
+            raise InvalidEvent(field, f"differs from the {field} the events are published for")
+
+
+def _as_data(event: object) -> object:
+    """A plain dict for a model or a mapping; anything else as it is (parse_event rejects it)."""
+    if isinstance(event, BaseModel):
+        return event.model_dump(by_alias=True, exclude_none=True)
+    if isinstance(event, Mapping):
+        return dict(event)
+    return event
+
+
+def _as_str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,82 @@
+"""Per-shard read position and per-batch bookkeeping of the watcher.
+
+Invariants:
+- A shard is read from its PEL (``start`` = an id) until the PEL is exhausted,
+  then from ``>``; a PEL sweep clears the held-back sessions, so each is
+  retried in stream order.
+- A run (one ``SessionStore.apply``) never spans a ``turn_end`` or a cwd
+  change, so thresholds are checked on the state exactly as it was after the
+  turn, and a cwd refused for a session refuses only its own entries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from producer.watcher.entries import Entry
+from producer.watcher.streams import NEW_ENTRIES, PEL_START
+
+logger = logging.getLogger(__name__)
+
+HOLD_RETRY_S = 1.0  # a held-back session is retried by a PEL sweep this often
+
+
+@dataclass
+class ShardCursor:
+    """Where the watcher reads one shard: ``start`` in the PEL while sweeping, else ``>``."""
+
+    start: str = PEL_START
+    top: str = PEL_START  # the newest id seen when nothing new was left (for XREAD BLOCK)
+    held: set[str] = field(default_factory=set)  # sessions with entries left pending
+    retry_at: float = 0.0
+    trimmed_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def sweeping(self) -> bool:
+        return self.start != NEW_ENTRIES
+
+    def restart_sweep(self) -> None:
+        self.start = PEL_START
+        self.held.clear()
+
+    def hold(self, session_id: str) -> None:
+        self.held.add(session_id)
+        self.retry_at = time.monotonic() + HOLD_RETRY_S
+
+
+@dataclass
+class BatchOutcome:
+    """What to do with a batch once it is applied: ids to ack, dead letters (flat fields)."""
+
+    stream: str
+    acks: list[str] = field(default_factory=list)
+    dead: list[list[bytes]] = field(default_factory=list)
+
+    def reject(self, entry_id: str, reason: str, fields: list[bytes]) -> None:
+        logger.warning("dead-lettered stream=%s id=%s reason=%s", self.stream, entry_id, reason)
+        self.dead.append([*fields, b"reason", reason.encode(), b"id", entry_id.encode(),
+                          b"stream", self.stream.encode()])
+        self.acks.append(entry_id)
+
+
+
+def runs(entries: list[Entry]) -> Iterator[list[Entry]]:
+    """Consecutive entries sharing a cwd, each cut right after a ``turn_end``.
+
+    One run is one ``SessionStore.apply``; cutting at a turn end means the
+    thresholds are checked on the state exactly as it was after that turn.
+    """
+    run: list[Entry] = []
+    for entry in entries:
+        if run and entry.cwd != run[0].cwd:
+            yield run
+            run = []
+        run.append(entry)
+        if entry.event["type"] == "turn_end":
+            yield run
+            run = []
+    if run:
+        yield run

@@ -1,0 +1,367 @@
+"""The watcher: stream shards -> session logs -> compaction triggers.
+
+Loop (``run_once``): a *tick* when due (heartbeat, renew leases, rebalance,
+trim), a fenced read of every owned shard, then per shard: decode the entries,
+apply each session's valid ones through ``SessionStore.apply`` (under the log
+lock, with the lease checked right before the write), check the thresholds
+after a ``turn_end``, and finally dead-letter the bad ones and XACK the rest in
+one fenced script. When nothing was read it blocks on ``XREAD`` for new entries.
+
+Invariants:
+- Per session, entries are applied in stream order and exactly once. Order:
+  one owner per shard reads the shard's single consumer in order; the PEL is
+  swept from ``0`` before new entries are read whenever an owner starts, after
+  any Redis error and after a session was held back. Exactly once: an entry
+  is acked only after its append, and the store drops a redelivered entry
+  whose ``streamId`` it already applied (the check and the write happen under
+  the log lock, so even a paused former owner cannot write out of order).
+- A session whose append failed (``LogWriteFailed``: disk full) is *held
+  back*: none of its later entries are applied or acked until a PEL sweep
+  (every ``HOLD_RETRY_S``) applies the failed one. Other sessions go on.
+- A bad entry (see ``entries``), or one the store refuses (cwd bound to
+  another session, turn id going backwards), is dead-lettered to ``{p}:dead``
+  with its reason and acked; the watcher never crashes on input.
+- Thresholds are checked from the state the store returns; the log is never
+  read here. A redelivered ``turn_end`` is checked again: enqueueing coalesces.
+- On stop: the batch in hand is finished, leases are released, the watcher
+  leaves the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import redis
+
+from compactor.keys import Keys
+from compactor.queue import enqueue_compaction
+from compactor.store import SessionStore
+from events.config import Settings
+from events.errors import CompactorError, InvalidConfig, InvalidInput
+from events.log import SessionLog
+from events.state import SessionState, decide
+from events.tokens import get_encoding, model_max_input_tokens
+from producer.watcher.batch import BatchOutcome, ShardCursor, runs
+from producer.watcher.entries import Entry, Rejected, decode_entry
+from producer.watcher.leases import RENEW_FRACTION, LeaseLost, ShardLeases
+from producer.watcher.streams import NEW_ENTRIES, RawEntry, ReadResult, ShardStreams
+
+logger = logging.getLogger(__name__)
+
+UNDER_QUOTA_TICK_S = 0.25  # tick this often while owning fewer shards than the quota
+TRIM_INTERVAL_S = 10.0  # trim each owned stream this often
+STATE_CACHE_SESSIONS = 10_000  # session states kept in memory (saves a Redis read per apply)
+MAX_BACKOFF_S = 5.0  # longest pause after repeated Redis errors
+DEFAULT_ENCODING = "cl100k_base"
+WARM_UP_MODEL = "gpt-4"  # any model litellm knows: the first lookup imports litellm
+
+
+class Watcher:
+    """Consumes the stream shards this process owns; see the module docstring."""
+
+    def __init__(self, redis_client: redis.Redis, settings: Settings, *, name: str | None = None) -> None:
+        self.settings = settings
+        self.name = name or default_name()
+        self.id = f"{self.name}:{secrets.token_hex(4)}"
+        self.redis = bytes_client(redis_client)
+        self.keys = Keys(settings.redis.prefix, settings.redis.shards)
+        self.leases = ShardLeases(self.redis, self.keys, self.id, settings.watcher.lease_ms)
+        self.streams = ShardStreams(self.redis, self.keys, self.id)
+        self.store = SessionStore(self.redis, settings)
+        self.cursors: dict[int, ShardCursor] = {}
+        self._sessions: OrderedDict[str, tuple[SessionState, SessionLogRef]] = OrderedDict()
+        self._stop = threading.Event()
+        self._started = False
+        self._next_tick = 0.0
+
+    # -- the loop ---------------------------------------------------------------
+
+    def run(self, stop_event: threading.Event) -> None:
+        """Run until ``stop_event`` is set; then finish the batch in hand and release the leases."""
+        self._stop = stop_event
+        logger.info("watcher started id=%s shards=%d", self.id, self.keys.shards)
+        errors = 0
+        try:
+            while not stop_event.is_set():
+                try:
+                    self.run_once(block_ms=self.settings.watcher.block_ms)
+                    errors = 0
+                except Exception as e:  # noqa: BLE001 - Redis down, or a bug: never let the loop die
+                    errors += 1
+                    self._after_error(e, errors)
+                    stop_event.wait(min(MAX_BACKOFF_S, 0.1 * 2 ** min(errors, 6)))
+        finally:
+            self.close()
+
+    def run_once(self, block_ms: int = 0) -> int:
+        """One iteration: tick if due, read owned shards, apply, ack; the number of entries handled."""
+        self._start()
+        if time.monotonic() >= self._next_tick:
+            self._tick()
+        handled = sum(self._handle(n, result) for n, result in self._read().items())
+        if handled == 0 and block_ms > 0:
+            self._wait(block_ms)
+        return handled
+
+    def close(self) -> None:
+        """Release every lease and leave the registry (best effort when Redis is gone)."""
+        try:
+            self.leases.release_all()
+        except redis.RedisError as e:
+            logger.warning("watcher stop: could not release leases id=%s error=%s", self.id, e)
+        self.cursors.clear()
+        logger.info("watcher stopped id=%s", self.id)
+
+    def _start(self) -> None:
+        if not self._started:
+            warm_up()
+            for n in range(self.keys.shards):
+                self.streams.ensure_group(n)
+            self._started = True
+
+    def _after_error(self, error: Exception, attempt: int) -> None:
+        """Entries in hand may be half-done: re-sweep every PEL, tick at once when back."""
+        if isinstance(error, redis.RedisError):
+            logger.error("redis error id=%s attempt=%d error=%s", self.id, attempt, error)
+        else:
+            logger.exception("watcher loop error id=%s attempt=%d", self.id, attempt)
+        for cursor in self.cursors.values():
+            cursor.restart_sweep()
+        self._next_tick = 0.0
+
+    # -- tick: registry, leases, trimming -----------------------------------------
+
+    def _tick(self) -> None:
+        live = self.leases.heartbeat()
+        self.leases.renew_due()
+        acquired, _ = self.leases.rebalance(live)
+        for n in acquired:
+            self._take(n)
+        for n in [n for n in self.cursors if n not in self.leases.owned]:
+            del self.cursors[n]
+        self._trim_due()
+        under_quota = len(self.leases.owned) < self.leases.quota(live)
+        interval = UNDER_QUOTA_TICK_S if under_quota else self.settings.watcher.lease_ms * RENEW_FRACTION / 1000
+        self._next_tick = time.monotonic() + interval
+
+    def _take(self, shard: int) -> None:
+        """A shard just acquired: make sure its group exists, adopt strays, sweep its PEL first."""
+        self.streams.ensure_group(shard)
+        self.streams.claim_foreign(shard, self.settings.watcher.claim_idle_ms)
+        self.cursors[shard] = ShardCursor()
+
+    def _trim_due(self) -> None:
+        now = time.monotonic()
+        for n, cursor in self.cursors.items():
+            if now - cursor.trimmed_at >= TRIM_INTERVAL_S:
+                cursor.trimmed_at = now
+                self.streams.trim(n)
+
+    # -- reading ------------------------------------------------------------------
+
+    def _read(self) -> dict[int, ReadResult]:
+        now = time.monotonic()
+        for cursor in self.cursors.values():
+            if cursor.held and not cursor.sweeping and now >= cursor.retry_at:
+                cursor.restart_sweep()
+        starts = {n: c.start for n, c in self.cursors.items() if self.leases.holds(n)}
+        if not starts:
+            return {}
+        return self.streams.read_many(starts, self.settings.watcher.batch_size)
+
+    def _wait(self, block_ms: int) -> None:
+        """Block until new entries or the next tick, whichever comes first."""
+        until_tick_ms = max(1, int((self._next_tick - time.monotonic()) * 1000))
+        block = min(block_ms, until_tick_ms)
+        tops = {n: c.top for n, c in self.cursors.items() if not c.sweeping}
+        if tops:
+            self.streams.wait(tops, block)
+        else:
+            self._stop.wait(block / 1000)
+
+    # -- one shard's batch ----------------------------------------------------------
+
+    def _handle(self, shard: int, result: ReadResult) -> int:
+        cursor = self.cursors.get(shard)
+        if cursor is None:
+            return 0
+        if result.lost:
+            self._lose(shard, "lease taken")
+            return 0
+        if result.no_group:
+            logger.warning("consumer group missing, recreating shard=%d", shard)
+            self.streams.ensure_group(shard)
+            cursor.restart_sweep()
+            return 0
+        if not result.entries:
+            if cursor.sweeping:
+                cursor.start = NEW_ENTRIES
+            cursor.top = result.top
+            return 0
+        self._apply_batch(shard, cursor, result.entries)
+        if cursor.sweeping:
+            cursor.start = _text(result.entries[-1][0])
+        return len(result.entries)
+
+    def _apply_batch(self, shard: int, cursor: ShardCursor, raw: list[RawEntry]) -> None:
+        """Apply one shard batch, then dead-letter and ack in one fenced call."""
+        outcome = BatchOutcome(self.keys.stream(shard))
+        by_session: dict[str, list[Entry]] = {}
+        for entry_id, fields in raw:
+            decoded = decode_entry(entry_id, fields, self.settings.limits.max_event_bytes)
+            if isinstance(decoded, Rejected):
+                outcome.reject(decoded.id, decoded.reason, decoded.fields)
+            else:
+                by_session.setdefault(decoded.session_id, []).append(decoded)
+        try:
+            for session_id, entries in by_session.items():
+                if session_id not in cursor.held:
+                    self._apply_session(shard, cursor, session_id, entries, outcome)
+        except LeaseLost:
+            self._lose(shard, "lease expired before the write")
+            return
+        if not self.streams.ack(shard, outcome.acks, outcome.dead):
+            self._lose(shard, "lease taken before the ack")
+
+    def _apply_session(
+        self, shard: int, cursor: ShardCursor, session_id: str, entries: list[Entry], outcome: BatchOutcome
+    ) -> None:
+        """Apply a session's entries run by run (see ``runs``); hold the session back on failure."""
+        for run in runs(entries):
+            try:
+                self._apply_run(shard, session_id, run[0].cwd, run, outcome)
+            except InvalidInput as e:
+                for entry in run:
+                    outcome.reject(entry.id, str(e), entry.fields)
+            except (LeaseLost, redis.RedisError):
+                raise
+            except CompactorError as e:  # LogWriteFailed, LogCorrupted: the disk, not the entry
+                logger.error("append failed, session held back session=%s shard=%d error=%s", session_id, shard, e)
+                cursor.hold(session_id)
+                return
+            except Exception:
+                logger.exception("apply crashed, session held back session=%s shard=%d", session_id, shard)
+                cursor.hold(session_id)
+                return
+
+    def _apply_run(self, shard: int, session_id: str, cwd: str, run: list[Entry], outcome: BatchOutcome) -> None:
+        log = self._log(session_id, cwd)
+        result = self.store.apply(
+            session_id, cwd, [e.event for e in run],
+            log=log, guard=lambda: self.leases.check(shard), cached=self._cached(session_id),
+        )
+        self._remember(session_id, result.state, log)
+        refused = {event.get("streamId"): error for event, error in result.rejected}
+        for entry in run:
+            if entry.id in refused:
+                outcome.reject(entry.id, str(refused[entry.id]), entry.fields)
+            else:
+                outcome.acks.append(entry.id)
+        if run[-1].event["type"] == "turn_end" and run[-1].id not in refused:
+            self._check_thresholds(session_id, cwd, result.state)
+        logger.debug("applied session=%s shard=%d entries=%d appended=%d duplicates=%d",
+                     session_id, shard, len(run), len(result.appended), result.duplicates)
+
+    def _check_thresholds(self, session_id: str, cwd: str, state: SessionState) -> None:
+        """SPEC §5 after a turn_end: enqueue an LLM or micro job when due (coalesced when pending)."""
+        ctx = self.settings.context
+        kind, failures = decide(state, ctx, breaker_open=False), 0
+        if kind == "llm":  # only an LLM job depends on the breaker: read it only then
+            failures = int(self.redis.get(self.keys.failures(session_id)) or 0)
+            kind = decide(state, ctx, breaker_open=failures >= ctx.max_failures)
+        if kind is None:
+            return
+        try:
+            job_id = enqueue_compaction(self.redis, self.settings, session_id, cwd, kind)
+        except redis.RedisError:
+            raise  # the entry stays pending; its redelivery checks again
+        except Exception:  # the event is in the log; the next turn_end checks again
+            logger.exception("enqueue failed session=%s kind=%s", session_id, kind)
+            return
+        logger.info("compaction triggered session=%s kind=%s job=%s estimate=%d window=%d failures=%d",
+                    session_id, kind, job_id or "coalesced", state.prompt_estimate, state.window, failures)
+
+    def _lose(self, shard: int, reason: str) -> None:
+        self.leases.forget(shard, reason)
+        self.cursors.pop(shard, None)
+
+    # -- per-session cache -------------------------------------------------------------
+
+    def _cached(self, session_id: str) -> SessionState | None:
+        cached = self._sessions.get(session_id)
+        return cached[0] if cached else None
+
+    def _log(self, session_id: str, cwd: str) -> SessionLog:
+        cached = self._sessions.get(session_id)
+        if cached is not None and cached[1].cwd == cwd:
+            return cached[1].log
+        return SessionLogRef(cwd, self.store.log(session_id, cwd)).log
+
+    def _remember(self, session_id: str, state: SessionState, log: SessionLog) -> None:
+        """Keep the state the store returned (it checks it against the log size before use)."""
+        self._sessions[session_id] = (state, SessionLogRef(state.cwd, log))
+        self._sessions.move_to_end(session_id)
+        if len(self._sessions) > STATE_CACHE_SESSIONS:
+            self._sessions.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class SessionLogRef:
+    """A session's log object with the cwd it was built for (building one validates the path)."""
+
+    cwd: str
+    log: SessionLog
+
+
+def warm_up() -> None:
+    """Load the tokenizer and litellm's model map (seconds, once) before taking any lease."""
+    get_encoding(DEFAULT_ENCODING)
+    model_max_input_tokens(WARM_UP_MODEL)
+
+
+def default_name() -> str:
+    """``{hostname}-{pid}``: a label for logs and the registry (leases add a random token)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def bytes_client(client: redis.Redis) -> redis.Redis:
+    """``client`` itself when it returns bytes, else a twin that does (entries may hold invalid UTF-8)."""
+    pool = client.connection_pool
+    kwargs: dict[str, Any] = dict(pool.connection_kwargs)
+    if not kwargs.get("decode_responses"):
+        return client
+    kwargs["decode_responses"] = False
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, **kwargs))
+
+
+def main(settings: Settings, *, name: str | None = None) -> None:
+    """Run a watcher until SIGTERM/SIGINT (``compactor watch``); needs ``redis.url``."""
+    if not settings.redis.url:
+        raise InvalidConfig("redis.url", "the watcher alone needs a Redis URL (`compactor serve` embeds one)")
+    stop = threading.Event()
+
+    def _stop(signum: int, _frame: FrameType | None) -> None:
+        logger.info("watcher stopping signal=%s", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    client = redis.Redis.from_url(settings.redis.url)
+    try:
+        Watcher(client, settings, name=name).run(stop)
+    finally:
+        client.close()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,155 @@
+"""Turning a raw stream entry into an event for the log, or a reason to dead-letter it.
+
+Invariants:
+- Decoding is pure: the same entry always yields the same result, so a
+  redelivered entry produces the very same log line. A missing ``uuid`` is
+  uuid5 of the session and entry id; a missing ``timestamp`` is the entry
+  id's time (when Redis received it).
+- Every line carries ``streamId`` (the entry id), which the store uses to drop
+  a redelivered entry it already applied. A producer's ``streamId`` is replaced.
+- An entry is rejected, never raised on: missing field, invalid UTF-8,
+  oversize event, invalid JSON, not an object, unknown type, a field that
+  fails the wire model, a bad session id or cwd, an event naming another
+  session or cwd. The reason says which.
+- ``session_meta`` lines get ``sessionId`` and ``cwd`` from the entry (SPEC §3
+  lists them on that line); other events never carry them.
+"""
+
+from __future__ import annotations
+
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from events.errors import InvalidInput
+from events.models import (
+    parse_event,
+    to_wire,
+    validate_cwd,
+    validate_session_id,
+    with_identity,
+)
+
+REQUIRED_FIELDS = (b"session", b"cwd", b"event")
+IDENTITY_FIELDS = {"sessionId": "session", "cwd": "cwd"}
+# Namespace of the uuids derived from entry ids (fixed forever: logs depend on it).
+ENTRY_UUID_NAMESPACE = uuidlib.UUID("6f1c2d1e-4b7a-5c52-9f0e-3c2a8d7b9e41")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A valid entry: whose it is and the event dict to append."""
+
+    id: str
+    session_id: str
+    cwd: str
+    event: dict[str, Any]
+    fields: list[bytes] = field(repr=False, default_factory=list)  # as received, for a dead letter
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """An entry to dead-letter with ``reason``; ``fields`` as received (flat k, v list)."""
+
+    id: str
+    reason: str
+    fields: list[bytes]
+
+
+Decoded = Entry | Rejected
+
+
+class _Reject(Exception):
+    pass
+
+
+def decode_entry(entry_id: bytes | str, fields: list[bytes] | None, max_event_bytes: int) -> Decoded:
+    """Validate one raw entry (flat field list as Redis returned it)."""
+    eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    raw = fields or []
+    try:
+        return _decode(eid, raw, max_event_bytes)
+    except _Reject as e:
+        return Rejected(eid, str(e), raw)
+
+
+def _decode(eid: str, raw: list[bytes], max_event_bytes: int) -> Entry:
+    if not raw:
+        raise _Reject("entry has no fields (deleted from the stream before it was applied)")
+    values = _field_map(raw)
+    event_bytes = values[b"event"]
+    if len(event_bytes) > max_event_bytes:
+        raise _Reject(f"event is {len(event_bytes)} bytes, more than limits.maxEventBytes ({max_event_bytes})")
+    session_id, cwd = _text(values, b"session"), _text(values, b"cwd")
+    try:
+        validate_session_id(session_id)
+        validate_cwd(cwd)
+    except InvalidInput as e:
+        raise _Reject(str(e)) from e
+    data = _json_object(event_bytes)
+    return Entry(eid, session_id, cwd, _wire_event(eid, session_id, cwd, data), raw)
+
+
+def _field_map(raw: list[bytes]) -> dict[bytes, bytes]:
+    values = {_bytes(raw[i]): _bytes(raw[i + 1]) for i in range(0, len(raw) - 1, 2)}
+    for name in REQUIRED_FIELDS:
+        if name not in values:
+            raise _Reject(f"missing field {name.decode()!r}")
+    return values
+
+
+def _text(values: dict[bytes, bytes], name: bytes) -> str:
+    try:
+        return values[name].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Reject(f"invalid UTF-8 in field {name.decode()!r} at byte {e.start}") from e
+
+
+def _json_object(event_bytes: bytes) -> Any:
+    try:
+        event_bytes.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Reject(f"invalid UTF-8 in field 'event' at byte {e.start}") from e
+    try:
+        return orjson.loads(event_bytes)
+    except orjson.JSONDecodeError as e:
+        raise _Reject(f"invalid JSON in field 'event': {e}") from e
+
+
+def _wire_event(eid: str, session_id: str, cwd: str, data: Any) -> dict[str, Any]:
+    try:
+        event = parse_event(data)
+    except InvalidInput as e:
+        raise _Reject(str(e)) from e
+    stamped = with_identity(event, uuid=entry_uuid(session_id, eid), timestamp=entry_timestamp(eid))
+    wire = to_wire(stamped)
+    _check_identity(wire, {"sessionId": session_id, "cwd": cwd})
+    if wire["type"] == "session_meta":
+        wire["sessionId"], wire["cwd"] = session_id, cwd
+    wire["streamId"] = eid
+    return wire
+
+
+def _check_identity(wire: dict[str, Any], expected: dict[str, str]) -> None:
+    for name, entry_field in IDENTITY_FIELDS.items():
+        if name in wire and wire.pop(name) != expected[name]:
+            raise _Reject(f"{name}: differs from the entry's {entry_field!r} field")
+
+
+def entry_uuid(session_id: str, entry_id: str) -> str:
+    """The uuid of an entry's event when the producer sent none (stable across redeliveries)."""
+    return str(uuidlib.uuid5(ENTRY_UUID_NAMESPACE, f"{session_id}/{entry_id}"))
+
+
+def entry_timestamp(entry_id: str) -> str:
+    """The time Redis stamped on the entry id, as ISO-8601 UTC with milliseconds."""
+    ms = int(entry_id.partition("-")[0])
+    moment = datetime.fromtimestamp(ms / 1000, tz=UTC)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value.encode("utf-8", "surrogateescape") if isinstance(value, str) else value

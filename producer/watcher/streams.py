@@ -1,0 +1,225 @@
+"""The watcher's Redis stream operations on one shard, each fenced by the shard's lease.
+
+Invariants:
+- Every shard stream has the consumer group ``{p}-watchers`` with a single
+  consumer, ``shard-{n}``, which only the lease holder reads. So the shard's
+  unacked entries are exactly that consumer's PEL, in stream order, and a new
+  owner resumes by reading the PEL from ``0`` before any new entry.
+- Reads are ``XREADGROUP`` inside a Lua script that first checks the lease: a
+  watcher that paused past its lease cannot move entries into the PEL of a
+  shard someone else now owns. (Blocking happens outside, with a plain
+  ``XREAD BLOCK`` that touches no group state.)
+- Acks and dead letters are one script per batch, also fenced: an entry is
+  dead-lettered and acked together or not at all.
+- Groups are created with ``MKSTREAM`` from id ``0`` (entries published before
+  any watcher ran are read); a ``NOGROUP`` error means Redis lost them, and the
+  group is recreated the same way.
+- Trimming keeps every entry at or above the oldest one any group still needs
+  (its oldest pending entry, else its last-delivered one), so a pending entry
+  is never trimmed.
+- ``claim_foreign`` moves entries left pending under any other consumer name
+  (an older deployment, a hand-run reader) into ``shard-{n}`` with XAUTOCLAIM
+  once idle for ``claimIdleMs``, and deletes such consumers only when they are
+  idle and hold nothing. Valkey 8 / Redis < 8.4 have
+  no ``XREADGROUP ... CLAIM``, so redis-py's ``claim_min_idle_time`` is not used.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from compactor.keys import Keys
+
+logger = logging.getLogger(__name__)
+
+NEW_ENTRIES = ">"
+PEL_START = "0-0"
+DEAD_LETTER_MAXLEN = 100_000  # approximate cap of {p}:dead
+ACK_CHUNK = 1000  # ids per XACK call inside the script (Lua's unpack limit)
+
+# KEYS: lease, stream; ARGV: owner, group, consumer, count, start id.
+# -1: not our lease; {entries}: what was read; a string: nothing to read, the stream's top id.
+_READ = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local r = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', ARGV[4], 'STREAMS', KEYS[2], ARGV[5])
+if r and #r[1][2] > 0 then return r[1][2] end
+local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+if top[1] then return top[1][1] end
+return '0-0'
+"""
+
+# KEYS: lease, stream, dead; ARGV: owner, group, dead maxlen, n ids, ids...,
+# then per dead letter: 2k, field1, value1, ... fieldk, valuek. -1: not our lease.
+_ACK = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local n = tonumber(ARGV[4])
+local i = 5 + n
+while i <= #ARGV do
+  local c = tonumber(ARGV[i])
+  local args = {'XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*'}
+  for j = i + 1, i + c do args[#args + 1] = ARGV[j] end
+  redis.call(unpack(args))
+  i = i + c + 1
+end
+local acked = 0
+local first = 5
+while first < 5 + n do
+  local last = math.min(first + ACK_CHUNK - 1, 4 + n)
+  acked = acked + redis.call('XACK', KEYS[2], ARGV[2], unpack(ARGV, first, last))
+  first = last + 1
+end
+return acked
+""".replace("ACK_CHUNK", str(ACK_CHUNK))
+
+# KEYS: lease, stream; ARGV: owner. Trims below the oldest entry any group needs.
+_TRIM = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+local function key(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function older(a, b)
+  local am, as = key(a)
+  local bm, bs = key(b)
+  return am < bm or (am == bm and as < bs)
+end
+local floor = nil
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
+  local info = {}
+  for k = 1, #g, 2 do info[g[k]] = g[k + 1] end
+  local need = info['last-delivered-id']
+  if tonumber(info['pending']) > 0 then
+    need = redis.call('XPENDING', KEYS[2], info['name'])[2]
+  end
+  if floor == nil or older(need, floor) then floor = need end
+end
+if floor == nil or floor == '0-0' then return 0 end
+return redis.call('XTRIM', KEYS[2], 'MINID', '~', floor)
+"""
+
+Fields = list[bytes]
+RawEntry = tuple[bytes, Fields | None]
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """One fenced read: ``entries`` in stream order, ``top`` when there were none, ``lost`` lease."""
+
+    entries: list[RawEntry]
+    top: str = PEL_START
+    lost: bool = False
+    no_group: bool = False
+
+
+class ShardStreams:
+    """Fenced reads, acks, dead letters and trims on the shard streams of one prefix."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, owner: str) -> None:
+        self.redis = client
+        self.keys = keys
+        self.owner = owner
+        self._read = client.register_script(_READ)
+        self._ack = client.register_script(_ACK)
+        self._trim = client.register_script(_TRIM)
+
+    def ensure_group(self, shard: int) -> None:
+        """Create the shard's group (and stream) reading from the start; no-op when it exists."""
+        try:
+            self.redis.xgroup_create(self.keys.stream(shard), self.keys.group, id="0", mkstream=True)
+            logger.info("consumer group created shard=%d group=%s", shard, self.keys.group)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def read_many(self, starts: dict[int, str], count: int) -> dict[int, ReadResult]:
+        """Read up to ``count`` entries of each shard from its start id, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        shards = list(starts)
+        for n in shards:
+            self._read(
+                keys=[self.keys.lease(n), self.keys.stream(n)],
+                args=[self.owner, self.keys.group, self.keys.consumer(n), count, starts[n]],
+                client=pipe,
+            )
+        replies = pipe.execute(raise_on_error=False)
+        return {n: self._result(n, reply) for n, reply in zip(shards, replies)}
+
+    def _result(self, shard: int, reply: Any) -> ReadResult:
+        if isinstance(reply, redis.ResponseError):
+            if "NOGROUP" in str(reply):
+                return ReadResult([], no_group=True)
+            raise reply
+        if reply == -1:
+            return ReadResult([], lost=True)
+        if isinstance(reply, (bytes, str)):
+            return ReadResult([], top=_text(reply))
+        return ReadResult([(entry[0], entry[1] or None) for entry in reply])
+
+    def ack(self, shard: int, ids: list[str], dead: list[list[bytes]]) -> bool:
+        """Dead-letter ``dead`` (flat field lists) and XACK ``ids`` atomically; False when not our lease."""
+        if not ids and not dead:
+            return True
+        args: list[Any] = [self.owner, self.keys.group, DEAD_LETTER_MAXLEN, len(ids), *ids]
+        for fields in dead:
+            args += [len(fields), *fields]
+        keys = [self.keys.lease(shard), self.keys.stream(shard), self.keys.dead]
+        try:
+            return int(self._ack(keys=keys, args=args)) >= 0
+        except redis.ResponseError as e:
+            if "NOGROUP" in str(e):
+                return True  # Redis lost the group: nothing is pending any more
+            raise
+
+    def trim(self, shard: int) -> int:
+        """Drop entries no group needs any more; the number trimmed."""
+        trimmed = int(self._trim(keys=[self.keys.lease(shard), self.keys.stream(shard)], args=[self.owner]))
+        if trimmed > 0:
+            logger.debug("trimmed shard=%d entries=%d", shard, trimmed)
+        return max(0, trimmed)
+
+    def wait(self, tops: dict[int, str], block_ms: int) -> bool:
+        """Block until an entry newer than ``tops`` arrives on any shard; True when one did."""
+        if not tops or block_ms <= 0:
+            return False
+        streams: dict[Any, Any] = {self.keys.stream(n): top for n, top in tops.items()}
+        return bool(self.redis.xread(streams, count=1, block=block_ms))
+
+    def claim_foreign(self, shard: int, min_idle_ms: int) -> int:
+        """Move entries idle under other consumer names into ``shard-{n}``; the number moved.
+
+        Consumers left with nothing pending and idle that long are deleted.
+        """
+        stream, group, mine = self.keys.stream(shard), self.keys.group, self.keys.consumer(shard)
+        try:
+            consumers = self.redis.xinfo_consumers(stream, group)
+        except redis.ResponseError:
+            return 0
+        foreign = [c for c in consumers if _text(c["name"]) != mine]
+        moved = 0
+        if any(int(c["pending"]) for c in foreign):
+            moved = self._autoclaim_all(stream, group, mine, min_idle_ms)
+        for c in self.redis.xinfo_consumers(stream, group) if foreign else []:
+            if _text(c["name"]) != mine and int(c["pending"]) == 0 and int(c["idle"]) >= min_idle_ms:
+                self.redis.xgroup_delconsumer(stream, group, c["name"])
+        if moved:
+            logger.warning("claimed foreign entries shard=%d entries=%d", shard, moved)
+        return moved
+
+    def _autoclaim_all(self, stream: str, group: str, consumer: str, min_idle_ms: int) -> int:
+        start, moved = PEL_START, 0
+        while True:
+            reply = self.redis.xautoclaim(stream, group, consumer, min_idle_time=min_idle_ms,
+                                          start_id=start, count=1000, justid=True)
+            start, ids = _text(reply[0]), reply[1]
+            moved += len(ids)
+            if start == PEL_START:
+                return moved
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

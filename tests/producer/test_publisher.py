@@ -1,0 +1,124 @@
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from compactor.keys import Keys
+from compactor.queue import parse_job_id, pending_job_id
+from events.config import Settings
+from events.errors import InvalidEvent
+from events.models import UserEvent
+from producer.publisher import Publisher
+from tests.producer.conftest import CWD, turn_end, user
+
+
+def entries(r: redis.Redis, settings: Settings, session_id: str) -> list[dict[bytes, bytes]]:
+    stream = Keys(settings.redis.prefix, settings.redis.shards).stream_for(session_id)
+    return [fields for _, fields in r.xrange(stream)]
+
+
+def test_publish_xadds_session_cwd_and_compact_event_json(r: redis.Redis, settings: Settings) -> None:
+    ids = Publisher(r, settings).publish("s1", CWD, [user(1), turn_end(1, window=1000)])
+    assert len(ids) == 2 and ids[0] < ids[1]
+    [first, second] = entries(r, settings, "s1")
+    assert set(first) == {b"session", b"cwd", b"event"}
+    assert first[b"session"] == b"s1" and first[b"cwd"] == CWD.encode()
+    assert first[b"event"] == b'{"type":"user","turnId":1,"content":"hello world"}'
+    assert orjson.loads(second[b"event"]) == {"type": "turn_end", "turnId": 1, "model": "gpt-4",
+                                              "contextWindow": 1000}
+
+
+def test_publish_accepts_a_single_event_and_a_model(r: redis.Redis, settings: Settings) -> None:
+    publisher = Publisher(r, settings)
+    assert len(publisher.publish("s1", CWD, user(1))) == 1
+    assert len(publisher.publish("s1", CWD, UserEvent(type="user", turn_id=1, content="x"))) == 1
+    assert [orjson.loads(e[b"event"])["content"] for e in entries(r, settings, "s1")] == ["hello world", "x"]
+
+
+def test_publish_keeps_unknown_fields_and_producer_uuid(r: redis.Redis, settings: Settings) -> None:
+    Publisher(r, settings).publish("s1", CWD, {**user(1), "uuid": "u-1", "extra": {"a": 1}})
+    event = orjson.loads(entries(r, settings, "s1")[0][b"event"])
+    assert event["uuid"] == "u-1" and event["extra"] == {"a": 1}
+
+
+def test_publish_is_all_or_nothing_and_names_index_and_field(r: redis.Redis, settings: Settings) -> None:
+    bad: dict[str, Any] = {"type": "user", "turnId": "2", "content": "x"}
+    with pytest.raises(InvalidEvent) as caught:
+        Publisher(r, settings).publish("s1", CWD, [user(1), bad])
+    assert caught.value.index == 1 and caught.value.field == "turnId"
+    assert "events[1].turnId" in str(caught.value)
+    assert entries(r, settings, "s1") == []
+
+
+@pytest.mark.parametrize("event, field", [
+    ({"type": "nope"}, "type"),
+    ([1, 2], "event"),
+    ({"type": "user", "turnId": 1}, "content"),
+    ({"type": "user", "turnId": 1, "content": "x", "sessionId": "other"}, "sessionId"),
+    ({"type": "user", "turnId": 1, "content": "x", "cwd": "/elsewhere"}, "cwd"),
+])
+def test_publish_rejects_bad_events(r: redis.Redis, settings: Settings, event: Any, field: str) -> None:
+    with pytest.raises(InvalidEvent) as caught:
+        Publisher(r, settings).publish("s1", CWD, [event])
+    assert caught.value.field == field and caught.value.index == 0
+
+
+def test_publish_drops_matching_session_id_and_cwd_from_the_event(r: redis.Redis, settings: Settings) -> None:
+    meta = {"type": "session_meta", "sessionId": "s1", "cwd": CWD, "model": "gpt-4"}
+    Publisher(r, settings).publish("s1", CWD, meta)
+    assert orjson.loads(entries(r, settings, "s1")[0][b"event"]) == {"type": "session_meta", "model": "gpt-4"}
+
+
+@pytest.mark.parametrize("session_id, cwd, field", [
+    ("bad id", CWD, "sessionId"), ("-lead", CWD, "sessionId"), ("s1", "relative/dir", "cwd"), ("s1", "", "cwd"),
+])
+def test_publish_rejects_bad_session_id_or_cwd(
+    r: redis.Redis, settings: Settings, session_id: str, cwd: str, field: str
+) -> None:
+    with pytest.raises(InvalidEvent) as caught:
+        Publisher(r, settings).publish(session_id, cwd, [user(1)])
+    assert caught.value.field == field
+    assert r.keys("*") == []
+
+
+def test_publish_rejects_an_event_over_max_event_bytes(r: redis.Redis, settings: Settings) -> None:
+    small = settings.model_copy(update={"limits": settings.limits.model_copy(update={"max_event_bytes": 1024})})
+    publisher = Publisher(r, small)
+    publisher.publish("s1", CWD, user(1, "x" * 900))
+    with pytest.raises(InvalidEvent) as caught:
+        publisher.publish("s1", CWD, [user(1), user(1, "x" * 1100)])
+    assert caught.value.index == 1 and "maxEventBytes" in str(caught.value)
+    assert len(entries(r, settings, "s1")) == 1
+
+
+def test_end_turn_publishes_a_turn_end(r: redis.Redis, settings: Settings) -> None:
+    Publisher(r, settings).end_turn("s1", CWD, 3, "gpt-4o", context_window=5000)
+    Publisher(r, settings).end_turn("s1", CWD, 4, "gpt-4o")
+    events = [orjson.loads(e[b"event"]) for e in entries(r, settings, "s1")]
+    assert events == [
+        {"type": "turn_end", "turnId": 3, "model": "gpt-4o", "contextWindow": 5000},
+        {"type": "turn_end", "turnId": 4, "model": "gpt-4o"},
+    ]
+
+
+def test_request_compaction_enqueues_a_forced_llm_job(r: redis.Redis, settings: Settings) -> None:
+    job_id = Publisher(r, settings).request_compaction("s1", CWD)
+    assert job_id is not None and parse_job_id(job_id)[1:] == ("llm", "s1")  # type: ignore[index]
+    import rq
+
+    assert job_id in rq.Queue(settings.redis.prefix, connection=r).job_ids
+
+
+def test_request_compaction_unforced_coalesces_while_one_is_pending(r: redis.Redis, settings: Settings) -> None:
+    publisher = Publisher(r, settings)
+    first = publisher.request_compaction("s1", CWD, forced=False)
+    assert first is not None and pending_job_id(r, settings, "s1") == first
+    assert publisher.request_compaction("s1", CWD, forced=False) is None
+
+
+def test_request_compaction_validates_the_session(r: redis.Redis, settings: Settings) -> None:
+    with pytest.raises(InvalidEvent):
+        Publisher(r, settings).request_compaction("../etc", CWD)

@@ -1,0 +1,202 @@
+"""The watcher in-process: ordering, exactly-once, redelivery, fencing, group loss, held-back sessions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from compactor.keys import Keys
+from events.config import Settings
+from events.errors import LogWriteFailed
+from events.log import SessionLog
+from events.tokens import count_tokens
+from producer.publisher import Publisher
+from producer.watcher import Watcher
+from producer.watcher.entries import entry_uuid
+from tests.producer.conftest import (
+    CWD,
+    backlog,
+    drain,
+    fast_settings,
+    log_lines,
+    sessions_on_shard,
+    turn_end,
+    user,
+)
+
+
+def publish_turns(publisher: Publisher, sessions: list[str], turns: int) -> dict[str, list[str]]:
+    """Interleave ``turns`` turns (user + turn_end) of every session; the stream ids per session."""
+    ids: dict[str, list[str]] = {sid: [] for sid in sessions}
+    for turn in range(1, turns + 1):
+        for sid in sessions:
+            ids[sid] += publisher.publish(sid, CWD, [user(turn, f"{sid} turn {turn}"), turn_end(turn)])
+    return ids
+
+
+def assert_applied_once_in_order(settings: Settings, published: dict[str, list[str]]) -> None:
+    for sid, ids in published.items():
+        lines = log_lines(settings, sid)
+        assert [line["streamId"] for line in lines] == ids, sid
+
+
+def test_two_sessions_per_shard_are_applied_in_order_exactly_once(
+    r: redis.Redis, tmp_path: Path, redis_url: str
+) -> None:
+    settings = fast_settings(tmp_path / "data", redis_url, shards=2, batch_size=7)
+    sessions = sessions_on_shard(settings, 0, 2) + sessions_on_shard(settings, 1, 2)
+    published = publish_turns(Publisher(r, settings), sessions, turns=25)
+    watcher = Watcher(r, settings, name="w")
+    drain(watcher, r, settings)
+    assert_applied_once_in_order(settings, published)
+    line = log_lines(settings, sessions[0])[0]
+    assert line["uuid"] == entry_uuid(sessions[0], line["streamId"])
+    assert line["timestamp"].endswith("Z")
+    assert line["tokenCount"] == count_tokens(f"{sessions[0]} turn 1", "cl100k_base") + 4
+    watcher.close()
+
+
+def test_entries_redelivered_after_a_crash_before_the_ack_are_not_applied_twice(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    published = publish_turns(Publisher(r, fast), ["a1", "b2", "c3"], turns=10)
+    crashed = Watcher(r, fast, name="crashed")
+
+    def crash(*args: Any) -> bool:
+        raise redis.ConnectionError("killed before the ack")
+
+    monkeypatch.setattr(crashed.streams, "ack", crash)
+    crashed.run_once()
+    with pytest.raises(redis.ConnectionError):
+        while True:
+            crashed.run_once()
+    assert sum(len(log_lines(fast, sid)) for sid in published) > 0
+    assert backlog(r, fast) == 60  # everything still pending
+    for n in list(crashed.leases.owned):  # the process died: its leases lapse
+        r.delete(Keys().lease(n))
+    successor = Watcher(r, fast, name="successor")
+    drain(successor, r, fast)
+    assert_applied_once_in_order(fast, published)
+
+
+def test_a_watcher_whose_lease_was_taken_writes_and_acks_nothing(r: redis.Redis, fast: Settings) -> None:
+    watcher = Watcher(r, fast, name="old")
+    watcher.run_once()
+    assert len(watcher.leases.owned) == 8
+    for n in range(8):
+        r.set(Keys().lease(n), "someone-else")
+    published = publish_turns(Publisher(r, fast), ["a1"], turns=2)
+    assert watcher.run_once() == 0
+    assert log_lines(fast, "a1") == [] and not watcher.leases.owned
+    for n in range(8):
+        r.delete(Keys().lease(n))
+    drain(Watcher(r, fast, name="new"), r, fast)
+    assert_applied_once_in_order(fast, published)
+
+
+def test_a_lease_that_expires_while_the_batch_is_in_hand_stops_the_write(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    watcher = Watcher(r, fast, name="paused")
+    watcher.run_once()
+    published = publish_turns(Publisher(r, fast), ["a1"], turns=1)
+    shard = Keys().shard_of("a1")
+    read_many = watcher.streams.read_many
+
+    def read_then_pause(*args: Any) -> Any:
+        results = read_many(*args)
+        watcher.leases.owned[shard].valid_until = 0.0  # paused past its lease...
+        watcher.leases.owned[shard].renewed_at = 1e18  # ...(no renewal on the spot)
+        r.set(Keys().lease(shard), "taker")  # ...and another watcher took the shard
+        return results
+
+    monkeypatch.setattr(watcher.streams, "read_many", read_then_pause)
+    assert watcher.run_once() == 2
+    assert log_lines(fast, "a1") == [] and shard not in watcher.leases.owned
+    assert backlog(r, fast) == 2
+    r.delete(Keys().lease(shard))
+    drain(Watcher(r, fast, name="taker"), r, fast)
+    assert_applied_once_in_order(fast, published)
+
+
+def test_lost_stream_and_group_are_recreated(r: redis.Redis, fast: Settings) -> None:
+    publisher = Publisher(r, fast)
+    watcher = Watcher(r, fast, name="w")
+    first = publish_turns(publisher, ["a1"], turns=1)
+    drain(watcher, r, fast)
+    r.delete(Keys().stream_for("a1"))  # Redis lost the stream and its group
+    watcher.run_once()
+    second = publish_turns(publisher, ["a1"], turns=3)
+    second["a1"] = second["a1"][2:]  # turn 1 again: its turnId goes backwards now
+    drain(watcher, r, fast)
+    assert [line["streamId"] for line in log_lines(fast, "a1")] == first["a1"] + second["a1"]
+    assert r.xinfo_groups(Keys().stream_for("a1"))[0]["name"] == Keys().group.encode()
+
+
+def test_a_session_whose_append_fails_is_held_back_and_retried_in_order(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    published = publish_turns(Publisher(r, fast), ["full", "fine"], turns=3)
+    original = SessionLog.append
+    failures = {"left": 2}
+
+    def append(self: SessionLog, events: list[dict[str, Any]]) -> int:
+        if self.path.stem == "full" and failures["left"] > 0:
+            failures["left"] -= 1
+            raise LogWriteFailed("No space left on device")
+        return original(self, events)
+
+    monkeypatch.setattr(SessionLog, "append", append)
+    watcher = Watcher(r, fast, name="w")
+    watcher.run_once()
+    watcher.run_once()
+    assert [line["streamId"] for line in log_lines(fast, "fine")] == published["fine"]
+    assert log_lines(fast, "full") == [] and backlog(r, fast) == 6
+    more = publish_turns(Publisher(r, fast), ["full"], turns=4)["full"][6:]
+    drain(watcher, r, fast)
+    assert failures["left"] == 0
+    assert [line["streamId"] for line in log_lines(fast, "full")] == published["full"] + more
+
+
+def test_graceful_stop_releases_leases_and_leaves_the_registry(r: redis.Redis, fast: Settings) -> None:
+    import threading
+
+    stop = threading.Event()
+    watcher = Watcher(r, fast, name="w")
+    thread = threading.Thread(target=watcher.run, args=(stop,))
+    thread.start()
+    published = publish_turns(Publisher(r, fast), ["a1", "b2"], turns=3)
+    while backlog(r, fast) or not log_lines(fast, "b2") or len(log_lines(fast, "b2")) < 6:
+        thread.join(0.02)
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert_applied_once_in_order(fast, published)
+    assert [k for k in r.keys("compaction:lease:*")] == []
+    assert r.zcard(Keys().watchers) == 0
+
+
+def test_session_meta_gets_session_id_and_cwd_back_on_its_line(r: redis.Redis, fast: Settings) -> None:
+    Publisher(r, fast).publish("a1", CWD, {"type": "session_meta", "model": "gpt-4", "uuid": "m-1"})
+    drain(Watcher(r, fast, name="w"), r, fast)
+    [line] = log_lines(fast, "a1")
+    assert (line["sessionId"], line["cwd"], line["uuid"], line["model"]) == ("a1", CWD, "m-1", "gpt-4")
+
+
+def test_trimming_keeps_pending_entries(r: redis.Redis, fast: Settings) -> None:
+    publisher = Publisher(r, fast)
+    watcher = Watcher(r, fast, name="w")
+    publish_turns(publisher, ["a1"], turns=50)
+    drain(watcher, r, fast)
+    shard = Keys().shard_of("a1")
+    stream = Keys().stream(shard)
+    r.xreadgroup(Keys().group, Keys().consumer(shard), {stream: ">"})  # nothing new: no-op
+    pending_ids = publisher.publish("a1", CWD, [user(51), turn_end(51)])
+    r.xreadgroup(Keys().group, "hand-run", {stream: ">"})  # delivered, never acked
+    watcher.streams.trim(shard)
+    remaining = [entry_id.decode() for entry_id, _ in r.xrange(stream)]
+    assert set(pending_ids) <= set(remaining)
+    assert len(remaining) < 102

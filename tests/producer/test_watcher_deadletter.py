@@ -1,0 +1,112 @@
+"""Every kind of bad entry goes to ``{p}:dead`` with its reason and is acked; good ones still apply."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+
+from compactor.keys import Keys
+from events.config import Settings
+from producer.publisher import Publisher
+from producer.watcher import Watcher
+from producer.watcher.entries import Rejected, decode_entry
+from tests.producer.conftest import (
+    CWD,
+    backlog,
+    drain,
+    fast_settings,
+    log_lines,
+    turn_end,
+    user,
+)
+
+GOOD = orjson.dumps(user(1))
+
+
+def raw(r: redis.Redis, fields: dict[str, bytes | str], session_id: str = "s1") -> str:
+    entry_id = r.xadd(Keys().stream_for(session_id), fields)
+    return entry_id.decode()
+
+
+def dead_letters(r: redis.Redis) -> list[dict[bytes, bytes]]:
+    return [fields for _, fields in r.xrange(Keys().dead)]
+
+
+@pytest.fixture
+def small(tmp_path: Path, redis_url: str) -> Settings:
+    return fast_settings(tmp_path / "data", redis_url, limits={"maxEventBytes": 1024})
+
+
+@pytest.mark.parametrize("fields, reason", [
+    ({"session": "s1", "cwd": CWD, "event": b"{not json"}, "invalid JSON"),
+    ({"session": "s1", "cwd": CWD, "event": b"[1, 2]"}, "must be a JSON object"),
+    ({"session": "s1", "cwd": CWD, "event": b'{"type": "bogus"}'}, "type: must be one of"),
+    ({"session": "s1", "cwd": CWD, "event": b'{"type": "user", "turnId": 0, "content": "x"}'}, "turnId"),
+    ({"cwd": CWD, "event": GOOD}, "missing field 'session'"),
+    ({"session": "s1", "event": GOOD}, "missing field 'cwd'"),
+    ({"session": "s1", "cwd": CWD}, "missing field 'event'"),
+    ({"session": "bad id!", "cwd": CWD, "event": GOOD}, "sessionId: must match"),
+    ({"session": "s1", "cwd": "relative/dir", "event": GOOD}, "cwd: must be an absolute path"),
+    ({"session": "s1", "cwd": CWD, "event": b'{"type":"user","turnId":1,"content":"\xff"}'}, "invalid UTF-8 in field 'event'"),
+    ({"session": b"s\xff1", "cwd": CWD, "event": GOOD}, "invalid UTF-8 in field 'session'"),
+    ({"session": "s1", "cwd": CWD, "event": orjson.dumps(user(1, "x" * 2000))}, "more than limits.maxEventBytes"),
+    ({"session": "s1", "cwd": CWD, "event": orjson.dumps({**user(1), "sessionId": "s2"})}, "sessionId: differs"),
+])
+def test_bad_entry_is_dead_lettered_with_its_reason_and_acked(
+    r: redis.Redis, small: Settings, fields: dict[str, bytes | str], reason: str
+) -> None:
+    bad_id = raw(r, fields)
+    good = Publisher(r, small).publish("s1", CWD, [user(1), turn_end(1)])
+    drain(Watcher(r, small, name="w"), r, small)
+    [dead] = dead_letters(r)
+    assert reason in dead[b"reason"].decode()
+    assert dead[b"id"].decode() == bad_id and dead[b"stream"].decode() == Keys().stream_for("s1")
+    for name, value in fields.items():
+        assert dead[name.encode()] == (value.encode() if isinstance(value, str) else value)
+    assert [line["streamId"] for line in log_lines(small, "s1")] == good
+    assert backlog(r, small) == 0
+
+
+def test_turn_id_going_backwards_is_dead_lettered(r: redis.Redis, small: Settings) -> None:
+    publisher = Publisher(r, small)
+    good = publisher.publish("s1", CWD, [user(1), turn_end(1), user(2)])
+    back = publisher.publish("s1", CWD, [user(1, "late")])
+    later = publisher.publish("s1", CWD, [turn_end(2)])
+    drain(Watcher(r, small, name="w"), r, small)
+    [dead] = dead_letters(r)
+    assert "goes backwards" in dead[b"reason"].decode() and dead[b"id"].decode() == back[0]
+    assert [line["streamId"] for line in log_lines(small, "s1")] == good + later
+
+
+def test_a_session_seen_with_another_cwd_is_dead_lettered(r: redis.Redis, small: Settings) -> None:
+    publisher = Publisher(r, small)
+    watcher = Watcher(r, small, name="w")
+    good = publisher.publish("s1", CWD, [user(1)])
+    drain(watcher, r, small)
+    other = publisher.publish("s1", "/another/project", [user(1), turn_end(1)])
+    more = publisher.publish("s1", CWD, [turn_end(1)])
+    drain(watcher, r, small)
+    reasons = {d[b"id"].decode(): d[b"reason"].decode() for d in dead_letters(r)}
+    assert set(reasons) == set(other) and all("bound to cwd" in reason for reason in reasons.values())
+    assert [line["streamId"] for line in log_lines(small, "s1")] == good + more
+    assert log_lines(small, "s1", "/another/project") == []
+    # A fresh watcher (no in-memory state) refuses it too: the binding lives in Redis.
+    publisher.publish("s1", "/another/project", [user(2)])
+    drain(Watcher(r, small, name="w2"), r, small)
+    assert len(dead_letters(r)) == 3
+
+
+def test_decoding_is_deterministic_and_fills_identity() -> None:
+    fields = [b"session", b"s1", b"cwd", CWD.encode(), b"event", GOOD]
+    first, second = decode_entry(b"1700000000000-5", fields, 1024), decode_entry("1700000000000-5", fields, 1024)
+    assert first == second and not isinstance(first, Rejected)
+    assert first.event["timestamp"] == "2023-11-14T22:13:20.000Z"
+    assert first.event["streamId"] == "1700000000000-5"
+
+
+def test_a_deleted_pending_entry_is_dead_lettered() -> None:
+    decoded = decode_entry(b"1-0", None, 1024)
+    assert isinstance(decoded, Rejected) and "deleted" in decoded.reason

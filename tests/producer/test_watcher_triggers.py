@@ -1,0 +1,127 @@
+"""SPEC §5 thresholds after a turn_end: strictly above 0.9·W -> LLM job, above 0.25·W with candidates -> micro."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+import rq
+
+from compactor.keys import Keys
+from compactor.queue import parse_job_id, pending_job_id
+from events.config import Settings
+from events.models import parse_event, to_wire
+from events.tokens import count_tokens, event_tokens
+from producer.publisher import Publisher
+from producer.watcher import Watcher
+from tests.producer.conftest import CWD, drain, turn_end, user
+
+ENCODING = "cl100k_base"  # gpt-4's
+WINDOW = 1000
+OUTPUT = "a line of file content\n" * 10  # 230 characters of a compactable tool
+
+
+def tokens(events: list[dict[str, Any]]) -> int:
+    return sum(event_tokens(to_wire(parse_event(e)), ENCODING) for e in events)
+
+
+def padded_user(turn: int, total: int) -> dict[str, Any]:
+    """A user event contributing exactly ``total`` tokens (content + 4)."""
+    content = "hello" + " hello" * (total - 5)
+    assert count_tokens(content, ENCODING) + 4 == total
+    return user(turn, content)
+
+
+def tool_turn(turn: int, tool: str = "read_file") -> list[dict[str, Any]]:
+    call = {"id": f"c{turn}", "name": tool, "arguments": {"path": "a.py"}}
+    return [
+        user(turn, "read it"),
+        {"type": "assistant", "turnId": turn, "content": "", "toolCalls": [call]},
+        {"type": "tool_result", "turnId": turn, "toolCallId": f"c{turn}", "toolName": tool, "output": OUTPUT},
+    ]
+
+
+def run_session(r: redis.Redis, settings: Settings, events: list[dict[str, Any]], estimate: int) -> str | None:
+    """Publish ``events`` then a last turn padded to ``estimate`` tokens; the kind of job enqueued."""
+    last = max(e["turnId"] for e in events) + 1 if events else 1
+    head = [e for e in events if e["type"] != "turn_end"]
+    publisher = Publisher(r, settings)
+    if events:
+        publisher.publish("s1", CWD, events)
+    publisher.publish("s1", CWD, [padded_user(last, estimate - tokens(head)), turn_end(last, window=WINDOW)])
+    watcher = Watcher(r, settings, name="w")
+    drain(watcher, r, settings)
+    state = watcher.store.load("s1")
+    assert state is not None and state.prompt_estimate == estimate and state.window == WINDOW
+    job_id = pending_job_id(r, settings, "s1")
+    if job_id is None:
+        return None
+    assert job_id in rq.Queue(settings.redis.prefix, connection=r).job_ids
+    parsed = parse_job_id(job_id)
+    assert parsed is not None and parsed[2] == "s1"
+    return parsed[1]
+
+
+@pytest.mark.parametrize("estimate, kind", [(899, None), (900, None), (901, "llm")])
+def test_llm_job_only_strictly_above_ninety_percent(
+    r: redis.Redis, fast: Settings, estimate: int, kind: str | None
+) -> None:
+    assert run_session(r, fast, [], estimate) == kind
+
+
+@pytest.mark.parametrize("estimate, kind", [(249, None), (250, None), (251, "micro")])
+def test_micro_job_only_strictly_above_a_quarter_with_old_candidates(
+    r: redis.Redis, fast: Settings, estimate: int, kind: str | None
+) -> None:
+    assert run_session(r, fast, [*tool_turn(1), turn_end(1, window=WINDOW)], estimate) == kind
+
+
+def test_no_micro_job_when_the_only_long_output_is_in_the_last_turn(r: redis.Redis, fast: Settings) -> None:
+    events = [*tool_turn(1)]
+    Publisher(r, fast).publish("s1", CWD, [*events, padded_user(1, 400 - tokens(events)), turn_end(1, WINDOW)])
+    drain(Watcher(r, fast, name="w"), r, fast)
+    assert pending_job_id(r, fast, "s1") is None
+
+
+def test_no_micro_job_for_a_tool_that_is_not_compactable(r: redis.Redis, fast: Settings) -> None:
+    assert run_session(r, fast, [*tool_turn(1, "ask_user"), turn_end(1, window=WINDOW)], 400) is None
+
+
+@pytest.mark.parametrize("failures, kind", [(2, "llm"), (3, None), (7, None)])
+def test_open_breaker_stops_automatic_llm_jobs(
+    r: redis.Redis, fast: Settings, failures: int, kind: str | None
+) -> None:
+    r.set(Keys().failures("s1"), failures, ex=86_400)
+    assert run_session(r, fast, [], 950) == kind
+
+
+def test_open_breaker_still_allows_micro_compaction(r: redis.Redis, fast: Settings) -> None:
+    r.set(Keys().failures("s1"), 3, ex=86_400)
+    assert run_session(r, fast, [*tool_turn(1), turn_end(1, window=WINDOW)], 950) == "micro"
+
+
+def test_triggers_while_a_job_is_pending_are_coalesced(r: redis.Redis, fast: Settings) -> None:
+    publisher = Publisher(r, fast)
+    watcher = Watcher(r, fast, name="w")
+    publisher.publish("s1", CWD, [padded_user(1, 950), turn_end(1, window=WINDOW)])
+    drain(watcher, r, fast)
+    first = pending_job_id(r, fast, "s1")
+    publisher.publish("s1", CWD, [user(2), turn_end(2, window=WINDOW)])
+    drain(watcher, r, fast)
+    assert pending_job_id(r, fast, "s1") == first
+    assert rq.Queue(fast.redis.prefix, connection=r).job_ids == [first]
+    assert r.get(Keys().retrigger("s1")) == b"llm"
+
+
+def test_only_a_turn_end_triggers(r: redis.Redis, fast: Settings) -> None:
+    publisher = Publisher(r, fast)
+    watcher = Watcher(r, fast, name="w")
+    publisher.publish("s1", CWD, [user(1), turn_end(1, window=WINDOW)])
+    publisher.publish("s1", CWD, [padded_user(2, 950)])
+    drain(watcher, r, fast)
+    assert pending_job_id(r, fast, "s1") is None
+    publisher.publish("s1", CWD, [turn_end(2, window=WINDOW)])
+    drain(watcher, r, fast)
+    job_id = pending_job_id(r, fast, "s1")
+    assert job_id is not None and parse_job_id(job_id)[1] == "llm"  # type: ignore[index]
