@@ -37,6 +37,14 @@ logger = logging.getLogger(__name__)
 
 Guard = Callable[[], None]
 
+# KEYS[1] session hash; ARGV[1] the new logSize, then field, value, ... pairs.
+SAVE_IF_NEWER = """
+local stored = redis.call('HGET', KEYS[1], 'log_size')
+if stored and stored ~= '' and tonumber(stored) > tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+return 1
+"""
+
 
 @dataclass
 class ApplyResult:
@@ -79,10 +87,19 @@ class SessionStore:
             return None
         return SessionState.from_hash({_text(k): _text(v) for k, v in raw.items()})
 
-    def save(self, state: SessionState, pipeline: Any | None = None) -> None:
-        """Store the state (one HSET) and mark the session active."""
+    def save(self, state: SessionState, pipeline: Any | None = None, *, if_newer: bool = False) -> None:
+        """Store the state and mark the session active (executed here unless ``pipeline`` is given).
+
+        ``if_newer`` stores it only when the stored state has not seen more of the
+        log (a deferred save must never overwrite a worker's later one).
+        """
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
-        pipe.hset(self.keys.session(state.session_id), mapping=state.to_hash())
+        mapping = state.to_hash()
+        if if_newer:
+            flat = [item for pair in mapping.items() for item in pair]
+            pipe.eval(SAVE_IF_NEWER, 1, self.keys.session(state.session_id), state.log_size, *flat)
+        else:
+            pipe.hset(self.keys.session(state.session_id), mapping=mapping)  # type: ignore[arg-type]
         pipe.zadd(self.keys.sessions, {state.session_id: time.time()})
         if pipeline is None:
             pipe.execute()
@@ -149,8 +166,10 @@ class SessionStore:
         one is counted as a duplicate and skipped; an event whose turn id goes
         backwards is returned in ``rejected`` and not written. ``guard`` runs
         inside the lock right before the write (the watcher checks its shard
-        lease there). ``pipeline`` receives the state write, so a caller can put
-        its own commands (XACK) in the same round trip; it is executed here.
+        lease there). With ``pipeline`` the state write is queued there (only if no
+        later state was stored meanwhile) and the caller executes it, so a batch of
+        sessions costs one round trip; a save lost with a crash is harmless, the
+        next writer folds the lines past the stored ``logSize``.
         The state passed in as ``cached`` is never modified.
         """
         log = log or self.log(session_id, cwd)
@@ -167,7 +186,10 @@ class SessionStore:
                 if needs_rebuild:
                     state = self.rebuild(session_id, cwd, log)
             result.state = state
-            self._save_with(state, pipeline)
+            if pipeline is None:
+                self.save(state)
+            else:
+                self.save(state, pipeline, if_newer=True)
         return result
 
     def _admit(self, state: SessionState, events: list[dict[str, Any]], result: ApplyResult) -> bool:
@@ -185,11 +207,6 @@ class SessionStore:
             if not needs_rebuild and not fold(state, line, self.settings.context):
                 needs_rebuild = True
         return needs_rebuild
-
-    def _save_with(self, state: SessionState, pipeline: Any | None) -> None:
-        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
-        self.save(state, pipe)
-        pipe.execute()
 
 
 def _fold_all(state: SessionState, events: Iterable[dict[str, Any]], settings: Settings) -> bool:

@@ -223,23 +223,27 @@ class Watcher:
                 outcome.reject(decoded.id, decoded.reason, decoded.fields)
             else:
                 by_session.setdefault(decoded.session_id, []).append(decoded)
+        saves = self.redis.pipeline(transaction=False)
         try:
             for session_id, entries in by_session.items():
                 if session_id not in cursor.held:
-                    self._apply_session(shard, cursor, session_id, entries, outcome)
+                    self._apply_session(shard, cursor, session_id, entries, outcome, saves)
         except LeaseLost:
             self._lose(shard, "lease expired before the write")
             return
+        finally:
+            saves.execute()  # the batch's state saves in one round trip, before any ack
         if not self.streams.ack(shard, outcome.acks, outcome.dead):
             self._lose(shard, "lease taken before the ack")
 
     def _apply_session(
-        self, shard: int, cursor: ShardCursor, session_id: str, entries: list[Entry], outcome: BatchOutcome
+        self, shard: int, cursor: ShardCursor, session_id: str, entries: list[Entry],
+        outcome: BatchOutcome, saves: Any,
     ) -> None:
         """Apply a session's entries run by run (see ``runs``); hold the session back on failure."""
         for run in runs(entries):
             try:
-                self._apply_run(shard, session_id, run[0].cwd, run, outcome)
+                self._apply_run(shard, session_id, run[0].cwd, run, outcome, saves)
             except InvalidInput as e:
                 for entry in run:
                     outcome.reject(entry.id, str(e), entry.fields)
@@ -254,11 +258,13 @@ class Watcher:
                 cursor.hold(session_id)
                 return
 
-    def _apply_run(self, shard: int, session_id: str, cwd: str, run: list[Entry], outcome: BatchOutcome) -> None:
+    def _apply_run(
+        self, shard: int, session_id: str, cwd: str, run: list[Entry], outcome: BatchOutcome, saves: Any
+    ) -> None:
         log = self._log(session_id, cwd)
         result = self.store.apply(
-            session_id, cwd, [e.event for e in run],
-            log=log, guard=lambda: self.leases.check(shard), cached=self._cached(session_id),
+            session_id, cwd, [e.event for e in run], log=log, pipeline=saves,
+            guard=lambda: self.leases.check(shard), cached=self._cached(session_id),
         )
         self._remember(session_id, result.state, log)
         refused = {event.get("streamId"): error for event, error in result.rejected}
