@@ -12,6 +12,8 @@ def test_key_layout_literal_strings_are_pinned() -> None:
     assert k.fence(0) == "compaction:fence:0"
     assert k.job("s1") == "compaction:job:s1"
     assert k.retrigger("s1") == "compaction:retrigger:s1"
+    assert k.watchers == "compaction:watchers"
+    assert k.consumer(5) == "shard-5"
     assert k.group == "compaction-watchers"
     assert k.queue == "compaction"
 
@@ -24,3 +26,11 @@ def test_shard_is_crc32_of_utf8_session_id_modulo_shards() -> None:
         assert k.shard_of(sid) == zlib.crc32(sid.encode("utf-8")) % 8
     assert Keys(shards=1).stream_for("anything") == "compaction:events:0"
     assert Keys(prefix="p").stream_for("a") == f"p:events:{zlib.crc32(b'a') % 8}"
+
+
+def test_a_custom_prefix_is_used_by_every_key() -> None:
+    k = Keys(prefix="acme")
+    built = [k.stream(0), k.dead, k.failures("s"), k.session("s"), k.sessions, k.lease(0),
+             k.fence(0), k.watchers, k.job("s"), k.retrigger("s"), k.group, k.queue]
+    assert all(key.startswith("acme") and "compaction" not in key for key in built)
+    assert all("::" not in key for key in built)
