@@ -12,6 +12,7 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
     {p}:watchers                zset: live watcher id -> last heartbeat (server ms)
     {p}:job:{sessionId}         string: id of the one compaction job queued/running
     {p}:retrigger:{sessionId}   string: a trigger that arrived while a job was pending
+    {p}:janitor                 string: lock held by the one worker janitor running now
 
 Consumer group on every shard: ``{p}-watchers``, with one consumer per shard,
 ``shard-{n}``, read only by the watcher holding the shard's lease (stable
@@ -76,6 +77,10 @@ class Keys:
 
     def retrigger(self, session_id: str) -> str:
         return f"{self.prefix}:retrigger:{session_id}"
+
+    @property
+    def janitor(self) -> str:
+        return f"{self.prefix}:janitor"
 
     @property
     def group(self) -> str:

@@ -13,6 +13,7 @@ def test_key_layout_literal_strings_are_pinned() -> None:
     assert k.job("s1") == "compaction:job:s1"
     assert k.retrigger("s1") == "compaction:retrigger:s1"
     assert k.watchers == "compaction:watchers"
+    assert k.janitor == "compaction:janitor"
     assert k.consumer(5) == "shard-5"
     assert k.group == "compaction-watchers"
     assert k.queue == "compaction"

@@ -1,0 +1,268 @@
+"""Benchmark: compaction jobs end to end (workers, RQ, litellm over HTTP, the log).
+
+Starts an embedded Redis and a local OpenAI-compatible stub in a temporary
+directory, then measures:
+
+- ``jobs_per_s`` vs ``ideal_jobs_per_s``: ``W`` worker processes
+  (``worker.runner.main``) run forced LLM jobs of distinct sessions while the
+  stub answers each call after ``LLM_LATENCY_S``; ideal is ``W / LLM_LATENCY_S``,
+  measured from the first job's start to the last job's end. Target
+  ``ratio >= 0.9``.
+- ``overhead_ms_p50``: one LLM job on a ~100 000-token session, in-process,
+  with an instant in-process summarizer (the LLM call excluded), vs
+  ``parse_ms_p50``, reading and parsing that log; target ``overhead_ratio <= 2``.
+- ``worker_rss_growth_pct``: RSS of an in-process worker after 1 000 jobs
+  (litellm to the stub, no latency) vs after a warm-up; target < 10 %.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Self
+
+import psutil
+import redis
+from rq.job import Job
+
+from compactor.embedded import EmbeddedRedis
+from compactor.queue import enqueue_compaction
+from compactor.store import SessionStore
+from events.config import Settings
+from events.log import SessionLog
+from worker.summarize import SECTION_TITLES
+
+Progress = Callable[[str], None]
+
+LLM_LATENCY_S = 1.0
+MODEL = "openai/bench-model"
+CWD = "/bench/project"
+SUMMARY = "<analysis>ok</analysis>\n<summary>\n" + "\n".join(
+    f"### {title}\nbench {title.lower()}" for title in SECTION_TITLES) + "\n</summary>"
+BIG_SESSION_TOKENS = 100_000
+OVERHEAD_RUNS = (5, 15)  # quick, full
+THROUGHPUT = ((2, 8), (4, 40))  # (workers, jobs): quick, full
+RSS_JOBS = ((100, 300), (100, 1_000))  # (warm-up, measured): quick, full
+
+
+def run(*, quick: bool = False, progress: Progress | None = None) -> dict[str, Any]:
+    """Run the three measurements; a flat dict of numbers."""
+    say = progress or (lambda message: None)
+    level = 0 if quick else 1
+    with tempfile.TemporaryDirectory(prefix="compactor-bench-jobs-") as tmp, _Stub() as stub:
+        root = Path(tmp)
+        server = EmbeddedRedis(root / "redis", persist=False).start()
+        previous_env = _point_litellm_at(stub.base_url)
+        try:
+            settings = Settings.model_validate({
+                "dataDir": str(root / "data"), "redis": {"url": server.url},
+                "context": {"compactionModel": MODEL, "llmTimeoutSeconds": 30},
+            })
+            client = redis.Redis.from_url(server.url)
+            result: dict[str, Any] = {}
+            say("overhead of one job on a 100k-token session")
+            result.update(_overhead(client, settings, OVERHEAD_RUNS[level]))
+            say("throughput with worker processes")
+            stub.latency_s = LLM_LATENCY_S
+            result.update(_throughput(client, settings, *THROUGHPUT[level]))
+            stub.latency_s = 0.0
+            say("worker memory over many jobs")
+            result.update(_rss_growth(client, settings, *RSS_JOBS[level]))
+            client.close()
+        finally:
+            _restore_env(previous_env)
+            server.stop()
+    return result
+
+
+# -- sessions --------------------------------------------------------------------------------
+
+
+def _turn(n: int, output_chars: int) -> list[dict[str, Any]]:
+    words = " ".join(f"word{(n * 7 + i) % 997}" for i in range(output_chars // 8))
+    return [
+        {"type": "user", "turnId": n, "content": f"step {n}: please continue"},
+        {"type": "assistant", "turnId": n, "content": f"doing step {n}",
+         "toolCalls": [{"id": f"c{n}", "name": "read_file", "arguments": {"path": f"src/m{n}.py"}}]},
+        {"type": "tool_result", "turnId": n, "toolCallId": f"c{n}", "toolName": "read_file", "output": words},
+        {"type": "turn_end", "turnId": n, "model": MODEL, "contextWindow": 128_000},
+    ]
+
+
+def _write_session(client: redis.Redis, settings: Settings, sid: str, turns: int, output_chars: int) -> int:
+    events: list[dict[str, Any]] = [{"type": "session_meta", "sessionId": sid, "cwd": CWD, "model": MODEL}]
+    for n in range(1, turns + 1):
+        events.extend(_turn(n, output_chars))
+    return SessionStore(client, settings).apply(sid, CWD, events).state.prompt_estimate
+
+
+# -- overhead --------------------------------------------------------------------------------
+
+
+class _InstantSummarizer:
+    def complete(self, model: str, messages: list[dict[str, str]]) -> str:
+        return SUMMARY
+
+
+def _overhead(client: redis.Redis, settings: Settings, runs: int) -> dict[str, Any]:
+    from worker import context as worker_context
+    from worker.context import WorkerContext
+    from worker.jobs import llm_compact
+
+    estimate = _write_session(client, settings, "big", turns=100, output_chars=4_600)
+    store = SessionStore(client, settings)
+    template = store.log("big", CWD).path
+    worker_context.install(WorkerContext.build(settings, client, summarizer=_InstantSummarizer))
+    job_ms, parse_ms = [], []
+    try:
+        for i in range(runs):
+            sid = f"big-{i}"
+            target = store.log(sid, CWD).path
+            shutil.copyfile(template, target)
+            store.refresh(sid, CWD)
+            parse_ms.append(_timed(lambda sid=sid: SessionLog(settings.data_dir, CWD, sid).read()))
+            job_ms.append(_timed(lambda sid=sid: llm_compact(sid, CWD, forced=True)))
+    finally:
+        worker_context.clear()
+    job, parse = statistics.median(job_ms), statistics.median(parse_ms)
+    return {"session_tokens": estimate, "overhead_ms_p50": round(job, 2), "parse_ms_p50": round(parse, 2),
+            "overhead_ratio": round(job / parse, 2)}
+
+
+def _timed(fn: Callable[..., Any]) -> float:
+    gc.collect()
+    started = time.perf_counter()
+    fn()
+    return (time.perf_counter() - started) * 1000
+
+
+# -- throughput ------------------------------------------------------------------------------
+
+
+def _throughput(client: redis.Redis, settings: Settings, workers: int, jobs: int) -> dict[str, Any]:
+    ids = []
+    for i in range(jobs):
+        sid = f"tp-{i}"
+        _write_session(client, settings, sid, turns=3, output_chars=400)
+        ids.append(enqueue_compaction(client, settings, sid, CWD, "llm", forced=True))
+    config = Path(settings.data_dir).parent / "bench.yaml"
+    config.write_text(json.dumps({"dataDir": str(settings.data_dir), "redis": {"url": settings.redis.url},
+                                  "context": {"compactionModel": MODEL, "llmTimeoutSeconds": 30}}))
+    code = ("from events.config import load_settings\nfrom worker.runner import main\n"
+            f"main(load_settings({str(config)!r}), count={workers}, burst=True)\n")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ), timeout=600,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    fetched = [Job.fetch(i, connection=client) for i in ids if i]
+    finished = [j for j in fetched if j.get_status() == "finished" and j.started_at and j.ended_at]
+    span = (max(j.ended_at for j in finished) - min(j.started_at for j in finished)).total_seconds()  # type: ignore[type-var,operator]
+    rate = len(finished) / span if span > 0 else 0.0
+    ideal = workers / LLM_LATENCY_S
+    return {"workers": workers, "jobs": jobs, "jobs_finished": len(finished), "jobs_per_s": round(rate, 3),
+            "ideal_jobs_per_s": round(ideal, 3), "ratio": round(rate / ideal, 3)}
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+
+def _rss_growth(client: redis.Redis, settings: Settings, warmup: int, jobs: int) -> dict[str, Any]:
+    from worker.runner import CompactionWorker
+
+    _write_session(client, settings, "rss-template", turns=3, output_chars=400)
+    store = SessionStore(client, settings)
+    template = store.log("rss-template", CWD).path
+    process = psutil.Process()
+
+    def run_jobs(start: int, count: int) -> None:
+        for i in range(start, start + count):
+            sid = f"rss-{i}"
+            shutil.copyfile(template, store.log(sid, CWD).path)
+            store.refresh(sid, CWD)
+            enqueue_compaction(client, settings, sid, CWD, "llm", forced=True)
+        CompactionWorker.for_settings(client, settings).work(burst=True, logging_level="WARNING")
+
+    run_jobs(0, warmup)
+    gc.collect()
+    before = process.memory_info().rss
+    run_jobs(warmup, jobs)
+    gc.collect()
+    after = process.memory_info().rss
+    return {"rss_jobs": jobs, "worker_rss_mb": round(after / 2**20, 1),
+            "worker_rss_growth_pct": round((after - before) / before * 100, 2)}
+
+
+# -- the LLM stub ----------------------------------------------------------------------------
+
+
+class _Stub:
+    """A minimal OpenAI-compatible server answering every call with a valid summary after ``latency_s``."""
+
+    def __init__(self) -> None:
+        self.latency_s = 0.0
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle + delayed-ACK stalls
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                time.sleep(stub.latency_s)
+                body = json.dumps({
+                    "id": "bench", "object": "chat.completion", "created": int(time.time()), "model": "bench",
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": SUMMARY}}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                }).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def __enter__(self) -> Self:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _point_litellm_at(base_url: str) -> dict[str, str | None]:
+    updates = {"OPENAI_API_BASE": base_url, "OPENAI_API_KEY": "sk-bench", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    previous = {key: os.environ.get(key) for key in updates}
+    os.environ.update(updates)
+    return previous
+
+
+def _restore_env(previous: dict[str, str | None]) -> None:
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -1,0 +1,215 @@
+"""The compaction queue: RQ queue name, job function paths, one job per session.
+
+Invariants:
+- At most one *automatic* compaction job per session is queued or running:
+  ``{p}:job:{sid}`` holds its id, claimed atomically (Lua) before the RQ
+  enqueue. A trigger that arrives while it is pending is recorded in
+  ``{p}:retrigger:{sid}`` by the same script, so it is coalesced, never lost:
+  when the job ends, ``release_pending`` frees the claim and hands the
+  recorded trigger back to the worker, which re-checks the thresholds.
+- Forced jobs always enqueue and never touch the claim.
+- Every job of a session carries ``RateLimit(key="{p}:{sid}", concurrency=1)``,
+  so two jobs of one session never run at once across all workers (RQ keeps
+  the others ``rate_limited`` and releases them in job-id order).
+- Job ids are ``{time_ns:020d}-{kind}-{sid}``: sortable, so jobs of a session
+  enqueued within the same second are released in enqueue order, and each
+  names its session (the worker's janitor relies on that for killed jobs).
+- A claim whose job is gone or already ended (a crashed enqueuer, a worker
+  killed before it could release) is stale and replaced on the next trigger.
+
+The RQ functions take a Redis client with ``decode_responses=False`` (RQ pickles).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Literal
+
+import redis
+from rq import Queue
+from rq.job import Job, JobStatus
+from rq.rate_limit import RateLimit
+
+from compactor.keys import Keys
+from events.config import Settings
+
+logger = logging.getLogger(__name__)
+
+Kind = Literal["micro", "llm"]
+
+JOB_FUNCTIONS: dict[str, str] = {
+    "micro": "worker.jobs.micro_compact",
+    "llm": "worker.jobs.llm_compact",
+}
+JOB_RESULT_TTL_S = 86_400  # results readable by GET /api/jobs/{id} for a day
+JOB_FAILURE_TTL_S = 7 * 86_400  # failed jobs kept a week for inspection
+STALE_CLAIM_GRACE_S = 30.0  # a claim whose job hash is missing is stale after this
+ENDED_STATUSES = frozenset({
+    JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED,
+})
+
+# KEYS: job claim, retrigger; ARGV: new job id, kind. Returns nil when claimed,
+# else the id of the pending job (and the trigger is recorded; "llm" wins over "micro").
+_CLAIM = """
+local cur = redis.call('GET', KEYS[1])
+if cur then
+  if redis.call('GET', KEYS[2]) ~= 'llm' then redis.call('SET', KEYS[2], ARGV[2]) end
+  return cur
+end
+redis.call('SET', KEYS[1], ARGV[1])
+return false
+"""
+
+# KEYS: job claim, retrigger; ARGV: stale id, new id. Replaces a stale claim.
+_REPLACE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2])
+  redis.call('DEL', KEYS[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS: job claim, retrigger; ARGV: ending job id. Frees the claim when it is
+# this job's (or there is none) and returns the recorded trigger, if any.
+_RELEASE = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then return false end
+if cur then redis.call('DEL', KEYS[1]) end
+local t = redis.call('GET', KEYS[2])
+if t then redis.call('DEL', KEYS[2]) end
+return t
+"""
+
+_id_lock = threading.Lock()
+_last_ns = 0
+
+
+def _next_ns() -> int:
+    """A wall-clock nanosecond stamp, strictly increasing within this process."""
+    global _last_ns
+    with _id_lock:
+        _last_ns = max(time.time_ns(), _last_ns + 1)
+        return _last_ns
+
+
+def new_job_id(session_id: str, kind: str) -> str:
+    """A sortable job id naming its session: ``{time_ns:020d}-{kind}-{sid}``."""
+    return f"{_next_ns():020d}-{kind}-{session_id}"
+
+
+def parse_job_id(job_id: str) -> tuple[int, str, str] | None:
+    """``(time_ns, kind, session_id)`` of an id made by ``new_job_id``, else None."""
+    stamp, _, rest = job_id.partition("-")
+    kind, _, session_id = rest.partition("-")
+    if not stamp.isdigit() or kind not in JOB_FUNCTIONS or not session_id:
+        return None
+    return int(stamp), kind, session_id
+
+
+def compaction_queue(client: redis.Redis, settings: Settings) -> Queue:
+    """The RQ queue compaction jobs go to (named ``Keys.queue``)."""
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    return Queue(keys.queue, connection=client, default_timeout=settings.worker.job_timeout_seconds)
+
+
+def rate_limit_for(settings: Settings, session_id: str) -> RateLimit:
+    """The per-session concurrency limit shared by every job of the session."""
+    return RateLimit(key=f"{settings.redis.prefix}:{session_id}", concurrency=1)
+
+
+def enqueue_compaction(
+    client: redis.Redis,
+    settings: Settings,
+    session_id: str,
+    cwd: str,
+    kind: Kind,
+    *,
+    forced: bool = False,
+) -> str | None:
+    """Enqueue a compaction job; the job id, or None when one is already pending (coalesced).
+
+    Forced jobs (always ``llm`` in practice) are enqueued unconditionally.
+    """
+    if kind not in JOB_FUNCTIONS:
+        raise ValueError(f"unknown compaction kind {kind!r}")
+    job_id = new_job_id(session_id, kind)
+    if not forced and not _claim(client, settings, session_id, job_id, kind):
+        return None
+    try:
+        _enqueue(client, settings, session_id, cwd, kind, job_id, forced)
+    except Exception:
+        if not forced:
+            release_pending(client, settings, session_id, job_id)
+        raise
+    logger.info("enqueued session=%s job=%s kind=%s forced=%s", session_id, job_id, kind, forced)
+    return job_id
+
+
+def release_pending(client: redis.Redis, settings: Settings, session_id: str, job_id: str) -> str | None:
+    """Free the session's claim if ``job_id`` holds it; the coalesced trigger's kind, if any."""
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    trigger = client.eval(_RELEASE, 2, keys.job(session_id), keys.retrigger(session_id), job_id)
+    return _text(trigger) if trigger else None
+
+
+def pending_job_id(client: redis.Redis, settings: Settings, session_id: str) -> str | None:
+    """The id of the session's pending automatic job, if any."""
+    value = client.get(Keys(settings.redis.prefix, settings.redis.shards).job(session_id))
+    return _text(value) if value else None
+
+
+def _claim(client: redis.Redis, settings: Settings, session_id: str, job_id: str, kind: str) -> bool:
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    claim_key, retrigger_key = keys.job(session_id), keys.retrigger(session_id)
+    current = client.eval(_CLAIM, 2, claim_key, retrigger_key, job_id, kind)
+    if current is None:
+        return True
+    current_id = _text(current)
+    if not _is_stale(client, current_id):
+        logger.debug("coalesced session=%s kind=%s pending=%s", session_id, kind, current_id)
+        return False
+    replaced = bool(client.eval(_REPLACE, 2, claim_key, retrigger_key, current_id, job_id))
+    if replaced:
+        logger.warning("replaced stale claim session=%s stale_job=%s", session_id, current_id)
+    return replaced
+
+
+def _is_stale(client: redis.Redis, job_id: str) -> bool:
+    """Whether a claimed job has ended, or never came to exist within the grace period."""
+    status = client.hget(Job.key_for(job_id), "status")
+    if status is not None:
+        return _text(status) in ENDED_STATUSES
+    parsed = parse_job_id(job_id)
+    age_s = (time.time_ns() - parsed[0]) / 1e9 if parsed else STALE_CLAIM_GRACE_S + 1
+    return age_s > STALE_CLAIM_GRACE_S
+
+
+def _enqueue(
+    client: redis.Redis, settings: Settings, session_id: str, cwd: str,
+    kind: str, job_id: str, forced: bool,
+) -> None:
+    kwargs = {"forced": True} if forced and kind == "llm" else {}
+    compaction_queue(client, settings).enqueue_call(
+        func=JOB_FUNCTIONS[kind],
+        args=(session_id, cwd),
+        kwargs=kwargs,
+        job_id=job_id,
+        timeout=settings.worker.job_timeout_seconds,
+        result_ttl=JOB_RESULT_TTL_S,
+        failure_ttl=JOB_FAILURE_TTL_S,
+        description=f"{kind} compaction of {session_id}{' (forced)' if forced else ''}",
+        rate_limit=rate_limit_for(settings, session_id),
+    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+__all__ = [
+    "JOB_FUNCTIONS", "Kind", "compaction_queue", "enqueue_compaction", "new_job_id",
+    "parse_job_id", "pending_job_id", "rate_limit_for", "release_pending",
+]

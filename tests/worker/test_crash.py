@@ -1,0 +1,128 @@
+"""Worker processes for real: `worker.runner.main` in subprocesses, SIGKILL mid-job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from rq.job import Job, JobStatus
+
+from compactor.queue import enqueue_compaction, pending_job_id
+from events.config import Settings, load_settings
+from tests.llm_stub import STUB_MODEL, LLMStub
+from tests.worker.conftest import CWD, log_lines, write_session
+
+RECOVERY_LIMIT_S = 60.0
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def _config(tmp_path: Path, settings: Settings) -> Path:
+    path = tmp_path / "codingcode.yaml"
+    path.write_text(json.dumps({
+        "dataDir": str(settings.data_dir),
+        "context": {"compactionModel": STUB_MODEL, "llmTimeoutSeconds": 120},
+    }))
+    return path
+
+
+def _start_worker(config: Path, env: dict[str, str], count: int = 1, burst: bool = False) -> subprocess.Popen[bytes]:
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+        "from events.config import load_settings\nfrom worker.runner import main\n"
+        f"main(load_settings({str(config)!r}), count={count}, burst={burst})\n"
+    )
+    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(Path(__file__).parents[2]),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _wait_job(r: redis.Redis, job_id: str, timeout_s: float) -> Job:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = Job.fetch(job_id, connection=r)
+        if job.get_status() in (JobStatus.FINISHED, JobStatus.FAILED):
+            return job
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} still {Job.fetch(job_id, connection=r).get_status()} after {timeout_s}s")
+
+
+def _stop(process: subprocess.Popen[bytes]) -> str:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.stderr.read().decode(errors="replace")[-4000:] if process.stderr else ""
+
+
+def test_killed_worker_leaves_no_stuck_session_and_no_duplicate_summary(
+    r: redis.Redis, settings: Settings, stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
+) -> None:
+    config = _config(tmp_path, settings)
+    wsettings = load_settings(config, env_for_subprocess)
+    write_session(r, wsettings, "s1", 3)
+    stub.latency_s = 90  # the LLM call is in flight when the worker dies
+    first = _start_worker(config, env_for_subprocess)
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        stuck = enqueue_compaction(r, wsettings, "s1", CWD, "llm")
+        assert stuck is not None
+        stub.wait_for_requests(1, timeout_s=60)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        killed_at = time.monotonic()
+        stub.latency_s = 0
+        second = _start_worker(config, env_for_subprocess)
+        forced = enqueue_compaction(r, wsettings, "s1", CWD, "llm", forced=True)
+        assert forced is not None
+        done = _wait_job(r, forced, RECOVERY_LIMIT_S)
+        assert time.monotonic() - killed_at < RECOVERY_LIMIT_S
+        assert done.get_status() == JobStatus.FINISHED, done.latest_result()
+        assert done.return_value()["didCompress"] is True
+        assert Job.fetch(stuck, connection=r).get_status() == JobStatus.FAILED  # abandoned, not lost silently
+        assert pending_job_id(r, wsettings, "s1") is None
+        again = enqueue_compaction(r, wsettings, "s1", CWD, "llm")  # automatic jobs flow again
+        assert again is not None
+        assert _wait_job(r, again, 30).get_status() == JobStatus.FINISHED
+    finally:
+        first.kill()
+        output = _stop(second) if second else ""
+    lines = log_lines(wsettings, "s1")
+    assert all(line.endswith(b"\n") for line in lines), output
+    events = [json.loads(line) for line in lines]
+    assert sum(e["type"] == "summary" for e in events) == 1, output
+
+
+def test_main_runs_several_worker_processes_until_the_queue_is_empty(
+    r: redis.Redis, settings: Settings, stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
+) -> None:
+    config = _config(tmp_path, settings)
+    wsettings = load_settings(config, env_for_subprocess)
+    stub.latency_s = 1.0
+    sessions = [f"s{i}" for i in range(4)]
+    for sid in sessions:
+        write_session(r, wsettings, sid, 3)
+    jobs = [enqueue_compaction(r, wsettings, sid, CWD, "llm") for sid in sessions]
+    started = time.monotonic()
+    process = _start_worker(config, env_for_subprocess, count=2, burst=True)
+    try:
+        assert process.wait(timeout=90) == 0
+    finally:
+        output = _stop(process)
+    elapsed = time.monotonic() - started
+    for job_id in jobs:
+        assert job_id is not None
+        assert Job.fetch(job_id, connection=r).get_status() == JobStatus.FINISHED, output
+    workers = {Job.fetch(j, connection=r).worker_name for j in jobs if j}
+    assert len(workers) == 2, workers
+    assert len(stub.requests) == 4
+    assert elapsed < 4 * 1.0 + 20, f"2 workers should overlap the 1 s calls ({elapsed:.1f}s)"

@@ -1,0 +1,304 @@
+"""The compaction jobs, run by a real RQ SimpleWorker in-process, litellm calling the HTTP stub."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+from rq.job import Job, JobStatus
+
+from compactor.keys import Keys
+from compactor.queue import enqueue_compaction, pending_job_id
+from compactor.store import SessionStore
+from events.config import Settings
+from events.state import decide
+from tests.llm_stub import LLMStub, StubResponse, summary_text
+from tests.worker.conftest import CWD, make_settings, read_log, run_burst, write_session
+from worker.context import WorkerContext, install
+from worker.jobs import llm_compact, micro_compact, recheck
+from worker.summarize import extract_summary, validate_summary_text
+
+
+def _summaries(settings: Settings, sid: str) -> list[dict[str, Any]]:
+    return [e for e in read_log(settings, sid) if e["type"] == "summary"]
+
+
+def _run(r: redis.Redis, settings: Settings, sid: str, kind: str = "llm", forced: bool = False) -> Job:
+    job_id = enqueue_compaction(r, settings, sid, CWD, kind, forced=forced)  # type: ignore[arg-type]
+    assert job_id is not None
+    run_burst(r, settings)
+    return Job.fetch(job_id, connection=r)
+
+
+# -- LLM compaction --------------------------------------------------------------------------
+
+
+def test_llm_job_sends_the_turns_before_the_last_and_not_the_last(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 3, output="short output")
+    job = _run(r, wsettings, "s1")
+    assert job.get_status() == JobStatus.FINISHED
+    sent = stub.requests[0].user_text
+    for n in (1, 2):
+        assert f"[user]\nplease do step {n}" in sent
+        assert f"-> tool call read_file({{\"path\":\"src/mod{n}.py\"}})" in sent
+    assert "step 3" not in sent and "PREVIOUS SUMMARY" not in sent
+
+
+def test_summary_replaces_the_targets_and_records_the_end_turn(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 3, output="y " * 300, window=100_000)
+    before = SessionStore(r, wsettings).load("s1")
+    job = _run(r, wsettings, "s1")
+    [summary] = _summaries(wsettings, "s1")
+    assert summary["replaces"] == ["u1", "a1", "t1", "u2", "a2", "t2"]
+    assert summary["lastSummarizedTurnId"] == 2
+    assert summary["summaryText"] == summary_text("stub")
+    after = SessionStore(r, wsettings).load("s1")
+    assert before is not None and after is not None
+    assert job.return_value() == {"didCompress": True, "released": before.prompt_estimate - after.prompt_estimate,
+                                  "promptEstimate": after.prompt_estimate}
+    assert after.prompt_estimate < before.prompt_estimate
+
+
+def test_second_compaction_sends_only_new_turns_and_the_previous_summary_it_replaces(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 3, output="short output")
+    _run(r, wsettings, "s1")
+    [first] = _summaries(wsettings, "s1")
+    write_session(r, wsettings, "s1", 2, first=4, output="short output")
+    stub.reply = f"<analysis>a</analysis><summary>\n{summary_text('second')}\n</summary>"
+    _run(r, wsettings, "s1", forced=True)
+    sent = stub.requests[1].user_text
+    assert "step 1" not in sent and "step 2" not in sent and "step 5" not in sent
+    assert "please do step 3" in sent and "please do step 4" in sent
+    assert "PREVIOUS SUMMARY" in sent and "stub: primary request" in sent
+    second = _summaries(wsettings, "s1")[-1]
+    assert second["replaces"] == ["u3", "a3", "t3", "u4", "a4", "t4", first["uuid"]]
+    assert second["lastSummarizedTurnId"] == 4
+    view_summaries = [m for m in _context_messages(r, wsettings) if m["role"] == "system"]
+    assert [m["content"] for m in view_summaries] == [summary_text("second")]
+
+
+def _context_messages(r: redis.Redis, settings: Settings) -> list[dict[str, Any]]:
+    from events.view import build_view
+
+    return build_view(read_log(settings, "s1"), settings.context).messages
+
+
+def test_nothing_to_summarize_returns_the_estimate_unchanged(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 1, output="short")
+    state = SessionStore(r, wsettings).load("s1")
+    job = _run(r, wsettings, "s1", forced=True)
+    assert state is not None
+    assert job.return_value() == {"didCompress": False, "released": 0, "promptEstimate": state.prompt_estimate}
+    assert stub.requests == []
+
+
+def test_running_the_same_llm_job_twice_appends_one_summary(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 3)
+    install(WorkerContext.build(wsettings, r))
+    first = llm_compact("s1", CWD, forced=True)
+    second = llm_compact("s1", CWD, forced=True)
+    assert first["didCompress"] is True and second["didCompress"] is False
+    assert len(_summaries(wsettings, "s1")) == 1 and len(stub.requests) == 1
+
+
+def test_llm_job_applies_micro_compaction_first_when_over_its_threshold(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 4, window=1000)  # 4 long outputs: over 25 % of 1000 tokens
+    _run(r, wsettings, "s1", forced=True)
+    kinds = [e["type"] for e in read_log(wsettings, "s1")[-2:]]
+    assert kinds == ["compact", "summary"]
+    assert "characters elided" in stub.requests[0].user_text
+
+
+def test_summary_dropped_when_a_rollback_lands_during_the_llm_call(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 3)
+    store = SessionStore(r, wsettings)
+
+    def reply_after_rollback(body: dict[str, Any]) -> str:
+        store.apply("s1", CWD, [{"type": "rollback", "throughTurnId": 2, "reason": "undo", "uuid": "rb"}])
+        return f"<summary>\n{summary_text('late')}\n</summary>"
+
+    stub.reply = reply_after_rollback
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.return_value()["didCompress"] is False
+    assert _summaries(wsettings, "s1") == []
+
+
+# -- failures --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("response", [
+    StubResponse(text="I cannot summarize this."),
+    StubResponse(status=500),
+    StubResponse(delay_s=3),
+], ids=["malformed", "http-500", "timeout"])
+def test_llm_failures_count_with_the_ttl_and_fail_the_job(
+    r: redis.Redis, settings: Settings, stub: LLMStub, response: StubResponse
+) -> None:
+    wsettings = make_settings(settings, llm_timeout_seconds=1.0, compaction_model="openai/stub-model")
+    write_session(r, wsettings, "s1", 3)
+    stub.script(response)
+    job = _run(r, wsettings, "s1")
+    assert job.get_status() == JobStatus.FAILED
+    assert r.get(Keys().failures("s1")) == b"1"
+    assert 86_390 < r.ttl(Keys().failures("s1")) <= 86_400
+    assert _summaries(wsettings, "s1") == []
+    assert pending_job_id(r, wsettings, "s1") is None
+
+
+def test_failed_forced_job_is_failed_in_rq_with_the_llm_error(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 3)
+    stub.status = 401
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FAILED
+    result = job.latest_result()
+    assert result is not None and "LLMUnavailable" in str(result.exc_string)
+    assert "permanent LLM failure" in str(result.exc_string)
+
+
+def test_success_deletes_the_failure_counter(r: redis.Redis, wsettings: Settings, stub: LLMStub) -> None:
+    write_session(r, wsettings, "s1", 3)
+    r.set(Keys().failures("s1"), 2)
+    _run(r, wsettings, "s1")
+    assert r.exists(Keys().failures("s1")) == 0
+
+
+def test_breaker_open_blocks_automatic_jobs_but_not_forced_ones(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 3, window=200)  # far over the LLM threshold
+    state = SessionStore(r, wsettings).load("s1")
+    assert state is not None and decide(state, wsettings.context, breaker_open=False) == "llm"
+    r.set(Keys().failures("s1"), 3, ex=100)
+    context = install(WorkerContext.build(wsettings, r))
+    assert recheck(context, "s1") is not None  # the decision with the breaker open ...
+    assert Job.fetch(pending_job_id(r, wsettings, "s1") or "", connection=r).func_name == "worker.jobs.micro_compact"
+    run_burst(r, wsettings)
+    automatic = _run(r, wsettings, "s1")  # an automatic LLM job queued before the breaker opened
+    assert automatic.get_status() == JobStatus.FINISHED
+    assert stub.requests == [] and _summaries(wsettings, "s1") == []
+    forced = _run(r, wsettings, "s1", forced=True)
+    assert forced.get_status() == JobStatus.FINISHED and len(stub.requests) == 1
+    assert len(_summaries(wsettings, "s1")) == 1
+    assert r.exists(Keys().failures("s1")) == 0
+
+
+def test_extractive_fallback_summarizes_when_the_llm_fails(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    wsettings = make_settings(settings, llm_timeout_seconds=5.0, compaction_model="openai/stub-model",
+                              fallback_model="extractive")
+    write_session(r, wsettings, "s1", 3, output="short")
+    stub.status = 503
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FINISHED and job.return_value()["didCompress"] is True
+    [summary] = _summaries(wsettings, "s1")
+    validate_summary_text(summary["summaryText"])
+    assert "> please do step 1" in summary["summaryText"]
+    assert r.get(Keys().failures("s1")) == b"1"  # the LLM failure is still counted
+
+
+def test_extractive_compaction_model_needs_no_llm(r: redis.Redis, settings: Settings, stub: LLMStub) -> None:
+    esettings = make_settings(settings, compaction_model="extractive")
+    write_session(r, esettings, "s1", 3)
+    job = _run(r, esettings, "s1", forced=True)
+    assert job.return_value()["didCompress"] is True and stub.requests == []
+    extract_summary(f"<summary>\n{_summaries(esettings, 's1')[0]['summaryText']}\n</summary>")
+
+
+# -- chunking --------------------------------------------------------------------------------
+
+
+def test_targets_too_large_for_the_window_are_summarized_in_chunks(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=100,
+                          default_context_window=2_000, llm_timeout_seconds=5.0)
+    write_session(r, small, "s1", 12, output="y " * 300, window=2_000)
+    replies = iter(f"<summary>\n{summary_text(f'chunk{i}')}\n</summary>" for i in range(1, 50))
+    stub.reply = lambda body: next(replies)
+    job = _run(r, small, "s1", forced=True)
+    assert job.get_status() == JobStatus.FINISHED
+    assert len(stub.requests) >= 3
+    for i, request in enumerate(stub.requests[1:], start=1):
+        assert f"chunk{i}: primary request" in request.user_text  # the running summary folds forward
+    sent = "".join(req.user_text for req in stub.requests)
+    assert all(f"please do step {n}\n" in sent for n in range(1, 12)) and "step 12\n" not in sent
+    [summary] = _summaries(small, "s1")
+    assert summary["summaryText"] == summary_text(f"chunk{len(stub.requests)}")
+    assert summary["lastSummarizedTurnId"] == 11 and len(summary["replaces"]) == 33
+
+
+def test_compaction_model_too_small_falls_back_to_the_session_model(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    small = make_settings(settings, compaction_model="openai/tiny-model", summary_reserve_tokens=1_000,
+                          default_context_window=1_500, llm_timeout_seconds=5.0)
+    write_session(r, small, "s1", 3, window=100_000)
+    _run(r, small, "s1", forced=True)
+    assert [req.body["model"] for req in stub.requests] == ["stub-model"]
+
+
+# -- micro compaction ------------------------------------------------------------------------
+
+
+def test_micro_job_marks_old_long_outputs_compacted_once(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 4, window=1000)
+    before = SessionStore(r, wsettings).load("s1")
+    job = _run(r, wsettings, "s1", kind="micro")
+    compact = read_log(wsettings, "s1")[-1]
+    assert compact["type"] == "compact" and (compact["startTurnId"], compact["endTurnId"]) == (1, 3)
+    after = SessionStore(r, wsettings).load("s1")
+    assert before is not None and after is not None
+    assert job.return_value() == {"didCompress": True, "released": before.prompt_estimate - after.prompt_estimate,
+                                  "promptEstimate": after.prompt_estimate}
+    assert after.prompt_estimate < before.prompt_estimate
+    install(WorkerContext.build(wsettings, r))
+    assert micro_compact("s1", CWD)["didCompress"] is False
+    assert sum(e["type"] == "compact" for e in read_log(wsettings, "s1")) == 1
+    assert stub.requests == []
+
+
+def test_job_for_an_unknown_session_fails(r: redis.Redis, wsettings: Settings) -> None:
+    job = _run(r, wsettings, "nope", kind="micro")
+    assert job.get_status() == JobStatus.FAILED
+    assert "SessionNotFound" in str(job.latest_result().exc_string)  # type: ignore[union-attr]
+
+
+# -- coalescing ------------------------------------------------------------------------------
+
+
+def test_trigger_coalesced_during_a_job_is_enqueued_when_it_ends(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 4, window=200)  # micro alone cannot bring it under 90 %
+    first = enqueue_compaction(r, wsettings, "s1", CWD, "micro")
+    assert first and enqueue_compaction(r, wsettings, "s1", CWD, "llm") is None
+    worker_context = WorkerContext.build(wsettings, r)
+    from worker.runner import CompactionWorker
+
+    CompactionWorker.for_settings(r, wsettings, context=worker_context).work(burst=True, max_jobs=1)
+    follow_up = pending_job_id(r, wsettings, "s1")
+    assert follow_up is not None and follow_up != first
+    assert r.exists(Keys().retrigger("s1")) == 0
+    run_burst(r, wsettings)
+    assert Job.fetch(follow_up, connection=r).get_status() == JobStatus.FINISHED
+    assert pending_job_id(r, wsettings, "s1") is None

@@ -1,0 +1,114 @@
+"""compactor.queue: one automatic job per session, coalesced triggers, forced jobs, RQ rate limits."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+from rq.job import Job, JobStatus
+
+from compactor.keys import Keys
+from compactor.queue import (
+    compaction_queue,
+    enqueue_compaction,
+    new_job_id,
+    parse_job_id,
+    pending_job_id,
+    release_pending,
+)
+from events.config import Settings
+from tests.worker.conftest import CWD
+
+
+def test_second_automatic_trigger_is_coalesced_and_recorded(r: redis.Redis, settings: Settings) -> None:
+    first = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    second = enqueue_compaction(r, settings, "s1", CWD, "llm")
+    assert first is not None and second is None
+    assert pending_job_id(r, settings, "s1") == first
+    assert r.get(Keys().retrigger("s1")) == b"llm"
+    assert compaction_queue(r, settings).count == 1
+
+
+def test_llm_trigger_is_not_downgraded_by_a_later_micro_trigger(r: redis.Redis, settings: Settings) -> None:
+    enqueue_compaction(r, settings, "s1", CWD, "micro")
+    enqueue_compaction(r, settings, "s1", CWD, "llm")
+    enqueue_compaction(r, settings, "s1", CWD, "micro")
+    assert r.get(Keys().retrigger("s1")) == b"llm"
+
+
+def test_sessions_do_not_coalesce_with_each_other(r: redis.Redis, settings: Settings) -> None:
+    assert enqueue_compaction(r, settings, "s1", CWD, "llm")
+    assert enqueue_compaction(r, settings, "s2", CWD, "llm")
+    assert compaction_queue(r, settings).count == 2
+
+
+def test_release_frees_the_claim_and_hands_back_the_trigger(r: redis.Redis, settings: Settings) -> None:
+    first = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    assert first is not None
+    enqueue_compaction(r, settings, "s1", CWD, "micro")
+    assert release_pending(r, settings, "s1", first) == "micro"
+    assert pending_job_id(r, settings, "s1") is None
+    assert r.get(Keys().retrigger("s1")) is None
+    assert enqueue_compaction(r, settings, "s1", CWD, "micro") is not None
+
+
+def test_release_by_another_job_keeps_the_claim(r: redis.Redis, settings: Settings) -> None:
+    first = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    enqueue_compaction(r, settings, "s1", CWD, "llm")
+    assert release_pending(r, settings, "s1", "00000000000000000001-llm-s1") is None
+    assert pending_job_id(r, settings, "s1") == first
+    assert r.get(Keys().retrigger("s1")) == b"llm"
+
+
+def test_forced_jobs_always_enqueue_and_leave_the_claim_alone(r: redis.Redis, settings: Settings) -> None:
+    auto = enqueue_compaction(r, settings, "s1", CWD, "llm")
+    forced = [enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True) for _ in range(2)]
+    assert all(forced) and len(set(forced)) == 2
+    assert pending_job_id(r, settings, "s1") == auto
+    job = Job.fetch(forced[0], connection=r)
+    assert job.kwargs == {"forced": True} and job.args == ("s1", CWD)
+    assert job.func_name == "worker.jobs.llm_compact"
+    assert job.timeout == settings.worker.job_timeout_seconds
+
+
+def test_jobs_of_one_session_are_serialised_by_the_rate_limit(r: redis.Redis, settings: Settings) -> None:
+    ids = [enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True) for _ in range(3)]
+    statuses = [Job.fetch(i, connection=r).get_status() for i in ids if i]
+    assert statuses == [JobStatus.QUEUED, JobStatus.RATE_LIMITED, JobStatus.RATE_LIMITED]
+    assert compaction_queue(r, settings).job_ids == [ids[0]]
+
+
+def test_job_ids_sort_in_enqueue_order_and_name_their_session() -> None:
+    ids = [new_job_id("sess-1_a", "llm") for _ in range(100)]
+    assert ids == sorted(ids) and len(set(ids)) == 100
+    stamp, kind, session = parse_job_id(ids[0]) or (0, "", "")
+    assert kind == "llm" and session == "sess-1_a" and abs(stamp / 1e9 - time.time()) < 5
+    assert parse_job_id("not-a-job") is None
+
+
+def test_claim_of_an_ended_job_is_stale_and_replaced(r: redis.Redis, settings: Settings) -> None:
+    first = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    assert first is not None
+    r.hset(Job.key_for(first), "status", "failed")  # its worker died without releasing
+    second = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    assert second is not None and second != first
+    assert pending_job_id(r, settings, "s1") == second
+
+
+def test_claim_without_a_job_is_kept_during_the_grace_period(r: redis.Redis, settings: Settings) -> None:
+    r.set(Keys().job("s1"), new_job_id("s1", "llm"))  # an enqueuer between claim and enqueue
+    assert enqueue_compaction(r, settings, "s1", CWD, "llm") is None
+    r.set(Keys().job("s1"), "00000000000000000001-llm-s1")  # long ago: it crashed
+    assert enqueue_compaction(r, settings, "s1", CWD, "llm") is not None
+
+
+def test_failed_enqueue_releases_the_claim(r: redis.Redis, settings: Settings) -> None:
+    bad = Settings.model_validate({**settings.model_dump(by_alias=True), "worker": {"jobTimeoutSeconds": 5}})
+    r.set("rq:rl:compaction:s1", "not a hash")  # makes RQ's rate-limit registration fail
+    try:
+        enqueue_compaction(r, bad, "s1", CWD, "micro")
+    except redis.ResponseError:
+        pass
+    else:
+        raise AssertionError("the enqueue should have failed")
+    assert pending_job_id(r, settings, "s1") is None

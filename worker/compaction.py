@@ -1,0 +1,348 @@
+"""Micro and LLM compaction of one session (SPEC §5), called by the RQ jobs.
+
+Invariants:
+- The log is the source of truth and is only appended to, through
+  ``SessionStore.apply(..., log=log)`` while this module holds the same
+  ``SessionLog`` object's lock; the decision what to append is taken from the
+  log as read under that lock. So a job run twice (a retry, a duplicate
+  enqueue) appends once: the second run finds no candidates / no new targets.
+- The LLM call runs *outside* the lock (it may take minutes; the watcher keeps
+  appending meanwhile). Before its summary is appended, the lines written since
+  the snapshot are checked under the lock: a ``summary`` or ``rollback`` among
+  them means the targets are stale, and nothing is appended.
+- A summary replaces exactly the target uuids plus the previous visible
+  summary's uuid, with ``lastSummarizedTurnId = endTurn``; the most recent
+  ``keepRecentTurns`` turns are never summarized.
+- Failures (LLM error, timeout, invalid reply) increment the session's failure
+  counter; a successful LLM summary deletes it. A summary produced by the
+  offline ``extractive`` fallback leaves the counter alone (it says nothing
+  about the LLM's health; the breaker keeps reporting the LLM as failing).
+- ``released`` = promptEstimate before the job − after it (micro step included).
+
+Model choice: ``compactionModel``, else the session's model. When the
+compaction model's window (litellm's max input tokens, else the default)
+cannot hold the prompt + ``summaryReserveTokens``, the session's model (and
+window) is used. When even that cannot hold it, the targets are summarized in
+consecutive chunks, each chunk's call getting the running summary as the
+previous summary. Prompt tokens are estimated from the lines' token stamps
+plus the fixed prompt (no re-tokenization of the transcript).
+
+Fallback (``context.fallbackModel``, e.g. ``extractive``): used instead of the
+LLM when the breaker is open for an automatic job, and after a failed LLM call
+(the failure is counted first). Without a fallback, an automatic job with the
+breaker open does nothing, and a failed call fails the job (forced or not).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from compactor.store import SessionStore
+from events.config import ContextSettings, Settings
+from events.errors import (
+    CompactorError,
+    LLMUnavailable,
+    SessionNotFound,
+    SummaryInvalid,
+)
+from events.log import SessionLog
+from events.models import (
+    CompactEvent,
+    CompressResult,
+    SummaryEvent,
+    to_wire,
+    with_identity,
+)
+from events.state import SessionState
+from events.tokens import (
+    MESSAGE_OVERHEAD_TOKENS,
+    count_tokens,
+    model_max_input_tokens,
+    stamped_tokens,
+)
+from events.view import ContextView, LlmTargets, build_view, elide, llm_targets
+from worker.extractive import EXTRACTIVE_MODEL, extractive_summary
+from worker.failures import FailureCounter
+from worker.summarize import (
+    SYSTEM_PROMPT,
+    Summarizer,
+    build_messages,
+    extract_summary,
+    render_transcript,
+)
+
+logger = logging.getLogger(__name__)
+
+PROMPT_FRAME_TOKENS = 200  # delimiters, the request lines and chat framing around the data
+BLOCK_HEADER_TOKENS = 6  # "[tool:name]\n" and the blank line, per transcript block
+MIN_CHUNK_BUDGET_TOKENS = 1_000  # below this a window is hopeless; chunk at this size anyway
+
+
+@dataclass(frozen=True)
+class _Session:
+    """What planning needs of the session: its model, window and token encoding."""
+
+    model: str | None
+    window: int
+    encoding: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The model to call and the window it was chosen for."""
+
+    model: str
+    window: int
+
+
+class Compactor:
+    """Runs compactions for any session; one per worker process, shared by its jobs."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        settings: Settings,
+        summarizer: Callable[[], Summarizer],
+    ) -> None:
+        self.settings = settings
+        self.ctx: ContextSettings = settings.context
+        self.store = SessionStore(client, settings)
+        self.failures = FailureCounter(client, settings)
+        self._summarizer_factory = summarizer
+        self._summarizer: Summarizer | None = None
+
+    @property
+    def summarizer(self) -> Summarizer:
+        if self._summarizer is None:
+            self._summarizer = self._summarizer_factory()
+        return self._summarizer
+
+    # -- micro ---------------------------------------------------------------------------
+
+    def micro(self, session_id: str, cwd: str) -> CompressResult:
+        """Mark the turns of old long compactable outputs compacted (one ``compact`` event)."""
+        log = self._log(session_id, cwd)
+        with log.lock():
+            view = build_view(log.read(), self.ctx)
+            appended, estimate = self._micro_locked(session_id, cwd, log, view)
+        return _result(bool(appended), view.prompt_estimate, estimate)
+
+    def _micro_locked(
+        self, session_id: str, cwd: str, log: SessionLog, view: ContextView,
+    ) -> tuple[list[dict[str, Any]], int]:
+        """Append the compact event if there are candidates; (lines appended, estimate after)."""
+        candidates = [e for e in view.candidates if e["turnId"] < view.current_turn_id - 1]
+        if not candidates:
+            self.store.apply(session_id, cwd, [], log=log)  # stores the exact state anyway
+            return [], view.prompt_estimate
+        turns = [e["turnId"] for e in candidates]
+        event = to_wire(with_identity(CompactEvent(type="compact", start_turn_id=min(turns),
+                                                   end_turn_id=max(turns))))
+        applied = self.store.apply(session_id, cwd, [event], log=log)
+        logger.debug("micro compact session=%s turns=%d..%d", session_id, min(turns), max(turns))
+        return applied.appended, applied.state.prompt_estimate
+
+    # -- llm -----------------------------------------------------------------------------
+
+    def llm(self, session_id: str, cwd: str, *, forced: bool = False) -> CompressResult:
+        """Summarize the turns before the most recent ones; see the module docstring.
+
+        The stored state (brought up to date under the lock) gives the estimate,
+        window and model, so the log is read once and viewed only where needed.
+        """
+        log = self._log(session_id, cwd)
+        with log.lock():
+            state = self.store.current(session_id, cwd, log)
+            before = state.prompt_estimate
+            events = log.read()
+            micro_done = False
+            if before > self.ctx.micro_compact_threshold * state.window and _has_old_candidate(state):
+                appended, _ = self._micro_locked(session_id, cwd, log, build_view(events, self.ctx))
+                micro_done = bool(appended)
+                events = events + appended
+            targets = llm_targets(events, self.ctx)
+            snapshot = log.size()
+        if targets.end_turn < 1 or not targets.events:
+            return _result(micro_done, before, self._estimate(session_id, before) if micro_done else before)
+        session = _Session(state.model, state.window, state.encoding)
+        text = self._summary_text(session_id, targets, session, forced=forced)
+        if text is None:
+            return _result(micro_done, before, self._estimate(session_id, before))
+        return self._append_summary(session_id, cwd, log, targets, text, snapshot, before, micro_done)
+
+    def _append_summary(
+        self, session_id: str, cwd: str, log: SessionLog, targets: LlmTargets, text: str,
+        snapshot: int, before: int, micro_done: bool,
+    ) -> CompressResult:
+        previous = targets.previous_summary
+        replaces = [e["uuid"] for e in targets.events if isinstance(e.get("uuid"), str)]
+        if previous is not None and isinstance(previous.get("uuid"), str):
+            replaces.append(previous["uuid"])
+        event = to_wire(with_identity(SummaryEvent(
+            type="summary", replaces=replaces, summary_text=text, last_summarized_turn_id=targets.end_turn,
+        )))
+        with log.lock():
+            if _changed_under_us(log, snapshot):
+                logger.warning("summary dropped session=%s: the log got a summary/rollback meanwhile", session_id)
+                return _result(micro_done, before, self._estimate(session_id, before))
+            state = self.store.apply(session_id, cwd, [event], log=log).state
+        return _result(True, before, state.prompt_estimate)
+
+    def _summary_text(self, session_id: str, targets: LlmTargets, view: _Session, *, forced: bool) -> str | None:
+        """The new summary text, or None when the breaker stops an automatic job (no fallback)."""
+        fallback = self.ctx.fallback_model
+        if not forced and self.failures.is_open(session_id):
+            if not fallback:
+                logger.info("llm compaction skipped session=%s: breaker open", session_id)
+                return None
+            logger.info("breaker open session=%s: using fallback %s", session_id, fallback)
+            return self._summarize_with(fallback, targets, view)
+        plan = self.plan(targets, view)
+        try:
+            text = self._summarize_with(plan.model, targets, view, plan)
+        except (LLMUnavailable, SummaryInvalid) as error:
+            self._count_failure(session_id, plan.model, error)
+            if not fallback or fallback == plan.model:
+                raise
+            logger.warning("llm failed session=%s: using fallback %s", session_id, fallback)
+            return self._summarize_with(fallback, targets, view)
+        if plan.model != EXTRACTIVE_MODEL:
+            self.failures.reset(session_id)
+        return text
+
+    def _count_failure(self, session_id: str, model: str, error: CompactorError) -> None:
+        count = self.failures.record_failure(session_id)
+        kind = ("transient" if error.transient else "permanent") if isinstance(error, LLMUnavailable) else "invalid"
+        logger.warning("llm compaction failed session=%s model=%s kind=%s failures=%d error=%s",
+                       session_id, model, kind, count, error)
+
+    # -- planning and calling ------------------------------------------------------------
+
+    def plan(self, targets: LlmTargets, view: _Session) -> Plan:
+        """The model and window for these targets (SPEC §5's window rule)."""
+        session_model = view.model
+        session_window = view.window
+        model = self.ctx.compaction_model or session_model
+        if not model:
+            if self.ctx.fallback_model:
+                return Plan(self.ctx.fallback_model, session_window)
+            raise LLMUnavailable("no compaction model: set context.compactionModel", transient=False)
+        if model == EXTRACTIVE_MODEL:
+            return Plan(model, session_window)
+        window = session_window if model == session_model else self.model_window(model)
+        needed = self.prompt_tokens(targets.events, targets.previous_summary, view.encoding)
+        if needed + self.ctx.summary_reserve_tokens > window and session_model and model != session_model:
+            logger.info("compaction model %s too small (%d < %d): using session model %s",
+                        model, window, needed + self.ctx.summary_reserve_tokens, session_model)
+            return Plan(session_model, session_window)
+        return Plan(model, window)
+
+    def model_window(self, model: str) -> int:
+        """litellm's max input tokens for ``model``, else the configured default."""
+        return model_max_input_tokens(model) or self.ctx.default_context_window
+
+    def prompt_tokens(self, events: list[dict[str, Any]], previous: dict[str, Any] | None, encoding: str) -> int:
+        """An estimate of the prompt's tokens from the lines' stamps (no re-tokenizing)."""
+        total = _system_tokens(encoding) + PROMPT_FRAME_TOKENS
+        if previous is not None:
+            total += stamped_tokens(previous, encoding)
+        return total + sum(self._event_tokens(e, encoding) for e in events)
+
+    def _event_tokens(self, event: dict[str, Any], encoding: str) -> int:
+        return stamped_tokens(event, encoding) + BLOCK_HEADER_TOKENS
+
+    def _summarize_with(self, model: str, targets: LlmTargets, view: _Session, plan: Plan | None = None) -> str:
+        previous = targets.previous_summary
+        previous_text = previous.get("summaryText") if previous else None
+        previous_text = previous_text if isinstance(previous_text, str) else None
+        if model == EXTRACTIVE_MODEL:
+            return extractive_summary(targets.events, previous_text)
+        window = plan.window if plan else self.model_window(model)
+        running = previous_text
+        for chunk in self.chunks(targets.events, previous_text, window, view.encoding):
+            messages = build_messages(render_transcript(chunk), running)
+            running = extract_summary(self.summarizer.complete(model, messages))
+        assert running is not None  # targets are never empty here
+        return running
+
+    def chunks(
+        self, events: list[dict[str, Any]], previous_text: str | None, window: int, encoding: str,
+    ) -> list[list[dict[str, Any]]]:
+        """Consecutive slices of ``events`` whose prompts each fit ``window`` with the reserve.
+
+        The running summary's size is budgeted at the larger of the previous
+        summary and the reserve (a summary is at most what the reserve allows).
+        """
+        summary_tokens = max(count_tokens(previous_text or "", encoding), self.ctx.summary_reserve_tokens)
+        fixed = _system_tokens(encoding) + PROMPT_FRAME_TOKENS + self.ctx.summary_reserve_tokens
+        total = sum(self._event_tokens(e, encoding) for e in events)
+        if fixed + count_tokens(previous_text or "", encoding) + total <= window:
+            return [events]
+        budget = max(window - fixed - summary_tokens, MIN_CHUNK_BUDGET_TOKENS)
+        chunks: list[list[dict[str, Any]]] = [[]]
+        used = 0
+        for event in events:
+            tokens = self._event_tokens(event, encoding)
+            if tokens > budget:
+                event, tokens = _clipped(event, budget), budget
+            if chunks[-1] and used + tokens > budget:
+                chunks.append([])
+                used = 0
+            chunks[-1].append(event)
+            used += tokens
+        logger.info("summarizing in %d chunks (window %d, budget %d tokens each)", len(chunks), window, budget)
+        return chunks
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _log(self, session_id: str, cwd: str) -> SessionLog:
+        log = self.store.log(session_id, cwd)
+        if not log.exists():
+            raise SessionNotFound(f"no log for session {session_id} in {cwd}")
+        return log
+
+    def _estimate(self, session_id: str, default: int) -> int:
+        state = self.store.load(session_id)
+        return state.prompt_estimate if state is not None else default
+
+
+def _has_old_candidate(state: SessionState) -> bool:
+    """Whether the state records a micro candidate in a turn before ``currentTurnId - 1``."""
+    return state.min_candidate_turn != 0 and state.min_candidate_turn < state.current_turn_id - 1
+
+
+def _changed_under_us(log: SessionLog, snapshot: int) -> bool:
+    """Whether lines written since ``snapshot`` make the computed targets stale."""
+    if log.size() < snapshot:
+        return True
+    return any(e.get("type") in ("summary", "rollback") for e in log.read(snapshot))
+
+
+def _clipped(event: dict[str, Any], budget_tokens: int) -> dict[str, Any]:
+    """A copy of an event too large for one chunk, its text cut to about ``budget_tokens``."""
+    field = "output" if event.get("type") == "tool_result" else "content"
+    text = event.get(field)
+    if not isinstance(text, str):
+        return event
+    keep = max(budget_tokens, 1) * 3 // 2  # ~3 characters per token, head and tail halves
+    return {**event, field: elide(text, keep), "tokenCount": budget_tokens}
+
+
+_SYSTEM_TOKENS: dict[str, int] = {}
+
+
+def _system_tokens(encoding: str) -> int:
+    known = _SYSTEM_TOKENS.get(encoding)
+    if known is None:
+        known = _SYSTEM_TOKENS[encoding] = count_tokens(SYSTEM_PROMPT, encoding) + 2 * MESSAGE_OVERHEAD_TOKENS
+    return known
+
+
+def _result(did_compress: bool, before: int, after: int) -> CompressResult:
+    return CompressResult(did_compress=did_compress, released=before - after if did_compress else 0,
+                          prompt_estimate=after)

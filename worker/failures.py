@@ -1,0 +1,56 @@
+"""The LLM failure counter per session: the breaker of SPEC §5.
+
+``{p}:failures:{sessionId}`` counts consecutive failed LLM compactions. A
+failure increments it and gives it a TTL of ``failureTtlSeconds`` only when it
+has none (one Lua call, so the TTL runs from the *first* failure and a crash
+can never leave a counter without one). A success deletes it. At
+``maxFailures`` or more the breaker is open: the watcher enqueues no automatic
+LLM job until the key expires. Forced jobs ignore the breaker.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+
+from compactor.keys import Keys
+from events.config import Settings
+
+logger = logging.getLogger(__name__)
+
+# KEYS: counter; ARGV: ttl seconds. Returns the new count.
+_RECORD_FAILURE = """
+local n = redis.call('INCR', KEYS[1])
+if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+return n
+"""
+
+
+class FailureCounter:
+    """Counts a session's consecutive LLM failures under a TTL."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.redis = client
+        self.keys = Keys(settings.redis.prefix, settings.redis.shards)
+        self.max_failures = settings.context.max_failures
+        self.ttl_s = settings.context.failure_ttl_seconds
+
+    def record_failure(self, session_id: str) -> int:
+        """Count one failure; the count now."""
+        count = int(self.redis.eval(_RECORD_FAILURE, 1, self.keys.failures(session_id), self.ttl_s))
+        logger.info("llm failure counted session=%s failures=%d", session_id, count)
+        return count
+
+    def reset(self, session_id: str, pipeline: redis.client.Pipeline | None = None) -> None:
+        """Forget the failures after a success."""
+        (pipeline if pipeline is not None else self.redis).delete(self.keys.failures(session_id))
+
+    def count(self, session_id: str) -> int:
+        """The consecutive failures counted (0 when none or expired)."""
+        value = self.redis.get(self.keys.failures(session_id))
+        return int(value) if value else 0
+
+    def is_open(self, session_id: str) -> bool:
+        """Whether the breaker stops automatic LLM jobs for the session."""
+        return self.count(session_id) >= self.max_failures

@@ -1,0 +1,103 @@
+"""The RQ job functions: thin, top level, ids and primitives in, a camelCase dict out.
+
+``micro_compact(session_id, cwd)`` and ``llm_compact(session_id, cwd, forced=False)``
+return the ``CompressResult`` as ``{"didCompress", "released", "promptEstimate"}``.
+A failed LLM compaction raises (``LLMUnavailable`` / ``SummaryInvalid``), so RQ
+records the job as failed with that message (the API answers 502 for a forced one).
+
+Invariant: however a job ends (result, exception, timeout), ``finish`` runs:
+it frees the session's pending-job claim if this job holds it and, when a
+trigger was coalesced meanwhile, re-checks the thresholds from the stored
+state and enqueues again, so no trigger is lost. For a job whose worker was
+killed, the worker janitor (``worker.runner``) calls ``finish`` instead.
+Each job logs one line: session, job, kind, outcome, duration.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from rq import get_current_job
+
+from compactor.queue import enqueue_compaction, release_pending
+from events.errors import LLMUnavailable, SessionNotFound, SummaryInvalid
+from events.models import CompressResult
+from events.state import decide
+from worker.context import WorkerContext, current
+
+logger = logging.getLogger(__name__)
+
+
+def micro_compact(session_id: str, cwd: str) -> dict[str, Any]:
+    """RQ job: micro compaction of one session."""
+    return _run("micro", session_id, cwd, forced=False)
+
+
+def llm_compact(session_id: str, cwd: str, forced: bool = False) -> dict[str, Any]:
+    """RQ job: LLM compaction of one session (``forced`` skips thresholds and the breaker)."""
+    return _run("llm", session_id, cwd, forced=forced)
+
+
+def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any]:
+    context = current()
+    job = get_current_job()
+    job_id = job.id if job is not None else ""
+    started = time.monotonic()
+    outcome = "error"
+    result: CompressResult | None = None
+    try:
+        if kind == "micro":
+            result = context.compactor.micro(session_id, cwd)
+        else:
+            result = context.compactor.llm(session_id, cwd, forced=forced)
+        outcome = "compressed" if result.did_compress else "nothing_to_do"
+        return result.model_dump(by_alias=True)
+    except LLMUnavailable as e:
+        outcome = "llm_transient" if e.transient else "llm_permanent"
+        raise
+    except SummaryInvalid:
+        outcome = "summary_invalid"
+        raise
+    except SessionNotFound:
+        outcome = "session_not_found"
+        raise
+    finally:
+        logger.info(
+            "compaction job session=%s job=%s kind=%s forced=%s outcome=%s released=%s estimate=%s duration_ms=%.1f",
+            session_id, job_id, kind, forced, outcome,
+            result.released if result else "", result.prompt_estimate if result else "",
+            (time.monotonic() - started) * 1000,
+        )
+        finish(context, session_id, job_id)
+
+
+def finish(context: WorkerContext, session_id: str, job_id: str) -> str | None:
+    """Free the session's claim held by ``job_id`` and honour a coalesced trigger.
+
+    Returns the id of the job enqueued for the coalesced trigger, if any. Never
+    raises: a failure here is logged (the next trigger replaces a stale claim).
+    """
+    try:
+        trigger = release_pending(context.redis, context.settings, session_id, job_id)
+        if trigger is None:
+            return None
+        return recheck(context, session_id)
+    except Exception:
+        logger.exception("finishing job failed session=%s job=%s", session_id, job_id)
+        return None
+
+
+def recheck(context: WorkerContext, session_id: str) -> str | None:
+    """Enqueue the compaction the session's stored state calls for now, if any."""
+    store = context.compactor.store
+    state = store.load(session_id)
+    if state is None:
+        return None
+    breaker_open = context.compactor.failures.is_open(session_id)
+    kind = decide(state, context.settings.context, breaker_open=breaker_open)
+    if kind is None:
+        logger.debug("coalesced trigger no longer needed session=%s", session_id)
+        return None
+    return enqueue_compaction(context.redis, context.settings, session_id, state.cwd, kind)

@@ -1,0 +1,294 @@
+"""The worker process: N non-forking RQ workers on the compaction queue.
+
+``main(settings, count=N)`` preloads the heavy imports (litellm, the tiktoken
+encodings) once, then runs one ``CompactionWorker`` per process: in this
+process when N is 1, else in N forked children that it supervises (a child
+that dies is replaced; SIGTERM/SIGINT are passed on and waited for).
+
+``CompactionWorker`` is an RQ ``SimpleWorker`` (jobs run in the worker's main
+thread: ~3 ms of RQ overhead per job against ~10 ms for a fork per job). Job
+timeouts are still enforced: ``perform_job`` wraps each job in RQ's
+``UnixSignalDeathPenalty`` (SIGALRM), which works because the job runs in the
+main thread. It installs the process-level ``worker.context`` the job
+functions read, and runs a *keeper* thread that
+
+- heartbeats the running job every ``HEARTBEAT_INTERVAL_S`` with an execution
+  TTL of ``EXECUTION_TTL_S`` (SimpleWorker's default TTL is the job timeout +
+  60 s, i.e. 11 minutes before a killed job is noticed; with the keeper a
+  SIGKILLed worker's job expires ~20 s after the kill), and
+- every ``JANITOR_INTERVAL_S`` runs the janitor (in one process at a time,
+  under a Redis lock): RQ's ``StartedJobRegistry.cleanup`` moves jobs whose
+  execution expired to failed (``AbandonedJobError``) and frees their
+  rate-limit slot, which releases the session's next job; the session's
+  pending-job claim is freed and a coalesced trigger re-checked
+  (``worker.jobs.finish``); stale rate-limit slots of the queue's sessions are
+  freed. So a session is compactable again within ~25-30 s of a SIGKILL.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing.process import BaseProcess
+from types import FrameType
+from typing import Any
+
+import redis
+from rq import Queue, SimpleWorker
+from rq.executions import Execution
+from rq.job import Job
+from rq.rate_limit import RateLimitRegistry
+from rq.registry import StartedJobRegistry
+from rq.worker import WorkerStatus
+
+from compactor.keys import Keys
+from compactor.queue import compaction_queue, parse_job_id
+from events.config import Settings
+from events.tokens import get_encoding
+from worker import context as worker_context
+from worker.context import WorkerContext
+from worker.jobs import finish
+from worker.summarize import warm_up_litellm
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 5  # how often the keeper heartbeats a running job
+EXECUTION_TTL_S = 20  # a job not heartbeaten for this long is abandoned (its worker died)
+JANITOR_INTERVAL_S = 5  # how often a worker process tries to run the janitor
+WORKER_TTL_S = 60  # RQ worker key TTL; the blocking dequeue returns every WORKER_TTL_S - 15 s
+RQ_MAINTENANCE_INTERVAL_S = 60  # RQ's own registry maintenance (finished/failed/... cleanup)
+RESPAWN_DELAY_S = 1.0  # before replacing a worker child that died
+PRELOAD_ENCODINGS = ("cl100k_base", "o200k_base")
+
+
+class _Keeper:
+    """The worker's background thread: job heartbeats and the janitor."""
+
+    def __init__(self, worker: CompactionWorker) -> None:
+        self.worker = worker
+        self._lock = threading.Lock()
+        self._job: tuple[Job, Execution] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="compaction-keeper", daemon=True)
+        self._next_janitor = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def running(self, job: Job, execution: Execution) -> None:
+        with self._lock:
+            self._job = (job, execution)
+
+    def idle(self) -> None:
+        with self._lock:
+            self._job = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+            self._beat()
+            if time.monotonic() >= self._next_janitor:
+                self._next_janitor = time.monotonic() + JANITOR_INTERVAL_S
+                self._janitor()
+
+    def _beat(self) -> None:
+        with self._lock:
+            if self._job is None:
+                return
+            try:
+                self.worker.maintain_heartbeats(*self._job)
+            except Exception:
+                logger.exception("heartbeat failed worker=%s", self.worker.name)
+
+    def _janitor(self) -> None:
+        try:
+            run_janitor(worker_context.current(), self.worker)
+        except Exception:
+            logger.exception("janitor failed worker=%s", self.worker.name)
+
+
+class CompactionWorker(SimpleWorker):
+    """A non-forking RQ worker for the compaction queue (see the module docstring)."""
+
+    def __init__(
+        self,
+        queues: Sequence[Queue],
+        *,
+        connection: redis.Redis,
+        settings: Settings,
+        context: WorkerContext | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("worker_ttl", WORKER_TTL_S)
+        kwargs.setdefault("maintenance_interval", RQ_MAINTENANCE_INTERVAL_S)
+        kwargs.setdefault("job_monitoring_interval", HEARTBEAT_INTERVAL_S)
+        super().__init__(list(queues), connection=connection, **kwargs)
+        self.settings = settings
+        worker_context.install(context or WorkerContext.build(settings, connection))
+        self._keeper = _Keeper(self)
+
+    @classmethod
+    def for_settings(cls, connection: redis.Redis, settings: Settings, **kwargs: Any) -> CompactionWorker:
+        """A worker on the compaction queue of ``settings``."""
+        return cls([compaction_queue(connection, settings)], connection=connection, settings=settings, **kwargs)
+
+    def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
+        """The execution TTL: short, since the keeper heartbeats running jobs."""
+        return EXECUTION_TTL_S
+
+    def execute_job(self, job: Job, queue: Queue) -> None:
+        """Run the job in this thread while the keeper heartbeats it."""
+        execution = self.prepare_execution(job)
+        self._keeper.running(job, execution)
+        try:
+            self.perform_job(job, queue, execution)
+        finally:
+            self._keeper.idle()
+        self.set_state(WorkerStatus.IDLE)
+
+    def work(self, *args: Any, **kwargs: Any) -> bool:
+        """RQ's work loop, with the keeper thread running alongside."""
+        self._keeper.start()
+        try:
+            run_janitor(worker_context.current(), self)  # recover what a dead predecessor left
+            return bool(super().work(*args, **kwargs))
+        finally:
+            self._keeper.stop()
+
+
+def run_janitor(context: WorkerContext, worker: SimpleWorker | None = None) -> list[str]:
+    """Fail abandoned jobs, free their sessions and stale rate-limit slots; the job ids recovered.
+
+    Safe to run from any process at any time; a Redis lock keeps concurrent
+    runs from doing the work twice.
+    """
+    client, settings = context.redis, context.settings
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    lock_key = keys.janitor
+    if not client.set(lock_key, os.getpid(), nx=True, px=JANITOR_INTERVAL_S * 1000 - 500):
+        return []
+    queue = compaction_queue(client, settings)
+    registry = StartedJobRegistry(queue=queue)
+    expired = registry.get_expired_job_ids()
+    if expired:
+        registry.cleanup()
+    if worker is not None:
+        queue.intermediate_queue.cleanup(worker, queue)
+    _clean_rate_limits(client, keys.prefix)
+    recovered = []
+    for job_id in expired:
+        parsed = parse_job_id(job_id)
+        if parsed is None:
+            continue
+        logger.warning("abandoned job recovered session=%s job=%s", parsed[2], job_id)
+        finish(context, parsed[2], job_id)
+        recovered.append(job_id)
+    return recovered
+
+
+def _clean_rate_limits(client: redis.Redis, prefix: str) -> None:
+    """Free leaked slots of this service's per-session rate limits."""
+    for registry in RateLimitRegistry.all(client):
+        if registry.key.startswith(f"{prefix}:") and registry.get_allowed_job_count():
+            registry.cleanup()
+
+
+# -- the process -------------------------------------------------------------------------
+
+
+def preload() -> None:
+    """The heavy imports, once per process, before any job: litellm (warmed up) and the encodings."""
+    started = time.monotonic()
+    warm_up_litellm()
+    for name in PRELOAD_ENCODINGS:
+        get_encoding(name)
+    import worker.jobs  # noqa: F401 - RQ resolves the job functions by name; have them ready
+
+    logger.info("worker preload done in %.1f s", time.monotonic() - started)
+
+
+def run_worker(settings: Settings, *, burst: bool = False) -> bool:
+    """One CompactionWorker in this process (must be the main thread); whether it ran any job."""
+    client = redis.Redis.from_url(settings.redis.url)
+    try:
+        worker = CompactionWorker.for_settings(client, settings)
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        return worker.work(burst=burst, logging_level=level)
+    finally:
+        client.close()
+
+
+def main(settings: Settings, *, count: int | None = None, burst: bool = False) -> None:
+    """Run ``count`` (default ``worker.count``) workers until stopped (or the queue is empty with ``burst``)."""
+    if not settings.redis.url:
+        raise ValueError("worker.runner.main needs settings.redis.url (start the embedded Redis first)")
+    count = count or settings.worker.count
+    preload()
+    if count == 1:
+        run_worker(settings, burst=burst)
+        return
+    _Supervisor(settings, count, burst).run()
+
+
+class _Supervisor:
+    """Keeps ``count`` forked worker processes running; passes stop signals on."""
+
+    def __init__(self, settings: Settings, count: int, burst: bool) -> None:
+        self.settings = settings
+        self.count = count
+        self.burst = burst
+        self.stopping = False
+        self.children: list[BaseProcess] = []
+        self._mp = multiprocessing.get_context("fork")
+
+    def run(self) -> None:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            self.children = [self._spawn(i) for i in range(self.count)]
+            while self.children:
+                self._reap()
+                time.sleep(0.2)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _spawn(self, index: int) -> BaseProcess:
+        process = self._mp.Process(target=_child, args=(self.settings, self.burst), name=f"compaction-worker-{index}")
+        process.start()
+        logger.info("worker process started pid=%s", process.pid)
+        return process
+
+    def _reap(self) -> None:
+        for i, child in enumerate(list(self.children)):
+            if child.is_alive():
+                continue
+            child.join()
+            if self.stopping or self.burst or child.exitcode == 0:
+                self.children.remove(child)
+                continue
+            logger.warning("worker process died pid=%s exitcode=%s: replacing it", child.pid, child.exitcode)
+            time.sleep(RESPAWN_DELAY_S)
+            self.children[self.children.index(child)] = self._spawn(i)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.stopping = True
+        for child in self.children:
+            if child.is_alive() and child.pid is not None:
+                try:
+                    os.kill(child.pid, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+
+
+def _child(settings: Settings, burst: bool) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    run_worker(settings, burst=burst)
