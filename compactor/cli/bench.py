@@ -1,0 +1,91 @@
+"""``compactor bench``: run the benchmark scenarios (``compactor.bench.*``) and report.
+
+Each scenario module exposes ``run(*, quick=False, progress=None) -> dict``;
+``progress`` receives one-line messages. Results print as a table, or as one
+JSON object ``{scenario: result}`` with ``--json``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from enum import Enum
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from compactor.cli.common import ConfigOpt, JsonOpt, err_console, load, print_json
+
+logger = logging.getLogger(__name__)
+
+
+class Scenario(str, Enum):
+    view = "view"
+    ingest = "ingest"
+    jobs = "jobs"
+    all = "all"
+
+
+SCENARIOS = (Scenario.view, Scenario.ingest, Scenario.jobs)
+
+
+def run_scenario(name: str, *, quick: bool, progress: Any = None) -> dict[str, Any]:
+    """Import ``compactor.bench.{name}`` and run it."""
+    module = importlib.import_module(f"compactor.bench.{name}")
+    result: dict[str, Any] = module.run(quick=quick, progress=progress)
+    return result
+
+
+def bench(
+    scenario: Annotated[Scenario, typer.Argument(help="Which benchmark to run.")] = Scenario.all,
+    json_out: JsonOpt = False,
+    quick: Annotated[bool, typer.Option("--quick", help="Small sizes, a few seconds each.")] = False,
+    config: ConfigOpt = None,
+) -> None:
+    """Benchmark the context view, event ingestion and compaction jobs."""
+    load(config)  # a bad config file fails here with exit 2, like every command
+    names = [s.value for s in (SCENARIOS if scenario is Scenario.all else (scenario,))]
+    results = _run_with_progress(names, quick)
+    if json_out:
+        print_json(results)
+        return
+    Console().print(results_table(results))
+
+
+def _run_with_progress(names: list[str], quick: bool) -> dict[str, dict[str, Any]]:
+    results: dict[str, dict[str, Any]] = {}
+    columns = (SpinnerColumn(), TextColumn("[bold]{task.fields[name]:8}"), BarColumn(),
+               TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=err_console, transient=False) as progress:
+        tasks = {n: progress.add_task("waiting", total=1, name=n) for n in names}
+        for name in names:
+            task = tasks[name]
+
+            def say(message: str, task: Any = task) -> None:
+                progress.update(task, description=str(message)[:80])
+
+            say("running")
+            results[name] = run_scenario(name, quick=quick, progress=say)
+            progress.update(task, completed=1, description="done")
+    return results
+
+
+def results_table(results: dict[str, dict[str, Any]]) -> Table:
+    table = Table(title="compactor bench")
+    for column in ("scenario", "metric", "value"):
+        table.add_column(column)
+    for name, result in results.items():
+        for i, (metric, value) in enumerate(result.items()):
+            shown = f"{value:.4g}" if isinstance(value, float) else str(value)
+            table.add_row(name if i == 0 else "", metric, shown)
+        table.add_section()
+    return table

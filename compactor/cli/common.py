@@ -1,0 +1,115 @@
+"""What every ``compactor`` command shares: the options, loading settings, output helpers.
+
+Invariants:
+- Every command takes ``--config PATH`` (env ``CODINGCODE_CONFIG``); command-line
+  overrides go through the same environment variables ``events.config`` reads,
+  so a flag, an env var and the file are validated by one code path.
+- Bad configuration is one line on stderr and exit code 2; an unreachable Redis
+  is one line and exit code 1. No traceback for either.
+- Data goes to stdout (JSON with ``--json``); progress and messages to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import redis
+import typer
+from rich.console import Console
+
+from events.config import Settings, load_settings
+from events.errors import CompactorError, InvalidConfig, InvalidInput
+
+logger = logging.getLogger(__name__)
+
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+ConfigOpt = Annotated[Path | None, typer.Option(
+    "--config", "-c", envvar="CODINGCODE_CONFIG", show_envvar=True,
+    help="codingcode.yaml to read (default ./codingcode.yaml).")]
+RedisUrlOpt = Annotated[str | None, typer.Option(
+    "--redis-url", envvar="REDIS_URL", show_envvar=True,
+    help="Redis URL; empty: the embedded server of `compactor serve`.")]
+DataDirOpt = Annotated[Path | None, typer.Option(
+    "--data-dir", envvar="COMPACTION_DATA_DIR", show_envvar=True,
+    help="Root of the session logs (dataDir).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the data as JSON on stdout.")]
+LogLevelOpt = Annotated[str, typer.Option(
+    "--log-level", envvar="COMPACTION_LOG_LEVEL", show_envvar=True,
+    help="Logging level: DEBUG, INFO, WARNING, ERROR.")]
+
+err_console = Console(stderr=True)
+
+
+def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
+    """Print ``compactor: message`` on stderr and exit with ``code``."""
+    typer.echo(f"compactor: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | None = None,
+         **env: Any) -> Settings:
+    """Settings from ``--config`` and the environment, with these command-line overrides."""
+    environ = dict(os.environ)
+    overrides = {"REDIS_URL": redis_url, "COMPACTION_DATA_DIR": data_dir, **env}
+    environ.update({k: str(v) for k, v in overrides.items() if v is not None})
+    try:
+        return load_settings(config, environ)
+    except InvalidConfig as e:
+        fail(f"invalid configuration: {e}", EXIT_CONFIG)
+
+
+def setup_logging(level: str) -> None:
+    """One line per log record on stderr."""
+    numeric = logging.getLevelName(level.upper())
+    if not isinstance(numeric, int):
+        fail(f"invalid --log-level {level!r}", EXIT_CONFIG)
+    logging.basicConfig(level=numeric, format=LOG_FORMAT, stream=sys.stderr)
+
+
+def redis_url_of(settings: Settings) -> str:
+    """The Redis URL a client command should use (exit 2 when there is none)."""
+    from compactor.serve import client_redis_url
+
+    try:
+        return client_redis_url(settings)
+    except InvalidConfig as e:
+        fail(f"invalid configuration: {e}", EXIT_CONFIG)
+
+
+def connect(settings: Settings) -> redis.Redis:
+    """A Redis client that has answered PING (exit 1 when it does not)."""
+    url = redis_url_of(settings)
+    client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as e:
+        fail(f"Redis unreachable at {url}: {e}")
+    return client
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn expected errors into one line on stderr (exit 2 for bad input or config, else 1)."""
+    try:
+        yield
+    except InvalidInput as e:
+        fail(str(e), EXIT_CONFIG)
+    except CompactorError as e:
+        fail(str(e) or type(e).__name__)
+    except redis.ConnectionError as e:
+        fail(f"Redis unreachable: {e}")
+
+
+def print_json(data: Any) -> None:
+    """One line of JSON on stdout."""
+    typer.echo(json.dumps(data, ensure_ascii=False, separators=(",", ":")))

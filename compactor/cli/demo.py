@@ -1,0 +1,90 @@
+"""``compactor demo``: simulated agents on the whole stack, with a live view and a summary table."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from compactor.cli.common import (
+    ConfigOpt,
+    JsonOpt,
+    RedisUrlOpt,
+    err_console,
+    load,
+    print_json,
+    user_errors,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def demo(
+    sessions: Annotated[int, typer.Option("--sessions", "-s", min=1, max=500,
+                                          help="Concurrent simulated sessions.")] = 20,
+    turns: Annotated[int, typer.Option("--turns", "-t", min=1, max=200,
+                                       help="Turns per session.")] = 12,
+    window: Annotated[int, typer.Option("--context-window", min=1000,
+                                        help="contextWindow the agents report (tokens).")] = 8000,
+    workers: Annotated[int, typer.Option("--workers", "-w", min=1, max=16,
+                                         help="Worker processes.")] = 2,
+    data_dir: Annotated[Path | None, typer.Option(
+        "--data-dir", help="Keep the logs here (default: a temp dir removed afterwards).")] = None,
+    json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+    redis_url: RedisUrlOpt = None,
+) -> None:
+    """Run simulated agents against watcher + workers and show the compactions live.
+
+    Uses an embedded Redis and a temporary data dir unless configured, and the offline
+    `extractive` summarizer unless context.compactionModel is set.
+    """
+    from compactor.demo import DemoOptions, run_demo
+
+    settings = load(config, redis_url=redis_url)
+    options = DemoOptions(sessions=sessions, turns=turns, context_window=window,
+                          workers=workers, data_dir=data_dir)
+    with tempfile.TemporaryFile() as child_output, user_errors():
+        if json_out:
+            result = run_demo(settings, options, output=child_output)
+        else:
+            with Live(live_view({}), console=err_console, refresh_per_second=4) as live:
+                result = run_demo(settings, options, output=child_output,
+                                  on_tick=lambda n: live.update(live_view(n)))
+    if json_out:
+        print_json(result)
+        return
+    Console().print(summary_table(result))
+
+
+def live_view(numbers: dict[str, Any]) -> Group:
+    jobs = numbers.get("jobs", {})
+    table = Table.grid(padding=(0, 2))
+    table.add_row("sessions", str(numbers.get("sessions", "…")),
+                  "elapsed", f"{numbers.get('elapsed', 0.0):.1f}s")
+    table.add_row("events", str(numbers.get("events", 0)),
+                  "events/s", f"{numbers.get('eventsPerSecond', 0.0):.0f}")
+    table.add_row("micro jobs", str(jobs.get("micro", 0)), "LLM jobs", str(jobs.get("llm", 0)))
+    table.add_row("failed jobs", str(numbers.get("failedJobs", 0)),
+                  "tokens released", str(numbers.get("tokensReleased", 0)))
+    return Group("[bold]compactor demo[/] (simulated agents → watcher → workers)", table)
+
+
+def summary_table(result: dict[str, Any]) -> Table:
+    comp = result.get("compactions", {})
+    table = Table(title=(f"{result['sessions']} sessions, {result['events']} events in "
+                         f"{result['elapsed']:.1f}s; compactions: {comp.get('micro', 0)} micro, "
+                         f"{comp.get('llm', 0)} LLM ({result.get('compactionModel')}); "
+                         f"{result['tokensReleased']} tokens released"))
+    for column in ("session", "turns", "estimate before", "estimate after", "micro", "LLM"):
+        table.add_column(column, justify="left" if column == "session" else "right")
+    for row in result.get("perSession", []):
+        table.add_row(row["sessionId"], str(row["turns"]), str(row["estimateBefore"]),
+                      str(row["estimateAfter"]), str(row["micro"]), str(row["llm"]))
+    return table

@@ -1,0 +1,111 @@
+"""``compactor health``: is Redis (and optionally the API, a worker, a watcher) alive?
+
+Meant for container health checks: ``compactor health --check`` prints nothing
+and exits 0 when every requested check passes, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Annotated
+
+import redis
+import typer
+
+from compactor.cli.common import (
+    ConfigOpt,
+    DataDirOpt,
+    JsonOpt,
+    RedisUrlOpt,
+    load,
+    print_json,
+    redis_url_of,
+)
+from compactor.keys import Keys
+from events.config import Settings
+
+logger = logging.getLogger(__name__)
+
+CHECK_TIMEOUT_S = 3.0
+
+
+def check_redis(client: redis.Redis) -> str:
+    client.ping()
+    return "ok"
+
+
+def check_api(url: str, token: str) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    response = httpx.get(url.rstrip("/") + "/healthz", headers=headers, timeout=CHECK_TIMEOUT_S)
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}")
+    return "ok"
+
+
+def check_workers(client: redis.Redis, settings: Settings) -> str:
+    from rq import Queue, Worker
+
+    queue = Queue(Keys(settings.redis.prefix, settings.redis.shards).queue, connection=client)
+    count = len(Worker.all(connection=client, queue=queue))
+    if count == 0:
+        raise RuntimeError("no RQ worker registered on the queue")
+    return f"ok ({count})"
+
+
+def check_watcher(client: redis.Redis, settings: Settings) -> str:
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    held = sum(1 for n in range(keys.shards) if client.exists(keys.lease(n)))
+    if held == 0:
+        raise RuntimeError("no watcher holds a shard lease")
+    return f"ok ({held}/{keys.shards} shards leased)"
+
+
+def health(
+    check: Annotated[bool, typer.Option(
+        "--check", help="Print nothing; exit 0 when healthy, 1 otherwise.")] = False,
+    api_url: Annotated[str | None, typer.Option(
+        "--api", help="Also GET this API's /healthz (e.g. http://127.0.0.1:8080).")] = None,
+    workers: Annotated[bool, typer.Option(
+        "--workers", help="Also require a live RQ worker on the queue.")] = False,
+    watcher: Annotated[bool, typer.Option(
+        "--watcher", help="Also require a watcher holding a shard lease.")] = False,
+    json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+    redis_url: RedisUrlOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Check Redis (and --api / --workers / --watcher); exit 0 healthy, 1 not."""
+    settings = load(config, redis_url=redis_url, data_dir=data_dir)
+    report = run_checks(settings, api_url=api_url, workers=workers, watcher=watcher)
+    healthy = all(value.startswith("ok") for value in report.values())
+    if json_out:
+        print_json({"healthy": healthy, "checks": report})
+    elif not check:
+        for name, value in report.items():
+            typer.echo(f"{name:8} {value}")
+    raise typer.Exit(0 if healthy else 1)
+
+
+def run_checks(settings: Settings, *, api_url: str | None, workers: bool,
+               watcher: bool) -> dict[str, str]:
+    """Each requested check's outcome: ``ok...`` or ``error: ...``."""
+    report: dict[str, str] = {}
+    client = redis.Redis.from_url(redis_url_of(settings), socket_timeout=CHECK_TIMEOUT_S,
+                                  socket_connect_timeout=CHECK_TIMEOUT_S)
+    checks: dict[str, Callable[[], str]] = {"redis": lambda: check_redis(client)}
+    if api_url:
+        checks["api"] = lambda: check_api(api_url, settings.api.token)
+    if workers:
+        checks["workers"] = lambda: check_workers(client, settings)
+    if watcher:
+        checks["watcher"] = lambda: check_watcher(client, settings)
+    for name, run in checks.items():
+        try:
+            report[name] = run()
+        except Exception as e:  # noqa: BLE001 - a health check reports every failure
+            report[name] = f"error: {e}"
+    client.close()
+    return report

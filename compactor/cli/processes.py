@@ -1,0 +1,131 @@
+"""The long-running processes: ``serve`` (all in one), ``watch``, ``work`` and ``api``.
+
+Each of ``watch``/``work``/``api`` is what one docker-compose service runs; they
+need a Redis URL (``REDIS_URL``) unless a ``compactor serve`` on the same data
+dir provides its embedded one. ``serve`` starts the embedded Redis itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Annotated
+
+import typer
+
+from compactor.cli.common import (
+    ConfigOpt,
+    DataDirOpt,
+    LogLevelOpt,
+    RedisUrlOpt,
+    load,
+    redis_url_of,
+    setup_logging,
+    user_errors,
+)
+from events.config import Settings
+
+logger = logging.getLogger(__name__)
+
+HostOpt = Annotated[str | None, typer.Option(
+    "--host", envvar="COMPACTION_API_HOST", show_envvar=True,
+    help="Interface the API binds (default api.host, 127.0.0.1).")]
+PortOpt = Annotated[int | None, typer.Option(
+    "--port", envvar="COMPACTION_API_PORT", show_envvar=True, min=0, max=65535,
+    help="API port (default api.port, 8080).")]
+
+
+def serve(
+    config: ConfigOpt = None,
+    redis_url: RedisUrlOpt = None,
+    data_dir: DataDirOpt = None,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", "-w", envvar="COMPACTION_WORKERS", show_envvar=True, min=1, max=64,
+        help="Worker processes (default worker.count, 2).")] = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    log_level: LogLevelOpt = "INFO",
+) -> None:
+    """Run the watcher, the workers and the HTTP API together (the main job).
+
+    With redis.url empty, an embedded Redis (AOF on) runs under {dataDir}/.redis.
+    Ctrl-C or SIGTERM stops everything cleanly.
+    """
+    from compactor.serve import serve as run_serve
+
+    setup_logging(log_level)
+    os.environ["COMPACTION_LOG_LEVEL"] = log_level  # the children log at the same level
+    settings = load(config, redis_url=redis_url, data_dir=data_dir)
+    with user_errors():
+        code = run_serve(settings, workers=workers or settings.worker.count, host=host, port=port)
+    raise typer.Exit(code)
+
+
+def watch(
+    config: ConfigOpt = None,
+    redis_url: RedisUrlOpt = None,
+    data_dir: DataDirOpt = None,
+    log_level: LogLevelOpt = "INFO",
+) -> None:
+    """Consume the event streams into the session logs and trigger compactions."""
+    from compactor.serve import exit_with_parent
+    from producer.watcher import main as watcher_main
+
+    setup_logging(log_level)
+    settings = _with_redis(load(config, redis_url=redis_url, data_dir=data_dir))
+    exit_with_parent()
+    with user_errors():
+        watcher_main(settings)
+
+
+def work(
+    config: ConfigOpt = None,
+    redis_url: RedisUrlOpt = None,
+    data_dir: DataDirOpt = None,
+    count: Annotated[int | None, typer.Option(
+        "--count", "-n", min=1, max=64,
+        help="Worker processes in this container/process (default worker.count).")] = None,
+    burst: Annotated[bool, typer.Option(
+        "--burst", help="Run the queued jobs, then exit.")] = False,
+    log_level: LogLevelOpt = "INFO",
+) -> None:
+    """Run RQ workers for the compaction jobs."""
+    from compactor.serve import exit_with_parent
+    from worker.runner import main as runner_main
+
+    setup_logging(log_level)
+    settings = _with_redis(load(config, redis_url=redis_url, data_dir=data_dir))
+    exit_with_parent()
+    with user_errors():
+        runner_main(settings, count=count, burst=burst)
+
+
+def api(
+    config: ConfigOpt = None,
+    redis_url: RedisUrlOpt = None,
+    data_dir: DataDirOpt = None,
+    host: HostOpt = None,
+    port: PortOpt = None,
+    log_level: LogLevelOpt = "INFO",
+) -> None:
+    """Serve the HTTP API (binds 127.0.0.1:8080 unless told otherwise)."""
+    import uvicorn
+
+    from compactor.serve import exit_with_parent
+    from producer.api import create_app
+
+    setup_logging(log_level)
+    settings = _with_redis(load(config, redis_url=redis_url, data_dir=data_dir,
+                                COMPACTION_API_HOST=host, COMPACTION_API_PORT=port))
+    exit_with_parent()
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.api.host, port=settings.api.port,
+                log_level=log_level.lower(), log_config=None)
+
+
+def _with_redis(settings: Settings) -> Settings:
+    """The settings with ``redis.url`` resolved (the embedded server of a running serve)."""
+    url = redis_url_of(settings)
+    if url == settings.redis.url:
+        return settings
+    return settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": url})})

@@ -1,0 +1,198 @@
+"""Operator commands about sessions: ``compact``, ``context`` and ``status``.
+
+``context`` reads the log only (no Redis needed); ``compact`` and ``status``
+talk to Redis. ``compact`` always ends its stdout with the ``CompressResult``
+JSON line; ``--json`` elsewhere prints only JSON on stdout.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from compactor.cli.common import (
+    ConfigOpt,
+    DataDirOpt,
+    JsonOpt,
+    RedisUrlOpt,
+    connect,
+    err_console,
+    fail,
+    load,
+    print_json,
+    user_errors,
+)
+from events.config import Settings
+from events.errors import SessionNotFound
+from events.models import validate_cwd, validate_session_id
+from producer.api_models import SessionBody
+
+logger = logging.getLogger(__name__)
+
+BAR_WIDTH = 24
+CONTENT_PREVIEW_CHARS = 600
+
+SessionArg = Annotated[str, typer.Argument(help="Session id.", show_default=False)]
+CwdOpt = Annotated[str, typer.Option("--cwd", help="Absolute working directory of the session.",
+                                     show_default=False)]
+
+
+def compact(
+    session: SessionArg,
+    cwd: CwdOpt,
+    config: ConfigOpt = None,
+    redis_url: RedisUrlOpt = None,
+    data_dir: DataDirOpt = None,
+    timeout: Annotated[float | None, typer.Option(
+        "--timeout", min=0.1, help="Seconds to wait for the job (default api.jobWaitSeconds).")
+    ] = None,
+) -> None:
+    """Force an LLM compaction now and print its CompressResult JSON (last line).
+
+    Needs running workers (`compactor serve` or `compactor work`).
+    """
+    from producer.api_jobs import enqueue_forced, wait_for_job
+
+    settings = load(config, redis_url=redis_url, data_dir=data_dir)
+    with user_errors():
+        sid, cwd = validate_session_id(session), validate_cwd(cwd)
+        _require_log(settings, sid, cwd)
+        client = connect(settings)
+        wait_s = timeout or settings.api.job_wait_seconds
+        job_id = enqueue_forced(client, settings, sid, cwd)
+        err_console.print(f"compaction job {job_id} queued; waiting (up to {wait_s:.0f}s)")
+        job = wait_for_job(client, job_id, wait_s)
+    if job.status == "finished" and job.result is not None:
+        result = job.result
+        typer.echo(f"released {result.released} tokens; promptEstimate now "
+                   f"{result.prompt_estimate}" if result.did_compress else "nothing to compact")
+        print_json(result.model_dump(by_alias=True))
+        return
+    if job.error is not None:
+        fail(f"compaction job {job_id} {job.status}: {job.error}")
+    fail(f"compaction job {job_id} still {job.status} after {wait_s:.0f}s; "
+         f"see GET /api/jobs/{job_id}")
+
+
+def _require_log(settings: Settings, session_id: str, cwd: str) -> None:
+    from events.log import SessionLog
+
+    if not SessionLog(settings.data_dir, cwd, session_id).exists():
+        raise SessionNotFound(f"no session {session_id} under cwd {cwd} "
+                              f"(data dir {settings.data_dir})")
+
+
+def context(
+    session: SessionArg,
+    cwd: CwdOpt,
+    json_out: JsonOpt = False,
+    full: Annotated[bool, typer.Option("--full", help="Show whole message contents.")] = False,
+    config: ConfigOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Show the context the model would see (SPEC §4), computed from the log alone."""
+    from producer.api_sessions import context_body
+
+    settings = load(config, data_dir=data_dir)
+    with user_errors():
+        body = context_body(settings, session, cwd)
+    if json_out:
+        print_json(body.model_dump(by_alias=True))
+        return
+    console = Console()
+    console.print(f"[bold]{session}[/]  promptEstimate [bold]{body.prompt_estimate}[/]  "
+                  f"currentTurnId [bold]{body.current_turn_id}[/]  "
+                  f"messages {len(body.messages)}")
+    for message in body.messages:
+        console.print(_message_panel(message, full))
+
+
+def _message_panel(message: dict[str, Any], full: bool) -> Panel:
+    role = str(message.get("role", "?"))
+    title = role + (f" ({message['name']})" if message.get("name") else "")
+    lines = [str(message.get("content") or "")]
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {})
+        lines.append(f"→ {fn.get('name')}({fn.get('arguments')})  [{call.get('id')}]")
+    text = "\n".join(line for line in lines if line)
+    if not full and len(text) > CONTENT_PREVIEW_CHARS:
+        text = text[:CONTENT_PREVIEW_CHARS] + f" … (+{len(text) - CONTENT_PREVIEW_CHARS} chars)"
+    colors = {"system": "magenta", "user": "green", "assistant": "cyan", "tool": "yellow"}
+    return Panel(Text(text), title=title, title_align="left", border_style=colors.get(role, "white"))
+
+
+def status(
+    json_out: JsonOpt = False,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="Most recent sessions shown.")] = 50,
+    config: ConfigOpt = None,
+    redis_url: RedisUrlOpt = None,
+    data_dir: DataDirOpt = None,
+) -> None:
+    """Sessions by last activity: context fill against both thresholds, breaker, jobs."""
+    settings = load(config, redis_url=redis_url, data_dir=data_dir)
+    client = connect(settings)
+    with user_errors():
+        bodies = session_bodies(client, settings, limit)
+    if json_out:
+        print_json([b.model_dump(by_alias=True) for b in bodies])
+        return
+    if not bodies:
+        err_console.print("no sessions yet")
+        return
+    Console().print(status_table(bodies))
+
+
+def session_bodies(client: Any, settings: Settings, limit: int) -> list[SessionBody]:
+    """The status of the ``limit`` most recently active sessions (stored state)."""
+    from compactor.store import SessionStore
+    from producer.api_sessions import known_sessions, session_body
+
+    store = SessionStore(client, settings)
+    bodies = []
+    for sid in known_sessions(client, settings, limit):
+        state = store.load(sid)
+        if state is not None:
+            bodies.append(session_body(client, settings, state))
+    return bodies
+
+
+def fill_bar(estimate: int, micro: int, llm: int, window: int, width: int = BAR_WIDTH) -> Text:
+    """A bar of ``estimate / window`` with the two thresholds marked and coloured."""
+    bar = Text()
+    for i in range(width):
+        lo, hi = window * i / width, window * (i + 1) / width
+        marker = lo <= micro < hi or lo <= llm < hi
+        filled = estimate > lo
+        style = "red" if lo >= llm else "yellow" if lo >= micro else "green"
+        bar.append("┃" if marker else ("█" if filled else "░"), style=style if filled else "dim")
+    return bar
+
+
+def status_table(bodies: list[SessionBody]) -> Table:
+    table = Table(title=f"compactor: {len(bodies)} session(s)", expand=False)
+    table.add_column("session", overflow="fold", min_width=12)
+    table.add_column("turn", justify="right")
+    table.add_column("context (┃ micro, LLM)", no_wrap=True)
+    for column in ("estimate / window", "failures", "pending job", "last compaction"):
+        table.add_column(column, overflow="fold")
+    for b in bodies:
+        fill = fill_bar(b.prompt_estimate, b.micro_threshold, b.compaction_threshold,
+                        b.context_window)
+        breaker = " [red]breaker open[/]" if b.breaker_open else ""
+        pending = f"{b.pending_job.job_id[:8]} {b.pending_job.status or ''}" if b.pending_job else ""
+        table.add_row(b.session_id, str(b.current_turn_id), fill,
+                      f"{b.prompt_estimate} / {b.context_window}", f"{b.failures}{breaker}",
+                      pending, _describe(b.last_compaction))
+    return table
+
+
+def _describe(last: dict[str, Any] | None) -> str:
+    if not last:
+        return ""
+    return " ".join(str(last[k]) for k in ("kind", "timestamp") if last.get(k)) or str(last)

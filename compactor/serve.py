@@ -1,0 +1,363 @@
+"""``compactor serve``: the watcher, N workers and the API as supervised child processes.
+
+Invariants:
+- With ``redis.url`` empty, one embedded Redis (AOF on) runs under
+  ``{dataDir}/.redis``; a second ``serve`` on the same data dir refuses to start
+  instead of sharing its files, and a Redis orphaned by a killed ``serve``
+  (its ``serve.pid`` is gone) is shut down cleanly and replaced. CLI commands run next to a ``serve`` find that
+  server through its unix socket (``client_redis_url``).
+- Every child gets the same effective settings: they are written once to a
+  private (0600) config file passed with ``--config``, and the environment
+  overrides are removed from the children's environment so nothing differs.
+- Children run in their own sessions, so Ctrl-C reaches only the supervisor,
+  which stops them in order (API, watcher, workers; then Redis). Children exit
+  by themselves when the supervisor dies (``COMPACTOR_PARENT_PID``).
+- A child that dies is restarted after a short delay; one that dies
+  ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S`` stops the whole stack with
+  a message naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+import redis
+import yaml
+
+from compactor.embedded import EmbeddedRedis
+from events.config import ENV_OVERRIDES, Settings
+from events.errors import InvalidConfig
+
+logger = logging.getLogger(__name__)
+
+Output = IO[bytes] | int | None  # where children write: a file, subprocess.DEVNULL, or inherit
+
+EMBEDDED_DIR_NAME = ".redis"
+SERVE_PID_FILE = "serve.pid"  # in the embedded dir: the serve that owns its Redis
+PARENT_PID_ENV = "COMPACTOR_PARENT_PID"
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+RESTART_DELAY_S = 1.0
+STOP_TIMEOUT_S = 15.0
+POLL_INTERVAL_S = 0.2
+REDIS_CHECK_INTERVAL_S = 2.0
+REDIS_MISSES_TO_FAIL = 3
+
+
+def embedded_dir(settings: Settings) -> Path:
+    """Where the embedded Redis keeps its socket, AOF and log."""
+    return settings.data_dir / EMBEDDED_DIR_NAME
+
+
+def client_redis_url(settings: Settings) -> str:
+    """The configured Redis URL, else the socket of a running ``compactor serve``."""
+    if settings.redis.url:
+        return settings.redis.url
+    server = EmbeddedRedis(embedded_dir(settings))
+    if server.socket.exists():
+        return server.url
+    raise InvalidConfig("redis.url", f"is empty and no `compactor serve` runs under "
+                                     f"{settings.data_dir}: set REDIS_URL or redis.url")
+
+
+def _owner_alive(directory: Path) -> bool:
+    """Whether the ``serve`` recorded in ``{directory}/serve.pid`` (pid and start time,
+    so a reused pid does not count) is still running."""
+    try:
+        pid, started = (directory / SERVE_PID_FILE).read_text().split()
+        created: float = psutil.Process(int(pid)).create_time()
+        return abs(created - float(started)) < 0.01
+    except (OSError, ValueError, psutil.Error):
+        return False
+
+
+def _record_owner(directory: Path) -> None:
+    me = psutil.Process()
+    (directory / SERVE_PID_FILE).write_text(f"{me.pid} {me.create_time()}\n")
+
+
+def _shutdown_orphan(server: EmbeddedRedis) -> None:
+    """Stop a Redis left behind by a killed ``serve`` (SHUTDOWN writes its AOF first)."""
+    logger.warning("stopping the embedded Redis a killed serve left at %s", server.url)
+    client = redis.Redis.from_url(server.url, socket_timeout=5.0)
+    try:
+        client.shutdown()
+    except redis.RedisError as e:
+        logger.warning("shutdown of the orphaned Redis: %s", e)
+    finally:
+        client.close()
+    deadline = time.monotonic() + 10.0
+    while server.ping() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def start_embedded(settings: Settings) -> EmbeddedRedis:
+    """Start the embedded Redis under the data dir; refuse when another serve owns one there.
+
+    A server that answers while the serve recorded in ``serve.pid`` is gone was
+    left behind by a killed serve: it is shut down (AOF kept) and started afresh.
+    """
+    server = EmbeddedRedis(embedded_dir(settings), persist=True)
+    if server.ping():
+        if _owner_alive(server.directory):
+            raise InvalidConfig("redis.url", f"is empty and another `compactor serve` already "
+                                             f"runs on {settings.data_dir} (Redis at {server.url})")
+        _shutdown_orphan(server)
+    # Block SIGINT while the server is spawned: the mask is inherited, so a
+    # terminal's Ctrl-C reaches only us and we stop Redis last, after the children.
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        server.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    _record_owner(server.directory)
+    return server
+
+
+def write_effective_config(settings: Settings, redis_url: str, directory: Path) -> Path:
+    """The settings as a private YAML file, with ``redis.url`` pinned to ``redis_url``."""
+    data: dict[str, Any] = settings.model_dump(mode="json", by_alias=True)
+    data["redis"]["url"] = redis_url
+    path = directory / "codingcode.yaml"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        yaml.safe_dump(data, f, sort_keys=False)
+    return path
+
+
+def child_env(parent_pid: int) -> dict[str, str]:
+    """The children's environment: ours without the config overrides, plus the parent pid."""
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.pop("CODINGCODE_CONFIG", None)
+    env[PARENT_PID_ENV] = str(parent_pid)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def exit_with_parent() -> None:
+    """In a child of ``serve``: SIGTERM ourselves when the supervisor goes away."""
+    expected = os.environ.get(PARENT_PID_ENV)
+    if not expected or not expected.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(expected):
+            time.sleep(1.0)
+        logger.warning("supervisor %s is gone; stopping", expected)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+@dataclass
+class ChildSpec:
+    """One supervised process: a name for messages and the ``compactor`` subcommand args."""
+
+    name: str
+    args: list[str]
+
+
+@dataclass
+class Child:
+    spec: ChildSpec
+    process: subprocess.Popen[bytes] | None = None
+    deaths: deque[float] = field(default_factory=deque)
+    restart_at: float | None = None
+
+
+class ChildFailed(RuntimeError):
+    """A child kept dying; the stack is shut down."""
+
+
+class Supervisor:
+    """Starts, watches, restarts and stops the child processes."""
+
+    def __init__(self, specs: list[ChildSpec], config: Path, *,
+                 output: Output = None) -> None:
+        self.children = [Child(spec) for spec in specs]
+        self.config = config
+        self.output = output
+        self.env = child_env(os.getpid())
+
+    def _spawn(self, child: Child) -> None:
+        argv = [sys.executable, "-m", "compactor", *child.spec.args, "--config", str(self.config)]
+        child.process = subprocess.Popen(
+            argv, env=self.env, stdin=subprocess.DEVNULL, start_new_session=True,
+            stdout=self.output, stderr=subprocess.STDOUT if self.output else None)
+        child.restart_at = None
+        logger.info("started %s pid=%d", child.spec.name, child.process.pid)
+
+    def start(self) -> None:
+        for child in self.children:
+            self._spawn(child)
+
+    def check(self) -> None:
+        """Restart children that died; ChildFailed when one dies too often."""
+        now = time.monotonic()
+        for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    self._spawn(child)
+                continue
+            code = child.process.poll() if child.process else None
+            if code is None:
+                continue
+            self._record_death(child, code, now)
+
+    def _record_death(self, child: Child, code: int, now: float) -> None:
+        child.deaths.append(now)
+        while child.deaths and now - child.deaths[0] > RESTART_WINDOW_S:
+            child.deaths.popleft()
+        if len(child.deaths) >= MAX_RESTARTS:
+            raise ChildFailed(f"{child.spec.name} exited {len(child.deaths)} times within "
+                              f"{RESTART_WINDOW_S:.0f}s (last exit code {code}); giving up")
+        logger.warning("%s exited with code %s; restarting in %.0fs",
+                       child.spec.name, code, RESTART_DELAY_S)
+        child.restart_at = now + RESTART_DELAY_S
+
+    def pids(self) -> dict[str, int]:
+        return {c.spec.name: c.process.pid for c in self.children
+                if c.process is not None and c.process.poll() is None}
+
+    def stop(self) -> None:
+        """SIGTERM every child, wait up to STOP_TIMEOUT_S, then SIGKILL the rest."""
+        running = [c.process for c in self.children if c.process and c.process.poll() is None]
+        for process in running:
+            process.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in running:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("pid %d did not stop in %.0fs; killing", process.pid, STOP_TIMEOUT_S)
+                process.kill()
+                process.wait()
+
+
+def stack_specs(*, workers: int, watcher: bool = True, api: bool = True,
+                host: str | None = None, port: int | None = None) -> list[ChildSpec]:
+    """The child processes of a stack: API first, then the watcher, then the workers."""
+    specs: list[ChildSpec] = []
+    if api:
+        api_args = ["api"]
+        if host:
+            api_args += ["--host", host]
+        if port is not None:
+            api_args += ["--port", str(port)]
+        specs.append(ChildSpec("api", api_args))
+    if watcher:
+        specs.append(ChildSpec("watcher", ["watch"]))
+    specs += [ChildSpec(f"worker-{n}", ["work", "--count", "1"]) for n in range(1, workers + 1)]
+    return specs
+
+
+@dataclass
+class Stack:
+    """A running stack: its Redis URL, the supervisor, and the embedded server if any."""
+
+    redis_url: str
+    supervisor: Supervisor
+    config: Path
+    embedded: EmbeddedRedis | None = None
+
+    def redis_alive(self) -> bool:
+        try:
+            client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0,
+                                          socket_connect_timeout=1.0)
+            try:
+                return bool(client.ping())
+            finally:
+                client.close()
+        except (redis.RedisError, OSError):
+            return False
+
+
+@contextmanager
+def running_stack(settings: Settings, specs: list[ChildSpec], *,
+                  output: Output = None) -> Iterator[Stack]:
+    """Start Redis (embedded when not configured) and the children; stop all on exit."""
+    embedded = start_embedded(settings) if not settings.redis.url else None
+    redis_url = embedded.url if embedded else settings.redis.url
+    private = Path(tempfile.mkdtemp(prefix="compactor-"))
+    try:
+        config = write_effective_config(settings, redis_url, private)
+        supervisor = Supervisor(specs, config, output=output)
+        try:
+            supervisor.start()
+            yield Stack(redis_url, supervisor, config, embedded)
+        finally:
+            supervisor.stop()
+    finally:
+        if embedded is not None:
+            embedded.stop()
+        shutil.rmtree(private, ignore_errors=True)
+
+
+class _StopRequested:
+    """SIGINT/SIGTERM handler: records the signal and lets the loop wind down."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __call__(self, signum: int, _frame: object) -> None:
+        self.signal = signum
+
+    @contextmanager
+    def installed(self) -> Iterator[_StopRequested]:
+        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def supervise(stack: Stack, stop: _StopRequested) -> int:
+    """Watch the stack until a signal (exit 0) or a child or Redis fails for good (exit 1)."""
+    misses, next_redis_check = 0, time.monotonic()
+    while stop.signal is None:
+        try:
+            stack.supervisor.check()
+        except ChildFailed as e:
+            logger.error("%s", e)
+            print(f"compactor serve: {e}; shutting down", file=sys.stderr)
+            return 1
+        if time.monotonic() >= next_redis_check:
+            misses = 0 if stack.redis_alive() else misses + 1
+            next_redis_check = time.monotonic() + REDIS_CHECK_INTERVAL_S
+            if misses >= REDIS_MISSES_TO_FAIL:
+                print(f"compactor serve: Redis at {stack.redis_url} stopped answering; "
+                      "shutting down", file=sys.stderr)
+                return 1
+        time.sleep(POLL_INTERVAL_S)
+    logger.info("signal %s received; stopping", stop.signal)
+    return 0
+
+
+def serve(settings: Settings, *, workers: int, host: str | None = None,
+          port: int | None = None) -> int:
+    """Run watcher + workers + API until Ctrl-C/SIGTERM; the process exit code."""
+    specs = stack_specs(workers=workers, host=host, port=port)
+    with _StopRequested().installed() as stop:
+        with running_stack(settings, specs) as stack:
+            where = f"http://{host or settings.api.host}:{port or settings.api.port}"
+            print(f"compactor serve: API {where}, watcher, {workers} worker(s); "
+                  f"Redis {stack.redis_url}; Ctrl-C to stop", file=sys.stderr, flush=True)
+            code = supervise(stack, stop)
+        print("compactor serve: stopped", file=sys.stderr, flush=True)
+    return code

@@ -1,0 +1,188 @@
+"""Error responses of the HTTP API and the request guard that runs before routing.
+
+Every error is ``{"error": {"code", "message"}}`` (SPEC §7):
+
+    400 bad_request      invalid JSON, a bad field, a bad session id or cwd
+    401 unauthorized     ``api.token`` is set and the Bearer token is missing or wrong
+    404 not_found        no log file for the session, an unknown job or route
+    413 payload_too_large  the body is over ``limits.maxBodyBytes`` (declared or streamed)
+    502 compaction_failed  a forced compaction whose job failed (the LLM call, mostly)
+    503 redis_unavailable  Redis does not answer
+
+``RequestGuard`` is pure ASGI (no BaseHTTPMiddleware): it checks the token
+before anything else runs (every path but ``/healthz``), refuses a declared
+``Content-Length`` over the limit before the body is read, and counts the
+bytes actually received so a chunked or lying body is cut off at the limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from events.errors import InvalidInput, SessionNotFound
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = frozenset({"/healthz"})
+STATUS_CODES = {
+    400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+    413: "payload_too_large", 422: "bad_request", 502: "compaction_failed",
+    503: "redis_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An error with its HTTP status, code and message, raised by handlers."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        self.status = status
+        self.code = code or STATUS_CODES.get(status, "error")
+        self.message = message
+        super().__init__(message)
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from ``receive`` once the streamed body passes the limit (an HTTPException,
+    so FastAPI's body parsing lets it through instead of turning it into a 400)."""
+
+    def __init__(self, limit: int) -> None:
+        self.message = f"request body is larger than limits.maxBodyBytes ({limit} bytes)"
+        super().__init__(413, self.message)
+
+
+def error_body(code: str, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+def error_response(status: int, message: str, code: str | None = None,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    code = code or STATUS_CODES.get(status, "error")
+    return JSONResponse(error_body(code, message), status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request"
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    where = ""
+    for part in loc:
+        where += f"[{part}]" if part.isdigit() else (f".{part}" if where else part)
+    msg = str(first.get("msg", "invalid"))
+    if first.get("type") == "json_invalid":
+        return f"body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
+    return f"{where}: {msg}" if where else msg
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every expected exception to SPEC §7's error shape."""
+
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return error_response(exc.status, exc.message, exc.code)
+
+    async def invalid_input(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(400, str(exc))
+
+    async def not_found(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(404, str(exc) or "session not found")
+
+    async def validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(400, _validation_message(exc))
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    async def redis_down(request: Request, exc: Exception) -> JSONResponse:
+        logger.warning("redis unavailable path=%s error=%s", request.url.path, exc)
+        return error_response(503, f"Redis is unreachable: {exc}")
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(InvalidInput, invalid_input)
+    app.add_exception_handler(SessionNotFound, not_found)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(redis.ConnectionError, redis_down)
+    app.add_exception_handler(redis.TimeoutError, redis_down)
+
+
+def token_matches(header: str | None, token: str) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer <token>`` (constant-time)."""
+    if not header:
+        return False
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return secrets.compare_digest(given.strip().encode(), token.encode())
+
+
+class RequestGuard:
+    """ASGI middleware: Bearer auth (when a token is set) and the body size limit."""
+
+    def __init__(self, app: ASGIApp, *, token: str, max_body_bytes: int) -> None:
+        self.app = app
+        self.token = token
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = self._refuse(scope["path"], headers)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        await self._call_counted(scope, receive, send)
+
+    def _refuse(self, path: str, headers: dict[str, str]) -> JSONResponse | None:
+        if self.token and path not in PUBLIC_PATHS and not token_matches(
+                headers.get("authorization"), self.token):
+            return error_response(401, "a valid 'Authorization: Bearer <token>' header is required",
+                                  headers={"WWW-Authenticate": "Bearer"})
+        declared = headers.get("content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                return error_response(400, "Content-Length is not a number")
+            if int(declared) > self.max_body_bytes:
+                return error_response(413, BodyTooLarge(self.max_body_bytes).message)
+        return None
+
+    async def _call_counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        received = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise BodyTooLarge(self.max_body_bytes)
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except BodyTooLarge as e:
+            if started:
+                raise
+            await error_response(413, e.message)(scope, receive, send)

@@ -1,0 +1,107 @@
+"""Forced compactions and RQ job status, shared by the HTTP API and the CLI.
+
+Invariants:
+- A forced compaction is always a job of its own (``enqueue_compaction`` with
+  ``forced=True`` never coalesces; RQ's per-session rate limit runs it after
+  any job of the session already running), so a caller never gets the result
+  of a job it did not ask for.
+- Waiting never hangs: every wait has a deadline; past it the caller gets the
+  job id (HTTP 202) and can poll ``GET /api/jobs/{jobId}``.
+- A job's ``result`` is the ``CompressResult`` its function returned; ``error``
+  is the last line of its traceback (the exception, not the stack).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from typing import Any
+
+import anyio.to_thread
+import redis
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
+
+from compactor.queue import enqueue_compaction
+from events.config import Settings
+from events.models import CompressResult
+from producer.api_errors import ApiError
+from producer.api_models import JobBody
+
+logger = logging.getLogger(__name__)
+
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+POLL_INTERVAL_S = 0.05
+TERMINAL_STATUSES = frozenset({
+    JobStatus.FINISHED.value, JobStatus.FAILED.value,
+    JobStatus.STOPPED.value, JobStatus.CANCELED.value,
+})
+
+
+def validate_job_id(job_id: str) -> str:
+    if not JOB_ID_RE.fullmatch(job_id):
+        raise ApiError(400, "jobId: must be 1-128 letters, digits, '_', '.', ':' or '-'")
+    return job_id
+
+
+def _error_line(job: Job) -> str:
+    result = job.latest_result()
+    text = (getattr(result, "exc_string", None) or "").strip() if result is not None else ""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "job failed"
+
+
+def job_body(client: redis.Redis, job_id: str) -> JobBody:
+    """The job's status, with its result when finished and its error when failed."""
+    validate_job_id(job_id)
+    try:
+        job = Job.fetch(job_id, connection=client)
+    except NoSuchJobError as e:
+        raise ApiError(404, f"no job {job_id}") from e
+    status = job.get_status(refresh=False)
+    value = status.value if isinstance(status, JobStatus) else str(status or "unknown")
+    body = JobBody(job_id=job_id, status=value)
+    if value == JobStatus.FINISHED.value:
+        body.result = _as_result(job.return_value())
+    elif value in TERMINAL_STATUSES:
+        body.error = _error_line(job)
+    return body
+
+
+def _as_result(value: Any) -> CompressResult | None:
+    if value is None:
+        return None
+    if isinstance(value, CompressResult):
+        return value
+    return CompressResult.model_validate(value)
+
+
+def enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> str:
+    """Enqueue a forced LLM compaction of the session; its job id."""
+    job_id = enqueue_compaction(client, settings, session_id, cwd, "llm", forced=True)
+    if job_id is None:  # forced jobs never coalesce; kept as a guard on that contract
+        raise ApiError(409, f"a compaction of session {session_id} could not be enqueued",
+                       "job_pending")
+    return job_id
+
+
+def wait_for_job(client: redis.Redis, job_id: str, timeout_s: float) -> JobBody:
+    """Poll until the job ends or ``timeout_s`` passes; the last status seen."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        body = job_body(client, job_id)
+        if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline:
+            return body
+        time.sleep(POLL_INTERVAL_S)
+
+
+async def wait_for_job_async(client: redis.Redis, job_id: str, timeout_s: float) -> JobBody:
+    """``wait_for_job`` without blocking the event loop."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        body = await anyio.to_thread.run_sync(job_body, client, job_id)
+        if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline:
+            return body
+        await asyncio.sleep(POLL_INTERVAL_S)

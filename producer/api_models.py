@@ -1,0 +1,102 @@
+"""Request and response bodies of the HTTP API (SPEC §7), as they appear in the OpenAPI schema.
+
+Invariants: wire names are camelCase (``alias_generator=to_camel``); chat
+messages inside ``ContextBody.messages`` keep the OpenAI snake_case names
+(SPEC §4.4) and are passed through as plain dicts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from events.models import CompressResult
+
+__all__ = [
+    "CompactRequest",
+    "CompressResult",
+    "ContextBody",
+    "ErrorBody",
+    "ErrorDetail",
+    "EventsAccepted",
+    "EventsRequest",
+    "Health",
+    "JobAccepted",
+    "JobBody",
+    "PendingJob",
+    "SessionBody",
+]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True,
+                              serialize_by_alias=True)
+
+
+class ErrorDetail(_Body):
+    code: str = Field(description="machine-readable: bad_request, unauthorized, not_found, ...")
+    message: str
+
+
+class ErrorBody(_Body):
+    """Every error response: ``{"error": {"code", "message"}}``."""
+
+    error: ErrorDetail
+
+
+class CompactRequest(_Body):
+    cwd: str = Field(description="absolute working directory of the session")
+
+
+class EventsRequest(_Body):
+    cwd: str = Field(description="absolute working directory of the session")
+    events: list[dict[str, Any]] = Field(description="SPEC §3 events, validated all-or-none")
+
+
+class EventsAccepted(_Body):
+    accepted: int
+    stream_ids: list[str] = Field(default_factory=list)
+
+
+class JobAccepted(_Body):
+    job_id: str
+
+
+class JobBody(_Body):
+    job_id: str
+    status: str = Field(description="queued, started, deferred, scheduled, finished, failed, "
+                                    "stopped or canceled")
+    result: CompressResult | None = None
+    error: str | None = None
+
+
+class ContextBody(_Body):
+    messages: list[dict[str, Any]] = Field(description="OpenAI chat messages (snake_case keys)")
+    prompt_estimate: int
+    current_turn_id: int
+
+
+class PendingJob(_Body):
+    job_id: str
+    status: str | None = None
+
+
+class SessionBody(_Body):
+    session_id: str
+    cwd: str
+    prompt_estimate: int
+    context_window: int
+    current_turn_id: int
+    micro_threshold: int = Field(description="tokens: microCompactThreshold x contextWindow")
+    compaction_threshold: int = Field(description="tokens: compactionThreshold x contextWindow")
+    failures: int = Field(description="consecutive LLM compaction failures (24 h TTL)")
+    breaker_open: bool = Field(description="failures >= maxFailures: no automatic LLM job")
+    pending_job: PendingJob | None = None
+    last_compaction: dict[str, Any] | None = None
+
+
+class Health(_Body):
+    status: Literal["ok"]
+    redis: Literal["ok"]

@@ -1,0 +1,117 @@
+"""What the API and ``compactor status`` / ``context`` report about one session.
+
+Invariants:
+- Session id and cwd are validated before any path is built.
+- The log is the source of truth: a session is known iff its log file exists,
+  and when the Redis state is missing, bound to another cwd or behind the log,
+  the state reported is rebuilt from the log (and not saved: readers never write).
+- Thresholds are reported in tokens: fraction x the session's context window.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import redis
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+
+from compactor.keys import Keys
+from compactor.queue import pending_job_id
+from compactor.store import SessionStore
+from events.config import Settings
+from events.errors import SessionNotFound
+from events.log import SessionLog
+from events.models import validate_cwd, validate_session_id
+from events.state import SessionState
+from events.view import build_view
+from producer.api_models import ContextBody, PendingJob, SessionBody
+
+logger = logging.getLogger(__name__)
+
+
+def read_log(data_dir: Path, session_id: str, cwd: str) -> list[dict[str, Any]]:
+    """All events of a session's log; SessionNotFound when there is no log file."""
+    validate_session_id(session_id)
+    validate_cwd(cwd)
+    log = SessionLog(data_dir, cwd, session_id)
+    if not log.exists():
+        raise SessionNotFound(f"no session {session_id} under cwd {cwd}")
+    return log.read()
+
+
+def context_body(settings: Settings, session_id: str, cwd: str) -> ContextBody:
+    """SPEC §4's view of the log: messages, promptEstimate and currentTurnId."""
+    view = build_view(read_log(settings.data_dir, session_id, cwd), settings.context)
+    return ContextBody(messages=list(view.messages), prompt_estimate=view.prompt_estimate,
+                       current_turn_id=view.current_turn_id)
+
+
+def current_state(client: redis.Redis, settings: Settings, session_id: str,
+                  cwd: str) -> SessionState:
+    """The session's state from Redis when it matches the log, else rebuilt from the log."""
+    validate_session_id(session_id)
+    validate_cwd(cwd)
+    store = SessionStore(client, settings)
+    log = store.log(session_id, cwd)
+    if not log.exists():
+        raise SessionNotFound(f"no session {session_id} under cwd {cwd}")
+    state = store.load(session_id)
+    if state is None or state.cwd != cwd or state.log_size != log.size():
+        state = store.rebuild(session_id, cwd, log)
+    return state
+
+
+def failures_of(client: redis.Redis, settings: Settings, session_id: str) -> int:
+    raw = client.get(Keys(settings.redis.prefix, settings.redis.shards).failures(session_id))
+    try:
+        return int(raw) if raw is not None else 0
+    except ValueError:
+        return 0
+
+
+def _pending(client: redis.Redis, settings: Settings, session_id: str) -> PendingJob | None:
+    job_id = pending_job_id(client, settings, session_id)
+    if not job_id:
+        return None
+    try:
+        status = Job.fetch(job_id, connection=client).get_status(refresh=False)
+    except NoSuchJobError:
+        return PendingJob(job_id=job_id, status=None)
+    return PendingJob(job_id=job_id, status=getattr(status, "value", status))
+
+
+def _last_compaction(value: Any) -> dict[str, Any] | None:
+    if not value:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {"value": value}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def session_body(client: redis.Redis, settings: Settings, state: SessionState) -> SessionBody:
+    """The ``GET /api/sessions/{id}`` body for a state."""
+    ctx = settings.context
+    failures = failures_of(client, settings, state.session_id)
+    return SessionBody(
+        session_id=state.session_id, cwd=state.cwd, prompt_estimate=state.prompt_estimate,
+        context_window=state.window, current_turn_id=state.current_turn_id,
+        micro_threshold=int(ctx.micro_compact_threshold * state.window),
+        compaction_threshold=int(ctx.compaction_threshold * state.window),
+        failures=failures, breaker_open=failures >= ctx.max_failures,
+        pending_job=_pending(client, settings, state.session_id),
+        last_compaction=_last_compaction(state.last_compaction),
+    )
+
+
+def known_sessions(client: redis.Redis, settings: Settings, limit: int) -> list[str]:
+    """Session ids by last activity, most recent first."""
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    raw = client.zrevrange(keys.sessions, 0, max(limit, 1) - 1)
+    return [r.decode() if isinstance(r, bytes) else str(r) for r in raw]

@@ -1,0 +1,297 @@
+"""Every ``compactor`` command through typer's CliRunner (and ``python -m`` once)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from typer.testing import CliRunner
+
+from compactor.cli import app
+from compactor.keys import Keys
+from compactor.queue import compaction_queue
+from events.config import Settings
+from events.log import SessionLog
+from tests.llm_stub import STUB_MODEL, LLMStub
+from tests.producer.test_api import CWD, SID, run_jobs, write_session
+
+COMMANDS = ("serve", "watch", "work", "api", "compact", "context", "status", "demo", "bench",
+            "health")
+
+
+@pytest.fixture
+def runner() -> CliRunner:
+    return CliRunner()
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "codingcode.yaml"
+    path.write_text("context:\n  compactionModel: extractive\n")
+    return path
+
+
+def base_args(settings: Settings, config: Path) -> list[str]:
+    return ["--config", str(config), "--redis-url", settings.redis.url,
+            "--data-dir", str(settings.data_dir)]
+
+
+def cli_settings(settings: Settings) -> Settings:
+    return settings.model_copy(update={"context": settings.context.model_copy(
+        update={"compaction_model": "extractive"})})
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_and_takes_config(runner: CliRunner, command: str) -> None:
+    result = runner.invoke(app, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "--config" in result.output
+
+
+def test_python_dash_m_runs_the_cli() -> None:
+    done = subprocess.run([sys.executable, "-m", "compactor", "--help"], check=False, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0
+    assert all(command in done.stdout for command in COMMANDS)
+
+
+@pytest.mark.parametrize("yaml_text,fragment", [
+    ("context:\n  microCompactThreshold: 2\n", "context.microCompactThreshold"),
+    ("redis:\n  shard: 3\n", "redis.shard"),
+    ("- a list\n", "mapping"),
+])
+def test_bad_config_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path, yaml_text: str,
+                                           fragment: str) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml_text)
+    for command in (["status"], ["context", SID, "--cwd", CWD], ["health"], ["watch"]):
+        result = runner.invoke(app, [*command, "--config", str(bad)])
+        assert result.exit_code == 2, (command, result.output)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("compactor: invalid configuration")
+        assert fragment in lines[0]
+
+
+def test_missing_config_file_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["status", "--config", str(tmp_path / "nope.yaml")])
+    assert result.exit_code == 2 and "config file not found" in result.stderr
+
+
+def test_bad_env_override_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["serve", "--config", str(tmp_path / "x.yaml")],
+                           env={"COMPACTION_API_PORT": "not-a-port"})
+    assert result.exit_code == 2
+
+
+def test_processes_without_redis_url_and_no_serve_exit_2(runner: CliRunner, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.chdir(tmp_path)
+    for command in ("watch", "work", "api", "status"):
+        result = runner.invoke(app, [command, "--data-dir", str(tmp_path / "d")])
+        assert result.exit_code == 2, (command, result.output)
+        assert "no `compactor serve` runs" in result.stderr
+
+
+# -- context -----------------------------------------------------------------------------
+
+def hand_written_log(data_dir: Path) -> None:
+    path = SessionLog(data_dir, CWD, SID).path
+    path.parent.mkdir(parents=True)
+    lines = [
+        {"type": "session_meta", "uuid": "m", "timestamp": "2025-01-01T00:00:00Z",
+         "sessionId": SID, "cwd": CWD},
+        {"type": "user", "uuid": "u1", "timestamp": "2025-01-01T00:00:01Z", "turnId": 1,
+         "content": "hello world"},
+        {"type": "assistant", "uuid": "a1", "timestamp": "2025-01-01T00:00:02Z", "turnId": 1,
+         "content": "hi there"},
+        {"type": "turn_end", "uuid": "e1", "timestamp": "2025-01-01T00:00:03Z", "turnId": 1,
+         "model": "gpt-4"},
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_context_json_from_a_hand_written_log_without_redis(runner: CliRunner, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")  # nothing listens: unused
+    hand_written_log(tmp_path / "data")
+    result = runner.invoke(app, ["context", SID, "--cwd", CWD, "--json",
+                                 "--data-dir", str(tmp_path / "data")])
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert body["currentTurnId"] == 2
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant"]
+    assert body["promptEstimate"] == 6 + 2 + 4
+
+
+def test_context_rendered_for_humans(runner: CliRunner, tmp_path: Path) -> None:
+    hand_written_log(tmp_path / "data")
+    result = runner.invoke(app, ["context", SID, "--cwd", CWD, "--data-dir",
+                                 str(tmp_path / "data")])
+    assert result.exit_code == 0
+    assert "promptEstimate 12" in result.stdout and "hello world" in result.stdout
+
+
+def test_context_of_unknown_session_exits_1_and_bad_id_exits_2(runner: CliRunner,
+                                                               tmp_path: Path) -> None:
+    unknown = runner.invoke(app, ["context", SID, "--cwd", CWD, "--data-dir", str(tmp_path)])
+    assert unknown.exit_code == 1 and "no session" in unknown.stderr
+    bad = runner.invoke(app, ["context", "bad.id", "--cwd", CWD, "--data-dir", str(tmp_path)])
+    assert bad.exit_code == 2 and "sessionId" in bad.stderr
+    relative = runner.invoke(app, ["context", SID, "--cwd", "rel", "--data-dir", str(tmp_path)])
+    assert relative.exit_code == 2 and "cwd" in relative.stderr
+
+
+# -- status ------------------------------------------------------------------------------
+
+def test_status_json_and_table(runner: CliRunner, r: redis.Redis, settings: Settings,
+                               config: Path) -> None:
+    write_session(r, settings, 2)
+    write_session(r, settings, 1, sid="other")
+    r.set(Keys().failures("other"), 5)
+    result = runner.invoke(app, ["status", "--json", *base_args(settings, config)])
+    assert result.exit_code == 0, result.output
+    rows = {row["sessionId"]: row for row in json.loads(result.stdout)}
+    assert set(rows) == {SID, "other"}
+    assert rows["other"]["breakerOpen"] is True and rows[SID]["breakerOpen"] is False
+    assert rows[SID]["currentTurnId"] == 3 and rows[SID]["contextWindow"] == 4000
+    table = runner.invoke(app, ["status", *base_args(settings, config)], env={"COLUMNS": "200"})
+    assert table.exit_code == 0
+    assert SID in table.stdout and "breaker open" in table.stdout and "/ 4000" in table.stdout
+
+
+def test_status_with_unreachable_redis_exits_1(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["status", "--redis-url", f"unix://{tmp_path}/none.sock",
+                                 "--data-dir", str(tmp_path)])
+    assert result.exit_code == 1 and "Redis unreachable" in result.stderr
+
+
+# -- compact -----------------------------------------------------------------------------
+
+def compact_process(settings: Settings, config: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "compactor", "compact", SID, "--cwd", CWD,
+         *base_args(settings, config), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_compact_prints_compress_result_json_last(r: redis.Redis, settings: Settings,
+                                                  config: Path) -> None:
+    settings = cli_settings(settings)
+    write_session(r, settings, 3)
+    process = compact_process(settings, config)
+    queue = compaction_queue(r, settings)
+    deadline = time.monotonic() + 30
+    while queue.count == 0 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run_jobs(r, settings)  # the worker, in this process (RQ wants the main thread)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert set(result) == {"didCompress", "released", "promptEstimate"}
+    assert result["didCompress"] is True and result["released"] > 0
+    assert "released" in out.splitlines()[0]
+
+
+def test_compact_times_out_with_exit_1(runner: CliRunner, r: redis.Redis, settings: Settings,
+                                       config: Path) -> None:
+    write_session(r, settings, 3)
+    result = runner.invoke(app, ["compact", SID, "--cwd", CWD, "--timeout", "0.3",
+                                 *base_args(settings, config)])
+    assert result.exit_code == 1 and "still queued" in result.stderr
+
+
+def test_compact_of_failed_job_exits_1_with_the_error(r: redis.Redis, settings: Settings,
+                                                      config: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    write_session(r, settings, 3)
+    process = compact_process(settings, config)
+    queue = compaction_queue(r, settings)
+    deadline = time.monotonic() + 30
+    while queue.count == 0 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stubbed = settings.model_copy(update={"context": settings.context.model_copy(
+        update={"compaction_model": STUB_MODEL, "llm_timeout_seconds": 5.0})})
+    with LLMStub() as stub:
+        monkeypatch.setenv("OPENAI_API_BASE", stub.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-stub")
+        stub.reply = "no summary block in this reply"
+        run_jobs(r, stubbed)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 1
+    assert "failed" in err and "summary" in err.lower() and out == ""
+
+
+def test_compact_of_unknown_session_exits_1(runner: CliRunner, settings: Settings,
+                                            config: Path, r: redis.Redis) -> None:
+    result = runner.invoke(app, ["compact", SID, "--cwd", CWD, *base_args(settings, config)])
+    assert result.exit_code == 1 and "no session" in result.stderr
+    assert compaction_queue(r, settings).count == 0
+
+
+# -- health ------------------------------------------------------------------------------
+
+def test_health_check_exit_codes(runner: CliRunner, settings: Settings, config: Path,
+                                 tmp_path: Path) -> None:
+    ok = runner.invoke(app, ["health", "--check", *base_args(settings, config)])
+    assert ok.exit_code == 0 and ok.stdout == ""
+    down = runner.invoke(app, ["health", "--check", "--redis-url",
+                               f"unix://{tmp_path}/none.sock"])
+    assert down.exit_code == 1
+    report = runner.invoke(app, ["health", "--json", "--workers", "--watcher",
+                                 *base_args(settings, config)])
+    assert report.exit_code == 1
+    body = json.loads(report.stdout)
+    assert body["healthy"] is False and body["checks"]["redis"] == "ok"
+    assert body["checks"]["workers"].startswith("error")
+
+
+def test_health_checks_a_live_api(runner: CliRunner, settings: Settings, config: Path,
+                                  r: redis.Redis) -> None:
+    import uvicorn
+
+    from producer.api import create_app
+
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, redis=r), host="127.0.0.1",
+                                           port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        result = runner.invoke(app, ["health", "--check", "--api", f"http://127.0.0.1:{port}",
+                                     *base_args(settings, config)])
+        assert result.exit_code == 0
+        wrong = runner.invoke(app, ["health", "--check", "--api", "http://127.0.0.1:9",
+                                    *base_args(settings, config)])
+        assert wrong.exit_code == 1
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+# -- bench -------------------------------------------------------------------------------
+
+def test_bench_view_quick_json(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["bench", "view", "--quick", "--json"])
+    assert result.exit_code == 0, result.output
+    body: dict[str, Any] = json.loads(result.stdout)
+    assert set(body) == {"view"} and body["view"]["view_s"] > 0
+
+
+def test_bench_rejects_unknown_scenario(runner: CliRunner) -> None:
+    assert runner.invoke(app, ["bench", "nope"]).exit_code == 2
+
+
+def test_bench_prints_a_table_without_json(runner: CliRunner) -> None:
+    result = runner.invoke(app, ["bench", "view", "--quick"], env={"COLUMNS": "120"})
+    assert result.exit_code == 0
+    assert "compactor bench" in result.stdout and "ratio" in result.stdout

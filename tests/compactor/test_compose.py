@@ -1,0 +1,215 @@
+"""docker-compose.yml: each service runs a real ``compactor`` command, and those commands,
+run here as local processes against the test Redis, compact a session end to end."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import typer.main
+import yaml
+
+from compactor.cli import app
+from events.config import ENV_OVERRIDES
+from events.log import SessionLog
+
+ROOT = Path(__file__).resolve().parents[2]
+CWD = "/home/dev/project"
+COMPACTOR_SERVICES = ("watcher", "worker", "api")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    return data
+
+
+def parse_cli(argv: list[str]) -> Any:
+    """Parse ``compactor ...`` argv with the real (click) command; raises on a bad option."""
+    assert argv[0] == "compactor", argv
+    group: Any = typer.main.get_command(app)
+    command = group.commands[argv[1]]
+    return command.make_context(argv[1], list(argv[2:]))
+
+
+def test_parse_cli_rejects_a_bad_option() -> None:
+    with pytest.raises(Exception, match="No such option"):
+        parse_cli(["compactor", "api", "--bogus"])
+
+
+def test_services_and_redis_with_aof_on_a_volume(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert set(services) == {"redis", *COMPACTOR_SERVICES, "dashboard"}
+    redis_service = services["redis"]
+    assert redis_service["image"].startswith("redis:")
+    assert "--appendonly" in redis_service["command"]
+    assert redis_service["command"][redis_service["command"].index("--appendonly") + 1] == "yes"
+    assert any(v.endswith(":/data") for v in redis_service["volumes"])
+    assert redis_service["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert set(compose["volumes"]) == {"sessions", "redis-data"}
+
+
+@pytest.mark.parametrize("name", COMPACTOR_SERVICES)
+def test_service_command_and_healthcheck_are_valid_cli_invocations(compose: dict[str, Any],
+                                                                   name: str) -> None:
+    service = compose["services"][name]
+    context = parse_cli(service["command"])
+    assert context.command.name == {"watcher": "watch", "worker": "work", "api": "api"}[name]
+    health = service["healthcheck"]["test"]
+    assert health[0] == "CMD" and health[1:3] == ["compactor", "health"] and "--check" in health
+    parse_cli(health[1:])
+    assert "sessions:/data" in service["volumes"]
+    env = service["environment"]
+    assert env["REDIS_URL"] == "redis://redis:6379/0" and env["COMPACTION_DATA_DIR"] == "/data"
+    assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+
+
+def test_api_binds_all_interfaces_in_the_container_but_publishes_on_localhost(
+        compose: dict[str, Any]) -> None:
+    api = compose["services"]["api"]
+    context = parse_cli(api["command"])
+    assert context.params["host"] == "0.0.0.0" and context.params["port"] == 8080
+    assert api["ports"] == ["127.0.0.1:${COMPACTION_API_PORT:-8080}:8080"]
+
+
+def test_worker_scales_and_dashboard_is_optional(compose: dict[str, Any]) -> None:
+    worker = compose["services"]["worker"]
+    assert "container_name" not in worker and "ports" not in worker  # --scale worker=N works
+    assert parse_cli(worker["command"]).params["count"] == 1
+    dashboard = compose["services"]["dashboard"]
+    assert dashboard["profiles"] == ["dashboard"]
+    assert dashboard["environment"]["RQ_DASHBOARD_REDIS_URL"] == "redis://redis:6379/0"
+
+
+def test_the_generated_config_is_valid(compose: dict[str, Any], tmp_path: Path) -> None:
+    from events.config import load_settings
+
+    content = compose["configs"]["codingcode"]["content"]
+    rendered = content.replace("${COMPACTION_MODEL:-}", "extractive").replace(
+        "${COMPACTION_FALLBACK_MODEL:-}", "")
+    path = tmp_path / "codingcode.yaml"
+    path.write_text(rendered)
+    assert load_settings(path, environ={}).context.compaction_model == "extractive"
+
+
+def test_dockerfile_installs_the_console_script_and_runs_serve() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "pip install ." in text and 'CMD ["compactor", "serve", "--host", "0.0.0.0"]' in text
+    for package in ("events", "producer", "worker", "compactor"):
+        assert f"COPY {package} ./{package}" in text
+
+
+# -- the smoke test ----------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def local_argv(command: list[str], port: int) -> list[str]:
+    """A compose command as a local process: this Python, localhost, a free port."""
+    argv = [sys.executable, "-m", "compactor", *command[1:]]
+    if "--host" in argv:
+        argv[argv.index("--host") + 1] = "127.0.0.1"
+    if "--port" in argv:
+        argv[argv.index("--port") + 1] = str(port)
+    return argv
+
+
+@pytest.fixture
+def stack(compose: dict[str, Any], redis_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    config = tmp_path / "codingcode.yaml"
+    config.write_text("context:\n  compactionModel: extractive\n")
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.update(REDIS_URL=redis_url, COMPACTION_DATA_DIR=str(tmp_path / "data"),
+               CODINGCODE_CONFIG=str(config), LITELLM_LOCAL_MODEL_COST_MAP="True",
+               COMPACTION_LOG_LEVEL="WARNING")
+    port = free_port()
+    processes = {name: subprocess.Popen(local_argv(compose["services"][name]["command"], port),
+                                        env=env, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True)
+                 for name in COMPACTOR_SERVICES}
+    try:
+        yield {"env": env, "port": port, "processes": processes, "data": tmp_path / "data"}
+    finally:
+        for process in processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes.values():
+            try:
+                process.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.communicate()
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def api_up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def turn(n: int, window: int) -> list[dict[str, Any]]:
+    output = " ".join(f"line{i}" for i in range(300))
+    return [
+        {"type": "user", "turnId": n, "content": f"step {n}"},
+        {"type": "assistant", "turnId": n, "content": "checking",
+         "toolCalls": [{"id": f"c{n}", "name": "run_tests", "arguments": {"k": n}}]},
+        {"type": "tool_result", "turnId": n, "toolCallId": f"c{n}", "toolName": "run_tests",
+         "output": output},
+        {"type": "turn_end", "turnId": n, "model": "gpt-4", "contextWindow": window},
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_compose_commands_compact_a_session_end_to_end(compose: dict[str, Any],
+                                                       stack: dict[str, Any]) -> None:
+    url = f"http://127.0.0.1:{stack['port']}"
+    wait_for(lambda: api_up(url) or any(p.poll() is not None for p in stack["processes"].values()),
+             90, "the API")
+    for name, process in stack["processes"].items():
+        assert process.poll() is None, (name, process.communicate()[1])
+
+    window = 2000
+    for n in (1, 2, 3):
+        response = httpx.post(f"{url}/api/sessions/e2e/events",
+                              json={"cwd": CWD, "events": turn(n, window)}, timeout=10)
+        assert response.status_code == 202, response.text
+    log = SessionLog(stack["data"], CWD, "e2e")
+    wait_for(lambda: log.exists() and any(e["type"] == "summary" for e in log.read()), 60,
+             "a summary line in the log")
+    summary = next(e for e in log.read() if e["type"] == "summary")
+    assert summary["lastSummarizedTurnId"] >= 1 and summary["replaces"]
+
+    session = httpx.get(f"{url}/api/sessions/e2e", params={"cwd": CWD}, timeout=10).json()
+    assert session["lastCompaction"]["kind"] == "llm"
+    assert session["promptEstimate"] < 0.9 * window
+
+    for name in COMPACTOR_SERVICES:  # the compose health checks, against the local stack
+        health = compose["services"][name]["healthcheck"]["test"][1:]
+        argv = [sys.executable, "-m", "compactor", *health[1:]]
+        argv = [a.replace("http://127.0.0.1:8080", url) for a in argv]
+        wait_for(lambda argv=argv: subprocess.run(argv, check=False, env=stack["env"], timeout=60).returncode == 0,
+                 60, f"{name} healthcheck")

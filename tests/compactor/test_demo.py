@@ -1,0 +1,80 @@
+"""``compactor demo`` finishes in under a minute with micro and LLM (extractive) compactions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from compactor.demo import Agent, DemoOptions, demo_settings
+from events.config import ENV_OVERRIDES, Settings
+from events.models import parse_event
+
+
+def test_agent_turns_are_valid_events_that_end_with_turn_end() -> None:
+    import random
+
+    agent = Agent("demo-x-01", "/home/demo/projects/app-1", random.Random(1))
+    batches = agent.turn(3, 8000)
+    events = [e for batch in batches for e in batch]
+    for event in [agent.meta(), *events]:
+        parse_event(event)
+    assert events[-1] == {"type": "turn_end", "turnId": 3, "model": "demo-agent",
+                          "contextWindow": 8000}
+    calls = {c["id"] for c in events[1]["toolCalls"]}
+    assert calls == {e["toolCallId"] for e in events if e["type"] == "tool_result"}
+    assert any(e.get("toolName") == "list_dir" for e in events)  # a non-compactable tool too
+
+
+def test_demo_settings_use_extractive_and_a_private_prefix_on_shared_redis(
+        settings: Settings, tmp_path: Path) -> None:
+    demo = demo_settings(settings, tmp_path)
+    assert demo.context.compaction_model == "extractive" and demo.data_dir == tmp_path
+    assert demo.redis.prefix.startswith("compaction-demo")
+    configured = settings.model_copy(update={"context": settings.context.model_copy(
+        update={"compaction_model": "openai/gpt-4o-mini"})})
+    assert demo_settings(configured, tmp_path).context.compaction_model == "openai/gpt-4o-mini"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_demo_with_defaults_finishes_under_a_minute_with_both_kinds(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "compactor", "demo", "--json"], check=False, cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=110)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout)
+    assert elapsed < 60
+    assert summary["sessions"] == DemoOptions().sessions
+    assert summary["compactions"]["micro"] >= 1 and summary["compactions"]["llm"] >= 1
+    assert summary["jobs"]["micro"] >= 1 and summary["jobs"]["llm"] >= 1
+    assert summary["failedJobs"] == 0 and summary["tokensReleased"] > 0
+    for row in summary["perSession"]:
+        assert row["turns"] == DemoOptions().turns
+        assert row["estimateAfter"] < row["estimateBefore"]
+    assert not list(tmp_path.iterdir())  # nothing left in the working directory
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_demo_on_a_shared_redis_cleans_up_after_itself(settings: Settings, r: Any,
+                                                       tmp_path: Path) -> None:
+    from compactor.demo import run_demo
+
+    r.set("unrelated", "kept")
+    result = run_demo(settings, DemoOptions(sessions=2, turns=10, data_dir=tmp_path / "d"),
+                      output=subprocess.DEVNULL)
+    assert result["compactions"]["micro"] >= 1 and result["compactions"]["llm"] >= 1
+    left = sorted(k.decode() for k in r.scan_iter(count=1000))
+    assert "unrelated" in left
+    assert not [k for k in left if "demo" in k and not k.startswith("rq:worker")], left
+    assert (tmp_path / "d").is_dir()  # --data-dir given: the logs are kept

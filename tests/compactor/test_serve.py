@@ -1,0 +1,235 @@
+"""``compactor serve``: supervision, the embedded Redis, effective settings, clean shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from compactor import serve
+from compactor.embedded import EmbeddedRedis
+from compactor.serve import ChildFailed, ChildSpec, Supervisor
+from events.config import ENV_OVERRIDES, Settings, load_settings
+from events.errors import InvalidConfig
+from events.log import SessionLog
+
+CWD = "/home/dev/project"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_effective_config_round_trips_with_the_redis_url_pinned(settings: Settings,
+                                                                tmp_path: Path) -> None:
+    tuned = settings.model_copy(update={"context": settings.context.model_copy(
+        update={"compaction_model": "extractive", "compactable_tools": ("read_file",)})})
+    path = serve.write_effective_config(tuned, "unix:///x.sock?db=0", tmp_path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    loaded = load_settings(path, environ={})
+    assert loaded.redis.url == "unix:///x.sock?db=0"
+    assert loaded.context == tuned.context and loaded.data_dir == tuned.data_dir
+    assert loaded.api == tuned.api and loaded.limits == tuned.limits
+
+
+def test_child_env_drops_overrides_and_names_the_parent(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ENV_OVERRIDES:
+        monkeypatch.setenv(var, "x")
+    monkeypatch.setenv("CODINGCODE_CONFIG", "/elsewhere.yaml")
+    env = serve.child_env(1234)
+    assert not set(ENV_OVERRIDES) & set(env) and "CODINGCODE_CONFIG" not in env
+    assert env[serve.PARENT_PID_ENV] == "1234"
+
+
+def test_client_redis_url_prefers_config_then_a_running_serve(settings: Settings,
+                                                              tmp_path: Path) -> None:
+    assert serve.client_redis_url(settings) == settings.redis.url
+    local = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": ""}),
+                                        "data_dir": tmp_path / "d"})
+    with pytest.raises(InvalidConfig, match="no `compactor serve` runs"):
+        serve.client_redis_url(local)
+    with EmbeddedRedis(serve.embedded_dir(local), persist=False) as server:
+        assert serve.client_redis_url(local) == server.url
+
+
+def test_a_second_embedded_redis_on_the_same_data_dir_is_refused(settings: Settings,
+                                                                 tmp_path: Path) -> None:
+    local = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": ""}),
+                                        "data_dir": tmp_path / "d"})
+    first = serve.start_embedded(local)
+    try:
+        with pytest.raises(InvalidConfig, match="already runs"):
+            serve.start_embedded(local)
+    finally:
+        first.stop()
+    assert (serve.embedded_dir(local) / "appendonlydir").is_dir()
+
+
+def test_a_redis_left_by_a_killed_serve_is_replaced_keeping_its_data(settings: Settings,
+                                                                     tmp_path: Path) -> None:
+    import redis
+
+    local = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": ""}),
+                                        "data_dir": tmp_path / "d"})
+    orphan = EmbeddedRedis(serve.embedded_dir(local)).start()  # no serve.pid: nobody owns it
+    redis.Redis.from_url(orphan.url).set("kept", "1")
+    server = serve.start_embedded(local)
+    try:
+        assert redis.Redis.from_url(server.url).get("kept") == b"1"
+        assert server.pid != orphan.pid
+        pid_file = serve.embedded_dir(local) / serve.SERVE_PID_FILE
+        assert pid_file.read_text().split()[0] == str(os.getpid())
+    finally:
+        server.stop()
+        orphan.stop()
+
+
+def test_supervisor_restarts_a_dying_child_then_gives_up(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(serve, "RESTART_DELAY_S", 0.0)
+    monkeypatch.setattr(serve, "MAX_RESTARTS", 3)
+    supervisor = Supervisor([ChildSpec("flaky", ["no-such-command"])], tmp_path / "c.yaml",
+                            output=subprocess.DEVNULL)
+    supervisor.start()
+    pids: set[int] = set()
+    try:
+        with pytest.raises(ChildFailed, match="flaky exited 3 times"):
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                pids |= set(supervisor.pids().values())
+                supervisor.check()
+                time.sleep(0.02)
+    finally:
+        supervisor.stop()
+    assert len(pids) >= 2  # it was restarted before giving up
+
+
+# -- the real thing ----------------------------------------------------------------------
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """``compactor serve`` on a fresh data dir, the embedded Redis, one worker."""
+    config = tmp_path / "codingcode.yaml"
+    config.write_text("context:\n  compactionModel: extractive\n")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_DATA_DIR=str(tmp_path / "data"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "compactor", "serve", "--config", str(config), "--workers", "1",
+         "--port", str(port), "--log-level", "WARNING"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    info = {"process": process, "port": port, "env": env, "config": config,
+            "data": tmp_path / "data", "url": f"http://127.0.0.1:{port}"}
+    try:
+        yield info
+    finally:
+        if process.poll() is None:
+            process.kill()
+            for child in psutil.Process(process.pid).children(recursive=True):
+                child.kill()
+        process.communicate(timeout=30)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def turn_events(n: int) -> list[dict[str, Any]]:
+    words = " ".join(f"w{i}" for i in range(400))
+    return [
+        {"type": "user", "turnId": n, "content": f"step {n}"},
+        {"type": "assistant", "turnId": n, "content": "running",
+         "toolCalls": [{"id": f"c{n}", "name": "run_tests", "arguments": {}}]},
+        {"type": "tool_result", "turnId": n, "toolCallId": f"c{n}", "toolName": "run_tests",
+         "output": words},
+        {"type": "turn_end", "turnId": n, "model": "gpt-4", "contextWindow": 1500},
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serve_runs_the_stack_on_embedded_redis_and_stops_cleanly(served: dict[str, Any]) -> None:
+    process, url = served["process"], served["url"]
+    wait_for(lambda: healthy(url) or process.poll() is not None, 90, "the API")
+    assert process.poll() is None, process.communicate()[1]
+    children = psutil.Process(process.pid).children(recursive=True)
+    names = [" ".join(c.cmdline()) for c in children]
+    assert any(" watch " in n for n in names) and any(" work " in n for n in names)
+    assert any(" api " in n for n in names) and any("valkey-server" in n or "redis-server" in n
+                                                     for n in names)
+
+    for n in (1, 2, 3):
+        response = httpx.post(f"{url}/api/sessions/s1/events",
+                              json={"cwd": CWD, "events": turn_events(n)}, timeout=10)
+        assert response.status_code == 202
+    log = SessionLog(served["data"], CWD, "s1")
+    wait_for(lambda: log.exists() and any(e["type"] == "summary" for e in log.read()), 60,
+             "an LLM (extractive) summary in the log")
+
+    status = subprocess.run(  # finds the embedded Redis through its socket: no REDIS_URL
+        [sys.executable, "-m", "compactor", "status", "--json"], check=False, env=served["env"],
+        capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert [row["sessionId"] for row in json.loads(status.stdout)] == ["s1"]
+
+    second = subprocess.run(
+        [sys.executable, "-m", "compactor", "serve", "--port", str(free_port())],
+        check=False, env=served["env"], capture_output=True, text=True, timeout=60)
+    assert second.returncode == 2 and "already runs" in second.stderr
+
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0
+    assert "stopped" in process.communicate()[1]
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert (served["data"] / ".redis" / "appendonlydir").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serve_restarts_a_killed_worker(served: dict[str, Any]) -> None:
+    process, url = served["process"], served["url"]
+    wait_for(lambda: healthy(url) or process.poll() is not None, 90, "the API")
+
+    def worker_pids() -> list[int]:
+        pids = []
+        for child in psutil.Process(process.pid).children():
+            try:
+                if " work " in " ".join(child.cmdline()):
+                    pids.append(child.pid)
+            except psutil.Error:  # exited (a zombie until the supervisor reaps it)
+                continue
+        return pids
+
+    (first,) = wait_for(worker_pids, 30, "the worker")
+    os.kill(first, signal.SIGKILL)
+    replacement = wait_for(lambda: [p for p in worker_pids() if p != first], 30, "a new worker")
+    assert replacement and process.poll() is None
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=60) == 0

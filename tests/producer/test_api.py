@@ -1,0 +1,414 @@
+"""The HTTP API against a real Redis: every route, every error code, auth on and off."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from rq import SimpleWorker
+
+from compactor.keys import Keys
+from compactor.queue import compaction_queue
+from compactor.store import SessionStore
+from events.config import Settings
+from events.log import SessionLog
+from producer.api import create_app, get_settings
+from tests.llm_stub import STUB_MODEL, LLMStub
+from worker import context as worker_context
+from worker.context import WorkerContext
+
+CWD = "/home/dev/project"
+SID = "sess-1"
+LONG = "x" * 400
+WORDS = " ".join(f"word{i}" for i in range(300))
+
+
+def with_context(settings: Settings, **context: Any) -> Settings:
+    return settings.model_copy(update={"context": settings.context.model_copy(update=context)})
+
+
+def with_api(settings: Settings, **api: Any) -> Settings:
+    return settings.model_copy(update={"api": settings.api.model_copy(update=api)})
+
+
+def turn(n: int, window: int = 4000) -> list[dict[str, Any]]:
+    call = f"call-{n}"
+    return [
+        {"type": "user", "turnId": n, "content": f"please do step {n}"},
+        {"type": "assistant", "turnId": n, "content": f"working on {n}",
+         "toolCalls": [{"id": call, "name": "run_tests", "arguments": {"path": f"m{n}.py"}}]},
+        {"type": "tool_result", "turnId": n, "toolCallId": call, "toolName": "run_tests",
+         "output": WORDS},
+        {"type": "turn_end", "turnId": n, "model": "gpt-4", "contextWindow": window},
+    ]
+
+
+def write_session(r: redis.Redis, settings: Settings, turns: int, sid: str = SID) -> None:
+    """Complete turns written the way the watcher writes them (uuid and timestamp filled)."""
+    events: list[dict[str, Any]] = [{"type": "session_meta", "sessionId": sid, "cwd": CWD}]
+    for n in range(1, turns + 1):
+        events += turn(n)
+    lines = [{**e, "uuid": f"{sid}-{i}", "timestamp": "2025-01-01T00:00:00.000Z"}
+             for i, e in enumerate(events)]
+    SessionStore(r, settings).apply(sid, CWD, lines)
+
+
+def post_while_working(test_client: TestClient, r: redis.Redis, settings: Settings,
+                       path: str, body: dict[str, Any]) -> Any:
+    """POST from a thread while a worker runs the job it enqueues here (RQ needs the main thread)."""
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(response=test_client.post(path, json=body)))
+    thread.start()
+    queue = compaction_queue(r, settings)
+    deadline = time.monotonic() + 10
+    while queue.count == 0 and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    run_jobs(r, settings)
+    thread.join(30)
+    return box["response"]
+
+
+def run_jobs(r: redis.Redis, settings: Settings) -> None:
+    """Every queued compaction job, in this process, with a real RQ worker."""
+    worker_context.install(WorkerContext.build(settings, r))
+    try:
+        SimpleWorker([compaction_queue(r, settings)], connection=r).work(burst=True)
+    finally:
+        worker_context.clear()
+
+
+@pytest.fixture
+def api_settings(settings: Settings) -> Settings:
+    return with_context(with_api(settings, job_wait_seconds=20.0), compaction_model="extractive")
+
+
+@pytest.fixture
+def client(api_settings: Settings, r: redis.Redis) -> Iterator[TestClient]:
+    with TestClient(create_app(api_settings, redis=r)) as test_client:
+        yield test_client
+
+
+def error_of(response: Any) -> dict[str, str]:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}
+    return dict(body["error"])
+
+
+# -- /healthz, /metrics, OpenAPI -------------------------------------------------------------
+
+def test_healthz_is_ok_when_redis_answers(client: TestClient) -> None:
+    response = client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok", "redis": "ok"}
+
+
+def test_healthz_is_503_when_redis_is_down(api_settings: Settings, tmp_path: Any) -> None:
+    dead = redis.Redis.from_url(f"unix://{tmp_path}/nothing.sock")
+    with TestClient(create_app(api_settings, redis=dead)) as test_client:
+        response = test_client.get("/healthz")
+    assert response.status_code == 503
+    assert error_of(response)["code"] == "redis_unavailable"
+
+
+def test_metrics_exposes_http_and_queue_gauges(client: TestClient) -> None:
+    client.get("/healthz")
+    text = client.get("/metrics").text
+    assert 'compactor_http_requests_total{method="GET",route="/healthz",status="200"} 1.0' in text
+    assert "compactor_queue_jobs 0.0" in text
+    assert "compactor_redis_up 1.0" in text
+
+
+def test_openapi_schema_lists_every_route_with_camelcase_models(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    assert {"/api/sessions/{session_id}/compact", "/api/sessions/{session_id}/events",
+            "/api/sessions/{session_id}/context", "/api/sessions/{session_id}",
+            "/api/jobs/{job_id}", "/healthz", "/metrics"} <= set(schema["paths"])
+    session = schema["components"]["schemas"]["SessionBody"]["properties"]
+    assert {"sessionId", "promptEstimate", "contextWindow", "microThreshold",
+            "compactionThreshold", "breakerOpen", "pendingJob", "lastCompaction"} <= set(session)
+    compact = schema["paths"]["/api/sessions/{session_id}/compact"]["post"]["responses"]
+    assert {"200", "202", "404", "502"} <= set(compact)
+
+
+# -- auth ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def secured(api_settings: Settings, r: redis.Redis) -> Iterator[TestClient]:
+    app = create_app(with_api(api_settings, token="s3cret"), redis=r)
+    with TestClient(app) as test_client:
+        yield test_client
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong", "Basic s3cret", "s3cret"])
+def test_token_required_on_api_routes(secured: TestClient, header: str | None) -> None:
+    headers = {"Authorization": header} if header else {}
+    for method, path in [("GET", f"/api/sessions/{SID}?cwd={CWD}"), ("GET", "/metrics"),
+                         ("GET", "/api/jobs/abc"), ("POST", f"/api/sessions/{SID}/events")]:
+        response = secured.request(method, path, headers=headers, content=b"{not json")
+        assert response.status_code == 401, path
+        assert error_of(response)["code"] == "unauthorized"
+        assert response.headers["www-authenticate"] == "Bearer"
+
+
+def test_right_token_passes_and_healthz_needs_none(secured: TestClient) -> None:
+    assert secured.get("/healthz").status_code == 200
+    ok = secured.get("/api/jobs/abc", headers={"Authorization": "Bearer s3cret"})
+    assert ok.status_code == 404  # past auth: the job does not exist
+    schema = secured.get("/openapi.json", headers={"Authorization": "Bearer s3cret"}).json()
+    assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+
+
+def test_no_token_configured_means_no_auth(client: TestClient) -> None:
+    assert client.get("/api/jobs/abc").status_code == 404
+
+
+# -- POST /events ------------------------------------------------------------------------
+
+def test_events_are_validated_then_published_in_order(client: TestClient, r: redis.Redis,
+                                                      api_settings: Settings) -> None:
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": turn(1)})
+    assert response.status_code == 202
+    body = response.json()
+    assert body["accepted"] == 4 and len(body["streamIds"]) == 4
+    entries = r.xrange(Keys().stream_for(SID))
+    assert [e[1][b"session"] for e in entries] == [SID.encode()] * 4
+    assert [json.loads(e[1][b"event"])["type"] for e in entries] == [
+        "user", "assistant", "tool_result", "turn_end"]
+
+
+def test_bad_event_names_index_and_field_and_publishes_nothing(client: TestClient,
+                                                               r: redis.Redis) -> None:
+    events = turn(1)
+    events[2] = {**events[2], "turnId": "two"}
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
+    assert response.status_code == 400
+    assert error_of(response)["message"].startswith("events[2].turnId:")
+    assert r.xlen(Keys().stream_for(SID)) == 0
+
+
+def test_event_for_another_session_is_400(client: TestClient, r: redis.Redis) -> None:
+    events = [{"type": "session_meta", "sessionId": "someone-else"}, *turn(1)]
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
+    assert response.status_code == 400
+    assert error_of(response)["message"].startswith("events[0].sessionId")
+    assert r.xlen(Keys().stream_for(SID)) == 0
+
+
+@pytest.mark.parametrize("sid,cwd,fragment", [
+    ("bad.id", CWD, "sessionId"), ("a b", CWD, "sessionId"), ("-bad", CWD, "sessionId"), (SID, "relative/dir", "cwd"),
+])
+def test_bad_session_id_or_cwd_is_400(client: TestClient, sid: str, cwd: str,
+                                      fragment: str) -> None:
+    response = client.post(f"/api/sessions/{sid}/events", json={"cwd": cwd, "events": turn(1)})
+    assert response.status_code == 400
+    assert error_of(response)["message"].startswith(fragment)
+
+
+def test_invalid_json_and_missing_fields_are_400(client: TestClient) -> None:
+    bad_json = client.post(f"/api/sessions/{SID}/events", content=b"{nope",
+                           headers={"Content-Type": "application/json"})
+    assert bad_json.status_code == 400 and "JSON" in error_of(bad_json)["message"]
+    missing = client.post(f"/api/sessions/{SID}/events", json={"events": []})
+    assert missing.status_code == 400 and error_of(missing)["message"].startswith("cwd")
+
+
+@pytest.fixture
+def small(api_settings: Settings, r: redis.Redis) -> Iterator[TestClient]:
+    limits = api_settings.limits.model_copy(update={"max_body_bytes": 2048, "max_event_bytes": 1024})
+    with TestClient(create_app(api_settings.model_copy(update={"limits": limits}), redis=r)) as c:
+        yield c
+
+
+def test_declared_body_over_limit_is_413(small: TestClient, r: redis.Redis) -> None:
+    events = [{"type": "user", "turnId": 1, "content": "y" * 900}] * 3
+    response = small.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
+    assert response.status_code == 413
+    assert error_of(response)["code"] == "payload_too_large"
+    assert r.xlen(Keys().stream_for(SID)) == 0
+
+
+def test_streamed_body_over_limit_is_413(small: TestClient) -> None:
+    chunks = [b'{"cwd": "/w", "events": [', b'"' + b"z" * 1500 + b'",', b'"' + b"z" * 1500 + b'"]}']
+    response = small.post(f"/api/sessions/{SID}/events", content=iter(chunks),
+                          headers={"Content-Type": "application/json"})
+    assert "content-length" not in {k.lower() for k in response.request.headers}
+    assert response.status_code == 413
+
+
+def test_one_event_over_max_event_bytes_is_413(small: TestClient) -> None:
+    events = [{"type": "user", "turnId": 1, "content": "y" * 1500}]
+    response = small.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
+    assert response.status_code == 413
+    assert error_of(response)["message"].startswith("events[0]")
+
+
+# -- GET context / session ---------------------------------------------------------------
+
+def test_context_of_a_hand_written_log(client: TestClient, api_settings: Settings) -> None:
+    log = SessionLog(api_settings.data_dir, CWD, SID)
+    log.append([{"type": "user", "uuid": "u1", "timestamp": "2025-01-01T00:00:00Z",
+                 "turnId": 1, "content": "hello world"}])
+    response = client.get(f"/api/sessions/{SID}/context", params={"cwd": CWD})
+    assert response.status_code == 200
+    assert response.json() == {"messages": [{"role": "user", "content": "hello world"}],
+                               "promptEstimate": 6, "currentTurnId": 1}
+
+
+def test_context_needs_no_redis(api_settings: Settings, tmp_path: Any) -> None:
+    SessionLog(api_settings.data_dir, CWD, SID).append(
+        [{"type": "session_meta", "uuid": "m", "timestamp": "2025-01-01T00:00:00Z"}])
+    dead = redis.Redis.from_url(f"unix://{tmp_path}/nothing.sock")
+    with TestClient(create_app(api_settings, redis=dead)) as test_client:
+        response = test_client.get(f"/api/sessions/{SID}/context", params={"cwd": CWD})
+    assert response.status_code == 200
+    assert response.json() == {"messages": [], "promptEstimate": 0, "currentTurnId": 1}
+
+
+def test_unknown_session_is_404_and_bad_cwd_400(client: TestClient) -> None:
+    for path in (f"/api/sessions/{SID}/context", f"/api/sessions/{SID}"):
+        missing = client.get(path, params={"cwd": CWD})
+        assert missing.status_code == 404 and error_of(missing)["code"] == "not_found"
+        assert client.get(path, params={"cwd": "rel"}).status_code == 400
+        assert client.get(path).status_code == 400  # cwd is required
+
+
+def test_session_reports_state_thresholds_breaker_and_jobs(client: TestClient, r: redis.Redis,
+                                                           api_settings: Settings) -> None:
+    write_session(r, api_settings, 2)
+    keys = Keys()
+    r.set(keys.failures(SID), 3)
+    r.set(keys.job(SID), "123-micro-sess-1")
+    body = client.get(f"/api/sessions/{SID}", params={"cwd": CWD}).json()
+    assert body["sessionId"] == SID and body["cwd"] == CWD
+    assert body["contextWindow"] == 4000 and body["currentTurnId"] == 3
+    assert body["microThreshold"] == 1000 and body["compactionThreshold"] == 3600
+    assert body["failures"] == 3 and body["breakerOpen"] is True
+    assert body["pendingJob"] == {"jobId": "123-micro-sess-1", "status": None}
+    assert body["promptEstimate"] > 0 and body["lastCompaction"] is None
+
+
+def test_session_state_is_rebuilt_from_the_log_when_redis_lost_it(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    write_session(r, api_settings, 2)
+    before = client.get(f"/api/sessions/{SID}", params={"cwd": CWD}).json()
+    r.flushall()
+    after = client.get(f"/api/sessions/{SID}", params={"cwd": CWD}).json()
+    assert after == {**before, "failures": 0, "breakerOpen": False}
+    assert before["failures"] == 0
+
+
+def test_redis_down_is_503_with_error_body(api_settings: Settings, tmp_path: Any,
+                                           r: redis.Redis) -> None:
+    write_session(r, api_settings, 1)
+    dead = redis.Redis.from_url(f"unix://{tmp_path}/nothing.sock")
+    with TestClient(create_app(api_settings, redis=dead)) as test_client:
+        response = test_client.get(f"/api/sessions/{SID}", params={"cwd": CWD})
+    assert response.status_code == 503
+    assert error_of(response)["code"] == "redis_unavailable"
+
+
+def test_settings_come_from_an_overridable_dependency(api_settings: Settings,
+                                                      r: redis.Redis, tmp_path: Any) -> None:
+    app = create_app(api_settings, redis=r)
+    other = api_settings.model_copy(update={"data_dir": tmp_path / "other"})
+    SessionLog(other.data_dir, CWD, SID).append(
+        [{"type": "user", "uuid": "u", "timestamp": "2025-01-01T00:00:00Z", "turnId": 1,
+          "content": "hi"}])
+    app.dependency_overrides[get_settings] = lambda: other
+    with TestClient(app) as test_client:
+        assert test_client.get(f"/api/sessions/{SID}/context",
+                               params={"cwd": CWD}).status_code == 200
+
+
+# -- compaction and jobs -----------------------------------------------------------------
+
+def test_compact_without_wait_is_202_then_job_finishes(client: TestClient, r: redis.Redis,
+                                                       api_settings: Settings) -> None:
+    write_session(r, api_settings, 3)
+    response = client.post(f"/api/sessions/{SID}/compact?wait=false", json={"cwd": CWD})
+    assert response.status_code == 202
+    job_id = response.json()["jobId"]
+    assert client.get(f"/api/jobs/{job_id}").json()["status"] == "queued"
+    run_jobs(r, api_settings)
+    job = client.get(f"/api/jobs/{job_id}").json()
+    assert job["status"] == "finished"
+    assert job["result"]["didCompress"] is True and job["result"]["released"] > 0
+    assert "error" not in job
+
+
+def test_compact_waits_for_the_job_and_returns_compress_result(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    write_session(r, api_settings, 3)
+    before = client.get(f"/api/sessions/{SID}", params={"cwd": CWD}).json()["promptEstimate"]
+    response = post_while_working(client, r, api_settings, f"/api/sessions/{SID}/compact",
+                                  {"cwd": CWD})
+    assert response.status_code == 200
+    result = response.json()
+    assert set(result) == {"didCompress", "released", "promptEstimate"}
+    assert result["didCompress"] is True
+    assert result["promptEstimate"] == before - result["released"]
+    context = client.get(f"/api/sessions/{SID}/context", params={"cwd": CWD}).json()
+    assert context["promptEstimate"] == result["promptEstimate"]
+    assert context["messages"][0]["name"] == "compacted_history"
+
+
+def test_compact_with_nothing_to_summarize_does_not_compress(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    write_session(r, api_settings, 1)
+    response = post_while_working(client, r, api_settings, f"/api/sessions/{SID}/compact",
+                                  {"cwd": CWD})
+    assert response.status_code == 200
+    assert response.json()["didCompress"] is False and response.json()["released"] == 0
+
+
+def test_compact_whose_llm_fails_is_502(r: redis.Redis, api_settings: Settings,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = with_context(api_settings, compaction_model=STUB_MODEL, llm_timeout_seconds=5.0)
+    write_session(r, settings, 3)
+    with LLMStub() as stub, TestClient(create_app(settings, redis=r)) as test_client:
+        monkeypatch.setenv("OPENAI_API_BASE", stub.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-stub")
+        stub.reply = "I will not summarize."
+        response = post_while_working(test_client, r, settings, f"/api/sessions/{SID}/compact",
+                                      {"cwd": CWD})
+    assert response.status_code == 502
+    assert error_of(response)["code"] == "compaction_failed"
+    assert "summary" in error_of(response)["message"].lower()
+    assert int(r.get(Keys().failures(SID)) or 0) == 1
+
+
+def test_compact_times_out_into_202(r: redis.Redis, api_settings: Settings) -> None:
+    settings = with_api(api_settings, job_wait_seconds=0.3)
+    write_session(r, settings, 3)
+    with TestClient(create_app(settings, redis=r)) as test_client:
+        response = test_client.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD})
+        assert response.status_code == 202
+        job = test_client.get(f"/api/jobs/{response.json()['jobId']}").json()
+    assert job == {"jobId": response.json()["jobId"], "status": "queued"}
+
+
+def test_compact_of_unknown_session_is_404_and_enqueues_nothing(client: TestClient,
+                                                                r: redis.Redis,
+                                                                api_settings: Settings) -> None:
+    response = client.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD})
+    assert response.status_code == 404
+    assert compaction_queue(r, api_settings).count == 0
+
+
+def test_compact_of_session_with_only_meta_is_known(client: TestClient, r: redis.Redis,
+                                                    api_settings: Settings) -> None:
+    SessionStore(r, api_settings).apply(SID, CWD, [{"type": "session_meta", "sessionId": SID}])
+    response = client.post(f"/api/sessions/{SID}/compact?wait=false", json={"cwd": CWD})
+    assert response.status_code == 202
+
+
+def test_job_routes_validate_ids(client: TestClient) -> None:
+    assert client.get("/api/jobs/nope").status_code == 404
+    assert error_of(client.get("/api/jobs/nope"))["code"] == "not_found"
+    assert client.get("/api/jobs/-x").status_code == 400
