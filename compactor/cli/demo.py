@@ -79,10 +79,11 @@ def live_view(numbers: dict[str, Any]) -> Group:
 def summary_table(result: dict[str, Any]) -> Table:
     comp = result.get("compactions", {})
     table = Table(title=(f"{result['sessions']} sessions, {result['events']} events in "
-                         f"{result['elapsed']:.1f}s; compactions: {comp.get('micro', 0)} micro, "
-                         f"{comp.get('llm', 0)} LLM ({result.get('compactionModel')}); "
+                         f"{result['elapsed']:.1f}s; in the logs: {comp.get('micro', 0)} compact events "
+                         f"(micro jobs, and LLM jobs' micro step), {comp.get('llm', 0)} summaries "
+                         f"({result.get('compactionModel')}); "
                          f"{result['tokensReleased']} tokens released"))
-    for column in ("session", "turns", "estimate before", "estimate after", "micro", "LLM"):
+    for column in ("session", "turns", "estimate uncompacted", "estimate now", "compacts", "summaries"):
         table.add_column(column, justify="left" if column == "session" else "right")
     for row in result.get("perSession", []):
         table.add_row(row["sessionId"], str(row["turns"]), str(row["estimateBefore"]),
