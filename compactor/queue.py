@@ -32,6 +32,7 @@ from rq import Queue
 from rq.job import Job, JobStatus
 from rq.rate_limit import RateLimit
 
+from compactor import metrics
 from compactor.keys import Keys
 from events.config import Settings
 
@@ -137,6 +138,7 @@ def enqueue_compaction(
         raise ValueError(f"unknown compaction kind {kind!r}")
     job_id = new_job_id(session_id, kind)
     if not forced and not _claim(client, settings, session_id, job_id, kind):
+        metrics.JOBS_COALESCED.labels(kind).inc()
         return None
     try:
         _enqueue(client, settings, session_id, cwd, kind, job_id, forced)
@@ -144,7 +146,9 @@ def enqueue_compaction(
         if not forced:
             release_pending(client, settings, session_id, job_id)
         raise
-    logger.info("enqueued session=%s job=%s kind=%s forced=%s", session_id, job_id, kind, forced)
+    metrics.JOBS_ENQUEUED.labels(kind, "true" if forced else "false").inc()
+    logger.info("enqueued session=%s job=%s kind=%s forced=%s", session_id, job_id, kind, forced,
+                extra={"session_id": session_id, "job_id": job_id, "kind": kind, "forced": forced})
     return job_id
 
 

@@ -50,6 +50,7 @@ Output = IO[bytes] | int | None  # where children write: a file, subprocess.DEVN
 EMBEDDED_DIR_NAME = ".redis"
 SERVE_PID_FILE = "serve.pid"  # in the embedded dir: the serve that owns its Redis
 PARENT_PID_ENV = "COMPACTOR_PARENT_PID"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # compactor.metrics: the children share their metrics
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 RESTART_DELAY_S = 1.0
@@ -127,6 +128,15 @@ def start_embedded(settings: Settings) -> EmbeddedRedis:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
     _record_owner(server.directory)
     return server
+
+
+def metrics_dir(private: Path) -> Path:
+    """The children's shared Prometheus directory: ``$PROMETHEUS_MULTIPROC_DIR`` when set,
+    else one in the stack's private dir; emptied of old metric files either way."""
+    from compactor.metrics import prepare_multiprocess_dir
+
+    configured = os.environ.get(MULTIPROC_ENV)
+    return prepare_multiprocess_dir(Path(configured) if configured else private / "metrics")
 
 
 def write_effective_config(settings: Settings, redis_url: str, directory: Path) -> Path:
@@ -297,6 +307,7 @@ def running_stack(settings: Settings, specs: list[ChildSpec], *,
     try:
         config = write_effective_config(settings, redis_url, private)
         supervisor = Supervisor(specs, config, output=output)
+        supervisor.env[MULTIPROC_ENV] = str(metrics_dir(private))
         try:
             supervisor.start()
             yield Stack(redis_url, supervisor, config, embedded)

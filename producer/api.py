@@ -8,7 +8,8 @@ Routes:
     GET  /api/sessions/{id}?cwd=                       -> session state (see SessionBody)
     GET  /api/jobs/{jobId}                             -> {jobId, status, result?, error?}
     GET  /healthz                                      -> 200 when Redis answers, else 503
-    GET  /metrics                                      -> Prometheus text
+    GET  /metrics                                      -> Prometheus text (producer.api_metrics)
+    GET  /, /api/overview, /api/sessions, .../history  -> the status page (producer.status_page)
 
 Invariants:
 - The session id and cwd are validated before any path is built or any key is read.
@@ -41,7 +42,7 @@ from events.log import SessionLog
 from events.models import validate_cwd, validate_session_id
 from producer.api_errors import ApiError, RequestGuard, install_error_handlers
 from producer.api_jobs import enqueue_forced, job_body, wait_for_job_async
-from producer.api_metrics import HttpMetrics, RedisCollector
+from producer.api_metrics import HttpMetrics, ProcessMetrics, scrape_registry
 from producer.api_models import (
     CompactRequest,
     CompressResult,
@@ -205,8 +206,8 @@ def healthz(client: RedisDep) -> Health:
 @ops.get("/metrics", response_class=Response,
          responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}})
 def metrics(request: Request) -> Response:
-    """Prometheus metrics: HTTP requests, queue depth, sessions, streams, dead letters."""
-    registry: CollectorRegistry = request.app.state.registry
+    """Prometheus metrics: process counters (all processes under serve), Redis-side gauges."""
+    registry: CollectorRegistry = request.app.state.scrape_registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -232,8 +233,12 @@ def create_app(settings: Settings, redis: redis.Redis | None = None) -> FastAPI:
                   description="Context compaction service for LLM coding agents (SPEC §7).")
     app.state.settings = settings
     app.state.redis = redis if redis is not None else make_redis(settings)
-    app.state.registry = registry = CollectorRegistry()
-    registry.register(RedisCollector(app.state.redis, settings))
+    from producer.status_page import install_status_page
+
+    app.state.registry = registry = CollectorRegistry()  # this app's HTTP metrics
+    app.state.process_metrics = process = ProcessMetrics(registry)
+    app.state.scrape_registry = scrape_registry(process, app.state.redis, settings)
+    install_status_page(app)  # before the sessions router: /api/sessions/{id}/history
     for router in (sessions, jobs, ops):
         app.include_router(router)
     install_error_handlers(app)

@@ -10,7 +10,8 @@ Every error is ``{"error": {"code", "message"}}`` (SPEC §7):
     503 redis_unavailable  Redis does not answer
 
 ``RequestGuard`` is pure ASGI (no BaseHTTPMiddleware): it checks the token
-before anything else runs (every path but ``/healthz``), refuses a declared
+before anything else runs (every path but ``/healthz`` and the status
+page's ``/`` and ``/static/``), refuses a declared
 ``Content-Length`` over the limit before the body is read, and counts the
 bytes actually received so a chunked or lying body is cut off at the limit.
 """
@@ -33,7 +34,8 @@ from events.errors import InvalidInput, SessionNotFound
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/healthz"})
+PUBLIC_PATHS = frozenset({"/healthz", "/"})  # "/": the status page, which holds no data
+PUBLIC_PREFIXES = ("/static/",)  # the status page's script and style sheet
 STATUS_CODES = {
     400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
     413: "payload_too_large", 422: "bad_request", 502: "compaction_failed",
@@ -149,7 +151,8 @@ class RequestGuard:
         await self._call_counted(scope, receive, send)
 
     def _refuse(self, path: str, headers: dict[str, str]) -> JSONResponse | None:
-        if self.token and path not in PUBLIC_PATHS and not token_matches(
+        public = path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+        if self.token and not public and not token_matches(
                 headers.get("authorization"), self.token):
             return error_response(401, "a valid 'Authorization: Bearer <token>' header is required",
                                   headers={"WWW-Authenticate": "Bearer"})

@@ -1,9 +1,20 @@
-"""Prometheus metrics of the HTTP API: request counts and latencies, plus Redis-side gauges.
+"""Prometheus metrics of the HTTP API: its own requests, the processes' counters, Redis gauges.
 
-Invariants: every app has its own ``CollectorRegistry`` (no module-level
-metrics, so two apps in one process never share counters); the Redis gauges are
-read at scrape time and a scrape never fails because Redis is down
-(``compactor_redis_up`` says 0 instead).
+What ``/metrics`` serves (``scrape_registry``):
+
+- ``ProcessMetrics``: the counters and histograms of ``compactor.metrics`` and
+  the HTTP middleware. With ``PROMETHEUS_MULTIPROC_DIR`` set (``compactor
+  serve``), aggregated over every process writing there (watcher, workers, API);
+  unset, this process's own values.
+- Gauges read from Redis on each scrape: ``RedisCollector`` (queue, sessions,
+  dead letters, stream lengths), ``StreamLagCollector`` (per shard: entries not
+  yet applied, pending, age of the oldest), ``BreakerCollector`` (sessions whose
+  LLM breaker is open now; a bounded SCAN).
+
+Invariants: every app has its own ``CollectorRegistry`` for its HTTP metrics
+(two apps in one process never share them); a scrape never fails because Redis
+is down (``compactor_redis_up`` says 0 and the Redis gauges are left out); the
+Redis work per scrape is bounded (``MAX_BREAKER_KEYS``, ``LAG_COUNT_CAP``).
 """
 
 from __future__ import annotations
@@ -11,18 +22,25 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import redis
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, Metric
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from compactor import metrics as process_metrics
 from compactor.keys import Keys
 from compactor.queue import compaction_queue
 from events.config import Settings
 
 logger = logging.getLogger(__name__)
+
+MAX_BREAKER_KEYS = 10_000  # failure counters examined per scrape, at most
+SCAN_BATCH = 1_000
+LAG_COUNT_CAP = 100_000  # undelivered entries counted one by one only when Redis has no lag
 
 
 class RedisCollector(Collector):
@@ -33,7 +51,7 @@ class RedisCollector(Collector):
         self.settings = settings
         self.keys = Keys(settings.redis.prefix, settings.redis.shards)
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("compactor_redis_up", "1 when Redis answered this scrape")
         try:
             families = list(self._read())
@@ -46,7 +64,7 @@ class RedisCollector(Collector):
         yield up
         yield from families
 
-    def _read(self) -> Iterator[GaugeMetricFamily]:
+    def _read(self) -> Iterator[Metric]:
         queue = compaction_queue(self.client, self.settings)
         yield GaugeMetricFamily("compactor_queue_jobs", "compaction jobs waiting in the RQ queue",
                                 value=queue.count)
@@ -64,6 +82,174 @@ class RedisCollector(Collector):
         for shard, length in enumerate(pipe.execute()):
             streams.add_metric([str(shard)], length)
         yield streams
+
+
+class StreamLagCollector(Collector):
+    """Per shard, from XINFO GROUPS / XPENDING: entries not yet applied and how old they are.
+
+    ``backlog`` = undelivered (the group's lag) + pending (delivered, not acked);
+    an entry is applied to its log before it is acked, so the backlog is what the
+    watcher still has to apply. A shard whose group does not exist yet counts
+    every entry as undelivered.
+    """
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.client = client
+        self.keys = Keys(settings.redis.prefix, settings.redis.shards)
+
+    def collect(self) -> Iterator[Metric]:
+        backlog = GaugeMetricFamily(
+            "compactor_stream_backlog_entries",
+            "entries the watcher has not applied yet (undelivered + pending)", labels=["shard"])
+        pending = GaugeMetricFamily(
+            "compactor_stream_pending_entries", "entries delivered to the watcher, not yet acked",
+            labels=["shard"])
+        oldest = GaugeMetricFamily(
+            "compactor_stream_oldest_unapplied_seconds",
+            "age of the oldest entry not applied yet (0 when none)", labels=["shard"])
+        try:
+            now_ms = _server_ms(self.client)
+            rows = [(n, *self.shard_lag(n, now_ms)) for n in range(self.keys.shards)]
+        except redis.RedisError as e:
+            logger.warning("metrics scrape: stream lag unavailable: %s", e)
+            return
+        for n, total, in_flight, age_s in rows:
+            backlog.add_metric([str(n)], total)
+            pending.add_metric([str(n)], in_flight)
+            oldest.add_metric([str(n)], age_s)
+        yield from (backlog, pending, oldest)
+
+    def shard_lag(self, shard: int, now_ms: int) -> tuple[int, int, float]:
+        """``(backlog, pending, oldest age in seconds)`` of one shard."""
+        stream = self.keys.stream(shard)
+        if not self.client.exists(stream):
+            return 0, 0, 0.0
+        group = self._group(stream)
+        if group is None:
+            first = self.client.xrange(stream, "-", "+", count=1)
+            return int(self.client.xlen(stream)), 0, _age_s(first[0][0], now_ms) if first else 0.0
+        in_flight = _int(group.get("pending"))
+        after = b"(" + _bytes(group.get("last-delivered-id") or b"0-0")
+        lag = group.get("lag")
+        undelivered = _int(lag) if lag is not None else len(
+            self.client.xrange(stream, after, "+", count=LAG_COUNT_CAP) or [])
+        oldest_id = None
+        if in_flight:
+            oldest_id = self.client.xpending(stream, self.keys.group).get("min")
+        elif undelivered:
+            first = self.client.xrange(stream, after, "+", count=1)
+            oldest_id = first[0][0] if first else None
+        age = _age_s(oldest_id, now_ms) if oldest_id else 0.0
+        return undelivered + in_flight, in_flight, age
+
+    def _group(self, stream: str) -> dict[str, Any] | None:
+        for group in self.client.xinfo_groups(stream):
+            if _bytes(group.get("name") or b"") == self.keys.group.encode():
+                return dict(group)
+        return None
+
+
+class BreakerCollector(Collector):
+    """Sessions whose LLM breaker is open now: failure counters at ``maxFailures`` or more.
+
+    A SCAN of ``{p}:failures:*`` bounded by ``MAX_BREAKER_KEYS`` keys per scrape;
+    ``compactor_breaker_scan_truncated`` says 1 when the bound cut it short.
+    """
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.client = client
+        self.prefix = Keys(settings.redis.prefix, settings.redis.shards).failures("")
+        self.max_failures = settings.context.max_failures
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            open_now, failing, truncated = self.count()
+        except redis.RedisError as e:
+            logger.warning("metrics scrape: breakers unavailable: %s", e)
+            return
+        yield GaugeMetricFamily("compactor_breakers_open",
+                                "sessions whose LLM breaker is open (failures >= maxFailures)",
+                                value=open_now)
+        yield GaugeMetricFamily("compactor_sessions_failing",
+                                "sessions with at least one LLM failure counted (24 h TTL)",
+                                value=failing)
+        yield GaugeMetricFamily("compactor_breaker_scan_truncated",
+                                f"1 when more than {MAX_BREAKER_KEYS} failure counters exist",
+                                value=int(truncated))
+
+    def count(self) -> tuple[int, int, bool]:
+        """``(open breakers, sessions with failures, whether the scan was cut short)``."""
+        keys: list[bytes] = []
+        truncated = False
+        for key in self.client.scan_iter(match=_glob_escape(self.prefix) + "*", count=SCAN_BATCH):
+            if len(keys) >= MAX_BREAKER_KEYS:
+                truncated = True
+                break
+            keys.append(key)
+        values = [_int(v) for i in range(0, len(keys), SCAN_BATCH)
+                  for v in self.client.mget(keys[i:i + SCAN_BATCH])]
+        return (sum(v >= self.max_failures for v in values), sum(v > 0 for v in values),
+                truncated)
+
+
+class ProcessMetrics(Collector):
+    """The process-side counters and histograms, across processes in multi-process mode."""
+
+    def __init__(self, http_registry: CollectorRegistry) -> None:
+        self.http_registry = http_registry
+        self.multiprocess = (MultiProcessCollector(None)  # type: ignore[no-untyped-call]
+                             if process_metrics.multiprocess_dir() else None)
+
+    def collect(self) -> Iterator[Metric]:
+        if self.multiprocess is not None:  # the HTTP metrics are in the shared files too
+            yield from self.multiprocess.collect()  # type: ignore[no-untyped-call]
+            return
+        yield from process_metrics.REGISTRY.collect()
+        yield from self.http_registry.collect()
+
+    def totals(self) -> dict[str, float]:
+        """Each counter's value summed over its labels, by family name (no ``_total``)."""
+        sums: dict[str, float] = {}
+        for family in self.collect():
+            if family.type != "counter":
+                continue
+            sums[family.name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
+        return sums
+
+
+def scrape_registry(process: ProcessMetrics, client: redis.Redis,
+                    settings: Settings) -> CollectorRegistry:
+    """What ``/metrics`` serves: the process metrics and the Redis gauges."""
+    registry = CollectorRegistry()
+    for collector in (process, RedisCollector(client, settings),
+                      StreamLagCollector(client, settings), BreakerCollector(client, settings)):
+        registry.register(collector)
+    return registry
+
+
+def _server_ms(client: redis.Redis) -> int:
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def _age_s(entry_id: bytes | str | None, now_ms: int) -> float:
+    ms = int(_bytes(entry_id).partition(b"-")[0])
+    return max(0.0, (now_ms - ms) / 1000)
+
+
+def _bytes(value: object) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def _int(value: object) -> int:
+    try:
+        return int(value)  # type: ignore[call-overload,no-any-return]
+    except (TypeError, ValueError):
+        return 0
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 class HttpMetrics:

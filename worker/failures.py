@@ -14,6 +14,7 @@ import logging
 
 import redis
 
+from compactor import metrics
 from compactor.keys import Keys
 from events.config import Settings
 
@@ -39,7 +40,10 @@ class FailureCounter:
     def record_failure(self, session_id: str) -> int:
         """Count one failure; the count now."""
         count = int(self.redis.eval(_RECORD_FAILURE, 1, self.keys.failures(session_id), self.ttl_s))
-        logger.info("llm failure counted session=%s failures=%d", session_id, count)
+        if count == self.max_failures:
+            metrics.BREAKER_OPENS.inc()
+        logger.info("llm failure counted session=%s failures=%d", session_id, count,
+                    extra={"session_id": session_id, "failures": count})
         return count
 
     def reset(self, session_id: str, pipeline: redis.client.Pipeline | None = None) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from rq import get_current_job
 
+from compactor import metrics
 from compactor.queue import enqueue_compaction, release_pending
 from events.errors import LLMUnavailable, SessionNotFound, SummaryInvalid
 from events.models import CompressResult
@@ -64,13 +65,26 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
         outcome = "session_not_found"
         raise
     finally:
+        seconds = time.monotonic() - started
+        metrics.observe_job(kind, outcome, seconds, result.released if result else None)
         logger.info(
             "compaction job session=%s job=%s kind=%s forced=%s outcome=%s released=%s estimate=%s duration_ms=%.1f",
             session_id, job_id, kind, forced, outcome,
             result.released if result else "", result.prompt_estimate if result else "",
-            (time.monotonic() - started) * 1000,
+            seconds * 1000, extra=_job_fields(session_id, job_id, kind, forced, outcome, seconds, result),
         )
         finish(context, session_id, job_id)
+
+
+def _job_fields(session_id: str, job_id: str, kind: str, forced: bool, outcome: str,
+                seconds: float, result: CompressResult | None) -> dict[str, Any]:
+    """The structured fields of a job's log line (``extra=``)."""
+    fields: dict[str, Any] = {"session_id": session_id, "job_id": job_id, "kind": kind,
+                              "forced": forced, "outcome": outcome,
+                              "duration_ms": round(seconds * 1000, 1)}
+    if result is not None:
+        fields.update(released=result.released, prompt_estimate=result.prompt_estimate)
+    return fields
 
 
 def finish(context: WorkerContext, session_id: str, job_id: str) -> str | None:

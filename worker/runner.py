@@ -46,6 +46,7 @@ from rq.rate_limit import RateLimitRegistry
 from rq.registry import StartedJobRegistry
 from rq.worker import WorkerStatus
 
+from compactor import metrics
 from compactor.keys import Keys
 from compactor.queue import compaction_queue, parse_job_id
 from events.config import Settings
@@ -188,7 +189,10 @@ def run_janitor(context: WorkerContext, worker: SimpleWorker | None = None) -> l
         parsed = parse_job_id(job_id)
         if parsed is None:
             continue
-        logger.warning("abandoned job recovered session=%s job=%s", parsed[2], job_id)
+        metrics.JOBS_FAILED.labels(parsed[1], "abandoned").inc()
+        logger.warning("abandoned job recovered session=%s job=%s", parsed[2], job_id,
+                       extra={"session_id": parsed[2], "job_id": job_id, "kind": parsed[1],
+                              "outcome": "abandoned"})
         finish(context, parsed[2], job_id)
         recovered.append(job_id)
     return recovered

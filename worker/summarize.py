@@ -25,11 +25,13 @@ import logging
 import os
 import re
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Protocol
 
+from compactor import metrics
 from events.errors import LLMUnavailable, SummaryInvalid
 from events.tokens import arguments_json
 
@@ -264,10 +266,13 @@ class LiteLLMSummarizer:
         """One ``litellm.completion`` call (no retries: failures are counted, SPEC §5)."""
         kwargs: dict[str, Any] = {"timeout": self.timeout_s, "max_retries": 0, "num_retries": 0}
         kwargs.update(self.completion_kwargs)
+        started = time.monotonic()
         try:
             response = self._litellm.completion(model=model, messages=messages, **kwargs)
         except Exception as e:
+            metrics.LLM_CALL_SECONDS.labels("error").observe(time.monotonic() - started)
             raise classify_llm_error(e, model) from e
+        metrics.LLM_CALL_SECONDS.labels("ok").observe(time.monotonic() - started)
         try:
             content = response.choices[0].message.content
         except (AttributeError, IndexError, KeyError) as e:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+LOG_FORMAT_ENV = "COMPACTION_LOG_FORMAT"
 
 ConfigOpt = Annotated[Path | None, typer.Option(
     "--config", "-c", envvar="CODINGCODE_CONFIG", show_envvar=True,
@@ -46,6 +45,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print the data as JSON on
 LogLevelOpt = Annotated[str, typer.Option(
     "--log-level", envvar="COMPACTION_LOG_LEVEL", show_envvar=True,
     help="Logging level: DEBUG, INFO, WARNING, ERROR.")]
+LogFormatOpt = Annotated[str | None, typer.Option(
+    "--log-format", envvar=LOG_FORMAT_ENV, show_envvar=True,
+    help="Log lines as 'text' (default) or 'json' (one object per line, with session/job fields).")]
 
 err_console = Console(stderr=True)
 
@@ -68,12 +70,22 @@ def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | 
         fail(f"invalid configuration: {e}", EXIT_CONFIG)
 
 
-def setup_logging(level: str) -> None:
-    """One line per log record on stderr."""
+def setup_logging(level: str, fmt: str | None = None) -> None:
+    """One line per log record on stderr: text, or JSON with ``fmt``/``COMPACTION_LOG_FORMAT`` json.
+
+    The chosen format is put back in the environment so child processes log alike.
+    """
+    from compactor.logging import configure
+
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         fail(f"invalid --log-level {level!r}", EXIT_CONFIG)
-    logging.basicConfig(level=numeric, format=LOG_FORMAT, stream=sys.stderr)
+    fmt = (fmt or os.environ.get(LOG_FORMAT_ENV) or "text").strip().lower()
+    try:
+        configure(numeric, fmt)
+    except ValueError as e:
+        fail(f"invalid --log-format: {e}", EXIT_CONFIG)
+    os.environ[LOG_FORMAT_ENV] = fmt
 
 
 def redis_url_of(settings: Settings) -> str:

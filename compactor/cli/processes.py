@@ -16,6 +16,7 @@ import typer
 from compactor.cli.common import (
     ConfigOpt,
     DataDirOpt,
+    LogFormatOpt,
     LogLevelOpt,
     RedisUrlOpt,
     load,
@@ -45,6 +46,7 @@ def serve(
     host: HostOpt = None,
     port: PortOpt = None,
     log_level: LogLevelOpt = "INFO",
+    log_format: LogFormatOpt = None,
 ) -> None:
     """Run the watcher, the workers and the HTTP API together (the main job).
 
@@ -53,7 +55,7 @@ def serve(
     """
     from compactor.serve import serve as run_serve
 
-    setup_logging(log_level)
+    setup_logging(log_level, log_format)
     os.environ["COMPACTION_LOG_LEVEL"] = log_level  # the children log at the same level
     settings = load(config, redis_url=redis_url, data_dir=data_dir)
     with user_errors():
@@ -66,12 +68,13 @@ def watch(
     redis_url: RedisUrlOpt = None,
     data_dir: DataDirOpt = None,
     log_level: LogLevelOpt = "INFO",
+    log_format: LogFormatOpt = None,
 ) -> None:
     """Consume the event streams into the session logs and trigger compactions."""
     from compactor.serve import exit_with_parent
     from producer.watcher import main as watcher_main
 
-    setup_logging(log_level)
+    setup_logging(log_level, log_format)
     settings = _with_redis(load(config, redis_url=redis_url, data_dir=data_dir))
     exit_with_parent()
     with user_errors():
@@ -88,12 +91,13 @@ def work(
     burst: Annotated[bool, typer.Option(
         "--burst", help="Run the queued jobs, then exit.")] = False,
     log_level: LogLevelOpt = "INFO",
+    log_format: LogFormatOpt = None,
 ) -> None:
     """Run RQ workers for the compaction jobs."""
     from compactor.serve import exit_with_parent
     from worker.runner import main as runner_main
 
-    setup_logging(log_level)
+    setup_logging(log_level, log_format)
     settings = _with_redis(load(config, redis_url=redis_url, data_dir=data_dir))
     exit_with_parent()
     with user_errors():
@@ -107,6 +111,7 @@ def api(
     host: HostOpt = None,
     port: PortOpt = None,
     log_level: LogLevelOpt = "INFO",
+    log_format: LogFormatOpt = None,
 ) -> None:
     """Serve the HTTP API (binds 127.0.0.1:8080 unless told otherwise)."""
     import uvicorn
@@ -114,7 +119,7 @@ def api(
     from compactor.serve import exit_with_parent
     from producer.api import create_app
 
-    setup_logging(log_level)
+    setup_logging(log_level, log_format)
     settings = _with_redis(load(config, redis_url=redis_url, data_dir=data_dir,
                                 COMPACTION_API_HOST=host, COMPACTION_API_PORT=port))
     exit_with_parent()

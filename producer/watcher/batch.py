@@ -15,7 +15,9 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+from compactor.metrics import reason_kind
 from producer.watcher.entries import Entry
 from producer.watcher.streams import NEW_ENTRIES, PEL_START
 
@@ -54,13 +56,26 @@ class BatchOutcome:
     stream: str
     acks: list[str] = field(default_factory=list)
     dead: list[list[bytes]] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # of ``dead``, for the metrics after the ack
 
     def reject(self, entry_id: str, reason: str, fields: list[bytes]) -> None:
-        logger.warning("dead-lettered stream=%s id=%s reason=%s", self.stream, entry_id, reason)
+        logger.warning("dead-lettered stream=%s id=%s reason=%s", self.stream, entry_id, reason,
+                       extra=dead_letter_fields(self.stream, entry_id, reason, fields))
+        self.reasons.append(reason)
         self.dead.append([*fields, b"reason", reason.encode(), b"id", entry_id.encode(),
                           b"stream", self.stream.encode()])
         self.acks.append(entry_id)
 
+
+def dead_letter_fields(stream: str, entry_id: str, reason: str,
+                       fields: list[bytes]) -> dict[str, Any]:
+    """The structured fields of a dead-letter log line (``extra=``)."""
+    session = next((fields[i + 1] for i in range(0, len(fields) - 1, 2)
+                    if fields[i] in (b"session", "session")), b"")
+    session_id = session.decode("utf-8", "replace") if isinstance(session, bytes) else str(session)
+    return {"session_id": session_id[:128] or None, "job_id": None, "kind": reason_kind(reason),
+            "outcome": "dead_lettered", "duration_ms": None, "stream": stream,
+            "entry_id": entry_id, "reason": reason}
 
 
 def runs(entries: list[Entry]) -> Iterator[list[Entry]]:

@@ -43,6 +43,7 @@ from typing import Any
 
 import redis
 
+from compactor import metrics
 from compactor.keys import Keys
 from compactor.queue import enqueue_compaction
 from compactor.store import SessionStore
@@ -235,6 +236,8 @@ class Watcher:
             saves.execute()  # the batch's state saves in one round trip, before any ack
         if not self.streams.ack(shard, outcome.acks, outcome.dead):
             self._lose(shard, "lease taken before the ack")
+            return
+        metrics.count_dead_letters(outcome.reasons)
 
     def _apply_session(
         self, shard: int, cursor: ShardCursor, session_id: str, entries: list[Entry],
@@ -267,6 +270,7 @@ class Watcher:
             guard=lambda: self.leases.check(shard), cached=self._cached(session_id),
         )
         self._remember(session_id, result.state, log)
+        metrics.count_ingested(result.appended)
         refused = {event.get("streamId"): error for event, error in result.rejected}
         for entry in run:
             if entry.id in refused:
@@ -295,7 +299,9 @@ class Watcher:
             logger.exception("enqueue failed session=%s kind=%s", session_id, kind)
             return
         logger.info("compaction triggered session=%s kind=%s job=%s estimate=%d window=%d failures=%d",
-                    session_id, kind, job_id or "coalesced", state.prompt_estimate, state.window, failures)
+                    session_id, kind, job_id or "coalesced", state.prompt_estimate, state.window, failures,
+                    extra={"session_id": session_id, "job_id": job_id, "kind": kind,
+                           "outcome": "enqueued" if job_id else "coalesced"})
 
     def _lose(self, shard: int, reason: str) -> None:
         self.leases.forget(shard, reason)

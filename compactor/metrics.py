@@ -1,0 +1,133 @@
+"""The Prometheus metrics the watcher, the workers and the API update (one list, one place).
+
+Process-side metrics (counters and histograms) are defined here once and
+updated with one-liners where things happen:
+
+    compactor_events_ingested_total{type}            watcher: lines appended to session logs
+    compactor_entries_dead_lettered_total{reason}    watcher: entries dead-lettered (reason kind)
+    compactor_jobs_enqueued_total{kind,forced}       anyone enqueueing: a job went to RQ
+    compactor_jobs_coalesced_total{kind}             a trigger folded into the pending job
+    compactor_jobs_succeeded_total{kind,outcome}     worker: compressed | nothing_to_do
+    compactor_jobs_failed_total{kind,outcome}        worker: llm_transient | llm_permanent |
+                                                     summary_invalid | session_not_found |
+                                                     error | abandoned
+    compactor_job_seconds{kind}                      worker: job duration (histogram)
+    compactor_llm_call_seconds{outcome}              worker: one litellm call (histogram)
+    compactor_tokens_released_total{kind}            worker: estimate before - after, when > 0
+    compactor_breaker_opens_total                    worker: a failure counter reached maxFailures
+
+Gauges that describe shared state (stream lag, open breakers, sessions) are
+computed by the API from Redis at scrape time (``producer.api_metrics``), so
+they are right whichever process changed the state.
+
+Invariants:
+- Label values come from small fixed sets (event types, job kinds, outcomes,
+  ``REASON_KINDS``); never a session id, job id or free text.
+- Multi-process: when ``PROMETHEUS_MULTIPROC_DIR`` is set *before*
+  prometheus_client is imported (``compactor serve`` sets it for all its
+  children), every process writes its values to files there and the API
+  aggregates them with ``MultiProcessCollector``. Unset, each process exposes
+  its own values (``REGISTRY``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+EVENT_TYPES = frozenset({"session_meta", "user", "assistant", "tool_result", "turn_end",
+                         "rollback", "compact", "summary"})
+REASON_KINDS = ("malformed", "too_large", "invalid_event", "identity", "cwd_conflict",
+                "turn_order")
+JOB_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+LLM_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
+
+REGISTRY = CollectorRegistry()
+
+EVENTS_INGESTED = Counter(
+    "compactor_events_ingested", "Events appended to session logs by the watcher",
+    ["type"], registry=REGISTRY)
+DEAD_LETTERED = Counter(
+    "compactor_entries_dead_lettered", "Stream entries dead-lettered, by reason kind",
+    ["reason"], registry=REGISTRY)
+JOBS_ENQUEUED = Counter(
+    "compactor_jobs_enqueued", "Compaction jobs put on the RQ queue",
+    ["kind", "forced"], registry=REGISTRY)
+JOBS_COALESCED = Counter(
+    "compactor_jobs_coalesced", "Triggers folded into the session's pending job",
+    ["kind"], registry=REGISTRY)
+JOBS_SUCCEEDED = Counter(
+    "compactor_jobs_succeeded", "Compaction jobs that ended with a result",
+    ["kind", "outcome"], registry=REGISTRY)
+JOBS_FAILED = Counter(
+    "compactor_jobs_failed", "Compaction jobs that raised or were abandoned",
+    ["kind", "outcome"], registry=REGISTRY)
+JOB_SECONDS = Histogram(
+    "compactor_job_seconds", "Duration of compaction jobs", ["kind"],
+    buckets=JOB_SECONDS_BUCKETS, registry=REGISTRY)
+LLM_CALL_SECONDS = Histogram(
+    "compactor_llm_call_seconds", "Duration of one LLM summarization call", ["outcome"],
+    buckets=LLM_SECONDS_BUCKETS, registry=REGISTRY)
+TOKENS_RELEASED = Counter(
+    "compactor_tokens_released", "Prompt tokens released by compactions (positive releases only)",
+    ["kind"], registry=REGISTRY)
+BREAKER_OPENS = Counter(
+    "compactor_breaker_opens", "Times a session's LLM failure counter reached maxFailures",
+    registry=REGISTRY)
+
+
+def multiprocess_dir() -> str | None:
+    """The shared metrics directory when multi-process mode is on."""
+    return os.environ.get(MULTIPROC_ENV) or None
+
+
+def prepare_multiprocess_dir(directory: Path) -> Path:
+    """Create ``directory`` and remove the metric files a previous run left there."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob("*.db"):
+        stale.unlink(missing_ok=True)
+    return directory
+
+
+def reason_kind(reason: str) -> str:
+    """A dead-letter reason (free text) as one of ``REASON_KINDS``."""
+    text = reason.lower()
+    if "goes backwards" in text:
+        return "turn_order"
+    if "is bound to cwd" in text:
+        return "cwd_conflict"
+    if "maxeventbytes" in text:
+        return "too_large"
+    if text.startswith(("sessionid:", "cwd:")) or "differs from the entry" in text:
+        return "identity"
+    if any(m in text for m in ("missing field", "invalid utf-8", "invalid json", "no fields",
+                               "must be a json object")):
+        return "malformed"
+    return "invalid_event"
+
+
+def count_ingested(events: Iterable[dict[str, Any]]) -> None:
+    """Count appended log lines by type (unknown types as ``other``)."""
+    for event in events:
+        kind = event.get("type")
+        EVENTS_INGESTED.labels(kind if kind in EVENT_TYPES else "other").inc()
+
+
+def count_dead_letters(reasons: Iterable[str]) -> None:
+    """Count entries dead-lettered (after the ack that wrote them succeeded)."""
+    for reason in reasons:
+        DEAD_LETTERED.labels(reason_kind(reason)).inc()
+
+
+def observe_job(kind: str, outcome: str, seconds: float, released: int | None) -> None:
+    """Record one finished job: success or failure by outcome, duration, tokens released."""
+    succeeded = outcome in ("compressed", "nothing_to_do")
+    (JOBS_SUCCEEDED if succeeded else JOBS_FAILED).labels(kind, outcome).inc()
+    JOB_SECONDS.labels(kind).observe(seconds)
+    if released is not None and released > 0:
+        TOKENS_RELEASED.labels(kind).inc(released)

@@ -1,0 +1,224 @@
+// The compactor status page: fetches the /api JSON routes every few seconds and renders them.
+// No build step, no external assets. When the API wants a token (401), the page asks for it,
+// keeps it in sessionStorage (this tab only) and sends it as "Authorization: Bearer".
+"use strict";
+
+const REFRESH_MS = 3000;
+const TOKEN_KEY = "compactor.token";
+const $ = (id) => document.getElementById(id);
+let previous = null; // the last overview sample, for rates
+let timer = null;
+
+class Unauthorized extends Error {}
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else if (k === "text") node.textContent = v;
+    else node.setAttribute(k, v);
+  }
+  for (const child of children) node.append(child);
+  return node;
+}
+
+async function api(path) {
+  const headers = { Accept: "application/json" };
+  const token = sessionStorage.getItem(TOKEN_KEY);
+  if (token) headers.Authorization = "Bearer " + token;
+  const response = await fetch(path, { headers, cache: "no-store" });
+  if (response.status === 401) throw new Unauthorized();
+  const body = await response.json().catch(() => null);
+  if (!response.ok) {
+    const message = body && body.error ? body.error.message : response.statusText;
+    throw new Error(`${response.status}: ${message}`);
+  }
+  return body;
+}
+
+const fmt = (n) => (n === null || n === undefined ? "–" : Math.round(n).toLocaleString("en-US"));
+const pct = (part, whole) => (whole > 0 ? Math.min(100, (100 * part) / whole) : 0);
+
+function ago(value) {
+  if (!value) return "";
+  const t = typeof value === "number" ? value * 1000 : Date.parse(value);
+  if (Number.isNaN(t)) return String(value);
+  const s = Math.max(0, (Date.now() - t) / 1000);
+  if (s < 60) return `${Math.round(s)} s ago`;
+  if (s < 3600) return `${Math.round(s / 60)} min ago`;
+  if (s < 86400) return `${Math.round(s / 3600)} h ago`;
+  return `${Math.round(s / 86400)} d ago`;
+}
+
+function card(label, value, alert = false, name = "") {
+  return el("div", { class: "card" + (alert ? " alert" : ""), "data-card": name },
+    el("div", { class: "value", text: value }), el("div", { class: "label", text: label }));
+}
+
+function fillBar(estimate, micro, llm, window) {
+  const level = estimate > llm ? "llm" : estimate > micro ? "micro" : "ok";
+  const fill = pct(estimate, window);
+  const bar = el("div", {
+    class: "bar " + level, "data-level": level, "data-fill": fill.toFixed(1),
+    title: `${fmt(estimate)} of ${fmt(window)} tokens (${fill.toFixed(1)} %); ` +
+           `micro at ${fmt(micro)}, LLM at ${fmt(llm)}`,
+  });
+  bar.append(el("div", { class: "fill", style: `width:${fill}%` }));
+  bar.append(el("div", { class: "mark micro-mark", style: `left:${pct(micro, window)}%` }));
+  bar.append(el("div", { class: "mark llm-mark", style: `left:${pct(llm, window)}%` }));
+  return bar;
+}
+
+function rate(name, now) {
+  if (!previous || now.serverTime <= previous.serverTime) return null;
+  const delta = now.counters[name] - previous.counters[name];
+  return (60 * Math.max(0, delta)) / (now.serverTime - previous.serverTime);
+}
+
+function perMinute(value) {
+  return value === null ? "– /min" : `${value.toFixed(value < 10 ? 1 : 0)} /min`;
+}
+
+function renderOverview(o, sessions) {
+  const c = o.counters;
+  $("totals").replaceChildren(
+    card("sessions", fmt(o.sessions), false, "sessions"),
+    card("breakers open", fmt(o.breakersOpen), o.breakersOpen > 0, "breakers"),
+    card("jobs queued", fmt(o.queuedJobs), false, "queued"),
+    card("jobs failed (kept)", fmt(o.failedJobs), o.failedJobs > 0, "failed"),
+    card("stream backlog", `${fmt(o.streamBacklog)} (${o.oldestUnappliedSeconds.toFixed(1)} s)`,
+         o.oldestUnappliedSeconds > 30, "backlog"),
+    card("dead letters", fmt(o.deadLetters), o.deadLetters > 0, "dead"),
+    card("events ingested", `${fmt(c.eventsIngested)} · ${perMinute(rate("eventsIngested", o))}`,
+         false, "events"),
+    card("jobs succeeded", `${fmt(c.jobsSucceeded)} · ${perMinute(rate("jobsSucceeded", o))}`,
+         false, "succeeded"),
+    card("jobs failed", `${fmt(c.jobsFailed)} · ${perMinute(rate("jobsFailed", o))}`,
+         c.jobsFailed > 0, "jobs-failed"),
+    card("tokens released", `${fmt(c.tokensReleased)} · ${perMinute(rate("tokensReleased", o))}`,
+         false, "released"),
+  );
+  previous = o;
+  const rows = sessions.map((s) => {
+    const href = `#/session/${encodeURIComponent(s.sessionId)}?cwd=${encodeURIComponent(s.cwd)}`;
+    const last = s.lastCompaction;
+    const saved = s.lastSavings;
+    const failures = el("td", { class: "num" }, String(s.failures));
+    if (s.breakerOpen) failures.append(" ", el("span", { class: "badge open", text: "breaker open" }));
+    const pending = s.pendingJob ? `${s.pendingJob.status || "pending"} · ${s.pendingJob.jobId}` : "";
+    return el("tr", { "data-session": s.sessionId },
+      el("td", {}, el("a", { href, text: s.sessionId }), el("div", { class: "muted", text: s.cwd })),
+      el("td", { class: "num", text: String(s.currentTurnId) }),
+      el("td", {}, fillBar(s.promptEstimate, s.microThreshold, s.compactionThreshold, s.contextWindow)),
+      el("td", { class: "num", text: `${fmt(s.promptEstimate)} / ${fmt(s.contextWindow)}` }),
+      el("td", { text: last ? `${last.kind} · ${ago(last.timestamp)}` : "" }),
+      el("td", { class: "num saved", text: saved ? `${fmt(saved.released)} (${fmt(saved.tokensBefore)} → ${fmt(saved.tokensAfter)})` : "" }),
+      failures,
+      el("td", { class: "pending", text: pending }),
+    );
+  });
+  $("sessions").tBodies[0].replaceChildren(...rows);
+  $("no-sessions").hidden = sessions.length > 0;
+}
+
+function renderSession(state, history) {
+  $("session-id").textContent = history.sessionId;
+  $("session-cwd").textContent = history.cwd;
+  $("session-state").replaceChildren(
+    card("turn", fmt(state.currentTurnId)),
+    card("estimate / window", `${fmt(state.promptEstimate)} / ${fmt(state.contextWindow)}`),
+    el("div", { class: "card" },
+      fillBar(state.promptEstimate, state.microThreshold, state.compactionThreshold, state.contextWindow),
+      el("div", { class: "label", text: "context fill" })),
+    card("failures", state.breakerOpen ? `${state.failures} · breaker open` : String(state.failures),
+         state.breakerOpen),
+    card("pending job", state.pendingJob ? (state.pendingJob.status || "pending") : "none"),
+  );
+  const rows = history.compactions.slice().reverse().map((h) => el("tr", { "data-kind": h.kind },
+    el("td", { text: `${h.timestamp || ""} (${ago(h.timestamp)})` }),
+    el("td", { text: h.kind === "llm" ? `summary (replaces ${h.replaced})` : "micro" }),
+    el("td", { text: h.kind === "micro" ? `${h.startTurnId}–${h.endTurnId}` : `≤ ${h.endTurnId}` }),
+    el("td", { class: "num before", text: fmt(h.tokensBefore) }),
+    el("td", { class: "num after", text: fmt(h.tokensAfter) }),
+    el("td", { class: "num released", text: fmt(h.released) }),
+    el("td", { class: "muted", text: h.visible ? "" : "undone by a rollback" }),
+  ));
+  $("history").tBodies[0].replaceChildren(...rows);
+  $("no-history").hidden = rows.length > 0;
+  const ctx = history.context;
+  const elided = new Map(ctx.elided.map((e) => [e.toolCallId, e]));
+  $("context-summary").textContent =
+    `${ctx.messages.length} messages · ${fmt(ctx.promptEstimate)} tokens · ${ctx.elided.length} outputs elided`;
+  $("messages").replaceChildren(...ctx.messages.map((m) => {
+    const cut = m.role === "tool" ? elided.get(m.tool_call_id) : undefined;
+    const li = el("li", { class: m.role + (cut ? " elided" : "") });
+    li.append(el("span", { class: "role", text: m.role + (m.name ? `:${m.name}` : "") }));
+    if (cut) {
+      li.append(" ", el("span", { class: "badge elided",
+        text: `elided: ${fmt(cut.originalChars - cut.shownChars)} of ${fmt(cut.originalChars)} characters hidden` }));
+    }
+    li.append(el("pre", { text: m.content || "" }));
+    for (const call of m.tool_calls || []) {
+      li.append(el("div", { class: "muted", text: `→ ${call.function.name}(${call.function.arguments})` }));
+    }
+    return li;
+  }));
+}
+
+function route() {
+  const match = location.hash.match(/^#\/session\/([^?]+)\?cwd=(.*)$/);
+  return match ? { id: decodeURIComponent(match[1]), cwd: decodeURIComponent(match[2]) } : null;
+}
+
+async function refresh() {
+  const session = route();
+  try {
+    if (session) {
+      const q = `?cwd=${encodeURIComponent(session.cwd)}`;
+      const id = encodeURIComponent(session.id);
+      const [state, history] = await Promise.all([api(`/api/sessions/${id}${q}`),
+                                                  api(`/api/sessions/${id}/history${q}`)]);
+      renderSession(state, history);
+    } else {
+      const [o, sessions] = await Promise.all([api("/api/overview"), api("/api/sessions")]);
+      renderOverview(o, sessions);
+    }
+    $("overview-page").hidden = !!session;
+    $("session-page").hidden = !session;
+    $("auth").hidden = true;
+    $("error").hidden = true;
+    $("updated").textContent = "updated " + new Date().toLocaleTimeString();
+  } catch (e) {
+    if (e instanceof Unauthorized) {
+      showAuth(sessionStorage.getItem(TOKEN_KEY) ? "That token was refused." : "");
+      return;
+    }
+    $("error").textContent = String(e.message || e);
+    $("error").hidden = false;
+  }
+  schedule();
+}
+
+function schedule() {
+  clearTimeout(timer);
+  timer = setTimeout(refresh, REFRESH_MS);
+}
+
+function showAuth(message) {
+  clearTimeout(timer);
+  $("overview-page").hidden = true;
+  $("session-page").hidden = true;
+  $("auth").hidden = false;
+  $("auth-error").textContent = message;
+  $("updated").textContent = "token required";
+  $("token").focus();
+}
+
+$("auth").addEventListener("submit", (event) => {
+  event.preventDefault();
+  sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());
+  $("token").value = "";
+  refresh();
+});
+window.addEventListener("hashchange", () => { previous = null; refresh(); });
+refresh();

@@ -1,0 +1,312 @@
+"""The status page (``GET /``) and the JSON routes it reads.
+
+    GET /                                   the page (static HTML + JS, no external assets)
+    GET /static/{file}                      its script and style sheet
+    GET /api/overview                       totals: sessions, breakers, queue, backlog, counters
+    GET /api/sessions?limit=                the most recently active sessions with their state
+    GET /api/sessions/{id}/history?cwd=     compaction history with tokens before/after, and
+                                            the current context view with elided outputs marked
+
+Invariants:
+- The page and its static files need no token (they hold no data); every
+  ``/api`` route does when ``api.token`` is set, like the rest of the API. The
+  page asks for the token, keeps it in ``sessionStorage`` and sends it as
+  ``Authorization: Bearer``.
+- Readers never write: history and savings are computed from the log (the view
+  at the line before and the line after each ``compact``/``summary``). They are
+  cached per API process, keyed by what makes them stale (the log size, the
+  compaction's uuid), so a refreshing page does not rebuild views of an idle
+  session.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio.to_thread
+import redis
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from compactor.keys import Keys
+from compactor.queue import compaction_queue
+from compactor.store import SessionStore
+from events.config import ContextSettings, Settings
+from events.view import build_view
+from producer.api import NOT_FOUND, CwdQuery, RedisDep, SettingsDep, _checked
+from producer.api_metrics import BreakerCollector, ProcessMetrics, StreamLagCollector
+from producer.api_models import SessionBody
+from producer.api_sessions import known_sessions, read_log, session_body
+
+logger = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).parent / "static"
+DEFAULT_SESSIONS_LISTED = 100
+MAX_SESSIONS_LISTED = 1_000
+MAX_HISTORY_ENTRIES = 50  # most recent compactions shown on a session page
+CACHE_ENTRIES = 1_024
+COUNTERS = {  # Overview.counters key -> compactor.metrics family
+    "eventsIngested": "compactor_events_ingested",
+    "deadLettered": "compactor_entries_dead_lettered",
+    "jobsEnqueued": "compactor_jobs_enqueued",
+    "jobsCoalesced": "compactor_jobs_coalesced",
+    "jobsSucceeded": "compactor_jobs_succeeded",
+    "jobsFailed": "compactor_jobs_failed",
+    "tokensReleased": "compactor_tokens_released",
+    "breakerOpens": "compactor_breaker_opens",
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True,
+                              serialize_by_alias=True)
+
+
+class Savings(_Body):
+    tokens_before: int = Field(description="promptEstimate at the line before the compaction")
+    tokens_after: int = Field(description="promptEstimate with the compaction line")
+    released: int
+
+
+class SessionRow(SessionBody):
+    last_activity: float | None = Field(None, description="unix seconds of the last event")
+    last_savings: Savings | None = Field(None, description="what the last compaction released")
+
+
+class Overview(_Body):
+    sessions: int
+    breakers_open: int
+    sessions_failing: int
+    queued_jobs: int
+    failed_jobs: int
+    dead_letters: int
+    stream_backlog: int
+    oldest_unapplied_seconds: float
+    counters: dict[str, float] = Field(
+        description="process counters (all processes under `compactor serve`): eventsIngested, "
+                    "deadLettered, jobsEnqueued, jobsCoalesced, jobsSucceeded, jobsFailed, "
+                    "tokensReleased, breakerOpens")
+    server_time: float
+
+
+class Compaction(Savings):
+    kind: str = Field(description="micro (a compact event) or llm (a summary event)")
+    uuid: str | None
+    timestamp: str | None
+    start_turn_id: int | None = None
+    end_turn_id: int | None = Field(None, description="last turn covered")
+    replaced: int | None = Field(None, description="events a summary replaced")
+    visible: bool = Field(description="still part of the view (not undone by a rollback)")
+
+
+class Elided(_Body):
+    tool_call_id: str
+    original_chars: int
+    shown_chars: int
+
+
+class HistoryContext(_Body):
+    messages: list[dict[str, Any]]
+    prompt_estimate: int
+    current_turn_id: int
+    elided: list[Elided]
+
+
+class History(_Body):
+    session_id: str
+    cwd: str
+    compactions: list[Compaction] = Field(description="oldest first, the last 50 at most")
+    context: HistoryContext
+
+
+class _Lru:
+    """A small LRU dict (one per app: the caches of this API process)."""
+
+    def __init__(self, size: int = CACHE_ENTRIES) -> None:
+        self.size = size
+        self.items: OrderedDict[Any, Any] = OrderedDict()
+
+    def get(self, key: Any) -> Any:
+        if key in self.items:
+            self.items.move_to_end(key)
+            return self.items[key]
+        return None
+
+    def put(self, key: Any, value: Any) -> Any:
+        self.items[key] = value
+        self.items.move_to_end(key)
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+        return value
+
+
+# -- computing from the log ------------------------------------------------------------
+
+
+def compaction_at(events: list[dict[str, Any]], index: int, ctx: ContextSettings) -> Savings:
+    """Tokens before and after the compaction line ``events[index]``."""
+    before = build_view(events[:index], ctx).prompt_estimate
+    after = build_view(events[:index + 1], ctx).prompt_estimate
+    return Savings(tokens_before=before, tokens_after=after, released=before - after)
+
+
+def compaction_history(events: list[dict[str, Any]], ctx: ContextSettings,
+                       limit: int = MAX_HISTORY_ENTRIES) -> list[Compaction]:
+    """Each ``compact``/``summary`` line (the last ``limit``) with its savings."""
+    visible = {id(e) for e in build_view(events, ctx).visible}
+    indexes = [i for i, e in enumerate(events) if e.get("type") in ("compact", "summary")]
+    history = []
+    for i in indexes[-limit:]:
+        event = events[i]
+        micro = event["type"] == "compact"
+        history.append(Compaction(
+            **compaction_at(events, i, ctx).model_dump(), kind="micro" if micro else "llm",
+            uuid=event.get("uuid"), timestamp=event.get("timestamp"),
+            start_turn_id=event.get("startTurnId") if micro else None,
+            end_turn_id=event.get("endTurnId") if micro else event.get("lastSummarizedTurnId"),
+            replaced=None if micro else len(event.get("replaces") or []),
+            visible=id(event) in visible))
+    return history
+
+
+def context_with_elisions(events: list[dict[str, Any]], ctx: ContextSettings) -> HistoryContext:
+    """The context view, with the tool outputs shown shorter than logged listed in ``elided``."""
+    view = build_view(events, ctx)
+    originals = {e.get("toolCallId"): e.get("output") for e in view.visible
+                 if e.get("type") == "tool_result"}
+    elided = []
+    for message in view.messages:
+        original = originals.get(message.get("tool_call_id"))
+        if message.get("role") == "tool" and isinstance(original, str) \
+                and message.get("content") != original:
+            elided.append(Elided(tool_call_id=message["tool_call_id"],
+                                 original_chars=len(original),
+                                 shown_chars=len(message.get("content") or "")))
+    return HistoryContext(messages=list(view.messages), prompt_estimate=view.prompt_estimate,
+                          current_turn_id=view.current_turn_id, elided=elided)
+
+
+def last_savings(cache: _Lru, settings: Settings, body: SessionBody) -> Savings | None:
+    """What the session's last compaction released (cached by its uuid)."""
+    uuid = (body.last_compaction or {}).get("uuid")
+    if not uuid:
+        return None
+    key = ("savings", body.session_id, body.cwd, uuid)
+    cached = cache.get(key)
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    events = read_log(settings.data_dir, body.session_id, body.cwd)
+    index = next((i for i in range(len(events) - 1, -1, -1) if events[i].get("uuid") == uuid), None)
+    if index is None:
+        return None
+    return cache.put(key, compaction_at(events, index, settings.context))  # type: ignore[no-any-return]
+
+
+def session_rows(request: Request, client: redis.Redis, settings: Settings,
+                 limit: int) -> list[SessionRow]:
+    """The ``limit`` most recently active sessions with their stored state and savings."""
+    cache = request.app.state.status_cache
+    store = SessionStore(client, settings)
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    rows = []
+    for sid in known_sessions(client, settings, limit):
+        state = store.load(sid)
+        if state is None:
+            continue
+        body = session_body(client, settings, state)
+        try:
+            savings = last_savings(cache, settings, body)
+        except Exception:  # a missing or unreadable log must not hide the other sessions
+            logger.warning("savings unavailable session=%s", sid, exc_info=True)
+            savings = None
+        rows.append(SessionRow(**body.model_dump(), last_activity=client.zscore(keys.sessions, sid),
+                               last_savings=savings))
+    return rows
+
+
+def overview(request: Request, client: redis.Redis, settings: Settings) -> Overview:
+    """Totals for the top of the page."""
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    lag = StreamLagCollector(client, settings)
+    now_ms = int(time.time() * 1000)
+    shards = [lag.shard_lag(n, now_ms) for n in range(keys.shards)]
+    breakers, failing, _ = BreakerCollector(client, settings).count()
+    queue = compaction_queue(client, settings)
+    process: ProcessMetrics = request.app.state.process_metrics
+    totals = process.totals()
+    return Overview(
+        sessions=client.zcard(keys.sessions), breakers_open=breakers, sessions_failing=failing,
+        queued_jobs=queue.count, failed_jobs=queue.failed_job_registry.count,
+        dead_letters=client.xlen(keys.dead), stream_backlog=sum(s[0] for s in shards),
+        oldest_unapplied_seconds=max((s[2] for s in shards), default=0.0),
+        counters={key: totals.get(name, 0.0) for key, name in COUNTERS.items()},
+        server_time=time.time())
+
+
+def history(request: Request, settings: Settings, session_id: str, cwd: str) -> History:
+    """A session's compaction history and current context (cached by log size)."""
+    cache: _Lru = request.app.state.status_cache
+    log = SessionStore(request.app.state.redis, settings).log(session_id, cwd)
+    key = ("history", session_id, cwd, log.size() if log.exists() else -1)
+    cached = cache.get(key)
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    events = read_log(settings.data_dir, session_id, cwd)
+    body = History(session_id=session_id, cwd=cwd,
+                   compactions=compaction_history(events, settings.context),
+                   context=context_with_elisions(events, settings.context))
+    return cache.put(key, body)  # type: ignore[no-any-return]
+
+
+# -- routes ------------------------------------------------------------------------------
+
+status_api = APIRouter(prefix="/api", tags=["status page"])
+LimitQuery = Annotated[int, Query(ge=1, le=MAX_SESSIONS_LISTED,
+                                  description="most recently active sessions listed")]
+
+
+@status_api.get("/overview", response_model=Overview)
+async def get_overview(request: Request, settings: SettingsDep, client: RedisDep) -> Overview:
+    """Totals: sessions, open breakers, queue, stream backlog, process counters."""
+    return await anyio.to_thread.run_sync(overview, request, client, settings)
+
+
+@status_api.get("/sessions", response_model=list[SessionRow])
+async def list_sessions(request: Request, settings: SettingsDep, client: RedisDep,
+                        limit: LimitQuery = DEFAULT_SESSIONS_LISTED) -> list[SessionRow]:
+    """The most recently active sessions with their state (as ``GET /api/sessions/{id}``),
+    last activity and the savings of their last compaction."""
+    return await anyio.to_thread.run_sync(session_rows, request, client, settings, limit)
+
+
+@status_api.get("/sessions/{session_id}/history", response_model=History, responses=NOT_FOUND)
+async def get_history(request: Request, session_id: str, cwd: CwdQuery,
+                      settings: SettingsDep) -> History:
+    """Compaction history (tokens before/after each) and the context with elisions marked."""
+    sid, cwd = _checked(session_id, cwd)
+    return await anyio.to_thread.run_sync(history, request, settings, sid, cwd)
+
+
+pages = APIRouter(include_in_schema=False)
+
+
+@pages.get("/")
+def index() -> FileResponse:
+    """The status page (public: it holds no data; its fetches carry the token)."""
+    return FileResponse(STATIC_DIR / "index.html", media_type="text/html; charset=utf-8",
+                        headers={"Cache-Control": "no-cache"})
+
+
+def install_status_page(app: FastAPI) -> None:
+    """Mount the page, its static files and its JSON routes on ``app``."""
+    app.state.status_cache = _Lru()
+    app.include_router(status_api)
+    app.include_router(pages)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

@@ -1,0 +1,108 @@
+"""JSON-lines logging: the formatter, the CLI setup, and the fields jobs and dead letters carry."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from compactor.cli.common import LOG_FORMAT_ENV, setup_logging
+from compactor.logging import JsonFormatter, make_formatter
+from compactor.queue import enqueue_compaction
+from events.config import Settings
+from producer.watcher.batch import BatchOutcome
+from tests.worker.conftest import CWD, run_burst, write_session
+
+JOB_FIELDS = {"session_id", "job_id", "kind", "outcome", "duration_ms"}
+
+
+def record(msg: str = "hello %s", args: tuple[object, ...] = ("world",), **extra: object,
+           ) -> logging.LogRecord:
+    rec = logging.LogRecord("compactor.test", logging.INFO, __file__, 1, msg, args, None)
+    rec.__dict__.update(extra)
+    return rec
+
+
+def test_json_line_has_message_level_logger_and_extra_fields() -> None:
+    line = JsonFormatter().format(record(session_id="s1", duration_ms=12.5, job_id=None))
+    data = json.loads(line)
+    assert data["msg"] == "hello world" and data["level"] == "INFO"
+    assert data["logger"] == "compactor.test" and data["ts"].endswith("Z")
+    assert data["session_id"] == "s1" and data["duration_ms"] == 12.5 and data["job_id"] is None
+    assert "args" not in data and "levelno" not in data
+
+
+def test_json_record_stays_one_line_with_newlines_exceptions_and_odd_values() -> None:
+    try:
+        raise ValueError("boom\nsecond line")
+    except ValueError:
+        rec = record("multi\nline", (), payload=object())
+        rec.exc_info = sys.exc_info()
+    line = JsonFormatter().format(rec)
+    assert "\n" not in line
+    data = json.loads(line)
+    assert "ValueError: boom" in data["exc"] and data["payload"].startswith("<object")
+
+
+def test_unknown_format_is_refused() -> None:
+    with pytest.raises(ValueError, match="text, json"):
+        make_formatter("xml")
+
+
+@pytest.fixture
+def root_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    monkeypatch.delenv(LOG_FORMAT_ENV, raising=False)
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+def test_setup_logging_json_from_the_environment(root_logging: None, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv(LOG_FORMAT_ENV, "JSON")
+    setup_logging("INFO")
+    logging.getLogger("compactor.x").info("job done", extra={"outcome": "compressed"})
+    err = capsys.readouterr().err.strip().splitlines()
+    assert json.loads(err[-1])["outcome"] == "compressed"
+
+
+def test_setup_logging_text_by_default(root_logging: None,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    setup_logging("INFO")
+    logging.getLogger("compactor.x").info("plain", extra={"outcome": "compressed"})
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.endswith("INFO compactor.x plain")
+    assert os.environ[LOG_FORMAT_ENV] == "text"  # handed to child processes
+
+
+def test_every_job_logs_session_job_kind_outcome_and_duration(
+        settings: Settings, r: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    write_session(r, settings, "logged", 3, window=4000)
+    job_id = enqueue_compaction(r, settings, "logged", CWD, "micro")
+    caplog.set_level(logging.INFO, logger="worker.jobs")
+    run_burst(r, settings)
+    [rec] = [rec for rec in caplog.records if rec.name == "worker.jobs"]
+    fields = {k: getattr(rec, k) for k in JOB_FIELDS}
+    assert fields["session_id"] == "logged" and fields["job_id"] == job_id
+    assert fields["kind"] == "micro" and fields["outcome"] == "compressed"
+    assert fields["duration_ms"] >= 0
+    assert json.loads(JsonFormatter().format(rec))["outcome"] == "compressed"
+
+
+def test_every_dead_letter_logs_session_kind_outcome_and_reason(
+        caplog: pytest.LogCaptureFixture) -> None:
+    outcome = BatchOutcome("compaction:events:3")
+    caplog.set_level(logging.WARNING, logger="producer.watcher.batch")
+    outcome.reject("1-0", "turnId: goes backwards: 1 < currentTurnId 3",
+                   [b"session", b"s-9", b"cwd", b"/x", b"event", b"{}"])
+    data = json.loads(JsonFormatter().format(caplog.records[-1]))
+    assert data["session_id"] == "s-9" and data["outcome"] == "dead_lettered"
+    assert data["kind"] == "turn_order" and data["entry_id"] == "1-0"
+    assert {"job_id", "duration_ms", "reason", "stream"} <= set(data)

@@ -1,0 +1,244 @@
+"""/metrics across an ingest + compaction scenario: real Redis, the watcher, in-process workers.
+
+Process counters are global to the test process, so every check is a delta
+between two scrapes of the API's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from compactor.keys import Keys
+from compactor.metrics import reason_kind
+from compactor.queue import enqueue_compaction
+from compactor.serve import metrics_dir
+from events.config import Settings
+from producer.api import create_app
+from producer.publisher import Publisher
+from producer.watcher import Watcher
+from tests.llm_stub import STUB_MODEL, LLMStub
+from tests.producer.conftest import CWD, drain, fast_settings
+from worker import context as worker_context
+from worker.context import WorkerContext
+from worker.runner import CompactionWorker
+
+SID = "metrics-1"
+LONG = " ".join(f"word{i}" for i in range(300))
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(client: TestClient) -> Samples:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    samples: Samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def turn(n: int) -> list[dict[str, Any]]:
+    call = f"c{n}"
+    return [
+        {"type": "user", "turnId": n, "content": f"step {n}"},
+        {"type": "assistant", "turnId": n, "content": "reading",
+         "toolCalls": [{"id": call, "name": "read_file", "arguments": {"path": f"f{n}"}}]},
+        {"type": "tool_result", "turnId": n, "toolCallId": call, "toolName": "read_file",
+         "output": LONG},
+        {"type": "turn_end", "turnId": n, "model": STUB_MODEL, "contextWindow": 4000},
+    ]
+
+
+@pytest.fixture
+def stub(monkeypatch: pytest.MonkeyPatch) -> Iterator[LLMStub]:
+    with LLMStub() as server:
+        monkeypatch.setenv("OPENAI_API_BASE", server.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-stub")
+        yield server
+
+
+@pytest.fixture
+def msettings(tmp_path: Path, redis_url: str) -> Settings:
+    base = fast_settings(tmp_path / "data", redis_url)
+    return base.model_copy(update={"context": base.context.model_copy(update={
+        "compaction_model": STUB_MODEL, "llm_timeout_seconds": 5.0})})
+
+
+@pytest.fixture
+def api(msettings: Settings, r: redis.Redis) -> Iterator[TestClient]:
+    with TestClient(create_app(msettings, r)) as client:
+        yield client
+
+
+def run_jobs(r: redis.Redis, settings: Settings) -> None:
+    worker = CompactionWorker.for_settings(r, settings,
+                                           context=WorkerContext.build(settings, r))
+    worker.work(burst=True)
+    worker_context.clear()
+
+
+def test_ingest_dead_letters_and_stream_lag(api: TestClient, msettings: Settings,
+                                            r: redis.Redis) -> None:
+    keys = Keys(msettings.redis.prefix, msettings.redis.shards)
+    shard = str(keys.shard_of(SID))
+    before = scrape(api)
+    Publisher(r, msettings).publish(SID, CWD, [{"type": "session_meta", "model": STUB_MODEL},
+                                               *turn(1), *turn(2)])
+    r.xadd(keys.stream_for(SID), {"session": SID, "cwd": CWD, "event": "{not json"})
+    r.xadd(keys.stream_for(SID), {"session": SID, "cwd": CWD,
+                                  "event": '{"type": "user", "turnId": 1, "content": "late"}'})
+    time.sleep(0.05)
+    queued = scrape(api)
+    assert value(queued, "compactor_stream_backlog_entries", shard=shard) == 11
+    assert value(queued, "compactor_stream_oldest_unapplied_seconds", shard=shard) >= 0.04
+    assert value(queued, "compactor_stream_pending_entries", shard=shard) == 0
+
+    watcher = Watcher(r, msettings)
+    drain(watcher, r, msettings)
+    watcher.close()
+    after = scrape(api)
+    assert delta(before, after, "compactor_events_ingested_total", type="user") == 2
+    assert delta(before, after, "compactor_events_ingested_total", type="tool_result") == 2
+    assert delta(before, after, "compactor_events_ingested_total", type="session_meta") == 1
+    assert delta(before, after, "compactor_entries_dead_lettered_total", reason="malformed") == 1
+    assert delta(before, after, "compactor_entries_dead_lettered_total", reason="turn_order") == 1
+    assert value(after, "compactor_stream_backlog_entries", shard=shard) == 0
+    assert value(after, "compactor_stream_oldest_unapplied_seconds", shard=shard) == 0
+    assert value(after, "compactor_sessions") == 1
+    assert value(after, "compactor_dead_letters") == 2
+    assert delta(before, after, "compactor_jobs_enqueued_total", kind="micro", forced="false") == 1
+
+
+def test_jobs_llm_calls_and_breaker(api: TestClient, msettings: Settings, r: redis.Redis,
+                                    stub: LLMStub) -> None:
+    Publisher(r, msettings).publish(SID, CWD, [{"type": "session_meta", "model": STUB_MODEL},
+                                               *turn(1), *turn(2), *turn(3)])
+    watcher = Watcher(r, msettings)
+    drain(watcher, r, msettings)
+    watcher.close()
+    before = scrape(api)
+    assert enqueue_compaction(r, msettings, SID, CWD, "micro") is None  # one already pending
+    run_jobs(r, msettings)
+    micro = scrape(api)
+    assert delta(before, micro, "compactor_jobs_coalesced_total", kind="micro") == 1
+    assert delta(before, micro, "compactor_jobs_succeeded_total",
+                 kind="micro", outcome="compressed") == 1
+    assert delta(before, micro, "compactor_job_seconds_count", kind="micro") == 1
+    assert delta(before, micro, "compactor_tokens_released_total", kind="micro") > 0
+
+    stub.status = 500
+    for _ in range(msettings.context.max_failures):
+        enqueue_compaction(r, msettings, SID, CWD, "llm", forced=True)
+        run_jobs(r, msettings)
+    failing = scrape(api)
+    assert delta(micro, failing, "compactor_jobs_failed_total",
+                 kind="llm", outcome="llm_transient") == 3
+    assert delta(micro, failing, "compactor_llm_call_seconds_count", outcome="error") == 3
+    assert delta(micro, failing, "compactor_breaker_opens_total") == 1
+    assert value(failing, "compactor_breakers_open") == 1
+    assert value(failing, "compactor_sessions_failing") == 1
+
+    stub.status = 200
+    calls = len(stub.requests)
+    enqueue_compaction(r, msettings, SID, CWD, "llm", forced=True)
+    run_jobs(r, msettings)
+    healed = scrape(api)
+    assert delta(failing, healed, "compactor_jobs_succeeded_total",
+                 kind="llm", outcome="compressed") == 1
+    assert delta(failing, healed, "compactor_llm_call_seconds_count",
+                 outcome="ok") == len(stub.requests) - calls >= 1
+    assert delta(failing, healed, "compactor_tokens_released_total", kind="llm") > 0
+    assert value(healed, "compactor_breakers_open") == 0
+    assert delta(micro, healed, "compactor_jobs_enqueued_total", kind="llm", forced="true") == 4
+
+
+def test_overview_reports_counters_and_backlog(api: TestClient, msettings: Settings,
+                                               r: redis.Redis) -> None:
+    first = api.get("/api/overview").json()
+    Publisher(r, msettings).publish(SID, CWD, turn(1))
+    assert api.get("/api/overview").json()["streamBacklog"] == 4
+    watcher = Watcher(r, msettings)
+    drain(watcher, r, msettings)
+    watcher.close()
+    body = api.get("/api/overview").json()
+    assert body["streamBacklog"] == 0 and body["sessions"] == 1
+    assert body["counters"]["eventsIngested"] - first["counters"]["eventsIngested"] == 4
+
+
+def test_scrape_without_redis_still_answers(msettings: Settings) -> None:
+    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
+    with TestClient(create_app(msettings, dead)) as client:
+        samples = scrape(client)
+    assert value(samples, "compactor_redis_up") == 0
+    assert ("compactor_breakers_open", ()) not in samples
+
+
+@pytest.mark.parametrize(("reason", "kind"), [
+    ("invalid JSON in field 'event': unexpected character", "malformed"),
+    ("missing field 'cwd'", "malformed"),
+    ("event is 5000000 bytes, more than limits.maxEventBytes (4194304)", "too_large"),
+    ("turnId: goes backwards: 1 < currentTurnId 3", "turn_order"),
+    ("cwd: session s is bound to cwd '/a'", "cwd_conflict"),
+    ("sessionId: must match ^[A-Za-z0-9]...", "identity"),
+    ("turnId: Input should be a valid integer", "invalid_event"),
+])
+def test_dead_letter_reasons_fall_into_few_kinds(reason: str, kind: str) -> None:
+    assert reason_kind(reason) == kind
+
+
+MULTIPROC_INC = """
+from compactor import metrics
+metrics.EVENTS_INGESTED.labels("user").inc(3)
+metrics.JOB_SECONDS.labels("micro").observe(0.2)
+"""
+MULTIPROC_SCRAPE = """
+import sys, redis
+from fastapi.testclient import TestClient
+from events.config import Settings
+from producer.api import create_app
+settings = Settings.model_validate({"dataDir": sys.argv[1], "redis": {"url": sys.argv[2]}})
+with TestClient(create_app(settings, redis.Redis.from_url(sys.argv[2]))) as client:
+    client.get("/healthz")
+    print(client.get("/metrics").text)
+"""
+
+
+def test_multiprocess_mode_aggregates_every_process(tmp_path: Path, redis_url: str) -> None:
+    shared = metrics_dir(tmp_path)  # as compactor serve prepares it for its children
+    (shared / "counter_999999.db").write_bytes(b"stale")  # left by an earlier run
+    shared = metrics_dir(tmp_path)
+    assert not (shared / "counter_999999.db").exists()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    for _ in range(2):
+        subprocess.run([sys.executable, "-c", MULTIPROC_INC], env=env, check=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", MULTIPROC_SCRAPE, str(tmp_path / "d"), redis_url],
+                         env=env, check=True, timeout=60, capture_output=True, text=True).stdout
+    samples: Samples = {}
+    for family in text_string_to_metric_families(out):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    assert value(samples, "compactor_events_ingested_total", type="user") == 6
+    assert value(samples, "compactor_job_seconds_count", kind="micro") == 2
+    assert value(samples, "compactor_http_requests_total",
+                 method="GET", route="/healthz", status="200") == 1
+    assert value(samples, "compactor_redis_up") == 1

@@ -1,0 +1,225 @@
+"""The status page: its JSON routes, and the page itself in a real headless Chromium.
+
+The API runs under uvicorn on 127.0.0.1 (a thread of the test process) against
+the test Redis and a log with a real micro compaction; Playwright drives
+Debian's ``/usr/bin/chromium`` (never a downloaded browser).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+import uvicorn
+from fastapi.testclient import TestClient
+
+from compactor.keys import Keys
+from compactor.store import SessionStore
+from events.config import Settings
+from producer.api import create_app
+from worker.context import WorkerContext
+
+CWD = "/home/dev/project"
+BUSY, BROKEN = "sess-busy", "sess-broken"
+WORDS = " ".join(f"word{i}" for i in range(300))
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--disable-sync"]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+TOKEN = "s3cret-token"
+
+
+def turn(n: int) -> list[dict[str, Any]]:
+    call = f"call-{n}"
+    return [
+        {"type": "user", "turnId": n, "content": f"please do step {n}"},
+        {"type": "assistant", "turnId": n, "content": f"working on {n}",
+         "toolCalls": [{"id": call, "name": "read_file", "arguments": {"path": f"m{n}.py"}}]},
+        {"type": "tool_result", "turnId": n, "toolCallId": call, "toolName": "read_file",
+         "output": WORDS},
+        {"type": "turn_end", "turnId": n, "model": "gpt-4", "contextWindow": 4000},
+    ]
+
+
+def write_session(r: redis.Redis, settings: Settings, sid: str, turns: int) -> None:
+    events: list[dict[str, Any]] = [{"type": "session_meta", "sessionId": sid, "cwd": CWD}]
+    for n in range(1, turns + 1):
+        events += turn(n)
+    lines = [{**e, "uuid": f"{sid}-{i}", "timestamp": "2025-01-01T00:00:00.000Z"}
+             for i, e in enumerate(events)]
+    SessionStore(r, settings).apply(sid, CWD, lines)
+    r.zadd(Keys(settings.redis.prefix, settings.redis.shards).sessions, {sid: time.time()})
+
+
+@pytest.fixture
+def sessions(settings: Settings, r: redis.Redis) -> Settings:
+    """Two sessions: one micro-compacted for real, one with its LLM breaker open."""
+    write_session(r, settings, BUSY, 3)
+    result = WorkerContext.build(settings, r).compactor.micro(BUSY, CWD)
+    assert result.did_compress
+    write_session(r, settings, BROKEN, 1)
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    r.set(keys.failures(BROKEN), settings.context.max_failures, ex=3600)
+    return settings
+
+
+def test_sessions_route_lists_state_and_last_savings(sessions: Settings, r: redis.Redis) -> None:
+    with TestClient(create_app(sessions, r)) as client:
+        rows = {row["sessionId"]: row for row in client.get("/api/sessions").json()}
+    assert set(rows) == {BUSY, BROKEN}
+    busy = rows[BUSY]
+    assert busy["lastCompaction"]["kind"] == "micro"
+    saved = busy["lastSavings"]
+    assert saved["tokensBefore"] - saved["tokensAfter"] == saved["released"] > 0
+    assert rows[BROKEN]["breakerOpen"] is True and rows[BROKEN]["lastSavings"] is None
+
+
+def test_history_route_has_tokens_before_after_and_elisions(sessions: Settings,
+                                                           r: redis.Redis) -> None:
+    with TestClient(create_app(sessions, r)) as client:
+        body = client.get(f"/api/sessions/{BUSY}/history", params={"cwd": CWD}).json()
+        missing = client.get("/api/sessions/nope/history", params={"cwd": CWD})
+        bad = client.get(f"/api/sessions/{BUSY}/history", params={"cwd": "relative"})
+    [compaction] = body["compactions"]
+    assert compaction["kind"] == "micro" and compaction["visible"] is True
+    assert compaction["tokensBefore"] > compaction["tokensAfter"]
+    assert (compaction["startTurnId"], compaction["endTurnId"]) == (1, 2)
+    context = body["context"]
+    assert {e["toolCallId"] for e in context["elided"]} == {"call-1", "call-2"}
+    assert all(e["shownChars"] < e["originalChars"] for e in context["elided"])
+    assert context["promptEstimate"] == compaction["tokensAfter"]
+    assert missing.status_code == 404 and bad.status_code == 400
+
+
+def test_status_routes_need_the_token_but_the_page_does_not(sessions: Settings,
+                                                            r: redis.Redis) -> None:
+    secured = sessions.model_copy(update={"api": sessions.api.model_copy(update={"token": TOKEN})})
+    with TestClient(create_app(secured, r)) as client:
+        assert client.get("/").status_code == 200
+        assert client.get("/static/status.js").status_code == 200
+        for path in ("/api/overview", "/api/sessions", f"/api/sessions/{BUSY}/history?cwd={CWD}"):
+            assert client.get(path).status_code == 401
+            assert client.get(path, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+
+
+# -- in a real browser ----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def serve_api(r: redis.Redis) -> Iterator[Any]:
+    """A function that serves ``create_app(settings)`` with uvicorn; the base URL."""
+    servers: list[tuple[uvicorn.Server, threading.Thread]] = []
+
+    def start(settings: Settings) -> str:
+        port = _free_port()
+        server = uvicorn.Server(uvicorn.Config(create_app(settings, r), host="127.0.0.1",
+                                               port=port, log_level="warning", lifespan="off"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for server, thread in servers:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        instance = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield instance
+        instance.close()
+
+
+@pytest.mark.slow
+def test_page_shows_sessions_bars_history_and_elisions(sessions: Settings, serve_api: Any,
+                                                       browser: Any) -> None:
+    base = serve_api(sessions)
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(base + "/")
+    page.wait_for_selector(f'#sessions tr[data-session="{BUSY}"]')
+    assert page.locator("#sessions tbody tr").count() == 2
+    busy = page.locator(f'#sessions tr[data-session="{BUSY}"]')
+    bar = busy.locator(".bar")
+    assert bar.get_attribute("data-level") in ("ok", "micro")
+    assert 0 < float(bar.get_attribute("data-fill") or 0) < 90
+    assert bar.locator(".mark").count() == 2
+    assert "micro" in busy.inner_text()
+    assert busy.locator("td.saved").inner_text().strip() != ""
+    broken = page.locator(f'#sessions tr[data-session="{BROKEN}"]')
+    assert broken.locator(".badge.open").inner_text() == "breaker open"
+    assert page.locator('[data-card="sessions"] .value').inner_text() == "2"
+    assert page.locator('[data-card="breakers"] .value').inner_text() == "1"
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "status-page.png"), full_page=True)
+
+    busy.locator("a").first.click()
+    page.wait_for_selector("#history tbody tr")
+    row = page.locator("#history tbody tr").first
+    assert row.get_attribute("data-kind") == "micro"
+    before = int(row.locator(".before").inner_text().replace(",", ""))
+    after = int(row.locator(".after").inner_text().replace(",", ""))
+    assert before > after
+    elided = page.locator("#messages li.elided")
+    assert elided.count() == 2
+    assert "characters hidden" in elided.first.locator(".badge").inner_text()
+    assert "characters elided" in elided.first.locator("pre").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "status-session.png"), full_page=True)
+
+
+@pytest.mark.slow
+def test_page_refreshes_by_itself(sessions: Settings, serve_api: Any, browser: Any,
+                                  r: redis.Redis) -> None:
+    page = browser.new_page()
+    page.goto(serve_api(sessions) + "/")
+    page.wait_for_selector("#sessions tbody tr")
+    write_session(r, sessions, "sess-new", 1)
+    page.wait_for_selector('#sessions tr[data-session="sess-new"]', timeout=10_000)
+    assert page.locator("#sessions tbody tr").count() == 3
+
+
+@pytest.mark.slow
+def test_page_asks_for_the_token_and_sends_it(sessions: Settings, serve_api: Any,
+                                              browser: Any) -> None:
+    secured = sessions.model_copy(update={"api": sessions.api.model_copy(update={"token": TOKEN})})
+    base = serve_api(secured)
+    assert httpx.get(base + "/api/sessions").status_code == 401
+    page = browser.new_page()
+    sent: list[str | None] = []
+    page.on("request", lambda req: sent.append(req.headers.get("authorization"))
+            if "/api/" in req.url else None)
+    page.goto(base + "/")
+    page.wait_for_selector("#auth:not([hidden])")
+    assert page.locator("#overview-page").is_hidden()
+    page.fill("#token", "wrong")
+    page.click("#auth button")
+    page.wait_for_selector("#auth-error:has-text('refused')")
+    page.fill("#token", TOKEN)
+    page.click("#auth button")
+    page.wait_for_selector(f'#sessions tr[data-session="{BUSY}"]')
+    assert page.locator("#auth").is_hidden()
+    assert f"Bearer {TOKEN}" in sent and None in sent
+    assert page.evaluate("sessionStorage.getItem('compactor.token')") == TOKEN
+    page.reload()  # the token is kept for the tab
+    page.wait_for_selector(f'#sessions tr[data-session="{BUSY}"]')
