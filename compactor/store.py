@@ -30,8 +30,9 @@ from events.config import Settings
 from events.errors import InvalidEvent
 from events.log import SessionLog
 from events.models import TURN_SCOPED_TYPES
-from events.state import SessionState, fold, rebuild
+from events.state import SessionState, fold, rebuild, rebuild_with_view
 from events.tokens import stamp
+from events.view import ContextView, extend_view
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +49,17 @@ return 1
 
 @dataclass
 class ApplyResult:
-    """What ``SessionStore.apply`` did: the new state, the lines written, what was refused."""
+    """What ``SessionStore.apply`` did: the new state, the lines written, what was refused.
+
+    ``view`` is the view (built without messages) of the whole log after the
+    append, when the state was rebuilt from the caller's ``known`` events; else None.
+    """
 
     state: SessionState
     appended: list[dict[str, Any]] = field(default_factory=list)
     duplicates: int = 0
     rejected: list[tuple[dict[str, Any], InvalidEvent]] = field(default_factory=list)
+    view: ContextView | None = None
 
 
 def stream_id_key(stream_id: str) -> tuple[int, int]:
@@ -159,6 +165,8 @@ class SessionStore:
         guard: Guard | None = None,
         pipeline: Any | None = None,
         cached: SessionState | None = None,
+        known: list[dict[str, Any]] | None = None,
+        known_view: ContextView | None = None,
     ) -> ApplyResult:
         """Append ``events`` to the session's log exactly once and advance its state.
 
@@ -171,10 +179,24 @@ class SessionStore:
         sessions costs one round trip; a save lost with a crash is harmless, the
         next writer folds the lines past the stored ``logSize``.
         The state passed in as ``cached`` is never modified.
+
+        ``known`` (workers) is every event of the log as the caller read it while
+        holding this same ``log``'s lock (so nothing was appended since): a
+        rebuild after a rollback/compact/summary then folds ``known`` + the
+        appended lines instead of reading the log again, and ``result.view``
+        is that rebuild's view. A ``known`` whose length does not match the
+        lines the state has seen is not trusted (the log is read instead).
+        ``known_view`` (optional) is the view of ``known`` (messages not needed):
+        after one compact or one summary the new view is then derived from it
+        (``events.view.extend_view``) instead of built over the whole log.
         """
         log = log or self.log(session_id, cwd)
         with log.lock():
             state = replace(self.current(session_id, cwd, log, cached))
+            if known is not None and len(known) != state.events:
+                logger.warning("known events ignored session=%s: %d lines known, state has seen %d",
+                               session_id, len(known), state.events)
+                known = None
             batch = list(events)
             fresh = [e for e in batch if not is_applied(e.get("streamId"), state.last_stream_id)]
             result = ApplyResult(state, duplicates=len(batch) - len(fresh))
@@ -183,7 +205,12 @@ class SessionStore:
                 if guard is not None:
                     guard()
                 state.log_size = log.append(result.appended)
-                if needs_rebuild:
+                if needs_rebuild and known is not None:
+                    ctx = self.settings.context
+                    view = extend_view(known_view, result.appended, ctx) if known_view is not None else None
+                    state, result.view = rebuild_with_view(
+                        session_id, cwd, known + result.appended, ctx, state.log_size, view)
+                elif needs_rebuild:
                     state = self.rebuild(session_id, cwd, log)
             result.state = state
             if pipeline is None:

@@ -248,10 +248,13 @@ class SessionLog:
         written = 0
         try:
             for chunk in chunks:
-                n = os.write(fd, chunk)
-                written += n
-                if n != len(chunk):
-                    raise OSError(errno.EIO, f"short write: {n} of {len(chunk)} bytes")
+                rest = memoryview(chunk)
+                while rest:  # a short write is retried so the real error (ENOSPC, EFBIG) surfaces
+                    n = os.write(fd, rest)
+                    if n <= 0:
+                        raise OSError(errno.EIO, f"short write: 0 of {len(rest)} bytes")
+                    written += n
+                    rest = rest[n:]
             if self.fsync:
                 os.fsync(fd)
         except OSError as e:

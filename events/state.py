@@ -18,7 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any, Literal, Mapping
 
 import orjson
@@ -65,7 +65,8 @@ class SessionState:
     def to_hash(self) -> dict[str, str]:
         """The state as a Redis hash (str -> str); None is stored as an empty string."""
         out: dict[str, str] = {}
-        for name, value in asdict(self).items():
+        for name in _FIELD_NAMES:
+            value = getattr(self, name)
             if name == "last_compaction":
                 out[name] = "" if value is None else orjson.dumps(value).decode()
             else:
@@ -90,6 +91,9 @@ class SessionState:
             else:
                 values[f.name] = text
         return cls(**values)
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(SessionState))
 
 
 def _decode(value: Any) -> str:
@@ -218,12 +222,25 @@ def state_from_view(
 def rebuild(
     session_id: str, cwd: str, events: list[dict[str, Any]], ctx: ContextSettings, log_size: int
 ) -> SessionState:
-    """The state of a session from all of its log's events."""
-    view = build_view(events, ctx)
-    return state_from_view(
+    """The state of a session from all of its log's events (no chat messages are built)."""
+    return rebuild_with_view(session_id, cwd, events, ctx, log_size)[0]
+
+
+def rebuild_with_view(
+    session_id: str, cwd: str, events: list[dict[str, Any]], ctx: ContextSettings, log_size: int,
+    view: ContextView | None = None,
+) -> tuple[SessionState, ContextView]:
+    """``rebuild``, also returning the view (built without messages) the state came from.
+
+    ``view``, when given, must be the view of ``events`` (e.g. from ``events.view.extend_view``).
+    """
+    if view is None:
+        view = build_view(events, ctx, messages=False)
+    state = state_from_view(
         session_id, cwd, view, ctx, log_size=log_size, events=len(events),
         last_stream_id=_last_stream_id(events),
     )
+    return state, view
 
 
 def decide(state: SessionState, ctx: ContextSettings, *, breaker_open: bool) -> Decision | None:

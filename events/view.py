@@ -30,21 +30,29 @@ Rules, in SPEC order:
 
 ``current_turn_id`` and the session model ignore summaries and only honour
 rollbacks: a summarized turn has still happened.
+
+Workers and the state need no chat messages: ``build_view(..., messages=False)``
+skips pairing and merging, and ``extend_view`` derives the view after one
+appended ``compact`` or ``summary`` from the view before it (no second pass
+over the log); both give exactly what a full ``build_view`` gives.
 """
 
 from __future__ import annotations
 
 import logging
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from events.config import ContextSettings
 from events.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
+    TOKEN_COUNT_FIELD,
+    TOKEN_ENCODING_FIELD,
     arguments_json,
     count_tokens,
     encoding_for_model,
+    event_tokens,
     stamped_tokens,
 )
 
@@ -57,6 +65,8 @@ SUMMARY_MESSAGE_NAME = "compacted_history"
 MERGE_SEPARATOR = "\n\n"
 _TURN_SCOPED = frozenset({"user", "assistant", "tool_result", "turn_end"})
 _NO_ROLLBACK = float("inf")
+_TARGET_TYPES = frozenset({"user", "assistant", "tool_result"})
+_COUNTED = frozenset({"user", "assistant", "tool_result", "summary"})  # SPEC §4.5 items
 
 
 def elision_marker(omitted: int) -> str:
@@ -94,6 +104,8 @@ class ContextView:
     context_window: int | None  # contextWindow of the latest visible turn_end
     candidates: list[Event]  # visible compactable long tool results not compacted, any turn
     compacted: tuple[tuple[int, int], ...]  # merged visible compact ranges, sorted
+    # position in ``visible`` -> (the output as shown, the item's SPEC §4.5 tokens), per elided tool result
+    elided: dict[int, tuple[str, int]] = field(default_factory=dict)
 
     @property
     def min_candidate_turn(self) -> int:
@@ -130,28 +142,39 @@ def _int(value: Any) -> int:
 
 
 def _scan(events: list[Event]) -> _Scan:
-    """One reverse pass: rollback and summary hiding, the model, the turn counters."""
-    scan = _Scan(hidden=[False] * len(events))
+    """One reverse pass: rollback and summary hiding, the model, the turn counters.
+
+    The common case (a turn-scoped line) is inlined: this pass runs over every
+    line of the log on each view.
+    """
+    hidden = [False] * len(events)
+    scan = _Scan(hidden=hidden)
     through: float = _NO_ROLLBACK
     replaced: set[Any] = set()
+    max_turn = 0
     for i in range(len(events) - 1, -1, -1):
         event = events[i]
         kind = event.get("type")
         if kind in _TURN_SCOPED:
-            turn = _int(event.get("turnId"))
+            turn = event.get("turnId")
+            if type(turn) is not int:
+                turn = 0
             if turn >= through:
-                scan.hidden[i] = True
+                hidden[i] = True
                 continue
-            _note_turn(scan, event, kind, turn)
+            if turn > max_turn:
+                max_turn = turn
+            if kind == "turn_end":
+                _note_turn_end(scan, event, turn)
         elif kind == "rollback":
             through = min(through, _int(event.get("throughTurnId")))
             continue
         elif kind == "summary":
             if _int(event.get("lastSummarizedTurnId")) >= through:
-                scan.hidden[i] = True
+                hidden[i] = True
                 continue
             if event.get("uuid") in replaced:
-                scan.hidden[i] = True  # superseded: not shown, but what it replaced stays hidden
+                hidden[i] = True  # superseded: not shown, but what it replaced stays hidden
             replaces = event.get("replaces")
             if isinstance(replaces, list):
                 replaced.update(r for r in replaces if isinstance(r, str))
@@ -159,7 +182,7 @@ def _scan(events: list[Event]) -> _Scan:
         elif kind == "compact":
             end = _int(event.get("endTurnId"))
             if end >= through:
-                scan.hidden[i] = True
+                hidden[i] = True
             else:
                 scan.compacts.append((_int(event.get("startTurnId")), end))
             continue
@@ -168,17 +191,14 @@ def _scan(events: list[Event]) -> _Scan:
                 scan.meta_model = event["model"]
             continue
         if replaced and event.get("uuid") in replaced:
-            scan.hidden[i] = True
+            hidden[i] = True
+    scan.max_turn = max_turn
     if not scan.turn_end_seen:
         scan.model = scan.meta_model
     return scan
 
 
-def _note_turn(scan: _Scan, event: Event, kind: Any, turn: int) -> None:
-    if turn > scan.max_turn:
-        scan.max_turn = turn
-    if kind != "turn_end":
-        return
+def _note_turn_end(scan: _Scan, event: Event, turn: int) -> None:
     if turn > scan.last_ended_turn:
         scan.last_ended_turn = turn
     if not scan.turn_end_seen:  # the first seen in reverse is the latest
@@ -210,14 +230,22 @@ def _current_turn(last_ended: int, max_turn: int) -> int:
 
 
 class _Builder:
-    """The forward pass: visible events, shown outputs, candidate messages, the estimate."""
+    """The forward pass: visible events, shown outputs, candidate messages, the estimate.
 
-    def __init__(self, ctx: ContextSettings, encoding: str, compacted: tuple[tuple[int, int], ...]) -> None:
+    With ``messages=False`` no chat messages are built (the state and the
+    compaction targets need only the estimate, the candidates and the visible
+    events); the estimate, candidates and shown outputs are the same either way.
+    """
+
+    def __init__(
+        self, ctx: ContextSettings, encoding: str, compacted: tuple[tuple[int, int], ...], *, messages: bool = True,
+    ) -> None:
         self.ctx = ctx
         self.encoding = encoding
         self.compacted = compacted
         self.starts = [start for start, _ in compacted]
         self.min_chars = ctx.micro_compact_min_chars
+        self.build_messages = messages
         self.compactable: dict[str, bool] = {}
         self.name_tokens: dict[str, int] = {}
         self.visible: list[Event] = []
@@ -225,6 +253,7 @@ class _Builder:
         self.messages: list[Message] = []
         self.call_ids: list[list[str] | None] = []  # per message: an assistant's call ids
         self.candidates: list[Event] = []
+        self.elided: dict[int, tuple[str, int]] = {}
         self.estimate = 0
 
     def is_compactable(self, name: str) -> bool:
@@ -232,6 +261,29 @@ class _Builder:
         if known is None:
             known = self.compactable[name] = self.ctx.is_compactable(name)
         return known
+
+    def add_all(self, events: list[Event]) -> None:
+        """Add the visible events in log order (the estimate-only path is inlined for speed)."""
+        if self.build_messages:
+            for event in events:
+                self.add(event)
+            return
+        self.visible = events
+        encoding = self.encoding
+        estimate = 0
+        for position, event in enumerate(events):
+            kind = event.get("type")
+            if kind == "tool_result":
+                estimate += self._tool_result_tokens(event, position)
+            elif kind == "user" or kind == "assistant" or kind == "summary":
+                count = event.get(TOKEN_COUNT_FIELD)
+                if type(count) is int and event.get(TOKEN_ENCODING_FIELD) == encoding:
+                    estimate += count
+                else:
+                    estimate += event_tokens(event, encoding)
+                if kind == "summary":
+                    self.summaries.append(event)
+        self.estimate += estimate
 
     def add(self, event: Event) -> None:
         self.visible.append(event)
@@ -262,20 +314,30 @@ class _Builder:
         message["tool_calls"] = tool_calls
         self._message(message, [call["id"] for call in tool_calls])
 
+    def _tool_result_tokens(self, event: Event, position: int) -> int:
+        """The tool result's contribution as shown; records candidates and elided outputs."""
+        output = event.get("output")
+        if not isinstance(output, str):
+            output = ""
+        if len(output) > self.min_chars:
+            name = _str(event.get("toolName"))
+            if self.is_compactable(name):
+                if self.compacted and _in_ranges(_int(event.get("turnId")), self.starts, self.compacted):
+                    shown = elide(output, self.ctx.micro_compact_keep_chars)
+                    if shown is not output:
+                        tokens = count_tokens(shown, self.encoding) + self._name_tokens(name) + MESSAGE_OVERHEAD_TOKENS
+                        self.elided[position] = (shown, tokens)
+                        return tokens
+                else:
+                    self.candidates.append(event)
+        return stamped_tokens(event, self.encoding)
+
     def _tool_result(self, event: Event) -> None:
-        output = _str(event.get("output"))
-        name = _str(event.get("toolName"))
-        shown = output
-        if len(output) > self.min_chars and self.is_compactable(name):
-            if self.compacted and _in_ranges(_int(event.get("turnId")), self.starts, self.compacted):
-                shown = elide(output, self.ctx.micro_compact_keep_chars)
-            else:
-                self.candidates.append(event)
-        if shown is output:
-            self.estimate += stamped_tokens(event, self.encoding)
-        else:
-            self.estimate += count_tokens(shown, self.encoding) + self._name_tokens(name) + MESSAGE_OVERHEAD_TOKENS
-        message = {"role": "tool", "tool_call_id": event.get("toolCallId"), "name": name, "content": shown}
+        position = len(self.visible) - 1
+        self.estimate += self._tool_result_tokens(event, position)
+        elided = self.elided.get(position)
+        message = {"role": "tool", "tool_call_id": event.get("toolCallId"), "name": _str(event.get("toolName")),
+                   "content": _str(event.get("output")) if elided is None else elided[0]}
         self._message(message, None)
 
     def _name_tokens(self, name: str) -> int:
@@ -339,20 +401,24 @@ def _summary_message(summary: Event) -> Message:
     return {"role": "system", "name": SUMMARY_MESSAGE_NAME, "content": _str(summary.get("summaryText"))}
 
 
-def build_view(events: list[Event], ctx: ContextSettings) -> ContextView:
-    """The SPEC §4 view of a log's events (as read, camelCase dicts)."""
+def build_view(events: list[Event], ctx: ContextSettings, *, messages: bool = True) -> ContextView:
+    """The SPEC §4 view of a log's events (as read, camelCase dicts).
+
+    ``messages=False`` skips building the chat messages (``.messages`` is then
+    empty); everything else — the estimate, visibility, candidates, targets'
+    inputs — is the same. The state and the compaction jobs use that.
+    """
     scan = _scan(events)
     encoding = encoding_for_model(scan.model)
     compacted = _merge_ranges(scan.compacts)
-    builder = _Builder(ctx, encoding, compacted)
-    hidden = scan.hidden
-    for i, event in enumerate(events):
-        if not hidden[i]:
-            builder.add(event)
-    chat = _merge(_pair(builder.messages, builder.call_ids))
-    messages = [_summary_message(s) for s in builder.summaries] + chat
+    builder = _Builder(ctx, encoding, compacted, messages=messages)
+    builder.add_all([event for event, hidden in zip(events, scan.hidden) if not hidden])
+    chat: list[Message] = []
+    if messages:
+        chat = [_summary_message(s) for s in builder.summaries]
+        chat += _merge(_pair(builder.messages, builder.call_ids))
     return ContextView(
-        messages=messages,
+        messages=chat,
         prompt_estimate=builder.estimate,
         current_turn_id=_current_turn(scan.last_ended_turn, scan.max_turn),
         model=scan.model,
@@ -364,7 +430,89 @@ def build_view(events: list[Event], ctx: ContextSettings) -> ContextView:
         context_window=scan.context_window,
         candidates=builder.candidates,
         compacted=compacted,
+        elided=builder.elided,
     )
+
+
+def extend_view(view: ContextView, appended: list[Event], ctx: ContextSettings) -> ContextView | None:
+    """The view (without messages) of the viewed events + ``appended``, from ``view``; None when
+    that is not computed incrementally (then build the view of the whole log).
+
+    Handled: one appended ``compact`` (the newly compacted candidates are shown
+    elided) or one appended ``summary`` (the visible events it replaces are
+    hidden). Either is visible, being last in the log, and neither changes the
+    turn counters, the model or the other events' visibility, so the result is
+    exactly ``build_view(events + appended, ctx, messages=False)``.
+    """
+    if len(appended) != 1:
+        return None
+    event = appended[0]
+    kind = event.get("type")
+    if kind == "compact":
+        return _with_compact(view, event, ctx)
+    if kind == "summary":
+        return _with_summary(view, event)
+    return None
+
+
+def _with_compact(view: ContextView, event: Event, ctx: ContextSettings) -> ContextView:
+    compacted = _merge_ranges([*view.compacted, (_int(event.get("startTurnId")), _int(event.get("endTurnId")))])
+    starts = [start for start, _ in compacted]
+    estimate = view.prompt_estimate
+    elided = dict(view.elided)
+    candidates: list[Event] = []
+    newly = [c for c in view.candidates if _in_ranges(_int(c.get("turnId")), starts, compacted)]
+    if newly:
+        positions = {id(e): i for i, e in enumerate(view.visible)}
+        newly_ids = {id(c) for c in newly}
+        candidates = [c for c in view.candidates if id(c) not in newly_ids]
+        name_tokens: dict[str, int] = {}
+        for candidate in newly:
+            output = candidate["output"]  # a candidate's output is a long str
+            shown = elide(output, ctx.micro_compact_keep_chars)
+            if shown is output:
+                continue
+            name = _str(candidate.get("toolName"))
+            if name not in name_tokens:
+                name_tokens[name] = count_tokens(name, view.encoding)
+            tokens = count_tokens(shown, view.encoding) + name_tokens[name] + MESSAGE_OVERHEAD_TOKENS
+            estimate += tokens - stamped_tokens(candidate, view.encoding)
+            elided[positions[id(candidate)]] = (shown, tokens)
+    else:
+        candidates = list(view.candidates)
+    return replace(view, messages=[], prompt_estimate=estimate, visible=[*view.visible, event],
+                   candidates=candidates, compacted=compacted, elided=elided)
+
+
+_REPLACEABLE_EXEMPT = frozenset({"rollback", "compact", "session_meta"})  # never hidden by a summary
+
+
+def _with_summary(view: ContextView, event: Event) -> ContextView:
+    replaces = event.get("replaces")
+    replaced = {r for r in replaces if isinstance(r, str)} if isinstance(replaces, list) else set()
+    encoding = view.encoding
+    estimate = view.prompt_estimate + stamped_tokens(event, encoding)
+    visible: list[Event] = []
+    elided: dict[int, tuple[str, int]] = {}
+    removed: set[int] = set()
+    for position, old in enumerate(view.visible):
+        kind = old.get("type")
+        if replaced and kind not in _REPLACEABLE_EXEMPT and old.get("uuid") in replaced:
+            shown = view.elided.get(position)
+            if shown is not None:
+                estimate -= shown[1]
+            elif kind in _COUNTED:
+                estimate -= stamped_tokens(old, encoding)
+            removed.add(id(old))
+            continue
+        shown = view.elided.get(position)
+        if shown is not None:
+            elided[len(visible)] = shown
+        visible.append(old)
+    visible.append(event)
+    candidates = [c for c in view.candidates if id(c) not in removed] if removed else list(view.candidates)
+    return replace(view, messages=[], prompt_estimate=estimate, summary=event, visible=visible,
+                   candidates=candidates, elided=elided)
 
 
 def current_turn_id(events: list[Event]) -> int:
@@ -379,37 +527,41 @@ def session_model(events: list[Event]) -> str | None:
 
 
 def micro_candidates(
-    events: list[Event], ctx: ContextSettings, current_turn_id: int | None = None
+    events: list[Event], ctx: ContextSettings, current_turn_id: int | None = None,
+    *, view: ContextView | None = None,
 ) -> list[Event]:
-    """Visible compactable tool results over the minimum, in turns < currentTurnId - 1, not compacted."""
-    view = build_view(events, ctx)
+    """Visible compactable tool results over the minimum, in turns < currentTurnId - 1, not compacted.
+
+    ``view`` (a view of ``events``, with or without messages) saves building it again.
+    """
+    if view is None:
+        view = build_view(events, ctx, messages=False)
     current = view.current_turn_id if current_turn_id is None else current_turn_id
     return [e for e in view.candidates if e["turnId"] < current - 1]
 
 
-def _shown(event: Event, ctx: ContextSettings, compacted: tuple[tuple[int, int], ...], starts: list[int]) -> Event:
-    """``event`` as the model sees it: a compacted long tool output elided (in a copy)."""
-    if event.get("type") != "tool_result" or not compacted:
-        return event
-    output = _str(event.get("output"))
-    if len(output) <= ctx.micro_compact_min_chars or not ctx.is_compactable(_str(event.get("toolName"))):
-        return event
-    if not _in_ranges(_int(event.get("turnId")), starts, compacted):
-        return event
-    shown = elide(output, ctx.micro_compact_keep_chars)
-    return event if shown is output else {**event, "output": shown}
+def llm_targets(events: list[Event], ctx: ContextSettings, *, view: ContextView | None = None) -> LlmTargets:
+    """SPEC §5: visible user/assistant/tool_result events with start_after < turnId <= endTurn.
 
-
-def llm_targets(events: list[Event], ctx: ContextSettings) -> LlmTargets:
-    """SPEC §5: visible user/assistant/tool_result events with start_after < turnId <= endTurn."""
-    view = build_view(events, ctx)
+    ``view`` (a view of ``events``, with or without messages) saves building it
+    again. An elided tool result is a copy carrying the output as shown, and
+    a token stamp of what is shown (the view counted it).
+    """
+    if view is None:
+        view = build_view(events, ctx, messages=False)
     end_turn = view.current_turn_id - ctx.keep_recent_turns - 1
     previous = view.summary
     start_after = _int(previous.get("lastSummarizedTurnId")) if previous else 0
-    starts = [start for start, _ in view.compacted]
-    targets = [
-        _shown(e, ctx, view.compacted, starts)
-        for e in view.visible
-        if e.get("type") in ("user", "assistant", "tool_result") and start_after < _int(e.get("turnId")) <= end_turn
-    ]
+    elided = view.elided
+    targets: list[Event] = []
+    if end_turn > start_after:
+        for position, event in enumerate(view.visible):
+            if event.get("type") not in _TARGET_TYPES or not start_after < _int(event.get("turnId")) <= end_turn:
+                continue
+            shown = elided.get(position) if elided else None
+            if shown is None:
+                targets.append(event)
+            else:
+                targets.append({**event, "output": shown[0], TOKEN_COUNT_FIELD: shown[1],
+                                TOKEN_ENCODING_FIELD: view.encoding})
     return LlmTargets(previous_summary=previous, events=targets, end_turn=end_turn, start_after=start_after)

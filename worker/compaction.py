@@ -42,7 +42,7 @@ from typing import Any
 
 import redis
 
-from compactor.store import SessionStore
+from compactor.store import ApplyResult, SessionStore
 from events.config import ContextSettings, Settings
 from events.errors import (
     CompactorError,
@@ -61,11 +61,20 @@ from events.models import (
 from events.state import SessionState
 from events.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
+    TOKEN_COUNT_FIELD,
+    TOKEN_ENCODING_FIELD,
     count_tokens,
     model_max_input_tokens,
     stamped_tokens,
 )
-from events.view import ContextView, LlmTargets, build_view, elide, llm_targets
+from events.view import (
+    ContextView,
+    LlmTargets,
+    build_view,
+    elide,
+    llm_targets,
+    micro_candidates,
+)
 from worker.extractive import EXTRACTIVE_MODEL, extractive_summary
 from worker.failures import FailureCounter
 from worker.summarize import (
@@ -128,24 +137,29 @@ class Compactor:
         """Mark the turns of old long compactable outputs compacted (one ``compact`` event)."""
         log = self._log(session_id, cwd)
         with log.lock():
-            view = build_view(log.read(), self.ctx)
-            appended, estimate = self._micro_locked(session_id, cwd, log, view)
-        return _result(bool(appended), view.prompt_estimate, estimate)
+            events = log.read()
+            view = build_view(events, self.ctx, messages=False)
+            applied = self._micro_locked(session_id, cwd, log, events, view)
+        return _result(bool(applied.appended), view.prompt_estimate, applied.state.prompt_estimate)
 
     def _micro_locked(
-        self, session_id: str, cwd: str, log: SessionLog, view: ContextView,
-    ) -> tuple[list[dict[str, Any]], int]:
-        """Append the compact event if there are candidates; (lines appended, estimate after)."""
-        candidates = [e for e in view.candidates if e["turnId"] < view.current_turn_id - 1]
+        self, session_id: str, cwd: str, log: SessionLog, events: list[dict[str, Any]], view: ContextView,
+        cached: SessionState | None = None,
+    ) -> ApplyResult:
+        """Append the compact event if there are candidates (the state is stored either way).
+
+        ``events`` is the whole log as read under the lock and ``view`` its view;
+        the state after the append is rebuilt from them, not from a re-read.
+        """
+        candidates = micro_candidates(events, self.ctx, view=view)
         if not candidates:
-            self.store.apply(session_id, cwd, [], log=log)  # stores the exact state anyway
-            return [], view.prompt_estimate
+            return self.store.apply(session_id, cwd, [], log=log, cached=cached)  # stores the exact state anyway
         turns = [e["turnId"] for e in candidates]
         event = to_wire(with_identity(CompactEvent(type="compact", start_turn_id=min(turns),
                                                    end_turn_id=max(turns))))
-        applied = self.store.apply(session_id, cwd, [event], log=log)
+        applied = self.store.apply(session_id, cwd, [event], log=log, cached=cached, known=events, known_view=view)
         logger.debug("micro compact session=%s turns=%d..%d", session_id, min(turns), max(turns))
-        return applied.appended, applied.state.prompt_estimate
+        return applied
 
     # -- llm -----------------------------------------------------------------------------
 
@@ -153,32 +167,44 @@ class Compactor:
         """Summarize the turns before the most recent ones; see the module docstring.
 
         The stored state (brought up to date under the lock) gives the estimate,
-        window and model, so the log is read once and viewed only where needed.
+        window and model; the log is read once, and each view is built once
+        (without chat messages) and shared by the state rebuild and the targets.
         """
         log = self._log(session_id, cwd)
         with log.lock():
             state = self.store.current(session_id, cwd, log)
             before = state.prompt_estimate
             events = log.read()
+            view = build_view(events, self.ctx, messages=False)
             micro_done = False
             if before > self.ctx.micro_compact_threshold * state.window and _has_old_candidate(state):
-                appended, _ = self._micro_locked(session_id, cwd, log, build_view(events, self.ctx))
-                micro_done = bool(appended)
-                events = events + appended
-            targets = llm_targets(events, self.ctx)
+                applied = self._micro_locked(session_id, cwd, log, events, view, cached=state)
+                micro_done = bool(applied.appended)
+                state = applied.state
+                if applied.appended:
+                    events = events + applied.appended
+                    view = applied.view or build_view(events, self.ctx, messages=False)
+            targets = llm_targets(events, self.ctx, view=view)
             snapshot = log.size()
         if targets.end_turn < 1 or not targets.events:
-            return _result(micro_done, before, self._estimate(session_id, before) if micro_done else before)
+            return _result(micro_done, before, state.prompt_estimate)
         session = _Session(state.model, state.window, state.encoding)
         text = self._summary_text(session_id, targets, session, forced=forced)
         if text is None:
-            return _result(micro_done, before, self._estimate(session_id, before))
-        return self._append_summary(session_id, cwd, log, targets, text, snapshot, before, micro_done)
+            return _result(micro_done, before, self._estimate(session_id, state.prompt_estimate))
+        summary_text, reset = text
+        return self._append_summary(session_id, cwd, log, targets, summary_text, reset,
+                                    _Snapshot(snapshot, events, view, state), before, micro_done)
 
     def _append_summary(
-        self, session_id: str, cwd: str, log: SessionLog, targets: LlmTargets, text: str,
-        snapshot: int, before: int, micro_done: bool,
+        self, session_id: str, cwd: str, log: SessionLog, targets: LlmTargets, text: str, reset: bool,
+        snapshot: _Snapshot, before: int, micro_done: bool,
     ) -> CompressResult:
+        """Append the summary unless a summary/rollback landed since the snapshot.
+
+        ``reset`` (a successful LLM call) deletes the failure counter, in the
+        same round trip as the state save when the summary is appended.
+        """
         previous = targets.previous_summary
         replaces = [e["uuid"] for e in targets.events if isinstance(e.get("uuid"), str)]
         if previous is not None and isinstance(previous.get("uuid"), str):
@@ -187,21 +213,39 @@ class Compactor:
             type="summary", replaces=replaces, summary_text=text, last_summarized_turn_id=targets.end_turn,
         )))
         with log.lock():
-            if _changed_under_us(log, snapshot):
+            since = _lines_since(log, snapshot.size)
+            if since is None or any(e.get("type") in ("summary", "rollback") for e in since):
                 logger.warning("summary dropped session=%s: the log got a summary/rollback meanwhile", session_id)
-                return _result(micro_done, before, self._estimate(session_id, before))
-            state = self.store.apply(session_id, cwd, [event], log=log).state
+                if reset:
+                    self.failures.reset(session_id)
+                return _result(micro_done, before, self._estimate(session_id, snapshot.state.prompt_estimate))
+            pipe = self.store.redis.pipeline(transaction=False)
+            if reset:
+                self.failures.reset(session_id, pipe)
+            try:
+                state = self.store.apply(
+                    session_id, cwd, [event], log=log, pipeline=pipe, cached=snapshot.state,
+                    known=snapshot.events + since, known_view=None if since else snapshot.view,
+                ).state
+            except Exception:
+                if reset:  # the LLM call did succeed
+                    self.failures.reset(session_id)
+                raise
+            pipe.execute()
         return _result(True, before, state.prompt_estimate)
 
-    def _summary_text(self, session_id: str, targets: LlmTargets, view: _Session, *, forced: bool) -> str | None:
-        """The new summary text, or None when the breaker stops an automatic job (no fallback)."""
+    def _summary_text(
+        self, session_id: str, targets: LlmTargets, view: _Session, *, forced: bool,
+    ) -> tuple[str, bool] | None:
+        """The new summary text and whether the failure counter is to be reset (an LLM
+        success), or None when the breaker stops an automatic job (no fallback)."""
         fallback = self.ctx.fallback_model
         if not forced and self.failures.is_open(session_id):
             if not fallback:
                 logger.info("llm compaction skipped session=%s: breaker open", session_id)
                 return None
             logger.info("breaker open session=%s: using fallback %s", session_id, fallback)
-            return self._summarize_with(fallback, targets, view)
+            return self._summarize_with(fallback, targets, view), False
         plan = self.plan(targets, view)
         try:
             text = self._summarize_with(plan.model, targets, view, plan)
@@ -210,10 +254,8 @@ class Compactor:
             if not fallback or fallback == plan.model:
                 raise
             logger.warning("llm failed session=%s: using fallback %s", session_id, fallback)
-            return self._summarize_with(fallback, targets, view)
-        if plan.model != EXTRACTIVE_MODEL:
-            self.failures.reset(session_id)
-        return text
+            return self._summarize_with(fallback, targets, view), False
+        return text, plan.model != EXTRACTIVE_MODEL
 
     def _count_failure(self, session_id: str, model: str, error: CompactorError) -> None:
         count = self.failures.record_failure(session_id)
@@ -251,7 +293,7 @@ class Compactor:
         total = _system_tokens(encoding) + PROMPT_FRAME_TOKENS
         if previous is not None:
             total += stamped_tokens(previous, encoding)
-        return total + sum(self._event_tokens(e, encoding) for e in events)
+        return total + _events_tokens(events, encoding)
 
     def _event_tokens(self, event: dict[str, Any], encoding: str) -> int:
         return stamped_tokens(event, encoding) + BLOCK_HEADER_TOKENS
@@ -278,10 +320,10 @@ class Compactor:
         The running summary's size is budgeted at the larger of the previous
         summary and the reserve (a summary is at most what the reserve allows).
         """
-        summary_tokens = max(count_tokens(previous_text or "", encoding), self.ctx.summary_reserve_tokens)
+        previous_tokens = count_tokens(previous_text or "", encoding)
+        summary_tokens = max(previous_tokens, self.ctx.summary_reserve_tokens)
         fixed = _system_tokens(encoding) + PROMPT_FRAME_TOKENS + self.ctx.summary_reserve_tokens
-        total = sum(self._event_tokens(e, encoding) for e in events)
-        if fixed + count_tokens(previous_text or "", encoding) + total <= window:
+        if fixed + previous_tokens + _events_tokens(events, encoding) <= window:
             return [events]
         budget = max(window - fixed - summary_tokens, MIN_CHUNK_BUDGET_TOKENS)
         chunks: list[list[dict[str, Any]]] = [[]]
@@ -316,11 +358,21 @@ def _has_old_candidate(state: SessionState) -> bool:
     return state.min_candidate_turn != 0 and state.min_candidate_turn < state.current_turn_id - 1
 
 
-def _changed_under_us(log: SessionLog, snapshot: int) -> bool:
-    """Whether lines written since ``snapshot`` make the computed targets stale."""
+@dataclass(frozen=True)
+class _Snapshot:
+    """The log as the LLM job last saw it under the lock: its size, events and state."""
+
+    size: int
+    events: list[dict[str, Any]]
+    view: ContextView  # of ``events``, without messages
+    state: SessionState
+
+
+def _lines_since(log: SessionLog, snapshot: int) -> list[dict[str, Any]] | None:
+    """The events written since byte ``snapshot``; None when the log shrank (call under the lock)."""
     if log.size() < snapshot:
-        return True
-    return any(e.get("type") in ("summary", "rollback") for e in log.read(snapshot))
+        return None
+    return log.read(snapshot)
 
 
 def _clipped(event: dict[str, Any], budget_tokens: int) -> dict[str, Any]:
@@ -331,6 +383,18 @@ def _clipped(event: dict[str, Any], budget_tokens: int) -> dict[str, Any]:
         return event
     keep = max(budget_tokens, 1) * 3 // 2  # ~3 characters per token, head and tail halves
     return {**event, field: elide(text, keep), "tokenCount": budget_tokens}
+
+
+def _events_tokens(events: list[dict[str, Any]], encoding: str) -> int:
+    """The sum of ``Compactor._event_tokens`` over ``events`` (the stamps read inline)."""
+    total = BLOCK_HEADER_TOKENS * len(events)
+    for event in events:
+        count = event.get(TOKEN_COUNT_FIELD)
+        if type(count) is int and event.get(TOKEN_ENCODING_FIELD) == encoding:
+            total += count
+        else:
+            total += stamped_tokens(event, encoding)
+    return total
 
 
 _SYSTEM_TOKENS: dict[str, int] = {}

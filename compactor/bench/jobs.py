@@ -10,7 +10,10 @@ directory, then measures:
   ``ratio >= 0.9``.
 - ``overhead_ms_p50``: one LLM job on a ~100 000-token session, in-process,
   with an instant in-process summarizer (the LLM call excluded), vs
-  ``parse_ms_p50``, reading and parsing that log; target ``overhead_ratio <= 2``.
+  ``overhead_baseline_ms`` (also reported as ``parse_ms_p50``), the median time
+  to read and parse that log; target ``overhead_ratio`` (job / baseline) ``<= 2``.
+  Every line carries a uuid, as the watcher writes them (a summary replaces
+  events by uuid).
 - ``worker_rss_growth_pct``: RSS of an in-process worker after 1 000 jobs
   (litellm to the stub, no latency) vs after a warm-up; target < 10 %.
 """
@@ -28,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -105,6 +109,8 @@ def _write_session(client: redis.Redis, settings: Settings, sid: str, turns: int
     events: list[dict[str, Any]] = [{"type": "session_meta", "sessionId": sid, "cwd": CWD, "model": MODEL}]
     for n in range(1, turns + 1):
         events.extend(_turn(n, output_chars))
+    for index, event in enumerate(events):  # every line carries a uuid, as the watcher writes them
+        event["uuid"] = str(uuid.uuid5(uuid.NAMESPACE_URL, f"bench/{sid}/{index}"))
     return SessionStore(client, settings).apply(sid, CWD, events).state.prompt_estimate
 
 
@@ -137,8 +143,8 @@ def _overhead(client: redis.Redis, settings: Settings, runs: int) -> dict[str, A
     finally:
         worker_context.clear()
     job, parse = statistics.median(job_ms), statistics.median(parse_ms)
-    return {"session_tokens": estimate, "overhead_ms_p50": round(job, 2), "parse_ms_p50": round(parse, 2),
-            "overhead_ratio": round(job / parse, 2)}
+    return {"session_tokens": estimate, "overhead_ms_p50": round(job, 2), "overhead_baseline_ms": round(parse, 2),
+            "parse_ms_p50": round(parse, 2), "overhead_ratio": round(job / parse, 2)}
 
 
 def _timed(fn: Callable[..., Any]) -> float:

@@ -11,6 +11,7 @@ from compactor.store import SessionStore, is_applied
 from events.config import Settings
 from events.errors import InvalidEvent
 from events.state import rebuild
+from events.view import build_view
 
 CWD = "/home/dev/project"
 SID = "sess-1"
@@ -124,3 +125,53 @@ def test_is_applied_compares_stream_ids_numerically() -> None:
     assert is_applied("10-0", "10-0") is True
     assert is_applied(None, "10-0") is False
     assert is_applied("10-0", None) is False
+
+
+def _long_turn(turn: int) -> list[dict[str, Any]]:
+    return [
+        user(turn, f"q{turn}"),
+        {"type": "assistant", "uuid": f"a{turn}", "turnId": turn, "content": "",
+         "toolCalls": [{"id": f"c{turn}", "name": "read_file", "arguments": {"path": "x"}}]},
+        {"type": "tool_result", "uuid": f"t{turn}", "turnId": turn, "toolCallId": f"c{turn}",
+         "toolName": "read_file", "output": "word " * 100},
+        turn_end(turn),
+    ]
+
+
+@pytest.mark.parametrize("appended", [
+    [{"type": "compact", "uuid": "c", "startTurnId": 1, "endTurnId": 2}],
+    [{"type": "summary", "uuid": "s", "replaces": ["u1-q1", "a1", "t1"], "summaryText": "S",
+      "lastSummarizedTurnId": 1}],
+    [{"type": "rollback", "uuid": "r", "throughTurnId": 3, "reason": "undo"}],
+])
+@pytest.mark.parametrize("with_view", [False, True])
+def test_apply_with_known_events_gives_the_state_of_a_reread(
+    store: SessionStore, r: redis.Redis, appended: list[dict[str, Any]], with_view: bool,
+) -> None:
+    store.apply(SID, CWD, [e for t in (1, 2, 3) for e in _long_turn(t)])
+    store.apply(SID, CWD, [{"type": "compact", "uuid": "c0", "startTurnId": 1, "endTurnId": 1}])
+    log = store.log(SID, CWD)
+    with log.lock():
+        known = log.read()
+        view = build_view(known, store.settings.context, messages=False) if with_view else None
+        result = store.apply(SID, CWD, appended, log=log, known=known, known_view=view)
+    expected = rebuild(SID, CWD, log.read(), store.settings.context, log.size())
+    assert result.state == expected and store.load(SID) == expected
+    assert result.view is not None and result.view.prompt_estimate == expected.prompt_estimate
+    # the same append without known events (a re-read of the log) gives the same state
+    r.flushall()
+    other = SessionStore(r, store.settings)
+    other.apply("sess-2", CWD, [e for t in (1, 2, 3) for e in _long_turn(t)])
+    other.apply("sess-2", CWD, [{"type": "compact", "uuid": "c0", "startTurnId": 1, "endTurnId": 1}])
+    assert other.apply("sess-2", CWD, appended).state.prompt_estimate == expected.prompt_estimate
+
+
+def test_apply_ignores_known_events_that_do_not_cover_the_log(store: SessionStore) -> None:
+    store.apply(SID, CWD, [e for t in (1, 2) for e in _long_turn(t)])
+    log = store.log(SID, CWD)
+    with log.lock():
+        stale = log.read()[:-1]  # a line short: not the log as it is
+        result = store.apply(SID, CWD, [{"type": "compact", "uuid": "c", "startTurnId": 1, "endTurnId": 1}],
+                             log=log, known=stale)
+    assert result.view is None
+    assert result.state == rebuild(SID, CWD, log.read(), store.settings.context, log.size())

@@ -7,9 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from events.config import ContextSettings
-from events.state import SessionState, decide, fold, rebuild
-from events.tokens import stamp
-from events.view import build_view
+from events.state import SessionState, decide, fold, rebuild, rebuild_with_view
+from events.tokens import event_tokens, stamp
+from events.view import build_view, extend_view, llm_targets
 from tests.events.builders import (
     assistant,
     call,
@@ -187,3 +187,64 @@ def test_a_long_ordinary_log_folds_without_any_rebuild() -> None:
     assert rebuilds == 0
     assert folded == rebuild("s1", "/w", events, CTX, log_size=0)
     assert folded.min_candidate_turn == 1 and folded.current_turn_id == 40
+
+
+@given(events=logs())
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_view_without_messages_equals_the_full_view_but_the_messages(events: list[dict[str, Any]]) -> None:
+    full = build_view(events, CTX)
+    lean = build_view(events, CTX, messages=False)
+    assert lean.messages == []
+    for name in ("prompt_estimate", "current_turn_id", "model", "encoding", "summary", "visible", "last_ended_turn",
+                 "max_turn", "context_window", "candidates", "compacted", "elided"):
+        assert getattr(lean, name) == getattr(full, name), name
+    assert llm_targets(events, CTX, view=lean) == llm_targets(events, CTX, view=full) == llm_targets(events, CTX)
+    state, view = rebuild_with_view("s1", "/w", events, CTX, 7)
+    assert state == rebuild("s1", "/w", events, CTX, 7) and view == lean
+
+
+@given(events=logs())
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_an_elided_target_carries_the_token_stamp_of_what_is_shown(events: list[dict[str, Any]]) -> None:
+    view = build_view(events, CTX, messages=False)
+    for target in llm_targets(events, CTX, view=view).events:
+        if target.get("type") == "tool_result" and "characters elided" in target.get("output", ""):
+            assert target["tokenEncoding"] == view.encoding
+            assert target["tokenCount"] == event_tokens(target, view.encoding)
+
+
+@given(events=logs(), start=st.integers(0, 8), length=st.integers(-1, 8), as_worker=st.booleans())
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_extending_a_view_with_a_compact_equals_building_it(
+    events: list[dict[str, Any]], start: int, length: int, as_worker: bool,
+) -> None:
+    view = build_view(events, CTX, messages=False)
+    turns = [c["turnId"] for c in view.candidates]
+    if as_worker and turns:  # as the micro step does: the range of the candidates' turns
+        start, length = min(turns), max(turns) - min(turns)
+    appended = [compact(start, start + length)]
+    assert extend_view(view, appended, CTX) == build_view(events + appended, CTX, messages=False)
+
+
+@given(events=logs(), data=st.data())
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_extending_a_view_with_a_summary_equals_building_it(events: list[dict[str, Any]], data: st.DataObject) -> None:
+    view = build_view(events, CTX, messages=False)
+    targets = llm_targets(events, CTX, view=view)
+    if data.draw(st.booleans()):  # as the worker does: the targets and the previous summary
+        replaces = [e["uuid"] for e in targets.events]
+        if targets.previous_summary is not None:
+            replaces.append(targets.previous_summary["uuid"])
+    else:  # any uuids of the log, visible or not, of any type
+        uuids = sorted({e["uuid"] for e in events if isinstance(e.get("uuid"), str)})
+        replaces = data.draw(st.lists(st.sampled_from(uuids), max_size=8)) if uuids else []
+    appended = [summary(replaces, data.draw(texts), max(targets.end_turn, 0))]
+    if data.draw(st.booleans()):
+        appended = [stamp(appended[0], view.encoding)]
+    assert extend_view(view, appended, CTX) == build_view(events + appended, CTX, messages=False)
+
+
+def test_extending_a_view_with_other_lines_is_left_to_a_full_build() -> None:
+    view = build_view(simple_turn(1, "q"), CTX, messages=False)
+    assert extend_view(view, [rollback(1)], CTX) is None
+    assert extend_view(view, [compact(1, 1), compact(1, 1)], CTX) is None

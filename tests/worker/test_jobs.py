@@ -12,10 +12,13 @@ from compactor.keys import Keys
 from compactor.queue import enqueue_compaction, pending_job_id
 from compactor.store import SessionStore
 from events.config import Settings
-from events.state import decide
+from events.log import SessionLog
+from events.state import decide, rebuild
+from events.view import build_view
 from tests.llm_stub import LLMStub, StubResponse, summary_text
 from tests.worker.conftest import CWD, make_settings, read_log, run_burst, write_session
 from worker.context import WorkerContext, install
+from worker.failures import FailureCounter
 from worker.jobs import llm_compact, micro_compact, recheck
 from worker.summarize import extract_summary, validate_summary_text
 
@@ -230,7 +233,8 @@ def test_targets_too_large_for_the_window_are_summarized_in_chunks(
 ) -> None:
     small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=100,
                           default_context_window=2_000, llm_timeout_seconds=5.0)
-    write_session(r, small, "s1", 12, output="y " * 300, window=2_000)
+    # a tool that is not compactable: micro compaction cannot shrink the targets below the window
+    write_session(r, small, "s1", 12, output="y " * 300, window=2_000, tool="ask_human")
     replies = iter(f"<summary>\n{summary_text(f'chunk{i}')}\n</summary>" for i in range(1, 50))
     stub.reply = lambda body: next(replies)
     job = _run(r, small, "s1", forced=True)
@@ -243,6 +247,20 @@ def test_targets_too_large_for_the_window_are_summarized_in_chunks(
     [summary] = _summaries(small, "s1")
     assert summary["summaryText"] == summary_text(f"chunk{len(stub.requests)}")
     assert summary["lastSummarizedTurnId"] == 11 and len(summary["replaces"]) == 33
+
+
+def test_elided_targets_are_planned_at_their_shown_size_not_chunked(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    # the same session as above but with a compactable tool: the micro step elides the outputs,
+    # and the prompt estimate counts them as shown (a copy's stamp is not the full output's)
+    small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=100,
+                          default_context_window=2_000, llm_timeout_seconds=5.0)
+    write_session(r, small, "s1", 12, output="y " * 300, window=2_000)
+    job = _run(r, small, "s1", forced=True)
+    assert job.get_status() == JobStatus.FINISHED
+    assert [e["type"] for e in read_log(small, "s1")[-2:]] == ["compact", "summary"]
+    assert len(stub.requests) == 1 and "characters elided" in stub.requests[0].user_text
 
 
 def test_compaction_model_too_small_falls_back_to_the_session_model(
@@ -302,3 +320,19 @@ def test_trigger_coalesced_during_a_job_is_enqueued_when_it_ends(
     run_burst(r, wsettings)
     assert Job.fetch(follow_up, connection=r).get_status() == JobStatus.FINISHED
     assert pending_job_id(r, wsettings, "s1") is None
+
+
+def test_state_after_an_llm_job_with_a_micro_step_equals_a_rebuild_from_the_log(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 5, window=1000)
+    FailureCounter(r, wsettings).record_failure("s1")  # a success resets it, in the state's round trip
+    install(WorkerContext.build(wsettings, r))
+    result = llm_compact("s1", CWD, forced=True)
+    log = SessionLog(wsettings.data_dir, CWD, "s1")
+    assert [e["type"] for e in log.read()[-2:]] == ["compact", "summary"]
+    stored = SessionStore(r, wsettings).load("s1")
+    assert stored is not None
+    assert stored == rebuild("s1", CWD, log.read(), wsettings.context, log.size())
+    assert result["promptEstimate"] == stored.prompt_estimate == build_view(log.read(), wsettings.context).prompt_estimate
+    assert FailureCounter(r, wsettings).count("s1") == 0
