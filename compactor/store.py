@@ -114,7 +114,7 @@ class SessionStore:
         """Fold the whole log from scratch (does not save)."""
         log = log or self.log(session_id, cwd)
         with log.lock():
-            size = log.size() if log.exists() else 0
+            size = log.complete_size()
             events = log.read() if size else []
         return rebuild(session_id, cwd, events, self.settings.context, size)
 
@@ -139,7 +139,7 @@ class SessionStore:
         log's size, which saves the Redis read on the watcher's hot path.
         """
         log = log or self.log(session_id, cwd)
-        size = log.size() if log.exists() else 0
+        size = log.complete_size()  # a crashed writer's torn tail is not part of the log
         state = cached if cached is not None and cached.log_size == size else None
         if state is None:
             state = self.load(session_id)

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 LOG_SUFFIX = ".jsonl"
 LOCK_SUFFIX = ".jsonl.lock"
 TORN_SUFFIX = ".jsonl.torn"
+COMPLETE_SCAN_BYTES = 64 * 1024  # read backwards in chunks this size to find the last newline
 MAX_NAME_BYTES = 255  # NAME_MAX of common file systems
 WRITE_CHUNK_BYTES = 1 << 22  # lines are batched into writes of about this size (whole lines only)
 TAIL_SCAN_BYTES = 1 << 16  # read backwards in blocks of this size to find the last newline
@@ -110,6 +111,28 @@ class SessionLog:
         """The log's size in bytes (0 when it does not exist)."""
         try:
             return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def complete_size(self) -> int:
+        """Bytes up to the end of the last complete line (a torn tail excluded).
+
+        The offset to record as "read up to": a torn tail is cut by the next
+        append, so an offset inside it would later point into the middle of a line.
+        """
+        try:
+            with open(self.path, "rb") as f:
+                end = f.seek(0, os.SEEK_END)
+                pos = end
+                while pos > 0:
+                    step = min(COMPLETE_SCAN_BYTES, pos)
+                    f.seek(pos - step)
+                    chunk = f.read(step)
+                    newline = chunk.rfind(b"\n")
+                    if newline >= 0:
+                        return pos - step + newline + 1
+                    pos -= step
+                return 0
         except FileNotFoundError:
             return 0
 

@@ -60,7 +60,7 @@ def current_state(client: redis.Redis, settings: Settings, session_id: str,
     if not log.exists():
         raise SessionNotFound(f"no session {session_id} under cwd {cwd}")
     state = store.load(session_id)
-    if state is None or state.cwd != cwd or state.log_size != log.size():
+    if state is None or state.cwd != cwd or state.log_size != log.complete_size():
         state = store.rebuild(session_id, cwd, log)
     return state
 

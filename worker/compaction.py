@@ -185,7 +185,7 @@ class Compactor:
                     events = events + applied.appended
                     view = applied.view or build_view(events, self.ctx, messages=False)
             targets = llm_targets(events, self.ctx, view=view)
-            snapshot = log.size()
+            snapshot = log.complete_size()
         if targets.end_turn < 1 or not targets.events:
             return _result(micro_done, before, state.prompt_estimate)
         session = _Session(state.model, state.window, state.encoding)
@@ -370,7 +370,7 @@ class _Snapshot:
 
 def _lines_since(log: SessionLog, snapshot: int) -> list[dict[str, Any]] | None:
     """The events written since byte ``snapshot``; None when the log shrank (call under the lock)."""
-    if log.size() < snapshot:
+    if log.complete_size() < snapshot:
         return None
     return log.read(snapshot)
 

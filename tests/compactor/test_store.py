@@ -175,3 +175,20 @@ def test_apply_ignores_known_events_that_do_not_cover_the_log(store: SessionStor
                              log=log, known=stale)
     assert result.view is None
     assert result.state == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
+
+
+def test_torn_tail_of_a_crashed_writer_is_not_counted_as_read(store: SessionStore) -> None:
+    """A torn tail is cut by the next append; an offset recorded inside it would point mid-line."""
+    store.apply(SID, CWD, [user(1, "a", "1-0")])
+    log = store.log(SID, CWD)
+    complete = log.size()
+    with open(log.path, "ab") as f:
+        f.write(b'{"type":"user","turnId":1,"cont')  # a writer died mid-line
+    assert log.complete_size() == complete
+    state = store.apply(SID, CWD, [user(1, "dup", "1-0")]).state  # a duplicate: nothing appended
+    assert state.log_size == complete
+    store.apply(SID, CWD, [user(1, "b", "2-0")])  # the append cuts the fragment
+    store.apply(SID, CWD, [user(1, "c", "3-0")])
+    assert [e["content"] for e in log.read()] == ["a", "b", "c"]
+    stored = store.load(SID)
+    assert stored is not None and stored.log_size == log.size()

@@ -296,3 +296,14 @@ def test_four_processes_appending_at_once_lose_and_tear_nothing(tmp_path: Path) 
         mine = [(e["b"], e["i"]) for e in events if e["w"] == worker]
         assert mine == [(b, i) for b in range(batches) for i in range(3)]  # whole batches, in order
     assert not log.torn_path.exists()
+
+
+def test_complete_size_stops_at_the_last_newline(tmp_path: Path) -> None:
+    log = SessionLog(tmp_path, "/p", "s")
+    assert log.complete_size() == 0
+    log.append([{"type": "user", "turnId": 1, "content": "x" * 100_000}])
+    whole = log.size()
+    assert log.complete_size() == whole
+    with open(log.path, "ab") as f:
+        f.write(b"y" * 200_000)  # a torn tail longer than one backwards scan chunk
+    assert log.complete_size() == whole
