@@ -12,6 +12,8 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
     {p}:watchers                zset: live watcher id -> last heartbeat (server ms)
     {p}:job:{sessionId}         string: id of the one compaction job queued/running
     {p}:retrigger:{sessionId}   string: a trigger that arrived while a job was pending
+    {p}:claims                  zset: sessionId -> when its claim/trigger needs a look (unix s);
+                                the worker janitor frees claims whose job never came or died
     {p}:janitor                 string: lock held by the one worker janitor running now
 
 Consumer group on every shard: ``{p}-watchers``, with one consumer per shard,
@@ -77,6 +79,10 @@ class Keys:
 
     def retrigger(self, session_id: str) -> str:
         return f"{self.prefix}:retrigger:{session_id}"
+
+    @property
+    def claims(self) -> str:
+        return f"{self.prefix}:claims"
 
     @property
     def janitor(self) -> str:

@@ -6,7 +6,13 @@ Invariants:
   enqueue. A trigger that arrives while it is pending is recorded in
   ``{p}:retrigger:{sid}`` by the same script, so it is coalesced, never lost:
   when the job ends, ``release_pending`` frees the claim and hands the
-  recorded trigger back to the worker, which re-checks the thresholds.
+  recorded trigger back to the worker, which re-checks the thresholds and
+  then ``settle_trigger``s it; until then it stays recorded, so a crash or a
+  Redis error while re-checking cannot lose it.
+- ``{p}:claims`` indexes the sessions with a claim or an unsettled trigger;
+  the worker janitor looks at the ones waiting longer than the grace period
+  and frees a claim whose job never came (an enqueuer killed between claim
+  and enqueue) or ended unnoticed, then re-checks the session.
 - Forced jobs always enqueue and never touch the claim.
 - Every job of a session carries ``RateLimit(key="{p}:{sid}", concurrency=1)``,
   so two jobs of one session never run at once across all workers (RQ keeps
@@ -47,12 +53,15 @@ JOB_FUNCTIONS: dict[str, str] = {
 JOB_RESULT_TTL_S = 86_400  # results readable by GET /api/jobs/{id} for a day
 JOB_FAILURE_TTL_S = 7 * 86_400  # failed jobs kept a week for inspection
 STALE_CLAIM_GRACE_S = 30.0  # a claim whose job hash is missing is stale after this
+JANITOR_BATCH = 200  # sessions the janitor looks at per run
 ENDED_STATUSES = frozenset({
     JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED,
 })
 
-# KEYS: job claim, retrigger; ARGV: new job id, kind. Returns nil when claimed,
-# else the id of the pending job (and the trigger is recorded; "llm" wins over "micro").
+# KEYS: job claim, retrigger, claims index; ARGV: new job id, kind, session id.
+# Returns nil when claimed, else the id of the pending job (and the trigger is
+# recorded; "llm" wins over "micro"). A new claim clears an old trigger: the new
+# job reads the latest state, so it answers every trigger before it.
 _CLAIM = """
 local cur = redis.call('GET', KEYS[1])
 if cur then
@@ -60,28 +69,47 @@ if cur then
   return cur
 end
 redis.call('SET', KEYS[1], ARGV[1])
+redis.call('DEL', KEYS[2])
+redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[3])
 return false
 """
 
-# KEYS: job claim, retrigger; ARGV: stale id, new id. Replaces a stale claim.
+# KEYS: job claim, retrigger, claims index; ARGV: stale id, new id, session id.
 _REPLACE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2])
   redis.call('DEL', KEYS[2])
+  redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[3])
   return 1
 end
 return 0
 """
 
-# KEYS: job claim, retrigger; ARGV: ending job id. Frees the claim when it is
-# this job's (or there is none) and returns the recorded trigger, if any.
+# KEYS: job claim, retrigger, claims index; ARGV: ending job id, session id.
+# Frees the claim when it is this job's (or there is none) and returns the
+# recorded trigger, which stays recorded (and indexed) until ``settle_trigger``
+# says it was handled, so a crash while re-checking it cannot lose it.
 _RELEASE = """
 local cur = redis.call('GET', KEYS[1])
 if cur and cur ~= ARGV[1] then return false end
 if cur then redis.call('DEL', KEYS[1]) end
 local t = redis.call('GET', KEYS[2])
-if t then redis.call('DEL', KEYS[2]) end
+if t then
+  redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
+else
+  redis.call('ZREM', KEYS[3], ARGV[2])
+end
 return t
+"""
+
+# KEYS: job claim, retrigger, claims index; ARGV: session id. After a re-check:
+# with no claim now, the trigger has been handled; with one, it belongs to that job.
+_SETTLE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('DEL', KEYS[2])
+  redis.call('ZREM', KEYS[3], ARGV[1])
+end
+return 1
 """
 
 _id_lock = threading.Lock()
@@ -152,11 +180,31 @@ def enqueue_compaction(
     return job_id
 
 
-def release_pending(client: redis.Redis, settings: Settings, session_id: str, job_id: str) -> str | None:
-    """Free the session's claim if ``job_id`` holds it; the coalesced trigger's kind, if any."""
+def _session_keys(settings: Settings, session_id: str) -> tuple[str, str, str]:
     keys = Keys(settings.redis.prefix, settings.redis.shards)
-    trigger = client.eval(_RELEASE, 2, keys.job(session_id), keys.retrigger(session_id), job_id)
+    return keys.job(session_id), keys.retrigger(session_id), keys.claims
+
+
+def release_pending(client: redis.Redis, settings: Settings, session_id: str, job_id: str) -> str | None:
+    """Free the session's claim if ``job_id`` holds it; the coalesced trigger's kind, if any.
+
+    The trigger stays recorded until ``settle_trigger`` (call it once re-checked).
+    """
+    trigger = client.eval(_RELEASE, 3, *_session_keys(settings, session_id), job_id, session_id)
     return _text(trigger) if trigger else None
+
+
+def settle_trigger(client: redis.Redis, settings: Settings, session_id: str) -> None:
+    """Forget a recorded trigger once the session was re-checked (unless a new job owns it)."""
+    client.eval(_SETTLE, 3, *_session_keys(settings, session_id), session_id)
+
+
+def sessions_to_look_at(client: redis.Redis, settings: Settings, older_than_s: float) -> list[str]:
+    """Sessions whose claim or trigger has waited longer than ``older_than_s`` (oldest first)."""
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    found = client.zrangebyscore(keys.claims, "-inf", time.time() - older_than_s,
+                                 start=0, num=JANITOR_BATCH)
+    return [_text(sid) for sid in found]
 
 
 def pending_job_id(client: redis.Redis, settings: Settings, session_id: str) -> str | None:
@@ -166,22 +214,22 @@ def pending_job_id(client: redis.Redis, settings: Settings, session_id: str) -> 
 
 
 def _claim(client: redis.Redis, settings: Settings, session_id: str, job_id: str, kind: str) -> bool:
-    keys = Keys(settings.redis.prefix, settings.redis.shards)
-    claim_key, retrigger_key = keys.job(session_id), keys.retrigger(session_id)
-    current = client.eval(_CLAIM, 2, claim_key, retrigger_key, job_id, kind)
+    claim_key, retrigger_key, claims_key = _session_keys(settings, session_id)
+    current = client.eval(_CLAIM, 3, claim_key, retrigger_key, claims_key, job_id, kind, session_id)
     if current is None:
         return True
     current_id = _text(current)
-    if not _is_stale(client, current_id):
+    if not claim_is_stale(client, current_id):
         logger.debug("coalesced session=%s kind=%s pending=%s", session_id, kind, current_id)
         return False
-    replaced = bool(client.eval(_REPLACE, 2, claim_key, retrigger_key, current_id, job_id))
+    replaced = bool(client.eval(_REPLACE, 3, claim_key, retrigger_key, claims_key,
+                                current_id, job_id, session_id))
     if replaced:
         logger.warning("replaced stale claim session=%s stale_job=%s", session_id, current_id)
     return replaced
 
 
-def _is_stale(client: redis.Redis, job_id: str) -> bool:
+def claim_is_stale(client: redis.Redis, job_id: str) -> bool:
     """Whether a claimed job has ended, or never came to exist within the grace period."""
     status = client.hget(Job.key_for(job_id), "status")
     if status is not None:
@@ -214,6 +262,7 @@ def _text(value: bytes | str) -> str:
 
 
 __all__ = [
-    "JOB_FUNCTIONS", "Kind", "compaction_queue", "enqueue_compaction", "new_job_id",
-    "parse_job_id", "pending_job_id", "rate_limit_for", "release_pending",
+    "JOB_FUNCTIONS", "Kind", "claim_is_stale", "compaction_queue", "enqueue_compaction", "new_job_id",
+    "parse_job_id", "pending_job_id", "rate_limit_for", "release_pending", "sessions_to_look_at",
+    "settle_trigger",
 ]

@@ -8,8 +8,11 @@ records the job as failed with that message (the API answers 502 for a forced on
 Invariant: however a job ends (result, exception, timeout), ``finish`` runs:
 it frees the session's pending-job claim if this job holds it and, when a
 trigger was coalesced meanwhile, re-checks the thresholds from the stored
-state and enqueues again, so no trigger is lost. For a job whose worker was
-killed, the worker janitor (``worker.runner``) calls ``finish`` instead.
+state and enqueues again, so no trigger is lost (the trigger stays recorded
+until the re-check is done). For a job whose worker was killed, or a claim
+whose job never came, the worker janitor (``worker.runner``) calls ``finish``
+with ``abandoned=True``: the session is re-checked even without a trigger,
+since the job that should have compacted it did not.
 Each job logs one line: session, job, kind, outcome, duration.
 """
 
@@ -22,7 +25,7 @@ from typing import Any
 from rq import get_current_job
 
 from compactor import metrics
-from compactor.queue import enqueue_compaction, release_pending
+from compactor.queue import enqueue_compaction, release_pending, settle_trigger
 from events.errors import LLMUnavailable, SessionNotFound, SummaryInvalid
 from events.models import CompressResult
 from events.state import decide
@@ -87,17 +90,19 @@ def _job_fields(session_id: str, job_id: str, kind: str, forced: bool, outcome: 
     return fields
 
 
-def finish(context: WorkerContext, session_id: str, job_id: str) -> str | None:
+def finish(context: WorkerContext, session_id: str, job_id: str, *, abandoned: bool = False) -> str | None:
     """Free the session's claim held by ``job_id`` and honour a coalesced trigger.
 
-    Returns the id of the job enqueued for the coalesced trigger, if any. Never
-    raises: a failure here is logged (the next trigger replaces a stale claim).
+    Returns the id of the job enqueued by the re-check, if any. Never raises: a
+    failure here is logged, and the trigger stays recorded for the janitor.
     """
     try:
         trigger = release_pending(context.redis, context.settings, session_id, job_id)
-        if trigger is None:
+        if trigger is None and not abandoned:
             return None
-        return recheck(context, session_id)
+        enqueued = recheck(context, session_id)
+        settle_trigger(context.redis, context.settings, session_id)
+        return enqueued
     except Exception:
         logger.exception("finishing job failed session=%s job=%s", session_id, job_id)
         return None

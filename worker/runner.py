@@ -48,7 +48,14 @@ from rq.worker import WorkerStatus
 
 from compactor import metrics
 from compactor.keys import Keys
-from compactor.queue import compaction_queue, parse_job_id
+from compactor.queue import (
+    STALE_CLAIM_GRACE_S,
+    claim_is_stale,
+    compaction_queue,
+    parse_job_id,
+    pending_job_id,
+    sessions_to_look_at,
+)
 from events.config import Settings
 from events.tokens import get_encoding
 from worker import context as worker_context
@@ -193,9 +200,25 @@ def run_janitor(context: WorkerContext, worker: SimpleWorker | None = None) -> l
         logger.warning("abandoned job recovered session=%s job=%s", parsed[2], job_id,
                        extra={"session_id": parsed[2], "job_id": job_id, "kind": parsed[1],
                               "outcome": "abandoned"})
-        finish(context, parsed[2], job_id)
+        finish(context, parsed[2], job_id, abandoned=True)
         recovered.append(job_id)
+    recovered += _free_stale_claims(context)
     return recovered
+
+
+def _free_stale_claims(context: WorkerContext) -> list[str]:
+    """Claims whose job never came or ended unnoticed, and triggers left unsettled: handle them."""
+    client, settings = context.redis, context.settings
+    freed = []
+    for session_id in sessions_to_look_at(client, settings, STALE_CLAIM_GRACE_S):
+        claim = pending_job_id(client, settings, session_id)
+        if claim is not None and not claim_is_stale(client, claim):
+            continue  # a live job still owns the session
+        logger.warning("stale claim freed session=%s job=%s", session_id, claim,
+                       extra={"session_id": session_id, "job_id": claim, "outcome": "stale_claim"})
+        finish(context, session_id, claim or "", abandoned=True)
+        freed.append(claim or session_id)
+    return freed
 
 
 def _clean_rate_limits(client: redis.Redis, prefix: str) -> None:

@@ -14,6 +14,7 @@ def test_key_layout_literal_strings_are_pinned() -> None:
     assert k.retrigger("s1") == "compaction:retrigger:s1"
     assert k.watchers == "compaction:watchers"
     assert k.janitor == "compaction:janitor"
+    assert k.claims == "compaction:claims"
     assert k.consumer(5) == "shard-5"
     assert k.group == "compaction-watchers"
     assert k.queue == "compaction"
@@ -32,6 +33,6 @@ def test_shard_is_crc32_of_utf8_session_id_modulo_shards() -> None:
 def test_a_custom_prefix_is_used_by_every_key() -> None:
     k = Keys(prefix="acme")
     built = [k.stream(0), k.dead, k.failures("s"), k.session("s"), k.sessions, k.lease(0),
-             k.fence(0), k.watchers, k.job("s"), k.retrigger("s"), k.group, k.queue]
+             k.fence(0), k.watchers, k.claims, k.janitor, k.job("s"), k.retrigger("s"), k.group, k.queue]
     assert all(key.startswith("acme") and "compaction" not in key for key in built)
     assert all("::" not in key for key in built)

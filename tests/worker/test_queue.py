@@ -15,6 +15,7 @@ from compactor.queue import (
     parse_job_id,
     pending_job_id,
     release_pending,
+    settle_trigger,
 )
 from events.config import Settings
 from tests.worker.conftest import CWD
@@ -48,8 +49,24 @@ def test_release_frees_the_claim_and_hands_back_the_trigger(r: redis.Redis, sett
     enqueue_compaction(r, settings, "s1", CWD, "micro")
     assert release_pending(r, settings, "s1", first) == "micro"
     assert pending_job_id(r, settings, "s1") is None
-    assert r.get(Keys().retrigger("s1")) is None
+    assert r.get(Keys().retrigger("s1")) == b"micro"  # kept until the re-check settles it
+    assert r.zscore(Keys().claims, "s1") is not None
     assert enqueue_compaction(r, settings, "s1", CWD, "micro") is not None
+    assert r.get(Keys().retrigger("s1")) is None  # the new job answers it
+
+
+def test_settling_a_trigger_forgets_it_only_when_no_job_owns_the_session(
+    r: redis.Redis, settings: Settings,
+) -> None:
+    first = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    assert first is not None
+    enqueue_compaction(r, settings, "s1", CWD, "llm")
+    settle_trigger(r, settings, "s1")  # a job still owns it: the trigger is that job's
+    assert r.get(Keys().retrigger("s1")) == b"llm"
+    release_pending(r, settings, "s1", first)
+    settle_trigger(r, settings, "s1")
+    assert r.get(Keys().retrigger("s1")) is None
+    assert r.zscore(Keys().claims, "s1") is None
 
 
 def test_release_by_another_job_keeps_the_claim(r: redis.Redis, settings: Settings) -> None:
