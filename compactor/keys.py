@@ -7,6 +7,7 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
     {p}:failures:{sessionId}    LLM failure counter, TTL failureTtlSeconds          (SPEC)
     {p}:session:{sessionId}     hash: derived per-session state (see events.state)
     {p}:sessions                zset: sessionId -> last activity (unix seconds)
+    {p}:uuids:{sessionId}       set: the uuids in the session's log (rejects duplicates)
     {p}:lease:{n}               string: watcher id owning shard n (PX lease)
     {p}:fence:{n}               counter: fencing token of shard n, bumped per new lease
     {p}:watchers                zset: live watcher id -> last heartbeat (server ms)
@@ -59,6 +60,9 @@ class Keys:
 
     def session(self, session_id: str) -> str:
         return f"{self.prefix}:session:{session_id}"
+
+    def uuids(self, session_id: str) -> str:
+        return f"{self.prefix}:uuids:{session_id}"
 
     @property
     def sessions(self) -> str:

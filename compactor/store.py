@@ -10,8 +10,12 @@ Invariants, for every writer (watcher or worker):
   describes a log other than the one on disk, and two writers never interleave.
 - An entry whose ``streamId`` is at or below the session's last applied one is
   already in the log: it is reported as a duplicate and not written again.
-- An event that fails a check (wrong cwd for the session, a turn id going
-  backwards) raises ``InvalidEvent`` before anything is written.
+- An event that fails a check (a turn id going backwards, a uuid the session
+  already has) is refused with an ``InvalidEvent`` and not written; a session
+  bound to another cwd refuses the whole batch.
+- ``{p}:uuids:{id}`` holds every uuid in the log (SPEC §3: unique within the
+  session). It is written with the state, extended when lines past ``logSize``
+  are folded, and rebuilt with the state from the log when Redis lost it.
 - Missing or stale state is rebuilt from the log, never guessed.
 """
 
@@ -37,6 +41,8 @@ from events.view import ContextView, extend_view
 logger = logging.getLogger(__name__)
 
 Guard = Callable[[], None]
+
+UUID_INDEX_CHUNK = 10_000  # uuids per SADD when indexing a whole log
 
 # KEYS[1] session hash; ARGV[1] the new logSize, then field, value, ... pairs.
 SAVE_IF_NEWER = """
@@ -146,14 +152,46 @@ class SessionStore:
         if state is not None and state.cwd != cwd:
             raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}")
         if state is None or size < state.log_size:
-            return self.rebuild(session_id, cwd, log)
+            return self._reindex(session_id, cwd, log)
         if size > state.log_size:
             logger.info("state catch-up session=%s from=%d to=%d", session_id, state.log_size, size)
             state = replace(state)
-            if not _fold_all(state, log.read(state.log_size), self.settings):
+            tail = log.read(state.log_size)
+            self._index_uuids(session_id, tail)
+            if not _fold_all(state, tail, self.settings):
                 return self.rebuild(session_id, cwd, log)
             state.log_size = size
         return state
+
+    def _reindex(self, session_id: str, cwd: str, log: SessionLog) -> SessionState:
+        """Rebuild the state and the uuid index from the whole log (Redis lost them)."""
+        size = log.complete_size()
+        events = log.read() if size else []
+        self.redis.delete(self.keys.uuids(session_id))
+        self._index_uuids(session_id, events)
+        return rebuild(session_id, cwd, events, self.settings.context, size)
+
+    def _index_uuids(self, session_id: str, events: list[dict[str, Any]], pipeline: Any | None = None) -> None:
+        uuids = [e["uuid"] for e in events if isinstance(e.get("uuid"), str)]
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
+        for start in range(0, len(uuids), UUID_INDEX_CHUNK):
+            pipe.sadd(self.keys.uuids(session_id), *uuids[start:start + UUID_INDEX_CHUNK])
+        if pipeline is None and uuids:
+            pipe.execute()
+
+    def taken_uuids(self, events_by_session: dict[str, list[dict[str, Any]]]) -> dict[str, set[str]]:
+        """Per session, the uuids among its events that its log already holds (one round trip)."""
+        asked = {sid: [e["uuid"] for e in events if isinstance(e.get("uuid"), str)]
+                 for sid, events in events_by_session.items()}
+        asked = {sid: uuids for sid, uuids in asked.items() if uuids}
+        if not asked:
+            return {sid: set() for sid in events_by_session}
+        pipe = self.redis.pipeline(transaction=False)
+        for sid, uuids in asked.items():
+            pipe.smismember(self.keys.uuids(sid), uuids)
+        replies = dict(zip(asked, pipe.execute()))
+        return {sid: {u for u, hit in zip(asked.get(sid, []), replies.get(sid, [])) if hit}
+                for sid in events_by_session}
 
     def apply(
         self,
@@ -167,6 +205,7 @@ class SessionStore:
         cached: SessionState | None = None,
         known: list[dict[str, Any]] | None = None,
         known_view: ContextView | None = None,
+        taken: set[str] | None = None,
     ) -> ApplyResult:
         """Append ``events`` to the session's log exactly once and advance its state.
 
@@ -189,6 +228,9 @@ class SessionStore:
         ``known_view`` (optional) is the view of ``known`` (messages not needed):
         after one compact or one summary the new view is then derived from it
         (``events.view.extend_view``) instead of built over the whole log.
+        ``taken`` is the result of ``taken_uuids`` for these events when the
+        caller looked a whole batch up in one round trip (the watcher: it alone
+        writes the session's producer events); it grows with the uuids applied.
         """
         log = log or self.log(session_id, cwd)
         with log.lock():
@@ -200,7 +242,9 @@ class SessionStore:
             batch = list(events)
             fresh = [e for e in batch if not is_applied(e.get("streamId"), state.last_stream_id)]
             result = ApplyResult(state, duplicates=len(batch) - len(fresh))
-            needs_rebuild = self._admit(state, fresh, result)
+            if taken is None:
+                taken = self.taken_uuids({session_id: fresh})[session_id]
+            needs_rebuild = self._admit(state, fresh, result, taken)
             if result.appended:
                 if guard is not None:
                     guard()
@@ -213,22 +257,26 @@ class SessionStore:
                 elif needs_rebuild:
                     state = self.rebuild(session_id, cwd, log)
             result.state = state
+            pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
+            self._index_uuids(session_id, result.appended, pipe)
+            self.save(state, pipe, if_newer=pipeline is not None)
             if pipeline is None:
-                self.save(state)
-            else:
-                self.save(state, pipeline, if_newer=True)
+                pipe.execute()
         return result
 
-    def _admit(self, state: SessionState, events: list[dict[str, Any]], result: ApplyResult) -> bool:
+    def _admit(
+        self, state: SessionState, events: list[dict[str, Any]], result: ApplyResult, taken: set[str]
+    ) -> bool:
         """Stamp and fold each acceptable event into ``state``; True when a rebuild is due."""
         needs_rebuild = False
         for event in events:
-            if not needs_rebuild:
-                try:
+            try:
+                _check_unique(event, taken)
+                if not needs_rebuild:
                     _check_turn_order(state, event)
-                except InvalidEvent as e:
-                    result.rejected.append((event, e))
-                    continue
+            except InvalidEvent as e:
+                result.rejected.append((event, e))
+                continue
             line = stamp(_unstamped(event), state.encoding)
             result.appended.append(line)
             if not needs_rebuild and not fold(state, line, self.settings.context):
@@ -246,6 +294,15 @@ def _unstamped(event: dict[str, Any]) -> dict[str, Any]:
     if "tokenCount" in event or "tokenEncoding" in event:
         return {k: v for k, v in event.items() if k not in ("tokenCount", "tokenEncoding")}
     return event
+
+
+def _check_unique(event: dict[str, Any], taken: set[str]) -> None:
+    """Refuse a uuid the session already has (``taken`` grows with the batch)."""
+    uuid = event.get("uuid")
+    if isinstance(uuid, str):
+        if uuid in taken:
+            raise InvalidEvent("uuid", f"{uuid!r} duplicates an event already in this session")
+        taken.add(uuid)
 
 
 def _check_turn_order(state: SessionState, event: dict[str, Any]) -> None:

@@ -225,10 +225,12 @@ class Watcher:
             else:
                 by_session.setdefault(decoded.session_id, []).append(decoded)
         saves = self.redis.pipeline(transaction=False)
+        taken = self.store.taken_uuids({sid: [e.event for e in entries] for sid, entries in by_session.items()
+                                        if sid not in cursor.held})
         try:
-            for session_id, entries in by_session.items():
-                if session_id not in cursor.held:
-                    self._apply_session(shard, cursor, session_id, entries, outcome, saves)
+            for session_id, taken_by_session in taken.items():
+                self._apply_session(shard, cursor, session_id, by_session[session_id], outcome, saves,
+                                    taken_by_session)
         except LeaseLost:
             self._lose(shard, "lease expired before the write")
             return
@@ -241,12 +243,12 @@ class Watcher:
 
     def _apply_session(
         self, shard: int, cursor: ShardCursor, session_id: str, entries: list[Entry],
-        outcome: BatchOutcome, saves: Any,
+        outcome: BatchOutcome, saves: Any, taken: set[str],
     ) -> None:
         """Apply a session's entries run by run (see ``runs``); hold the session back on failure."""
         for run in runs(entries):
             try:
-                self._apply_run(shard, session_id, run[0].cwd, run, outcome, saves)
+                self._apply_run(shard, session_id, run[0].cwd, run, outcome, saves, taken)
             except InvalidInput as e:
                 for entry in run:
                     outcome.reject(entry.id, str(e), entry.fields)
@@ -262,11 +264,12 @@ class Watcher:
                 return
 
     def _apply_run(
-        self, shard: int, session_id: str, cwd: str, run: list[Entry], outcome: BatchOutcome, saves: Any
+        self, shard: int, session_id: str, cwd: str, run: list[Entry], outcome: BatchOutcome, saves: Any,
+        taken: set[str],
     ) -> None:
         log = self._log(session_id, cwd)
         result = self.store.apply(
-            session_id, cwd, [e.event for e in run], log=log, pipeline=saves,
+            session_id, cwd, [e.event for e in run], log=log, pipeline=saves, taken=taken,
             guard=lambda: self.leases.check(shard), cached=self._cached(session_id),
         )
         self._remember(session_id, result.state, log)

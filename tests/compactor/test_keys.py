@@ -8,6 +8,7 @@ def test_key_layout_literal_strings_are_pinned() -> None:
     assert k.failures("s1") == "compaction:failures:s1"
     assert k.session("s1") == "compaction:session:s1"
     assert k.sessions == "compaction:sessions"
+    assert k.uuids("s1") == "compaction:uuids:s1"
     assert k.lease(0) == "compaction:lease:0"
     assert k.fence(0) == "compaction:fence:0"
     assert k.job("s1") == "compaction:job:s1"
@@ -32,7 +33,7 @@ def test_shard_is_crc32_of_utf8_session_id_modulo_shards() -> None:
 
 def test_a_custom_prefix_is_used_by_every_key() -> None:
     k = Keys(prefix="acme")
-    built = [k.stream(0), k.dead, k.failures("s"), k.session("s"), k.sessions, k.lease(0),
+    built = [k.stream(0), k.dead, k.failures("s"), k.session("s"), k.uuids("s"), k.sessions, k.lease(0),
              k.fence(0), k.watchers, k.claims, k.janitor, k.job("s"), k.retrigger("s"), k.group, k.queue]
     assert all(key.startswith("acme") and "compaction" not in key for key in built)
     assert all("::" not in key for key in built)

@@ -192,3 +192,26 @@ def test_torn_tail_of_a_crashed_writer_is_not_counted_as_read(store: SessionStor
     assert [e["content"] for e in log.read()] == ["a", "b", "c"]
     stored = store.load(SID)
     assert stored is not None and stored.log_size == log.size()
+
+
+def test_a_uuid_the_session_already_has_is_refused(store: SessionStore) -> None:
+    store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a")])
+    result = store.apply(SID, CWD, [user(1, "again", "2-0", uuid="u-a"), user(1, "b", "3-0", uuid="u-b"),
+                                    user(1, "twice in one batch", "4-0", uuid="u-b")])
+    assert [(e["content"], err.field) for e, err in result.rejected] == [
+        ("again", "uuid"), ("twice in one batch", "uuid")]
+    assert [e["uuid"] for e in store.log(SID, CWD).read()] == ["u-a", "u-b"]
+
+
+def test_uuid_index_is_rebuilt_from_the_log_after_redis_loses_it(store: SessionStore, r: redis.Redis) -> None:
+    store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a")])
+    r.flushall()
+    result = store.apply(SID, CWD, [user(1, "again", "2-0", uuid="u-a")])
+    assert [err.field for _, err in result.rejected] == ["uuid"]
+
+
+def test_uuids_of_lines_a_crashed_writer_left_are_indexed(store: SessionStore) -> None:
+    store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a")])
+    store.log(SID, CWD).append([user(1, "b", "2-0", uuid="u-b")])  # appended, state never saved
+    result = store.apply(SID, CWD, [user(1, "c", "3-0", uuid="u-b")])
+    assert [err.field for _, err in result.rejected] == ["uuid"]
