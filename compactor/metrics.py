@@ -43,7 +43,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 EVENT_TYPES = frozenset({"session_meta", "user", "assistant", "tool_result", "turn_end",
                          "rollback", "compact", "summary"})
 REASON_KINDS = ("malformed", "too_large", "invalid_event", "identity", "cwd_conflict",
-                "turn_order")
+                "turn_order", "duplicate_uuid")
 JOB_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 LLM_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 
@@ -99,6 +99,8 @@ def reason_kind(reason: str) -> str:
     text = reason.lower()
     if "goes backwards" in text:
         return "turn_order"
+    if "duplicates an event already" in text:
+        return "duplicate_uuid"
     if "is bound to cwd" in text:
         return "cwd_conflict"
     if "maxeventbytes" in text:

@@ -199,6 +199,7 @@ def test_scrape_without_redis_still_answers(msettings: Settings) -> None:
     ("event is 5000000 bytes, more than limits.maxEventBytes (4194304)", "too_large"),
     ("turnId: goes backwards: 1 < currentTurnId 3", "turn_order"),
     ("cwd: session s is bound to cwd '/a'", "cwd_conflict"),
+    ("uuid: 'u-1' duplicates an event already in this session", "duplicate_uuid"),
     ("sessionId: must match ^[A-Za-z0-9]...", "identity"),
     ("turnId: Input should be a valid integer", "invalid_event"),
 ])
