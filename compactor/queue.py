@@ -202,8 +202,8 @@ def settle_trigger(client: redis.Redis, settings: Settings, session_id: str) -> 
 def sessions_to_look_at(client: redis.Redis, settings: Settings, older_than_s: float) -> list[str]:
     """Sessions whose claim or trigger has waited longer than ``older_than_s`` (oldest first)."""
     keys = Keys(settings.redis.prefix, settings.redis.shards)
-    found = client.zrangebyscore(keys.claims, "-inf", time.time() - older_than_s,
-                                 start=0, num=JANITOR_BATCH)
+    found: list[bytes] = client.zrangebyscore(  # type: ignore[assignment]
+        keys.claims, "-inf", time.time() - older_than_s, start=0, num=JANITOR_BATCH)
     return [_text(sid) for sid in found]
 
 

@@ -40,6 +40,7 @@ import redis
 import yaml
 
 from compactor.embedded import EmbeddedRedis
+from compactor.urls import redacted
 from events.config import ENV_OVERRIDES, Settings
 from events.errors import InvalidConfig
 
@@ -352,7 +353,7 @@ def supervise(stack: Stack, stop: _StopRequested) -> int:
             misses = 0 if stack.redis_alive() else misses + 1
             next_redis_check = time.monotonic() + REDIS_CHECK_INTERVAL_S
             if misses >= REDIS_MISSES_TO_FAIL:
-                print(f"compactor serve: Redis at {stack.redis_url} stopped answering; "
+                print(f"compactor serve: Redis at {redacted(stack.redis_url)} stopped answering; "
                       "shutting down", file=sys.stderr)
                 return 1
         time.sleep(POLL_INTERVAL_S)
@@ -368,7 +369,7 @@ def serve(settings: Settings, *, workers: int, host: str | None = None,
         with running_stack(settings, specs) as stack:
             where = f"http://{host or settings.api.host}:{port or settings.api.port}"
             print(f"compactor serve: API {where}, watcher, {workers} worker(s); "
-                  f"Redis {stack.redis_url}; Ctrl-C to stop", file=sys.stderr, flush=True)
+                  f"Redis {redacted(stack.redis_url)}; Ctrl-C to stop", file=sys.stderr, flush=True)
             code = supervise(stack, stop)
         print("compactor serve: stopped", file=sys.stderr, flush=True)
     return code

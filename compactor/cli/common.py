@@ -23,6 +23,7 @@ import redis
 import typer
 from rich.console import Console
 
+from compactor.urls import redacted
 from events.config import Settings, load_settings
 from events.errors import CompactorError, InvalidConfig, InvalidInput
 
@@ -105,7 +106,7 @@ def connect(settings: Settings) -> redis.Redis:
     try:
         client.ping()
     except (redis.RedisError, OSError) as e:
-        fail(f"Redis unreachable at {url}: {e}")
+        fail(f"Redis unreachable at {redacted(url)}: {e}")
     return client
 
 

@@ -1,10 +1,11 @@
 """Triggers that die with their job: found by the Redis-restart and worker-kill chaos runs.
 
-A compaction trigger is consumed when its job is enqueued. Two ways of ending a job
-lose it without counting an LLM failure, so a session over its threshold gets no
-compaction until its next ``turn_end`` (it is not stuck for good, but it is not
-compacted when it should be). Both tests reproduce the cases deterministically and
-are expected to fail until ``worker.jobs.finish`` is fixed (see docs/RELIABILITY.md).
+A compaction trigger is consumed when its job is enqueued. Three ways of ending a
+job used to lose it without counting an LLM failure, so a session over its
+threshold got no compaction until its next ``turn_end``: a Redis error while the
+worker re-checked a coalesced trigger, a killed worker's job recovered by the
+janitor, and an enqueuer killed between the claim and the RQ enqueue. Each test
+reproduces one case deterministically (fixed in f9221fc; see docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
