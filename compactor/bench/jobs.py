@@ -24,24 +24,22 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import psutil
 import redis
 from rq.job import Job
 
 from compactor.embedded import EmbeddedRedis
+from compactor.llm_stub import LLMStub
 from compactor.queue import enqueue_compaction
 from compactor.store import SessionStore
 from events.config import Settings
@@ -65,7 +63,7 @@ def run(*, quick: bool = False, progress: Progress | None = None) -> dict[str, A
     """Run the three measurements; a flat dict of numbers."""
     say = progress or (lambda message: None)
     level = 0 if quick else 1
-    with tempfile.TemporaryDirectory(prefix="compactor-bench-jobs-") as tmp, _Stub() as stub:
+    with tempfile.TemporaryDirectory(prefix="compactor-bench-jobs-") as tmp, LLMStub(lambda _body: SUMMARY) as stub:
         root = Path(tmp)
         server = EmbeddedRedis(root / "redis", persist=False).start()
         previous_env = _point_litellm_at(stub.base_url)
@@ -209,54 +207,6 @@ def _rss_growth(client: redis.Redis, settings: Settings, warmup: int, jobs: int)
 
 
 # -- the LLM stub ----------------------------------------------------------------------------
-
-
-class _Stub:
-    """A minimal OpenAI-compatible server answering every call with a valid summary after ``latency_s``."""
-
-    def __init__(self) -> None:
-        self.latency_s = 0.0
-        stub = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def setup(self) -> None:
-                super().setup()
-                self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no Nagle + delayed-ACK stalls
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                time.sleep(stub.latency_s)
-                body = json.dumps({
-                    "id": "bench", "object": "chat.completion", "created": int(time.time()), "model": "bench",
-                    "choices": [{"index": 0, "finish_reason": "stop",
-                                 "message": {"role": "assistant", "content": SUMMARY}}],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-                }).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def __enter__(self) -> Self:
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def _point_litellm_at(base_url: str) -> dict[str, str | None]:

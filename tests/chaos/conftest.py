@@ -40,7 +40,7 @@ from compactor.keys import Keys
 from events.config import Settings, load_settings
 from events.log import SessionLog
 from events.view import build_view
-from tests.llm_stub import STUB_MODEL, LLMStub, StubResponse
+from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse
 
 REPO = Path(__file__).parents[2]
 SCALE = float(os.environ.get("COMPACTOR_CHAOS_SCALE", "1"))

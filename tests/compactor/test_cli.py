@@ -19,7 +19,7 @@ from compactor.keys import Keys
 from compactor.queue import compaction_queue
 from events.config import Settings
 from events.log import SessionLog
-from tests.llm_stub import STUB_MODEL, LLMStub
+from compactor.llm_stub import STUB_MODEL, LLMStub
 from tests.producer.test_api import CWD, SID, run_jobs, write_session
 
 COMMANDS = ("serve", "watch", "work", "api", "compact", "context", "status", "demo", "bench",

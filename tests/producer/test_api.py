@@ -19,7 +19,7 @@ from compactor.store import SessionStore
 from events.config import Settings
 from events.log import SessionLog
 from producer.api import create_app, get_settings
-from tests.llm_stub import STUB_MODEL, LLMStub
+from compactor.llm_stub import STUB_MODEL, LLMStub
 from worker import context as worker_context
 from worker.context import WorkerContext
 

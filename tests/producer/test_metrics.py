@@ -27,7 +27,7 @@ from events.config import Settings
 from producer.api import create_app
 from producer.publisher import Publisher
 from producer.watcher import Watcher
-from tests.llm_stub import STUB_MODEL, LLMStub
+from compactor.llm_stub import STUB_MODEL, LLMStub
 from tests.producer.conftest import CWD, drain, fast_settings
 from worker import context as worker_context
 from worker.context import WorkerContext

@@ -17,7 +17,7 @@ import redis
 from compactor.store import SessionStore
 from events.config import Settings
 from events.log import SessionLog
-from tests.llm_stub import STUB_MODEL, LLMStub
+from compactor.llm_stub import STUB_MODEL, LLMStub
 from worker import context as worker_context
 from worker.context import WorkerContext
 from worker.runner import CompactionWorker

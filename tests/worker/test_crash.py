@@ -16,7 +16,7 @@ from rq.job import Job, JobStatus
 
 from compactor.queue import enqueue_compaction, pending_job_id
 from events.config import Settings, load_settings
-from tests.llm_stub import STUB_MODEL, LLMStub
+from compactor.llm_stub import STUB_MODEL, LLMStub
 from tests.worker.conftest import CWD, log_lines, write_session
 
 RECOVERY_LIMIT_S = 60.0

@@ -15,7 +15,7 @@ from events.config import Settings
 from events.log import SessionLog
 from events.state import decide, rebuild
 from events.view import build_view
-from tests.llm_stub import LLMStub, StubResponse, summary_text
+from compactor.llm_stub import LLMStub, StubResponse, summary_text
 from tests.worker.conftest import CWD, make_settings, read_log, run_burst, write_session
 from worker.context import WorkerContext, install
 from worker.failures import FailureCounter

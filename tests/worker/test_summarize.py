@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from events.errors import LLMUnavailable, SummaryInvalid
-from tests.llm_stub import STUB_MODEL, LLMStub, StubResponse, summary_text
+from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse, summary_text
 from worker.summarize import (
     SECTION_TITLES,
     SYSTEM_PROMPT,

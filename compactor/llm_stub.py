@@ -1,4 +1,4 @@
-"""A local OpenAI-compatible chat-completions server for tests (the LLM faked at the HTTP layer).
+"""A local OpenAI-compatible chat-completions server for tests and benchmarks (the LLM faked at the HTTP layer).
 
 ``LLMStub`` serves ``POST /v1/chat/completions`` (and ``/chat/completions``) on
 127.0.0.1 on a free port, from a thread of the test process, so litellm (in
@@ -103,7 +103,7 @@ class LLMStub:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> LLMStub:
+    def start(self) -> Self:
         server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         server.daemon_threads = True
         self._server = server
