@@ -232,11 +232,14 @@ class Watcher:
                 self._apply_session(shard, cursor, session_id, by_session[session_id], outcome, saves,
                                     taken_by_session)
         except LeaseLost:
+            saves.execute()
             self._lose(shard, "lease expired before the write")
             return
-        finally:
-            saves.execute()  # the batch's state saves in one round trip, before any ack
-        if not self.streams.ack(shard, outcome.acks, outcome.dead):
+        except BaseException:
+            saves.execute()  # what was appended keeps its state save; nothing is acked
+            raise
+        # The state saves, then the fenced dead-letter + ack, in one round trip.
+        if not self.streams.ack(shard, outcome.acks, outcome.dead, pipeline=saves):
             self._lose(shard, "lease taken before the ack")
             return
         metrics.count_dead_letters(outcome.reasons)

@@ -160,16 +160,31 @@ class ShardStreams:
             return ReadResult([], top=_text(reply))
         return ReadResult([(entry[0], entry[1] or None) for entry in reply])
 
-    def ack(self, shard: int, ids: list[str], dead: list[list[bytes]]) -> bool:
-        """Dead-letter ``dead`` (flat field lists) and XACK ``ids`` atomically; False when not our lease."""
+    def ack(self, shard: int, ids: list[str], dead: list[list[bytes]], pipeline: Any | None = None) -> bool:
+        """Dead-letter ``dead`` (flat field lists) and XACK ``ids`` atomically; False when not our lease.
+
+        With ``pipeline`` the fenced script runs after the commands already queued
+        there (the batch's state saves), all in one round trip.
+        """
         if not ids and not dead:
+            if pipeline is not None:
+                pipeline.execute()
             return True
         args: list[Any] = [self.owner, self.keys.group, DEAD_LETTER_MAXLEN, len(ids), *ids]
         for fields in dead:
             args += [len(fields), *fields]
         keys = [self.keys.lease(shard), self.keys.stream(shard), self.keys.dead]
         try:
-            return int(self._ack(keys=keys, args=args)) >= 0
+            if pipeline is None:
+                return int(self._ack(keys=keys, args=args)) >= 0
+            self._ack(keys=keys, args=args, client=pipeline)
+            replies = pipeline.execute(raise_on_error=False)
+            for reply in replies[:-1]:
+                if isinstance(reply, Exception):  # a state save failed: the next writer catches up
+                    logger.warning("state save failed before ack shard=%d error=%s", shard, reply)
+            if isinstance(replies[-1], Exception):
+                raise replies[-1]
+            return int(replies[-1]) >= 0
         except redis.ResponseError as e:
             if "NOGROUP" in str(e):
                 return True  # Redis lost the group: nothing is pending any more

@@ -65,7 +65,7 @@ def test_entries_redelivered_after_a_crash_before_the_ack_are_not_applied_twice(
     published = publish_turns(Publisher(r, fast), ["a1", "b2", "c3"], turns=10)
     crashed = Watcher(r, fast, name="crashed")
 
-    def crash(*args: Any) -> bool:
+    def crash(*args: Any, **kwargs: Any) -> bool:
         raise redis.ConnectionError("killed before the ack")
 
     monkeypatch.setattr(crashed.streams, "ack", crash)
