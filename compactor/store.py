@@ -6,8 +6,11 @@ over it that records how many bytes of the log it has seen (``logSize``).
 Invariants, for every writer (watcher or worker):
 - All appends to a log happen inside ``SessionLog.lock()``; the state is read,
   brought up to date with any lines past ``logSize`` (a crashed writer's), and
-  saved with the new ``logSize`` inside the same lock. So the state never
-  describes a log other than the one on disk, and two writers never interleave.
+  saved with the new ``logSize`` — inside the same lock, or, when the watcher
+  defers it into its batch pipeline, only if no state that has seen more of
+  the log was stored meanwhile (``SAVE_IF_NEWER``). So a stored state never
+  goes backwards, two writers never interleave, and any state that lags the
+  log is caught up by the next writer before it is used.
 - An entry whose ``streamId`` is at or below the session's last applied one is
   already in the log: it is reported as a duplicate and not written again.
 - An event that fails a check (a turn id going backwards, a uuid the session
