@@ -123,6 +123,11 @@ class SessionLog:
         try:
             with open(self.path, "rb") as f:
                 end = f.seek(0, os.SEEK_END)
+                if end == 0:
+                    return 0
+                f.seek(end - 1)
+                if f.read(1) == b"\n":  # the common case: no torn tail
+                    return end
                 pos = end
                 while pos > 0:
                     step = min(COMPLETE_SCAN_BYTES, pos)
