@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 LOG_SUFFIX = ".jsonl"
 LOCK_SUFFIX = ".jsonl.lock"
 TORN_SUFFIX = ".jsonl.torn"
-COMPLETE_SCAN_BYTES = 64 * 1024  # read backwards in chunks this size to find the last newline
 MAX_NAME_BYTES = 255  # NAME_MAX of common file systems
 WRITE_CHUNK_BYTES = 1 << 22  # lines are batched into writes of about this size (whole lines only)
 TAIL_SCAN_BYTES = 1 << 16  # read backwards in blocks of this size to find the last newline
@@ -121,25 +120,13 @@ class SessionLog:
         append, so an offset inside it would later point into the middle of a line.
         """
         try:
-            with open(self.path, "rb") as f:
-                end = f.seek(0, os.SEEK_END)
-                if end == 0:
-                    return 0
-                f.seek(end - 1)
-                if f.read(1) == b"\n":  # the common case: no torn tail
-                    return end
-                pos = end
-                while pos > 0:
-                    step = min(COMPLETE_SCAN_BYTES, pos)
-                    f.seek(pos - step)
-                    chunk = f.read(step)
-                    newline = chunk.rfind(b"\n")
-                    if newline >= 0:
-                        return pos - step + newline + 1
-                    pos -= step
-                return 0
+            fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return 0
+        try:
+            return _complete_size(fd)
+        finally:
+            os.close(fd)
 
     # -- locking -------------------------------------------------------------
 
@@ -256,9 +243,9 @@ class SessionLog:
 
     def _repair_torn_tail(self, fd: int) -> int:
         size = os.fstat(fd).st_size
-        if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        keep = _complete_size(fd, size)
+        if keep == size:
             return size
-        keep = _end_of_last_line(fd, size)
         fragment = os.pread(fd, size - keep, keep)
         logger.warning("torn tail of %d bytes moved from %s to %s", len(fragment), self.path, self.torn_path)
         try:
@@ -317,6 +304,14 @@ def _serialize(events: list[dict[str, Any]]) -> list[bytes]:
     if current:
         chunks.append(b"".join(current))
     return chunks
+
+
+def _complete_size(fd: int, size: int | None = None) -> int:
+    """Bytes up to the end of the last complete line: one byte read when there is no torn tail."""
+    size = os.fstat(fd).st_size if size is None else size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return size
+    return _end_of_last_line(fd, size)
 
 
 def _end_of_last_line(fd: int, size: int) -> int:
