@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,10 +36,11 @@ import yaml
 from rq.job import Job
 
 from compactor.keys import Keys
+from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse
 from events.config import Settings, load_settings
 from events.log import SessionLog
 from events.view import build_view
-from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse
+from tests.support import wait_for
 
 REPO = Path(__file__).parents[2]
 SCALE = float(os.environ.get("COMPACTOR_CHAOS_SCALE", "1"))
@@ -53,17 +53,6 @@ def scaled(n: int, minimum: int = 1) -> int:
     return max(minimum, int(n * SCALE))
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f}s waiting for {what}"
-        time.sleep(every_s)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- the LLM ------------------------------------------------------------------------------------

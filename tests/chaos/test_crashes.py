@@ -40,13 +40,12 @@ from tests.chaos.conftest import (
     assert_exactly_once_in_order,
     assert_never_stuck,
     backlog,
-    free_port,
     read_lines,
     scaled,
-    wait_for,
     wait_quiet,
     worker_children,
 )
+from tests.support import free_port, wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(600)]
 

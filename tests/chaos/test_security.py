@@ -28,7 +28,8 @@ from compactor.embedded import EmbeddedRedis
 from compactor.queue import enqueue_compaction
 from events.config import Settings, load_settings
 from producer.api import create_app, make_redis
-from tests.chaos.conftest import CWD, REPO, Stack, agent_turn, free_port, read_lines, wait_for
+from tests.chaos.conftest import CWD, REPO, Stack, agent_turn, read_lines
+from tests.support import free_port, wait_for
 from compactor.llm_stub import STUB_MODEL, LLMStub
 from tests.worker.conftest import run_burst, stub, write_session  # noqa: F401 - the stub fixture
 

@@ -21,9 +21,9 @@ from tests.chaos.conftest import (
     assert_never_stuck,
     read_lines,
     scaled,
-    wait_for,
     wait_quiet,
 )
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(600)]
 

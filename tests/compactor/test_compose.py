@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,7 @@ import yaml
 from compactor.cli import app
 from events.config import ENV_OVERRIDES
 from events.log import SessionLog
+from tests.support import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 CWD = "/home/dev/project"
@@ -110,11 +109,6 @@ def test_dockerfile_installs_the_console_script_and_runs_serve() -> None:
 
 # -- the smoke test ----------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def local_argv(command: list[str], port: int) -> list[str]:
     """A compose command as a local process: this Python, localhost, a free port."""
@@ -152,15 +146,6 @@ def stack(compose: dict[str, Any], redis_url: str, tmp_path: Path) -> Iterator[d
                 process.kill()
                 process.communicate()
 
-
-def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def api_up(url: str) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -24,24 +23,11 @@ from compactor.serve import ChildFailed, ChildSpec, Supervisor
 from events.config import ENV_OVERRIDES, Settings, load_settings
 from events.errors import InvalidConfig
 from events.log import SessionLog
+from tests.support import free_port, wait_for
 
 CWD = "/home/dev/project"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(predicate: Any, timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_effective_config_round_trips_with_the_redis_url_pinned(settings: Settings,

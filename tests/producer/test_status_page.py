@@ -7,7 +7,6 @@ Debian's ``/usr/bin/chromium`` (never a downloaded browser).
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from compactor.keys import Keys
 from compactor.store import SessionStore
 from events.config import Settings
 from producer.api import create_app
+from tests.support import free_port
 from worker.context import WorkerContext
 
 CWD = "/home/dev/project"
@@ -112,11 +112,6 @@ def test_status_routes_need_the_token_but_the_page_does_not(sessions: Settings,
 # -- in a real browser ----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @pytest.fixture
 def serve_api(r: redis.Redis) -> Iterator[Any]:
@@ -124,7 +119,7 @@ def serve_api(r: redis.Redis) -> Iterator[Any]:
     servers: list[tuple[uvicorn.Server, threading.Thread]] = []
 
     def start(settings: Settings) -> str:
-        port = _free_port()
+        port = free_port()
         server = uvicorn.Server(uvicorn.Config(create_app(settings, r), host="127.0.0.1",
                                                port=port, log_level="warning", lifespan="off"))
         thread = threading.Thread(target=server.run, daemon=True)

@@ -29,6 +29,7 @@ from tests.producer.conftest import (
     turn_end,
     user,
 )
+from tests.support import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -70,12 +71,6 @@ def spawn(tmp_path: Path) -> Iterator[Callable[[Settings, str], subprocess.Popen
             process.kill()
         process.wait()
 
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 def lines_on_disk(settings: Settings, sessions: list[str]) -> int:
