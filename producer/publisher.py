@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -35,8 +36,22 @@ IDENTITY_FIELDS = ("sessionId", "cwd")
 EventLike = Mapping[str, Any] | BaseModel
 
 
+@dataclass(frozen=True)
+class PreparedBatch:
+    """Events validated and encoded for one session, ready for ``Publisher.send``."""
+
+    session_id: str
+    cwd: str
+    stream: str
+    payloads: tuple[bytes, ...]
+
+
 class Publisher:
-    """Validates events and XADDs them to ``Keys.stream_for(session_id)``."""
+    """Validates events and XADDs them to ``Keys.stream_for(session_id)``.
+
+    ``publish`` = ``send(prepare(...))``; an agent that builds its events ahead
+    of time (or a load generator) can prepare them first and send them later.
+    """
 
     def __init__(self, redis_client: redis.Redis, settings: Settings) -> None:
         self.redis = redis_client
@@ -45,18 +60,26 @@ class Publisher:
 
     def publish(self, session_id: str, cwd: str, events: EventLike | Sequence[EventLike]) -> list[str]:
         """Validate all events, then XADD them in one transaction; return their stream ids."""
+        return self.send(self.prepare(session_id, cwd, events))
+
+    def prepare(self, session_id: str, cwd: str, events: EventLike | Sequence[EventLike]) -> PreparedBatch:
+        """Validate and encode the events (nothing is sent); raises like ``publish``."""
         session_id = validate_session_id(session_id)
         cwd = validate_cwd(cwd)
         batch = [events] if isinstance(events, (Mapping, BaseModel)) else list(events)
-        payloads = [self._encode(session_id, cwd, event, index) for index, event in enumerate(batch)]
-        if not payloads:
+        payloads = tuple(self._encode(session_id, cwd, event, index) for index, event in enumerate(batch))
+        return PreparedBatch(session_id, cwd, self.keys.stream_for(session_id), payloads)
+
+    def send(self, batch: PreparedBatch) -> list[str]:
+        """XADD a prepared batch in one transaction; its stream ids."""
+        if not batch.payloads:
             return []
-        stream = self.keys.stream_for(session_id)
         pipe = self.redis.pipeline(transaction=True)
-        for payload in payloads:
-            pipe.xadd(stream, {"session": session_id, "cwd": cwd, "event": payload})
+        for payload in batch.payloads:
+            pipe.xadd(batch.stream, {"session": batch.session_id, "cwd": batch.cwd, "event": payload})
         ids = [_as_str(entry_id) for entry_id in pipe.execute()]
-        logger.debug("published session=%s events=%d stream=%s last=%s", session_id, len(ids), stream, ids[-1])
+        logger.debug("published session=%s events=%d stream=%s last=%s",
+                     batch.session_id, len(ids), batch.stream, ids[-1])
         return ids
 
     def end_turn(

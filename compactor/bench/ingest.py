@@ -62,6 +62,7 @@ MODEL = "gpt-4"
 CWD = "/bench/project"
 NO_TRIGGER_WINDOW = 100_000_000  # throughput runs never cross a threshold
 TOKENS_PER_TURN = 1_500  # about what one benchmark turn adds to the estimate
+TURN_EVENTS = 5  # events per benchmark turn (_turn)
 TRIGGER_TURNS = (2, 8)  # a session's window is this many turns' worth: triggers come mid-run
 WATCHER_START_TIMEOUT_S = 60.0
 _WORDS = ["def", "return", "self", "import", "value", "token", "event", "log", "session", "turn", "output", "error", "test", "file", "line", "path", "cache", "config", "async", "await", "class"]
@@ -271,18 +272,23 @@ def _paced_publish(client: redis.Redis, settings: Settings, sessions: list[str],
     """Publish whole turns at ``rate`` events/s for ``duration_s``; the turn_end entry ids per session.
 
     Each session's window makes it cross a threshold after a few turns (micro
-    first, LLM later), so triggers are spread over the run as in real use.
+    first, LLM later), so triggers are spread over the run as in real use. The
+    turns are generated, validated and encoded before the clock starts: on a
+    2-core machine the load generator must not take the watcher's CPU (the
+    agents it stands for run elsewhere); during the run it only sends them.
     """
     rng, publisher = random.Random(13), Publisher(client, settings)
     windows = {sid: rng.randint(*TRIGGER_TURNS) * TOKENS_PER_TURN for sid in sessions}
-    turns = {sid: 1 for sid in sessions}
+    planned = int(rate * duration_s / TURN_EVENTS) + len(sessions)
+    batches = [publisher.prepare(sid, CWD, _turn(rng, k // len(sessions) + 1, windows[sid]))
+               for k in range(planned) for sid in [sessions[k % len(sessions)]]]
     turn_ends: dict[str, list[str]] = {sid: [] for sid in sessions}
     start, published = time.monotonic(), 0
-    while time.monotonic() - start < duration_s:
-        sid = sessions[published // 5 % len(sessions)]
-        ids = publisher.publish(sid, CWD, _turn(rng, turns[sid], windows[sid]))
-        turn_ends[sid].append(ids[-1])
-        turns[sid] += 1
+    for batch in batches:
+        if time.monotonic() - start >= duration_s:
+            break
+        ids = publisher.send(batch)
+        turn_ends[batch.session_id].append(ids[-1])
         published += len(ids)
         ahead = published / rate - (time.monotonic() - start)
         if ahead > 0:
