@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import redis
 from rq import Queue
@@ -58,31 +58,50 @@ ENDED_STATUSES = frozenset({
     JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED,
 })
 
-# KEYS: job claim, retrigger, claims index; ARGV: new job id, kind, session id.
-# Returns nil when claimed, else the id of the pending job (and the trigger is
-# recorded; "llm" wins over "micro"). A new claim clears an old trigger: the new
-# job reads the latest state, so it answers every trigger before it.
+# KEYS: job claim, retrigger, claims index, failure counter.
+# ARGV: new job id, kind, session id, breaker check ("1" or "0"), max failures,
+#       kind when the breaker is open ("" none), RQ job key prefix, stale grace (s),
+#       the new job id for the breaker-open kind.
+# One round trip for a trigger (the watcher's hot path): with the breaker check
+# on and the failure counter at max failures or more, the kind becomes the
+# breaker-open kind (nothing happens without one). Then the claim: free (or
+# held by a stale job: ended, or absent past the grace period, read from the
+# RQ job hash named by the claim) -> claimed; else the trigger is recorded
+# ("llm" wins over "micro"). Returns {outcome, claimed job id or kind, pending
+# or replaced job id} with outcome "claimed", "replaced", "pending" or "skipped". A new claim clears
+# an old trigger: the new job reads the latest state, so it answers every
+# trigger before it. (The job hash is not among KEYS: fine on a single Redis,
+# which is what RQ needs anyway.)
 _CLAIM = """
-local cur = redis.call('GET', KEYS[1])
-if cur then
-  if redis.call('GET', KEYS[2]) ~= 'llm' then redis.call('SET', KEYS[2], ARGV[2]) end
-  return cur
+local kind, id = ARGV[2], ARGV[1]
+if ARGV[4] == '1' then
+  local failures = tonumber(redis.call('GET', KEYS[4]) or '0') or 0
+  if failures >= tonumber(ARGV[5]) then kind = ARGV[6]; id = ARGV[9] end
 end
-redis.call('SET', KEYS[1], ARGV[1])
+if kind == '' then return {'skipped', '', ''} end
+local cur = redis.call('GET', KEYS[1])
+local outcome = 'claimed'
+if cur then
+  local status = redis.call('HGET', ARGV[7] .. cur, 'status')
+  local stale
+  if status then
+    stale = status == 'finished' or status == 'failed' or status == 'stopped' or status == 'canceled'
+  else
+    local stamp = tonumber(string.sub(cur, 1, 20))
+    local now = redis.call('TIME')
+    stale = (not stamp) or string.sub(cur, 21, 21) ~= '-'
+      or (tonumber(now[1]) + tonumber(now[2]) / 1e6 - stamp / 1e9) > tonumber(ARGV[8])
+  end
+  if not stale then
+    if redis.call('GET', KEYS[2]) ~= 'llm' then redis.call('SET', KEYS[2], kind) end
+    return {'pending', kind, cur}
+  end
+  outcome = 'replaced'
+end
+redis.call('SET', KEYS[1], id)
 redis.call('DEL', KEYS[2])
 redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[3])
-return false
-"""
-
-# KEYS: job claim, retrigger, claims index; ARGV: stale id, new id, session id.
-_REPLACE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('SET', KEYS[1], ARGV[2])
-  redis.call('DEL', KEYS[2])
-  redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[3])
-  return 1
-end
-return 0
+return {outcome, id, cur or ''}
 """
 
 # KEYS: job claim, retrigger, claims index; ARGV: ending job id, session id.
@@ -111,6 +130,12 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
 end
 return 1
 """
+
+class _Unchecked:
+    """The default of ``breaker_open_kind``: the breaker is not read."""
+
+
+UNCHECKED = _Unchecked()
 
 _id_lock = threading.Lock()
 _last_ns = 0
@@ -157,17 +182,26 @@ def enqueue_compaction(
     kind: Kind,
     *,
     forced: bool = False,
+    breaker_open_kind: Kind | None | _Unchecked = UNCHECKED,
 ) -> str | None:
     """Enqueue a compaction job; the job id, or None when one is already pending (coalesced).
 
     Forced jobs (always ``llm`` in practice) are enqueued unconditionally.
+    With ``breaker_open_kind`` the session's LLM breaker is read in the same
+    round trip as the claim: at ``maxFailures`` failures or more the job is of
+    that kind instead (None: no job, and None is returned). The watcher passes
+    what ``decide`` says with the breaker open, so a trigger costs one round
+    trip, not three (failures, claim, the pending job's status).
     """
     if kind not in JOB_FUNCTIONS:
         raise ValueError(f"unknown compaction kind {kind!r}")
     job_id = new_job_id(session_id, kind)
-    if not forced and not _claim(client, settings, session_id, job_id, kind):
-        metrics.JOBS_COALESCED.labels(kind).inc()
-        return None
+    if not forced:
+        claimed = _claim(client, settings, session_id, job_id, kind, breaker_open_kind)
+        if claimed is None:
+            return None
+        job_id = claimed
+        kind = parse_job_id(job_id)[1]  # type: ignore[index,assignment]  # another kind when the breaker is open
     try:
         _enqueue(client, settings, session_id, cwd, kind, job_id, forced)
     except Exception:
@@ -213,20 +247,38 @@ def pending_job_id(client: redis.Redis, settings: Settings, session_id: str) -> 
     return _text(value) if value else None
 
 
-def _claim(client: redis.Redis, settings: Settings, session_id: str, job_id: str, kind: str) -> bool:
-    claim_key, retrigger_key, claims_key = _session_keys(settings, session_id)
-    current = client.eval(_CLAIM, 3, claim_key, retrigger_key, claims_key, job_id, kind, session_id)
-    if current is None:
-        return True
-    current_id = _text(current)
-    if not claim_is_stale(client, current_id):
-        logger.debug("coalesced session=%s kind=%s pending=%s", session_id, kind, current_id)
-        return False
-    replaced = bool(client.eval(_REPLACE, 3, claim_key, retrigger_key, claims_key,
-                                current_id, job_id, session_id))
-    if replaced:
-        logger.warning("replaced stale claim session=%s stale_job=%s", session_id, current_id)
-    return replaced
+def _claim(
+    client: redis.Redis, settings: Settings, session_id: str, job_id: str, kind: Kind,
+    breaker_open_kind: Kind | None | _Unchecked = UNCHECKED,
+) -> str | None:
+    """Claim the session (one round trip); the claimed job id (``job_id``, or the same
+    id renamed to ``breaker_open_kind`` when the breaker is open), or None when a live
+    job already holds it (the trigger is then recorded) or the breaker leaves nothing
+    to do."""
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    check = not isinstance(breaker_open_kind, _Unchecked)
+    other_kind = (breaker_open_kind or "") if check else ""
+    reply: Any = client.eval(
+        _CLAIM, 4, keys.job(session_id), keys.retrigger(session_id), keys.claims, keys.failures(session_id),
+        job_id, kind, session_id, "1" if check else "0", settings.context.max_failures,
+        other_kind, Job.key_for(""), STALE_CLAIM_GRACE_S, _rename(job_id, kind, other_kind) if other_kind else "",
+    )
+    outcome, claimed, other = (_text(part) for part in reply)
+    if outcome == "skipped":
+        logger.debug("no job session=%s: breaker open", session_id)
+        return None
+    if outcome == "pending":
+        metrics.JOBS_COALESCED.labels(claimed).inc()  # here the trigger's kind
+        logger.debug("coalesced session=%s kind=%s pending=%s", session_id, claimed, other)
+        return None
+    if outcome == "replaced":
+        logger.warning("replaced stale claim session=%s stale_job=%s", session_id, other)
+    return claimed
+
+
+def _rename(job_id: str, kind: str, new_kind: str) -> str:
+    stamp, _, rest = job_id.partition("-")
+    return f"{stamp}-{new_kind}-{rest[len(kind) + 1:]}"
 
 
 def claim_is_stale(client: redis.Redis, job_id: str) -> bool:

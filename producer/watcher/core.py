@@ -29,6 +29,7 @@ Invariants:
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import secrets
@@ -45,7 +46,7 @@ import redis
 
 from compactor import metrics
 from compactor.keys import Keys
-from compactor.queue import enqueue_compaction
+from compactor.queue import UNCHECKED, enqueue_compaction
 from compactor.store import SessionStore
 from events.config import Settings
 from events.errors import CompactorError, InvalidConfig, InvalidInput
@@ -109,7 +110,7 @@ class Watcher:
         self._start()
         if time.monotonic() >= self._next_tick:
             self._tick()
-        handled = sum(self._handle(n, result) for n, result in self._read().items())
+        handled = self._handle_round(self._read())
         if handled == 0 and block_ms > 0:
             self._wait(block_ms)
         return handled
@@ -192,30 +193,79 @@ class Watcher:
 
     # -- one shard's batch ----------------------------------------------------------
 
-    def _handle(self, shard: int, result: ReadResult) -> int:
+    def _handle_round(self, results: dict[int, ReadResult]) -> int:
+        """Apply what one read brought from every shard; the number of entries handled.
+
+        The Redis work of the round is shared by its shards: one lookup of the
+        uuids already taken, and one pipeline with every state save followed by
+        each shard's fenced dead-letter + ack script. So a round costs three round
+        trips (read, uuids, saves + acks) plus one per threshold crossed, however
+        many shards it touched (entries arriving live come in small rounds).
+        """
+        batches: dict[int, list[RawEntry]] = {}
+        for shard, result in results.items():
+            if self._settle_read(shard, result):
+                batches[shard] = result.entries
+        if not batches:
+            return 0
+        outcomes: dict[int, BatchOutcome] = {}
+        by_session: dict[int, dict[str, list[Entry]]] = {}
+        for shard, raw in batches.items():
+            outcomes[shard], by_session[shard] = self._decode(shard, raw)
+        saves = self.redis.pipeline(transaction=False)
+        wanted = {sid: [e.event for e in entries] for shard, sessions in by_session.items()
+                  for sid, entries in sessions.items() if sid not in self.cursors[shard].held}
+        taken = self.store.taken_uuids(wanted)
+        lost: set[int] = set()
+        try:
+            for shard, sessions in by_session.items():
+                cursor = self.cursors[shard]
+                try:
+                    for session_id, entries in sessions.items():
+                        if session_id in taken:
+                            self._apply_session(shard, cursor, session_id, entries, outcomes[shard], saves,
+                                                taken[session_id])
+                except LeaseLost:
+                    lost.add(shard)
+        except BaseException:
+            saves.execute()  # what was appended keeps its state save; nothing is acked
+            raise
+        acked = self.streams.ack_many({n: (o.acks, o.dead) for n, o in outcomes.items() if n not in lost}, saves)
+        for shard in lost:
+            self._lose(shard, "lease expired before the write")
+        for shard, ok in acked.items():
+            if not ok:
+                self._lose(shard, "lease taken before the ack")
+                continue
+            metrics.count_dead_letters(outcomes[shard].reasons)
+            cursor = self.cursors.get(shard)
+            if cursor is not None and cursor.sweeping:
+                cursor.start = _text(batches[shard][-1][0])
+        return sum(len(raw) for raw in batches.values())
+
+    def _settle_read(self, shard: int, result: ReadResult) -> bool:
+        """Handle a shard's read that brought no entries (lost lease, lost group, nothing new);
+        True when it brought entries to apply."""
         cursor = self.cursors.get(shard)
         if cursor is None:
-            return 0
+            return False
         if result.lost:
             self._lose(shard, "lease taken")
-            return 0
+            return False
         if result.no_group:
             logger.warning("consumer group missing, recreating shard=%d", shard)
             self.streams.ensure_group(shard)
             cursor.restart_sweep()
-            return 0
+            return False
         if not result.entries:
             if cursor.sweeping:
                 cursor.start = NEW_ENTRIES
             cursor.top = result.top
-            return 0
-        self._apply_batch(shard, cursor, result.entries)
-        if cursor.sweeping:
-            cursor.start = _text(result.entries[-1][0])
-        return len(result.entries)
+            return False
+        return True
 
-    def _apply_batch(self, shard: int, cursor: ShardCursor, raw: list[RawEntry]) -> None:
-        """Apply one shard batch, then dead-letter and ack in one fenced call."""
+    def _decode(self, shard: int, raw: list[RawEntry]) -> tuple[BatchOutcome, dict[str, list[Entry]]]:
+        """A shard's entries by session, in stream order; the bad ones already rejected."""
         outcome = BatchOutcome(self.keys.stream(shard))
         by_session: dict[str, list[Entry]] = {}
         for entry_id, fields in raw:
@@ -224,25 +274,7 @@ class Watcher:
                 outcome.reject(decoded.id, decoded.reason, decoded.fields)
             else:
                 by_session.setdefault(decoded.session_id, []).append(decoded)
-        saves = self.redis.pipeline(transaction=False)
-        taken = self.store.taken_uuids({sid: [e.event for e in entries] for sid, entries in by_session.items()
-                                        if sid not in cursor.held})
-        try:
-            for session_id, taken_by_session in taken.items():
-                self._apply_session(shard, cursor, session_id, by_session[session_id], outcome, saves,
-                                    taken_by_session)
-        except LeaseLost:
-            saves.execute()
-            self._lose(shard, "lease expired before the write")
-            return
-        except BaseException:
-            saves.execute()  # what was appended keeps its state save; nothing is acked
-            raise
-        # The state saves, then the fenced dead-letter + ack, in one round trip.
-        if not self.streams.ack(shard, outcome.acks, outcome.dead, pipeline=saves):
-            self._lose(shard, "lease taken before the ack")
-            return
-        metrics.count_dead_letters(outcome.reasons)
+        return outcome, by_session
 
     def _apply_session(
         self, shard: int, cursor: ShardCursor, session_id: str, entries: list[Entry],
@@ -289,23 +321,26 @@ class Watcher:
                      session_id, shard, len(run), len(result.appended), result.duplicates)
 
     def _check_thresholds(self, session_id: str, cwd: str, state: SessionState) -> None:
-        """SPEC §5 after a turn_end: enqueue an LLM or micro job when due (coalesced when pending)."""
+        """SPEC §5 after a turn_end: enqueue an LLM or micro job when due (coalesced when pending).
+
+        An LLM job depends on the breaker: the claim reads the failure counter in
+        its own round trip and falls back to what the state calls for with the
+        breaker open (a micro job, or nothing).
+        """
         ctx = self.settings.context
-        kind, failures = decide(state, ctx, breaker_open=False), 0
-        if kind == "llm":  # only an LLM job depends on the breaker: read it only then
-            failures = int(self.redis.get(self.keys.failures(session_id)) or 0)
-            kind = decide(state, ctx, breaker_open=failures >= ctx.max_failures)
+        kind = decide(state, ctx, breaker_open=False)
         if kind is None:
             return
+        if_open = decide(state, ctx, breaker_open=True) if kind == "llm" else UNCHECKED
         try:
-            job_id = enqueue_compaction(self.redis, self.settings, session_id, cwd, kind)
+            job_id = enqueue_compaction(self.redis, self.settings, session_id, cwd, kind, breaker_open_kind=if_open)
         except redis.RedisError:
             raise  # the entry stays pending; its redelivery checks again
         except Exception:  # the event is in the log; the next turn_end checks again
             logger.exception("enqueue failed session=%s kind=%s", session_id, kind)
             return
-        logger.info("compaction triggered session=%s kind=%s job=%s estimate=%d window=%d failures=%d",
-                    session_id, kind, job_id or "coalesced", state.prompt_estimate, state.window, failures,
+        logger.info("compaction triggered session=%s kind=%s job=%s estimate=%d window=%d",
+                    session_id, kind, job_id or "coalesced", state.prompt_estimate, state.window,
                     extra={"session_id": session_id, "job_id": job_id, "kind": kind,
                            "outcome": "enqueued" if job_id else "coalesced"})
 
@@ -376,9 +411,20 @@ def main(settings: Settings, *, name: str | None = None) -> None:
     signal.signal(signal.SIGINT, _stop)
     client = redis.Redis.from_url(settings.redis.url)
     try:
-        Watcher(client, settings, name=name).run(stop)
+        watcher = Watcher(client, settings, name=name)
+        freeze_heap()
+        watcher.run(stop)
     finally:
         client.close()
+
+
+def freeze_heap() -> None:
+    """Move everything allocated so far (imports: litellm, tiktoken, pydantic — most of
+    the heap) out of the garbage collector's reach, so a full collection in the hot
+    loop scans only what the loop itself keeps, not ~250 MB of module objects (a
+    long stop of every batch in hand, seen as the tail of the enqueue latency)."""
+    gc.collect()
+    gc.freeze()
 
 
 def _text(value: bytes | str) -> str:

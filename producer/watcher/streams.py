@@ -127,6 +127,21 @@ class ShardStreams:
         self._ack = client.register_script(_ACK)
         self._trim = client.register_script(_TRIM)
 
+    def _queue(self, pipe: Any, script: Any, keys: list[str], args: list[Any]) -> tuple[Any, list[str], list[Any]]:
+        """Queue ``script`` on ``pipe`` as a bare EVALSHA; the call, to redo if Redis lacks the script.
+
+        (A ``Script`` object in a pipeline makes redis-py send ``SCRIPT EXISTS``
+        first: a second round trip on every read and every ack.)
+        """
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
+        return script, keys, args
+
+    def _redo_missing(self, calls: list[tuple[Any, list[str], list[Any]]], replies: list[Any]) -> list[Any]:
+        """Run again, through the script objects (which load them), the calls Redis did not
+        know the script of (it restarted or flushed its script cache): nothing of those ran."""
+        return [script(keys=keys, args=args) if isinstance(reply, redis.exceptions.NoScriptError) else reply
+                for (script, keys, args), reply in zip(calls, replies)]
+
     def ensure_group(self, shard: int) -> None:
         """Create the shard's group (and stream) reading from the start; no-op when it exists."""
         try:
@@ -140,13 +155,10 @@ class ShardStreams:
         """Read up to ``count`` entries of each shard from its start id, in one round trip."""
         pipe = self.redis.pipeline(transaction=False)
         shards = list(starts)
-        for n in shards:
-            self._read(
-                keys=[self.keys.lease(n), self.keys.stream(n)],
-                args=[self.owner, self.keys.group, self.keys.consumer(n), count, starts[n]],
-                client=pipe,
-            )
-        replies = pipe.execute(raise_on_error=False)
+        calls = [self._queue(pipe, self._read, [self.keys.lease(n), self.keys.stream(n)],
+                             [self.owner, self.keys.group, self.keys.consumer(n), count, starts[n]])
+                 for n in shards]
+        replies = self._redo_missing(calls, pipe.execute(raise_on_error=False))
         return {n: self._result(n, reply) for n, reply in zip(shards, replies)}
 
     def _result(self, shard: int, reply: Any) -> ReadResult:
@@ -166,29 +178,36 @@ class ShardStreams:
         With ``pipeline`` the fenced script runs after the commands already queued
         there (the batch's state saves), all in one round trip.
         """
-        if not ids and not dead:
-            if pipeline is not None:
-                pipeline.execute()
-            return True
-        args: list[Any] = [self.owner, self.keys.group, DEAD_LETTER_MAXLEN, len(ids), *ids]
-        for fields in dead:
-            args += [len(fields), *fields]
-        keys = [self.keys.lease(shard), self.keys.stream(shard), self.keys.dead]
-        try:
-            if pipeline is None:
-                return int(self._ack(keys=keys, args=args)) >= 0
-            self._ack(keys=keys, args=args, client=pipeline)
-            replies = pipeline.execute(raise_on_error=False)
-            for reply in replies[:-1]:
-                if isinstance(reply, Exception):  # a state save failed: the next writer catches up
-                    logger.warning("state save failed before ack shard=%d error=%s", shard, reply)
-            if isinstance(replies[-1], Exception):
-                raise replies[-1]
-            return int(replies[-1]) >= 0
-        except redis.ResponseError as e:
-            if "NOGROUP" in str(e):
-                return True  # Redis lost the group: nothing is pending any more
-            raise
+        return self.ack_many({shard: (ids, dead)}, pipeline)[shard]
+
+    def ack_many(
+        self, batches: dict[int, tuple[list[str], list[list[bytes]]]], pipeline: Any | None = None,
+    ) -> dict[int, bool]:
+        """``ack`` for several shards in one round trip (after what ``pipeline`` holds);
+        per shard, False when it is not our lease."""
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
+        shards = [n for n, (ids, dead) in batches.items() if ids or dead]
+        calls = []
+        for n in shards:
+            ids, dead = batches[n]
+            args: list[Any] = [self.owner, self.keys.group, DEAD_LETTER_MAXLEN, len(ids), *ids]
+            for fields in dead:
+                args += [len(fields), *fields]
+            calls.append(self._queue(pipe, self._ack, [self.keys.lease(n), self.keys.stream(n), self.keys.dead],
+                                     args))
+        replies = pipe.execute(raise_on_error=False) if len(pipe) else []
+        acks = self._redo_missing(calls, replies[len(replies) - len(shards):])
+        for reply in replies[:len(replies) - len(shards)]:
+            if isinstance(reply, Exception):  # a state save failed: the next writer catches up
+                logger.warning("state save failed before ack error=%s", reply)
+        result = {n: True for n in batches}
+        for n, reply in zip(shards, acks):
+            if isinstance(reply, redis.ResponseError) and "NOGROUP" in str(reply):
+                continue  # Redis lost the group: nothing is pending any more
+            if isinstance(reply, Exception):
+                raise reply
+            result[n] = int(reply) >= 0
+        return result
 
     def trim(self, shard: int) -> int:
         """Drop entries no group needs any more; the number trimmed."""

@@ -68,7 +68,7 @@ def test_entries_redelivered_after_a_crash_before_the_ack_are_not_applied_twice(
     def crash(*args: Any, **kwargs: Any) -> bool:
         raise redis.ConnectionError("killed before the ack")
 
-    monkeypatch.setattr(crashed.streams, "ack", crash)
+    monkeypatch.setattr(crashed.streams, "ack_many", crash)
     crashed.run_once()
     with pytest.raises(redis.ConnectionError):
         while True:
@@ -200,3 +200,16 @@ def test_trimming_keeps_pending_entries(r: redis.Redis, fast: Settings) -> None:
     remaining = [entry_id.decode() for entry_id, _ in r.xrange(stream)]
     assert set(pending_ids) <= set(remaining)
     assert len(remaining) < 102
+
+
+def test_a_redis_that_forgot_the_scripts_is_read_and_acked_all_the_same(r: redis.Redis, fast: Settings) -> None:
+    """Reads and acks go out as bare EVALSHA in one pipeline; after ``SCRIPT FLUSH`` (or a
+    Redis restart) the calls Redis refused with NOSCRIPT are run again, so nothing is
+    skipped, and nothing is left pending."""
+    watcher = Watcher(r, fast, name="w")
+    watcher.run_once()
+    published = publish_turns(Publisher(r, fast), ["a1", "b2"], turns=3)
+    r.script_flush()
+    drain(watcher, r, fast)
+    assert_applied_once_in_order(fast, published)
+    assert backlog(r, fast) == 0
