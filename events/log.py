@@ -1,8 +1,11 @@
 """The session log: one JSONL file per session, the source of truth (SPEC §3).
 
 Layout: ``{data_dir}/{encode_project_path(cwd)}/sessions/{session_id}.jsonl``,
-with a sibling ``{id}.jsonl.lock`` (the cross-process lock) and
-``{id}.jsonl.torn`` (fragments cut off a torn tail, kept for forensics).
+with a sibling ``{id}.jsonl.torn`` (fragments cut off a torn tail, kept for
+forensics). The cross-process lock is a ``flock`` on the log file itself: a
+new session costs one file creation, not two (creating a file is the dearest
+step of a session's first append on ext4: ~0.7 ms measured here), and the
+descriptor that holds the lock is the one appends write through.
 
 Invariants:
 - The session id and cwd are validated before anything touches the disk, and
@@ -11,8 +14,9 @@ Invariants:
   (a) cutting a torn tail (a last line without ``\\n``, left by a crashed
   writer) after copying it to the ``.torn`` file, and (b) undoing an append
   that failed half-way. No complete line is ever dropped.
-- Every append happens under an exclusive ``flock`` on the lock file, through
-  an ``O_APPEND`` descriptor, in whole lines; an append either lands entirely
+- Every append happens under an exclusive ``flock`` on the log file, through
+  the ``O_APPEND`` descriptor that holds the lock, in whole lines; taking the
+  lock creates the (empty) log when it is missing; an append either lands entirely
   or leaves the file as it was and raises ``LogWriteFailed``.
 - Readers take no lock: they parse complete lines only and ignore a torn last
   line (a writer may be mid-way). A complete line that does not parse is
@@ -40,7 +44,6 @@ from events.models import validate_cwd, validate_session_id
 logger = logging.getLogger(__name__)
 
 LOG_SUFFIX = ".jsonl"
-LOCK_SUFFIX = ".jsonl.lock"
 TORN_SUFFIX = ".jsonl.torn"
 MAX_NAME_BYTES = 255  # NAME_MAX of common file systems
 WRITE_CHUNK_BYTES = 1 << 22  # lines are batched into writes of about this size (whole lines only)
@@ -92,7 +95,6 @@ class SessionLog:
         fsync: bool = False,
     ) -> None:
         self.path = session_log_path(data_dir, cwd, session_id)
-        self.lock_path = _sibling(self.path, LOCK_SUFFIX)
         self.torn_path = _sibling(self.path, TORN_SUFFIX)
         self.fsync = fsync
         self._mutex = threading.RLock()
@@ -119,6 +121,8 @@ class SessionLog:
         The offset to record as "read up to": a torn tail is cut by the next
         append, so an offset inside it would later point into the middle of a line.
         """
+        if self._lock_fd is not None:  # under the lock: its descriptor, no open
+            return _complete_size(self._lock_fd)
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
@@ -145,18 +149,30 @@ class SessionLog:
                     self._release()
 
     def _acquire(self) -> None:
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        """Open the log for appending (creating it, and its directory, when missing) and flock it."""
+        flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC
         try:
-            fd = os.open(self.lock_path, flags, 0o644)
-        except FileNotFoundError:  # a new session: make its directory (not on every lock)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.lock_path, flags, 0o644)
+            fd = os.open(self.path, flags)
+        except FileNotFoundError:  # a new session (the directory too, perhaps): not on every lock
+            fd = self._create()
+        except OSError as e:
+            raise LogWriteFailed(f"{self.path}: cannot open: {e}") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
         except BaseException:
             os.close(fd)
             raise
         self._lock_fd = fd
+
+    def _create(self) -> int:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise LogWriteFailed(f"{self.path}: cannot create: {e}") from e
+        if self.fsync:
+            _fsync_dir(self.path.parent)
+        return fd
 
     def _release(self) -> None:
         fd, self._lock_fd = self._lock_fd, None
@@ -226,24 +242,12 @@ class SessionLog:
         """
         chunks = _serialize(events)
         with self.lock():
-            fd = self._open_for_append()
-            try:
-                size = self._repair_torn_tail(fd)
-                if not chunks:
-                    return size
-                return self._write_all(fd, chunks, size)
-            finally:
-                os.close(fd)
-
-    def _open_for_append(self) -> int:
-        created = not self.path.exists()
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise LogWriteFailed(f"{self.path}: cannot open for append: {e}") from e
-        if created and self.fsync:
-            _fsync_dir(self.path.parent)
-        return fd
+            fd = self._lock_fd
+            assert fd is not None  # held by lock()
+            size = self._repair_torn_tail(fd)
+            if not chunks:
+                return size
+            return self._write_all(fd, chunks, size)
 
     def _repair_torn_tail(self, fd: int) -> int:
         size = os.fstat(fd).st_size

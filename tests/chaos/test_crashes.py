@@ -170,7 +170,7 @@ def _kill_inside_lock(r: redis.Redis, settings: Settings, sid: str, log: Session
         enqueue_compaction(r, settings, sid, CWD, "llm", forced=True)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            holders = _lock_holders(log.lock_path) & children
+            holders = _lock_holders(log.path) & children
             if holders:
                 os.kill(holders.pop(), signal.SIGKILL)
                 return True
