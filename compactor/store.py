@@ -56,6 +56,21 @@ return 1
 """
 
 
+class _Unread:
+    """The default of ``stored``: the caller did not read the state; ``current`` does."""
+
+
+UNREAD = _Unread()
+
+
+@dataclass
+class Lookup:
+    """``SessionStore.lookup``: per session, the uuids already taken; the states it read."""
+
+    taken: dict[str, set[str]]
+    stored: dict[str, SessionState | None]
+
+
 @dataclass
 class ApplyResult:
     """What ``SessionStore.apply`` did: the new state, the lines written, what was refused.
@@ -141,38 +156,55 @@ class SessionStore:
         cwd: str,
         log: SessionLog | None = None,
         cached: SessionState | None = None,
+        *,
+        stored: SessionState | None | _Unread = UNREAD,
     ) -> SessionState:
         """The state brought up to date with the log on disk (call with the log locked).
 
         ``cached`` (a caller's in-process copy) is used as is when it matches the
-        log's size, which saves the Redis read on the watcher's hot path.
+        log's size, which saves the Redis read on the watcher's hot path;
+        ``stored`` is what ``lookup`` just read from Redis for this session.
         """
-        log = log or self.log(session_id, cwd)
+        return self._current(session_id, cwd, log or self.log(session_id, cwd), cached, stored)[0]
+
+    def _current(
+        self, session_id: str, cwd: str, log: SessionLog, cached: SessionState | None,
+        stored: SessionState | None | _Unread, pipeline: Any | None = None,
+    ) -> tuple[SessionState, set[str] | None]:
+        """``current``, and the log's uuids when the state was rebuilt from the whole log (the
+        uuid index was rebuilt with it, on ``pipeline`` when given)."""
         size = log.complete_size()  # a crashed writer's torn tail is not part of the log
         state = cached if cached is not None and cached.log_size == size else None
         if state is None:
-            state = self.load(session_id)
+            state = self.load(session_id) if isinstance(stored, _Unread) else stored
         if state is not None and state.cwd != cwd:
             raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}")
         if state is None or size < state.log_size:
-            return self._reindex(session_id, cwd, log)
+            return self._reindex(session_id, cwd, log, pipeline)
         if size > state.log_size:
             logger.info("state catch-up session=%s from=%d to=%d", session_id, state.log_size, size)
             state = replace(state)
             tail = log.read(state.log_size)
             self._index_uuids(session_id, tail)
             if not _fold_all(state, tail, self.settings):
-                return self.rebuild(session_id, cwd, log)
+                return self.rebuild(session_id, cwd, log), None
             state.log_size = size
-        return state
+        return state, None
 
-    def _reindex(self, session_id: str, cwd: str, log: SessionLog) -> SessionState:
-        """Rebuild the state and the uuid index from the whole log (Redis lost them)."""
+    def _reindex(
+        self, session_id: str, cwd: str, log: SessionLog, pipeline: Any | None = None,
+    ) -> tuple[SessionState, set[str]]:
+        """Rebuild the state and the uuid index from the whole log (Redis lost them); the
+        state and the log's uuids. With ``pipeline`` the index is rebuilt there (queued)."""
         size = log.complete_size()
         events = log.read() if size else []
-        self.redis.delete(self.keys.uuids(session_id))
-        self._index_uuids(session_id, events)
-        return rebuild(session_id, cwd, events, self.settings.context, size)
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
+        pipe.delete(self.keys.uuids(session_id))
+        self._index_uuids(session_id, events, pipe)
+        if pipeline is None:
+            pipe.execute()
+        uuids = {e["uuid"] for e in events if isinstance(e.get("uuid"), str)}
+        return rebuild(session_id, cwd, events, self.settings.context, size), uuids
 
     def _index_uuids(self, session_id: str, events: list[dict[str, Any]], pipeline: Any | None = None) -> None:
         uuids = [e["uuid"] for e in events if isinstance(e.get("uuid"), str)]
@@ -184,17 +216,29 @@ class SessionStore:
 
     def taken_uuids(self, events_by_session: dict[str, list[dict[str, Any]]]) -> dict[str, set[str]]:
         """Per session, the uuids among its events that its log already holds (one round trip)."""
+        return self.lookup(events_by_session).taken
+
+    def lookup(self, events_by_session: dict[str, list[dict[str, Any]]], load: Iterable[str] = ()) -> Lookup:
+        """In one round trip: per session, the uuids among its events its log already
+        holds, and the stored state of each session in ``load`` (None when Redis has none)."""
         asked = {sid: [e["uuid"] for e in events if isinstance(e.get("uuid"), str)]
                  for sid, events in events_by_session.items()}
         asked = {sid: uuids for sid, uuids in asked.items() if uuids}
-        if not asked:
-            return {sid: set() for sid in events_by_session}
+        loading = list(load)
+        if not asked and not loading:
+            return Lookup({sid: set() for sid in events_by_session}, {})
         pipe = self.redis.pipeline(transaction=False)
         for sid, uuids in asked.items():
             pipe.smismember(self.keys.uuids(sid), uuids)
-        replies = dict(zip(asked, pipe.execute()))
-        return {sid: {u for u, hit in zip(asked.get(sid, []), replies.get(sid, [])) if hit}
-                for sid in events_by_session}
+        for sid in loading:
+            pipe.hgetall(self.keys.session(sid))
+        replies = pipe.execute()
+        hits = dict(zip(asked, replies))
+        taken = {sid: {u for u, hit in zip(asked.get(sid, []), hits.get(sid, [])) if hit}
+                 for sid in events_by_session}
+        stored = {sid: SessionState.from_hash(raw) if raw else None
+                  for sid, raw in zip(loading, replies[len(asked):])}
+        return Lookup(taken, stored)
 
     def apply(
         self,
@@ -209,6 +253,7 @@ class SessionStore:
         known: list[dict[str, Any]] | None = None,
         known_view: ContextView | None = None,
         taken: set[str] | None = None,
+        stored: SessionState | None | _Unread = UNREAD,
     ) -> ApplyResult:
         """Append ``events`` to the session's log exactly once and advance its state.
 
@@ -233,11 +278,16 @@ class SessionStore:
         (``events.view.extend_view``) instead of built over the whole log.
         ``taken`` is the result of ``taken_uuids`` for these events when the
         caller looked a whole batch up in one round trip (the watcher: it alone
-        writes the session's producer events); it grows with the uuids applied.
+        writes the session's producer events); it grows with the uuids applied,
+        and is corrected when the state (and the uuid index) had to be rebuilt
+        from the log. ``stored`` is the state ``lookup`` read in that round trip
+        (see ``current``).
         """
         log = log or self.log(session_id, cwd)
         with log.lock():
-            state = replace(self.current(session_id, cwd, log, cached))
+            pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
+            current, log_uuids = self._current(session_id, cwd, log, cached, stored, pipe)
+            state = replace(current)
             if known is not None and len(known) != state.events:
                 logger.warning("known events ignored session=%s: %d lines known, state has seen %d",
                                session_id, len(known), state.events)
@@ -245,7 +295,13 @@ class SessionStore:
             batch = list(events)
             fresh = [e for e in batch if not is_applied(e.get("streamId"), state.last_stream_id)]
             result = ApplyResult(state, duplicates=len(batch) - len(fresh))
-            if taken is None:
+            if log_uuids is not None:  # the index was rebuilt from the log: it, not the lookup, is right
+                uuids = {e["uuid"] for e in fresh if isinstance(e.get("uuid"), str)}
+                if taken is None:
+                    taken = set()
+                taken.clear()
+                taken.update(uuids & log_uuids)
+            elif taken is None:
                 taken = self.taken_uuids({session_id: fresh})[session_id]
             needs_rebuild = self._admit(state, fresh, result, taken)
             if result.appended:
@@ -260,7 +316,6 @@ class SessionStore:
                 elif needs_rebuild:
                     state = self.rebuild(session_id, cwd, log)
             result.state = state
-            pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
             self._index_uuids(session_id, result.appended, pipe)
             self.save(state, pipe, if_newer=pipeline is not None)
             if pipeline is None:

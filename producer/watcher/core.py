@@ -47,7 +47,7 @@ import redis
 from compactor import metrics
 from compactor.keys import Keys
 from compactor.queue import UNCHECKED, enqueue_compaction
-from compactor.store import SessionStore
+from compactor.store import UNREAD, Lookup, SessionStore
 from events.config import Settings
 from events.errors import CompactorError, InvalidConfig, InvalidInput
 from events.log import SessionLog
@@ -197,7 +197,8 @@ class Watcher:
         """Apply what one read brought from every shard; the number of entries handled.
 
         The Redis work of the round is shared by its shards: one lookup of the
-        uuids already taken, and one pipeline with every state save followed by
+        uuids already taken and of the states not in the cache, and one pipeline
+        with every state save followed by
         each shard's fenced dead-letter + ack script. So a round costs three round
         trips (read, uuids, saves + acks) plus one per threshold crossed, however
         many shards it touched (entries arriving live come in small rounds).
@@ -215,16 +216,16 @@ class Watcher:
         saves = self.redis.pipeline(transaction=False)
         wanted = {sid: [e.event for e in entries] for shard, sessions in by_session.items()
                   for sid, entries in sessions.items() if sid not in self.cursors[shard].held}
-        taken = self.store.taken_uuids(wanted)
+        found = self.store.lookup(wanted, load=[sid for sid in wanted if sid not in self._sessions])
         lost: set[int] = set()
         try:
             for shard, sessions in by_session.items():
                 cursor = self.cursors[shard]
                 try:
                     for session_id, entries in sessions.items():
-                        if session_id in taken:
+                        if session_id in found.taken:
                             self._apply_session(shard, cursor, session_id, entries, outcomes[shard], saves,
-                                                taken[session_id])
+                                                found)
                 except LeaseLost:
                     lost.add(shard)
         except BaseException:
@@ -278,12 +279,12 @@ class Watcher:
 
     def _apply_session(
         self, shard: int, cursor: ShardCursor, session_id: str, entries: list[Entry],
-        outcome: BatchOutcome, saves: Any, taken: set[str],
+        outcome: BatchOutcome, saves: Any, found: Lookup,
     ) -> None:
         """Apply a session's entries run by run (see ``runs``); hold the session back on failure."""
         for run in runs(entries):
             try:
-                self._apply_run(shard, session_id, run[0].cwd, run, outcome, saves, taken)
+                self._apply_run(shard, session_id, run[0].cwd, run, outcome, saves, found)
             except InvalidInput as e:
                 for entry in run:
                     outcome.reject(entry.id, str(e), entry.fields)
@@ -300,12 +301,13 @@ class Watcher:
 
     def _apply_run(
         self, shard: int, session_id: str, cwd: str, run: list[Entry], outcome: BatchOutcome, saves: Any,
-        taken: set[str],
+        found: Lookup,
     ) -> None:
         log = self._log(session_id, cwd)
+        stored = found.stored.pop(session_id, UNREAD)  # read this round; only the first run's is current
         result = self.store.apply(
-            session_id, cwd, [e.event for e in run], log=log, pipeline=saves, taken=taken,
-            guard=lambda: self.leases.check(shard), cached=self._cached(session_id),
+            session_id, cwd, [e.event for e in run], log=log, pipeline=saves, taken=found.taken[session_id],
+            guard=lambda: self.leases.check(shard), cached=self._cached(session_id), stored=stored,
         )
         self._remember(session_id, result.state, log)
         metrics.count_ingested(result.appended)

@@ -215,3 +215,31 @@ def test_uuids_of_lines_a_crashed_writer_left_are_indexed(store: SessionStore) -
     store.log(SID, CWD).append([user(1, "b", "2-0", uuid="u-b")])  # appended, state never saved
     result = store.apply(SID, CWD, [user(1, "c", "3-0", uuid="u-b")])
     assert [err.field for _, err in result.rejected] == ["uuid"]
+
+
+def test_a_round_lookup_made_before_redis_lost_the_index_is_corrected_from_the_log(
+    store: SessionStore, r: redis.Redis,
+) -> None:
+    """The watcher looks a round's uuids (and states) up before it locks each log. When the
+    state turns out to be missing, the state and the uuid index are rebuilt from the log, and
+    the lookup's answer is replaced by the log's: a uuid the log holds is still refused."""
+    store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a")])
+    r.flushall()
+    incoming = [user(1, "again", "2-0", uuid="u-a"), user(1, "b", "3-0", uuid="u-b")]
+    found = store.lookup({SID: incoming}, load=[SID])
+    assert found.taken[SID] == set() and found.stored[SID] is None  # what Redis says now
+    pipe = r.pipeline(transaction=False)
+    result = store.apply(SID, CWD, incoming, pipeline=pipe, taken=found.taken[SID], stored=found.stored[SID])
+    pipe.execute()
+    assert [(e["content"], err.field) for e, err in result.rejected] == [("again", "uuid")]
+    assert [e["uuid"] for e in store.log(SID, CWD).read()] == ["u-a", "u-b"]
+    assert r.smembers(store.keys.uuids(SID)) == {b"u-a", b"u-b"}
+    assert store.load(SID) == rebuild(SID, CWD, store.log(SID, CWD).read(), store.settings.context,
+                                      store.log(SID, CWD).size())
+
+
+def test_lookup_reads_the_stored_states_it_is_asked_for(store: SessionStore) -> None:
+    store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a")])
+    found = store.lookup({SID: [user(1, "b", uuid="u-a")], "other": []}, load=[SID, "other"])
+    assert found.taken == {SID: {"u-a"}, "other": set()}
+    assert found.stored == {SID: store.load(SID), "other": None}
