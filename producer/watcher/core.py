@@ -1,11 +1,14 @@
 """The watcher: stream shards -> session logs -> compaction triggers.
 
 Loop (``run_once``): a *tick* when due (heartbeat, renew leases, rebalance,
-trim), a fenced read of every owned shard, then per shard: decode the entries,
-apply each session's valid ones through ``SessionStore.apply`` (under the log
-lock, with the lease checked right before the write), check the thresholds
-after a ``turn_end``, and finally dead-letter the bad ones and XACK the rest in
-one fenced script. When nothing was read it blocks on ``XREAD`` for new entries.
+trim), a fenced read of every owned shard (one round trip), then for the whole
+round: decode the entries, look up in one round trip the uuids already taken
+and the states of sessions not in the cache, apply each session's valid
+entries through ``SessionStore.apply`` (under the log lock, with the lease
+checked right before the write), check the thresholds after a ``turn_end`` (one
+round trip per trigger), and finally, in one pipeline, every state save then
+each shard's fenced script that dead-letters its bad entries and XACKs the
+rest. When nothing was read it blocks on ``XREAD`` for new entries.
 
 Invariants:
 - Per session, entries are applied in stream order and exactly once. Order:
