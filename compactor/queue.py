@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis
@@ -174,6 +175,16 @@ def rate_limit_for(settings: Settings, session_id: str) -> RateLimit:
     return RateLimit(key=f"{settings.redis.prefix}:{session_id}", concurrency=1)
 
 
+@dataclass(frozen=True)
+class Trigger:
+    """A session whose state calls for a job of ``kind`` (``breaker_open_kind``: see ``enqueue_compaction``)."""
+
+    session_id: str
+    cwd: str
+    kind: Kind
+    breaker_open_kind: Kind | None | _Unchecked = UNCHECKED
+
+
 def enqueue_compaction(
     client: redis.Redis,
     settings: Settings,
@@ -197,11 +208,47 @@ def enqueue_compaction(
         raise ValueError(f"unknown compaction kind {kind!r}")
     job_id = new_job_id(session_id, kind)
     if not forced:
-        claimed = _claim(client, settings, session_id, job_id, kind, breaker_open_kind)
+        reply = client.eval(*_claim_call(settings, Trigger(session_id, cwd, kind, breaker_open_kind), job_id))
+        claimed = _claimed(session_id, reply)
         if claimed is None:
             return None
         job_id = claimed
-        kind = parse_job_id(job_id)[1]  # type: ignore[index,assignment]  # another kind when the breaker is open
+    return _enqueue_claimed(client, settings, session_id, cwd, job_id, forced)
+
+
+def trigger_compactions(client: redis.Redis, settings: Settings, triggers: list[Trigger]) -> list[str | None]:
+    """``enqueue_compaction`` for several sessions, their claims in one round trip; per
+    trigger the job id, or None (coalesced, or nothing to do with the breaker open).
+
+    A Redis error from the claims is raised (the claims that did land and have no
+    job yet are stale after the grace period: the janitor frees them and re-checks).
+    An error enqueueing one claimed job frees its claim and is raised after the others.
+    """
+    pipe = client.pipeline(transaction=False)
+    for trigger in triggers:
+        if trigger.kind not in JOB_FUNCTIONS:
+            raise ValueError(f"unknown compaction kind {trigger.kind!r}")
+        pipe.eval(*_claim_call(settings, trigger, new_job_id(trigger.session_id, trigger.kind)))
+    replies = pipe.execute()
+    results: list[str | None] = []
+    failure: Exception | None = None
+    for trigger, reply in zip(triggers, replies):
+        claimed = _claimed(trigger.session_id, reply)
+        try:
+            results.append(claimed and _enqueue_claimed(client, settings, trigger.session_id, trigger.cwd,
+                                                        claimed, False))
+        except Exception as e:  # noqa: BLE001 - the others still get their job; raised below
+            results.append(None)
+            failure = failure or e
+    if failure is not None:
+        raise failure
+    return results
+
+
+def _enqueue_claimed(client: redis.Redis, settings: Settings, session_id: str, cwd: str, job_id: str,
+                     forced: bool) -> str:
+    """RQ-enqueue the job ``job_id`` names (its claim made, unless forced); frees the claim on error."""
+    kind = job_id.split("-", 2)[1]  # the claim may be of the breaker-open kind: the id says which
     try:
         _enqueue(client, settings, session_id, cwd, kind, job_id, forced)
     except Exception:
@@ -255,14 +302,25 @@ def _claim(
     id renamed to ``breaker_open_kind`` when the breaker is open), or None when a live
     job already holds it (the trigger is then recorded) or the breaker leaves nothing
     to do."""
+    reply = client.eval(*_claim_call(settings, Trigger(session_id, "", kind, breaker_open_kind), job_id))
+    return _claimed(session_id, reply)
+
+
+def _claim_call(settings: Settings, trigger: Trigger, job_id: str) -> tuple[Any, ...]:
+    """The arguments of the EVAL of ``_CLAIM`` for ``trigger`` with the new ``job_id``."""
     keys = Keys(settings.redis.prefix, settings.redis.shards)
-    check = not isinstance(breaker_open_kind, _Unchecked)
-    other_kind = (breaker_open_kind or "") if check else ""
-    reply: Any = client.eval(
-        _CLAIM, 4, keys.job(session_id), keys.retrigger(session_id), keys.claims, keys.failures(session_id),
-        job_id, kind, session_id, "1" if check else "0", settings.context.max_failures,
+    sid, kind, other = trigger.session_id, trigger.kind, trigger.breaker_open_kind
+    check = not isinstance(other, _Unchecked)
+    other_kind = (other or "") if not isinstance(other, _Unchecked) else ""
+    return (
+        _CLAIM, 4, keys.job(sid), keys.retrigger(sid), keys.claims, keys.failures(sid),
+        job_id, kind, sid, "1" if check else "0", settings.context.max_failures,
         other_kind, Job.key_for(""), STALE_CLAIM_GRACE_S, _rename(job_id, kind, other_kind) if other_kind else "",
     )
+
+
+def _claimed(session_id: str, reply: Any) -> str | None:
+    """The claimed job id from the claim script's reply; None when coalesced or skipped."""
     outcome, claimed, other = (_text(part) for part in reply)
     if outcome == "skipped":
         logger.debug("no job session=%s: breaker open", session_id)
@@ -314,7 +372,7 @@ def _text(value: bytes | str) -> str:
 
 
 __all__ = [
-    "JOB_FUNCTIONS", "Kind", "claim_is_stale", "compaction_queue", "enqueue_compaction", "new_job_id",
+    "JOB_FUNCTIONS", "UNCHECKED", "Kind", "Trigger", "trigger_compactions", "claim_is_stale", "compaction_queue", "enqueue_compaction", "new_job_id",
     "parse_job_id", "pending_job_id", "rate_limit_for", "release_pending", "sessions_to_look_at",
     "settle_trigger",
 ]

@@ -5,10 +5,10 @@ trim), a fenced read of every owned shard (one round trip), then for the whole
 round: decode the entries, look up in one round trip the uuids already taken
 and the states of sessions not in the cache, apply each session's valid
 entries through ``SessionStore.apply`` (under the log lock, with the lease
-checked right before the write), check the thresholds after a ``turn_end`` (one
-round trip per trigger), and finally, in one pipeline, every state save then
-each shard's fenced script that dead-letters its bad entries and XACKs the
-rest. When nothing was read it blocks on ``XREAD`` for new entries.
+checked right before the write), check the thresholds after a ``turn_end``,
+claim the round's triggers in one round trip (and RQ-enqueue the claimed
+jobs), and finally, in one pipeline, every state save then each shard's fenced
+script that dead-letters its bad entries and XACKs the rest. When nothing was read it blocks on ``XREAD`` for new entries.
 
 Invariants:
 - Per session, entries are applied in stream order and exactly once. Order:
@@ -49,7 +49,7 @@ import redis
 
 from compactor import metrics
 from compactor.keys import Keys
-from compactor.queue import UNCHECKED, enqueue_compaction
+from compactor.queue import UNCHECKED, Trigger, trigger_compactions
 from compactor.store import UNREAD, Lookup, SessionStore
 from events.config import Settings
 from events.errors import CompactorError, InvalidConfig, InvalidInput
@@ -85,6 +85,7 @@ class Watcher:
         self.store = SessionStore(self.redis, settings)
         self.cursors: dict[int, ShardCursor] = {}
         self._sessions: OrderedDict[str, tuple[SessionState, SessionLogRef]] = OrderedDict()
+        self._triggers: dict[str, tuple[Trigger, SessionState]] = {}  # this round's, by session
         self._stop = threading.Event()
         self._started = False
         self._next_tick = 0.0
@@ -231,7 +232,10 @@ class Watcher:
                                                 found)
                 except LeaseLost:
                     lost.add(shard)
+            if self._triggers:
+                self._fire()
         except BaseException:
+            self._triggers.clear()  # the entries stay pending: their redelivery triggers again
             saves.execute()  # what was appended keeps its state save; nothing is acked
             raise
         acked = self.streams.ack_many({n: (o.acks, o.dead) for n, o in outcomes.items() if n not in lost}, saves)
@@ -326,28 +330,40 @@ class Watcher:
                      session_id, shard, len(run), len(result.appended), result.duplicates)
 
     def _check_thresholds(self, session_id: str, cwd: str, state: SessionState) -> None:
-        """SPEC §5 after a turn_end: enqueue an LLM or micro job when due (coalesced when pending).
+        """SPEC §5 after a turn_end: note an LLM or micro trigger when due (``_fire`` claims it).
 
-        An LLM job depends on the breaker: the claim reads the failure counter in
-        its own round trip and falls back to what the state calls for with the
-        breaker open (a micro job, or nothing).
+        An LLM job depends on the breaker: the claim reads the failure counter
+        itself and falls back to what the state calls for with the breaker open
+        (a micro job, or nothing).
         """
         ctx = self.settings.context
         kind = decide(state, ctx, breaker_open=False)
         if kind is None:
             return
         if_open = decide(state, ctx, breaker_open=True) if kind == "llm" else UNCHECKED
+        self._triggers[session_id] = (Trigger(session_id, cwd, kind, if_open), state)
+
+    def _fire(self) -> None:
+        """Claim the round's triggers in one round trip and enqueue the claimed jobs.
+
+        Runs before the round's acks: a Redis error leaves the entries pending,
+        so their redelivery triggers again (a trigger is never lost); a claim
+        whose enqueue failed is freed, and the next turn_end checks again.
+        """
+        noted = list(self._triggers.values())
+        self._triggers.clear()
         try:
-            job_id = enqueue_compaction(self.redis, self.settings, session_id, cwd, kind, breaker_open_kind=if_open)
+            job_ids = trigger_compactions(self.redis, self.settings, [trigger for trigger, _ in noted])
         except redis.RedisError:
-            raise  # the entry stays pending; its redelivery checks again
-        except Exception:  # the event is in the log; the next turn_end checks again
-            logger.exception("enqueue failed session=%s kind=%s", session_id, kind)
+            raise
+        except Exception:  # noqa: BLE001 - the events are in the log; the next turn_end checks again
+            logger.exception("enqueue failed sessions=%s", [t.session_id for t, _ in noted])
             return
-        logger.info("compaction triggered session=%s kind=%s job=%s estimate=%d window=%d",
-                    session_id, kind, job_id or "coalesced", state.prompt_estimate, state.window,
-                    extra={"session_id": session_id, "job_id": job_id, "kind": kind,
-                           "outcome": "enqueued" if job_id else "coalesced"})
+        for (trigger, state), job_id in zip(noted, job_ids):
+            logger.info("compaction triggered session=%s kind=%s job=%s estimate=%d window=%d",
+                        trigger.session_id, trigger.kind, job_id or "coalesced", state.prompt_estimate,
+                        state.window, extra={"session_id": trigger.session_id, "job_id": job_id,
+                                             "kind": trigger.kind, "outcome": "enqueued" if job_id else "coalesced"})
 
     def _lose(self, shard: int, reason: str) -> None:
         self.leases.forget(shard, reason)

@@ -9,6 +9,7 @@ from rq.job import Job, JobStatus
 
 from compactor.keys import Keys
 from compactor.queue import (
+    Trigger,
     compaction_queue,
     enqueue_compaction,
     new_job_id,
@@ -16,6 +17,7 @@ from compactor.queue import (
     pending_job_id,
     release_pending,
     settle_trigger,
+    trigger_compactions,
 )
 from events.config import Settings
 from tests.worker.conftest import CWD
@@ -129,3 +131,25 @@ def test_failed_enqueue_releases_the_claim(r: redis.Redis, settings: Settings) -
     else:
         raise AssertionError("the enqueue should have failed")
     assert pending_job_id(r, settings, "s1") is None
+
+
+def test_triggers_of_several_sessions_are_claimed_together_and_each_gets_its_answer(
+    r: redis.Redis, settings: Settings,
+) -> None:
+    pending = enqueue_compaction(r, settings, "busy", CWD, "micro")
+    r.set(Keys().failures("broken"), 5)
+    r.set(Keys().failures("hopeless"), 5)
+    triggers = [
+        Trigger("fresh", CWD, "llm", breaker_open_kind=None),
+        Trigger("busy", CWD, "llm"),
+        Trigger("broken", CWD, "llm", breaker_open_kind="micro"),
+        Trigger("hopeless", CWD, "llm", breaker_open_kind=None),
+    ]
+    fresh, busy, broken, hopeless = trigger_compactions(r, settings, triggers)
+    assert fresh is not None and parse_job_id(fresh)[1:] == ("llm", "fresh")  # type: ignore[index]
+    assert busy is None and pending_job_id(r, settings, "busy") == pending
+    assert r.get(Keys().retrigger("busy")) == b"llm"  # coalesced, recorded
+    assert broken is not None and parse_job_id(broken)[1:] == ("micro", "broken")  # type: ignore[index]
+    assert Job.fetch(broken, connection=r).func_name == "worker.jobs.micro_compact"
+    assert hopeless is None and pending_job_id(r, settings, "hopeless") is None
+    assert set(compaction_queue(r, settings).job_ids) == {pending, fresh, broken}
