@@ -85,7 +85,7 @@ class Watcher:
         self.store = SessionStore(self.redis, settings)
         self.cursors: dict[int, ShardCursor] = {}
         self._sessions: OrderedDict[str, tuple[SessionState, SessionLogRef]] = OrderedDict()
-        self._triggers: dict[str, tuple[Trigger, SessionState]] = {}  # this round's, by session
+        self._triggers: list[tuple[Trigger, SessionState]] = []  # this round's, in stream order
         self._stop = threading.Event()
         self._started = False
         self._next_tick = 0.0
@@ -341,16 +341,20 @@ class Watcher:
         if kind is None:
             return
         if_open = decide(state, ctx, breaker_open=True) if kind == "llm" else UNCHECKED
-        self._triggers[session_id] = (Trigger(session_id, cwd, kind, if_open), state)
+        self._triggers.append((Trigger(session_id, cwd, kind, if_open), state))
 
     def _fire(self) -> None:
         """Claim the round's triggers in one round trip and enqueue the claimed jobs.
+
+        Every turn_end's trigger is claimed, in stream order, as if one by one: of
+        two triggers of one session in a round the first claims and the second is
+        coalesced into it (recorded for the re-check when that job ends).
 
         Runs before the round's acks: a Redis error leaves the entries pending,
         so their redelivery triggers again (a trigger is never lost); a claim
         whose enqueue failed is freed, and the next turn_end checks again.
         """
-        noted = list(self._triggers.values())
+        noted = list(self._triggers)
         self._triggers.clear()
         try:
             job_ids = trigger_compactions(self.redis, self.settings, [trigger for trigger, _ in noted])

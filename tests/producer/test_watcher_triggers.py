@@ -125,3 +125,23 @@ def test_only_a_turn_end_triggers(r: redis.Redis, fast: Settings) -> None:
     drain(watcher, r, fast)
     job_id = pending_job_id(r, fast, "s1")
     assert job_id is not None and parse_job_id(job_id)[1] == "llm"  # type: ignore[index]
+
+
+def test_two_triggers_of_a_session_in_one_round_claim_then_coalesce_in_order(
+    r: redis.Redis, fast: Settings,
+) -> None:
+    """A round claims its triggers together, but as if one by one in stream order: the first
+    turn_end's micro job is enqueued, the second's LLM trigger is recorded for its re-check."""
+    publisher = Publisher(r, fast)
+    publisher.publish("s1", CWD, [*tool_turn(1), turn_end(1, window=WINDOW)])
+    publisher.publish("s1", CWD, [padded_user(2, 300), turn_end(2, window=WINDOW)])  # over 0.25·W: micro
+    publisher.publish("s1", CWD, [padded_user(3, 700), turn_end(3, window=WINDOW)])  # over 0.9·W: LLM
+    watcher = Watcher(r, fast, name="w")
+    handled = 0
+    while handled == 0:  # the first rounds take the leases and sweep the (empty) PELs
+        handled = watcher.run_once()
+    assert handled == 8  # the three turns in one round
+    job_id = pending_job_id(r, fast, "s1")
+    assert job_id is not None and parse_job_id(job_id)[1] == "micro"  # type: ignore[index]
+    assert rq.Queue(fast.redis.prefix, connection=r).job_ids == [job_id]
+    assert r.get(Keys().retrigger("s1")) == b"llm"
