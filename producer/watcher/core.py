@@ -246,9 +246,9 @@ class Watcher:
                 self._lose(shard, "lease taken before the ack")
                 continue
             metrics.count_dead_letters(outcomes[shard].reasons)
-            cursor = self.cursors.get(shard)
-            if cursor is not None and cursor.sweeping:
-                cursor.start = _text(batches[shard][-1][0])
+            swept = self.cursors.get(shard)
+            if swept is not None and swept.sweeping:
+                swept.start = _text(batches[shard][-1][0])
         return sum(len(raw) for raw in batches.values())
 
     def _settle_read(self, shard: int, result: ReadResult) -> bool:

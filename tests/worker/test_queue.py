@@ -153,3 +153,14 @@ def test_triggers_of_several_sessions_are_claimed_together_and_each_gets_its_ans
     assert Job.fetch(broken, connection=r).func_name == "worker.jobs.micro_compact"
     assert hopeless is None and pending_job_id(r, settings, "hopeless") is None
     assert set(compaction_queue(r, settings).job_ids) == {pending, fresh, broken}
+
+
+def test_jobs_enqueued_together_keep_the_per_session_rate_limit(r: redis.Redis, settings: Settings) -> None:
+    """Claimed jobs of a round go to RQ in one transaction, through RQ's own rate-limited
+    enqueue: a session whose forced job holds its slot gets its automatic job rate-limited."""
+    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    ids = trigger_compactions(r, settings, [Trigger("s1", CWD, "micro"), Trigger("s2", CWD, "micro")])
+    assert all(ids)
+    statuses = [Job.fetch(job_id, connection=r).get_status() for job_id in (forced, *ids)]  # type: ignore[arg-type]
+    assert statuses == [JobStatus.QUEUED, JobStatus.RATE_LIMITED, JobStatus.QUEUED]
+    assert compaction_queue(r, settings).job_ids == [forced, ids[1]]
