@@ -114,10 +114,14 @@ def reason_kind(reason: str) -> str:
 
 
 def count_ingested(events: Iterable[dict[str, Any]]) -> None:
-    """Count appended log lines by type (unknown types as ``other``)."""
+    """Count appended log lines by type (unknown types as ``other``); one ``inc`` per type."""
+    counts: dict[str, int] = {}
     for event in events:
         kind = event.get("type")
-        EVENTS_INGESTED.labels(kind if kind in EVENT_TYPES else "other").inc()
+        label = kind if kind in EVENT_TYPES else "other"
+        counts[label] = counts.get(label, 0) + 1
+    for label, count in counts.items():
+        EVENTS_INGESTED.labels(label).inc(count)
 
 
 def count_dead_letters(reasons: Iterable[str]) -> None:

@@ -120,12 +120,16 @@ def _json_object(event_bytes: bytes) -> Any:
 
 
 def _wire_event(eid: str, session_id: str, cwd: str, data: Any) -> dict[str, Any]:
+    if type(data) is dict:  # fill a missing uuid / timestamp before validating: no model copy after
+        if data.get("uuid") is None:
+            data["uuid"] = entry_uuid(session_id, eid)
+        if data.get("timestamp") is None:
+            data["timestamp"] = entry_timestamp(eid)
     try:
         event = parse_event(data)
     except InvalidInput as e:
         raise _Reject(str(e)) from e
-    stamped = with_identity(event, uuid=entry_uuid(session_id, eid), timestamp=entry_timestamp(eid))
-    wire = to_wire(stamped)
+    wire = to_wire(with_identity(event))  # a no-op unless ``data`` was not an object (then rejected above)
     _check_identity(wire, {"sessionId": session_id, "cwd": cwd})
     if wire["type"] == "session_meta":
         wire["sessionId"], wire["cwd"] = session_id, cwd
@@ -146,9 +150,14 @@ def entry_uuid(session_id: str, entry_id: str) -> str:
 
 def entry_timestamp(entry_id: str) -> str:
     """The time Redis stamped on the entry id, as ISO-8601 UTC with milliseconds."""
-    ms = int(entry_id.partition("-")[0])
-    moment = datetime.fromtimestamp(ms / 1000, tz=UTC)
-    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    ms = entry_id.partition("-")[0]
+    if ms != _last_timestamp[0]:  # entries of one millisecond share it: format once
+        moment = datetime.fromtimestamp(int(ms) / 1000, tz=UTC)
+        _last_timestamp[:] = [ms, moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")]
+    return _last_timestamp[1]
+
+
+_last_timestamp = ["", ""]  # (the ms part of an entry id, its timestamp)
 
 
 def _bytes(value: bytes | str) -> bytes:
