@@ -23,6 +23,7 @@ import os
 from functools import lru_cache
 from typing import Any
 
+import orjson
 import tiktoken
 
 logger = logging.getLogger(__name__)
@@ -94,12 +95,31 @@ def count_tokens(text: str, encoding: str) -> int:
 
 
 def arguments_json(arguments: Any) -> str:
-    """Tool-call arguments as compact JSON: a string is kept as it is, anything else is dumped."""
+    """Tool-call arguments as compact JSON: a string is kept as it is, anything else is dumped.
+
+    The text is ``json.dumps(separators=(",", ":"), ensure_ascii=False)``'s. A
+    flat object of string keys and string / bool / null / integer values (the
+    usual arguments) is dumped by orjson, whose output is then the same
+    character for character (it escapes exactly the same characters); anything
+    else (floats, nesting, a 65-bit integer) goes to the json module.
+    """
     if isinstance(arguments, str):
         return arguments
     if arguments is None:
         return ""
+    if type(arguments) is dict:
+        for key, value in arguments.items():
+            if type(key) is not str or type(value) not in _FLAT_JSON_TYPES:
+                break
+        else:
+            try:
+                return orjson.dumps(arguments).decode()
+            except (TypeError, orjson.JSONEncodeError):  # an integer beyond 64 bits, a lone surrogate
+                pass
     return _COMPACT_JSON.encode(arguments)
+
+
+_FLAT_JSON_TYPES = frozenset({str, bool, int, type(None)})  # ``type(v) is`` these: no subclasses
 
 
 def _text(value: Any) -> str:

@@ -33,8 +33,11 @@ rollbacks: a summarized turn has still happened.
 
 Workers and the state need no chat messages: ``build_view(..., messages=False)``
 skips pairing and merging, and ``extend_view`` derives the view after one
-appended ``compact`` or ``summary`` from the view before it (no second pass
-over the log); both give exactly what a full ``build_view`` gives.
+appended ``compact`` or ``summary``, or a ``compact`` then a ``summary``, from
+the view before it (no second pass over the log); both give exactly what a
+full ``build_view`` gives. ``llm_targets(compact=...)`` shows the targets as
+they are once a pending compact is appended, with *estimated* token stamps for
+the outputs it elides (for sizing a prompt only; see there).
 """
 
 from __future__ import annotations
@@ -81,11 +84,19 @@ def elide(output: str, keep_chars: int) -> str:
     An output too short to hold even the bare marker is returned unchanged.
     """
     length = len(output)
-    keep = max(0, min(keep_chars, (length - len(elision_marker(length)) - 1) // 2))
+    if length >= 2 * keep_chars + _ROOM:  # the usual case: both halves kept whole (the marker inlined)
+        return f"{output[:keep_chars]}\n…[{length - 2 * keep_chars} characters elided]…\n{output[length - keep_chars:]}"
+    keep = min(keep_chars, (length - _MARKER_CHARS - len(str(length)) - 1) // 2)
+    if keep < 0:
+        keep = 0
     shown = output[:keep] + elision_marker(length - 2 * keep) + output[length - keep:]
     if len(shown) < length:
         return shown
     return output
+
+
+_MARKER_CHARS = len(elision_marker(0)) - 1  # the marker's length but the number's digits
+_ROOM = _MARKER_CHARS + 21  # a length at least 2 * keep + this leaves room for the marker (< 20 digits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,19 +450,21 @@ def extend_view(view: ContextView, appended: list[Event], ctx: ContextSettings) 
     that is not computed incrementally (then build the view of the whole log).
 
     Handled: one appended ``compact`` (the newly compacted candidates are shown
-    elided) or one appended ``summary`` (the visible events it replaces are
-    hidden). Either is visible, being last in the log, and neither changes the
-    turn counters, the model or the other events' visibility, so the result is
-    exactly ``build_view(events + appended, ctx, messages=False)``.
+    elided), one appended ``summary`` (the visible events it replaces are
+    hidden), or a ``compact`` followed by a ``summary`` (an LLM job's micro step
+    and summary, appended together). Each is visible, being last in the log, and
+    none changes the turn counters, the model or the other events' visibility,
+    so the result is exactly ``build_view(events + appended, ctx, messages=False)``.
+    In the pair, an output the compact elides and the summary replaces is never
+    elided nor tokenized: its shown size would be added and taken away again.
     """
-    if len(appended) != 1:
-        return None
-    event = appended[0]
-    kind = event.get("type")
-    if kind == "compact":
-        return _with_compact(view, event, ctx)
-    if kind == "summary":
-        return _with_summary(view, event)
+    kinds = [event.get("type") for event in appended]
+    if kinds == ["compact"]:
+        return _with_compact(view, appended[0], ctx)
+    if kinds == ["summary"]:
+        return _with_summary(view, appended[0])
+    if kinds == ["compact", "summary"]:
+        return _with_summary(view, appended[1], ctx, appended[0])
     return None
 
 
@@ -466,16 +479,13 @@ def _with_compact(view: ContextView, event: Event, ctx: ContextSettings) -> Cont
         positions = {id(e): i for i, e in enumerate(view.visible)}
         newly_ids = {id(c) for c in newly}
         candidates = [c for c in view.candidates if id(c) not in newly_ids]
-        name_tokens: dict[str, int] = {}
+        tokens_of = _ElidedTokens(view.encoding)
         for candidate in newly:
             output = candidate["output"]  # a candidate's output is a long str
             shown = elide(output, ctx.micro_compact_keep_chars)
             if shown is output:
                 continue
-            name = _str(candidate.get("toolName"))
-            if name not in name_tokens:
-                name_tokens[name] = count_tokens(name, view.encoding)
-            tokens = count_tokens(shown, view.encoding) + name_tokens[name] + MESSAGE_OVERHEAD_TOKENS
+            tokens = tokens_of(candidate, shown)
             estimate += tokens - stamped_tokens(candidate, view.encoding)
             elided[positions[id(candidate)]] = (shown, tokens)
     else:
@@ -484,35 +494,84 @@ def _with_compact(view: ContextView, event: Event, ctx: ContextSettings) -> Cont
                    candidates=candidates, compacted=compacted, elided=elided)
 
 
+class _ElidedTokens:
+    """An elided tool result's SPEC §4.5 tokens: the shown output's + its tool name's + overhead."""
+
+    def __init__(self, encoding: str) -> None:
+        self.encoding = encoding
+        self.names: dict[str, int] = {}
+
+    def __call__(self, event: Event, shown: str) -> int:
+        name = _str(event.get("toolName"))
+        known = self.names.get(name)
+        if known is None:
+            known = self.names[name] = count_tokens(name, self.encoding)
+        return count_tokens(shown, self.encoding) + known + MESSAGE_OVERHEAD_TOKENS
+
+
+def _replaced(summary: Event) -> set[str]:
+    replaces = summary.get("replaces")
+    return {r for r in replaces if isinstance(r, str)} if isinstance(replaces, list) else set()
+
+
+def _newly_compacted(view: ContextView, compact: Event) -> tuple[tuple[tuple[int, int], ...], set[int]]:
+    """The compacted ranges once ``compact`` is appended, and the ids of the candidates it elides
+    (a candidate is outside the ranges compacted before: it is elided iff in ``compact``'s)."""
+    start, end = _int(compact.get("startTurnId")), _int(compact.get("endTurnId"))
+    compacted = _merge_ranges([*view.compacted, (start, end)])
+    newly = {id(c) for c in view.candidates if start <= _int(c.get("turnId")) <= end}
+    return compacted, newly
+
+
 _REPLACEABLE_EXEMPT = frozenset({"rollback", "compact", "session_meta"})  # never hidden by a summary
 
 
-def _with_summary(view: ContextView, event: Event) -> ContextView:
-    replaces = event.get("replaces")
-    replaced = {r for r in replaces if isinstance(r, str)} if isinstance(replaces, list) else set()
+def _with_summary(
+    view: ContextView, event: Event, ctx: ContextSettings | None = None, compact: Event | None = None,
+) -> ContextView:
+    """``view`` + one appended summary; with ``compact``, + that compact and then the summary
+    (one pass: a newly compacted output is elided and tokenized only if the summary keeps it)."""
+    replaced = _replaced(event)
     encoding = view.encoding
     estimate = view.prompt_estimate + stamped_tokens(event, encoding)
+    compacted = view.compacted
+    newly: set[int] = set()
+    if compact is not None:
+        compacted, newly = _newly_compacted(view, compact)
+    tokens_of = _ElidedTokens(encoding)
+    keep_chars = ctx.micro_compact_keep_chars if ctx is not None else 0
+    old_elided = view.elided
     visible: list[Event] = []
     elided: dict[int, tuple[str, int]] = {}
-    removed: set[int] = set()
     for position, old in enumerate(view.visible):
-        kind = old.get("type")
-        if replaced and kind not in _REPLACEABLE_EXEMPT and old.get("uuid") in replaced:
-            shown = view.elided.get(position)
+        if replaced and old.get("uuid") in replaced and old.get("type") not in _REPLACEABLE_EXEMPT:
+            shown = old_elided.get(position) if old_elided else None
             if shown is not None:
                 estimate -= shown[1]
-            elif kind in _COUNTED:
-                estimate -= stamped_tokens(old, encoding)
-            removed.add(id(old))
+            elif old.get("type") in _COUNTED:
+                count = old.get(TOKEN_COUNT_FIELD)
+                if type(count) is int and old.get(TOKEN_ENCODING_FIELD) == encoding:
+                    estimate -= count
+                else:
+                    estimate -= event_tokens(old, encoding)
             continue
-        shown = view.elided.get(position)
+        shown = old_elided.get(position) if old_elided else None
+        if shown is None and newly and id(old) in newly:
+            output = old["output"]  # a candidate's output is a long str
+            text = elide(output, keep_chars)
+            if text is not output:
+                shown = (text, tokens_of(old, text))
+                estimate += shown[1] - stamped_tokens(old, encoding)
         if shown is not None:
             elided[len(visible)] = shown
         visible.append(old)
+    if compact is not None:
+        visible.append(compact)
     visible.append(event)
-    candidates = [c for c in view.candidates if id(c) not in removed] if removed else list(view.candidates)
+    # a candidate (a tool_result, never exempt) is hidden by the summary iff its uuid is replaced
+    candidates = [c for c in view.candidates if id(c) not in newly and not (replaced and c.get("uuid") in replaced)]
     return replace(view, messages=[], prompt_estimate=estimate, summary=event, visible=visible,
-                   candidates=candidates, elided=elided)
+                   candidates=candidates, compacted=compacted, elided=elided)
 
 
 def current_turn_id(events: list[Event]) -> int:
@@ -540,12 +599,20 @@ def micro_candidates(
     return [e for e in view.candidates if e["turnId"] < current - 1]
 
 
-def llm_targets(events: list[Event], ctx: ContextSettings, *, view: ContextView | None = None) -> LlmTargets:
+def llm_targets(
+    events: list[Event], ctx: ContextSettings, *, view: ContextView | None = None, compact: Event | None = None,
+) -> LlmTargets:
     """SPEC §5: visible user/assistant/tool_result events with start_after < turnId <= endTurn.
 
     ``view`` (a view of ``events``, with or without messages) saves building it
     again. An elided tool result is a copy carrying the output as shown, and
     a token stamp of what is shown (the view counted it).
+
+    ``compact`` (an LLM job's micro step, decided but not appended yet): the
+    targets as they are once it is appended, except that an output it newly
+    elides carries an *estimated* stamp, not a count: its stamp scaled by the
+    shown / original length, rounded up, plus the per-message overhead. The
+    stamps only size the LLM prompt (planning, chunks), which keeps a reserve.
     """
     if view is None:
         view = build_view(events, ctx, messages=False)
@@ -553,15 +620,31 @@ def llm_targets(events: list[Event], ctx: ContextSettings, *, view: ContextView 
     previous = view.summary
     start_after = _int(previous.get("lastSummarizedTurnId")) if previous else 0
     elided = view.elided
+    encoding = view.encoding
     targets: list[Event] = []
     if end_turn > start_after:
+        newly = _newly_compacted(view, compact)[1] if compact is not None else None
+        keep_chars = ctx.micro_compact_keep_chars
         for position, event in enumerate(view.visible):
-            if event.get("type") not in _TARGET_TYPES or not start_after < _int(event.get("turnId")) <= end_turn:
+            turn = event.get("turnId")
+            if type(turn) is not int:
+                turn = 0
+            kind = event.get("type")
+            if not start_after < turn <= end_turn or kind not in _TARGET_TYPES:
+                continue
+            if kind != "tool_result":
+                targets.append(event)
                 continue
             shown = elided.get(position) if elided else None
+            if shown is None and newly and id(event) in newly:
+                output = event["output"]  # a candidate's output is a long str
+                text = elide(output, keep_chars)
+                if text is not output:
+                    stamped = stamped_tokens(event, encoding)
+                    shown = (text, -(-stamped * len(text) // len(output)) + MESSAGE_OVERHEAD_TOKENS)
             if shown is None:
                 targets.append(event)
             else:
                 targets.append({**event, "output": shown[0], TOKEN_COUNT_FIELD: shown[1],
-                                TOKEN_ENCODING_FIELD: view.encoding})
+                                TOKEN_ENCODING_FIELD: encoding})
     return LlmTargets(previous_summary=previous, events=targets, end_turn=end_turn, start_after=start_after)

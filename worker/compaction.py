@@ -9,15 +9,41 @@ Invariants:
 - The LLM call runs *outside* the lock (it may take minutes; the watcher keeps
   appending meanwhile). Before its summary is appended, the lines written since
   the snapshot are checked under the lock: a ``summary`` or ``rollback`` among
-  them means the targets are stale, and nothing is appended.
+  them means the targets are stale, and no summary is appended.
+- An LLM job's micro step (when over its threshold) is *decided* from the
+  snapshot but *appended with the summary*: ``compact`` then ``summary`` in one
+  append, one state save (so the LLM sees the outputs elided, and the stored
+  state never holds the intermediate estimate). The outputs it elides and the
+  summary replaces are never tokenized (``events.view.extend_view`` of the
+  pair); those it elides in the kept turns are counted exactly. When no
+  summary is appended (nothing to summarize, the breaker open without a
+  fallback, a failed LLM call, a stale snapshot) the micro step is applied on
+  its own, with exact counts, from the log as it is then (after a failure or
+  a stale snapshot: read again, so a compact never follows a rollback it
+  would contradict). A worker killed during the LLM call loses its micro step
+  (no line was written); the next job redoes it.
+- Before the LLM call the targets' token stamps are estimates for the outputs
+  the pending micro step elides (``llm_targets(compact=...)``: the stamp scaled
+  by the shown / original length); they only size the prompt (planning and
+  chunks keep ``summaryReserveTokens`` of slack), never the stored estimate.
+- The stored state after a job equals ``events.state.rebuild`` of the log,
+  its ``promptEstimate`` exact (SPEC §4.5).
 - A summary replaces exactly the target uuids plus the previous visible
   summary's uuid, with ``lastSummarizedTurnId = endTurn``; the most recent
   ``keepRecentTurns`` turns are never summarized.
 - Failures (LLM error, timeout, invalid reply) increment the session's failure
-  counter; a successful LLM summary deletes it. A summary produced by the
-  offline ``extractive`` fallback leaves the counter alone (it says nothing
-  about the LLM's health; the breaker keeps reporting the LLM as failing).
+  counter; a successful LLM summary deletes it (jobs of one session never run
+  at once, so a counter read as zero at the start needs no delete). A summary
+  produced by the offline ``extractive`` fallback leaves the counter alone (it
+  says nothing about the LLM's health; the breaker keeps reporting the LLM as
+  failing).
 - ``released`` = promptEstimate before the job − after it (micro step included).
+
+Redis, for an LLM job that appends: one round trip for the stored state and
+the failure counter (sent before the log is read, answered while it is
+read), one for the state save (with the counter's delete when there is one);
+the uuids of the worker's own lines are checked against the log it read, not
+the Redis index. (``worker.jobs.finish`` then releases the claim.)
 
 Model choice: ``compactionModel``, else the session's model. When the
 compaction model's window (litellm's max input tokens, else the default)
@@ -36,6 +62,7 @@ breaker open does nothing, and a failed call fails the job (forced or not).
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,13 +78,7 @@ from events.errors import (
     SummaryInvalid,
 )
 from events.log import SessionLog
-from events.models import (
-    CompactEvent,
-    CompressResult,
-    SummaryEvent,
-    to_wire,
-    with_identity,
-)
+from events.models import CompressResult, now_iso
 from events.state import SessionState
 from events.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
@@ -144,22 +165,29 @@ class Compactor:
 
     def _micro_locked(
         self, session_id: str, cwd: str, log: SessionLog, events: list[dict[str, Any]], view: ContextView,
-        cached: SessionState | None = None,
+        cached: SessionState | None = None, event: dict[str, Any] | None = None,
     ) -> ApplyResult:
         """Append the compact event if there are candidates (the state is stored either way).
 
         ``events`` is the whole log as read under the lock and ``view`` its view;
         the state after the append is rebuilt from them, not from a re-read.
+        ``event`` is the compact ``_compact_event`` already made of them, if any.
         """
-        candidates = micro_candidates(events, self.ctx, view=view)
-        if not candidates:
+        if event is None:
+            event = _compact_event(events, self.ctx, view)
+        if event is None:
             return self.store.apply(session_id, cwd, [], log=log, cached=cached)  # stores the exact state anyway
-        turns = [e["turnId"] for e in candidates]
-        event = to_wire(with_identity(CompactEvent(type="compact", start_turn_id=min(turns),
-                                                   end_turn_id=max(turns))))
-        applied = self.store.apply(session_id, cwd, [event], log=log, cached=cached, known=events, known_view=view)
-        logger.debug("micro compact session=%s turns=%d..%d", session_id, min(turns), max(turns))
+        applied = self.store.apply(session_id, cwd, [event], log=log, cached=cached, known=events, known_view=view,
+                                   taken=_taken(events, [event]))
+        logger.debug("micro compact session=%s turns=%d..%d", session_id, event["startTurnId"], event["endTurnId"])
         return applied
+
+    def _micro_again(self, session_id: str, cwd: str, log: SessionLog) -> ApplyResult:
+        """The micro step of an LLM job whose summary was not appended, from the log as it is now."""
+        with log.lock():
+            events = log.read()
+            view = build_view(events, self.ctx, messages=False)
+            return self._micro_locked(session_id, cwd, log, events, view)
 
     # -- llm -----------------------------------------------------------------------------
 
@@ -167,83 +195,105 @@ class Compactor:
         """Summarize the turns before the most recent ones; see the module docstring.
 
         The stored state (brought up to date under the lock) gives the estimate,
-        window and model; the log is read once, and each view is built once
-        (without chat messages) and shared by the state rebuild and the targets.
+        window and model; the log is read once, and its view is built once
+        (without chat messages). The micro step's ``compact`` is decided here but
+        appended with the summary (one append, one state save); the targets are
+        shown as they are after it (``llm_targets(compact=...)``: the outputs it
+        elides shown elided, their tokens estimated). When no summary is
+        appended, the micro step is applied on its own, with exact counts.
         """
         log = self._log(session_id, cwd)
         with log.lock():
-            state = self.store.current(session_id, cwd, log)
+            with _StateRead(self.store, self.failures, session_id) as stored:
+                events = log.read()  # while Redis answers
+            breaker_open = not forced and stored.failures >= self.failures.max_failures
+            state = self.store.current(session_id, cwd, log, cached=stored.state)
+            if state.events != len(events):  # the stored state lagged: caught up (or rebuilt) from the log
+                events = log.read()
             before = state.prompt_estimate
-            events = log.read()
             view = build_view(events, self.ctx, messages=False)
-            micro_done = False
+            compact = None
             if before > self.ctx.micro_compact_threshold * state.window and _has_old_candidate(state):
-                applied = self._micro_locked(session_id, cwd, log, events, view, cached=state)
-                micro_done = bool(applied.appended)
-                state = applied.state
-                if applied.appended:
-                    events = events + applied.appended
-                    view = applied.view or build_view(events, self.ctx, messages=False)
-            targets = llm_targets(events, self.ctx, view=view)
-            snapshot = log.complete_size()
-        if targets.end_turn < 1 or not targets.events:
-            return _result(micro_done, before, state.prompt_estimate)
+                compact = _compact_event(events, self.ctx, view)
+            targets = llm_targets(events, self.ctx, view=view, compact=compact)
+            nothing = targets.end_turn < 1 or not targets.events
+            if nothing or (breaker_open and not self.ctx.fallback_model):
+                if breaker_open and not nothing:
+                    logger.info("llm compaction skipped session=%s: breaker open", session_id)
+                if compact is None:
+                    return _result(False, before, before)
+                applied = self._micro_locked(session_id, cwd, log, events, view, cached=state, event=compact)
+                return _result(True, before, applied.state.prompt_estimate)
+            snapshot = _Snapshot(state.log_size, events, view, state, compact)
         session = _Session(state.model, state.window, state.encoding)
-        text = self._summary_text(session_id, targets, session, forced=forced)
-        if text is None:
-            return _result(micro_done, before, self._estimate(session_id, state.prompt_estimate))
-        summary_text, reset = text
-        return self._append_summary(session_id, cwd, log, targets, summary_text, reset,
-                                    _Snapshot(snapshot, events, view, state), before, micro_done)
+        try:
+            summary_text, reset = self._summary_text(session_id, targets, session, breaker_open=breaker_open)
+        except Exception:
+            if compact is not None:
+                self._micro_after_failure(session_id, cwd, log)
+            raise
+        # (jobs of one session never run at once: only this job could have counted a failure since)
+        reset = reset and stored.failures > 0
+        return self._append_summary(session_id, cwd, log, targets, summary_text, reset, snapshot, before)
+
+    def _micro_after_failure(self, session_id: str, cwd: str, log: SessionLog) -> None:
+        """Apply the micro step of an LLM job that failed (its error is what the job reports)."""
+        try:
+            self._micro_again(session_id, cwd, log)
+        except Exception:
+            logger.exception("micro step after a failed llm compaction failed session=%s", session_id)
 
     def _append_summary(
         self, session_id: str, cwd: str, log: SessionLog, targets: LlmTargets, text: str, reset: bool,
-        snapshot: _Snapshot, before: int, micro_done: bool,
+        snapshot: _Snapshot, before: int,
     ) -> CompressResult:
-        """Append the summary unless a summary/rollback landed since the snapshot.
+        """Append the micro step's compact (if any) and the summary, unless a summary/rollback
+        landed since the snapshot: then only the micro step, re-derived from the log as it is.
 
-        ``reset`` (a successful LLM call) deletes the failure counter, in the
-        same round trip as the state save when the summary is appended.
+        ``reset`` (a successful LLM call, the counter not zero) deletes the failure
+        counter, in the same round trip as the state save when the summary is appended.
         """
         previous = targets.previous_summary
         replaces = [e["uuid"] for e in targets.events if isinstance(e.get("uuid"), str)]
         if previous is not None and isinstance(previous.get("uuid"), str):
             replaces.append(previous["uuid"])
-        event = to_wire(with_identity(SummaryEvent(
-            type="summary", replaces=replaces, summary_text=text, last_summarized_turn_id=targets.end_turn,
-        )))
+        event = _new_line("summary", replaces=replaces, summaryText=text, lastSummarizedTurnId=targets.end_turn)
+        lines = [event] if snapshot.compact is None else [snapshot.compact, event]
         with log.lock():
             since = _lines_since(log, snapshot.size)
             if since is None or any(e.get("type") in ("summary", "rollback") for e in since):
                 logger.warning("summary dropped session=%s: the log got a summary/rollback meanwhile", session_id)
                 if reset:
                     self.failures.reset(session_id)
-                return _result(micro_done, before, self._estimate(session_id, snapshot.state.prompt_estimate))
-            pipe = self.store.redis.pipeline(transaction=False)
-            if reset:
+                if snapshot.compact is not None:
+                    applied = self._micro_again(session_id, cwd, log)
+                    return _result(bool(applied.appended), before, applied.state.prompt_estimate)
+                return _result(False, before, self._estimate(session_id, snapshot.state.prompt_estimate))
+            known = snapshot.events + since if since else snapshot.events
+            pipe = self.store.redis.pipeline(transaction=False) if reset else None
+            if pipe is not None:
                 self.failures.reset(session_id, pipe)
             try:
                 state = self.store.apply(
-                    session_id, cwd, [event], log=log, pipeline=pipe, cached=snapshot.state,
-                    known=snapshot.events + since, known_view=None if since else snapshot.view,
+                    session_id, cwd, lines, log=log, pipeline=pipe, cached=snapshot.state, known=known,
+                    known_view=None if since else snapshot.view, taken=_taken(known, lines),
                 ).state
             except Exception:
                 if reset:  # the LLM call did succeed
                     self.failures.reset(session_id)
                 raise
-            pipe.execute()
+            if pipe is not None:
+                pipe.execute()
         return _result(True, before, state.prompt_estimate)
 
     def _summary_text(
-        self, session_id: str, targets: LlmTargets, view: _Session, *, forced: bool,
-    ) -> tuple[str, bool] | None:
+        self, session_id: str, targets: LlmTargets, view: _Session, *, breaker_open: bool,
+    ) -> tuple[str, bool]:
         """The new summary text and whether the failure counter is to be reset (an LLM
-        success), or None when the breaker stops an automatic job (no fallback)."""
+        success). ``breaker_open`` (an automatic job; the caller checked that there is a
+        fallback) sends the targets to the fallback instead of the LLM."""
         fallback = self.ctx.fallback_model
-        if not forced and self.failures.is_open(session_id):
-            if not fallback:
-                logger.info("llm compaction skipped session=%s: breaker open", session_id)
-                return None
+        if breaker_open and fallback:
             logger.info("breaker open session=%s: using fallback %s", session_id, fallback)
             return self._summarize_with(fallback, targets, view), False
         plan = self.plan(targets, view)
@@ -276,9 +326,11 @@ class Compactor:
             raise LLMUnavailable("no compaction model: set context.compactionModel", transient=False)
         if model == EXTRACTIVE_MODEL:
             return Plan(model, session_window)
-        window = session_window if model == session_model else self.model_window(model)
+        if not session_model or model == session_model:
+            return Plan(model, session_window)
+        window = self.model_window(model)
         needed = self.prompt_tokens(targets.events, targets.previous_summary, view.encoding)
-        if needed + self.ctx.summary_reserve_tokens > window and session_model and model != session_model:
+        if needed + self.ctx.summary_reserve_tokens > window:
             logger.info("compaction model %s too small (%d < %d): using session model %s",
                         model, window, needed + self.ctx.summary_reserve_tokens, session_model)
             return Plan(session_model, session_window)
@@ -353,6 +405,66 @@ class Compactor:
         return state.prompt_estimate if state is not None else default
 
 
+class _StateRead:
+    """The session's stored state and failure count, asked for on entry, read on exit.
+
+    The LLM job sends the request, reads the log while Redis answers, then
+    takes the reply: the round trip overlaps the read. A reply never read (an
+    error in between) costs the connection, which is dropped, not pooled.
+    """
+
+    def __init__(self, store: SessionStore, failures: FailureCounter, session_id: str) -> None:
+        self.store = store
+        self.counter = failures
+        self.session_id = session_id
+        self.state: SessionState | None = None
+        self.failures = 0
+        self._connection: Any = None
+
+    def __enter__(self) -> _StateRead:
+        client = self.store.redis
+        if getattr(client, "connection", None) is not None:  # a single-connection client: no side channel
+            return self
+        connection = client.connection_pool.get_connection()
+        try:
+            commands = [("HGETALL", self.store.keys.session(self.session_id)),
+                        ("GET", self.counter.keys.failures(self.session_id))]
+            connection.send_packed_command(connection.pack_commands(commands))  # type: ignore[no-untyped-call]
+        except BaseException:
+            _drop(client, connection)
+            raise
+        self._connection = connection
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        connection, self._connection = self._connection, None
+        client = self.store.redis
+        if connection is None:
+            if kind is None:
+                self.state = self.store.load(self.session_id)
+                self.failures = self.counter.count(self.session_id)
+            return
+        if kind is not None:
+            _drop(client, connection)
+            return
+        try:
+            raw = connection.read_response()
+            count = connection.read_response()
+        except BaseException:
+            _drop(client, connection)
+            raise
+        client.connection_pool.release(connection)
+        fields = dict(raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2]))
+        self.state = SessionState.from_hash(fields) if fields else None
+        self.failures = int(count) if count else 0
+
+
+def _drop(client: redis.Redis, connection: Any) -> None:
+    """Give back a connection whose replies may be unread: disconnected first."""
+    connection.disconnect()
+    client.connection_pool.release(connection)
+
+
 def _has_old_candidate(state: SessionState) -> bool:
     """Whether the state records a micro candidate in a turn before ``currentTurnId - 1``."""
     return state.min_candidate_turn != 0 and state.min_candidate_turn < state.current_turn_id - 1
@@ -360,19 +472,48 @@ def _has_old_candidate(state: SessionState) -> bool:
 
 @dataclass(frozen=True)
 class _Snapshot:
-    """The log as the LLM job last saw it under the lock: its size, events and state."""
+    """The log as the LLM job last saw it under the lock: its size, events, view and state,
+    and the micro step's compact decided from them (appended with the summary)."""
 
     size: int
     events: list[dict[str, Any]]
-    view: ContextView  # of ``events``, without messages
+    view: ContextView  # of ``events``, without messages, exact (no compact previewed)
     state: SessionState
+    compact: dict[str, Any] | None
+
+
+def _compact_event(events: list[dict[str, Any]], ctx: ContextSettings, view: ContextView) -> dict[str, Any] | None:
+    """The micro step's ``compact`` for the log ``events`` (``view`` is theirs), or None without candidates."""
+    candidates = micro_candidates(events, ctx, view=view)
+    if not candidates:
+        return None
+    turns = [e["turnId"] for e in candidates]
+    return _new_line("compact", startTurnId=min(turns), endTurnId=max(turns))
+
+
+def _new_line(kind: str, **fields: Any) -> dict[str, Any]:
+    """A line of the worker's own, as ``to_wire(with_identity(<model>(...)))`` makes it (a new
+    uuid, the time, then the fields), without the pydantic round trip: the worker's values
+    (turn ids and uuids read from the log, the checked summary text) need no validation."""
+    return {"uuid": str(uuid.uuid4()), "timestamp": now_iso(), "type": kind, **fields}
+
+
+def _taken(known: list[dict[str, Any]], lines: list[dict[str, Any]]) -> set[str]:
+    """The uuids of ``lines`` that the log's events ``known`` (all of them) already hold.
+
+    The log is the source of truth for uuid uniqueness, so this saves asking
+    the Redis index (``SessionStore.taken_uuids``) for the worker's new lines.
+    """
+    new = {e["uuid"] for e in lines if isinstance(e.get("uuid"), str)}
+    return {e["uuid"] for e in known if e.get("uuid") in new}
 
 
 def _lines_since(log: SessionLog, snapshot: int) -> list[dict[str, Any]] | None:
     """The events written since byte ``snapshot``; None when the log shrank (call under the lock)."""
-    if log.complete_size() < snapshot:
+    size = log.complete_size()
+    if size < snapshot:
         return None
-    return log.read(snapshot)
+    return log.read(snapshot) if size > snapshot else []
 
 
 def _clipped(event: dict[str, Any], budget_tokens: int) -> dict[str, Any]:

@@ -106,8 +106,12 @@ def render_event(event: dict[str, Any]) -> str:
     if kind == "tool_result":
         return f"[tool:{event.get('toolName', '')}]\n{_str(event.get('output'))}"
     if kind == "assistant":
-        lines = [f"[assistant]\n{_str(event.get('content'))}".rstrip("\n")]
-        for call in event.get("toolCalls") or []:
+        head = f"[assistant]\n{_str(event.get('content'))}".rstrip("\n")
+        calls = event.get("toolCalls")
+        if not calls:
+            return head
+        lines = [head]
+        for call in calls:
             if isinstance(call, dict):
                 args = arguments_json(call.get("arguments", ""))
                 lines.append(f"-> tool call {call.get('name', '')}({args})")
@@ -119,7 +123,7 @@ def render_event(event: dict[str, Any]) -> str:
 
 def render_transcript(events: Sequence[dict[str, Any]]) -> str:
     """The transcript: every event's block, separated by blank lines."""
-    return "\n\n".join(render_event(e) for e in events)
+    return "\n\n".join([render_event(e) for e in events])
 
 
 def nonce_for(*parts: str) -> str:

@@ -248,3 +248,66 @@ def test_extending_a_view_with_other_lines_is_left_to_a_full_build() -> None:
     view = build_view(simple_turn(1, "q"), CTX, messages=False)
     assert extend_view(view, [rollback(1)], CTX) is None
     assert extend_view(view, [compact(1, 1), compact(1, 1)], CTX) is None
+
+
+def _worker_compact(view: Any) -> dict[str, Any] | None:
+    """The compact an LLM job's micro step makes of ``view`` (None without old candidates)."""
+    turns = [c["turnId"] for c in view.candidates if c["turnId"] < view.current_turn_id - 1]
+    return compact(min(turns), max(turns)) if turns else None
+
+
+@given(events=logs(), data=st.data(), keep=st.integers(0, 3))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_extending_a_view_with_a_compact_and_a_summary_equals_building_it(
+    events: list[dict[str, Any]], data: st.DataObject, keep: int,
+) -> None:
+    ctx = ContextSettings(keep_recent_turns=keep)
+    view = build_view(events, ctx, messages=False)
+    appended_compact = _worker_compact(view)
+    if appended_compact is None or data.draw(st.booleans()):  # any range, as in the compact test
+        start = data.draw(st.integers(0, 8))
+        appended_compact = compact(start, start + data.draw(st.integers(-1, 8)))
+    if data.draw(st.booleans()):  # as the LLM job does: the targets shown after the compact
+        targets = llm_targets(events, ctx, view=view, compact=appended_compact)
+        replaces = [e["uuid"] for e in targets.events]
+        if targets.previous_summary is not None:
+            replaces.append(targets.previous_summary["uuid"])
+        last = max(targets.end_turn, 1)
+    else:  # any uuids of the log
+        uuids = sorted({e["uuid"] for e in events if isinstance(e.get("uuid"), str)})
+        replaces = data.draw(st.lists(st.sampled_from(uuids), max_size=8)) if uuids else []
+        last = data.draw(st.integers(0, 8))
+    appended = [appended_compact, summary(replaces, data.draw(texts), last)]
+    if data.draw(st.booleans()):
+        appended[1] = stamp(appended[1], view.encoding)
+    assert extend_view(view, appended, ctx) == build_view(events + appended, ctx, messages=False)
+
+
+@given(events=logs(), keep=st.integers(0, 3))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_targets_with_a_pending_compact_are_the_targets_after_it_but_the_estimated_stamps(
+    events: list[dict[str, Any]], keep: int,
+) -> None:
+    ctx = ContextSettings(keep_recent_turns=keep)
+    view = build_view(events, ctx, messages=False)
+    pending = _worker_compact(view)
+    if pending is None:
+        assert llm_targets(events, ctx, view=view, compact=None) == llm_targets(events, ctx, view=view)
+        return
+    previewed = llm_targets(events, ctx, view=view, compact=pending)
+    exact = llm_targets(events + [pending], ctx)
+    assert (previewed.end_turn, previewed.start_after, previewed.previous_summary) == (
+        exact.end_turn, exact.start_after, exact.previous_summary)
+    assert len(previewed.events) == len(exact.events)
+    for shown, counted in zip(previewed.events, exact.events):
+        if shown is counted or shown.get("tokenCount") == counted.get("tokenCount"):
+            assert shown == counted
+            continue
+        # newly elided by the pending compact: the same text, an estimated stamp
+        assert "characters elided" in shown["output"]
+        assert {k: v for k, v in shown.items() if k != "tokenCount"} == {
+            k: v for k, v in counted.items() if k != "tokenCount"}
+        original = next(e for e in events if e.get("uuid") == shown["uuid"])
+        stamp_before = event_tokens(original, view.encoding) if original.get(
+            "tokenEncoding") != view.encoding else original["tokenCount"]
+        assert shown["tokenCount"] == -(-stamp_before * len(shown["output"]) // len(original["output"])) + 4

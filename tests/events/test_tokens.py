@@ -9,9 +9,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from events import tokens
 from events.tokens import (
+    arguments_json,
     count_tokens,
     encoding_for_model,
     event_tokens,
@@ -139,3 +142,27 @@ def test_model_max_input_tokens_from_litellm_and_none_when_unknown() -> None:
     assert model_max_input_tokens("openai/gpt-4o") == 128_000
     assert model_max_input_tokens("no-such-model-xyz") is None
     assert model_max_input_tokens("") is None
+
+
+_JSON_SCALARS = st.one_of(st.text(), st.booleans(), st.none(), st.integers(-(2**70), 2**70),
+                          st.floats(allow_nan=True, allow_infinity=True))
+
+
+@given(arguments=st.one_of(
+    st.dictionaries(st.text(), _JSON_SCALARS, max_size=6),
+    st.dictionaries(st.text(max_size=5), st.lists(_JSON_SCALARS, max_size=3) | st.dictionaries(
+        st.text(max_size=3), _JSON_SCALARS, max_size=3), max_size=3),
+    st.lists(_JSON_SCALARS, max_size=4),
+))
+@settings(max_examples=500)
+def test_arguments_json_is_the_json_modules_compact_dump(arguments: object) -> None:
+    expected = json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
+    assert arguments_json(arguments) == expected
+
+
+def test_arguments_json_dumps_every_character_as_the_json_module_does() -> None:
+    text = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF)
+    arguments = {text[:100]: text, "x": text[::-7]}
+    assert arguments_json(arguments) == json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
+    lone = {"s": "\ud800"}  # orjson cannot dump a lone surrogate: the json module does
+    assert arguments_json(lone) == json.dumps(lone, separators=(",", ":"), ensure_ascii=False)

@@ -13,6 +13,7 @@ from events.view import (
     build_view,
     current_turn_id,
     elide,
+    elision_marker,
     llm_targets,
     micro_candidates,
     session_model,
@@ -158,6 +159,22 @@ def test_elided_text_is_always_strictly_shorter(output: str, keep: int) -> None:
     kept = int(re.search(r"\[(\d+) characters elided\]", shown).group(1))  # type: ignore[union-attr]
     head = (len(output) - kept) // 2
     assert shown.startswith(output[:head]) and shown.endswith(output[len(output) - head:])
+
+
+def _elide_by_definition(output: str, keep_chars: int) -> str:
+    """``elide`` as first written: the marker built twice, no shortcut."""
+    length = len(output)
+    keep = max(0, min(keep_chars, (length - len(elision_marker(length)) - 1) // 2))
+    shown = output[:keep] + elision_marker(length - 2 * keep) + output[length - keep:]
+    return shown if len(shown) < length else output
+
+
+@given(output=st.text(max_size=300) | st.integers(0, 20_000).map(lambda n: "y" * n), keep=st.integers(0, 400))
+@settings(max_examples=400)
+def test_elide_equals_its_definition(output: str, keep: int) -> None:
+    shown = elide(output, keep)
+    assert shown == _elide_by_definition(output, keep)
+    assert (shown is output) == (len(shown) == len(output))
 
 
 @given(min_chars=st.integers(1, 200), keep=st.integers(0, 200), size=st.integers(0, 400))

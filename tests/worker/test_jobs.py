@@ -15,7 +15,7 @@ from events.config import Settings
 from events.log import SessionLog
 from events.state import decide, rebuild
 from events.view import build_view
-from compactor.llm_stub import LLMStub, StubResponse, summary_text
+from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse, summary_text
 from tests.worker.conftest import CWD, make_settings, read_log, run_burst, write_session
 from worker.context import WorkerContext, install
 from worker.failures import FailureCounter
@@ -336,3 +336,99 @@ def test_state_after_an_llm_job_with_a_micro_step_equals_a_rebuild_from_the_log(
     assert stored == rebuild("s1", CWD, log.read(), wsettings.context, log.size())
     assert result["promptEstimate"] == stored.prompt_estimate == build_view(log.read(), wsettings.context).prompt_estimate
     assert FailureCounter(r, wsettings).count("s1") == 0
+
+
+# -- the micro step of an LLM job ------------------------------------------------------------
+
+
+def _assert_state_is_a_rebuild(r: redis.Redis, settings: Settings, sid: str) -> int:
+    log = SessionLog(settings.data_dir, CWD, sid)
+    stored = SessionStore(r, settings).load(sid)
+    assert stored is not None
+    assert stored == rebuild(sid, CWD, log.read(), settings.context, log.size())
+    assert stored.prompt_estimate == build_view(log.read(), settings.context).prompt_estimate
+    return stored.prompt_estimate
+
+
+def test_llm_job_appends_its_micro_step_with_the_summary_after_the_llm_call(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 5, window=1000)
+    seen: list[list[str]] = []
+
+    def reply(body: dict[str, Any]) -> str:
+        seen.append([e["type"] for e in read_log(wsettings, "s1")])
+        return f"<summary>\n{summary_text('s')}\n</summary>"
+
+    stub.reply = reply
+    before = SessionStore(r, wsettings).load("s1")
+    install(WorkerContext.build(wsettings, r))
+    result = llm_compact("s1", CWD, forced=True)
+    assert seen and "compact" not in seen[0]  # nothing appended before the call
+    assert "characters elided" in stub.requests[0].user_text  # but the LLM saw the outputs elided
+    assert [e["type"] for e in read_log(wsettings, "s1")[-2:]] == ["compact", "summary"]
+    after = _assert_state_is_a_rebuild(r, wsettings, "s1")
+    assert before is not None and result == {"didCompress": True, "released": before.prompt_estimate - after,
+                                             "promptEstimate": after}
+
+
+def test_outputs_elided_in_the_kept_turns_are_counted_exactly(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    keep2 = make_settings(settings, llm_timeout_seconds=5.0, compaction_model=STUB_MODEL, keep_recent_turns=2)
+    write_session(r, keep2, "s1", 6, window=1000)  # turn 5's output: compacted, not summarized
+    install(WorkerContext.build(keep2, r))
+    llm_compact("s1", CWD, forced=True)
+    compact, summary = read_log(keep2, "s1")[-2:]
+    assert (compact["type"], compact["endTurnId"], summary["lastSummarizedTurnId"]) == ("compact", 5, 4)
+    _assert_state_is_a_rebuild(r, keep2, "s1")
+
+
+def test_a_rollback_during_the_llm_call_leaves_no_stale_compact(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 5, window=1000)
+    store = SessionStore(r, wsettings)
+
+    def reply_after_rollback(body: dict[str, Any]) -> str:
+        store.apply("s1", CWD, [{"type": "rollback", "throughTurnId": 3, "reason": "undo", "uuid": "rb"}])
+        return f"<summary>\n{summary_text('late')}\n</summary>"
+
+    stub.reply = reply_after_rollback
+    install(WorkerContext.build(wsettings, r))
+    result = llm_compact("s1", CWD, forced=True)
+    events = read_log(wsettings, "s1")
+    rolled = [i for i, e in enumerate(events) if e["type"] == "rollback"]
+    assert [e["type"] for e in events].count("summary") == 0
+    # the micro step is taken again from the log after the rollback: turns 1-2 are left, turn 1 is old
+    assert [(e["startTurnId"], e["endTurnId"]) for e in events if e["type"] == "compact"] == [(1, 1)]
+    assert all(e["type"] != "compact" for e in events[:rolled[0]])
+    assert result["didCompress"] is True and result["promptEstimate"] == _assert_state_is_a_rebuild(r, wsettings, "s1")
+
+
+def test_a_failed_llm_call_still_applies_the_micro_step_with_the_exact_estimate(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    wsettings = make_settings(settings, llm_timeout_seconds=5.0, compaction_model="openai/stub-model")
+    write_session(r, wsettings, "s1", 5, window=1000)
+    before = SessionStore(r, wsettings).load("s1")
+    stub.status = 500
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FAILED
+    assert [e["type"] for e in read_log(wsettings, "s1")[-1:]] == ["compact"]
+    after = _assert_state_is_a_rebuild(r, wsettings, "s1")
+    assert before is not None and after < before.prompt_estimate
+    assert r.get(Keys().failures("s1")) == b"1"
+
+
+def test_an_llm_job_reads_the_state_once_and_never_asks_the_uuid_index(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 5, window=1000)
+    install(WorkerContext.build(wsettings, r))
+    r.config_resetstat()
+    assert llm_compact("s1", CWD, forced=True)["didCompress"] is True
+    calls = {name.removeprefix("cmdstat_"): stats["calls"] for name, stats in r.info("commandstats").items()}
+    assert calls.get("hgetall") == 1 and "smismember" not in calls and "sismember" not in calls
+    assert calls.get("eval", 0) <= 1  # the claim's release; the state is saved with a plain HSET
+    _assert_state_is_a_rebuild(r, wsettings, "s1")
