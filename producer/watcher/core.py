@@ -67,6 +67,7 @@ UNDER_QUOTA_TICK_S = 0.25  # tick this often while owning fewer shards than the 
 TRIM_INTERVAL_S = 10.0  # trim each owned stream this often
 STATE_CACHE_SESSIONS = 10_000  # session states kept in memory (saves a Redis read per apply)
 MAX_BACKOFF_S = 5.0  # longest pause after repeated Redis errors
+FIRE_EVERY_S = 0.002  # within a long round, claim and enqueue the triggers noted so far this often
 DEFAULT_ENCODING = "cl100k_base"
 WARM_UP_MODEL = "gpt-4"  # any model litellm knows: the first lookup imports litellm
 
@@ -204,8 +205,12 @@ class Watcher:
         uuids already taken and of the states not in the cache, and one pipeline
         with every state save followed by
         each shard's fenced dead-letter + ack script. So a round costs three round
-        trips (read, uuids, saves + acks) plus one per threshold crossed, however
-        many shards it touched (entries arriving live come in small rounds).
+        trips (read, uuids, saves + acks) plus two (claim, enqueue) for its
+        thresholds crossed, however many shards it touched (entries arriving live
+        come in small rounds). A round longer than ``FIRE_EVERY_S`` claims and
+        enqueues its triggers as it goes, every ``FIRE_EVERY_S``, so a trigger
+        early in a big round does not wait for the whole round; always before
+        the acks, and in stream order per session.
         """
         batches: dict[int, list[RawEntry]] = {}
         for shard, result in results.items():
@@ -222,6 +227,7 @@ class Watcher:
                   for sid, entries in sessions.items() if sid not in self.cursors[shard].held}
         found = self.store.lookup(wanted, load=[sid for sid in wanted if sid not in self._sessions])
         lost: set[int] = set()
+        fired = time.monotonic()
         try:
             for shard, sessions in by_session.items():
                 cursor = self.cursors[shard]
@@ -230,6 +236,9 @@ class Watcher:
                         if session_id in found.taken:
                             self._apply_session(shard, cursor, session_id, entries, outcomes[shard], saves,
                                                 found)
+                        if self._triggers and time.monotonic() - fired >= FIRE_EVERY_S:
+                            self._fire()
+                            fired = time.monotonic()
                 except LeaseLost:
                     lost.add(shard)
             if self._triggers:
@@ -437,10 +446,17 @@ def main(settings: Settings, *, name: str | None = None) -> None:
     client = redis.Redis.from_url(settings.redis.url)
     try:
         watcher = Watcher(client, settings, name=name)
-        freeze_heap()
+        prepare_heap()
         watcher.run(stop)
     finally:
         client.close()
+
+
+def prepare_heap() -> None:
+    """Load what the loop needs (``warm_up`` imports litellm), then ``freeze_heap``: an import
+    after the freeze would put its objects back in every full collection's way."""
+    warm_up()
+    freeze_heap()
 
 
 def freeze_heap() -> None:

@@ -15,6 +15,7 @@ from events.models import parse_event, to_wire
 from events.tokens import count_tokens, event_tokens
 from producer.publisher import Publisher
 from producer.watcher import Watcher
+from producer.watcher import core as watcher_core
 from tests.producer.conftest import CWD, drain, turn_end, user
 
 ENCODING = "cl100k_base"  # gpt-4's
@@ -145,3 +146,29 @@ def test_two_triggers_of_a_session_in_one_round_claim_then_coalesce_in_order(
     assert job_id is not None and parse_job_id(job_id)[1] == "micro"  # type: ignore[index]
     assert rq.Queue(fast.redis.prefix, connection=r).job_ids == [job_id]
     assert r.get(Keys().retrigger("s1")) == b"llm"
+
+
+def test_a_long_round_enqueues_its_triggers_as_it_goes(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``FIRE_EVERY_S`` into a round, the triggers noted so far are claimed and enqueued
+    before the next session is applied: a trigger early in a big round does not wait for it."""
+    monkeypatch.setattr(watcher_core, "FIRE_EVERY_S", 0.0)
+    publisher = Publisher(r, fast)
+    for sid in ("s1", "s2", "s3"):
+        publisher.publish(sid, CWD, [padded_user(1, 950), turn_end(1, window=WINDOW)])
+    watcher = Watcher(r, fast, name="w")
+    queued_at_apply: list[int] = []
+    apply_session = watcher._apply_session
+
+    def recording(*args: Any, **kwargs: Any) -> None:
+        queued_at_apply.append(len(rq.Queue(fast.redis.prefix, connection=r).job_ids))
+        apply_session(*args, **kwargs)
+
+    monkeypatch.setattr(watcher, "_apply_session", recording)
+    handled = 0
+    while handled == 0:
+        handled = watcher.run_once()
+    assert handled == 6
+    assert queued_at_apply == [0, 1, 2]  # each session's job was enqueued before the next was applied
+    assert all(pending_job_id(r, fast, sid) is not None for sid in ("s1", "s2", "s3"))
