@@ -33,6 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,14 @@ def count_ingested(events: Iterable[dict[str, Any]]) -> None:
         label = kind if kind in EVENT_TYPES else "other"
         counts[label] = counts.get(label, 0) + 1
     for label, count in counts.items():
-        EVENTS_INGESTED.labels(label).inc(count)
+        _ingested(label).inc(count)
+
+
+@lru_cache(maxsize=None)
+def _ingested(label: str) -> Any:
+    """The ``EVENTS_INGESTED`` child of a label (``labels()`` looks it up under a lock each time);
+    labels are the few event types and ``other``."""
+    return EVENTS_INGESTED.labels(label)
 
 
 def count_dead_letters(reasons: Iterable[str]) -> None:

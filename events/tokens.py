@@ -91,6 +91,16 @@ def count_tokens(text: str, encoding: str) -> int:
     """Tokens of ``text`` in ``encoding``; special-token text counts as ordinary text."""
     if not text:
         return 0
+    if len(text) <= SHORT_TEXT_CHARS:
+        return _count_short(text, encoding)
+    return len(get_encoding(encoding).encode_ordinary(text))
+
+
+SHORT_TEXT_CHARS = 64  # tool names, small arguments: the same few strings again and again
+
+
+@lru_cache(maxsize=4096)
+def _count_short(text: str, encoding: str) -> int:
     return len(get_encoding(encoding).encode_ordinary(text))
 
 

@@ -17,6 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import uuid as uuidlib
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -144,8 +145,16 @@ def _check_identity(wire: dict[str, Any], expected: dict[str, str]) -> None:
 
 
 def entry_uuid(session_id: str, entry_id: str) -> str:
-    """The uuid of an entry's event when the producer sent none (stable across redeliveries)."""
-    return str(uuidlib.uuid5(ENTRY_UUID_NAMESPACE, f"{session_id}/{entry_id}"))
+    """The uuid of an entry's event when the producer sent none (stable across redeliveries):
+    ``str(uuid.uuid5(ENTRY_UUID_NAMESPACE, f"{session_id}/{entry_id}"))``, formatted from the
+    SHA-1 directly (a quarter of the cost of building ``uuid.UUID`` objects, on every event)."""
+    h = hashlib.sha1(_NAMESPACE_BYTES + f"{session_id}/{entry_id}".encode()).hexdigest()
+    # version 5 in the 13th digit, the RFC 4122 variant (binary 10xx) in the 17th, as uuid5 sets them
+    return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{_VARIANT_DIGIT[h[16]]}{h[17:20]}-{h[20:32]}"
+
+
+_NAMESPACE_BYTES = ENTRY_UUID_NAMESPACE.bytes
+_VARIANT_DIGIT = {f"{n:x}": f"{n & 0x3 | 0x8:x}" for n in range(16)}
 
 
 def entry_timestamp(entry_id: str) -> str:
