@@ -49,6 +49,7 @@ class Entry:
     cwd: str
     event: dict[str, Any]
     fields: list[bytes] = field(repr=False, default_factory=list)  # as received, for a dead letter
+    derived_uuid: bool = False  # the event came without a uuid: ``entry_uuid`` gave it one
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ def _decode(eid: str, raw: list[bytes], max_event_bytes: int) -> Entry:
     except InvalidInput as e:
         raise _Reject(str(e)) from e
     data = _json_object(event_bytes)
-    return Entry(eid, session_id, cwd, _wire_event(eid, session_id, cwd, data), raw)
+    derived = type(data) is dict and data.get("uuid") is None
+    return Entry(eid, session_id, cwd, _wire_event(eid, session_id, cwd, data), raw, derived)
 
 
 def _field_map(raw: list[bytes]) -> dict[bytes, bytes]:

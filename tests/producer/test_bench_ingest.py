@@ -13,4 +13,5 @@ def test_quick_ingest_bench_reports_every_measurement() -> None:
     assert result["ratio"] == pytest.approx(result["events_per_s"] / result["baseline_events_per_s"], abs=0.01)
     assert 0 < result["p99_turn_end_to_enqueue_ms"] < 1000
     assert 0 < result["cost_ratio_long_vs_short"] < 3
-    assert len(messages) == 4
+    assert len(messages) == 5  # baseline, watcher, latency (running, cold), long vs short
+    assert 0 < result["p99_cold_start_ms"] < 5000

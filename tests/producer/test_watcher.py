@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,27 @@ def test_trimming_keeps_pending_entries(r: redis.Redis, fast: Settings) -> None:
     remaining = [entry_id.decode() for entry_id, _ in r.xrange(stream)]
     assert set(pending_ids) <= set(remaining)
     assert len(remaining) < 102
+
+
+def test_a_tick_trims_one_due_stream_the_one_trimmed_longest_ago(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Trims are spread over ticks (all shards' trims at once stopped the loop for ~17 ms)."""
+    watcher = Watcher(r, fast, name="w")
+    watcher.run_once()  # takes the leases
+    assert len(watcher.cursors) == fast.redis.shards > 2
+    trimmed: list[int] = []
+    monkeypatch.setattr(watcher.streams, "trim", trimmed.append)
+    for n, cursor in watcher.cursors.items():
+        cursor.trimmed_at = -1000.0 - n  # all due; the last shard the longest ago
+    watcher._trim_due()
+    watcher._trim_due()
+    last = fast.redis.shards - 1
+    assert trimmed == [last, last - 1]
+    for cursor in watcher.cursors.values():
+        cursor.trimmed_at = time.monotonic()
+    watcher._trim_due()
+    assert trimmed == [last, last - 1]  # none due
 
 
 def test_a_redis_that_forgot_the_scripts_is_read_and_acked_all_the_same(r: redis.Redis, fast: Settings) -> None:
