@@ -40,12 +40,14 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
 import orjson
 import redis
 import yaml
+from rq.job import Job
 
 from compactor.embedded import EmbeddedRedis
 from compactor.keys import Keys
@@ -272,12 +274,18 @@ def _latency(client: redis.Redis, settings: Settings, tmp: Path, sessions: int, 
 
 
 def _delay_ms(client: redis.Redis, keys: Keys, session_id: str, turn_end_ids: list[str]) -> float | None:
-    """From the turn_end that triggered the session's job (the last one before it) to the enqueue."""
+    """From the turn_end that triggered the session's job (the last one before it) to the
+    enqueue: the job's ``enqueued_at`` as RQ recorded it, after the claim and the job's
+    creation (the time in the job id is taken before both)."""
     job_id: Any = client.get(keys.job(session_id))
-    parsed = parse_job_id(job_id.decode()) if job_id else None
-    if parsed is None:
+    if not job_id or parse_job_id(job_id.decode()) is None:
         return None
-    enqueued_ms = parsed[0] / 1e6
+    enqueued_at = Job.fetch(job_id.decode(), connection=client).enqueued_at
+    if enqueued_at is None:
+        return None
+    if enqueued_at.tzinfo is None:
+        enqueued_at = enqueued_at.replace(tzinfo=UTC)
+    enqueued_ms = enqueued_at.timestamp() * 1000
     before = [int(i.split("-")[0]) for i in turn_end_ids if int(i.split("-")[0]) <= enqueued_ms]
     return enqueued_ms - max(before) if before else None
 
