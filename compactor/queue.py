@@ -306,8 +306,18 @@ def release_pending(client: redis.Redis, settings: Settings, session_id: str, jo
 
     The trigger stays recorded until ``settle_trigger`` (call it once re-checked).
     """
-    trigger = client.eval(_RELEASE, 3, *_session_keys(settings, session_id), job_id, session_id)
-    return _text(trigger) if trigger else None
+    return released_trigger(client.eval(_RELEASE, 3, *_session_keys(settings, session_id), job_id, session_id))
+
+
+def queue_release(pipeline: Any, settings: Settings, session_id: str, job_id: str) -> None:
+    """``release_pending`` queued on ``pipeline`` (a job's last writes: one round trip);
+    pass its reply to ``released_trigger``."""
+    pipeline.eval(_RELEASE, 3, *_session_keys(settings, session_id), job_id, session_id)
+
+
+def released_trigger(reply: Any) -> str | None:
+    """The coalesced trigger's kind from the release script's reply, if any."""
+    return _text(reply) if reply else None
 
 
 def settle_trigger(client: redis.Redis, settings: Settings, session_id: str) -> None:

@@ -69,6 +69,7 @@ from typing import Any
 
 import redis
 
+from compactor.queue import queue_release, released_trigger
 from compactor.store import ApplyResult, SessionStore
 from events.config import ContextSettings, Settings
 from events.errors import (
@@ -120,6 +121,16 @@ class _Session:
     model: str | None
     window: int
     encoding: str
+
+
+@dataclass
+class Release:
+    """The job's claim, to free with the job's last writes (``worker.jobs.finish`` frees it
+    itself unless ``done``): ``trigger`` is then the coalesced trigger the release returned."""
+
+    job_id: str
+    done: bool = False
+    trigger: str | None = None
 
 
 @dataclass(frozen=True)
@@ -191,7 +202,7 @@ class Compactor:
 
     # -- llm -----------------------------------------------------------------------------
 
-    def llm(self, session_id: str, cwd: str, *, forced: bool = False) -> CompressResult:
+    def llm(self, session_id: str, cwd: str, *, forced: bool = False, release: Release | None = None) -> CompressResult:
         """Summarize the turns before the most recent ones; see the module docstring.
 
         The stored state (brought up to date under the lock) gives the estimate,
@@ -201,6 +212,8 @@ class Compactor:
         shown as they are after it (``llm_targets(compact=...)``: the outputs it
         elides shown elided, their tokens estimated). When no summary is
         appended, the micro step is applied on its own, with exact counts.
+        ``release``: when the summary is appended, the job's claim is freed in
+        the same round trip as the state save (``release.done``).
         """
         log = self._log(session_id, cwd)
         with log.lock():
@@ -234,7 +247,7 @@ class Compactor:
             raise
         # (jobs of one session never run at once: only this job could have counted a failure since)
         reset = reset and stored.failures > 0
-        return self._append_summary(session_id, cwd, log, targets, summary_text, reset, snapshot, before)
+        return self._append_summary(session_id, cwd, log, targets, summary_text, reset, snapshot, before, release)
 
     def _micro_after_failure(self, session_id: str, cwd: str, log: SessionLog) -> None:
         """Apply the micro step of an LLM job that failed (its error is what the job reports)."""
@@ -245,13 +258,14 @@ class Compactor:
 
     def _append_summary(
         self, session_id: str, cwd: str, log: SessionLog, targets: LlmTargets, text: str, reset: bool,
-        snapshot: _Snapshot, before: int,
+        snapshot: _Snapshot, before: int, release: Release | None = None,
     ) -> CompressResult:
         """Append the micro step's compact (if any) and the summary, unless a summary/rollback
         landed since the snapshot: then only the micro step, re-derived from the log as it is.
 
         ``reset`` (a successful LLM call, the counter not zero) deletes the failure
-        counter, in the same round trip as the state save when the summary is appended.
+        counter, and ``release`` frees the job's claim, in the same round trip as
+        the state save when the summary is appended.
         """
         previous = targets.previous_summary
         replaces = [e["uuid"] for e in targets.events if isinstance(e.get("uuid"), str)]
@@ -270,8 +284,8 @@ class Compactor:
                     return _result(bool(applied.appended), before, applied.state.prompt_estimate)
                 return _result(False, before, self._estimate(session_id, snapshot.state.prompt_estimate))
             known = snapshot.events + since if since else snapshot.events
-            pipe = self.store.redis.pipeline(transaction=False) if reset else None
-            if pipe is not None:
+            pipe = self.store.redis.pipeline(transaction=False) if reset or release else None
+            if pipe is not None and reset:
                 self.failures.reset(session_id, pipe)
             try:
                 state = self.store.apply(
@@ -283,7 +297,11 @@ class Compactor:
                     self.failures.reset(session_id)
                 raise
             if pipe is not None:
-                pipe.execute()
+                if release is not None:  # last: after the save it follows
+                    queue_release(pipe, self.settings, session_id, release.job_id)
+                replies = pipe.execute()
+                if release is not None:
+                    release.done, release.trigger = True, released_trigger(replies[-1])
         return _result(True, before, state.prompt_estimate)
 
     def _summary_text(

@@ -6,7 +6,8 @@ A failed LLM compaction raises (``LLMUnavailable`` / ``SummaryInvalid``), so RQ
 records the job as failed with that message (the API answers 502 for a forced one).
 
 Invariant: however a job ends (result, exception, timeout), ``finish`` runs:
-it frees the session's pending-job claim if this job holds it and, when a
+it frees the session's pending-job claim if this job holds it (an LLM job that
+appended a summary freed it already, in its state save's round trip) and, when a
 trigger was coalesced meanwhile, re-checks the thresholds from the stored
 state and enqueues again, so no trigger is lost (the trigger stays recorded
 until the re-check is done). For a job whose worker was killed, or a claim
@@ -29,6 +30,7 @@ from compactor.queue import enqueue_compaction, release_pending, settle_trigger
 from events.errors import LLMUnavailable, SessionNotFound, SummaryInvalid
 from events.models import CompressResult
 from events.state import decide
+from worker.compaction import Release
 from worker.context import WorkerContext, current
 
 logger = logging.getLogger(__name__)
@@ -51,11 +53,12 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
     started = time.monotonic()
     outcome = "error"
     result: CompressResult | None = None
+    release = Release(job_id)
     try:
         if kind == "micro":
             result = context.compactor.micro(session_id, cwd)
         else:
-            result = context.compactor.llm(session_id, cwd, forced=forced)
+            result = context.compactor.llm(session_id, cwd, forced=forced, release=release)
         outcome = "compressed" if result.did_compress else "nothing_to_do"
         return result.model_dump(by_alias=True)
     except LLMUnavailable as e:
@@ -76,7 +79,7 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
             result.released if result else "", result.prompt_estimate if result else "",
             seconds * 1000, extra=_job_fields(session_id, job_id, kind, forced, outcome, seconds, result),
         )
-        finish(context, session_id, job_id)
+        finish(context, session_id, job_id, released=release)
 
 
 def _job_fields(session_id: str, job_id: str, kind: str, forced: bool, outcome: str,
@@ -90,14 +93,22 @@ def _job_fields(session_id: str, job_id: str, kind: str, forced: bool, outcome: 
     return fields
 
 
-def finish(context: WorkerContext, session_id: str, job_id: str, *, abandoned: bool = False) -> str | None:
+def finish(
+    context: WorkerContext, session_id: str, job_id: str, *, abandoned: bool = False,
+    released: Release | None = None,
+) -> str | None:
     """Free the session's claim held by ``job_id`` and honour a coalesced trigger.
 
+    ``released``: the job freed its claim already, with its last writes (an LLM
+    job that appended a summary); its reply is used instead of a round trip.
     Returns the id of the job enqueued by the re-check, if any. Never raises: a
     failure here is logged, and the trigger stays recorded for the janitor.
     """
     try:
-        trigger = release_pending(context.redis, context.settings, session_id, job_id)
+        if released is not None and released.done:
+            trigger = released.trigger
+        else:
+            trigger = release_pending(context.redis, context.settings, session_id, job_id)
         if trigger is None and not abandoned:
             return None
         enqueued = recheck(context, session_id)

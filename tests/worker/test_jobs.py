@@ -19,6 +19,7 @@ from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse, summary_text
 from tests.worker.conftest import CWD, make_settings, read_log, run_burst, write_session
 from worker.context import WorkerContext, install
 from worker.failures import FailureCounter
+from worker import jobs as worker_jobs
 from worker.jobs import llm_compact, micro_compact, recheck
 from worker.summarize import extract_summary, validate_summary_text
 
@@ -322,6 +323,27 @@ def test_trigger_coalesced_during_a_job_is_enqueued_when_it_ends(
     assert pending_job_id(r, wsettings, "s1") is None
 
 
+def test_an_llm_job_that_appends_a_summary_frees_its_claim_with_its_state_save(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The release rides in the state save's round trip: ``finish`` makes no call of its own,
+    and the claim is freed and the trigger coalesced meanwhile re-checked all the same."""
+    write_session(r, wsettings, "s1", 5, window=1000)
+    job_id = enqueue_compaction(r, wsettings, "s1", CWD, "llm")
+    assert job_id and enqueue_compaction(r, wsettings, "s1", CWD, "micro") is None  # coalesced
+    calls: list[Any] = []
+    monkeypatch.setattr(worker_jobs, "release_pending", lambda *args: calls.append(args))
+    from worker.runner import CompactionWorker
+
+    CompactionWorker.for_settings(r, wsettings, context=WorkerContext.build(wsettings, r)).work(
+        burst=True, max_jobs=1)
+    assert Job.fetch(job_id, connection=r).get_status() == JobStatus.FINISHED
+    assert [e["type"] for e in read_log(wsettings, "s1")][-1] == "summary"
+    assert calls == []
+    assert pending_job_id(r, wsettings, "s1") != job_id  # freed (and re-checked: nothing more to do)
+    assert r.exists(Keys().retrigger("s1")) == 0
+
+
 def test_state_after_an_llm_job_with_a_micro_step_equals_a_rebuild_from_the_log(
     r: redis.Redis, wsettings: Settings, stub: LLMStub
 ) -> None:
@@ -430,5 +452,6 @@ def test_an_llm_job_reads_the_state_once_and_never_asks_the_uuid_index(
     assert llm_compact("s1", CWD, forced=True)["didCompress"] is True
     calls = {name.removeprefix("cmdstat_"): stats["calls"] for name, stats in r.info("commandstats").items()}
     assert calls.get("hgetall") == 1 and "smismember" not in calls and "sismember" not in calls
-    assert calls.get("eval", 0) <= 1  # the claim's release; the state is saved with a plain HSET
+    # the state save (if newer) and the claim's release, queued together
+    assert calls.get("eval", 0) <= 2 and "evalsha" not in calls
     _assert_state_is_a_rebuild(r, wsettings, "s1")
