@@ -47,6 +47,7 @@ from rq.registry import StartedJobRegistry
 from rq.worker import WorkerStatus
 
 from compactor import metrics
+from compactor.heap import freeze_heap
 from compactor.keys import Keys
 from compactor.queue import (
     STALE_CLAIM_GRACE_S,
@@ -259,6 +260,7 @@ def main(settings: Settings, *, count: int | None = None, burst: bool = False) -
         raise ValueError("worker.runner.main needs settings.redis.url (start the embedded Redis first)")
     count = count or settings.worker.count
     preload()
+    freeze_heap()  # before forking too: the children share the frozen pages untouched by collections
     if count == 1:
         run_worker(settings, burst=burst)
         return

@@ -32,7 +32,6 @@ Invariants:
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import secrets
@@ -48,6 +47,7 @@ from typing import Any
 import redis
 
 from compactor import metrics
+from compactor.heap import freeze_heap
 from compactor.keys import Keys
 from compactor.queue import UNCHECKED, Trigger, trigger_compactions
 from compactor.store import UNREAD, Lookup, SessionStore
@@ -67,7 +67,7 @@ UNDER_QUOTA_TICK_S = 0.25  # tick this often while owning fewer shards than the 
 TRIM_INTERVAL_S = 10.0  # trim an owned stream at most this often (one stream per tick)
 STATE_CACHE_SESSIONS = 10_000  # session states kept in memory (saves a Redis read per apply)
 MAX_BACKOFF_S = 5.0  # longest pause after repeated Redis errors
-FIRE_EVERY_S = 0.002  # within a long round, claim and enqueue the triggers noted so far this often
+FIRE_EVERY_S = 0.005  # within a long round, claim and enqueue the triggers noted so far this often
 DEFAULT_ENCODING = "cl100k_base"
 WARM_UP_MODEL = "gpt-4"  # any model litellm knows: the first lookup imports litellm
 
@@ -464,15 +464,6 @@ def prepare_heap() -> None:
     after the freeze would put its objects back in every full collection's way."""
     warm_up()
     freeze_heap()
-
-
-def freeze_heap() -> None:
-    """Move everything allocated so far (imports: litellm, tiktoken, pydantic — most of
-    the heap) out of the garbage collector's reach, so a full collection in the hot
-    loop scans only what the loop itself keeps, not ~250 MB of module objects (a
-    long stop of every batch in hand, seen as the tail of the enqueue latency)."""
-    gc.collect()
-    gc.freeze()
 
 
 def _text(value: bytes | str) -> str:

@@ -126,3 +126,21 @@ def test_main_runs_several_worker_processes_until_the_queue_is_empty(
     assert len(workers) == 2, workers
     assert len(stub.requests) == 4
     assert elapsed < 4 * 1.0 + 20, f"2 workers should overlap the 1 s calls ({elapsed:.1f}s)"
+
+
+def test_a_worker_process_freezes_its_heap_after_the_heavy_imports(
+    settings: Settings, stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
+) -> None:
+    """``main`` freezes the heap once litellm and the encodings are loaded (and before any
+    fork): a full collection between jobs then scans the jobs' objects, not litellm's."""
+    config = _config(tmp_path, settings)
+    code = (
+        "import gc\nfrom events.config import load_settings\nfrom worker.runner import main\n"
+        f"main(load_settings({str(config)!r}), count=1, burst=True)\n"
+        "import sys\nprint(gc.get_freeze_count(), len(gc.get_objects()), 'litellm' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env_for_subprocess, cwd=str(Path(__file__).parents[2]),
+                         capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    frozen, tracked, litellm = int(out[0]), int(out[1]), out[2]
+    assert litellm == "True"
+    assert frozen > 100_000 and tracked < frozen // 5
