@@ -33,8 +33,8 @@ Invariants:
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from collections.abc import Iterable
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 

@@ -43,7 +43,8 @@ Redis, for an LLM job that appends: one round trip for the stored state and
 the failure counter (sent before the log is read, answered while it is
 read), one for the state save (with the counter's delete when there is one);
 the uuids of the worker's own lines are checked against the log it read, not
-the Redis index. (``worker.jobs.finish`` then releases the claim.)
+the Redis index. The job's claim is freed in the state save's round trip
+(``Release``; ``worker.jobs.finish`` uses its reply).
 
 Model choice: ``compactionModel``, else the session's model. When the
 compaction model's window (litellm's max input tokens, else the default)
@@ -202,7 +203,9 @@ class Compactor:
 
     # -- llm -----------------------------------------------------------------------------
 
-    def llm(self, session_id: str, cwd: str, *, forced: bool = False, release: Release | None = None) -> CompressResult:
+    def llm(
+        self, session_id: str, cwd: str, *, forced: bool = False, release: Release | None = None,
+    ) -> CompressResult:
         """Summarize the turns before the most recent ones; see the module docstring.
 
         The stored state (brought up to date under the lock) gives the estimate,

@@ -18,7 +18,8 @@ many concurrent sessions (1 000; 100 with ``quick``):
   its log before the clock starts); each session's window is set so that it
   crosses the micro threshold at a turn of its own, spread over the run; the
   delay runs from the time in the triggering ``turn_end``'s entry id (when
-  Redis took it) to the time in the id of the job it enqueued (target <= 20);
+  Redis took it) to the ``enqueued_at`` RQ recorded on the job it enqueued
+  (target <= 20);
 - ``p99_cold_start_ms`` (no target; reported so the burst is not hidden): the
   same at the same rate, but all 1 000 sessions new at the start and every one
   crossing a threshold within its first two turns, so every trigger falls in
