@@ -5,7 +5,8 @@ Invariants:
   consumer, ``shard-{n}``, which only the lease holder reads. So the shard's
   unacked entries are exactly that consumer's PEL, in stream order, and a new
   owner resumes by reading the PEL from ``0`` before any new entry.
-- Reads are ``XREADGROUP`` inside a Lua script that first checks the lease: a
+- Reads are ``XREADGROUP`` inside a Lua script (one call for all the shards
+  of a round) that first checks each shard's lease: a
   watcher that paused past its lease cannot move entries into the PEL of a
   shard someone else now owns. (Blocking happens outside, with a plain
   ``XREAD BLOCK`` that touches no group state.)
@@ -41,15 +42,29 @@ PEL_START = "0-0"
 DEAD_LETTER_MAXLEN = 100_000  # approximate cap of {p}:dead
 ACK_CHUNK = 1000  # ids per XACK call inside the script (Lua's unpack limit)
 
-# KEYS: lease, stream; ARGV: owner, group, consumer, count, start id.
-# -1: not our lease; {entries}: what was read; a string: nothing to read, the stream's top id.
+# KEYS: per shard its lease and its stream; ARGV: owner, group, count, then per shard
+# its consumer and start id. Per shard: -1 not our lease; -2 no such group (NOGROUP);
+# {entries}: what was read; a string: nothing to read, the stream's top id.
 _READ = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-local r = redis.call('XREADGROUP', 'GROUP', ARGV[2], ARGV[3], 'COUNT', ARGV[4], 'STREAMS', KEYS[2], ARGV[5])
-if r and #r[1][2] > 0 then return r[1][2] end
-local top = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-if top[1] then return top[1][1] end
-return '0-0'
+local out = {}
+for i = 1, #KEYS / 2 do
+  local lease, stream = KEYS[2 * i - 1], KEYS[2 * i]
+  if redis.call('GET', lease) ~= ARGV[1] then
+    out[i] = -1
+  else
+    local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[2], ARGV[2 + 2 * i], 'COUNT', ARGV[3],
+                          'STREAMS', stream, ARGV[3 + 2 * i])
+    if type(r) == 'table' and r.err then
+      if string.find(r.err, 'NOGROUP', 1, true) then out[i] = -2 else return r end
+    elseif r and #r[1][2] > 0 then
+      out[i] = r[1][2]
+    else
+      local top = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+      if top[1] then out[i] = top[1][1] else out[i] = '0-0' end
+    end
+  end
+end
+return out
 """
 
 # KEYS: lease, stream, dead; ARGV: owner, group, dead maxlen, n ids, ids...,
@@ -152,20 +167,24 @@ class ShardStreams:
                 raise
 
     def read_many(self, starts: dict[int, str], count: int) -> dict[int, ReadResult]:
-        """Read up to ``count`` entries of each shard from its start id, in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
+        """Read up to ``count`` entries of each shard from its start id: one script call for
+        all the shards (a round with nothing new costs one call, not one per shard)."""
+        if not starts:
+            return {}
         shards = list(starts)
-        calls = [self._queue(pipe, self._read, [self.keys.lease(n), self.keys.stream(n)],
-                             [self.owner, self.keys.group, self.keys.consumer(n), count, starts[n]])
-                 for n in shards]
-        replies = self._redo_missing(calls, pipe.execute(raise_on_error=False))
-        return {n: self._result(n, reply) for n, reply in zip(shards, replies)}
+        keys = [key for n in shards for key in (self.keys.lease(n), self.keys.stream(n))]
+        args: list[Any] = [self.owner, self.keys.group, count]
+        for n in shards:
+            args += [self.keys.consumer(n), starts[n]]
+        try:
+            reply = self.redis.evalsha(self._read.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts: nothing ran
+            reply = self._read(keys=keys, args=args)
+        return {n: self._result(n, shard_reply) for n, shard_reply in zip(shards, reply)}
 
     def _result(self, shard: int, reply: Any) -> ReadResult:
-        if isinstance(reply, redis.ResponseError):
-            if "NOGROUP" in str(reply):
-                return ReadResult([], no_group=True)
-            raise reply
+        if reply == -2:
+            return ReadResult([], no_group=True)
         if reply == -1:
             return ReadResult([], lost=True)
         if isinstance(reply, (bytes, str)):

@@ -137,6 +137,28 @@ def test_lost_stream_and_group_are_recreated(r: redis.Redis, fast: Settings) -> 
     assert r.xinfo_groups(Keys().stream_for("a1"))[0]["name"] == Keys().group.encode()
 
 
+def test_a_round_reads_every_shard_in_one_script_call(r: redis.Redis, fast: Settings) -> None:
+    """All owned shards are read by one fenced script call (8 before), also when one shard's
+    group is missing: that shard is recreated, the others are read in the same call."""
+    publisher = Publisher(r, fast)
+    watcher = Watcher(r, fast, name="w")
+    drain(watcher, r, fast)
+    r.config_resetstat()
+    assert watcher.run_once() == 0
+    calls = {name.removeprefix("cmdstat_"): stats["calls"] for name, stats in r.info("commandstats").items()}
+    assert calls.get("evalsha") == 1 and "eval" not in calls
+    sessions = [f"g{n}" for n in range(40)]
+    published = publish_turns(publisher, sessions, turns=1)
+    lost = Keys().shard_of(sessions[0])
+    r.xgroup_destroy(Keys().stream(lost), Keys().group)
+    handled = watcher.run_once()
+    others = [sid for sid in sessions if Keys().shard_of(sid) != lost]
+    assert handled == sum(len(published[sid]) for sid in others)
+    drain(watcher, r, fast)
+    for sid in sessions:
+        assert [line["streamId"] for line in log_lines(fast, sid)] == published[sid]
+
+
 def test_a_session_whose_append_fails_is_held_back_and_retried_in_order(
     r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
