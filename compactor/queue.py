@@ -306,13 +306,17 @@ def release_pending(client: redis.Redis, settings: Settings, session_id: str, jo
 
     The trigger stays recorded until ``settle_trigger`` (call it once re-checked).
     """
-    return released_trigger(client.eval(_RELEASE, 3, *_session_keys(settings, session_id), job_id, session_id))
+    return released_trigger(client.eval(*_release_call(settings, session_id, job_id)))
 
 
 def queue_release(pipeline: Any, settings: Settings, session_id: str, job_id: str) -> None:
     """``release_pending`` queued on ``pipeline`` (a job's last writes: one round trip);
     pass its reply to ``released_trigger``."""
-    pipeline.eval(_RELEASE, 3, *_session_keys(settings, session_id), job_id, session_id)
+    pipeline.eval(*_release_call(settings, session_id, job_id))
+
+
+def _release_call(settings: Settings, session_id: str, job_id: str) -> tuple[Any, ...]:
+    return (_RELEASE, 3, *_session_keys(settings, session_id), job_id, session_id)
 
 
 def released_trigger(reply: Any) -> str | None:
