@@ -39,6 +39,7 @@ import redis
 from rq.job import Job
 
 from compactor.embedded import EmbeddedRedis
+from compactor.heap import freeze_heap
 from compactor.llm_stub import LLMStub
 from compactor.queue import enqueue_compaction
 from compactor.store import SessionStore
@@ -124,11 +125,14 @@ def _overhead(client: redis.Redis, settings: Settings, runs: int) -> dict[str, A
     from worker import context as worker_context
     from worker.context import WorkerContext
     from worker.jobs import llm_compact
+    from worker.runner import preload
 
     estimate = _write_session(client, settings, "big", turns=100, output_chars=4_600)
     store = SessionStore(client, settings)
     template = store.log("big", CWD).path
     worker_context.install(WorkerContext.build(settings, client, summarizer=_InstantSummarizer))
+    preload()
+    freeze_heap()  # as a worker process does after its imports (worker.runner.main)
     job_ms, parse_ms = [], []
     try:
         for i in range(runs):
