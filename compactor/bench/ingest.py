@@ -10,15 +10,15 @@ many concurrent sessions (1 000; 100 with ``quick``):
 - ``events_per_s``: ``Watcher.run_once`` draining the same amount of events
   (validation, uuid/timestamp, stamps, state, lease fencing, thresholds);
   ``ratio`` = events_per_s / baseline_events_per_s (target >= 0.7). Both are
-  medians of three runs (one with ``quick``), baseline and watcher alternated,
-  each on fresh logs: a single run moves ±15 % with the disk's file-creation
-  time on this kind of VM;
-- ``p99_turn_end_to_enqueue_ms``: a watcher *process* fed at half of the
-  drain rate measured right before (one more run like ``events_per_s``'s; the
-  VM's speed drifts over minutes, and "half load" is half of what the watcher
-  drains *now*; reported as ``latency_load_events_per_s``) by the 1 000
-  sessions, already running (each has a turn in
-  its log before the clock starts); each session's window is set so that it
+  medians of five runs (one with ``quick``), baseline and watcher alternated,
+  each on fresh logs: a single run moves ±15 % and more with the disk's
+  file-creation time on this kind of VM;
+- ``p99_turn_end_to_enqueue_ms``: a watcher *process* fed by the 1 000
+  sessions at half the drain rate measured right before (one more run like
+  ``events_per_s``'s: the VM's speed drifts over minutes, and half load is
+  half of what the watcher drains *now*; reported as
+  ``latency_load_events_per_s``), the sessions already running (each has a
+  turn in its log before the clock starts); each session's window is set so that it
   crosses the micro threshold at a turn of its own, spread over the run; the
   delay runs from the time in the triggering ``turn_end``'s entry id (when
   Redis took it) to the ``enqueued_at`` RQ recorded on the job it enqueued
@@ -29,7 +29,7 @@ many concurrent sessions (1 000; 100 with ``quick``):
   the first seconds together with the creation of the 1 000 logs;
 - ``cost_ratio_long_vs_short``: per-event cost of applying a 5 000-event
   session vs. 50-event sessions on the same shard (target <= 1.2: cost does not
-  grow with the log); the median of three runs (one with ``quick``), each on
+  grow with the log); the median of five runs (one with ``quick``), each on
   fresh logs.
 """
 
@@ -72,7 +72,7 @@ Event = dict[str, Any]
 FULL_SESSIONS, QUICK_SESSIONS = 1_000, 100
 FULL_EVENTS, QUICK_EVENTS = 20_000, 3_000
 FULL_LOAD_S, QUICK_LOAD_S = 10.0, 3.0
-FULL_REPEATS, QUICK_REPEATS = 3, 1  # baseline and watcher rates: alternated runs, medians
+FULL_REPEATS, QUICK_REPEATS = 5, 1  # baseline and watcher rates: alternated runs, medians
 LONG_SESSION_EVENTS = 5_000
 SHORT_SESSION_EVENTS = 50
 EVENT_CHARS = 2048
