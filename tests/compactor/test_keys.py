@@ -37,3 +37,17 @@ def test_a_custom_prefix_is_used_by_every_key() -> None:
              k.fence(0), k.watchers, k.claims, k.janitor, k.job("s"), k.retrigger("s"), k.group, k.queue]
     assert all(key.startswith("acme") and "compaction" not in key for key in built)
     assert all("::" not in key for key in built)
+
+
+def test_the_docs_xadd_examples_name_their_sessions_shard() -> None:
+    """Agents in other languages copy these lines: a wrong shard splits a session over two streams."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    example = re.compile(r"XADD compaction:events:(\d+) \* session (\S+) ")
+    found = [(path.name, int(n), sid) for path in (root / "README.md", root / "docs" / "STREAM_PROTOCOL.md")
+             for n, sid in example.findall(path.read_text())]
+    assert {name for name, _, _ in found} == {"README.md", "STREAM_PROTOCOL.md"}
+    for name, shard, sid in found:
+        assert shard == Keys().shard_of(sid), f"{name}: {sid} goes to shard {Keys().shard_of(sid)}, not {shard}"
