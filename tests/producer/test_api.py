@@ -241,11 +241,14 @@ def test_streamed_body_over_limit_is_413(small: TestClient) -> None:
     assert response.status_code == 413
 
 
-def test_one_event_over_max_event_bytes_is_413(small: TestClient) -> None:
-    events = [{"type": "user", "turnId": 1, "content": "y" * 1500}]
+def test_one_event_over_max_event_bytes_is_400_naming_it_and_publishes_nothing(small: TestClient,
+                                                                              r: redis.Redis) -> None:
+    events = [{"type": "user", "turnId": 1, "content": "ok"}, {"type": "user", "turnId": 1, "content": "y" * 1500}]
     response = small.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
-    assert response.status_code == 413
-    assert error_of(response)["message"].startswith("events[0]")
+    assert response.status_code == 400  # SPEC §7: 413 is for the body over limits.maxBodyBytes only
+    assert error_of(response)["message"].startswith("events[1].event: ")
+    assert "limits.maxEventBytes" in error_of(response)["message"]
+    assert r.xlen(Keys().stream_for(SID)) == 0
 
 
 # -- GET context / session ---------------------------------------------------------------
