@@ -10,7 +10,7 @@ Invariants:
   appending meanwhile). Before its summary is appended, the lines written since
   the snapshot are checked under the lock: a ``summary`` or ``rollback`` among
   them means the targets are stale, and no summary is appended.
-- An LLM job's micro step (when over its threshold) is *decided* from the
+- An LLM job's micro step (over its threshold, or forced) is *decided* from the
   snapshot but *appended with the summary*: ``compact`` then ``summary`` in one
   append, one state save (so the LLM sees the outputs elided, and the stored
   state never holds the intermediate estimate). The outputs it elides and the
@@ -229,10 +229,14 @@ class Compactor:
             before = state.prompt_estimate
             view = build_view(events, self.ctx, messages=False)
             compact = None
-            if before > self.ctx.micro_compact_threshold * state.window and _has_old_candidate(state):
+            # a forced job skips both thresholds (SPEC §5): its micro step runs whenever there are candidates
+            over_micro = forced or before > self.ctx.micro_compact_threshold * state.window
+            if over_micro and _has_old_candidate(state):
                 compact = _compact_event(events, self.ctx, view)
             targets = llm_targets(events, self.ctx, view=view, compact=compact)
             nothing = targets.end_turn < 1 or not targets.events
+            if nothing and forced:  # SPEC §5: {didCompress: false, released: 0, promptEstimate: E}, nothing written
+                return _result(False, before, before)
             if nothing or (breaker_open and not self.ctx.fallback_model):
                 if breaker_open and not nothing:
                     logger.info("llm compaction skipped session=%s: breaker open", session_id)

@@ -16,7 +16,7 @@ from events.log import SessionLog
 from events.state import decide, rebuild
 from events.view import build_view
 from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse, summary_text
-from tests.worker.conftest import CWD, make_settings, read_log, run_burst, write_session
+from tests.worker.conftest import CWD, log_lines, make_settings, read_log, run_burst, write_session
 from worker.context import WorkerContext, install
 from worker.failures import FailureCounter
 from worker import jobs as worker_jobs
@@ -455,3 +455,27 @@ def test_an_llm_job_reads_the_state_once_and_never_asks_the_uuid_index(
     # the state save (if newer) and the claim's release, queued together
     assert calls.get("eval", 0) <= 2 and "evalsha" not in calls
     _assert_state_is_a_rebuild(r, wsettings, "s1")
+
+
+def test_a_forced_job_takes_its_micro_step_under_the_micro_threshold_too(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    write_session(r, wsettings, "s1", 5, window=1_000_000)  # far below 0.25 W: no automatic micro step
+    install(WorkerContext.build(wsettings, r))
+    result = llm_compact("s1", CWD, forced=True)  # SPEC §5: a forced job skips both thresholds
+    assert [e["type"] for e in read_log(wsettings, "s1")[-2:]] == ["compact", "summary"]
+    assert "characters elided" in stub.requests[0].user_text
+    assert result["promptEstimate"] == _assert_state_is_a_rebuild(r, wsettings, "s1")
+
+
+def test_a_forced_job_with_nothing_to_summarize_writes_nothing_and_says_so(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    keep2 = make_settings(settings, llm_timeout_seconds=5.0, compaction_model=STUB_MODEL, keep_recent_turns=2)
+    write_session(r, keep2, "s1", 2, window=400)  # endTurn = 3 - 2 - 1 = 0; turn 1's output a candidate, over 0.25 W
+    lines = log_lines(keep2, "s1")
+    estimate = SessionStore(r, keep2).load("s1").prompt_estimate  # type: ignore[union-attr]
+    install(WorkerContext.build(keep2, r))
+    result = llm_compact("s1", CWD, forced=True)
+    assert result == {"didCompress": False, "released": 0, "promptEstimate": estimate}  # SPEC §5, Forced
+    assert log_lines(keep2, "s1") == lines and stub.requests == []
