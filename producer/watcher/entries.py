@@ -4,7 +4,8 @@ Invariants:
 - Decoding is pure: the same entry always yields the same result, so a
   redelivered entry produces the very same log line. A missing ``uuid`` is
   uuid5 of the session and entry id; a missing ``timestamp`` is the entry
-  id's time (when Redis received it).
+  id's time (when Redis received it); a ``session_meta`` without
+  ``createdAt`` gets its ``timestamp``.
 - Every line carries ``streamId`` (the entry id), which the store uses to drop
   a redelivered entry it already applied. A producer's ``streamId`` is replaced.
 - An entry is rejected, never raised on: missing field, invalid UTF-8,
@@ -128,6 +129,8 @@ def _wire_event(eid: str, session_id: str, cwd: str, data: Any) -> dict[str, Any
             data["uuid"] = entry_uuid(session_id, eid)
         if data.get("timestamp") is None:
             data["timestamp"] = entry_timestamp(eid)
+        if data.get("type") == "session_meta" and data.get("createdAt") is None:
+            data["createdAt"] = data["timestamp"]  # SPEC §3 lists it unconditionally: when the session said hello
     try:
         event = parse_event(data)
     except InvalidInput as e:

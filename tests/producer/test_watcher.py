@@ -207,6 +207,15 @@ def test_session_meta_gets_session_id_and_cwd_back_on_its_line(r: redis.Redis, f
     drain(Watcher(r, fast, name="w"), r, fast)
     [line] = log_lines(fast, "a1")
     assert (line["sessionId"], line["cwd"], line["uuid"], line["model"]) == ("a1", CWD, "m-1", "gpt-4")
+    assert line["createdAt"] == line["timestamp"]  # SPEC §3 lists createdAt: the entry's time when not sent
+
+
+def test_a_session_meta_keeps_the_created_at_it_was_sent_with(r: redis.Redis, fast: Settings) -> None:
+    sent = "2025-03-01T10:00:00.000Z"
+    Publisher(r, fast).publish("a2", CWD, {"type": "session_meta", "createdAt": sent})
+    drain(Watcher(r, fast, name="w"), r, fast)
+    [line] = log_lines(fast, "a2")
+    assert line["createdAt"] == sent != line["timestamp"]
 
 
 def test_trimming_keeps_pending_entries(r: redis.Redis, fast: Settings) -> None:
