@@ -213,5 +213,12 @@ def with_identity(event: Event, *, uuid: str | None = None, timestamp: str | Non
 
 
 def to_wire(event: Event) -> dict[str, Any]:
-    """The event as the camelCase dict written to the log (extra fields included, None dropped)."""
-    return event.model_dump(by_alias=True, exclude_none=True)
+    """The event as the camelCase dict written to the log: every field it was sent with, extra
+    ones included, as sent (an explicit ``null`` too: SPEC §3 keeps unknown fields as they are),
+    plus the defaults that are not None (an optional field nobody sent is left out)."""
+    wire = event.model_dump(by_alias=True)
+    sent = event.model_fields_set
+    for name, info in type(event).model_fields.items():
+        if name not in sent and getattr(event, name) is None:
+            del wire[info.serialization_alias or info.alias or name]
+    return wire

@@ -122,3 +122,16 @@ def test_request_compaction_unforced_coalesces_while_one_is_pending(r: redis.Red
 def test_request_compaction_validates_the_session(r: redis.Redis, settings: Settings) -> None:
     with pytest.raises(InvalidEvent):
         Publisher(r, settings).request_compaction("../etc", CWD)
+
+
+def test_publish_keeps_unknown_fields_whose_value_is_null(r: redis.Redis, settings: Settings) -> None:
+    """SPEC §3: unknown extra fields are kept as they are, null included (here and in a tool call);
+    an optional field nobody sent is still left out."""
+    assistant = {"type": "assistant", "turnId": 1, "content": None, "note": None,
+                 "toolCalls": [{"id": "c1", "name": "read_file", "arguments": {"path": None}, "hint": None}]}
+    Publisher(r, settings).publish("s1", CWD, [{**user(1), "extra": None}, assistant, turn_end(1)])
+    first, second, third = [orjson.loads(e[b"event"]) for e in entries(r, settings, "s1")]
+    assert first["extra"] is None and "extra" in first
+    assert second["content"] is None and second["note"] is None and "note" in second
+    assert second["toolCalls"] == [{"id": "c1", "name": "read_file", "arguments": {"path": None}, "hint": None}]
+    assert "contextWindow" not in third and "usage" not in second

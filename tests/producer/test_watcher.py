@@ -282,3 +282,10 @@ def test_entry_uuid_is_uuid5_of_session_and_entry_id() -> None:
         entry_id = f"{rng.randint(0, 2**48)}-{rng.randint(0, 2**20)}"
         expected = uuid.uuid5(ENTRY_UUID_NAMESPACE, f"{session_id}/{entry_id}")
         assert entry_uuid(session_id, entry_id) == str(expected), (session_id, entry_id)
+
+
+def test_unknown_fields_set_to_null_reach_the_log(r: redis.Redis, fast: Settings) -> None:
+    Publisher(r, fast).publish("a3", CWD, [{**user(1, "hi"), "trace": None, "meta": {"k": None}}, turn_end(1)])
+    drain(Watcher(r, fast, name="w"), r, fast)
+    line = log_lines(fast, "a3")[0]
+    assert ("trace", None) in line.items() and line["meta"] == {"k": None}
