@@ -3,21 +3,27 @@
 Every error is ``{"error": {"code", "message"}}`` (SPEC §7):
 
     400 bad_request      invalid JSON, a bad field, a bad session id or cwd
-    401 unauthorized     ``api.token`` is set and the Bearer token is missing or wrong
+    401 unauthorized     ``api.token`` is set and the token is missing or wrong
     404 not_found        no log file for the session, an unknown job or route
     413 payload_too_large  the body is over ``limits.maxBodyBytes`` (declared or streamed)
     502 compaction_failed  a forced compaction whose job failed (the LLM call, mostly)
     503 redis_unavailable  Redis does not answer
 
 ``RequestGuard`` is pure ASGI (no BaseHTTPMiddleware): it checks the token
-before anything else runs (every path but ``/healthz`` and the status
-page's ``/`` and ``/static/``), refuses a declared
-``Content-Length`` over the limit before the body is read, and counts the
-bytes actually received so a chunked or lying body is cut off at the limit.
+before anything else runs (every path but ``/healthz``, the status page and
+its static files included), refuses a declared ``Content-Length`` over the
+limit before the body is read, and counts the bytes actually received so a
+chunked or lying body is cut off at the limit.
+
+The token is accepted as ``Authorization: Bearer <token>`` or as HTTP Basic
+with any user name and the token as password; a 401 challenges both schemes
+(two ``WWW-Authenticate`` lines), so a browser opening the status page shows
+its own login prompt and then sends the credentials with the page's fetches.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 import secrets
 from collections.abc import Mapping
@@ -34,8 +40,10 @@ from events.errors import InvalidInput, SessionNotFound
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/healthz", "/"})  # "/": the status page, which holds no data
-PUBLIC_PREFIXES = ("/static/",)  # the status page's script and style sheet
+PUBLIC_PATHS = frozenset({"/healthz"})  # SPEC §7: the only route open without the token
+CHALLENGES = ('Bearer realm="compactor"', 'Basic realm="compactor", charset="UTF-8"')
+UNAUTHORIZED = ("a valid 'Authorization: Bearer <token>' header is required "
+                "(in a browser: any user name, the token as password)")
 STATUS_CODES = {
     400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
     413: "payload_too_large", 422: "bad_request", 502: "compaction_failed",
@@ -121,18 +129,40 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(redis.TimeoutError, redis_down)
 
 
+def unauthorized_response() -> JSONResponse:
+    """The 401, with one ``WWW-Authenticate`` line per accepted scheme (Bearer, Basic)."""
+    response = error_response(401, UNAUTHORIZED)
+    response.raw_headers += [(b"www-authenticate", c.encode("latin-1")) for c in CHALLENGES]
+    return response
+
+
+def basic_password(credentials: str) -> bytes | None:
+    """The password of HTTP Basic ``base64(user:password)``; None when malformed."""
+    try:
+        decoded = base64.b64decode(credentials, validate=True)
+    except ValueError:  # binascii.Error, or a non-ASCII string
+        return None
+    _, colon, password = decoded.partition(b":")
+    return password if colon else None
+
+
 def token_matches(header: str | None, token: str) -> bool:
-    """Whether an ``Authorization`` header carries ``Bearer <token>`` (constant-time)."""
+    """Whether an ``Authorization`` header carries the token (constant-time): as
+    ``Bearer <token>``, or as HTTP Basic with the token as password (any user name)."""
     if not header:
         return False
     scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return secrets.compare_digest(given.strip().encode(), token.encode())
+    scheme = scheme.lower()
+    if scheme == "bearer":
+        return secrets.compare_digest(given.strip().encode(), token.encode())
+    if scheme == "basic":
+        password = basic_password(given.strip())
+        return password is not None and secrets.compare_digest(password, token.encode())
+    return False
 
 
 class RequestGuard:
-    """ASGI middleware: Bearer auth (when a token is set) and the body size limit."""
+    """ASGI middleware: token auth (when a token is set) and the body size limit."""
 
     def __init__(self, app: ASGIApp, *, token: str, max_body_bytes: int) -> None:
         self.app = app
@@ -151,11 +181,9 @@ class RequestGuard:
         await self._call_counted(scope, receive, send)
 
     def _refuse(self, path: str, headers: dict[str, str]) -> JSONResponse | None:
-        public = path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
-        if self.token and not public and not token_matches(
+        if self.token and path not in PUBLIC_PATHS and not token_matches(
                 headers.get("authorization"), self.token):
-            return error_response(401, "a valid 'Authorization: Bearer <token>' header is required",
-                                  headers={"WWW-Authenticate": "Bearer"})
+            return unauthorized_response()
         declared = headers.get("content-length")
         if declared is not None:
             if not declared.strip().isdigit():

@@ -8,10 +8,11 @@
                                             the current context view with elided outputs marked
 
 Invariants:
-- The page and its static files need no token (they hold no data); every
-  ``/api`` route does when ``api.token`` is set, like the rest of the API. The
-  page asks for the token, keeps it in ``sessionStorage`` and sends it as
-  ``Authorization: Bearer``.
+- With ``api.token`` set, the page, its static files and every ``/api`` route
+  need the token, like the rest of the API (SPEC §7: all but ``/healthz``). A
+  browser gets the token through HTTP Basic (its own login prompt: any user
+  name, the token as password; ``producer.api_errors``) and sends it with the
+  page's fetches.
 - Readers never write: history and savings are computed from the log (the view
   at the line before and the line after each ``compact``/``summary``). They are
   cached per API process, keyed by what makes them stale (the log size, the
@@ -299,7 +300,7 @@ pages = APIRouter(include_in_schema=False)
 
 @pages.get("/")
 def index() -> FileResponse:
-    """The status page (public: it holds no data; its fetches carry the token)."""
+    """The status page (behind the token when one is set, like every route but /healthz)."""
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html; charset=utf-8",
                         headers={"Cache-Control": "no-cache"})
 

@@ -1,15 +1,14 @@
 // The compactor status page: fetches the /api JSON routes every few seconds and renders them.
-// No build step, no external assets. When the API wants a token (401), the page asks for it,
-// keeps it in sessionStorage (this tab only) and sends it as "Authorization: Bearer".
+// No build step, no external assets. When api.token is set, the page itself is behind the token:
+// the browser asks for it (HTTP Basic, any user name, the token as password) and sends the same
+// credentials with these same-origin fetches, so the script never handles the token. A 401 here
+// means the browser's credentials were refused; only a reload brings its prompt back.
 "use strict";
 
 const REFRESH_MS = 3000;
-const TOKEN_KEY = "compactor.token";
 const $ = (id) => document.getElementById(id);
 let previous = null; // the last overview sample, for rates
 let timer = null;
-
-class Unauthorized extends Error {}
 
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
@@ -23,11 +22,8 @@ function el(tag, attrs = {}, ...children) {
 }
 
 async function api(path) {
-  const headers = { Accept: "application/json" };
-  const token = sessionStorage.getItem(TOKEN_KEY);
-  if (token) headers.Authorization = "Bearer " + token;
-  const response = await fetch(path, { headers, cache: "no-store" });
-  if (response.status === 401) throw new Unauthorized();
+  const response = await fetch(path, { headers: { Accept: "application/json" }, cache: "no-store" });
+  if (response.status === 401) throw new Error("token refused: reload the page to enter it again");
   const body = await response.json().catch(() => null);
   if (!response.ok) {
     const message = body && body.error ? body.error.message : response.statusText;
@@ -185,14 +181,9 @@ async function refresh() {
     }
     $("overview-page").hidden = !!session;
     $("session-page").hidden = !session;
-    $("auth").hidden = true;
     $("error").hidden = true;
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (e) {
-    if (e instanceof Unauthorized) {
-      showAuth(sessionStorage.getItem(TOKEN_KEY) ? "That token was refused." : "");
-      return;
-    }
     $("error").textContent = String(e.message || e);
     $("error").hidden = false;
   }
@@ -204,21 +195,5 @@ function schedule() {
   timer = setTimeout(refresh, REFRESH_MS);
 }
 
-function showAuth(message) {
-  clearTimeout(timer);
-  $("overview-page").hidden = true;
-  $("session-page").hidden = true;
-  $("auth").hidden = false;
-  $("auth-error").textContent = message;
-  $("updated").textContent = "token required";
-  $("token").focus();
-}
-
-$("auth").addEventListener("submit", (event) => {
-  event.preventDefault();
-  sessionStorage.setItem(TOKEN_KEY, $("token").value.trim());
-  $("token").value = "";
-  refresh();
-});
 window.addEventListener("hashchange", () => { previous = null; refresh(); });
 refresh();

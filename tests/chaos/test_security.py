@@ -1,7 +1,7 @@
 """Security: auth on every route, no path outside dataDir, a password-protected Redis end to end,
 TLS URLs, secrets kept out of logs, and prompt injection in a transcript.
 
-The size limits (413 for a declared, a streamed, and a per-event oversize body; the
+The size limits (413 for a declared and a streamed oversize body, 400 for an oversize event; the
 dead letter for an oversize stream entry) are pinned by tests/producer/test_api.py
 and tests/producer/test_watcher_deadletter.py; the end-to-end test here repeats the
 body limit against the real uvicorn process.
@@ -9,6 +9,7 @@ body limit against the real uvicorn process.
 
 from __future__ import annotations
 
+import base64
 import random
 import re
 import subprocess
@@ -37,10 +38,8 @@ pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(300)]
 
 TOKEN = "tok-" + "S3cr3t" * 4
 PASSWORD = "pw-" + "Hunter2" * 4
-# Open without a token: /healthz (SPEC §7) and the status page with its static files, which hold
-# no data (a decision recorded in producer/status_page.py; SPEC §7 names only /healthz).
-PUBLIC_PATHS = {"/healthz", "/"}
-PUBLIC_PREFIX = "/static/"
+# Open without a token: /healthz only (SPEC §7), the status page and its static files included.
+PUBLIC_PATHS = {"/healthz"}
 TRAVERSALS = ["/../../../../etc", "/..", "..", "../../x", "a/../../b", "C:\\..\\..\\x", "/x/\x00/y"]
 
 
@@ -72,8 +71,9 @@ def secured(r: redis.Redis, settings: Settings) -> Iterator[TestClient]:
 def test_every_route_but_healthz_needs_the_token(secured: TestClient) -> None:
     """Invariant: with ``api.token`` set, every route of the app (iterated, so a new route is
     covered automatically; docs and schema included) answers 401 without the token and with a
-    wrong one, and something other than 401 with the right one; only ``/healthz`` and the
-    data-free status page (``/``, ``/static/``) are open, and only for GET."""
+    wrong one, and something other than 401 with the right one (as a Bearer token, or as the
+    password of HTTP Basic, which a browser opening the status page sends); only ``/healthz``
+    is open, and only for GET."""
     app = secured.app
     routes = sorted(set(app_routes(app.routes)))  # type: ignore[attr-defined]
     documented = {(m.upper(), p) for p, ops in app.openapi()["paths"].items() for m in ops}  # type: ignore[attr-defined]
@@ -83,19 +83,25 @@ def test_every_route_but_healthz_needs_the_token(secured: TestClient) -> None:
         url = _concrete(path)
         kwargs = {"params": {"cwd": CWD}, "json": {"cwd": CWD, "events": []}} if method == "POST" else \
             {"params": {"cwd": CWD}}
-        if path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIX):
+        if path in PUBLIC_PATHS:
             assert method == "GET", (method, path)
             answer = secured.request(method, url, **kwargs)
             assert answer.status_code in (200, 404), (path, answer.status_code)
             assert "sessionId" not in answer.text and CWD not in answer.text  # no data without the token
             continue
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
-                        {"Authorization": f"Basic {TOKEN}"}, {"Authorization": f"Bearer {TOKEN}x"}):
+                        {"Authorization": f"Basic {TOKEN}"}, {"Authorization": f"Bearer {TOKEN}x"},
+                        {"Authorization": "Basic " + _basic("ops", TOKEN + "x")}):
             answer = secured.request(method, url, headers=headers, **kwargs)
             assert answer.status_code == 401, (method, path, headers, answer.status_code)
             assert answer.json()["error"]["code"] == "unauthorized"
-        right = secured.request(method, url, headers={"Authorization": f"Bearer {TOKEN}"}, **kwargs)
-        assert right.status_code != 401, (method, path)
+        for right in (f"Bearer {TOKEN}", "Basic " + _basic("ops", TOKEN)):
+            answer = secured.request(method, url, headers={"Authorization": right}, **kwargs)
+            assert answer.status_code != 401, (method, path, right)
+
+
+def _basic(user: str, password: str) -> str:
+    return base64.b64encode(f"{user}:{password}".encode()).decode()
 
 
 def test_no_route_reads_or_writes_outside_the_data_dir(r: redis.Redis, settings: Settings, tmp_path: Path) -> None:

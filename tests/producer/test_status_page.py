@@ -7,6 +7,7 @@ Debian's ``/usr/bin/chromium`` (never a downloaded browser).
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +35,15 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--no-first-run", "--disable-sync"]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 TOKEN = "s3cret-token"
+CHALLENGES = ['Bearer realm="compactor"', 'Basic realm="compactor", charset="UTF-8"']
+
+
+def basic(user: str, password: str) -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def with_token(settings: Settings) -> Settings:
+    return settings.model_copy(update={"api": settings.api.model_copy(update={"token": TOKEN})})
 
 
 def turn(n: int) -> list[dict[str, Any]]:
@@ -98,15 +108,23 @@ def test_history_route_has_tokens_before_after_and_elisions(sessions: Settings,
     assert missing.status_code == 404 and bad.status_code == 400
 
 
-def test_status_routes_need_the_token_but_the_page_does_not(sessions: Settings,
-                                                            r: redis.Redis) -> None:
-    secured = sessions.model_copy(update={"api": sessions.api.model_copy(update={"token": TOKEN})})
-    with TestClient(create_app(secured, r)) as client:
-        assert client.get("/").status_code == 200
-        assert client.get("/static/status.js").status_code == 200
-        for path in ("/api/overview", "/api/sessions", f"/api/sessions/{BUSY}/history?cwd={CWD}"):
-            assert client.get(path).status_code == 401
-            assert client.get(path, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+def test_the_page_and_its_routes_need_the_token_as_bearer_or_basic(sessions: Settings,
+                                                                    r: redis.Redis) -> None:
+    """Only /healthz is open; the token passes as Bearer or as the Basic password of any user,
+    and every 401 challenges both schemes (a browser then shows its own login prompt)."""
+    with TestClient(create_app(with_token(sessions), r)) as client:
+        for path in ("/", "/static/status.js", "/api/overview", "/api/sessions",
+                     f"/api/sessions/{BUSY}/history?cwd={CWD}"):
+            for refused in ({}, basic("ops", "wrong"), basic("", TOKEN + "x"),
+                            {"Authorization": f"Basic {TOKEN}"}):
+                answer = client.get(path, headers=refused)
+                assert answer.status_code == 401, (path, refused)
+                assert answer.json()["error"]["code"] == "unauthorized"
+                assert answer.headers.get_list("www-authenticate") == CHALLENGES
+            for accepted in ({"Authorization": f"Bearer {TOKEN}"}, basic("ops", TOKEN),
+                             basic("", TOKEN)):
+                assert client.get(path, headers=accepted).status_code == 200, (path, accepted)
+        assert client.get("/healthz").status_code == 200
 
 
 # -- in a real browser ----------------------------------------------------------------------
@@ -195,26 +213,24 @@ def test_page_refreshes_by_itself(sessions: Settings, serve_api: Any, browser: A
 
 
 @pytest.mark.slow
-def test_page_asks_for_the_token_and_sends_it(sessions: Settings, serve_api: Any,
-                                              browser: Any) -> None:
-    secured = sessions.model_copy(update={"api": sessions.api.model_copy(update={"token": TOKEN})})
-    base = serve_api(secured)
-    assert httpx.get(base + "/api/sessions").status_code == 401
-    page = browser.new_page()
-    sent: list[str | None] = []
-    page.on("request", lambda req: sent.append(req.headers.get("authorization"))
-            if "/api/" in req.url else None)
+def test_browser_logs_in_with_basic_and_its_fetches_carry_it(sessions: Settings, serve_api: Any,
+                                                            browser: Any) -> None:
+    base = serve_api(with_token(sessions))
+    assert httpx.get(base + "/").status_code == 401
+    page = browser.new_page(http_credentials={"username": "ops", "password": TOKEN})
+    fetched: list[Any] = []  # all_headers(): what went on the wire, Chromium's auth included
+    page.on("requestfinished", lambda req: fetched.append(req) if "/api/" in req.url else None)
     page.goto(base + "/")
-    page.wait_for_selector("#auth:not([hidden])")
-    assert page.locator("#overview-page").is_hidden()
-    page.fill("#token", "wrong")
-    page.click("#auth button")
-    page.wait_for_selector("#auth-error:has-text('refused')")
-    page.fill("#token", TOKEN)
-    page.click("#auth button")
     page.wait_for_selector(f'#sessions tr[data-session="{BUSY}"]')
-    assert page.locator("#auth").is_hidden()
-    assert f"Bearer {TOKEN}" in sent and None in sent
-    assert page.evaluate("sessionStorage.getItem('compactor.token')") == TOKEN
-    page.reload()  # the token is kept for the tab
-    page.wait_for_selector(f'#sessions tr[data-session="{BUSY}"]')
+    assert page.locator("#error").is_hidden()
+    sent = [req.all_headers().get("authorization", "") for req in fetched]
+    assert sent and all(header.startswith("Basic ") for header in sent), sent
+    page.route("**/api/**", lambda route: route.fulfill(  # the token changed under the page
+        status=401, json={"error": {"code": "unauthorized", "message": "no"}}))
+    page.wait_for_selector("#error:has-text('token refused: reload the page to enter it again')",
+                           timeout=10_000)
+
+    refused = browser.new_page(http_credentials={"username": "ops", "password": "wrong"})
+    response = refused.goto(base + "/")
+    assert response.status == 401
+    assert refused.locator("#sessions").count() == 0
