@@ -10,8 +10,10 @@ Invariants:
 - Transcript blocks are ``[role]`` / ``[tool:toolName]`` headers followed by
   the content; an assistant's tool calls are listed with name and arguments.
 - A reply is valid only with a ``<summary>`` block (after the ``<analysis>``
-  block when there is one) whose ``### `` headings include the 10 sections in
-  order; ``summaryText`` is the block's inner text, stripped.
+  block when there is one) whose ``### `` headings name all 10 sections (the
+  prompt asks for their order; SPEC §5 asks only that all be there, so a
+  reply in another order is not a failure); ``summaryText`` is the block's
+  inner text, stripped.
 - litellm is imported once per process (``load_litellm``), never per call.
 - Every failure of the call becomes ``LLMUnavailable`` with ``transient`` set:
   rate limits, 408/409/5xx, timeouts and connection errors are transient;
@@ -160,15 +162,20 @@ def build_messages(transcript: str, previous_summary: str | None) -> list[dict[s
 _HEADING = re.compile(r"^#{3}\s+(.+?)\s*:?\s*$")
 
 
+_TITLES = {title.lower(): title for title in SECTION_TITLES}
+
+
+def _heading_title(line: str) -> str | None:
+    """The section title a ``### `` heading line names (case and a trailing colon ignored), else None."""
+    match = _HEADING.match(line.strip())
+    return _TITLES.get(match.group(1).strip().lower()) if match else None
+
+
 def missing_sections(text: str) -> list[str]:
-    """The section titles not found, in order, as ``### `` headings of ``text``."""
-    wanted = [t.lower() for t in SECTION_TITLES]
-    found = 0
-    for line in text.splitlines():
-        match = _HEADING.match(line.strip())
-        if match and found < len(wanted) and match.group(1).strip().lower() == wanted[found]:
-            found += 1
-    return list(SECTION_TITLES[found:])
+    """The section titles that no ``### `` heading of ``text`` names (SPEC §5 asks for all 10,
+    not for an order: the prompt asks for the order, a reply is not failed for another one)."""
+    found = {_heading_title(line) for line in text.splitlines()}
+    return [title for title in SECTION_TITLES if title not in found]
 
 
 def extract_summary(reply: str) -> str:
@@ -192,26 +199,25 @@ def extract_summary(reply: str) -> str:
 
 
 def validate_summary_text(text: str) -> None:
-    """Raise SummaryInvalid unless ``text`` has the 10 ``### `` section headings in order."""
+    """Raise SummaryInvalid unless ``text`` has the 10 ``### `` section headings."""
     missing = missing_sections(text)
     if missing:
-        raise SummaryInvalid(f"summary lacks section headings (in order): {', '.join(missing)}")
+        raise SummaryInvalid(f"summary lacks section headings: {', '.join(missing)}")
 
 
 def split_sections(text: str) -> dict[str, str]:
-    """The body of each of the 10 sections of a valid summary, by title."""
+    """The body of each section of a valid summary, by title, in the sections' order (SPEC §1)
+    whatever their order in ``text``; a heading repeated later is part of the body it is in."""
     bodies: dict[str, list[str]] = {}
-    wanted = [t.lower() for t in SECTION_TITLES]
     current: str | None = None
     for line in text.splitlines():
-        match = _HEADING.match(line.strip())
-        index = len(bodies)
-        if match and index < len(wanted) and match.group(1).strip().lower() == wanted[index]:
-            current = SECTION_TITLES[index]
+        title = _heading_title(line)
+        if title is not None and title not in bodies:
+            current = title
             bodies[current] = []
         elif current is not None:
             bodies[current].append(line)
-    return {title: "\n".join(lines).strip() for title, lines in bodies.items()}
+    return {title: "\n".join(bodies[title]).strip() for title in SECTION_TITLES if title in bodies}
 
 
 # -- the litellm call -----------------------------------------------------------------------

@@ -65,11 +65,20 @@ def test_valid_reply_yields_the_inner_summary_text() -> None:
     "no tags at all",
     f"<summary>\n{summary_text('t')}\n",  # truncated: no closing tag
     f"<summary>\n{summary_text('t').replace('### Pending Tasks', '### Pending')}\n</summary>",
-    "<summary>\n" + "\n".join(f"### {t}\nx" for t in reversed(SECTION_TITLES)) + "\n</summary>",
+    "<summary>\n" + "\n".join(f"### {t}\nx" for t in SECTION_TITLES[1:]) + "\n</summary>",
 ])
-def test_reply_without_the_ten_sections_in_order_is_invalid(reply: str) -> None:
+def test_reply_without_the_ten_sections_is_invalid(reply: str) -> None:
     with pytest.raises(SummaryInvalid):
         extract_summary(reply)
+
+
+def test_the_ten_sections_in_another_order_are_valid() -> None:
+    """SPEC §5 asks for all 10 headings, not for their order: such a reply is no failure."""
+    body = "\n".join(f"### {title}\nabout {title.lower()}" for title in reversed(SECTION_TITLES))
+    assert extract_summary(f"<summary>\n{body}\n</summary>") == body
+    sections = split_sections(body)
+    assert list(sections) == list(SECTION_TITLES)
+    assert sections["Primary Request"] == "about primary request"
 
 
 def test_litellm_call_reaches_the_stub_once_with_the_messages(stub: LLMStub) -> None:
