@@ -13,6 +13,7 @@ models are the gate every event passes before it is written.
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid as uuidlib
 from datetime import datetime, timezone
@@ -218,7 +219,14 @@ def to_wire(event: Event) -> dict[str, Any]:
     plus the defaults that are not None (an optional field nobody sent is left out)."""
     wire = event.model_dump(by_alias=True)
     sent = event.model_fields_set
-    for name, info in type(event).model_fields.items():
-        if name not in sent and getattr(event, name) is None:
-            del wire[info.serialization_alias or info.alias or name]
+    for name, alias in _none_defaults(type(event)):
+        if name not in sent:
+            del wire[alias]
     return wire
+
+
+@functools.cache
+def _none_defaults(model: type[BaseModel]) -> tuple[tuple[str, str], ...]:
+    """``(name, wire name)`` of the model's fields whose default is None."""
+    return tuple((name, info.serialization_alias or info.alias or name)
+                 for name, info in model.model_fields.items() if info.default is None)
