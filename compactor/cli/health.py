@@ -1,13 +1,18 @@
 """``compactor health``: is Redis (and optionally the API, a worker, a watcher) alive?
 
 Meant for container health checks: ``compactor health --check`` prints nothing
-and exits 0 when every requested check passes, 1 otherwise.
+and exits 0 when every requested check passes, 1 otherwise, also when the
+configuration does not load or names no Redis (say, before ``compactor serve``
+has started its embedded one): a health check reports, it never exits 2.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated
 
 import redis
@@ -20,10 +25,10 @@ from compactor.cli.common import (
     RedisUrlOpt,
     load,
     print_json,
-    redis_url_of,
 )
 from compactor.keys import Keys
 from events.config import Settings
+from events.errors import InvalidConfig
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +83,8 @@ def health(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Check Redis (and --api / --workers / --watcher); exit 0 healthy, 1 not."""
-    settings = load(config, redis_url=redis_url, data_dir=data_dir)
+    settings = _quiet_load(config, redis_url, data_dir) if check else load(
+        config, redis_url=redis_url, data_dir=data_dir)
     report = run_checks(settings, api_url=api_url, workers=workers, watcher=watcher)
     healthy = all(value.startswith("ok") for value in report.values())
     if json_out:
@@ -89,23 +95,47 @@ def health(
     raise typer.Exit(0 if healthy else 1)
 
 
+def _quiet_load(config: Path | None, redis_url: str | None, data_dir: Path | None) -> Settings:
+    """``load`` for ``--check``: a configuration that does not load is unhealthy: exit 1, silently."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            return load(config, redis_url=redis_url, data_dir=data_dir)
+    except typer.Exit:
+        raise typer.Exit(1) from None
+
+
 def run_checks(settings: Settings, *, api_url: str | None, workers: bool,
                watcher: bool) -> dict[str, str]:
-    """Each requested check's outcome: ``ok...`` or ``error: ...``."""
+    """Each requested check's outcome: ``ok...`` or ``error: ...`` (no Redis URL to use is
+    an error of the checks that need Redis, not of the command)."""
+    from compactor.serve import client_redis_url
+
     report: dict[str, str] = {}
-    client = redis.Redis.from_url(redis_url_of(settings), socket_timeout=CHECK_TIMEOUT_S,
-                                  socket_connect_timeout=CHECK_TIMEOUT_S)
-    checks: dict[str, Callable[[], str]] = {"redis": lambda: check_redis(client)}
+    client: redis.Redis | None = None
+    no_redis = ""
+    try:
+        client = redis.Redis.from_url(client_redis_url(settings), socket_timeout=CHECK_TIMEOUT_S,
+                                      socket_connect_timeout=CHECK_TIMEOUT_S)
+    except InvalidConfig as e:
+        no_redis = f"invalid configuration: {e}"
+
+    def redis_client() -> redis.Redis:
+        if client is None:
+            raise RuntimeError(no_redis)
+        return client
+
+    checks: dict[str, Callable[[], str]] = {"redis": lambda: check_redis(redis_client())}
     if api_url:
         checks["api"] = lambda: check_api(api_url, settings.api.token)
     if workers:
-        checks["workers"] = lambda: check_workers(client, settings)
+        checks["workers"] = lambda: check_workers(redis_client(), settings)
     if watcher:
-        checks["watcher"] = lambda: check_watcher(client, settings)
+        checks["watcher"] = lambda: check_watcher(redis_client(), settings)
     for name, run in checks.items():
         try:
             report[name] = run()
         except Exception as e:  # noqa: BLE001 - a health check reports every failure
             report[name] = f"error: {e}"
-    client.close()
+    if client is not None:
+        client.close()
     return report

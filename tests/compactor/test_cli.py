@@ -93,6 +93,7 @@ def test_bad_env_override_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
 def test_processes_without_redis_url_and_no_serve_exit_2(runner: CliRunner, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("CODINGCODE_CONFIG", raising=False)
     monkeypatch.chdir(tmp_path)
     for command in ("watch", "work", "api", "status"):
         result = runner.invoke(app, [command, "--data-dir", str(tmp_path / "d")])
@@ -251,6 +252,26 @@ def test_health_check_exit_codes(runner: CliRunner, settings: Settings, config: 
     body = json.loads(report.stdout)
     assert body["healthy"] is False and body["checks"]["redis"] == "ok"
     assert body["checks"]["workers"].startswith("error")
+
+
+def test_health_check_without_a_redis_to_use_is_unhealthy_and_silent(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No redis.url and no ``compactor serve`` under the data dir yet (a container starting):
+    exit 1 like any failed check (Docker reserves 2), nothing printed."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("CODINGCODE_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)  # no ./codingcode.yaml
+    empty = ["--data-dir", str(tmp_path / "empty")]
+    quiet = runner.invoke(app, ["health", "--check", *empty])
+    assert (quiet.exit_code, quiet.stdout, quiet.stderr) == (1, "", "")
+    report = runner.invoke(app, ["health", "--json", *empty])
+    assert report.exit_code == 1
+    assert json.loads(report.stdout)["checks"]["redis"].startswith("error: invalid configuration: redis.url")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("context: {compactionThreshold: 7}\n")
+    broken = runner.invoke(app, ["health", "--check", "--config", str(bad), *empty])
+    assert (broken.exit_code, broken.stdout, broken.stderr) == (1, "", "")
 
 
 def test_health_checks_a_live_api(runner: CliRunner, settings: Settings, config: Path,
