@@ -1,7 +1,7 @@
 """The compaction queue: RQ queue name, job function paths, one job per session.
 
 Invariants:
-- At most one *automatic* compaction job per session is queued or running:
+- At most one compaction job per session is queued or running (SPEC §5):
   ``{p}:job:{sid}`` holds its id, claimed atomically (Lua) before the RQ
   enqueue. A trigger that arrives while it is pending is recorded in
   ``{p}:retrigger:{sid}`` by the same script, so it is coalesced, never lost:
@@ -13,7 +13,13 @@ Invariants:
   the worker janitor looks at the ones waiting longer than the grace period
   and frees a claim whose job never came (an enqueuer killed between claim
   and enqueue) or ended unnoticed, then re-checks the session.
-- Forced jobs always enqueue and never touch the claim.
+- A forced job claims the session like any job. While another job holds the
+  claim, the forced job is created (RQ status ``created``: its id can be
+  waited on) but not queued, and ``forced:{id}`` is recorded as the trigger;
+  a later forced request joins it (its id is returned), an automatic trigger
+  never overwrites nor clears it. When the holder ends, ``release_pending``
+  hands it back and ``promote_forced`` claims the session for it and queues
+  it (the janitor does the same for a holder that died).
 - Every job of a session carries ``RateLimit(key="{p}:{sid}", concurrency=1)``,
   so two jobs of one session never run at once across all workers (RQ keeps
   the others ``rate_limited`` and releases them in job-id order).
@@ -94,16 +100,56 @@ if cur then
       or (tonumber(now[1]) + tonumber(now[2]) / 1e6 - stamp / 1e9) > tonumber(ARGV[8])
   end
   if not stale then
-    if redis.call('GET', KEYS[2]) ~= 'llm' then redis.call('SET', KEYS[2], kind) end
+    local t = redis.call('GET', KEYS[2])
+    if t ~= 'llm' and not (t and string.sub(t, 1, 7) == 'forced:') then redis.call('SET', KEYS[2], kind) end
     return {'pending', kind, cur}
   end
   outcome = 'replaced'
 end
 redis.call('SET', KEYS[1], id)
-redis.call('DEL', KEYS[2])
+local t = redis.call('GET', KEYS[2])
+if not (t and string.sub(t, 1, 7) == 'forced:') then redis.call('DEL', KEYS[2]) end
 redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[3])
 return {outcome, id, cur or ''}
 """
+
+# KEYS: job claim, retrigger, claims index. ARGV: the forced job's id, session id, RQ job key
+# prefix, stale grace (s). A forced request, or the promotion of the one waiting. The claim
+# free (or stale): claimed by the forced job waiting if there is one, else by this one, and
+# the recorded trigger cleared (the forced job answers it) -> {'claimed', the id to queue}.
+# Else the forced job waits as the trigger ``forced:{id}`` -> {'waiting', id}, unless one
+# already waits -> {'pending', its id}: the caller joins it.
+_FORCE = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then
+  local status = redis.call('HGET', ARGV[3] .. cur, 'status')
+  local stale
+  if status then
+    stale = status == 'finished' or status == 'failed' or status == 'stopped' or status == 'canceled'
+  else
+    local stamp = tonumber(string.sub(cur, 1, 20))
+    local now = redis.call('TIME')
+    stale = (not stamp) or string.sub(cur, 21, 21) ~= '-'
+      or (tonumber(now[1]) + tonumber(now[2]) / 1e6 - stamp / 1e9) > tonumber(ARGV[4])
+  end
+  if not stale then
+    local t = redis.call('GET', KEYS[2])
+    if t and string.sub(t, 1, 7) == 'forced:' then return {'pending', string.sub(t, 8), cur} end
+    redis.call('SET', KEYS[2], 'forced:' .. ARGV[1])
+    redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
+    return {'waiting', ARGV[1], cur}
+  end
+end
+local id = ARGV[1]
+local t = redis.call('GET', KEYS[2])
+if t and string.sub(t, 1, 7) == 'forced:' then id = string.sub(t, 8) end
+redis.call('SET', KEYS[1], id)
+redis.call('DEL', KEYS[2])
+redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
+return {'claimed', id, cur or ''}
+"""
+FORCED_TRIGGER = "forced:"  # the recorded trigger of a forced job waiting for the claim: forced:{job id}
+
 
 # KEYS: job claim, retrigger, claims index; ARGV: ending job id, session id.
 # Frees the claim when it is this job's (or there is none) and returns the
@@ -124,8 +170,11 @@ return t
 
 # KEYS: job claim, retrigger, claims index; ARGV: session id. After a re-check:
 # with no claim now, the trigger has been handled; with one, it belongs to that job.
+# A forced job's trigger is never settled here: only its claim (``_FORCE``) clears it.
 _SETTLE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then
+  local t = redis.call('GET', KEYS[2])
+  if t and string.sub(t, 1, 7) == 'forced:' then return 0 end
   redis.call('DEL', KEYS[2])
   redis.call('ZREM', KEYS[3], ARGV[1])
 end
@@ -197,8 +246,8 @@ def enqueue_compaction(
 ) -> str | None:
     """Enqueue a compaction job; the job id, or None when one is already pending (coalesced).
 
-    Forced jobs (always ``llm`` in practice) are enqueued unconditionally.
-    With ``breaker_open_kind`` the session's LLM breaker is read in the same
+    ``forced`` (an ``llm`` job): ``enqueue_forced_compaction``, whose id is
+    returned (never None). With ``breaker_open_kind`` the session's LLM breaker is read in the same
     round trip as the claim: at ``maxFailures`` failures or more the job is of
     that kind instead (None: no job, and None is returned). The watcher passes
     what ``decide`` says with the breaker open, so a trigger costs one round
@@ -206,14 +255,71 @@ def enqueue_compaction(
     """
     if kind not in JOB_FUNCTIONS:
         raise ValueError(f"unknown compaction kind {kind!r}")
+    if forced:
+        if kind != "llm":
+            raise ValueError("a forced compaction is an llm one")
+        return enqueue_forced_compaction(client, settings, session_id, cwd)
     job_id = new_job_id(session_id, kind)
-    if not forced:
-        reply = client.eval(*_claim_call(settings, Trigger(session_id, cwd, kind, breaker_open_kind), job_id))
-        claimed = _claimed(session_id, reply)
-        if claimed is None:
-            return None
-        job_id = claimed
-    return _enqueue_claimed(client, settings, session_id, cwd, job_id, forced)
+    reply = client.eval(*_claim_call(settings, Trigger(session_id, cwd, kind, breaker_open_kind), job_id))
+    claimed = _claimed(session_id, reply)
+    if claimed is None:
+        return None
+    return _enqueue_claimed(client, settings, session_id, cwd, claimed, False)
+
+
+def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> str:
+    """A forced LLM compaction (SPEC §5: no thresholds, no breaker; still one job per session at a
+    time): the id of the forced job that will answer it. That job is queued now when the session
+    has no pending job; else it waits (RQ status ``created``) until the pending one ends; when a
+    forced job already waits, this request joins it (its id is returned, no second job)."""
+    queue = compaction_queue(client, settings)
+    job = queue.create_job(**_job_spec(settings, session_id, cwd, new_job_id(session_id, "llm"), True),
+                           status=JobStatus.CREATED)
+    job.save()  # before the claim: once recorded as the trigger, the holder's end may queue it
+    outcome, job_id = _force(client, settings, session_id, job.id)
+    if job_id != job.id:
+        job.delete()
+    if outcome == "claimed":
+        _enqueue_forced(client, settings, session_id, job_id)
+    else:
+        metrics.JOBS_COALESCED.labels("forced").inc()
+        logger.info("forced compaction %s session=%s job=%s", "waits for the pending job" if outcome == "waiting"
+                    else "joins the forced job already waiting", session_id, job_id,
+                    extra={"session_id": session_id, "job_id": job_id, "outcome": outcome})
+    return job_id
+
+
+def promote_forced(client: redis.Redis, settings: Settings, session_id: str, job_id: str) -> bool:
+    """Queue the forced job ``job_id`` that waited for the session's claim, if the claim is free
+    now (else it keeps waiting, recorded); True when it was queued."""
+    outcome, claimed = _force(client, settings, session_id, job_id)
+    if outcome != "claimed":
+        return False
+    _enqueue_forced(client, settings, session_id, claimed)
+    return True
+
+
+def _force(client: redis.Redis, settings: Settings, session_id: str, job_id: str) -> tuple[str, str]:
+    """Run ``_FORCE`` for the forced job ``job_id``: (outcome, the id of the job that answers)."""
+    reply: Any = client.eval(_FORCE, 3, *_session_keys(settings, session_id), job_id, session_id,
+                             Job.key_for(""), STALE_CLAIM_GRACE_S)
+    outcome, answering, _ = (_text(part) for part in reply)
+    return outcome, answering
+
+
+def _enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, job_id: str) -> None:
+    """RQ-enqueue the forced job ``job_id`` (created already, its claim made). On an error the
+    claim is freed and the job recorded as waiting again, so the janitor queues it later."""
+    queue = compaction_queue(client, settings)
+    try:
+        queue.enqueue_job(Job.fetch(job_id, connection=client))
+    except Exception:
+        _, retrigger, claims = _session_keys(settings, session_id)
+        release_pending(client, settings, session_id, job_id)
+        client.set(retrigger, FORCED_TRIGGER + job_id)
+        client.zadd(claims, {session_id: time.time()})
+        raise
+    _enqueued(session_id, job_id, True)
 
 
 def trigger_compactions(client: redis.Redis, settings: Settings, triggers: list[Trigger]) -> list[str | None]:
@@ -273,12 +379,11 @@ def _enqueue_together(client: redis.Redis, settings: Settings, claimed: list[tup
 
 def _enqueue_claimed(client: redis.Redis, settings: Settings, session_id: str, cwd: str, job_id: str,
                      forced: bool) -> str:
-    """RQ-enqueue the job ``job_id`` names (its claim made, unless forced); frees the claim on error."""
+    """RQ-enqueue the job ``job_id`` names (its claim made); frees the claim on error."""
     try:
         compaction_queue(client, settings).enqueue_call(**_job_spec(settings, session_id, cwd, job_id, forced))
     except Exception:
-        if not forced:
-            release_pending(client, settings, session_id, job_id)
+        release_pending(client, settings, session_id, job_id)
         raise
     _enqueued(session_id, job_id, forced)
     return job_id
@@ -338,7 +443,7 @@ def sessions_to_look_at(client: redis.Redis, settings: Settings, older_than_s: f
 
 
 def pending_job_id(client: redis.Redis, settings: Settings, session_id: str) -> str | None:
-    """The id of the session's pending automatic job, if any."""
+    """The id of the session's pending job (automatic or forced), if any."""
     value = client.get(Keys(settings.redis.prefix, settings.redis.shards).job(session_id))
     return _text(value) if value else None
 
@@ -419,7 +524,8 @@ def _text(value: bytes | str) -> str:
 
 
 __all__ = [
-    "JOB_FUNCTIONS", "UNCHECKED", "Kind", "Trigger", "trigger_compactions", "claim_is_stale", "compaction_queue", "enqueue_compaction", "new_job_id",
-    "parse_job_id", "pending_job_id", "rate_limit_for", "release_pending", "sessions_to_look_at",
-    "settle_trigger",
+    "FORCED_TRIGGER", "JOB_FUNCTIONS", "UNCHECKED", "Kind", "Trigger", "trigger_compactions", "claim_is_stale",
+    "compaction_queue", "enqueue_compaction", "enqueue_forced_compaction", "new_job_id",
+    "parse_job_id", "pending_job_id", "promote_forced", "rate_limit_for", "release_pending",
+    "sessions_to_look_at", "settle_trigger",
 ]

@@ -1,10 +1,13 @@
 """Forced compactions and RQ job status, shared by the HTTP API and the CLI.
 
 Invariants:
-- A forced compaction is always a job of its own (``enqueue_compaction`` with
-  ``forced=True`` never coalesces; RQ's per-session rate limit runs it after
-  any job of the session already running), so a caller never gets the result
-  of a job it did not ask for.
+- A forced compaction is answered by a forced job that has not started when
+  it is asked for (``compactor.queue.enqueue_forced_compaction``): queued at
+  once when the session has no pending job, else waiting (RQ status
+  ``created``) until that job ends; a request made while a forced job waits
+  joins it. So a caller never gets the result of an automatic job, nor of a
+  compaction that began before its request, and the session never has two
+  jobs queued or running (SPEC §5).
 - Waiting never hangs: every wait has a deadline; past it the caller gets the
   job id (HTTP 202) and can poll ``GET /api/jobs/{jobId}``.
 - A job's ``result`` is the ``CompressResult`` its function returned; ``error``
@@ -24,7 +27,7 @@ import redis
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
-from compactor.queue import enqueue_compaction
+from compactor.queue import enqueue_forced_compaction
 from events.config import Settings
 from events.models import CompressResult
 from producer.api_errors import ApiError
@@ -80,11 +83,7 @@ def _as_result(value: Any) -> CompressResult | None:
 
 def enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> str:
     """Enqueue a forced LLM compaction of the session; its job id."""
-    job_id = enqueue_compaction(client, settings, session_id, cwd, "llm", forced=True)
-    if job_id is None:  # forced jobs never coalesce; kept as a guard on that contract
-        raise ApiError(409, f"a compaction of session {session_id} could not be enqueued",
-                       "job_pending")
-    return job_id
+    return enqueue_forced_compaction(client, settings, session_id, cwd)
 
 
 def wait_for_job(client: redis.Redis, job_id: str, timeout_s: float) -> JobBody:

@@ -92,7 +92,9 @@ class Publisher:
         return self.publish(session_id, cwd, event)[0]
 
     def request_compaction(self, session_id: str, cwd: str, forced: bool = True) -> str | None:
-        """Enqueue an LLM compaction; the job id, or None when one is already pending (coalesced)."""
+        """Request an LLM compaction; the job id. ``forced`` (the default): the forced job that
+        answers it, queued now or waiting for the session's pending job (never None); not forced:
+        None when a job is already pending (the request is coalesced into it)."""
         session_id = validate_session_id(session_id)
         cwd = validate_cwd(cwd)
         return enqueue_compaction(self.redis, self.settings, session_id, cwd, "llm", forced=forced)

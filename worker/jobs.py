@@ -10,7 +10,9 @@ it frees the session's pending-job claim if this job holds it (an LLM job that
 appended a summary freed it already, in its state save's round trip) and, when a
 trigger was coalesced meanwhile, re-checks the thresholds from the stored
 state and enqueues again, so no trigger is lost (the trigger stays recorded
-until the re-check is done). For a job whose worker was killed, or a claim
+until the re-check is done). A forced job that waited for this one (the
+trigger ``forced:{id}``) is queued instead (``promote_forced``: it answers
+every trigger, and stays recorded until it holds the claim). For a job whose worker was killed, or a claim
 whose job never came, the worker janitor (``worker.runner``) calls ``finish``
 with ``abandoned=True``: the session is re-checked even without a trigger,
 since the job that should have compacted it did not.
@@ -26,7 +28,7 @@ from typing import Any
 from rq import get_current_job
 
 from compactor import metrics
-from compactor.queue import enqueue_compaction, release_pending, settle_trigger
+from compactor.queue import FORCED_TRIGGER, enqueue_compaction, promote_forced, release_pending, settle_trigger
 from events.errors import LLMUnavailable, SessionNotFound, SummaryInvalid
 from events.models import CompressResult
 from events.state import decide
@@ -111,6 +113,9 @@ def finish(
             trigger = release_pending(context.redis, context.settings, session_id, job_id)
         if trigger is None and not abandoned:
             return None
+        if trigger is not None and trigger.startswith(FORCED_TRIGGER):  # a forced job waited for this one
+            forced = trigger[len(FORCED_TRIGGER):]
+            return forced if promote_forced(context.redis, context.settings, session_id, forced) else None
         enqueued = recheck(context, session_id)
         settle_trigger(context.redis, context.settings, session_id)
         return enqueued

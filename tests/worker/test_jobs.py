@@ -9,7 +9,7 @@ import redis
 from rq.job import Job, JobStatus
 
 from compactor.keys import Keys
-from compactor.queue import enqueue_compaction, pending_job_id
+from compactor.queue import compaction_queue, enqueue_compaction, pending_job_id
 from compactor.store import SessionStore
 from events.config import Settings
 from events.log import SessionLog
@@ -479,3 +479,37 @@ def test_a_forced_job_with_nothing_to_summarize_writes_nothing_and_says_so(
     result = llm_compact("s1", CWD, forced=True)
     assert result == {"didCompress": False, "released": 0, "promptEstimate": estimate}  # SPEC §5, Forced
     assert log_lines(keep2, "s1") == lines and stub.requests == []
+
+
+# -- forced jobs and the one-job rule --------------------------------------------------------
+
+
+def test_a_forced_job_waiting_for_an_automatic_one_runs_when_it_ends(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """SPEC §5: the forced job is not queued next to the pending one; the pending one's end
+    queues it, and it runs (thresholds skipped) with the result its caller waits for."""
+    write_session(r, wsettings, "s1", 4, window=100_000)
+    auto = enqueue_compaction(r, wsettings, "s1", CWD, "micro")
+    forced = enqueue_compaction(r, wsettings, "s1", CWD, "llm", forced=True)
+    assert auto and forced and compaction_queue(r, wsettings).job_ids == [auto]
+    run_burst(r, wsettings)
+    assert Job.fetch(auto, connection=r).get_status() == JobStatus.FINISHED
+    job = Job.fetch(forced, connection=r)
+    assert job.get_status() == JobStatus.FINISHED and job.return_value()["didCompress"] is True
+    assert len(_summaries(wsettings, "s1")) == 1 and len(stub.requests) == 1
+    assert pending_job_id(r, wsettings, "s1") is None and r.exists(Keys().retrigger("s1")) == 0
+
+
+def test_a_forced_job_waiting_for_a_job_whose_worker_died_is_queued_by_the_janitor_path(
+    r: redis.Redis, wsettings: Settings,
+) -> None:
+    write_session(r, wsettings, "s1", 2)
+    auto = enqueue_compaction(r, wsettings, "s1", CWD, "llm")
+    forced = enqueue_compaction(r, wsettings, "s1", CWD, "llm", forced=True)
+    assert auto and forced
+    context = WorkerContext.build(wsettings, r)
+    assert worker_jobs.finish(context, "s1", auto, abandoned=True) == forced  # what the janitor calls
+    assert pending_job_id(r, wsettings, "s1") == forced and r.exists(Keys().retrigger("s1")) == 0
+    assert forced in compaction_queue(r, wsettings).job_ids or \
+        Job.fetch(forced, connection=r).get_status() == JobStatus.RATE_LIMITED

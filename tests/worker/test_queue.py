@@ -1,4 +1,4 @@
-"""compactor.queue: one automatic job per session, coalesced triggers, forced jobs, RQ rate limits."""
+"""compactor.queue: one job per session, coalesced triggers, forced jobs waiting their turn, RQ rate limits."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ from rq.job import Job, JobStatus
 
 from compactor.keys import Keys
 from compactor.queue import (
+    FORCED_TRIGGER,
     Trigger,
     compaction_queue,
     enqueue_compaction,
     new_job_id,
     parse_job_id,
     pending_job_id,
+    promote_forced,
+    rate_limit_for,
     release_pending,
     settle_trigger,
     trigger_compactions,
@@ -79,20 +82,54 @@ def test_release_by_another_job_keeps_the_claim(r: redis.Redis, settings: Settin
     assert r.get(Keys().retrigger("s1")) == b"llm"
 
 
-def test_forced_jobs_always_enqueue_and_leave_the_claim_alone(r: redis.Redis, settings: Settings) -> None:
-    auto = enqueue_compaction(r, settings, "s1", CWD, "llm")
-    forced = [enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True) for _ in range(2)]
-    assert all(forced) and len(set(forced)) == 2
-    assert pending_job_id(r, settings, "s1") == auto
-    job = Job.fetch(forced[0], connection=r)
+def test_a_forced_request_claims_a_session_with_no_pending_job(r: redis.Redis, settings: Settings) -> None:
+    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert forced is not None and pending_job_id(r, settings, "s1") == forced
+    job = Job.fetch(forced, connection=r)
+    assert job.get_status() == JobStatus.QUEUED and compaction_queue(r, settings).job_ids == [forced]
     assert job.kwargs == {"forced": True} and job.args == ("s1", CWD)
     assert job.func_name == "worker.jobs.llm_compact"
     assert job.timeout == settings.worker.job_timeout_seconds
 
 
+def test_a_forced_request_waits_for_the_pending_job_and_the_next_one_joins_it(
+    r: redis.Redis, settings: Settings,
+) -> None:
+    """SPEC §5: at most one job per session queued or running, forced ones included."""
+    auto = enqueue_compaction(r, settings, "s1", CWD, "llm")
+    first = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    second = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert first is not None and second == first  # one forced job answers both requests
+    assert Job.fetch(first, connection=r).get_status() == JobStatus.CREATED  # waitable, not queued
+    assert compaction_queue(r, settings).job_ids == [auto] and pending_job_id(r, settings, "s1") == auto
+    assert r.get(Keys().retrigger("s1")) == f"{FORCED_TRIGGER}{first}".encode()
+    assert enqueue_compaction(r, settings, "s1", CWD, "micro") is None  # an automatic trigger meanwhile
+    assert r.get(Keys().retrigger("s1")) == f"{FORCED_TRIGGER}{first}".encode()  # does not replace it
+    assert len(r.keys("rq:job:*")) == 2  # the joining request's own job was not kept
+
+
+def test_a_waiting_forced_job_keeps_waiting_behind_a_job_that_took_the_free_claim_first(
+    r: redis.Redis, settings: Settings,
+) -> None:
+    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert auto and forced
+    assert release_pending(r, settings, "s1", auto) == f"{FORCED_TRIGGER}{forced}"
+    other = enqueue_compaction(r, settings, "s1", CWD, "llm")  # a watcher trigger wins the race
+    assert other is not None and pending_job_id(r, settings, "s1") == other
+    assert r.get(Keys().retrigger("s1")) == f"{FORCED_TRIGGER}{forced}".encode()  # not cleared
+    assert promote_forced(r, settings, "s1", forced) is False
+    assert release_pending(r, settings, "s1", other) == f"{FORCED_TRIGGER}{forced}"
+    assert promote_forced(r, settings, "s1", forced) is True
+    assert pending_job_id(r, settings, "s1") == forced and r.get(Keys().retrigger("s1")) is None
+    assert Job.fetch(forced, connection=r).get_status() in (JobStatus.QUEUED, JobStatus.RATE_LIMITED)  # handed to RQ
+
+
 def test_jobs_of_one_session_are_serialised_by_the_rate_limit(r: redis.Redis, settings: Settings) -> None:
-    ids = [enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True) for _ in range(3)]
-    statuses = [Job.fetch(i, connection=r).get_status() for i in ids if i]
+    queue = compaction_queue(r, settings)
+    ids = [queue.enqueue_call("worker.jobs.llm_compact", args=("s1", CWD), job_id=new_job_id("s1", "llm"),
+                              rate_limit=rate_limit_for(settings, "s1")).id for _ in range(3)]
+    statuses = [Job.fetch(i, connection=r).get_status() for i in ids]
     assert statuses == [JobStatus.QUEUED, JobStatus.RATE_LIMITED, JobStatus.RATE_LIMITED]
     assert compaction_queue(r, settings).job_ids == [ids[0]]
 
@@ -157,10 +194,24 @@ def test_triggers_of_several_sessions_are_claimed_together_and_each_gets_its_ans
 
 def test_jobs_enqueued_together_keep_the_per_session_rate_limit(r: redis.Redis, settings: Settings) -> None:
     """Claimed jobs of a round go to RQ in one transaction, through RQ's own rate-limited
-    enqueue: a session whose forced job holds its slot gets its automatic job rate-limited."""
-    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    enqueue: a session whose slot is held (here by a job enqueued past the claim, as one
+    left by a crashed enqueuer could be) gets its automatic job rate-limited."""
+    holder = compaction_queue(r, settings).enqueue_call(
+        "worker.jobs.llm_compact", args=("s1", CWD), job_id=new_job_id("s1", "llm"),
+        rate_limit=rate_limit_for(settings, "s1")).id
     ids = trigger_compactions(r, settings, [Trigger("s1", CWD, "micro"), Trigger("s2", CWD, "micro")])
     assert all(ids)
-    statuses = [Job.fetch(job_id, connection=r).get_status() for job_id in (forced, *ids)]  # type: ignore[arg-type]
+    statuses = [Job.fetch(job_id, connection=r).get_status() for job_id in (holder, *ids)]  # type: ignore[arg-type]
     assert statuses == [JobStatus.QUEUED, JobStatus.RATE_LIMITED, JobStatus.QUEUED]
-    assert compaction_queue(r, settings).job_ids == [forced, ids[1]]
+    assert compaction_queue(r, settings).job_ids == [holder, ids[1]]
+
+
+def test_settling_a_session_never_drops_a_waiting_forced_job(r: redis.Redis, settings: Settings) -> None:
+    """A re-check that ends with no claim settles the recorded trigger, but not ``forced:{id}``:
+    only the forced job's own claim clears it (else its caller would wait for a job never queued)."""
+    r.set(Keys().retrigger("s1"), f"{FORCED_TRIGGER}some-job")
+    settle_trigger(r, settings, "s1")
+    assert r.get(Keys().retrigger("s1")) == f"{FORCED_TRIGGER}some-job".encode()
+    r.set(Keys().retrigger("s1"), "llm")
+    settle_trigger(r, settings, "s1")
+    assert r.get(Keys().retrigger("s1")) is None
