@@ -65,6 +65,25 @@ ENDED_STATUSES = frozenset({
     JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED,
 })
 
+# Lua shared by the claim scripts: whether the claimed job ``cur`` has ended, or has no RQ hash
+# (read under ``prefix``) and is older than ``grace`` seconds by the time in its id (a claim
+# whose job never came); whether a recorded trigger is a forced job waiting (``forced:{id}``).
+_LUA_HELPERS = """
+local function is_stale(cur, prefix, grace)
+  local status = redis.call('HGET', prefix .. cur, 'status')
+  if status then
+    return status == 'finished' or status == 'failed' or status == 'stopped' or status == 'canceled'
+  end
+  local stamp = tonumber(string.sub(cur, 1, 20))
+  local now = redis.call('TIME')
+  return (not stamp) or string.sub(cur, 21, 21) ~= '-'
+    or (tonumber(now[1]) + tonumber(now[2]) / 1e6 - stamp / 1e9) > tonumber(grace)
+end
+local function is_forced(t)
+  return t and string.sub(t, 1, 7) == 'forced:'
+end
+"""
+
 # KEYS: job claim, retrigger, claims index, failure counter.
 # ARGV: new job id, kind, session id, breaker check ("1" or "0"), max failures,
 #       kind when the breaker is open ("" none), RQ job key prefix, stale grace (s),
@@ -74,12 +93,13 @@ ENDED_STATUSES = frozenset({
 # breaker-open kind (nothing happens without one). Then the claim: free (or
 # held by a stale job: ended, or absent past the grace period, read from the
 # RQ job hash named by the claim) -> claimed; else the trigger is recorded
-# ("llm" wins over "micro"). Returns {outcome, claimed job id or kind, pending
-# or replaced job id} with outcome "claimed", "replaced", "pending" or "skipped". A new claim clears
-# an old trigger: the new job reads the latest state, so it answers every
-# trigger before it. (The job hash is not among KEYS: fine on a single Redis,
+# ("llm" wins over "micro"; a forced job's trigger is never replaced). Returns
+# {outcome, claimed job id or kind, pending or replaced job id} with outcome
+# "claimed", "replaced", "pending" or "skipped". A new claim clears an old
+# trigger (the new job reads the latest state, so it answers every trigger
+# before it), but not a forced job's: that job still has to run. (The job hash is not among KEYS: fine on a single Redis,
 # which is what RQ needs anyway.)
-_CLAIM = """
+_CLAIM = _LUA_HELPERS + """
 local kind, id = ARGV[2], ARGV[1]
 if ARGV[4] == '1' then
   local failures = tonumber(redis.call('GET', KEYS[4]) or '0') or 0
@@ -89,26 +109,15 @@ if kind == '' then return {'skipped', '', ''} end
 local cur = redis.call('GET', KEYS[1])
 local outcome = 'claimed'
 if cur then
-  local status = redis.call('HGET', ARGV[7] .. cur, 'status')
-  local stale
-  if status then
-    stale = status == 'finished' or status == 'failed' or status == 'stopped' or status == 'canceled'
-  else
-    local stamp = tonumber(string.sub(cur, 1, 20))
-    local now = redis.call('TIME')
-    stale = (not stamp) or string.sub(cur, 21, 21) ~= '-'
-      or (tonumber(now[1]) + tonumber(now[2]) / 1e6 - stamp / 1e9) > tonumber(ARGV[8])
-  end
-  if not stale then
+  if not is_stale(cur, ARGV[7], ARGV[8]) then
     local t = redis.call('GET', KEYS[2])
-    if t ~= 'llm' and not (t and string.sub(t, 1, 7) == 'forced:') then redis.call('SET', KEYS[2], kind) end
+    if t ~= 'llm' and not is_forced(t) then redis.call('SET', KEYS[2], kind) end
     return {'pending', kind, cur}
   end
   outcome = 'replaced'
 end
 redis.call('SET', KEYS[1], id)
-local t = redis.call('GET', KEYS[2])
-if not (t and string.sub(t, 1, 7) == 'forced:') then redis.call('DEL', KEYS[2]) end
+if not is_forced(redis.call('GET', KEYS[2])) then redis.call('DEL', KEYS[2]) end
 redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[3])
 return {outcome, id, cur or ''}
 """
@@ -119,30 +128,18 @@ return {outcome, id, cur or ''}
 # the recorded trigger cleared (the forced job answers it) -> {'claimed', the id to queue}.
 # Else the forced job waits as the trigger ``forced:{id}`` -> {'waiting', id}, unless one
 # already waits -> {'pending', its id}: the caller joins it.
-_FORCE = """
+_FORCE = _LUA_HELPERS + """
 local cur = redis.call('GET', KEYS[1])
-if cur and cur ~= ARGV[1] then
-  local status = redis.call('HGET', ARGV[3] .. cur, 'status')
-  local stale
-  if status then
-    stale = status == 'finished' or status == 'failed' or status == 'stopped' or status == 'canceled'
-  else
-    local stamp = tonumber(string.sub(cur, 1, 20))
-    local now = redis.call('TIME')
-    stale = (not stamp) or string.sub(cur, 21, 21) ~= '-'
-      or (tonumber(now[1]) + tonumber(now[2]) / 1e6 - stamp / 1e9) > tonumber(ARGV[4])
-  end
-  if not stale then
-    local t = redis.call('GET', KEYS[2])
-    if t and string.sub(t, 1, 7) == 'forced:' then return {'pending', string.sub(t, 8), cur} end
-    redis.call('SET', KEYS[2], 'forced:' .. ARGV[1])
-    redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
-    return {'waiting', ARGV[1], cur}
-  end
+if cur and cur ~= ARGV[1] and not is_stale(cur, ARGV[3], ARGV[4]) then
+  local t = redis.call('GET', KEYS[2])
+  if is_forced(t) then return {'pending', string.sub(t, 8), cur} end
+  redis.call('SET', KEYS[2], 'forced:' .. ARGV[1])
+  redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
+  return {'waiting', ARGV[1], cur}
 end
 local id = ARGV[1]
 local t = redis.call('GET', KEYS[2])
-if t and string.sub(t, 1, 7) == 'forced:' then id = string.sub(t, 8) end
+if is_forced(t) then id = string.sub(t, 8) end
 redis.call('SET', KEYS[1], id)
 redis.call('DEL', KEYS[2])
 redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
@@ -171,10 +168,9 @@ return t
 # KEYS: job claim, retrigger, claims index; ARGV: session id. After a re-check:
 # with no claim now, the trigger has been handled; with one, it belongs to that job.
 # A forced job's trigger is never settled here: only its claim (``_FORCE``) clears it.
-_SETTLE = """
+_SETTLE = _LUA_HELPERS + """
 if redis.call('EXISTS', KEYS[1]) == 0 then
-  local t = redis.call('GET', KEYS[2])
-  if t and string.sub(t, 1, 7) == 'forced:' then return 0 end
+  if is_forced(redis.call('GET', KEYS[2])) then return 0 end
   redis.call('DEL', KEYS[2])
   redis.call('ZREM', KEYS[3], ARGV[1])
 end
