@@ -260,7 +260,7 @@ def enqueue_compaction(
     claimed = _claimed(session_id, reply)
     if claimed is None:
         return None
-    return _enqueue_claimed(client, settings, session_id, cwd, claimed, False)
+    return _enqueue_claimed(client, settings, session_id, cwd, claimed)
 
 
 def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> str:
@@ -355,7 +355,7 @@ def _enqueue_together(client: redis.Redis, settings: Settings, claimed: list[tup
     together = getattr(queue, "_enqueue_rate_limited_job", None)
     if together is None:
         for session_id, cwd, job_id in claimed:
-            _enqueue_claimed(client, settings, session_id, cwd, job_id, False)
+            _enqueue_claimed(client, settings, session_id, cwd, job_id)
         return
     try:
         pipe = client.pipeline(transaction=True)
@@ -373,15 +373,14 @@ def _enqueue_together(client: redis.Redis, settings: Settings, claimed: list[tup
         _enqueued(session_id, job_id, False)
 
 
-def _enqueue_claimed(client: redis.Redis, settings: Settings, session_id: str, cwd: str, job_id: str,
-                     forced: bool) -> str:
-    """RQ-enqueue the job ``job_id`` names (its claim made); frees the claim on error."""
+def _enqueue_claimed(client: redis.Redis, settings: Settings, session_id: str, cwd: str, job_id: str) -> str:
+    """RQ-enqueue the automatic job ``job_id`` names (its claim made); frees the claim on error."""
     try:
-        compaction_queue(client, settings).enqueue_call(**_job_spec(settings, session_id, cwd, job_id, forced))
+        compaction_queue(client, settings).enqueue_call(**_job_spec(settings, session_id, cwd, job_id, False))
     except Exception:
         release_pending(client, settings, session_id, job_id)
         raise
-    _enqueued(session_id, job_id, forced)
+    _enqueued(session_id, job_id, False)
     return job_id
 
 
