@@ -34,13 +34,14 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from compactor import __version__
+from compactor.queue import enqueue_forced_compaction
 from compactor.serve import client_redis_url
 from events.config import Settings
 from events.errors import SessionNotFound
 from events.log import SessionLog
 from events.models import validate_cwd, validate_session_id
 from producer.api_errors import ApiError, RequestGuard, install_error_handlers
-from producer.api_jobs import enqueue_forced, job_body, wait_for_job_async
+from producer.api_jobs import job_body, wait_for_job_async
 from producer.api_metrics import HttpMetrics, ProcessMetrics, scrape_registry
 from producer.api_models import (
     CompactRequest,
@@ -123,7 +124,7 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
     sid, cwd = _checked(session_id, body.cwd)
     _require_log(settings, sid, cwd)
     timeout = settings.api.job_wait_seconds
-    job_id = await anyio.to_thread.run_sync(enqueue_forced, client, settings, sid, cwd)
+    job_id = await anyio.to_thread.run_sync(enqueue_forced_compaction, client, settings, sid, cwd)
     logger.info("forced compaction queued session=%s job=%s", sid, job_id)
     if not wait:
         return _accepted(job_id)

@@ -27,8 +27,6 @@ import redis
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
-from compactor.queue import enqueue_forced_compaction
-from events.config import Settings
 from events.models import CompressResult
 from producer.api_errors import ApiError
 from producer.api_models import JobBody
@@ -79,11 +77,6 @@ def _as_result(value: Any) -> CompressResult | None:
     if isinstance(value, CompressResult):
         return value
     return CompressResult.model_validate(value)
-
-
-def enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> str:
-    """Enqueue a forced LLM compaction of the session; its job id."""
-    return enqueue_forced_compaction(client, settings, session_id, cwd)
 
 
 def wait_for_job(client: redis.Redis, job_id: str, timeout_s: float) -> JobBody:

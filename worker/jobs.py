@@ -12,8 +12,8 @@ trigger was coalesced meanwhile, re-checks the thresholds from the stored
 state and enqueues again, so no trigger is lost (the trigger stays recorded
 until the re-check is done). A forced job that waited for this one (the
 trigger ``forced:{id}``) is queued instead (``promote_forced``: it answers
-every trigger, and stays recorded until it holds the claim). For a job whose worker was killed, or a claim
-whose job never came, the worker janitor (``worker.runner``) calls ``finish``
+every trigger, and stays recorded until it holds the claim). For a job whose
+worker was killed, or a claim whose job never came, the worker janitor (``worker.runner``) calls ``finish``
 with ``abandoned=True``: the session is re-checked even without a trigger,
 since the job that should have compacted it did not.
 Each job logs one line: session, job, kind, outcome, duration.

@@ -57,7 +57,8 @@ def compact(
 
     Needs running workers (`compactor serve` or `compactor work`).
     """
-    from producer.api_jobs import enqueue_forced, wait_for_job
+    from compactor.queue import enqueue_forced_compaction
+    from producer.api_jobs import wait_for_job
 
     settings = load(config, redis_url=redis_url, data_dir=data_dir)
     with user_errors():
@@ -65,7 +66,7 @@ def compact(
         _require_log(settings, sid, cwd)
         client = connect(settings)
         wait_s = timeout or settings.api.job_wait_seconds
-        job_id = enqueue_forced(client, settings, sid, cwd)
+        job_id = enqueue_forced_compaction(client, settings, sid, cwd)
         err_console.print(f"compaction job {job_id} queued; waiting (up to {wait_s:.0f}s)")
         job = wait_for_job(client, job_id, wait_s)
     if job.status == "finished" and job.result is not None:
