@@ -149,6 +149,9 @@ def test_worker_killed_while_holding_the_log_lock_leaves_a_readable_log_and_a_co
         with log.lock():  # free: a SIGKILLed holder's flock is released by the kernel
             pass
         wait_for(lambda: len(worker_children(supervisor)) == 2, 30, "the supervisor to replace the worker")
+        # new turns: the killed job may have appended its summary before it died (killed while
+        # saving the state under the lock), which leaves the forced job below nothing new
+        SessionStore(r, settings).apply(sid, CWD, [e for t in range(301, 304) for e in agent_turn(rng, sid, t, 10_000_000)])
         summaries_before = sum(e["type"] == "summary" for e in log.read())
         job = enqueue_compaction(r, settings, sid, CWD, "llm", forced=True)
         wait_for(lambda: (r.hget(f"rq:job:{job}", "status") or b"") in (b"finished", b"failed"),
