@@ -13,14 +13,19 @@ models are the gate every event passes before it is written.
 
 from __future__ import annotations
 
+import copy
 import functools
 import re
+import typing
 import uuid as uuidlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
+from pydantic.fields import FieldInfo
 
 from events.errors import InvalidEvent
 
@@ -223,6 +228,105 @@ def to_wire(event: Event) -> dict[str, Any]:
         if name not in sent:
             del wire[alias]
     return wire
+
+
+def wire_of(data: dict[str, Any], event: Event) -> dict[str, Any]:
+    """``to_wire(event)`` for ``event = parse_event(data)``, made from ``data`` itself.
+
+    The watcher's hot path: a model dump costs as much as the validation. Validation
+    is strict and the validators return values as sent, so the dump differs from
+    ``data`` only by the defaults that are not None (filled in here, nested tool
+    calls too) and by names: a ``data`` that sends a field by its Python name
+    (``turn_id``) takes ``to_wire``. Key order may differ; the content is the same
+    (pinned by a property test against ``to_wire``). ``data`` becomes the result.
+    """
+    shape = _shape(type(event))
+    if shape is None or not shape.python_names.isdisjoint(data):
+        return to_wire(event)
+    _fill_defaults(data, shape)
+    return data
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a model's dump adds to the dict it validated: ``defaults`` (wire name, factory) of
+    the fields whose default is not None, ``nested`` (wire name, shape, is a list) of the
+    sub-models that add some; ``python_names`` the field names that differ from the wire ones."""
+
+    python_names: frozenset[str]
+    defaults: tuple[tuple[str, Callable[[], Any]], ...]
+    nested: tuple[tuple[str, _Shape, bool], ...]
+
+
+def _fill_defaults(data: dict[str, Any], shape: _Shape) -> None:
+    for alias, make in shape.defaults:
+        if alias not in data:
+            data[alias] = make()
+    for alias, sub, many in shape.nested:
+        value = data.get(alias)
+        for item in (value if many and type(value) is list else [value]):
+            if type(item) is dict:
+                _fill_defaults(item, sub)
+
+
+@functools.cache
+def _shape(model: type[BaseModel]) -> _Shape | None:
+    """The model's ``_Shape``; None when a field holds sub-models in a way ``_fill_defaults``
+    does not follow (a dict of models, a union of several), so ``to_wire`` is used."""
+    names, defaults, nested = set(), [], []
+    for name, info in model.model_fields.items():
+        alias = info.serialization_alias or info.alias or name
+        if alias != name:
+            names.add(name)
+        if not info.is_required():
+            make = _default_maker(info)
+            if make is None:
+                return None
+            if make() is not None:
+                defaults.append((alias, make))
+        found = _sub_model(info.annotation)
+        if found is False:
+            return None
+        if found is not None:
+            sub = _shape(found[0])
+            if sub is None or sub.python_names:  # a nested dict's keys are not checked
+                return None
+            if sub.defaults or sub.nested:
+                nested.append((alias, sub, found[1]))
+    return _Shape(frozenset(names), tuple(defaults), tuple(nested))
+
+
+def _default_maker(info: FieldInfo) -> Callable[[], Any] | None:
+    """A function returning the field's default as validation would (a mutable default
+    copied, a factory called); None for a factory that takes the validated data."""
+    factory = info.default_factory
+    if factory is None:
+        default = info.default
+        if isinstance(default, (str, int, float, bool, bytes, tuple, frozenset, type(None))):
+            return lambda: default
+        return functools.partial(copy.deepcopy, default)
+    if info.default_factory_takes_validated_data:
+        return None
+    return factory  # type: ignore[return-value]
+
+
+def _sub_model(annotation: Any) -> tuple[type[BaseModel], bool] | None | Literal[False]:
+    """``(model, is_list)`` for ``M``, ``M | None`` and ``list[M]``; None without sub-models;
+    False for a shape ``_fill_defaults`` does not follow."""
+    def is_model(value: Any) -> bool:
+        return isinstance(value, type) and issubclass(value, BaseModel)
+
+    if is_model(annotation):
+        return annotation, False
+    args = typing.get_args(annotation)
+    models = [a for a in args if is_model(a)]
+    if not models:
+        return False if any(typing.get_args(a) and _sub_model(a) is not None for a in args) else None
+    if typing.get_origin(annotation) is list and len(args) == 1:
+        return models[0], True
+    if len(models) == 1 and all(a is type(None) or is_model(a) for a in args):
+        return models[0], False
+    return False
 
 
 @functools.cache

@@ -29,10 +29,9 @@ import orjson
 from events.errors import InvalidInput
 from events.models import (
     parse_event,
-    to_wire,
     validate_cwd,
     validate_session_id,
-    with_identity,
+    wire_of,
 )
 
 REQUIRED_FIELDS = (b"session", b"cwd", b"event")
@@ -41,9 +40,9 @@ IDENTITY_FIELDS = {"sessionId": "session", "cwd": "cwd"}
 ENTRY_UUID_NAMESPACE = uuidlib.UUID("6f1c2d1e-4b7a-5c52-9f0e-3c2a8d7b9e41")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs 4x, on every entry
 class Entry:
-    """A valid entry: whose it is and the event dict to append."""
+    """A valid entry: whose it is and the event dict to append (never modified after decoding)."""
 
     id: str
     session_id: str
@@ -98,7 +97,9 @@ def _decode(eid: str, raw: list[bytes], max_event_bytes: int) -> Entry:
 
 
 def _field_map(raw: list[bytes]) -> dict[bytes, bytes]:
-    values = {_bytes(raw[i]): _bytes(raw[i + 1]) for i in range(0, len(raw) - 1, 2)}
+    if not all(type(value) is bytes for value in raw):  # a client decoding responses gave str
+        raw = [_bytes(value) for value in raw]
+    values = dict(zip(raw[::2], raw[1::2]))  # an odd last name (no value) is dropped
     for name in REQUIRED_FIELDS:
         if name not in values:
             raise _Reject(f"missing field {name.decode()!r}")
@@ -114,12 +115,12 @@ def _text(values: dict[bytes, bytes], name: bytes) -> str:
 
 def _json_object(event_bytes: bytes) -> Any:
     try:
-        event_bytes.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise _Reject(f"invalid UTF-8 in field 'event' at byte {e.start}") from e
-    try:
-        return orjson.loads(event_bytes)
+        return orjson.loads(event_bytes)  # refuses invalid UTF-8 too
     except orjson.JSONDecodeError as e:
+        try:
+            event_bytes.decode("utf-8")  # only to say where, as for the other fields
+        except UnicodeDecodeError as bad:
+            raise _Reject(f"invalid UTF-8 in field 'event' at byte {bad.start}") from e
         raise _Reject(f"invalid JSON in field 'event': {e}") from e
 
 
@@ -135,7 +136,7 @@ def _wire_event(eid: str, session_id: str, cwd: str, data: Any) -> dict[str, Any
         event = parse_event(data)
     except InvalidInput as e:
         raise _Reject(str(e)) from e
-    wire = to_wire(with_identity(event))  # a no-op unless ``data`` was not an object (then rejected above)
+    wire = wire_of(data, event)  # ``data`` is an object here: parse_event refuses anything else
     _check_identity(wire, {"sessionId": session_id, "cwd": cwd})
     if wire["type"] == "session_meta":
         wire["sessionId"], wire["cwd"] = session_id, cwd

@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events.models import parse_event, to_wire, wire_of
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.text(max_size=5),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+                    max_leaves=6)
+EXTRA_KEYS = st.sampled_from(["note", "x", "meta", "tags"])
+TEXT = st.text(min_size=1, max_size=8)
+TURN = st.integers(1, 50)
+
+
+def _build(required: dict[str, Any], optional: dict[str, Any], draw: Any) -> dict[str, Any]:
+    event = dict(required)
+    for key, strategy in optional.items():
+        choice = draw(st.sampled_from(["absent", "null", "value"]))
+        if choice == "null":
+            event[key] = None
+        elif choice == "value":
+            event[key] = draw(strategy)
+    for key in draw(st.lists(EXTRA_KEYS, max_size=2, unique=True)):
+        event[key] = draw(JSON)
+    return event
+
+
+@st.composite
+def tool_calls(draw: Any) -> dict[str, Any]:
+    call: dict[str, Any] = {"id": draw(TEXT), "name": draw(TEXT)}
+    if draw(st.booleans()):
+        call["arguments"] = draw(st.dictionaries(TEXT, JSON, max_size=2) | st.text(max_size=5))
+    if draw(st.booleans()):
+        call["extra"] = draw(JSON)
+    return call
+
+
+@st.composite
+def events(draw: Any) -> dict[str, Any]:
+    """A valid event of any type: optional fields left out, sent as null or set; extra fields."""
+    common = {"uuid": TEXT, "timestamp": st.just("2026-01-02T03:04:05.000Z")}
+    kind = draw(st.sampled_from(["session_meta", "user", "assistant", "tool_result", "turn_end",
+                                 "rollback", "compact", "summary"]))
+    turn = draw(TURN)
+    required: dict[str, Any] = {"type": kind}
+    optional: dict[str, Any] = dict(common)
+    if kind == "session_meta":
+        optional.update(createdAt=st.just("2026-01-02T03:04:05Z"), model=TEXT, parentSessionId=TEXT)
+    elif kind == "user":
+        required.update(turnId=turn, content=draw(st.text(max_size=5)))
+    elif kind == "assistant":
+        required.update(turnId=turn)
+        optional.update(content=st.text(max_size=5), toolCalls=st.lists(tool_calls(), max_size=2),
+                        usage=st.just({"prompt": 1, "completion": 2, "total": 3}))
+    elif kind == "tool_result":
+        required.update(turnId=turn, toolCallId=draw(TEXT), toolName=draw(TEXT), output=draw(st.text(max_size=5)))
+    elif kind == "turn_end":
+        required.update(turnId=turn, model=draw(TEXT))
+        optional.update(contextWindow=st.integers(1, 10**6))
+    elif kind == "rollback":
+        required.update(throughTurnId=turn)
+        optional.update(reason=st.text(max_size=5))
+    elif kind == "compact":
+        required.update(startTurnId=turn, endTurnId=turn)
+    else:
+        required.update(replaces=draw(st.lists(TEXT, max_size=2)), summaryText=draw(TEXT), lastSummarizedTurnId=turn)
+    event = _build(required, optional, draw)
+    for name in ("toolCalls", "reason"):  # optional, but null is not valid for them
+        if name in event and event[name] is None:
+            del event[name]
+    if "turnId" in event and draw(st.booleans()):
+        event["turn_id"] = event.pop("turnId")  # sent by its Python name
+    return event
+
+
+@settings(max_examples=400, deadline=None)
+@given(events())
+def test_wire_of_gives_what_to_wire_gives_for_any_valid_event(data: dict[str, Any]) -> None:
+    expected = to_wire(parse_event(dict(data)))
+    assert wire_of(dict(data), parse_event(dict(data))) == expected
+
+
+def test_wire_of_fills_the_defaults_a_dump_adds_nested_ones_too() -> None:
+    data = {"type": "assistant", "turnId": 1, "toolCalls": [{"id": "c", "name": "read"}]}
+    assert wire_of(dict(data), parse_event(dict(data))) == {
+        "type": "assistant", "turnId": 1, "content": "", "toolCalls": [{"id": "c", "name": "read", "arguments": ""}]}
+
+
+def test_wire_of_keeps_nulls_sent_and_leaves_out_optional_fields_not_sent() -> None:
+    data = {"type": "turn_end", "turnId": 2, "model": "m", "contextWindow": None, "note": None}
+    assert wire_of(dict(data), parse_event(dict(data))) == data
+
+
+def test_wire_of_renames_a_field_sent_by_its_python_name() -> None:
+    data = {"type": "tool_result", "turn_id": 3, "tool_call_id": "c", "toolName": "t", "output": "o"}
+    assert wire_of(dict(data), parse_event(dict(data))) == {
+        "type": "tool_result", "turnId": 3, "toolCallId": "c", "toolName": "t", "output": "o"}
