@@ -31,8 +31,6 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +98,8 @@ class SessionLog:
         self._mutex = threading.RLock()
         self._depth = 0
         self._lock_fd: int | None = None
+        self._clean_size: int | None = None  # while locked: the size, known to end with a whole line
+        self._held = _Held(self)
 
     def __repr__(self) -> str:
         return f"SessionLog({str(self.path)!r})"
@@ -122,7 +122,11 @@ class SessionLog:
         append, so an offset inside it would later point into the middle of a line.
         """
         if self._lock_fd is not None:  # under the lock: its descriptor, no open
-            return _complete_size(self._lock_fd)
+            size = os.fstat(self._lock_fd).st_size
+            complete = _complete_size(self._lock_fd, size)
+            if complete == size:  # nobody else appends while we hold the lock: ``append`` trusts it
+                self._clean_size = size
+            return complete
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
@@ -134,19 +138,9 @@ class SessionLog:
 
     # -- locking -------------------------------------------------------------
 
-    @contextmanager
-    def lock(self) -> Iterator[SessionLog]:
-        """Hold the exclusive cross-process lock (re-entrant within this object)."""
-        with self._mutex:
-            if self._depth == 0:
-                self._acquire()
-            self._depth += 1
-            try:
-                yield self
-            finally:
-                self._depth -= 1
-                if self._depth == 0:
-                    self._release()
+    def lock(self) -> _Held:
+        """Hold the exclusive cross-process lock (re-entrant within this object): ``with log.lock():``."""
+        return self._held
 
     def _acquire(self) -> None:
         """Open the log for appending (creating it, and its directory, when missing) and flock it."""
@@ -175,7 +169,7 @@ class SessionLog:
         return fd
 
     def _release(self) -> None:
-        fd, self._lock_fd = self._lock_fd, None
+        fd, self._lock_fd, self._clean_size = self._lock_fd, None, None
         if fd is not None:
             os.close(fd)  # closing the descriptor releases the flock
 
@@ -244,10 +238,12 @@ class SessionLog:
         with self.lock():
             fd = self._lock_fd
             assert fd is not None  # held by lock()
-            size = self._repair_torn_tail(fd)
+            size = self._clean_size if self._clean_size is not None else self._repair_torn_tail(fd)
+            self._clean_size = None  # until this write is known to have landed whole
             if not chunks:
                 return size
-            return self._write_all(fd, chunks, size)
+            self._clean_size = self._write_all(fd, chunks, size)
+            return self._clean_size
 
     def _repair_torn_tail(self, fd: int) -> int:
         size = os.fstat(fd).st_size
@@ -292,6 +288,37 @@ class SessionLog:
             logger.exception("could not truncate %s back to %d bytes after a failed append", self.path, size)
         else:
             logger.error("append to %s failed after %d bytes; truncated back to %d", self.path, written, size)
+
+
+class _Held:
+    """``SessionLog.lock()``: a class, not a generator context manager (half the cost per use;
+    the watcher takes the lock once or twice per run of events)."""
+
+    __slots__ = ("log",)
+
+    def __init__(self, log: SessionLog) -> None:
+        self.log = log
+
+    def __enter__(self) -> SessionLog:
+        log = self.log
+        log._mutex.acquire()
+        try:
+            if log._depth == 0:
+                log._acquire()
+        except BaseException:
+            log._mutex.release()
+            raise
+        log._depth += 1
+        return log
+
+    def __exit__(self, *exc_info: object) -> None:
+        log = self.log
+        log._depth -= 1
+        try:
+            if log._depth == 0:
+                log._release()
+        finally:
+            log._mutex.release()
 
 
 def _serialize(events: list[dict[str, Any]]) -> list[bytes]:

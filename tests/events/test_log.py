@@ -307,3 +307,19 @@ def test_complete_size_stops_at_the_last_newline(tmp_path: Path) -> None:
     with open(log.path, "ab") as f:
         f.write(b"y" * 200_000)  # a torn tail longer than one backwards scan chunk
     assert log.complete_size() == whole
+
+
+def test_a_torn_tail_seen_under_the_lock_is_still_repaired_by_the_append(tmp_path: Path) -> None:
+    """``complete_size`` under the lock lets the append skip its own tail check only when the
+    tail was clean."""
+    log = _log(tmp_path)
+    log.append([_event(1)])
+    with open(log.path, "ab") as f:
+        f.write(b'{"type":"user","uuid":"half')
+    with log.lock():
+        complete = log.complete_size()
+        log.append([_event(2)])
+        log.append([_event(3)])  # the size after a whole write is trusted too
+    assert complete == len(orjson.dumps(_event(1))) + 1
+    assert log.read() == [_event(1), _event(2), _event(3)]
+    assert log.torn_path.read_bytes() == b'{"type":"user","uuid":"half\n'
