@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -47,11 +47,19 @@ Guard = Callable[[], None]
 
 UUID_INDEX_CHUNK = 10_000  # uuids per SADD when indexing a whole log
 
-# KEYS[1] session hash; ARGV[1] the new logSize, then field, value, ... pairs.
+# KEYS: the session hash, its uuid index, the active sessions. ARGV: the new logSize, the
+# activity score, the session id, the number n of hash fields, n field/value pairs, the uuids
+# of the lines appended (indexed even when the state is not stored: they are in the log).
 SAVE_IF_NEWER = """
+local n = tonumber(ARGV[4])
+local first, last = 5 + 2 * n, #ARGV
+for i = first, last, 1000 do
+  redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, last)))
+end
+redis.call('ZADD', KEYS[3], ARGV[2], ARGV[3])
 local stored = redis.call('HGET', KEYS[1], 'log_size')
 if stored and stored ~= '' and tonumber(stored) > tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('HSET', KEYS[1], unpack(ARGV, 5, 4 + 2 * n))
 return 1
 """
 
@@ -99,6 +107,14 @@ def is_applied(stream_id: str | None, last_applied: str | None) -> bool:
     return stream_id_key(stream_id) <= stream_id_key(last_applied)
 
 
+def _not_applied(events: list[dict[str, Any]], last_applied: str | None) -> list[dict[str, Any]]:
+    """The events whose ``streamId`` is not at or before ``last_applied`` (``is_applied``)."""
+    if not last_applied:
+        return events
+    last = stream_id_key(last_applied)
+    return [e for e in events if not (stream_id := e.get("streamId")) or stream_id_key(stream_id) > last]
+
+
 class SessionStore:
     """Loads, saves and advances session state next to the logs."""
 
@@ -117,20 +133,27 @@ class SessionStore:
             return None
         return SessionState.from_hash({_text(k): _text(v) for k, v in raw.items()})
 
-    def save(self, state: SessionState, pipeline: Any | None = None, *, if_newer: bool = False) -> None:
-        """Store the state and mark the session active (executed here unless ``pipeline`` is given).
+    def save(
+        self, state: SessionState, pipeline: Any | None = None, *, if_newer: bool = False,
+        uuids: Sequence[str] = (),
+    ) -> None:
+        """Store the state, index ``uuids`` (of the lines just appended) and mark the session
+        active (executed here unless ``pipeline`` is given).
 
-        ``if_newer`` stores it only when the stored state has not seen more of the
-        log (a deferred save must never overwrite a worker's later one).
+        ``if_newer`` stores the state only when the stored one has not seen more of the
+        log (a deferred save must never overwrite a worker's later one); it is then one
+        command (``SAVE_IF_NEWER``) however many uuids.
         """
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
         mapping = state.to_hash()
         if if_newer:
             flat = [item for pair in mapping.items() for item in pair]
-            pipe.eval(SAVE_IF_NEWER, 1, self.keys.session(state.session_id), state.log_size, *flat)
+            pipe.eval(SAVE_IF_NEWER, 3, self.keys.session(state.session_id), self.keys.uuids(state.session_id),
+                      self.keys.sessions, state.log_size, time.time(), state.session_id, len(mapping), *flat, *uuids)
         else:
+            self._index(state.session_id, uuids, pipe)
             pipe.hset(self.keys.session(state.session_id), mapping=mapping)  # type: ignore[arg-type]
-        pipe.zadd(self.keys.sessions, {state.session_id: time.time()})
+            pipe.zadd(self.keys.sessions, {state.session_id: time.time()})
         if pipeline is None:
             pipe.execute()
 
@@ -183,7 +206,7 @@ class SessionStore:
             return self._reindex(session_id, cwd, log, pipeline)
         if size > state.log_size:
             logger.info("state catch-up session=%s from=%d to=%d", session_id, state.log_size, size)
-            state = replace(state)
+            state = state.copy()
             tail = log.read(state.log_size)
             self._index_uuids(session_id, tail)
             if not _fold_all(state, tail, self.settings):
@@ -207,12 +230,14 @@ class SessionStore:
         return rebuild(session_id, cwd, events, self.settings.context, size), uuids
 
     def _index_uuids(self, session_id: str, events: list[dict[str, Any]], pipeline: Any | None = None) -> None:
-        uuids = [e["uuid"] for e in events if isinstance(e.get("uuid"), str)]
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
+        self._index(session_id, _uuids(events), pipe)
+        if pipeline is None and len(pipe):
+            pipe.execute()
+
+    def _index(self, session_id: str, uuids: Sequence[str], pipe: Any) -> None:
         for start in range(0, len(uuids), UUID_INDEX_CHUNK):
             pipe.sadd(self.keys.uuids(session_id), *uuids[start:start + UUID_INDEX_CHUNK])
-        if pipeline is None and uuids:
-            pipe.execute()
 
     def taken_uuids(self, events_by_session: dict[str, list[dict[str, Any]]]) -> dict[str, set[str]]:
         """Per session, the uuids among its events that its log already holds (one round trip)."""
@@ -287,13 +312,13 @@ class SessionStore:
         with log.lock():
             pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
             current, log_uuids = self._current(session_id, cwd, log, cached, stored, pipe)
-            state = replace(current)
+            state = current.copy()
             if known is not None and len(known) != state.events:
                 logger.warning("known events ignored session=%s: %d lines known, state has seen %d",
                                session_id, len(known), state.events)
                 known = None
             batch = list(events)
-            fresh = [e for e in batch if not is_applied(e.get("streamId"), state.last_stream_id)]
+            fresh = _not_applied(batch, state.last_stream_id)
             result = ApplyResult(state, duplicates=len(batch) - len(fresh))
             if log_uuids is not None:  # the index was rebuilt from the log: it, not the lookup, is right
                 uuids = {e["uuid"] for e in fresh if isinstance(e.get("uuid"), str)}
@@ -316,8 +341,7 @@ class SessionStore:
                 elif needs_rebuild:
                     state = self.rebuild(session_id, cwd, log)
             result.state = state
-            self._index_uuids(session_id, result.appended, pipe)
-            self.save(state, pipe, if_newer=pipeline is not None)
+            self.save(state, pipe, if_newer=pipeline is not None, uuids=_uuids(result.appended))
             if pipeline is None:
                 pipe.execute()
         return result
@@ -335,23 +359,20 @@ class SessionStore:
             except InvalidEvent as e:
                 result.rejected.append((event, e))
                 continue
-            line = stamp(_unstamped(event), state.encoding)
+            line = stamp(event, state.encoding)  # a producer's stamp is never trusted: replaced
             result.appended.append(line)
             if not needs_rebuild and not fold(state, line, self.settings.context):
                 needs_rebuild = True
         return needs_rebuild
 
 
+def _uuids(events: Iterable[dict[str, Any]]) -> list[str]:
+    return [e["uuid"] for e in events if isinstance(e.get("uuid"), str)]
+
+
 def _fold_all(state: SessionState, events: Iterable[dict[str, Any]], settings: Settings) -> bool:
     """Fold events into ``state``; False as soon as one needs a rebuild."""
     return all(fold(state, event, settings.context) for event in events)
-
-
-def _unstamped(event: dict[str, Any]) -> dict[str, Any]:
-    """The event without a token stamp (a producer's stamp is never trusted)."""
-    if "tokenCount" in event or "tokenEncoding" in event:
-        return {k: v for k, v in event.items() if k not in ("tokenCount", "tokenEncoding")}
-    return event
 
 
 def _check_unique(event: dict[str, Any], taken: set[str]) -> None:

@@ -87,6 +87,7 @@ class Watcher:
         self.cursors: dict[int, ShardCursor] = {}
         self._sessions: OrderedDict[str, tuple[SessionState, SessionLogRef]] = OrderedDict()
         self._triggers: list[tuple[Trigger, SessionState]] = []  # this round's, in stream order
+        self._appended: list[dict[str, Any]] = []  # this round's lines, counted once per round
         self._stop = threading.Event()
         self._started = False
         self._next_tick = 0.0
@@ -252,8 +253,12 @@ class Watcher:
                 self._fire()
         except BaseException:
             self._triggers.clear()  # the entries stay pending: their redelivery triggers again
+            metrics.count_ingested(self._appended)  # they are in the logs (a redelivery is a duplicate)
+            self._appended.clear()
             saves.execute()  # what was appended keeps its state save; nothing is acked
             raise
+        metrics.count_ingested(self._appended)
+        self._appended.clear()
         acked = self.streams.ack_many({n: (o.acks, o.dead) for n, o in outcomes.items() if n not in lost}, saves)
         for shard in lost:
             self._lose(shard, "lease expired before the write")
@@ -333,7 +338,7 @@ class Watcher:
             guard=lambda: self.leases.check(shard), cached=self._cached(session_id), stored=stored,
         )
         self._remember(session_id, result.state, log)
-        metrics.count_ingested(result.appended)
+        self._appended.extend(result.appended)
         refused = {event.get("streamId"): error for event, error in result.rejected}
         for entry in run:
             if entry.id in refused:

@@ -243,3 +243,28 @@ def test_lookup_reads_the_stored_states_it_is_asked_for(store: SessionStore) -> 
     found = store.lookup({SID: [user(1, "b", uuid="u-a")], "other": []}, load=[SID, "other"])
     assert found.taken == {SID: {"u-a"}, "other": set()}
     assert found.stored == {SID: store.load(SID), "other": None}
+
+
+def test_a_deferred_save_overtaken_by_a_later_state_still_indexes_its_uuids(
+    store: SessionStore, r: redis.Redis,
+) -> None:
+    """SAVE_IF_NEWER refuses a state older than the stored one, but the uuids of the lines it
+    appended are in the log whatever happens to the state: they are indexed all the same."""
+    store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a")])
+    pipe = r.pipeline(transaction=False)
+    result = store.apply(SID, CWD, [user(1, "b", "2-0", uuid="u-b")], pipeline=pipe)
+    r.hset(store.keys.session(SID), "log_size", result.state.log_size + 1000)  # a later writer's
+    r.zrem(store.keys.sessions, SID)
+    pipe.execute()
+    assert r.hget(store.keys.session(SID), "log_size") == str(result.state.log_size + 1000).encode()
+    assert r.smembers(store.keys.uuids(SID)) == {b"u-a", b"u-b"}
+    assert r.zscore(store.keys.sessions, SID) is not None
+
+
+def test_a_deferred_save_is_stored_with_its_uuids_when_nothing_newer_was(store: SessionStore, r: redis.Redis) -> None:
+    store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a")])
+    pipe = r.pipeline(transaction=False)
+    result = store.apply(SID, CWD, [user(1, "b", "2-0", uuid="u-b"), turn_end(1, "3-0")], pipeline=pipe)
+    pipe.execute()
+    assert store.load(SID) == result.state
+    assert r.smembers(store.keys.uuids(SID)) == {b"u-a", b"u-b", b"te1"}
