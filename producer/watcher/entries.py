@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import uuid as uuidlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from datetime import UTC, datetime
 from typing import Any
 
@@ -85,19 +86,14 @@ def _decode(eid: str, raw: list[bytes], max_event_bytes: int) -> Entry:
     event_bytes = values[b"event"]
     if len(event_bytes) > max_event_bytes:
         raise _Reject(f"event is {len(event_bytes)} bytes, more than limits.maxEventBytes ({max_event_bytes})")
-    session_id, cwd = _text(values, b"session"), _text(values, b"cwd")
-    try:
-        validate_session_id(session_id)
-        validate_cwd(cwd)
-    except InvalidInput as e:
-        raise _Reject(str(e)) from e
+    session_id, cwd = _identity(values[b"session"], values[b"cwd"])
     data = _json_object(event_bytes)
     derived = type(data) is dict and data.get("uuid") is None
     return Entry(eid, session_id, cwd, _wire_event(eid, session_id, cwd, data), raw, derived)
 
 
 def _field_map(raw: list[bytes]) -> dict[bytes, bytes]:
-    if not all(type(value) is bytes for value in raw):  # a client decoding responses gave str
+    if type(raw[0]) is not bytes:  # a client decoding responses gives str throughout
         raw = [_bytes(value) for value in raw]
     values = dict(zip(raw[::2], raw[1::2]))  # an odd last name (no value) is dropped
     for name in REQUIRED_FIELDS:
@@ -106,11 +102,22 @@ def _field_map(raw: list[bytes]) -> dict[bytes, bytes]:
     return values
 
 
-def _text(values: dict[bytes, bytes], name: bytes) -> str:
+@lru_cache(maxsize=4096)
+def _identity(session: bytes, cwd: bytes) -> tuple[str, str]:
+    """The entry's session id and cwd, checked (a session's entries repeat the same pair:
+    checked once; a refusal raises, so it is never cached)."""
+    session_id, path = _text(session, "session"), _text(cwd, "cwd")
     try:
-        return values[name].decode("utf-8")
+        return validate_session_id(session_id), validate_cwd(path)
+    except InvalidInput as e:
+        raise _Reject(str(e)) from e
+
+
+def _text(value: bytes, name: str) -> str:
+    try:
+        return value.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise _Reject(f"invalid UTF-8 in field {name.decode()!r} at byte {e.start}") from e
+        raise _Reject(f"invalid UTF-8 in field {name!r} at byte {e.start}") from e
 
 
 def _json_object(event_bytes: bytes) -> Any:
@@ -145,6 +152,8 @@ def _wire_event(eid: str, session_id: str, cwd: str, data: Any) -> dict[str, Any
 
 
 def _check_identity(wire: dict[str, Any], expected: dict[str, str]) -> None:
+    if "sessionId" not in wire and "cwd" not in wire:  # the usual case: neither is sent
+        return
     for name, entry_field in IDENTITY_FIELDS.items():
         if name in wire and wire.pop(name) != expected[name]:
             raise _Reject(f"{name}: differs from the entry's {entry_field!r} field")
@@ -167,12 +176,16 @@ def entry_timestamp(entry_id: str) -> str:
     """The time Redis stamped on the entry id, as ISO-8601 UTC with milliseconds."""
     ms = entry_id.partition("-")[0]
     if ms != _last_timestamp[0]:  # entries of one millisecond share it: format once
-        moment = datetime.fromtimestamp(int(ms) / 1000, tz=UTC)
-        _last_timestamp[:] = [ms, moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")]
-    return _last_timestamp[1]
+        seconds, millis = divmod(int(ms), 1000)
+        if seconds != _last_second[0]:  # and those of one second share all but the milliseconds
+            moment = datetime.fromtimestamp(seconds, tz=UTC)
+            _last_second[:] = [seconds, moment.strftime("%Y-%m-%dT%H:%M:%S")]
+        _last_timestamp[:] = [ms, f"{_last_second[1]}.{millis:03d}Z"]
+    return _last_timestamp[1]  # type: ignore[return-value]
 
 
-_last_timestamp = ["", ""]  # (the ms part of an entry id, its timestamp)
+_last_timestamp: list[object] = ["", ""]  # (the ms part of an entry id, its timestamp)
+_last_second: list[object] = [-1, ""]  # (seconds since the epoch, formatted to the second)
 
 
 def _bytes(value: bytes | str) -> bytes:

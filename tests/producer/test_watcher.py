@@ -284,6 +284,22 @@ def test_entry_uuid_is_uuid5_of_session_and_entry_id() -> None:
         assert entry_uuid(session_id, entry_id) == str(expected), (session_id, entry_id)
 
 
+def test_entry_timestamp_is_the_entry_ids_millisecond_in_iso_utc() -> None:
+    """Consecutive ids share the formatted second; each still gets its own milliseconds."""
+    import random
+    from datetime import UTC, datetime
+
+    from producer.watcher.entries import entry_timestamp
+
+    rng = random.Random(3)
+    start = 1_764_460_799_990  # 2025-11-29T23:59:59.990Z: the ids below cross a second and a day
+    moments = [start + n for n in range(25)] + [rng.randint(0, 4 * 10**12) for _ in range(2000)]
+    for ms in moments:
+        expected = datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
+        assert entry_timestamp(f"{ms}-{rng.randint(0, 9)}") == expected.replace("+00:00", "Z"), ms
+    assert entry_timestamp("1764460800005-0") == "2025-11-30T00:00:00.005Z"
+
+
 def test_unknown_fields_set_to_null_reach_the_log(r: redis.Redis, fast: Settings) -> None:
     Publisher(r, fast).publish("a3", CWD, [{**user(1, "hi"), "trace": None, "meta": {"k": None}}, turn_end(1)])
     drain(Watcher(r, fast, name="w"), r, fast)
