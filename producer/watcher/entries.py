@@ -21,8 +21,8 @@ from __future__ import annotations
 import hashlib
 import uuid as uuidlib
 from dataclasses import dataclass, field
-from functools import lru_cache
 from datetime import UTC, datetime
+from functools import lru_cache
 from typing import Any
 
 import orjson
@@ -152,7 +152,7 @@ def _wire_event(eid: str, session_id: str, cwd: str, data: Any) -> dict[str, Any
 
 
 def _check_identity(wire: dict[str, Any], expected: dict[str, str]) -> None:
-    if "sessionId" not in wire and "cwd" not in wire:  # the usual case: neither is sent
+    if wire.keys().isdisjoint(IDENTITY_FIELDS):  # the usual case: neither is sent
         return
     for name, entry_field in IDENTITY_FIELDS.items():
         if name in wire and wire.pop(name) != expected[name]:
