@@ -65,6 +65,8 @@ ENDED_STATUSES = frozenset({
     JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED,
 })
 
+FORCED_TRIGGER = "forced:"  # the recorded trigger of a forced job waiting for the claim: forced:{job id}
+
 # Lua shared by the claim scripts: whether the claimed job ``cur`` has ended, or has no RQ hash
 # (read under ``prefix``) and is older than ``grace`` seconds by the time in its id (a claim
 # whose job never came); whether a recorded trigger is a forced job waiting (``forced:{id}``).
@@ -79,10 +81,11 @@ local function is_stale(cur, prefix, grace)
   return (not stamp) or string.sub(cur, 21, 21) ~= '-'
     or (tonumber(now[1]) + tonumber(now[2]) / 1e6 - stamp / 1e9) > tonumber(grace)
 end
+local FORCED = 'FORCED_TRIGGER'
 local function is_forced(t)
-  return t and string.sub(t, 1, 7) == 'forced:'
+  return t and string.sub(t, 1, #FORCED) == FORCED
 end
-"""
+""".replace("FORCED_TRIGGER", FORCED_TRIGGER)
 
 # KEYS: job claim, retrigger, claims index, failure counter.
 # ARGV: new job id, kind, session id, breaker check ("1" or "0"), max failures,
@@ -132,20 +135,19 @@ _FORCE = _LUA_HELPERS + """
 local cur = redis.call('GET', KEYS[1])
 if cur and cur ~= ARGV[1] and not is_stale(cur, ARGV[3], ARGV[4]) then
   local t = redis.call('GET', KEYS[2])
-  if is_forced(t) then return {'pending', string.sub(t, 8), cur} end
-  redis.call('SET', KEYS[2], 'forced:' .. ARGV[1])
+  if is_forced(t) then return {'pending', string.sub(t, #FORCED + 1), cur} end
+  redis.call('SET', KEYS[2], FORCED .. ARGV[1])
   redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
   return {'waiting', ARGV[1], cur}
 end
 local id = ARGV[1]
 local t = redis.call('GET', KEYS[2])
-if is_forced(t) then id = string.sub(t, 8) end
+if is_forced(t) then id = string.sub(t, #FORCED + 1) end
 redis.call('SET', KEYS[1], id)
 redis.call('DEL', KEYS[2])
 redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
 return {'claimed', id, cur or ''}
 """
-FORCED_TRIGGER = "forced:"  # the recorded trigger of a forced job waiting for the claim: forced:{job id}
 
 
 # KEYS: job claim, retrigger, claims index; ARGV: ending job id, session id.
