@@ -20,7 +20,7 @@ import typing
 import uuid as uuidlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
@@ -61,12 +61,20 @@ class _Event(_Wire):
     @field_validator("timestamp")
     @classmethod
     def _iso_timestamp(cls, value: str | None) -> str | None:
-        if value is not None:
-            try:
-                datetime.fromisoformat(value.replace("Z", "+00:00"))
-            except ValueError as e:
-                raise ValueError("must be an ISO-8601 timestamp") from e
+        if value is not None and not _is_utc_timestamp(value):
+            raise ValueError("must be an ISO-8601 UTC date and time, e.g. 2024-01-01T12:00:00Z")
         return value
+
+
+def _is_utc_timestamp(value: str) -> bool:
+    """SPEC §3: a full date and time whose offset is UTC (``Z`` or ``+00:00``); kept as sent."""
+    if "T" not in value and "t" not in value:  # a date alone is not a moment
+        return False
+    try:
+        moment = datetime.fromisoformat(value[:-1] + "+00:00" if value[-1:] in ("Z", "z") else value)
+    except ValueError:
+        return False
+    return moment.utcoffset() == timedelta(0)  # None (no offset given) is not UTC either
 
 
 class SessionMeta(_Event):

@@ -2,9 +2,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from events.errors import InvalidEvent
 from events.models import parse_event, to_wire, wire_of
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.text(max_size=5),
@@ -98,3 +100,18 @@ def test_wire_of_renames_a_field_sent_by_its_python_name() -> None:
     data = {"type": "tool_result", "turn_id": 3, "tool_call_id": "c", "toolName": "t", "output": "o"}
     assert wire_of(dict(data), parse_event(dict(data))) == {
         "type": "tool_result", "turnId": 3, "toolCallId": "c", "toolName": "t", "output": "o"}
+
+
+def test_a_timestamp_in_utc_with_a_time_is_kept_as_sent() -> None:
+    for sent in ("2024-01-01T00:00:00Z", "2024-01-01T00:00:00.123Z", "2024-01-01T05:00:00+00:00"):
+        event = parse_event({"type": "user", "turnId": 1, "content": "hi", "timestamp": sent})
+        assert to_wire(event)["timestamp"] == sent
+
+
+def test_a_timestamp_not_in_utc_or_without_a_time_is_refused_naming_the_field() -> None:
+    """SPEC §3: every line's timestamp is ISO-8601 UTC; a producer's own is kept, so it must be one."""
+    for sent in ("2024-01-01T00:00:00+05:00", "2024-01-01T00:00:00", "2024-01-01", "2024-W01-1", "yesterday"):
+        with pytest.raises(InvalidEvent) as caught:
+            parse_event({"type": "user", "turnId": 1, "content": "hi", "timestamp": sent})
+        assert caught.value.field == "timestamp", sent
+        assert "UTC" in str(caught.value), sent
