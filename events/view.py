@@ -192,7 +192,7 @@ def _scan(events: list[Event]) -> _Scan:
             continue
         elif kind == "compact":
             end = _int(event.get("endTurnId"))
-            if end >= through:
+            if end >= through or (replaced and event.get("uuid") in replaced):  # a replaced one marks nothing
                 hidden[i] = True
             else:
                 scan.compacts.append((_int(event.get("startTurnId")), end))
@@ -451,7 +451,7 @@ def extend_view(view: ContextView, appended: list[Event], ctx: ContextSettings) 
 
     Handled: one appended ``compact`` (the newly compacted candidates are shown
     elided), one appended ``summary`` (the visible events it replaces are
-    hidden), or a ``compact`` followed by a ``summary`` (an LLM job's micro step
+    hidden; one that replaces a ``compact`` is not handled), or a ``compact`` followed by a ``summary`` (an LLM job's micro step
     and summary, appended together). Each is visible, being last in the log, and
     none changes the turn counters, the model or the other events' visibility,
     so the result is exactly ``build_view(events + appended, ctx, messages=False)``.
@@ -523,14 +523,17 @@ def _newly_compacted(view: ContextView, compact: Event) -> tuple[tuple[tuple[int
     return compacted, newly
 
 
-_REPLACEABLE_EXEMPT = frozenset({"rollback", "compact", "session_meta"})  # never hidden by a summary
+# never hidden by a summary: a rollback is applied before summaries (SPEC §4 step 1), session_meta is no
+# part of the context
+_REPLACEABLE_EXEMPT = frozenset({"rollback", "session_meta"})
 
 
 def _with_summary(
     view: ContextView, event: Event, ctx: ContextSettings | None = None, compact: Event | None = None,
-) -> ContextView:
+) -> ContextView | None:
     """``view`` + one appended summary; with ``compact``, + that compact and then the summary
-    (one pass: a newly compacted output is elided and tokenized only if the summary keeps it)."""
+    (one pass: a newly compacted output is elided and tokenized only if the summary keeps it).
+    None when the summary replaces a visible ``compact`` (build the view instead)."""
     replaced = _replaced(event)
     encoding = view.encoding
     estimate = view.prompt_estimate + stamped_tokens(event, encoding)
@@ -545,6 +548,8 @@ def _with_summary(
     elided: dict[int, tuple[str, int]] = {}
     for position, old in enumerate(view.visible):
         if replaced and old.get("uuid") in replaced and old.get("type") not in _REPLACEABLE_EXEMPT:
+            if old.get("type") == "compact":
+                return None  # its turns are no longer compacted: outputs shown whole again, build the view
             shown = old_elided.get(position) if old_elided else None
             if shown is not None:
                 estimate -= shown[1]

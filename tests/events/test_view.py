@@ -351,3 +351,15 @@ def test_view_bench_quick_reports_times() -> None:
     result_ = run_bench(quick=True)
     assert result_["view_s"] > 0 and result_["baseline_s"] > 0
     assert result_["ratio"] == pytest.approx(result_["view_s"] / result_["baseline_s"], rel=0.01)
+
+
+def test_a_summary_that_replaces_a_compact_undoes_its_elision() -> None:
+    """SPEC §4: summaries (step 2) hide what they replace before compacts mark turns (step 3)."""
+    events = [*_tool_turn(1, "x" * 500, "read_file"), *simple_turn(2, "q2")]
+    marker = compact(1, 1)
+    elided = build_view([*events, marker], CTX)
+    assert len(_tool_contents(elided.messages)[0]) < 500
+    undone = build_view([*events, marker, summary([marker["uuid"]], "S", 0)], CTX)
+    assert _tool_contents(undone.messages)[0] == "x" * 500
+    assert undone.compacted == ()
+    assert [c["turnId"] for c in undone.candidates] == [1]
