@@ -371,24 +371,42 @@ def _tool_call(call: Event) -> Message:
 
 
 def _pair(messages: list[Message], call_ids: list[list[str] | None]) -> list[Message]:
-    """Drop assistants with an unanswered call and tool messages without a kept call."""
-    answered: dict[Any, int] = {}
+    """Drop assistants with an unanswered call and tool messages that answer no kept call.
+
+    A call's answer is the first tool message with its id *after* it that no
+    earlier kept call took (a call id may come back: a stray result logged
+    ahead of its call, or an id reused by a later assistant, costs nothing else).
+    """
+    answers: dict[Any, list[int]] = {}  # call id -> positions of the tool messages with it
     for position, message in enumerate(messages):
         if message["role"] == "tool":
-            answered.setdefault(message["tool_call_id"], position)
-    kept_calls: set[Any] = set()
+            answers.setdefault(message["tool_call_id"], []).append(position)
+    first_free: dict[Any, int] = {}  # call id -> index in answers[id] of the first not taken nor passed
+    taken: set[int] = set()
     kept: list[Message] = []
     for position, message in enumerate(messages):
         ids = call_ids[position]
-        if ids is not None:
-            if not all(answered.get(i, -1) > position for i in ids):
+        if ids is None:
+            if message["role"] != "tool" or position in taken:  # an answer comes after its call: decided
+                kept.append(message)
+            continue
+        chosen: dict[Any, int] = {}
+        for call in ids:
+            if call in chosen:
                 continue
-            kept_calls.update(ids)
-        elif message["role"] == "tool":
-            call = message["tool_call_id"]
-            if call not in kept_calls or answered[call] != position:
-                continue
-        kept.append(message)
+            found = answers.get(call, ())
+            index = first_free.get(call, 0)
+            while index < len(found) and found[index] < position:
+                index += 1  # before this call, so before every later one too: never an answer
+            first_free[call] = index
+            if index == len(found):
+                break
+            chosen[call] = index
+        else:
+            for call, index in chosen.items():
+                taken.add(answers[call][index])
+                first_free[call] = index + 1
+            kept.append(message)
     return kept
 
 

@@ -247,6 +247,29 @@ def test_a_tool_result_before_its_call_does_not_answer_it() -> None:
     assert build_view(events, CTX).messages == [{"role": "user", "content": "hi"}]
 
 
+def test_a_stray_result_ahead_of_a_call_does_not_hide_the_answer_after_it() -> None:
+    events = [user(1), result(1, "c1", "early"), assistant(1, "a", [call("c1")]), result(1, "c1", "late")]
+    messages = build_view(events, CTX).messages
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool"]
+    assert _tool_contents(messages) == ["late"]
+
+
+def test_a_call_id_reused_by_a_later_assistant_is_answered_by_the_result_after_it() -> None:
+    events = [user(1), assistant(1, "a1", [call("c1")]), result(1, "c1", "r1"),
+              assistant(1, "a2", [call("c1")]), result(1, "c1", "r2")]
+    messages = build_view(events, CTX).messages
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("user", "hi"), ("assistant", "a1"), ("tool", "r1"), ("assistant", "a2"), ("tool", "r2")]
+
+
+def test_an_answer_taken_by_a_dropped_assistant_is_free_for_nobody_before_it() -> None:
+    """An assistant dropped for another unanswered call takes no answer; its result answers nothing else."""
+    events = [user(1), assistant(1, "a1", [call("c1"), call("c2")]), result(1, "c1", "r1"),
+              assistant(1, "a2", [call("c1")]), result(1, "c1", "r2")]
+    messages = build_view(events, CTX).messages
+    assert [(m["role"], m["content"]) for m in messages] == [("user", "hi"), ("assistant", "a2"), ("tool", "r2")]
+
+
 def test_a_duplicate_tool_result_is_dropped() -> None:
     events = [assistant(1, "", [call("c1")]), result(1, "c1", "first"), result(1, "c1", "second")]
     assert _tool_contents(build_view(events, CTX).messages) == ["first"]
