@@ -12,7 +12,9 @@ trigger was coalesced meanwhile, re-checks the thresholds from the stored
 state and enqueues again, so no trigger is lost (the trigger stays recorded
 until the re-check is done). A forced job that waited for this one (the
 trigger ``forced:{id}``) is queued instead (``promote_forced``: it answers
-every trigger, and stays recorded until it holds the claim). For a job whose
+every trigger, and stays recorded until it holds the claim; when the forced
+job ends without a compaction, the session is re-checked, since the triggers it
+absorbed while it waited were not recorded). For a job whose
 worker was killed, or a claim whose job never came, the worker janitor (``worker.runner``) calls ``finish``
 with ``abandoned=True``: the session is re-checked even without a trigger,
 since the job that should have compacted it did not.
@@ -81,7 +83,8 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
             result.released if result else "", result.prompt_estimate if result else "",
             seconds * 1000, extra=_job_fields(session_id, job_id, kind, forced, outcome, seconds, result),
         )
-        finish(context, session_id, job_id, released=release)
+        finish(context, session_id, job_id, released=release,
+               forced_without_compaction=forced and not (result is not None and result.did_compress))
 
 
 def _job_fields(session_id: str, job_id: str, kind: str, forced: bool, outcome: str,
@@ -97,12 +100,17 @@ def _job_fields(session_id: str, job_id: str, kind: str, forced: bool, outcome: 
 
 def finish(
     context: WorkerContext, session_id: str, job_id: str, *, abandoned: bool = False,
-    released: Release | None = None,
+    released: Release | None = None, forced_without_compaction: bool = False,
 ) -> str | None:
     """Free the session's claim held by ``job_id`` and honour a coalesced trigger.
 
     ``released``: the job freed its claim already, with its last writes (an LLM
     job that appended a summary); its reply is used instead of a round trip.
+    ``forced_without_compaction``: a forced job that compacted nothing (nothing
+    to summarize, SPEC §5, or it failed). The triggers that came while it
+    waited for the claim were not recorded (it was to answer them), so the
+    session is re-checked as after an abandoned job. A forced job that
+    compacted answered them: it took the micro step and summarized all it could.
     Returns the id of the job enqueued by the re-check, if any. Never raises: a
     failure here is logged, and the trigger stays recorded for the janitor.
     """
@@ -111,7 +119,7 @@ def finish(
             trigger = released.trigger
         else:
             trigger = release_pending(context.redis, context.settings, session_id, job_id)
-        if trigger is None and not abandoned:
+        if trigger is None and not (abandoned or forced_without_compaction):
             return None
         if trigger is not None and trigger.startswith(FORCED_TRIGGER):  # a forced job waited for this one
             forced = trigger[len(FORCED_TRIGGER):]

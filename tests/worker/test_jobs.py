@@ -501,6 +501,28 @@ def test_a_forced_job_waiting_for_an_automatic_one_runs_when_it_ends(
     assert pending_job_id(r, wsettings, "s1") is None and r.exists(Keys().retrigger("s1")) == 0
 
 
+def test_a_trigger_coalesced_while_a_forced_job_waited_is_honoured_when_it_had_nothing_to_summarize(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    """SPEC §5: a trigger is coalesced, not lost. A micro trigger that comes while a forced job
+    waits is not recorded (the forced job is to answer it); the forced job then finds nothing
+    to summarize and writes nothing, so its end re-checks the session."""
+    keep2 = make_settings(settings, llm_timeout_seconds=5.0, compaction_model=STUB_MODEL, keep_recent_turns=2)
+    write_session(r, keep2, "s1", 2, window=400)  # endTurn = 0: nothing to summarize; turn 1 a micro candidate
+    assert decide(SessionStore(r, keep2).load("s1"), keep2.context, breaker_open=False) == "micro"  # type: ignore[arg-type]
+    auto = enqueue_compaction(r, keep2, "s1", CWD, "llm")
+    forced = enqueue_compaction(r, keep2, "s1", CWD, "llm", forced=True)
+    assert auto and forced and enqueue_compaction(r, keep2, "s1", CWD, "micro") is None  # coalesced
+    Job.fetch(auto, connection=r).cancel()  # the pending job ends without touching the session
+    context = WorkerContext.build(keep2, r)
+    assert worker_jobs.finish(context, "s1", auto) == forced
+    run_burst(r, keep2, context)
+    assert Job.fetch(forced, connection=r).return_value()["didCompress"] is False
+    assert [e["type"] for e in read_log(keep2, "s1")][-1] == "compact"  # the micro trigger's job ran
+    assert decide(SessionStore(r, keep2).load("s1"), keep2.context, breaker_open=False) is None  # type: ignore[arg-type]
+    assert pending_job_id(r, keep2, "s1") is None and stub.requests == []
+
+
 def test_a_forced_job_waiting_for_a_job_whose_worker_died_is_queued_by_the_janitor_path(
     r: redis.Redis, wsettings: Settings,
 ) -> None:
