@@ -179,19 +179,26 @@ def missing_sections(text: str) -> list[str]:
 
 
 def extract_summary(reply: str) -> str:
-    """The inner text of the reply's ``<summary>`` block; raise SummaryInvalid when there is none.
+    """The inner text of the reply's ``<summary>`` block (outer whitespace stripped); raise
+    SummaryInvalid when there is none.
 
-    The ``<analysis>`` block (up to its first ``</analysis>``) is skipped, then
-    the block runs from the first ``<summary>`` to the last ``</summary>``.
+    The ``<analysis>`` block (up to its first ``</analysis>``) is skipped: the
+    block runs from the first ``<summary>`` to the last ``</summary>`` after
+    it, or, when there is none after it, before it (a reply that puts the
+    summary first).
     """
     if not isinstance(reply, str) or not reply.strip():
         raise SummaryInvalid("empty reply")
-    rest = reply
-    end_analysis = rest.find("</analysis>")
+    parts = [reply]
+    end_analysis = reply.find("</analysis>")
     if end_analysis >= 0:
-        rest = rest[end_analysis + len("</analysis>"):]
-    start, end = rest.find("<summary>"), rest.rfind("</summary>")
-    if start < 0 or end < start:
+        begin_analysis = reply.rfind("<analysis>", 0, end_analysis)
+        parts = [reply[end_analysis + len("</analysis>"):], reply[:max(begin_analysis, 0)]]
+    for rest in parts:
+        start, end = rest.find("<summary>"), rest.rfind("</summary>")
+        if start >= 0 and end > start:
+            break
+    else:
         raise SummaryInvalid("no <summary>...</summary> block in the reply")
     text = rest[start + len("<summary>"):end].strip()
     validate_summary_text(text)

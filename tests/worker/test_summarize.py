@@ -60,6 +60,14 @@ def test_valid_reply_yields_the_inner_summary_text() -> None:
     assert list(split_sections(body)) == list(SECTION_TITLES)
 
 
+def test_a_summary_block_before_the_analysis_is_found_too() -> None:
+    """SPEC §5 asks for a ``<summary>`` block, not for its place: a reply that puts it first is valid."""
+    body = summary_text("t")
+    assert extract_summary(f"<summary>\n{body}\n</summary>\n<analysis>\nthoughts\n</analysis>") == body
+    mention = f"<summary>\n{body}\n</summary>\n<analysis>\nthe <summary> was first\n</analysis>\n"
+    assert extract_summary(mention) == body
+
+
 @pytest.mark.parametrize("reply", [
     "",
     "no tags at all",
