@@ -26,6 +26,7 @@ from compactor.keys import Keys
 from compactor.queue import enqueue_compaction
 from events.config import Settings
 from events.errors import InvalidEvent, InvalidInput
+from events.log import session_log_path
 from events.models import parse_event, to_wire, validate_cwd, validate_session_id
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class Publisher:
         """Validate and encode the events (nothing is sent); raises like ``publish``."""
         session_id = validate_session_id(session_id)
         cwd = validate_cwd(cwd)
+        session_log_path(self.settings.data_dir, cwd, session_id)  # a cwd no log can live under: refused now
         batch = [events] if isinstance(events, (Mapping, BaseModel)) else list(events)
         payloads = tuple(self._encode(session_id, cwd, event, index) for index, event in enumerate(batch))
         return PreparedBatch(session_id, cwd, self.keys.stream_for(session_id), payloads)
