@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from events.errors import InvalidConfig
@@ -43,6 +43,15 @@ class _Section(BaseModel):
     model_config = ConfigDict(
         frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """Lax mode reads ``true`` as 1: a YAML boolean where a number belongs is a mistake."""
+        if isinstance(value, bool) and info.field_name is not None \
+                and cls.model_fields[info.field_name].annotation in (int, float):
+            raise ValueError("must be a number, not true/false")
+        return value
 
 
 class ContextSettings(_Section):
@@ -153,6 +162,8 @@ def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise InvalidConfig(str(path), f"is not valid YAML: {e}") from e
+    except OSError as e:  # a directory, no permission, ...
+        raise InvalidConfig(str(path), f"cannot be read: {e.strerror or e}") from e
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -176,7 +187,7 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, An
 def _as_invalid(error: ValidationError) -> InvalidConfig:
     detail = error.errors(include_url=False)[0]
     field = ".".join(str(p) for p in detail["loc"]) or "config"
-    return InvalidConfig(field, detail["msg"])
+    return InvalidConfig(field, detail["msg"].removeprefix("Value error, "))
 
 
 def load_settings(

@@ -66,6 +66,8 @@ def test_python_dash_m_runs_the_cli() -> None:
     ("context:\n  microCompactThreshold: 2\n", "context.microCompactThreshold"),
     ("redis:\n  shard: 3\n", "redis.shard"),
     ("- a list\n", "mapping"),
+    ("api:\n  port: true\n", "api.port: must be a number, not true/false"),  # lax mode would read 1
+    ("context:\n  microCompactMinChars: yes\n", "context.microCompactMinChars: must be a number"),
 ])
 def test_bad_config_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path, yaml_text: str,
                                            fragment: str) -> None:
@@ -82,6 +84,13 @@ def test_bad_config_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path, ya
 def test_missing_config_file_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
     result = runner.invoke(app, ["status", "--config", str(tmp_path / "nope.yaml")])
     assert result.exit_code == 2 and "config file not found" in result.stderr
+
+
+def test_a_config_path_that_cannot_be_read_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["status", "--json", "--config", str(tmp_path)])  # a directory
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [f"compactor: invalid configuration: {tmp_path}: cannot be read: "
+                                                  "Is a directory"]
 
 
 def test_bad_env_override_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
