@@ -46,6 +46,9 @@ CwdOpt = Annotated[str, typer.Option("--cwd", help="Absolute working directory o
 def compact(
     session: SessionArg,
     cwd: CwdOpt,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="Print only the CompressResult JSON on stdout (the summary line goes to stderr).")
+    ] = False,
     config: ConfigOpt = None,
     redis_url: RedisUrlOpt = None,
     data_dir: DataDirOpt = None,
@@ -72,7 +75,7 @@ def compact(
     if job.status == "finished" and job.result is not None:
         result = job.result
         typer.echo(f"released {result.released} tokens; promptEstimate now "
-                   f"{result.prompt_estimate}" if result.did_compress else "nothing to compact")
+                   f"{result.prompt_estimate}" if result.did_compress else "nothing to compact", err=json_out)
         print_json(result.model_dump(by_alias=True))
         return
     if job.error is not None:

@@ -192,11 +192,13 @@ def compact_process(settings: Settings, config: Path, *extra: str) -> subprocess
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.parametrize("json_out", [False, True])
 def test_compact_prints_compress_result_json_last(r: redis.Redis, settings: Settings,
-                                                  config: Path) -> None:
+                                                  config: Path, json_out: bool) -> None:
+    """SPEC §7: the CompressResult JSON is the last line; with ``--json`` it is all of stdout."""
     settings = cli_settings(settings)
     write_session(r, settings, 3)
-    process = compact_process(settings, config)
+    process = compact_process(settings, config, *(["--json"] if json_out else []))
     queue = compaction_queue(r, settings)
     deadline = time.monotonic() + 30
     while queue.count == 0 and process.poll() is None and time.monotonic() < deadline:
@@ -207,7 +209,10 @@ def test_compact_prints_compress_result_json_last(r: redis.Redis, settings: Sett
     result = json.loads(out.strip().splitlines()[-1])
     assert set(result) == {"didCompress", "released", "promptEstimate"}
     assert result["didCompress"] is True and result["released"] > 0
-    assert "released" in out.splitlines()[0]
+    if json_out:
+        assert json.loads(out) == result and "released" in err
+    else:
+        assert "released" in out.splitlines()[0]
 
 
 def test_compact_times_out_with_exit_1(runner: CliRunner, r: redis.Redis, settings: Settings,
