@@ -2,12 +2,15 @@
 
 The API runs under uvicorn on 127.0.0.1 (a thread of the test process) against
 the test Redis and a log with a real micro compaction; Playwright drives
-Debian's ``/usr/bin/chromium`` (never a downloaded browser).
+Debian's ``chromium`` (never a downloaded browser; the fixture apt-installs it when missing).
 """
 
 from __future__ import annotations
 
 import base64
+import os
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +33,7 @@ from worker.context import WorkerContext
 CWD = "/home/dev/project"
 BUSY, BROKEN = "sess-busy", "sess-broken"
 WORDS = " ".join(f"word{i}" for i in range(300))
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM = "chromium"  # Debian's package (playwright's own browser download needs the internet)
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync"]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
@@ -155,12 +158,27 @@ def serve_api(r: redis.Redis) -> Iterator[Any]:
         thread.join(timeout=10)
 
 
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """The chromium executable; installed with apt-get when missing and this runs as root
+    (so the README's test command works on a fresh Debian machine), else a failure saying how."""
+    found = shutil.which(CHROMIUM)
+    if found is None and shutil.which("apt-get") and os.geteuid() == 0:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", CHROMIUM]):
+            subprocess.run(command, env=env, check=False, capture_output=True, timeout=900)
+        found = shutil.which(CHROMIUM)
+    if found is None:
+        pytest.fail(f"the status-page tests drive {CHROMIUM} headless: install it (apt-get install {CHROMIUM})")
+    return found
+
+
 @pytest.fixture
-def browser() -> Iterator[Any]:
+def browser(chromium: str) -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        instance = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        instance = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         yield instance
         instance.close()
 
