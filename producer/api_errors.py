@@ -85,13 +85,15 @@ def _validation_message(exc: RequestValidationError) -> str:
     if not errors:
         return "invalid request"
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path")]
+    located = [str(p) for p in first.get("loc", ())]
+    loc = [p for p in located if p not in ("body", "query", "path")]
     where = ""
     for part in loc:
         where += f"[{part}]" if part.isdigit() else (f".{part}" if where else part)
     msg = str(first.get("msg", "invalid"))
     if first.get("type") == "json_invalid":
         return f"body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
+    where = where or (located[0] if located else "")  # the whole body (or query) is what is wrong
     return f"{where}: {msg}" if where else msg
 
 

@@ -218,6 +218,9 @@ def test_invalid_json_and_missing_fields_are_400(client: TestClient) -> None:
     assert bad_json.status_code == 400 and "JSON" in error_of(bad_json)["message"]
     missing = client.post(f"/api/sessions/{SID}/events", json={"events": []})
     assert missing.status_code == 400 and error_of(missing)["message"].startswith("cwd")
+    for body in (b"", b"[]"):  # no object at all: the body is named
+        whole = client.post(f"/api/sessions/{SID}/events", content=body, headers={"Content-Type": "application/json"})
+        assert whole.status_code == 400 and error_of(whole)["message"].startswith("body: "), body
 
 
 @pytest.fixture
