@@ -44,6 +44,14 @@ class _Section(BaseModel):
         frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """A key with no value (``url:``, a section whose keys are all commented out) takes its default."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
@@ -137,6 +145,13 @@ class Settings(_Section):
     watcher: WatcherSettings = WatcherSettings()
     worker: WorkerSettings = WorkerSettings()
 
+    @field_validator("data_dir", mode="before")
+    @classmethod
+    def _data_dir_not_empty(cls, value: Any) -> Any:
+        if isinstance(value, str) and not value.strip():  # Path("") would be the current directory
+            raise ValueError("must not be empty (leave it out for ~/.codingcode/project)")
+        return value
+
     @model_validator(mode="after")
     def _expand_data_dir(self) -> Settings:
         object.__setattr__(self, "data_dir", self.data_dir.expanduser())
@@ -178,9 +193,12 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, An
         node = data
         for key in path[:-1]:
             child = node.get(key)
+            if child is not None and not isinstance(child, dict):
+                break  # the file's section is wrong (``api: 5``): left for validation to name
             node[key] = child = dict(child) if isinstance(child, dict) else {}
             node = child
-        node[path[-1]] = environ[var]
+        else:
+            node[path[-1]] = environ[var]
     return data
 
 

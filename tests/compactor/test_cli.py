@@ -68,6 +68,7 @@ def test_python_dash_m_runs_the_cli() -> None:
     ("- a list\n", "mapping"),
     ("api:\n  port: true\n", "api.port: must be a number, not true/false"),  # lax mode would read 1
     ("context:\n  microCompactMinChars: yes\n", "context.microCompactMinChars: must be a number"),
+    ("dataDir: ''\n", "dataDir: must not be empty"),  # Path('') would be the current directory
 ])
 def test_bad_config_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path, yaml_text: str,
                                            fragment: str) -> None:
@@ -91,6 +92,24 @@ def test_a_config_path_that_cannot_be_read_is_one_line_and_exit_2(runner: CliRun
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [f"compactor: invalid configuration: {tmp_path}: cannot be read: "
                                                   "Is a directory"]
+
+
+def test_a_key_or_section_with_no_value_takes_its_default(tmp_path: Path) -> None:
+    from events.config import Settings, load_settings
+
+    config = tmp_path / "c.yaml"
+    config.write_text("context:\n  # compactionModel: x\nredis:\n  url:\napi: {port: }\n")
+    assert load_settings(config, environ={}) == Settings()
+
+
+def test_an_env_override_does_not_hide_a_wrong_section_in_the_file(tmp_path: Path) -> None:
+    from events.config import load_settings
+    from events.errors import InvalidConfig
+
+    config = tmp_path / "c.yaml"
+    config.write_text("api: 5\n")
+    with pytest.raises(InvalidConfig, match="^api: "):
+        load_settings(config, environ={"COMPACTION_API_PORT": "9000"})
 
 
 def test_bad_env_override_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
