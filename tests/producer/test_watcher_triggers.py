@@ -97,6 +97,24 @@ def test_open_breaker_stops_automatic_llm_jobs(
     assert run_session(r, fast, [], 950) == kind
 
 
+def test_open_breaker_with_a_fallback_model_still_enqueues_the_llm_job_and_the_fallback_writes_it(
+    r: redis.Redis, fast: Settings
+) -> None:
+    """Issue #4: ``context.fallbackModel: extractive`` is used when the breaker is open, so a session
+    never overflows for lack of an LLM (the job calls no LLM: SPEC §5's breaker still holds)."""
+    from worker.context import WorkerContext
+    from worker.runner import CompactionWorker
+
+    fallback = fast.model_copy(update={"context": fast.context.model_copy(update={"fallback_model": "extractive"})})
+    r.set(Keys().failures("s1"), 3, ex=86_400)
+    events = [user(1, "first question"), turn_end(1, window=WINDOW), user(2, "second"), turn_end(2, window=WINDOW)]
+    assert run_session(r, fallback, events, 950) == "llm"
+    CompactionWorker.for_settings(r, fallback, context=WorkerContext.build(fallback, r)).work(burst=True)
+    lines = Watcher(r, fallback, name="w").store.log("s1", CWD).read()
+    assert lines[-1]["type"] == "summary" and "first question" in lines[-1]["summaryText"]
+    assert int(r.get(Keys().failures("s1")) or 0) == 3  # the fallback says nothing of the LLM's health
+
+
 def test_open_breaker_still_allows_micro_compaction(r: redis.Redis, fast: Settings) -> None:
     r.set(Keys().failures("s1"), 3, ex=86_400)
     assert run_session(r, fast, [*tool_turn(1), turn_end(1, window=WINDOW)], 950) == "micro"
