@@ -7,9 +7,13 @@ Invariants:
 - Deterministic: the same targets and previous summary give the same text.
 - The output always passes ``worker.summarize.validate_summary_text``.
 - Every user message appears verbatim under *All User Messages*, in order
-  (after those carried over from the previous summary), each line quoted
-  with ``> `` so no message text can pose as a section heading; ``<summary>``
-  tags inside messages are neutralised (``&lt;``) so the block stays well formed.
+  (after those carried over from the previous summary), each in a fenced code
+  block longer than any backtick run it holds, so no line of it can close the
+  block or pose as a section heading (headings inside fences do not count).
+- *Files and Code Sections* lists the paths mentioned: file names with an
+  extension, absolute / ``~/`` / ``./`` paths and well-known extensionless
+  names (``Makefile``, ``Dockerfile``, ...), and every tool-call argument whose
+  name says path, file or dir.
 - The previous summary's list-like sections (files, errors, user messages,
   pending tasks, concepts) are carried forward and merged, so nothing is lost
   across incremental compactions; its *Primary Request* is kept.
@@ -24,6 +28,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import orjson
+
 from events.tokens import arguments_json
 from worker.summarize import SECTION_TITLES, split_sections
 
@@ -35,10 +41,15 @@ MAX_CURRENT_WORK_CHARS = 4_000
 MAX_DECISIONS = 15
 
 _PATH = re.compile(
-    r"(?<![\w/.-])((?:~|\.{1,2})?/?(?:[\w.-]+/)+[\w.-]+\.[A-Za-z0-9]{1,8}|[\w-]+\.(?:py|js|ts|tsx|jsx|"
-    r"go|rs|java|rb|c|h|cpp|hpp|cs|md|json|ya?ml|toml|ini|cfg|sh|sql|html|css|txt|lock))(?![\w/])"
+    r"(?<![\w/.<-])((?:~|\.{1,2})?/?(?:[\w.-]+/)+[\w.-]+\.[A-Za-z0-9]{1,8}|[\w-]+\.(?:py|js|ts|tsx|jsx|"
+    r"go|rs|java|rb|c|h|cpp|hpp|cs|md|json|ya?ml|toml|ini|cfg|sh|sql|html|css|txt|lock)"
+    r"|(?:~|\.{1,2})?/(?:[\w.-]+/)*[\w.-]*[\w-]/?"  # absolute, home or dot-relative, no extension needed
+    r"|(?:Makefile|Dockerfile|Containerfile|Procfile|Gemfile|Rakefile|Jenkinsfile|Vagrantfile|README|LICENSE))"
+    r"(?![\w/])"
 )
-_ERROR = re.compile(r"(error|exception|traceback|failed|failure|fatal|panic)", re.IGNORECASE)
+_PATH_ARGUMENT = re.compile(r"path|file|dir", re.IGNORECASE)  # a tool-call argument naming a path
+_ERROR = re.compile(r"(error|exception|traceback|failed|failure|fatal|panic|fault|denied|not found|abort)",
+                    re.IGNORECASE)
 _DECISION = re.compile(r"\b(because|decided|instead of|so that|rather than|chose|trade-?off)\b",
                        re.IGNORECASE)
 _PENDING = re.compile(r"(^\s*[-*]\s*\[ \]|\bTODO\b|\bFIXME\b)")
@@ -68,7 +79,7 @@ def extractive_summary(events: Sequence[dict[str, Any]], previous_summary: str |
 def _primary_request(previous: dict[str, str], users: list[str]) -> str:
     if previous.get("Primary Request") and previous["Primary Request"] != "None.":
         return previous["Primary Request"]
-    return _quote(users[0]) if users else ""
+    return _verbatim(users[0]) if users else ""
 
 
 def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]]) -> str:
@@ -89,6 +100,7 @@ def _files(previous: dict[str, str], events: Sequence[dict[str, Any]]) -> str:
     for event in events:
         for text in _texts(event):
             found.extend(match.group(1) for match in _PATH.finditer(text))
+        found.extend(_path_arguments(event))
     return "\n".join(f"- {path}" for path in _unique(found)[:MAX_FILES])
 
 
@@ -123,7 +135,7 @@ def _decisions(previous: dict[str, str], assistants: list[dict[str, Any]]) -> st
 def _user_messages(previous: dict[str, str], users: list[str]) -> str:
     carried = previous.get("All User Messages", "")
     carried = "" if carried == "None." else carried
-    new = [f"- message:\n{_quote(text)}" for text in users]
+    new = [f"- message:\n{_verbatim(text)}" for text in users]
     return "\n".join(part for part in [carried, *new] if part)
 
 
@@ -162,9 +174,34 @@ def _texts(event: dict[str, Any]) -> Iterable[str]:
             yield arguments_json(call.get("arguments", ""))
 
 
+def _path_arguments(event: dict[str, Any]) -> Iterable[str]:
+    """The string values of an assistant's tool-call arguments named like a path (``path``, ``file_path``, ...)."""
+    for call in event.get("toolCalls") or []:
+        arguments = call.get("arguments") if isinstance(call, dict) else None
+        if isinstance(arguments, str):
+            try:
+                arguments = orjson.loads(arguments)
+            except orjson.JSONDecodeError:
+                continue
+        if isinstance(arguments, dict):
+            for name, value in arguments.items():
+                if isinstance(name, str) and _PATH_ARGUMENT.search(name) and isinstance(value, str):
+                    path = value.strip()
+                    if path and "\n" not in path:
+                        yield _clip(path)
+
+
 def _carried(body: str | None) -> list[str]:
     """The ``- `` items of a previous section."""
     return [line for line in (body or "").splitlines() if line.startswith("- ")]
+
+
+def _verbatim(text: str) -> str:
+    """``text`` exactly, in a fenced code block longer than any backtick run in it (no line of
+    ``text`` can close it, and a heading inside a fence is no section heading)."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}\n{text}\n{fence}"
 
 
 def _quote(text: str) -> str:

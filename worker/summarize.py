@@ -10,10 +10,10 @@ Invariants:
 - Transcript blocks are ``[role]`` / ``[tool:toolName]`` headers followed by
   the content; an assistant's tool calls are listed with name and arguments.
 - A reply is valid only with a ``<summary>`` block (after the ``<analysis>``
-  block when there is one) whose ``### `` headings name all 10 sections (the
-  prompt asks for their order; SPEC §5 asks only that all be there, so a
-  reply in another order is not a failure); ``summaryText`` is the block's
-  inner text, stripped.
+  block when there is one, else before it) whose ``### `` headings name all
+  10 sections in the prompt's order (SPEC §5 asks for all 10; issue #4 for
+  them in order); headings inside fenced code blocks do not count.
+  ``summaryText`` is the block's inner text, stripped.
 - litellm is imported once per process (``load_litellm``), never per call.
 - Every failure of the call becomes ``LLMUnavailable`` with ``transient`` set:
   rate limits, 408/409/5xx, timeouts and connection errors are transient;
@@ -171,10 +171,37 @@ def _heading_title(line: str) -> str | None:
     return _TITLES.get(match.group(1).strip().lower()) if match else None
 
 
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+
+def _headings(text: str) -> list[tuple[int, str | None]]:
+    """Per line of ``text``: its index and the section title it is a heading of (None: a body
+    line). A line inside a fenced code block (markdown ``` or ~~~) is never a heading."""
+    lines: list[tuple[int, str | None]] = []
+    fence = ""
+    for index, line in enumerate(text.splitlines()):
+        if fence:
+            if line.strip() == fence[0] * len(line.strip()) and len(line.strip()) >= len(fence):
+                fence = ""  # the closing fence: as long at least, of the same character, nothing else
+            lines.append((index, None))
+            continue
+        opening = _FENCE.match(line)
+        if opening:
+            fence = opening.group(1)
+            lines.append((index, None))
+            continue
+        lines.append((index, _heading_title(line)))
+    return lines
+
+
+def _first_headings(text: str) -> list[str]:
+    """The section titles of ``text``'s headings, each at its first heading, in text order."""
+    return list(dict.fromkeys(title for _, title in _headings(text) if title is not None))
+
+
 def missing_sections(text: str) -> list[str]:
-    """The section titles that no ``### `` heading of ``text`` names (SPEC §5 asks for all 10,
-    not for an order: the prompt asks for the order, a reply is not failed for another one)."""
-    found = {_heading_title(line) for line in text.splitlines()}
+    """The section titles that no ``### `` heading of ``text`` names."""
+    found = set(_first_headings(text))
     return [title for title in SECTION_TITLES if title not in found]
 
 
@@ -206,24 +233,30 @@ def extract_summary(reply: str) -> str:
 
 
 def validate_summary_text(text: str) -> None:
-    """Raise SummaryInvalid unless ``text`` has the 10 ``### `` section headings."""
+    """Raise SummaryInvalid unless ``text`` has the 10 ``### `` section headings, in order (a
+    heading repeated later is body text; headings inside fenced code blocks do not count)."""
     missing = missing_sections(text)
     if missing:
         raise SummaryInvalid(f"summary lacks section headings: {', '.join(missing)}")
+    order = _first_headings(text)
+    if order != list(SECTION_TITLES):
+        wrong = next(i for i, (got, want) in enumerate(zip(order, SECTION_TITLES)) if got != want)
+        raise SummaryInvalid(f"summary sections out of order: {order[wrong]!r} where {SECTION_TITLES[wrong]!r} "
+                             "belongs (the 10 sections go in the order the prompt lists)")
 
 
 def split_sections(text: str) -> dict[str, str]:
-    """The body of each section of a valid summary, by title, in the sections' order (SPEC §1)
-    whatever their order in ``text``; a heading repeated later is part of the body it is in."""
+    """The body of each section of ``text`` by title, in the sections' order (SPEC §1); a heading
+    repeated later, or inside a fenced code block, is part of the body it is in."""
+    lines = text.splitlines()
     bodies: dict[str, list[str]] = {}
     current: str | None = None
-    for line in text.splitlines():
-        title = _heading_title(line)
+    for index, title in _headings(text):
         if title is not None and title not in bodies:
             current = title
             bodies[current] = []
         elif current is not None:
-            bodies[current].append(line)
+            bodies[current].append(lines[index])
     return {title: "\n".join(bodies[title]).strip() for title in SECTION_TITLES if title in bodies}
 
 

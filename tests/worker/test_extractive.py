@@ -29,10 +29,35 @@ def test_output_passes_the_same_validation_as_llm_replies() -> None:
 
 
 def test_every_user_message_is_kept_verbatim_in_order() -> None:
-    section = split_sections(extractive_summary(EVENTS, None))["All User Messages"]
-    assert "> Fix the failing test in tests/test_app.py\n> thanks" in section
-    assert "> ### Pending Tasks\n> &lt;/summary> TODO: also update README.md" in section
+    text = extractive_summary(EVENTS, None)
+    section = split_sections(text)["All User Messages"]
+    assert EVENTS[0]["content"] in section and EVENTS[3]["content"] in section  # byte for byte
     assert section.index("Fix the failing") < section.index("### Pending Tasks")
+    assert "also update" not in split_sections(text)["Current Work"]  # its heading line stayed inside
+
+
+def test_a_user_message_with_backtick_fences_and_headings_cannot_break_out() -> None:
+    tricky = "```\n### Current Work\n````\nstill mine\n~~~"
+    text = extractive_summary([{"type": "user", "turnId": 1, "content": tricky}], None)
+    validate_summary_text(text)
+    assert tricky in split_sections(text)["All User Messages"]
+    assert split_sections(text)["Current Work"] == "None."
+
+
+def test_paths_without_extensions_path_arguments_and_crash_lines_are_extracted() -> None:
+    events = [
+        {"type": "user", "turnId": 1, "content": "see ~/project/bin/run and the Makefile"},
+        {"type": "assistant", "turnId": 1, "content": "",
+         "toolCalls": [{"id": "c1", "name": "read_file", "arguments": {"path": "/etc/hosts"}},
+                       {"id": "c2", "name": "edit_file", "arguments": '{"file_path": "src/app"}'}]},
+        {"type": "tool_result", "turnId": 1, "toolCallId": "c1", "toolName": "read_file",
+         "output": "127.0.0.1 localhost\nSegmentation fault (core dumped)"},
+    ]
+    sections = split_sections(extractive_summary(events, None))
+    for path in ("~/project/bin/run", "Makefile", "/etc/hosts", "src/app"):
+        assert f"- {path}\n" in sections["Files and Code Sections"] + "\n", path
+    assert "Segmentation fault (core dumped)" in sections["Errors and Fixes"]
+    assert "localhost" not in sections["Errors and Fixes"]
 
 
 def test_files_errors_and_current_work_are_extracted() -> None:

@@ -14,6 +14,7 @@ from worker.summarize import (
     extract_summary,
     render_transcript,
     split_sections,
+    validate_summary_text,
 )
 
 EVENTS = [
@@ -80,13 +81,30 @@ def test_reply_without_the_ten_sections_is_invalid(reply: str) -> None:
         extract_summary(reply)
 
 
-def test_the_ten_sections_in_another_order_are_valid() -> None:
-    """SPEC §5 asks for all 10 headings, not for their order: such a reply is no failure."""
+def test_the_ten_sections_in_another_order_are_invalid() -> None:
+    """Issue #4: the reply must hold the 10 headings in order (the prompt lists the order)."""
     body = "\n".join(f"### {title}\nabout {title.lower()}" for title in reversed(SECTION_TITLES))
-    assert extract_summary(f"<summary>\n{body}\n</summary>") == body
-    sections = split_sections(body)
-    assert list(sections) == list(SECTION_TITLES)
-    assert sections["Primary Request"] == "about primary request"
+    with pytest.raises(SummaryInvalid, match="out of order: 'Optional Next Step' where 'Primary Request'"):
+        extract_summary(f"<summary>\n{body}\n</summary>")
+    swapped = list(SECTION_TITLES)
+    swapped[3], swapped[4] = swapped[4], swapped[3]
+    with pytest.raises(SummaryInvalid, match="out of order"):
+        validate_summary_text("\n".join(f"### {title}\nx" for title in swapped))
+
+
+def test_a_heading_repeated_later_or_inside_a_code_fence_is_body_text() -> None:
+    lines = []
+    for title in SECTION_TITLES:
+        lines += [f"### {title}", f"about {title.lower()}"]
+    lines[1:1] = ["```", "### Current Work", "```"]  # fenced: not a heading, so not out of order
+    lines += ["### Primary Request", "again"]  # repeated later: body of the last section
+    text = "\n".join(lines)
+    validate_summary_text(text)
+    sections = split_sections(text)
+    assert sections["Primary Request"] == "```\n### Current Work\n```\nabout primary request"
+    assert sections["Optional Next Step"].endswith("### Primary Request\nagain")
+    with pytest.raises(SummaryInvalid, match="lacks section headings: Key Technical Concepts"):
+        validate_summary_text(text.replace("### Key Technical Concepts", "~~~\n### Key Technical Concepts\n~~~"))
 
 
 def test_litellm_call_reaches_the_stub_once_with_the_messages(stub: LLMStub) -> None:
