@@ -152,9 +152,13 @@ class Watcher:
     def _tick(self) -> None:
         live = self.leases.heartbeat()
         self.leases.renew_due()
-        acquired, _ = self.leases.rebalance(live)
-        for n in acquired:
-            self._take(n)
+        self.leases.rebalance(live)
+        for n in sorted(self.leases.owned):  # just acquired, or a take that failed: retried each tick
+            if n not in self.cursors:
+                try:
+                    self._take(n)
+                except redis.RedisError:
+                    logger.exception("taking shard %d failed; retried next tick id=%s", n, self.id)
         for n in [n for n in self.cursors if n not in self.leases.owned]:
             del self.cursors[n]
         self._trim_due()

@@ -18,10 +18,14 @@ Invariants:
 - Trimming keeps every entry at or above the oldest one any group still needs
   (its oldest pending entry, else its last-delivered one), so a pending entry
   is never trimmed.
-- ``claim_foreign`` moves entries left pending under any other consumer name
+- ``claim_foreign`` moves every entry pending under any other consumer name
   (an older deployment, a hand-run reader) into ``shard-{n}`` with XAUTOCLAIM
-  once idle for ``claimIdleMs``, and deletes such consumers only when they are
-  idle and hold nothing. Valkey 8 / Redis < 8.4 have
+  when the shard is taken, before anything is read: the shard's cursor then
+  sweeps them in id order with its own pending entries, ahead of new ones, so
+  a session's older entry is never applied after a newer one (nor taken for a
+  duplicate of it). Applying is idempotent, so claiming an entry a foreign
+  reader still works on is harmless. Such consumers are deleted only when they
+  hold nothing and have been idle for ``claimIdleMs``. Valkey 8 / Redis < 8.4 have
   no ``XREADGROUP ... CLAIM``, so redis-py's ``claim_min_idle_time`` is not used.
 """
 
@@ -243,9 +247,9 @@ class ShardStreams:
         return bool(self.redis.xread(streams, count=1, block=block_ms))
 
     def claim_foreign(self, shard: int, min_idle_ms: int) -> int:
-        """Move entries idle under other consumer names into ``shard-{n}``; the number moved.
+        """Move every entry pending under another consumer name into ``shard-{n}``; the number moved.
 
-        Consumers left with nothing pending and idle that long are deleted.
+        Such consumers left with nothing pending and idle ``min_idle_ms`` are deleted.
         """
         stream, group, mine = self.keys.stream(shard), self.keys.group, self.keys.consumer(shard)
         try:
@@ -255,7 +259,7 @@ class ShardStreams:
         foreign = [c for c in consumers if _text(c["name"]) != mine]
         moved = 0
         if any(int(c["pending"]) for c in foreign):
-            moved = self._autoclaim_all(stream, group, mine, min_idle_ms)
+            moved = self._autoclaim_all(stream, group, mine)
         for c in self.redis.xinfo_consumers(stream, group) if foreign else []:
             if _text(c["name"]) != mine and int(c["pending"]) == 0 and int(c["idle"]) >= min_idle_ms:
                 self.redis.xgroup_delconsumer(stream, group, c["name"])
@@ -263,13 +267,14 @@ class ShardStreams:
             logger.warning("claimed foreign entries shard=%d entries=%d", shard, moved)
         return moved
 
-    def _autoclaim_all(self, stream: str, group: str, consumer: str, min_idle_ms: int) -> int:
+    def _autoclaim_all(self, stream: str, group: str, consumer: str) -> int:
+        """XAUTOCLAIM the whole pending list, page by page (redis-py's ``justid=True`` drops the
+        next start id from the reply, so the entries are claimed whole)."""
         start, moved = PEL_START, 0
         while True:
-            reply = self.redis.xautoclaim(stream, group, consumer, min_idle_time=min_idle_ms,
-                                          start_id=start, count=1000, justid=True)
-            start, ids = _text(reply[0]), reply[1]
-            moved += len(ids)
+            reply = self.redis.xautoclaim(stream, group, consumer, min_idle_time=0, start_id=start, count=1000)
+            start = _text(reply[0])
+            moved += len(reply[1])
             if start == PEL_START:
                 return moved
 

@@ -305,3 +305,44 @@ def test_unknown_fields_set_to_null_reach_the_log(r: redis.Redis, fast: Settings
     drain(Watcher(r, fast, name="w"), r, fast)
     line = log_lines(fast, "a3")[0]
     assert ("trace", None) in line.items() and line["meta"] == {"k": None}
+
+
+def test_entries_pending_under_a_foreign_consumer_are_applied_first_and_in_order(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An entry read by a reader of another name (an older deployment) and never acked is
+    claimed when a watcher takes the shard, before anything newer, and applied in stream order."""
+    keys = Keys(fast.redis.prefix, fast.redis.shards)
+    publisher = Publisher(r, fast)
+    [old] = publisher.publish("s1", CWD, [user(1, "first, read by the old reader")])
+    stream = keys.stream_for("s1")
+    r.xgroup_create(stream, keys.group, id="0", mkstream=True)
+    assert r.xreadgroup(keys.group, "old-reader", {stream: ">"})  # it dies here, the entry pending
+    publisher.publish("s1", CWD, [user(1, "second"), turn_end(1)])
+    watcher = Watcher(r, fast, name="w")
+    drain(watcher, r, fast)
+    assert [e.get("content") for e in log_lines(fast, "s1")] == ["first, read by the old reader", "second", None]
+    assert log_lines(fast, "s1")[0]["streamId"] == old
+    assert r.xpending(stream, keys.group)["pending"] == 0
+
+
+def test_a_shard_whose_take_failed_is_taken_again_on_the_next_tick(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    publisher = Publisher(r, fast)
+    publisher.publish("s1", CWD, [user(1), turn_end(1)])
+    watcher = Watcher(r, fast, name="w")
+    real, failed = watcher.streams.claim_foreign, []
+
+    def flaky(shard: int, min_idle_ms: int) -> int:
+        if not failed:
+            failed.append(shard)
+            raise redis.ConnectionError("lost for a moment")
+        return real(shard, min_idle_ms)
+
+    monkeypatch.setattr(watcher.streams, "claim_foreign", flaky)
+    watcher.run_once()
+    assert failed and failed[0] not in watcher.cursors and failed[0] in watcher.leases.owned
+    drain(watcher, r, fast)
+    assert failed[0] in watcher.cursors
+    assert [e["type"] for e in log_lines(fast, "s1")] == ["user", "turn_end"]
