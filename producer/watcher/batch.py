@@ -24,6 +24,9 @@ from producer.watcher.streams import NEW_ENTRIES, PEL_START
 logger = logging.getLogger(__name__)
 
 HOLD_RETRY_S = 1.0  # a held-back session is retried by a PEL sweep this often
+# A dead letter copies at most this many of the entry's fields (name, value pairs): Lua's unpack
+# in the ack script fails past ~8 000 values, which would wedge the shard on every retry.
+MAX_DEAD_LETTER_FIELDS = 1_000
 
 
 @dataclass
@@ -62,7 +65,10 @@ class BatchOutcome:
         logger.warning("dead-lettered stream=%s id=%s reason=%s", self.stream, entry_id, reason,
                        extra=dead_letter_fields(self.stream, entry_id, reason, fields))
         self.reasons.append(reason)
-        self.dead.append([*fields, b"reason", reason.encode(), b"id", entry_id.encode(),
+        kept = fields[:2 * MAX_DEAD_LETTER_FIELDS]
+        if len(kept) < len(fields):  # how many were left out, so the letter says it is partial
+            kept = [*kept, b"fieldsDropped", str((len(fields) - len(kept)) // 2).encode()]
+        self.dead.append([*kept, b"reason", reason.encode(), b"id", entry_id.encode(),
                           b"stream", self.stream.encode()])
         self.acks.append(entry_id)
 

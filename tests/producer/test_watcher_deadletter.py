@@ -70,6 +70,22 @@ def test_bad_entry_is_dead_lettered_with_its_reason_and_acked(
     assert backlog(r, small) == 0
 
 
+def test_an_entry_with_thousands_of_fields_is_dead_lettered_without_wedging_its_shard(
+    r: redis.Redis, small: Settings
+) -> None:
+    """The ack script's XADD of the letter would pass every field through Lua's unpack, which fails
+    past ~8 000 values: the shard would retry the same batch for ever. The letter keeps 1 000."""
+    fields: dict[str, bytes | str] = {"session": "s1", "cwd": CWD, "event": b"{not json"}
+    fields.update({f"x{i}": "y" for i in range(5_000)})
+    bad_id = raw(r, fields)
+    good = Publisher(r, small).publish("s1", CWD, [user(1), turn_end(1)])
+    drain(Watcher(r, small, name="w"), r, small)
+    [dead] = dead_letters(r)
+    assert dead[b"id"].decode() == bad_id and b"invalid JSON" in dead[b"reason"]
+    assert dead[b"event"] == b"{not json" and dead[b"fieldsDropped"] == b"4003"
+    assert [line["streamId"] for line in log_lines(small, "s1")] == good
+
+
 def test_turn_id_going_backwards_is_dead_lettered(r: redis.Redis, small: Settings) -> None:
     publisher = Publisher(r, small)
     good = publisher.publish("s1", CWD, [user(1), turn_end(1), user(2)])
