@@ -120,15 +120,26 @@ def _text(value: bytes, name: str) -> str:
         raise _Reject(f"invalid UTF-8 in field {name!r} at byte {e.start}") from e
 
 
+# orjson reads 1 024 levels of nesting but writes 254: an event it could not write as a log line
+# must be refused on its own here, not fail the append of its whole run.
+_WRITABLE_NESTING = 254
+
+
 def _json_object(event_bytes: bytes) -> Any:
     try:
-        return orjson.loads(event_bytes)  # refuses invalid UTF-8 too
+        data = orjson.loads(event_bytes)  # refuses invalid UTF-8 too
     except orjson.JSONDecodeError as e:
         try:
             event_bytes.decode("utf-8")  # only to say where, as for the other fields
         except UnicodeDecodeError as bad:
             raise _Reject(f"invalid UTF-8 in field 'event' at byte {bad.start}") from e
         raise _Reject(f"invalid JSON in field 'event': {e}") from e
+    if event_bytes.count(b"[") + event_bytes.count(b"{") >= _WRITABLE_NESTING:  # else it cannot be that deep
+        try:
+            orjson.dumps(data)
+        except TypeError as e:  # orjson.JSONEncodeError
+            raise _Reject(f"event: cannot be written as a log line: {e} (nested too deeply)") from e
+    return data
 
 
 def _wire_event(eid: str, session_id: str, cwd: str, data: Any) -> dict[str, Any]:

@@ -70,6 +70,20 @@ def test_bad_entry_is_dead_lettered_with_its_reason_and_acked(
     assert backlog(r, small) == 0
 
 
+def test_an_event_nested_too_deeply_to_write_is_refused_alone(r: redis.Redis, small: Settings) -> None:
+    """orjson reads 1 024 levels but writes 254: such an event failed its run's append, and the
+    good events around it were dead-lettered with it."""
+    publisher = Publisher(r, small)
+    before = publisher.publish("s1", CWD, [user(1, "before")])
+    bad_id = raw(r, {"session": "s1", "cwd": CWD, "event": orjson.dumps({**user(1), "x": 0}).replace(
+        b'"x":0', b'"x":' + b"[" * 300 + b"1" + b"]" * 300)})
+    after = publisher.publish("s1", CWD, [user(1, "after"), turn_end(1)])
+    drain(Watcher(r, small, name="w"), r, small)
+    [dead] = dead_letters(r)
+    assert dead[b"id"].decode() == bad_id and b"nested too deeply" in dead[b"reason"]
+    assert [line["streamId"] for line in log_lines(small, "s1")] == before + after
+
+
 def test_an_entry_with_thousands_of_fields_is_dead_lettered_without_wedging_its_shard(
     r: redis.Redis, small: Settings
 ) -> None:
