@@ -193,9 +193,10 @@ class SessionStore:
     def _current(
         self, session_id: str, cwd: str, log: SessionLog, cached: SessionState | None,
         stored: SessionState | None | _Unread, pipeline: Any | None = None,
-    ) -> tuple[SessionState, set[str] | None]:
-        """``current``, and the log's uuids when the state was rebuilt from the whole log (the
-        uuid index was rebuilt with it, on ``pipeline`` when given)."""
+    ) -> tuple[SessionState, set[str] | None, set[str]]:
+        """``current``; the log's uuids when the state was rebuilt from the whole log (the uuid
+        index was rebuilt with it, on ``pipeline`` when given), else None; and the uuids of the
+        lines past the stored ``logSize`` that were caught up (a crashed writer's; indexed now)."""
         size = log.complete_size()  # a crashed writer's torn tail is not part of the log
         state = cached if cached is not None and cached.log_size == size else None
         if state is None:
@@ -203,16 +204,18 @@ class SessionStore:
         if state is not None and state.cwd != cwd:
             raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}")
         if state is None or size < state.log_size:
-            return self._reindex(session_id, cwd, log, pipeline)
+            return (*self._reindex(session_id, cwd, log, pipeline), set())
         if size > state.log_size:
             logger.info("state catch-up session=%s from=%d to=%d", session_id, state.log_size, size)
             state = state.copy()
             tail = log.read(state.log_size)
             self._index_uuids(session_id, tail)
+            caught_up = set(_uuids(tail))
             if not _fold_all(state, tail, self.settings):
-                return self.rebuild(session_id, cwd, log), None
+                return self.rebuild(session_id, cwd, log), None, caught_up
             state.log_size = size
-        return state, None
+            return state, None, caught_up
+        return state, None, set()
 
     def _reindex(
         self, session_id: str, cwd: str, log: SessionLog, pipeline: Any | None = None,
@@ -311,7 +314,7 @@ class SessionStore:
         log = log or self.log(session_id, cwd)
         with log.lock():
             pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
-            current, log_uuids = self._current(session_id, cwd, log, cached, stored, pipe)
+            current, log_uuids, caught_up = self._current(session_id, cwd, log, cached, stored, pipe)
             state = current.copy()
             if known is not None and len(known) != state.events:
                 logger.warning("known events ignored session=%s: %d lines known, state has seen %d",
@@ -328,6 +331,8 @@ class SessionStore:
                 taken.update(uuids & log_uuids)
             elif taken is None:
                 taken = self.taken_uuids({session_id: fresh})[session_id]
+            elif caught_up:  # looked up before the lock: a crashed writer's lines were not indexed then
+                taken.update(e["uuid"] for e in fresh if e.get("uuid") in caught_up)
             needs_rebuild = self._admit(state, fresh, result, taken)
             if result.appended:
                 if guard is not None:

@@ -217,6 +217,22 @@ def test_uuids_of_lines_a_crashed_writer_left_are_indexed(store: SessionStore) -
     assert [err.field for _, err in result.rejected] == ["uuid"]
 
 
+def test_a_round_lookup_made_before_a_crashed_writers_lines_were_caught_up_is_corrected(
+    store: SessionStore,
+) -> None:
+    """The watcher's lookup (before the lock) cannot see the uuids of lines a crashed writer
+    appended but never indexed; catching those lines up under the lock adds them, so a
+    producer's retry of such an event is refused instead of written twice."""
+    store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a")])
+    store.log(SID, CWD).append([user(1, "b", "2-0", uuid="u-b")])  # appended, never saved nor indexed
+    incoming = [user(1, "b retried", "3-0", uuid="u-b"), user(1, "c", "4-0", uuid="u-c")]
+    found = store.lookup({SID: incoming})
+    assert found.taken[SID] == set()
+    result = store.apply(SID, CWD, incoming, taken=found.taken[SID])
+    assert [(e["content"], err.field) for e, err in result.rejected] == [("b retried", "uuid")]
+    assert [e["uuid"] for e in store.log(SID, CWD).read()] == ["u-a", "u-b", "u-c"]
+
+
 def test_a_round_lookup_made_before_redis_lost_the_index_is_corrected_from_the_log(
     store: SessionStore, r: redis.Redis,
 ) -> None:
