@@ -43,7 +43,7 @@ from events.view import ContextView, extend_view
 
 logger = logging.getLogger(__name__)
 
-Guard = Callable[[], None]
+Guard = Callable[[list[tuple[dict[str, Any], InvalidEvent]]], None]  # called with the events refused so far
 
 UUID_INDEX_CHUNK = 10_000  # uuids per SADD when indexing a whole log
 
@@ -288,8 +288,10 @@ class SessionStore:
         An event carrying a ``streamId`` at or below the session's last applied
         one is counted as a duplicate and skipped; an event whose turn id goes
         backwards is returned in ``rejected`` and not written. ``guard`` runs
-        inside the lock right before the write (the watcher checks its shard
-        lease there). With ``pipeline`` the state write is queued there (only if no
+        inside the lock right before the write, with ``rejected`` (the watcher
+        checks its shard lease there and dead-letters the refused entries: a
+        crash after the write would otherwise leave them to be taken for
+        duplicates of the lines written after them, and acked without a letter). With ``pipeline`` the state write is queued there (only if no
         later state was stored meanwhile) and the caller executes it, so a batch of
         sessions costs one round trip; a save lost with a crash is harmless, the
         next writer folds the lines past the stored ``logSize``.
@@ -336,7 +338,7 @@ class SessionStore:
             needs_rebuild = self._admit(state, fresh, result, taken)
             if result.appended:
                 if guard is not None:
-                    guard()
+                    guard(result.rejected)
                 state.log_size = log.append(result.appended)
                 if needs_rebuild and known is not None:
                     ctx = self.settings.context

@@ -61,16 +61,22 @@ class BatchOutcome:
     dead: list[list[bytes]] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)  # of ``dead``, for the metrics after the ack
 
-    def reject(self, entry_id: str, reason: str, fields: list[bytes]) -> None:
+    def reject(self, entry_id: str, reason: str, fields: list[bytes], *, written: bool = False) -> None:
+        """Dead-letter an entry with the batch's ack, and ack it; ``written``: its letter was
+        written already (before its run's append), so only the ack and the count are left."""
         logger.warning("dead-lettered stream=%s id=%s reason=%s", self.stream, entry_id, reason,
                        extra=dead_letter_fields(self.stream, entry_id, reason, fields))
         self.reasons.append(reason)
+        if not written:
+            self.dead.append(self.letter(entry_id, reason, fields))
+        self.acks.append(entry_id)
+
+    def letter(self, entry_id: str, reason: str, fields: list[bytes]) -> list[bytes]:
+        """The dead letter's flat fields: the entry's (at most ``MAX_DEAD_LETTER_FIELDS``), reason, id, stream."""
         kept = fields[:2 * MAX_DEAD_LETTER_FIELDS]
         if len(kept) < len(fields):  # how many were left out, so the letter says it is partial
             kept = [*kept, b"fieldsDropped", str((len(fields) - len(kept)) // 2).encode()]
-        self.dead.append([*kept, b"reason", reason.encode(), b"id", entry_id.encode(),
-                          b"stream", self.stream.encode()])
-        self.acks.append(entry_id)
+        return [*kept, b"reason", reason.encode(), b"id", entry_id.encode(), b"stream", self.stream.encode()]
 
 
 def dead_letter_fields(stream: str, entry_id: str, reason: str,

@@ -52,7 +52,7 @@ from compactor.keys import Keys
 from compactor.queue import UNCHECKED, Trigger, trigger_compactions
 from compactor.store import UNREAD, Lookup, SessionStore
 from events.config import Settings
-from events.errors import CompactorError, InvalidConfig, InvalidInput
+from events.errors import CompactorError, InvalidConfig, InvalidEvent, InvalidInput
 from events.log import SessionLog
 from events.state import SessionState, decide
 from events.tokens import get_encoding, model_max_input_tokens
@@ -337,16 +337,29 @@ class Watcher:
     ) -> None:
         log = self._log(session_id, cwd)
         stored = found.stored.pop(session_id, UNREAD)  # read this round; only the first run's is current
+        written: set[str] = set()  # entries dead-lettered before the append
+
+        def guard(rejected: list[tuple[dict[str, Any], InvalidEvent]]) -> None:
+            """Right before the append: our lease still, and the refused entries' letters written."""
+            self.leases.check(shard)
+            refused = {event.get("streamId"): error for event, error in rejected}
+            letters = {entry.id: outcome.letter(entry.id, str(refused[entry.id]), entry.fields)
+                       for entry in run if entry.id in refused}
+            if letters:
+                if not self.streams.ack(shard, [], list(letters.values())):
+                    raise LeaseLost(shard)
+                written.update(letters)
+
         result = self.store.apply(
             session_id, cwd, [e.event for e in run], log=log, pipeline=saves, taken=found.taken[session_id],
-            guard=lambda: self.leases.check(shard), cached=self._cached(session_id), stored=stored,
+            guard=guard, cached=self._cached(session_id), stored=stored,
         )
         self._remember(session_id, result.state, log)
         self._appended.extend(result.appended)
         refused = {event.get("streamId"): error for event, error in result.rejected}
         for entry in run:
             if entry.id in refused:
-                outcome.reject(entry.id, str(refused[entry.id]), entry.fields)
+                outcome.reject(entry.id, str(refused[entry.id]), entry.fields, written=entry.id in written)
             else:
                 outcome.acks.append(entry.id)
         if run[-1].event["type"] == "turn_end" and run[-1].id not in refused:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -109,6 +110,39 @@ def test_turn_id_going_backwards_is_dead_lettered(r: redis.Redis, small: Setting
     [dead] = dead_letters(r)
     assert "goes backwards" in dead[b"reason"].decode() and dead[b"id"].decode() == back[0]
     assert [line["streamId"] for line in log_lines(small, "s1")] == good + later
+
+
+def test_a_refused_entry_keeps_its_dead_letter_when_the_round_dies_after_the_append(
+    r: redis.Redis, small: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The refused entry's letter is written before its run's append: after a death between the
+    append and the ack, the redelivered entry sorts below the last applied one and is acked as a
+    duplicate, so a letter left for the ack would never be written."""
+    publisher = Publisher(r, small)
+    watcher = Watcher(r, small, name="w")
+    good = publisher.publish("s1", CWD, [user(1), turn_end(1), user(2)])
+    drain(watcher, r, small)
+    back, end = publisher.publish("s1", CWD, [user(1, "late"), turn_end(2)])  # one run: refused, then written
+    real_ack = watcher.streams.ack_many
+
+    def dies(batches: dict[int, Any], pipeline: Any = None) -> Any:
+        if not any(ids for ids, _ in batches.values()):
+            return real_ack(batches, pipeline)
+        monkeypatch.setattr(watcher.streams, "ack_many", real_ack)
+        raise redis.ConnectionError("died before the ack")
+
+    monkeypatch.setattr(watcher.streams, "ack_many", dies)
+    with pytest.raises(redis.ConnectionError):
+        for _ in range(100):
+            watcher.run_once()
+    assert [line["streamId"] for line in log_lines(small, "s1")] == [*good, end]  # appended, not acked
+    for cursor in watcher.cursors.values():  # what the loop does after an error: sweep the PEL again
+        cursor.restart_sweep()
+    drain(watcher, r, small)
+    [dead] = dead_letters(r)
+    assert dead[b"id"].decode() == back and "goes backwards" in dead[b"reason"].decode()
+    assert [line["streamId"] for line in log_lines(small, "s1")] == [*good, end]
+    assert backlog(r, small) == 0
 
 
 def test_a_session_seen_with_another_cwd_is_dead_lettered(r: redis.Redis, small: Settings) -> None:
