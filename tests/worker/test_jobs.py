@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import pytest
@@ -145,23 +147,49 @@ def test_summary_dropped_when_a_rollback_lands_during_the_llm_call(
 # -- failures --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("response", [
-    StubResponse(text="I cannot summarize this."),
-    StubResponse(status=500),
-    StubResponse(delay_s=3),
-], ids=["malformed", "http-500", "timeout"])
+@pytest.mark.parametrize("response, error, kind, outcome", [
+    (StubResponse(text="I cannot summarize this."), "SummaryInvalid", "invalid", "summary_invalid"),
+    (StubResponse(status=500), "transient LLM failure", "transient", "llm_transient"),
+    (StubResponse(delay_s=3), "transient LLM failure", "transient", "llm_transient"),
+    (StubResponse(status=401), "permanent LLM failure", "permanent", "llm_permanent"),
+], ids=["malformed", "http-500", "timeout", "http-401"])
 def test_llm_failures_count_with_the_ttl_and_fail_the_job(
-    r: redis.Redis, settings: Settings, stub: LLMStub, response: StubResponse
+    r: redis.Redis, settings: Settings, stub: LLMStub, caplog: pytest.LogCaptureFixture,
+    response: StubResponse, error: str, kind: str, outcome: str,
 ) -> None:
+    """Issue #4: each failure counts (TTL set), and transient / permanent / invalid are told
+    apart in the job's result (its error) and in the logs."""
     wsettings = make_settings(settings, llm_timeout_seconds=1.0, compaction_model="openai/stub-model")
     write_session(r, wsettings, "s1", 3)
     stub.script(response)
-    job = _run(r, wsettings, "s1")
+    with caplog.at_level(logging.INFO):
+        job = _run(r, wsettings, "s1")
     assert job.get_status() == JobStatus.FAILED
+    assert error in str(job.latest_result().exc_string)  # type: ignore[union-attr]
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("llm compaction failed session=s1" in m and f"kind={kind}" in m for m in messages), messages
+    assert any("compaction job session=s1" in m and f"outcome={outcome}" in m for m in messages), messages
     assert r.get(Keys().failures("s1")) == b"1"
     assert 86_390 < r.ttl(Keys().failures("s1")) <= 86_400
     assert _summaries(wsettings, "s1") == []
     assert pending_job_id(r, wsettings, "s1") is None
+
+
+def test_a_job_over_its_timeout_is_stopped_counted_and_frees_the_session(
+    r: redis.Redis, settings: Settings, stub: LLMStub,
+) -> None:
+    """Issue #4: jobs have timeouts (``worker.jobTimeoutSeconds``), shorter here than the LLM's."""
+    slow = make_settings(settings, llm_timeout_seconds=30.0, compaction_model=STUB_MODEL)
+    slow = slow.model_copy(update={"worker": slow.worker.model_copy(update={"job_timeout_seconds": 2})})
+    write_session(r, slow, "s1", 3)
+    stub.latency_s = 6.0
+    started = time.monotonic()
+    job = _run(r, slow, "s1")
+    assert time.monotonic() - started < 5.5  # stopped at ~2 s, not after the 6 s reply
+    assert job.get_status() == JobStatus.FAILED
+    assert "timeout" in str(job.latest_result().exc_string).lower()  # type: ignore[union-attr]
+    assert r.get(Keys().failures("s1")) == b"1" and _summaries(slow, "s1") == []
+    assert pending_job_id(r, slow, "s1") is None  # compactable again at once
 
 
 def test_failed_forced_job_is_failed_in_rq_with_the_llm_error(
