@@ -291,7 +291,8 @@ class SessionStore:
         inside the lock right before the write, with ``rejected`` (the watcher
         checks its shard lease there and dead-letters the refused entries: a
         crash after the write would otherwise leave them to be taken for
-        duplicates of the lines written after them, and acked without a letter). With ``pipeline`` the state write is queued there (only if no
+        duplicates of the lines written after them, and acked without a letter).
+        With ``pipeline`` the state write is queued there (only if no
         later state was stored meanwhile) and the caller executes it, so a batch of
         sessions costs one round trip; a save lost with a crash is harmless, the
         next writer folds the lines past the stored ``logSize``.

@@ -469,8 +469,9 @@ def extend_view(view: ContextView, appended: list[Event], ctx: ContextSettings) 
 
     Handled: one appended ``compact`` (the newly compacted candidates are shown
     elided), one appended ``summary`` (the visible events it replaces are
-    hidden; one that replaces a ``compact`` is not handled), or a ``compact`` followed by a ``summary`` (an LLM job's micro step
-    and summary, appended together). Each is visible, being last in the log, and
+    hidden; one that replaces a ``compact`` is not handled), or a ``compact``
+    followed by a ``summary`` (an LLM job's micro step and summary, appended
+    together). Each is visible, being last in the log, and
     none changes the turn counters, the model or the other events' visibility,
     so the result is exactly ``build_view(events + appended, ctx, messages=False)``.
     In the pair, an output the compact elides and the summary replaces is never
