@@ -242,7 +242,7 @@ def test_extractive_fallback_summarizes_when_the_llm_fails(
     assert job.get_status() == JobStatus.FINISHED and job.return_value()["didCompress"] is True
     [summary] = _summaries(wsettings, "s1")
     validate_summary_text(summary["summaryText"])
-    assert "> please do step 1" in summary["summaryText"]
+    assert "```\nplease do step 1\n```" in summary["summaryText"]  # the user message, verbatim
     assert r.get(Keys().failures("s1")) == b"1"  # the LLM failure is still counted
 
 
