@@ -199,12 +199,6 @@ def _first_headings(text: str) -> list[str]:
     return list(dict.fromkeys(title for _, title in _headings(text) if title is not None))
 
 
-def missing_sections(text: str) -> list[str]:
-    """The section titles that no ``### `` heading of ``text`` names."""
-    found = set(_first_headings(text))
-    return [title for title in SECTION_TITLES if title not in found]
-
-
 def extract_summary(reply: str) -> str:
     """The inner text of the reply's ``<summary>`` block (outer whitespace stripped); raise
     SummaryInvalid when there is none.
@@ -235,10 +229,10 @@ def extract_summary(reply: str) -> str:
 def validate_summary_text(text: str) -> None:
     """Raise SummaryInvalid unless ``text`` has the 10 ``### `` section headings, in order (a
     heading repeated later is body text; headings inside fenced code blocks do not count)."""
-    missing = missing_sections(text)
+    order = _first_headings(text)
+    missing = [title for title in SECTION_TITLES if title not in order]
     if missing:
         raise SummaryInvalid(f"summary lacks section headings: {', '.join(missing)}")
-    order = _first_headings(text)
     if order != list(SECTION_TITLES):
         wrong = next(i for i, (got, want) in enumerate(zip(order, SECTION_TITLES)) if got != want)
         raise SummaryInvalid(f"summary sections out of order: {order[wrong]!r} where {SECTION_TITLES[wrong]!r} "

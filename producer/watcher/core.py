@@ -342,7 +342,7 @@ class Watcher:
         def guard(rejected: list[tuple[dict[str, Any], InvalidEvent]]) -> None:
             """Right before the append: our lease still, and the refused entries' letters written."""
             self.leases.check(shard)
-            refused = {event.get("streamId"): error for event, error in rejected}
+            refused = _by_stream_id(rejected)
             letters = {entry.id: outcome.letter(entry.id, str(refused[entry.id]), entry.fields)
                        for entry in run if entry.id in refused}
             if letters:
@@ -356,7 +356,7 @@ class Watcher:
         )
         self._remember(session_id, result.state, log)
         self._appended.extend(result.appended)
-        refused = {event.get("streamId"): error for event, error in result.rejected}
+        refused = _by_stream_id(result.rejected)
         for entry in run:
             if entry.id in refused:
                 outcome.reject(entry.id, str(refused[entry.id]), entry.fields, written=entry.id in written)
@@ -490,3 +490,8 @@ def prepare_heap() -> None:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _by_stream_id(rejected: list[tuple[dict[str, Any], InvalidEvent]]) -> dict[Any, InvalidEvent]:
+    """The refused events' errors by the stream entry id each came from."""
+    return {event.get("streamId"): error for event, error in rejected}
