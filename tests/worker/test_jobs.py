@@ -537,7 +537,8 @@ def test_a_trigger_coalesced_while_a_forced_job_waited_is_honoured_when_it_had_n
     to summarize and writes nothing, so its end re-checks the session."""
     keep2 = make_settings(settings, llm_timeout_seconds=5.0, compaction_model=STUB_MODEL, keep_recent_turns=2)
     write_session(r, keep2, "s1", 2, window=400)  # endTurn = 0: nothing to summarize; turn 1 a micro candidate
-    assert decide(SessionStore(r, keep2).load("s1"), keep2.context, breaker_open=False) == "micro"  # type: ignore[arg-type]
+    state = SessionStore(r, keep2).load("s1")
+    assert state is not None and decide(state, keep2.context, breaker_open=False) == "micro"
     auto = enqueue_compaction(r, keep2, "s1", CWD, "llm")
     forced = enqueue_compaction(r, keep2, "s1", CWD, "llm", forced=True)
     assert auto and forced and enqueue_compaction(r, keep2, "s1", CWD, "micro") is None  # coalesced
@@ -547,7 +548,8 @@ def test_a_trigger_coalesced_while_a_forced_job_waited_is_honoured_when_it_had_n
     run_burst(r, keep2, context)
     assert Job.fetch(forced, connection=r).return_value()["didCompress"] is False
     assert [e["type"] for e in read_log(keep2, "s1")][-1] == "compact"  # the micro trigger's job ran
-    assert decide(SessionStore(r, keep2).load("s1"), keep2.context, breaker_open=False) is None  # type: ignore[arg-type]
+    state = SessionStore(r, keep2).load("s1")
+    assert state is not None and decide(state, keep2.context, breaker_open=False) is None
     assert pending_job_id(r, keep2, "s1") is None and stub.requests == []
 
 
