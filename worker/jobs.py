@@ -133,11 +133,20 @@ def finish(
 
 
 def recheck(context: WorkerContext, session_id: str) -> str | None:
-    """Enqueue the compaction the session's stored state calls for now, if any."""
+    """Enqueue the compaction the session's state calls for now, if any.
+
+    The state is brought up to date with the log first (under its lock): the watcher appends a
+    turn and records its trigger before its deferred state save runs, so the stored state can
+    lag the very turn whose trigger is being answered.
+    """
     store = context.compactor.store
     state = store.load(session_id)
     if state is None:
         return None
+    log = store.log(session_id, state.cwd)
+    if log.exists():
+        with log.lock():
+            state = store.current(session_id, state.cwd, log, cached=state)
     breaker_open = context.compactor.failures.is_open(session_id)
     kind = decide(state, context.settings.context, breaker_open=breaker_open)
     if kind is None:

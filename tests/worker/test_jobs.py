@@ -18,7 +18,7 @@ from events.log import SessionLog
 from events.state import decide, rebuild
 from events.view import build_view
 from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse, summary_text
-from tests.worker.conftest import CWD, log_lines, make_settings, read_log, run_burst, write_session
+from tests.worker.conftest import CWD, log_lines, make_settings, read_log, run_burst, turn, write_session
 from worker.context import WorkerContext, install
 from worker.failures import FailureCounter
 from worker import jobs as worker_jobs
@@ -349,6 +349,26 @@ def test_trigger_coalesced_during_a_job_is_enqueued_when_it_ends(
     run_burst(r, wsettings)
     assert Job.fetch(follow_up, connection=r).get_status() == JobStatus.FINISHED
     assert pending_job_id(r, wsettings, "s1") is None
+
+
+def test_a_trigger_recorded_before_the_watchers_deferred_save_is_honoured_by_the_re_check(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """The watcher appends a turn, records its trigger, and only then runs its deferred state save.
+    A job ending in between re-checks from the log, not from the stored state that lags it."""
+    write_session(r, wsettings, "s1", 3, window=4000)
+    store = SessionStore(r, wsettings)
+    before = store.load("s1")
+    assert before is not None and decide(before, wsettings.context, breaker_open=False) is None
+    running = enqueue_compaction(r, wsettings, "s1", CWD, "micro")
+    saves = r.pipeline(transaction=False)
+    applied = store.apply("s1", CWD, turn(4, output="y" * 14_000, window=4000), pipeline=saves)
+    assert decide(applied.state, wsettings.context, breaker_open=False) == "llm"
+    assert running and enqueue_compaction(r, wsettings, "s1", CWD, "llm") is None  # coalesced: recorded
+    follow_up = worker_jobs.finish(WorkerContext.build(wsettings, r), "s1", running)  # before the save runs
+    saves.execute()
+    assert follow_up is not None and pending_job_id(r, wsettings, "s1") == follow_up
+    assert "-llm-" in follow_up
 
 
 def test_an_llm_job_that_appends_a_summary_frees_its_claim_with_its_state_save(
