@@ -23,6 +23,10 @@ functions read, and runs a *keeper* thread that
   pending-job claim is freed and a coalesced trigger re-checked
   (``worker.jobs.finish``); stale rate-limit slots of the queue's sessions are
   freed. So a session is compactable again within ~25-30 s of a SIGKILL.
+  A job its worker took from the queue but died before starting (RQ's
+  intermediate queue; RQ itself fails it only after a minute) is failed once
+  seen there by two janitor runs ``STRANDED_AFTER_S`` apart, and its claim is
+  then freed as stale: the session is compactable again within ~40 s.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ JANITOR_INTERVAL_S = 5  # how often a worker process tries to run the janitor
 WORKER_TTL_S = 60  # RQ worker key TTL; the blocking dequeue returns every WORKER_TTL_S - 15 s
 RQ_MAINTENANCE_INTERVAL_S = 60  # RQ's own registry maintenance (finished/failed/... cleanup)
 RESPAWN_DELAY_S = 1.0  # before replacing a worker child that died
+STRANDED_AFTER_S = 10  # a job dequeued but not started this long: its worker died in between
 PRELOAD_ENCODINGS = ("cl100k_base", "o200k_base")
 
 
@@ -190,7 +195,7 @@ def run_janitor(context: WorkerContext, worker: SimpleWorker | None = None) -> l
     if expired:
         registry.cleanup()
     if worker is not None:
-        queue.intermediate_queue.cleanup(worker, queue)
+        _fail_stranded(worker, queue)
     _clean_rate_limits(client, keys.prefix)
     recovered = []
     for job_id in expired:
@@ -205,6 +210,28 @@ def run_janitor(context: WorkerContext, worker: SimpleWorker | None = None) -> l
         recovered.append(job_id)
     recovered += _free_stale_claims(context)
     return recovered
+
+
+def _fail_stranded(worker: SimpleWorker, queue: Queue) -> None:
+    """RQ's ``intermediate_queue.cleanup`` with a shorter wait: a job taken from the queue by a
+    worker that died before starting it is failed once first seen ``STRANDED_AFTER_S`` ago (RQ
+    waits a minute; its claim is then freed as stale, and a session must be compactable again
+    within 60 s of a kill)."""
+    intermediate = queue.intermediate_queue
+    for job_id in intermediate.get_job_ids():
+        if job_id in queue.started_job_registry:
+            continue
+        job = queue.fetch_job(job_id)
+        if job is None:
+            intermediate.remove(job_id)
+            continue
+        if intermediate.set_first_seen(job_id):
+            continue  # seen now for the first time: a live worker may be about to start it
+        first_seen = intermediate.get_first_seen(job_id)
+        if first_seen is not None and time.time() - first_seen.timestamp() > STRANDED_AFTER_S:
+            logger.warning("job stranded by a dead worker failed job=%s", job_id)
+            worker.handle_job_failure(job, queue, exc_string="its worker died after taking it from the queue")
+            intermediate.remove(job_id)
 
 
 def _free_stale_claims(context: WorkerContext) -> list[str]:

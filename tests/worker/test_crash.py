@@ -102,6 +102,44 @@ def test_killed_worker_leaves_no_stuck_session_and_no_duplicate_summary(
     assert sum(e["type"] == "summary" for e in events) == 1, output
 
 
+def test_a_worker_killed_between_taking_a_job_and_starting_it_leaves_no_stuck_session(
+    r: redis.Redis, settings: Settings, stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
+) -> None:
+    """The job sits in RQ's intermediate queue, still "queued", heartbeaten by nobody; RQ fails it
+    only after a minute. The janitor fails it sooner, so the session is compactable within 60 s."""
+    config = _config(tmp_path, settings)
+    wsettings = load_settings(config, env_for_subprocess)
+    write_session(r, wsettings, "s1", 3)
+    stranded = enqueue_compaction(r, wsettings, "s1", CWD, "micro")
+    assert stranded is not None
+    dies = ("import os\nfrom events.config import load_settings\nfrom worker.runner import CompactionWorker, main\n"
+            "CompactionWorker.prepare_execution = lambda self, job: os._exit(9)\n"
+            f"main(load_settings({str(config)!r}), count=1)\n")
+    first = subprocess.Popen([sys.executable, "-c", dies], env=env_for_subprocess,
+                             cwd=str(Path(__file__).parents[2]), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        deadline = time.monotonic() + 60
+        while Job.fetch(stranded, connection=r).get_status() != JobStatus.QUEUED or \
+                not r.lrange(f"rq:queue:{wsettings.redis.prefix}:intermediate", 0, -1):
+            assert time.monotonic() < deadline, "the dying worker never took the job"
+            time.sleep(0.1)
+        first.kill()  # its supervisor would start a child that dies the same way
+        first.wait()
+        killed_at = time.monotonic()
+        second = _start_worker(config, env_for_subprocess)
+        while pending_job_id(r, wsettings, "s1") == stranded:
+            assert time.monotonic() - killed_at < RECOVERY_LIMIT_S, "the session is still claimed by the stranded job"
+            time.sleep(0.5)
+        assert Job.fetch(stranded, connection=r).get_status() == JobStatus.FAILED
+        again = enqueue_compaction(r, wsettings, "s1", CWD, "micro") or pending_job_id(r, wsettings, "s1")
+        assert again is not None and again != stranded
+        assert _wait_job(r, again, RECOVERY_LIMIT_S - (time.monotonic() - killed_at)).get_status() == JobStatus.FINISHED
+    finally:
+        first.kill()
+        _stop(second) if second else None
+
+
 def test_main_runs_several_worker_processes_until_the_queue_is_empty(
     r: redis.Redis, settings: Settings, stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
 ) -> None:
