@@ -146,7 +146,7 @@ def recheck(context: WorkerContext, session_id: str) -> str | None:
     log = store.log(session_id, state.cwd)
     if log.exists():
         with log.lock():
-            state = store.current(session_id, state.cwd, log, cached=state)
+            state = store.current(session_id, state.cwd, log, cached=state, stored=state)  # no second read
     breaker_open = context.compactor.failures.is_open(session_id)
     kind = decide(state, context.settings.context, breaker_open=breaker_open)
     if kind is None:

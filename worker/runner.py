@@ -45,6 +45,7 @@ from typing import Any
 import redis
 from rq import Queue, SimpleWorker
 from rq.executions import Execution
+from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
 from rq.rate_limit import RateLimitRegistry
 from rq.registry import StartedJobRegistry
@@ -212,26 +213,19 @@ def run_janitor(context: WorkerContext, worker: SimpleWorker | None = None) -> l
     return recovered
 
 
+class _StrandedJobs(IntermediateQueue):
+    """RQ's intermediate queue with a shorter wait: a job a worker took from the queue and died
+    before starting is failed by RQ's own ``cleanup`` once first seen ``STRANDED_AFTER_S`` ago
+    (RQ waits a minute; its claim is then freed as stale, and a session must be compactable
+    again within 60 s of a kill)."""
+
+    def should_be_cleaned_up(self, job_id: str) -> bool:
+        first_seen = self.get_first_seen(job_id)
+        return first_seen is not None and time.time() - first_seen.timestamp() > STRANDED_AFTER_S
+
+
 def _fail_stranded(worker: SimpleWorker, queue: Queue) -> None:
-    """RQ's ``intermediate_queue.cleanup`` with a shorter wait: a job taken from the queue by a
-    worker that died before starting it is failed once first seen ``STRANDED_AFTER_S`` ago (RQ
-    waits a minute; its claim is then freed as stale, and a session must be compactable again
-    within 60 s of a kill)."""
-    intermediate = queue.intermediate_queue
-    for job_id in intermediate.get_job_ids():
-        if job_id in queue.started_job_registry:
-            continue
-        job = queue.fetch_job(job_id)
-        if job is None:
-            intermediate.remove(job_id)
-            continue
-        if intermediate.set_first_seen(job_id):
-            continue  # seen now for the first time: a live worker may be about to start it
-        first_seen = intermediate.get_first_seen(job_id)
-        if first_seen is not None and time.time() - first_seen.timestamp() > STRANDED_AFTER_S:
-            logger.warning("job stranded by a dead worker failed job=%s", job_id)
-            worker.handle_job_failure(job, queue, exc_string="its worker died after taking it from the queue")
-            intermediate.remove(job_id)
+    _StrandedJobs(queue.key, queue.connection).cleanup(worker, queue)
 
 
 def _free_stale_claims(context: WorkerContext) -> list[str]:
