@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import logging
 import os
 import re
@@ -69,12 +70,20 @@ def _project_dir_name(cwd: str) -> str:
 
 def session_log_path(data_dir: str | os.PathLike[str], cwd: str, session_id: str) -> Path:
     """The log file of a session; validates both ids; the result is always inside ``data_dir``."""
-    validate_session_id(session_id)
-    root = Path(os.path.abspath(os.path.expanduser(data_dir)))
-    path = root / _project_dir_name(cwd) / "sessions" / f"{session_id}{LOG_SUFFIX}"
-    if os.path.commonpath([root, os.path.abspath(path)]) != str(root):
+    validate_session_id(session_id)  # letters, digits, ``_`` and ``-``: a plain file name
+    root = os.path.abspath(os.path.expanduser(data_dir))
+    return _sessions_dir(root, cwd) / f"{session_id}{LOG_SUFFIX}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _sessions_dir(root: str, cwd: str) -> Path:
+    """The ``sessions`` directory of ``cwd``'s project under the absolute ``root`` (checked to be
+    inside it). Cached: a worker or the watcher opens the logs of the same projects all day, and
+    the checks cost more than the read of a small log."""
+    directory = Path(root) / _project_dir_name(cwd) / "sessions"
+    if os.path.commonpath([root, os.path.abspath(directory)]) != root:
         raise InvalidEvent("cwd", "resolves outside the data directory")
-    return path
+    return directory
 
 
 def _sibling(path: Path, suffix: str) -> Path:
@@ -176,6 +185,9 @@ class SessionLog:
     # -- reading -------------------------------------------------------------
 
     def _read_bytes(self, start: int) -> bytes:
+        fd = self._lock_fd
+        if fd is not None:  # under the lock: through its descriptor, no open
+            return _pread_all(fd, os.fstat(fd).st_size - start, start)
         try:
             with open(self.path, "rb") as f:
                 if start:
@@ -339,6 +351,18 @@ def _serialize(events: list[dict[str, Any]]) -> list[bytes]:
     if current:
         chunks.append(b"".join(current))
     return chunks
+
+
+def _pread_all(fd: int, length: int, offset: int) -> bytes:
+    """``length`` bytes from ``offset`` (fewer at the end of the file)."""
+    parts = []
+    while length > 0:
+        data = os.pread(fd, length, offset)
+        if not data:
+            break
+        parts.append(data)
+        offset, length = offset + len(data), length - len(data)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _complete_size(fd: int, size: int | None = None) -> int:

@@ -25,7 +25,7 @@ import orjson
 
 from events.config import ContextSettings
 from events.tokens import DEFAULT_ENCODING, encoding_for_model, model_max_input_tokens, stamped_tokens
-from events.view import ContextView, build_view
+from events.view import ContextView, LlmPass, build_view
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +247,30 @@ def rebuild_with_view(
         last_stream_id=_last_stream_id(events),
     )
     return state, view
+
+
+def state_after_summary(
+    before: SessionState, reading: LlmPass, appended: list[dict[str, Any]], ctx: ContextSettings, log_size: int,
+) -> SessionState:
+    """The state once ``appended`` (the micro step's compact, if any, then the summary of
+    ``reading``'s targets) is written after the lines ``before`` covers, which ``reading``
+    read (``events.view.llm_pass``; its ``exact`` must hold): what ``rebuild`` of the whole
+    log gives, without a pass over it."""
+    summary = appended[-1]
+    state = before.copy()
+    state.model = reading.model
+    state.encoding = reading.encoding
+    state.window = context_window(reading.model, reading.context_window, ctx)
+    state.current_turn_id = reading.current_turn_id
+    state.max_turn = reading.max_turn
+    state.last_ended_turn = reading.last_ended_turn
+    state.prompt_estimate = reading.kept_estimate + stamped_tokens(summary, reading.encoding)
+    state.min_candidate_turn = reading.kept_min_candidate_turn
+    state.compacted_through = reading.compacted_through
+    state.last_compaction = {"kind": "llm", "uuid": summary.get("uuid"), "timestamp": summary.get("timestamp")}
+    state.events = before.events + len(appended)
+    state.log_size = log_size
+    return state
 
 
 def decide(state: SessionState, ctx: ContextSettings, *, breaker_open: bool) -> Decision | None:

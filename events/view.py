@@ -33,17 +33,19 @@ rollbacks: a summarized turn has still happened.
 
 Workers and the state need no chat messages: ``build_view(..., messages=False)``
 skips pairing and merging, and ``extend_view`` derives the view after one
-appended ``compact`` or ``summary``, or a ``compact`` then a ``summary``, from
-the view before it (no second pass over the log); both give exactly what a
-full ``build_view`` gives. ``llm_targets(compact=...)`` shows the targets as
-they are once a pending compact is appended, with *estimated* token stamps for
-the outputs it elides (for sizing a prompt only; see there).
+appended ``compact`` from the view before it (no second pass over the log);
+both give exactly what a full ``build_view`` gives. An LLM job reads its log
+with ``llm_pass``: the targets (SPEC §5) as they are once its micro step's
+compact is appended, rendered, and what the state will be once its summary is
+appended, in one reverse and one forward pass; elided targets carry
+*estimated* token stamps (for sizing a prompt only; see there).
 """
 
 from __future__ import annotations
 
 import logging
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -68,8 +70,6 @@ SUMMARY_MESSAGE_NAME = "compacted_history"
 MERGE_SEPARATOR = "\n\n"
 _TURN_SCOPED = frozenset({"user", "assistant", "tool_result", "turn_end"})
 _NO_ROLLBACK = float("inf")
-_TARGET_TYPES = frozenset({"user", "assistant", "tool_result"})
-_COUNTED = frozenset({"user", "assistant", "tool_result", "summary"})  # SPEC §4.5 items
 
 
 def elision_marker(omitted: int) -> str:
@@ -146,6 +146,7 @@ class _Scan:
     last_ended_turn: int = 0
     max_turn: int = 0
     compacts: list[tuple[int, int]] = field(default_factory=list)
+    summary: Event | None = None  # the latest visible summary (the first one kept in reverse)
 
 
 def _int(value: Any) -> int:
@@ -186,6 +187,8 @@ def _scan(events: list[Event]) -> _Scan:
                 continue
             if event.get("uuid") in replaced:
                 hidden[i] = True  # superseded: not shown, but what it replaced stays hidden
+            elif scan.summary is None:
+                scan.summary = event
             replaces = event.get("replaces")
             if isinstance(replaces, list):
                 replaced.update(r for r in replaces if isinstance(r, str))
@@ -467,23 +470,14 @@ def extend_view(view: ContextView, appended: list[Event], ctx: ContextSettings) 
     """The view (without messages) of the viewed events + ``appended``, from ``view``; None when
     that is not computed incrementally (then build the view of the whole log).
 
-    Handled: one appended ``compact`` (the newly compacted candidates are shown
-    elided), one appended ``summary`` (the visible events it replaces are
-    hidden; one that replaces a ``compact`` is not handled), or a ``compact``
-    followed by a ``summary`` (an LLM job's micro step and summary, appended
-    together). Each is visible, being last in the log, and
-    none changes the turn counters, the model or the other events' visibility,
-    so the result is exactly ``build_view(events + appended, ctx, messages=False)``.
-    In the pair, an output the compact elides and the summary replaces is never
-    elided nor tokenized: its shown size would be added and taken away again.
+    Handled: one appended ``compact`` (the micro job's): the newly compacted candidates are
+    shown elided. Being last in the log it is visible, and it changes neither the turn
+    counters, the model nor the other events' visibility, so the result is exactly
+    ``build_view(events + appended, ctx, messages=False)``. (An LLM job derives the state
+    after its compact and summary from its ``llm_pass`` instead.)
     """
-    kinds = [event.get("type") for event in appended]
-    if kinds == ["compact"]:
+    if len(appended) == 1 and appended[0].get("type") == "compact":
         return _with_compact(view, appended[0], ctx)
-    if kinds == ["summary"]:
-        return _with_summary(view, appended[0])
-    if kinds == ["compact", "summary"]:
-        return _with_summary(view, appended[1], ctx, appended[0])
     return None
 
 
@@ -528,76 +522,6 @@ class _ElidedTokens:
         return count_tokens(shown, self.encoding) + known + MESSAGE_OVERHEAD_TOKENS
 
 
-def _replaced(summary: Event) -> set[str]:
-    replaces = summary.get("replaces")
-    return {r for r in replaces if isinstance(r, str)} if isinstance(replaces, list) else set()
-
-
-def _newly_compacted(view: ContextView, compact: Event) -> tuple[tuple[tuple[int, int], ...], set[int]]:
-    """The compacted ranges once ``compact`` is appended, and the ids of the candidates it elides
-    (a candidate is outside the ranges compacted before: it is elided iff in ``compact``'s)."""
-    start, end = _int(compact.get("startTurnId")), _int(compact.get("endTurnId"))
-    compacted = _merge_ranges([*view.compacted, (start, end)])
-    newly = {id(c) for c in view.candidates if start <= _int(c.get("turnId")) <= end}
-    return compacted, newly
-
-
-# never hidden by a summary: a rollback is applied before summaries (SPEC §4 step 1), session_meta is no
-# part of the context
-_REPLACEABLE_EXEMPT = frozenset({"rollback", "session_meta"})
-
-
-def _with_summary(
-    view: ContextView, event: Event, ctx: ContextSettings | None = None, compact: Event | None = None,
-) -> ContextView | None:
-    """``view`` + one appended summary; with ``compact``, + that compact and then the summary
-    (one pass: a newly compacted output is elided and tokenized only if the summary keeps it).
-    None when the summary replaces a visible ``compact`` (build the view instead)."""
-    replaced = _replaced(event)
-    encoding = view.encoding
-    estimate = view.prompt_estimate + stamped_tokens(event, encoding)
-    compacted = view.compacted
-    newly: set[int] = set()
-    if compact is not None:
-        compacted, newly = _newly_compacted(view, compact)
-    tokens_of = _ElidedTokens(encoding)
-    keep_chars = ctx.micro_compact_keep_chars if ctx is not None else 0
-    old_elided = view.elided
-    visible: list[Event] = []
-    elided: dict[int, tuple[str, int]] = {}
-    for position, old in enumerate(view.visible):
-        if replaced and old.get("uuid") in replaced and old.get("type") not in _REPLACEABLE_EXEMPT:
-            if old.get("type") == "compact":
-                return None  # its turns are no longer compacted: outputs shown whole again, build the view
-            shown = old_elided.get(position) if old_elided else None
-            if shown is not None:
-                estimate -= shown[1]
-            elif old.get("type") in _COUNTED:
-                count = old.get(TOKEN_COUNT_FIELD)
-                if type(count) is int and old.get(TOKEN_ENCODING_FIELD) == encoding:
-                    estimate -= count
-                else:
-                    estimate -= event_tokens(old, encoding)
-            continue
-        shown = old_elided.get(position) if old_elided else None
-        if shown is None and newly and id(old) in newly:
-            output = old["output"]  # a candidate's output is a long str
-            text = elide(output, keep_chars)
-            if text is not output:
-                shown = (text, tokens_of(old, text))
-                estimate += shown[1] - stamped_tokens(old, encoding)
-        if shown is not None:
-            elided[len(visible)] = shown
-        visible.append(old)
-    if compact is not None:
-        visible.append(compact)
-    visible.append(event)
-    # a candidate (a tool_result, never exempt) is hidden by the summary iff its uuid is replaced
-    candidates = [c for c in view.candidates if id(c) not in newly and not (replaced and c.get("uuid") in replaced)]
-    return replace(view, messages=[], prompt_estimate=estimate, summary=event, visible=visible,
-                   candidates=candidates, compacted=compacted, elided=elided)
-
-
 def current_turn_id(events: list[Event]) -> int:
     """SPEC §3: the turn about to run (t + 1 after turn_end t, or a later turn in progress)."""
     scan = _scan(events)
@@ -623,52 +547,159 @@ def micro_candidates(
     return [e for e in view.candidates if e["turnId"] < current - 1]
 
 
-def llm_targets(
-    events: list[Event], ctx: ContextSettings, *, view: ContextView | None = None, compact: Event | None = None,
-) -> LlmTargets:
-    """SPEC §5: visible user/assistant/tool_result events with start_after < turnId <= endTurn.
+@dataclass(frozen=True, slots=True)
+class LlmPass:
+    """An LLM job's one pass over its log (``llm_pass``): the targets, each rendered, and the
+    session's state once the micro step's compact (if any) and the summary are appended, but
+    for the summary's own tokens (known once it is written: ``events.state.state_after_summary``).
 
-    ``view`` (a view of ``events``, with or without messages) saves building it
-    again. An elided tool result is a copy carrying the output as shown, and
-    a token stamp of what is shown (the view counted it).
-
-    ``compact`` (an LLM job's micro step, decided but not appended yet): the
-    targets as they are once it is appended, except that an output it newly
-    elides carries an *estimated* stamp, not a count: its stamp scaled by the
-    shown / original length, rounded up, plus the per-message overhead. The
-    stamps only size the LLM prompt (planning, chunks), which keeps a reserve.
+    ``exact`` is False when another visible event carries a uuid the summary replaces (the
+    log breaks SPEC §3's uniqueness): that event would be hidden too, so rebuild instead.
     """
-    if view is None:
-        view = build_view(events, ctx, messages=False)
-    end_turn = view.current_turn_id - ctx.keep_recent_turns - 1
-    previous = view.summary
+
+    targets: LlmTargets
+    compact_turns: tuple[int, int] | None  # the micro step's compact (start, end); None without
+    blocks: list[str]  # ``render`` of each target as shown
+    target_tokens: int  # the targets' stamps (estimated where elided) + ``block_tokens`` each
+    replaces: list[str]  # the targets' uuids, then the previous summary's
+    encoding: str
+    model: str | None
+    context_window: int | None
+    current_turn_id: int
+    max_turn: int
+    last_ended_turn: int
+    kept_estimate: int  # SPEC §4.5 tokens of what stays visible, the new summary's excluded
+    kept_min_candidate_turn: int  # 0 when no candidate stays
+    compacted_through: int  # the highest turn a visible compact covers, the new one included
+    exact: bool
+
+
+def llm_pass(
+    events: list[Event], ctx: ContextSettings, *, micro: bool, render: Callable[[Event], str],
+    block_tokens: int = 0,
+) -> LlmPass:
+    """What ``build_view`` + ``llm_targets(compact=...)`` + rendering + ``extend_view`` of the
+    compact and summary give an LLM job, in one reverse and one forward pass (a job's cost
+    beyond reading its log is mostly passes over it).
+
+    ``micro``: the micro step runs (its compact covers the turns of the candidates in turns
+    before ``currentTurnId - 1``; every such candidate is then shown elided). The targets are
+    ``llm_targets(events, ctx, compact=<that compact>)``'s, with one difference: every
+    elided target carries an *estimated* stamp (its stamp scaled by the shown / original
+    length, plus the per-message overhead), also one a compact already covered, so no target
+    is tokenized (stamps only size the prompt). What stays visible is counted exactly, as
+    ``build_view`` counts it after the append.
+    """
+    scan = _scan(events)
+    hidden = scan.hidden
+    encoding = encoding_for_model(scan.model)
+    compacted = _merge_ranges(scan.compacts)
+    starts = [start for start, _ in compacted]
+    current = _current_turn(scan.last_ended_turn, scan.max_turn)
+    end_turn = current - ctx.keep_recent_turns - 1
+    previous = scan.summary
     start_after = _int(previous.get("lastSummarizedTurnId")) if previous else 0
-    elided = view.elided
-    encoding = view.encoding
+    summarize = end_turn > start_after
+    old_before = current - 1  # the micro step's candidates are in turns before this
+    min_chars = ctx.micro_compact_min_chars
+    keep_chars = ctx.micro_compact_keep_chars
+    compactable: dict[str, bool] = {}
+    tokens_of = _ElidedTokens(encoding)
     targets: list[Event] = []
-    if end_turn > start_after:
-        newly = _newly_compacted(view, compact)[1] if compact is not None else None
-        keep_chars = ctx.micro_compact_keep_chars
-        for position, event in enumerate(view.visible):
+    blocks: list[str] = []
+    replaces: list[str] = []
+    others: list[Any] = []  # uuids of the events that stay visible and a summary could hide
+    target_tokens = kept = kept_min = 0
+    low: int | None = None  # the micro step's range
+    high = 0
+    for i, event in enumerate(events):
+        if hidden[i]:
+            continue
+        kind = event.get("type")
+        if kind == "user" or kind == "assistant" or kind == "tool_result":
             turn = event.get("turnId")
             if type(turn) is not int:
                 turn = 0
-            kind = event.get("type")
-            if not start_after < turn <= end_turn or kind not in _TARGET_TYPES:
-                continue
-            if kind != "tool_result":
-                targets.append(event)
-                continue
-            shown = elided.get(position) if elided else None
-            if shown is None and newly and id(event) in newly:
-                output = event["output"]  # a candidate's output is a long str
-                text = elide(output, keep_chars)
-                if text is not output:
-                    stamped = stamped_tokens(event, encoding)
-                    shown = (text, -(-stamped * len(text) // len(output)) + MESSAGE_OVERHEAD_TOKENS)
-            if shown is None:
-                targets.append(event)
+            shown: str | None = None  # the output as shown once the compact is appended, when elided
+            candidate = False  # still a candidate after the append
+            output: Any = None
+            if kind == "tool_result":
+                output = event.get("output")
+                if isinstance(output, str) and len(output) > min_chars:
+                    name = _str(event.get("toolName"))
+                    known = compactable.get(name)
+                    if known is None:
+                        known = compactable[name] = ctx.is_compactable(name)
+                    if not known:
+                        pass
+                    elif compacted and _in_ranges(turn, starts, compacted):
+                        shown = elide(output, keep_chars)
+                    elif micro and turn < old_before:
+                        if low is None:
+                            low = high = turn
+                        elif turn > high:
+                            high = turn
+                        elif turn < low:
+                            low = turn
+                        shown = elide(output, keep_chars)
+                    else:
+                        candidate = True
+                    if shown is output:
+                        shown = None
+            count = event.get(TOKEN_COUNT_FIELD)
+            stamped = count if type(count) is int and event.get(TOKEN_ENCODING_FIELD) == encoding else -1
+            uuid = event.get("uuid")
+            if summarize and start_after < turn <= end_turn:
+                if stamped < 0:
+                    stamped = event_tokens(event, encoding)
+                if shown is None:
+                    target = event
+                    target_tokens += stamped + block_tokens
+                else:
+                    estimate = -(-stamped * len(shown) // len(output)) + MESSAGE_OVERHEAD_TOKENS
+                    target = {**event, "output": shown, TOKEN_COUNT_FIELD: estimate, TOKEN_ENCODING_FIELD: encoding}
+                    target_tokens += estimate + block_tokens
+                targets.append(target)
+                blocks.append(render(target))
+                if isinstance(uuid, str):
+                    replaces.append(uuid)
+                    continue  # hidden by the summary
+            elif uuid is not None:
+                others.append(uuid)
+            if shown is not None:
+                kept += tokens_of(event, shown)
             else:
-                targets.append({**event, "output": shown[0], TOKEN_COUNT_FIELD: shown[1],
-                                TOKEN_ENCODING_FIELD: encoding})
-    return LlmTargets(previous_summary=previous, events=targets, end_turn=end_turn, start_after=start_after)
+                kept += stamped if stamped >= 0 else event_tokens(event, encoding)
+            if candidate and (kept_min == 0 or turn < kept_min):
+                kept_min = turn
+        elif kind == "summary":
+            uuid = event.get("uuid")
+            if event is previous and summarize and isinstance(uuid, str):
+                continue  # replaced by the new summary
+            others.append(uuid)
+            kept += stamped_tokens(event, encoding)
+        elif kind != "rollback" and kind != "session_meta":  # never hidden by a summary
+            others.append(event.get("uuid"))
+    if previous is not None and isinstance(previous.get("uuid"), str):
+        replaces.append(previous["uuid"])
+    compact_turns = (low, high) if low is not None else None
+    if compact_turns is not None:
+        compacted = _merge_ranges([*compacted, compact_turns])
+    replaced = set(replaces)
+    return LlmPass(
+        targets=LlmTargets(previous_summary=previous, events=targets, end_turn=end_turn, start_after=start_after),
+        compact_turns=compact_turns,
+        blocks=blocks,
+        target_tokens=target_tokens,
+        replaces=replaces if targets else [],
+        encoding=encoding,
+        model=scan.model,
+        context_window=scan.context_window,
+        current_turn_id=current,
+        max_turn=scan.max_turn,
+        last_ended_turn=scan.last_ended_turn,
+        kept_estimate=kept,
+        kept_min_candidate_turn=kept_min,
+        compacted_through=compacted[-1][1] if compacted else 0,
+        exact=not any(uuid in replaced for uuid in others),
+    )

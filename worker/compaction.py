@@ -81,7 +81,7 @@ from events.errors import (
 )
 from events.log import SessionLog
 from events.models import CompressResult, now_iso
-from events.state import SessionState
+from events.state import SessionState, state_after_summary
 from events.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
     TOKEN_COUNT_FIELD,
@@ -92,10 +92,11 @@ from events.tokens import (
 )
 from events.view import (
     ContextView,
+    LlmPass,
     LlmTargets,
     build_view,
     elide,
-    llm_targets,
+    llm_pass,
     micro_candidates,
 )
 from worker.extractive import EXTRACTIVE_MODEL, extractive_summary
@@ -105,6 +106,7 @@ from worker.summarize import (
     Summarizer,
     build_messages,
     extract_summary,
+    render_event,
     render_transcript,
 )
 
@@ -227,13 +229,14 @@ class Compactor:
             if state.events != len(events):  # the stored state lagged: caught up (or rebuilt) from the log
                 events = log.read()
             before = state.prompt_estimate
-            view = build_view(events, self.ctx, messages=False)
-            compact = None
             # a forced job skips both thresholds (SPEC §5): its micro step runs whenever there are candidates
             over_micro = forced or before > self.ctx.micro_compact_threshold * state.window
-            if over_micro and _has_old_candidate(state):
-                compact = _compact_event(events, self.ctx, view)
-            targets = llm_targets(events, self.ctx, view=view, compact=compact)
+            reading = llm_pass(events, self.ctx, micro=over_micro and _has_old_candidate(state),
+                               render=render_event, block_tokens=BLOCK_HEADER_TOKENS)
+            compact = None
+            if reading.compact_turns is not None:
+                compact = _new_line("compact", startTurnId=reading.compact_turns[0], endTurnId=reading.compact_turns[1])
+            targets = reading.targets
             nothing = targets.end_turn < 1 or not targets.events
             if nothing and forced:  # SPEC §5: {didCompress: false, released: 0, promptEstimate: E}, nothing written
                 return _result(False, before, before)
@@ -242,19 +245,20 @@ class Compactor:
                     logger.info("llm compaction skipped session=%s: breaker open", session_id)
                 if compact is None:
                     return _result(False, before, before)
+                view = build_view(events, self.ctx, messages=False)
                 applied = self._micro_locked(session_id, cwd, log, events, view, cached=state, event=compact)
                 return _result(True, before, applied.state.prompt_estimate)
-            snapshot = _Snapshot(state.log_size, events, view, state, compact)
+            snapshot = _Snapshot(state.log_size, events, reading, state, compact)
         session = _Session(state.model, state.window, state.encoding)
         try:
-            summary_text, reset = self._summary_text(session_id, targets, session, breaker_open=breaker_open)
+            summary_text, reset = self._summary_text(session_id, reading, session, breaker_open=breaker_open)
         except Exception:
             if compact is not None:
                 self._micro_after_failure(session_id, cwd, log)
             raise
         # (jobs of one session never run at once: only this job could have counted a failure since)
         reset = reset and stored.failures > 0
-        return self._append_summary(session_id, cwd, log, targets, summary_text, reset, snapshot, before, release)
+        return self._append_summary(session_id, cwd, log, summary_text, reset, snapshot, before, release)
 
     def _micro_after_failure(self, session_id: str, cwd: str, log: SessionLog) -> None:
         """Apply the micro step of an LLM job that failed (its error is what the job reports)."""
@@ -264,7 +268,7 @@ class Compactor:
             logger.exception("micro step after a failed llm compaction failed session=%s", session_id)
 
     def _append_summary(
-        self, session_id: str, cwd: str, log: SessionLog, targets: LlmTargets, text: str, reset: bool,
+        self, session_id: str, cwd: str, log: SessionLog, text: str, reset: bool,
         snapshot: _Snapshot, before: int, release: Release | None = None,
     ) -> CompressResult:
         """Append the micro step's compact (if any) and the summary, unless a summary/rollback
@@ -274,11 +278,9 @@ class Compactor:
         counter, and ``release`` frees the job's claim, in the same round trip as
         the state save when the summary is appended.
         """
-        previous = targets.previous_summary
-        replaces = [e["uuid"] for e in targets.events if isinstance(e.get("uuid"), str)]
-        if previous is not None and isinstance(previous.get("uuid"), str):
-            replaces.append(previous["uuid"])
-        event = _new_line("summary", replaces=replaces, summaryText=text, lastSummarizedTurnId=targets.end_turn)
+        reading = snapshot.reading
+        event = _new_line("summary", replaces=reading.replaces, summaryText=text,
+                          lastSummarizedTurnId=reading.targets.end_turn)
         lines = [event] if snapshot.compact is None else [snapshot.compact, event]
         with log.lock():
             since = _lines_since(log, snapshot.size)
@@ -294,10 +296,14 @@ class Compactor:
             pipe = self.store.redis.pipeline(transaction=False) if reset or release else None
             if pipe is not None and reset:
                 self.failures.reset(session_id, pipe)
+            derive = None
+            if not since and reading.exact:  # the state after is known from the pass: no rebuild
+                def derive(appended: list[dict[str, Any]]) -> SessionState:
+                    return state_after_summary(snapshot.state, reading, appended, self.ctx, 0)
             try:
                 state = self.store.apply(
                     session_id, cwd, lines, log=log, pipeline=pipe, cached=snapshot.state, known=known,
-                    known_view=None if since else snapshot.view, taken=_taken(known, lines),
+                    derive=derive, taken=_taken(known, lines),
                 ).state
             except Exception:
                 if reset:  # the LLM call did succeed
@@ -312,7 +318,7 @@ class Compactor:
         return _result(True, before, state.prompt_estimate)
 
     def _summary_text(
-        self, session_id: str, targets: LlmTargets, view: _Session, *, breaker_open: bool,
+        self, session_id: str, reading: LlmPass, view: _Session, *, breaker_open: bool,
     ) -> tuple[str, bool]:
         """The new summary text and whether the failure counter is to be reset (an LLM
         success). ``breaker_open`` (an automatic job; the caller checked that there is a
@@ -320,16 +326,16 @@ class Compactor:
         fallback = self.ctx.fallback_model
         if breaker_open and fallback:
             logger.info("breaker open session=%s: using fallback %s", session_id, fallback)
-            return self._summarize_with(fallback, targets, view), False
-        plan = self.plan(targets, view)
+            return self._summarize_with(fallback, reading, view), False
+        plan = self.plan(reading.targets, view, reading.target_tokens)
         try:
-            text = self._summarize_with(plan.model, targets, view, plan)
+            text = self._summarize_with(plan.model, reading, view, plan)
         except (LLMUnavailable, SummaryInvalid) as error:
             self._count_failure(session_id, plan.model, error)
             if not fallback or fallback == plan.model:
                 raise
             logger.warning("llm failed session=%s: using fallback %s", session_id, fallback)
-            return self._summarize_with(fallback, targets, view), False
+            return self._summarize_with(fallback, reading, view), False
         return text, plan.model != EXTRACTIVE_MODEL
 
     def _count_failure(self, session_id: str, model: str, error: CompactorError) -> None:
@@ -340,8 +346,9 @@ class Compactor:
 
     # -- planning and calling ------------------------------------------------------------
 
-    def plan(self, targets: LlmTargets, view: _Session) -> Plan:
-        """The model and window for these targets (SPEC §5's window rule)."""
+    def plan(self, targets: LlmTargets, view: _Session, target_tokens: int | None = None) -> Plan:
+        """The model and window for these targets (SPEC §5's window rule); ``target_tokens``:
+        their ``_events_tokens`` when known."""
         session_model = view.model
         session_window = view.window
         model = self.ctx.compaction_model or session_model
@@ -354,7 +361,7 @@ class Compactor:
         if not session_model or model == session_model:
             return Plan(model, session_window)
         window = self.model_window(model)
-        needed = self.prompt_tokens(targets.events, targets.previous_summary, view.encoding)
+        needed = self.prompt_tokens(targets.events, targets.previous_summary, view.encoding, target_tokens)
         if needed + self.ctx.summary_reserve_tokens > window:
             logger.info("compaction model %s too small (%d < %d): using session model %s",
                         model, window, needed + self.ctx.summary_reserve_tokens, session_model)
@@ -365,17 +372,22 @@ class Compactor:
         """litellm's max input tokens for ``model``, else the configured default."""
         return model_max_input_tokens(model) or self.ctx.default_context_window
 
-    def prompt_tokens(self, events: list[dict[str, Any]], previous: dict[str, Any] | None, encoding: str) -> int:
-        """An estimate of the prompt's tokens from the lines' stamps (no re-tokenizing)."""
+    def prompt_tokens(
+        self, events: list[dict[str, Any]], previous: dict[str, Any] | None, encoding: str,
+        events_tokens: int | None = None,
+    ) -> int:
+        """An estimate of the prompt's tokens from the lines' stamps (no re-tokenizing);
+        ``events_tokens``: ``_events_tokens(events, encoding)`` when known."""
         total = _system_tokens(encoding) + PROMPT_FRAME_TOKENS
         if previous is not None:
             total += stamped_tokens(previous, encoding)
-        return total + _events_tokens(events, encoding)
+        return total + (_events_tokens(events, encoding) if events_tokens is None else events_tokens)
 
     def _event_tokens(self, event: dict[str, Any], encoding: str) -> int:
         return stamped_tokens(event, encoding) + BLOCK_HEADER_TOKENS
 
-    def _summarize_with(self, model: str, targets: LlmTargets, view: _Session, plan: Plan | None = None) -> str:
+    def _summarize_with(self, model: str, reading: LlmPass, view: _Session, plan: Plan | None = None) -> str:
+        targets = reading.targets
         previous = targets.previous_summary
         previous_text = previous.get("summaryText") if previous else None
         previous_text = previous_text if isinstance(previous_text, str) else None
@@ -383,16 +395,22 @@ class Compactor:
             return extractive_summary(targets.events, previous_text)
         window = plan.window if plan else self.model_window(model)
         running = previous_text
-        for chunk in self.chunks(targets.events, previous_text, window, view.encoding):
-            messages = build_messages(render_transcript(chunk), running)
+        chunks = self.chunks(targets.events, previous_text, window, view.encoding, reading.target_tokens)
+        for chunk in chunks:
+            # the whole targets in one call: the pass rendered them already
+            transcript = "\n\n".join(reading.blocks) if chunk is targets.events else render_transcript(chunk)
+            messages = build_messages(transcript, running)
             running = extract_summary(self.summarizer.complete(model, messages))
         assert running is not None  # targets are never empty here
         return running
 
     def chunks(
         self, events: list[dict[str, Any]], previous_text: str | None, window: int, encoding: str,
+        events_tokens: int | None = None,
     ) -> list[list[dict[str, Any]]]:
-        """Consecutive slices of ``events`` whose prompts each fit ``window`` with the reserve.
+        """Consecutive slices of ``events`` whose prompts each fit ``window`` with the reserve
+        (``[events]`` itself when they all fit); ``events_tokens``: ``_events_tokens(events,
+        encoding)`` when known.
 
         The running summary's size is budgeted at the larger of the previous
         summary and the reserve (a summary is at most what the reserve allows).
@@ -400,7 +418,9 @@ class Compactor:
         previous_tokens = count_tokens(previous_text or "", encoding)
         summary_tokens = max(previous_tokens, self.ctx.summary_reserve_tokens)
         fixed = _system_tokens(encoding) + PROMPT_FRAME_TOKENS + self.ctx.summary_reserve_tokens
-        if fixed + previous_tokens + _events_tokens(events, encoding) <= window:
+        if events_tokens is None:
+            events_tokens = _events_tokens(events, encoding)
+        if fixed + previous_tokens + events_tokens <= window:
             return [events]
         budget = max(window - fixed - summary_tokens, MIN_CHUNK_BUDGET_TOKENS)
         chunks: list[list[dict[str, Any]]] = [[]]
@@ -497,12 +517,12 @@ def _has_old_candidate(state: SessionState) -> bool:
 
 @dataclass(frozen=True)
 class _Snapshot:
-    """The log as the LLM job last saw it under the lock: its size, events, view and state,
-    and the micro step's compact decided from them (appended with the summary)."""
+    """The log as the LLM job last saw it under the lock: its size, events, their reading
+    and state, and the micro step's compact decided from them (appended with the summary)."""
 
     size: int
     events: list[dict[str, Any]]
-    view: ContextView  # of ``events``, without messages, exact (no compact previewed)
+    reading: LlmPass  # of ``events``
     state: SessionState
     compact: dict[str, Any] | None
 

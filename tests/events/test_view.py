@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -10,11 +11,12 @@ from compactor.bench.view import run as run_bench
 from events.config import ContextSettings
 from events.tokens import count_tokens, event_tokens, stamp
 from events.view import (
+    LlmPass,
     build_view,
     current_turn_id,
     elide,
     elision_marker,
-    llm_targets,
+    llm_pass,
     micro_candidates,
     session_model,
 )
@@ -348,11 +350,16 @@ def test_micro_candidates_skip_summarized_and_rolled_back_outputs() -> None:
     assert micro_candidates([*t1, *t2, *t3, s, *t4, rollback(3)], CTX) == []  # only turn 1 is < 2
 
 
+def _pass(events: list[dict[str, Any]], ctx: ContextSettings = CTX, *, micro: bool = False) -> LlmPass:
+    return llm_pass(events, ctx, micro=micro, render=lambda e: f"{e['type']}:{e.get('output', '')}")
+
+
 def test_llm_targets_cover_turns_after_the_previous_summary_up_to_end_turn() -> None:
     turns = [_tool_turn(t, LONG, "read_file") for t in (1, 2, 3, 4)]
     s = summary([e["uuid"] for e in turns[0] if e["type"] != "turn_end"], "S", 1)
     events = [*turns[0], *turns[1], s, *turns[2], *turns[3], compact(2, 2)]
-    targets = llm_targets(events, CTX)
+    reading = _pass(events)
+    targets = reading.targets
     assert targets.previous_summary == s
     assert (targets.start_after, targets.end_turn) == (1, 3)  # currentTurnId 5, keep 1
     assert {e["turnId"] for e in targets.events} == {2, 3}
@@ -360,10 +367,24 @@ def test_llm_targets_cover_turns_after_the_previous_summary_up_to_end_turn() -> 
     outputs = {e["turnId"]: e["output"] for e in targets.events if e["type"] == "tool_result"}
     assert "characters elided" in outputs[2] and outputs[3] == LONG
     assert turns[1][2]["output"] == LONG  # the log's dict is untouched
+    assert reading.blocks == [f"{e['type']}:{e.get('output', '')}" for e in targets.events]
+    assert reading.replaces == [e["uuid"] for e in targets.events] + [s["uuid"]]
+    assert reading.compact_turns is None  # no micro step asked for
+
+
+def test_llm_targets_with_the_micro_step_show_its_candidates_elided() -> None:
+    turns = [_tool_turn(t, LONG, "read_file") for t in (1, 2, 3, 4)]
+    events = [e for turn in turns for e in turn]
+    reading = _pass(events, micro=True)
+    assert reading.compact_turns == (1, 3)  # the candidates before currentTurnId - 1 = 4
+    outputs = [e["output"] for e in reading.targets.events if e["type"] == "tool_result"]
+    assert len(outputs) == 3 and all("characters elided" in o for o in outputs)
+    assert reading.kept_min_candidate_turn == 4  # turn 4's stays a candidate: not before 5 - 1
+    assert _pass(events).compact_turns is None
 
 
 def test_llm_targets_are_empty_when_only_the_kept_turn_exists() -> None:
-    targets = llm_targets(simple_turn(1), CTX)
+    targets = _pass(simple_turn(1)).targets
     assert targets.end_turn == 0 and targets.events == [] and targets.previous_summary is None
 
 
