@@ -156,6 +156,11 @@ Event = Annotated[
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 
+# a finished LLM job's result carries this key too when its fallback summarizer answered for a
+# failed LLM call: {kind, error, model, fallback} (``worker.compaction.LlmFailure``)
+LLM_ERROR_FIELD = "llmError"
+
+
 class CompressResult(_Wire):
     """What a compaction returns (SPEC §1): tokens freed and the estimate after."""
 

@@ -110,6 +110,8 @@ def _publish(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
 
 
 sessions = APIRouter(prefix="/api/sessions", tags=["sessions"], responses=ERRORS)
+JOB_ID_HEADER = "X-Compactor-Job-Id"  # on a forced compaction's 200: the job that answered
+LLM_ERROR_HEADER = "X-Compactor-LLM-Error"  # ... and the failed LLM call its fallback answered for
 
 
 @sessions.post(
@@ -119,8 +121,12 @@ sessions = APIRouter(prefix="/api/sessions", tags=["sessions"], responses=ERRORS
                502: {"model": ErrorBody, "description": "the compaction job failed"}},
 )
 async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
-                  client: RedisDep, wait: bool = True) -> Any:
-    """Force an LLM compaction (thresholds and breaker skipped) and wait for its result."""
+                  client: RedisDep, response: Response, wait: bool = True) -> Any:
+    """Force an LLM compaction (thresholds and breaker skipped) and wait for its result.
+
+    When the fallback summarizer answered for a failed LLM call, the answer says so in
+    ``X-Compactor-LLM-Error: <kind>; fallback=<model>`` (and ``GET /api/jobs/{id}`` in ``llmError``).
+    """
     sid, cwd = _checked(session_id, body.cwd)
     _require_log(settings, sid, cwd)
     timeout = settings.api.job_wait_seconds
@@ -130,6 +136,9 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
         return _accepted(job_id)
     job = await wait_for_job_async(client, job_id, timeout)
     if job.status == "finished" and job.result is not None:
+        response.headers[JOB_ID_HEADER] = job_id
+        if job.llm_error is not None:
+            response.headers[LLM_ERROR_HEADER] = f"{job.llm_error.kind}; fallback={job.llm_error.fallback}"
         return job.result
     if job.error is not None:
         raise ApiError(502, f"compaction job {job_id} {job.status}: {job.error}")

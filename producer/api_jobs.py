@@ -11,7 +11,8 @@ Invariants:
 - Waiting never hangs: every wait has a deadline; past it the caller gets the
   job id (HTTP 202) and can poll ``GET /api/jobs/{jobId}``.
 - A job's ``result`` is the ``CompressResult`` its function returned; ``error``
-  is the last line of its traceback (the exception, not the stack).
+  is the last line of its traceback (the exception, not the stack); ``llmError``
+  the failed LLM call a finished job's fallback summarizer answered for.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import redis
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
-from events.models import CompressResult
+from events.models import LLM_ERROR_FIELD, CompressResult
 from producer.api_errors import ApiError
-from producer.api_models import JobBody
+from producer.api_models import JobBody, LlmError
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,11 @@ def job_body(client: redis.Redis, job_id: str) -> JobBody:
     value = status.value if isinstance(status, JobStatus) else str(status or "unknown")
     body = JobBody(job_id=job_id, status=value)
     if value == JobStatus.FINISHED.value:
-        body.result = _as_result(job.return_value())
+        returned = job.return_value()
+        if isinstance(returned, dict) and LLM_ERROR_FIELD in returned:  # the fallback answered
+            returned = dict(returned)
+            body.llm_error = LlmError.model_validate(returned.pop(LLM_ERROR_FIELD))
+        body.result = _as_result(returned)
     elif value in TERMINAL_STATUSES:
         body.error = _error_line(job)
     return body

@@ -25,6 +25,7 @@ __all__ = [
     "Health",
     "JobAccepted",
     "JobBody",
+    "LlmError",
     "PendingJob",
     "SessionBody",
 ]
@@ -64,12 +65,25 @@ class JobAccepted(_Body):
     job_id: str
 
 
+class LlmError(_Body):
+    """A failed LLM call that ``context.fallbackModel`` answered for (the job still finished)."""
+
+    kind: Literal["transient", "permanent", "invalid"] = Field(
+        description="transient (rate limit, 5xx, timeout), permanent (auth, unknown model) or "
+                    "invalid (a reply that failed validation)")
+    error: str
+    model: str = Field(description="the model that failed")
+    fallback: str = Field(description="the summarizer that answered instead")
+
+
 class JobBody(_Body):
     job_id: str
     status: str = Field(description="queued, started, deferred, scheduled, finished, failed, "
                                     "stopped or canceled")
     result: CompressResult | None = None
     error: str | None = None
+    llm_error: LlmError | None = Field(
+        None, description="on a finished LLM job: the failed LLM call its fallback summarizer answered for")
 
 
 class ContextBody(_Body):

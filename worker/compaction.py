@@ -44,7 +44,7 @@ the failure counter (sent before the log is read, answered while it is
 read), one for the state save (with the counter's delete when there is one);
 the uuids of the worker's own lines are checked against the log it read, not
 the Redis index. The job's claim is freed in the state save's round trip
-(``Release``; ``worker.jobs.finish`` uses its reply).
+(``JobRun``; ``worker.jobs.finish`` uses its reply).
 
 Model choice: ``compactionModel``, else the session's model. When the
 compaction model's window (litellm's max input tokens, else the default)
@@ -126,14 +126,35 @@ class _Session:
     encoding: str
 
 
+@dataclass(frozen=True)
+class LlmFailure:
+    """A failed LLM call that the fallback summarizer answered for: ``kind`` is
+    ``transient`` (rate limit, 5xx, timeout), ``permanent`` (auth, unknown model) or
+    ``invalid`` (a reply that failed validation)."""
+
+    kind: str
+    error: str
+    model: str
+    fallback: str
+
+    def to_wire(self) -> dict[str, str]:
+        return {"kind": self.kind, "error": self.error, "model": self.model, "fallback": self.fallback}
+
+
 @dataclass
-class Release:
-    """The job's claim, to free with the job's last writes (``worker.jobs.finish`` frees it
-    itself unless ``done``): ``trigger`` is then the coalesced trigger the release returned."""
+class JobRun:
+    """One job's run, shared by ``worker.jobs`` and ``Compactor.llm``.
+
+    ``job_id`` holds the session's claim: an LLM job that appends a summary frees it
+    with its last writes (``done``; ``trigger`` is then the coalesced trigger the
+    release returned), else ``worker.jobs.finish`` does. ``llm_failure``: the failed
+    LLM call the fallback answered for (the job succeeds; its result reports it).
+    """
 
     job_id: str
     done: bool = False
     trigger: str | None = None
+    llm_failure: LlmFailure | None = None
 
 
 @dataclass(frozen=True)
@@ -206,7 +227,7 @@ class Compactor:
     # -- llm -----------------------------------------------------------------------------
 
     def llm(
-        self, session_id: str, cwd: str, *, forced: bool = False, release: Release | None = None,
+        self, session_id: str, cwd: str, *, forced: bool = False, release: JobRun | None = None,
     ) -> CompressResult:
         """Summarize the turns before the most recent ones; see the module docstring.
 
@@ -251,7 +272,8 @@ class Compactor:
             snapshot = _Snapshot(state.log_size, events, reading, state, compact)
         session = _Session(state.model, state.window, state.encoding)
         try:
-            summary_text, reset = self._summary_text(session_id, reading, session, breaker_open=breaker_open)
+            summary_text, reset = self._summary_text(session_id, reading, session, breaker_open=breaker_open,
+                                                     run=release)
         except Exception:
             if compact is not None:
                 self._micro_after_failure(session_id, cwd, log)
@@ -269,7 +291,7 @@ class Compactor:
 
     def _append_summary(
         self, session_id: str, cwd: str, log: SessionLog, text: str, reset: bool,
-        snapshot: _Snapshot, before: int, release: Release | None = None,
+        snapshot: _Snapshot, before: int, release: JobRun | None = None,
     ) -> CompressResult:
         """Append the micro step's compact (if any) and the summary, unless a summary/rollback
         landed since the snapshot: then only the micro step, re-derived from the log as it is.
@@ -318,11 +340,12 @@ class Compactor:
         return _result(True, before, state.prompt_estimate)
 
     def _summary_text(
-        self, session_id: str, reading: LlmPass, view: _Session, *, breaker_open: bool,
+        self, session_id: str, reading: LlmPass, view: _Session, *, breaker_open: bool, run: JobRun | None = None,
     ) -> tuple[str, bool]:
         """The new summary text and whether the failure counter is to be reset (an LLM
         success). ``breaker_open`` (an automatic job; the caller checked that there is a
-        fallback) sends the targets to the fallback instead of the LLM."""
+        fallback) sends the targets to the fallback instead of the LLM. A failed LLM call
+        the fallback answers for is recorded in ``run.llm_failure``."""
         fallback = self.ctx.fallback_model
         if breaker_open and fallback:
             logger.info("breaker open session=%s: using fallback %s", session_id, fallback)
@@ -331,18 +354,23 @@ class Compactor:
         try:
             text = self._summarize_with(plan.model, reading, view, plan)
         except (LLMUnavailable, SummaryInvalid) as error:
-            self._count_failure(session_id, plan.model, error)
+            kind = self._count_failure(session_id, plan.model, error)
             if not fallback or fallback == plan.model:
                 raise
             logger.warning("llm failed session=%s: using fallback %s", session_id, fallback)
-            return self._summarize_with(fallback, reading, view), False
+            text = self._summarize_with(fallback, reading, view)
+            if run is not None:
+                run.llm_failure = LlmFailure(kind, str(error), plan.model, fallback)
+            return text, False
         return text, plan.model != EXTRACTIVE_MODEL
 
-    def _count_failure(self, session_id: str, model: str, error: CompactorError) -> None:
+    def _count_failure(self, session_id: str, model: str, error: CompactorError) -> str:
+        """Count a failed LLM call and log it; its kind (see ``LlmFailure``)."""
         count = self.failures.record_failure(session_id)
         kind = ("transient" if error.transient else "permanent") if isinstance(error, LLMUnavailable) else "invalid"
         logger.warning("llm compaction failed session=%s model=%s kind=%s failures=%d error=%s",
                        session_id, model, kind, count, error)
+        return kind
 
     # -- planning and calling ------------------------------------------------------------
 

@@ -4,6 +4,9 @@
 return the ``CompressResult`` as ``{"didCompress", "released", "promptEstimate"}``.
 A failed LLM compaction raises (``LLMUnavailable`` / ``SummaryInvalid``), so RQ
 records the job as failed with that message (the API answers 502 for a forced one).
+When ``context.fallbackModel`` answered for a failed LLM call, the job succeeds and
+its result also carries ``llmError: {kind, error, model, fallback}`` (``kind``:
+``transient``, ``permanent`` or ``invalid``), as does its log line.
 
 Invariant: however a job ends (result, exception, timeout), ``finish`` runs:
 it frees the session's pending-job claim if this job holds it (an LLM job that
@@ -32,9 +35,9 @@ from rq import get_current_job
 from compactor import metrics
 from compactor.queue import FORCED_TRIGGER, enqueue_compaction, promote_forced, release_pending, settle_trigger
 from events.errors import LLMUnavailable, SessionNotFound, SummaryInvalid
-from events.models import CompressResult
+from events.models import LLM_ERROR_FIELD, CompressResult
 from events.state import decide
-from worker.compaction import Release
+from worker.compaction import JobRun, LlmFailure
 from worker.context import WorkerContext, current
 
 logger = logging.getLogger(__name__)
@@ -57,14 +60,17 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
     started = time.monotonic()
     outcome = "error"
     result: CompressResult | None = None
-    release = Release(job_id)
+    run = JobRun(job_id)
     try:
         if kind == "micro":
             result = context.compactor.micro(session_id, cwd)
         else:
-            result = context.compactor.llm(session_id, cwd, forced=forced, release=release)
+            result = context.compactor.llm(session_id, cwd, forced=forced, release=run)
         outcome = "compressed" if result.did_compress else "nothing_to_do"
-        return result.model_dump(by_alias=True)
+        value = result.model_dump(by_alias=True)
+        if run.llm_failure is not None:  # the fallback answered: the LLM's failure goes with the result
+            value[LLM_ERROR_FIELD] = run.llm_failure.to_wire()
+        return value
     except LLMUnavailable as e:
         outcome = "llm_transient" if e.transient else "llm_permanent"
         raise
@@ -77,30 +83,34 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
     finally:
         seconds = time.monotonic() - started
         metrics.observe_job(kind, outcome, seconds, result.released if result else None)
+        failure = run.llm_failure
         logger.info(
-            "compaction job session=%s job=%s kind=%s forced=%s outcome=%s released=%s estimate=%s duration_ms=%.1f",
+            "compaction job session=%s job=%s kind=%s forced=%s outcome=%s released=%s estimate=%s duration_ms=%.1f%s",
             session_id, job_id, kind, forced, outcome,
             result.released if result else "", result.prompt_estimate if result else "",
-            seconds * 1000, extra=_job_fields(session_id, job_id, kind, forced, outcome, seconds, result),
+            seconds * 1000, f" llm_error={failure.kind} fallback={failure.fallback}" if failure else "",
+            extra=_job_fields(session_id, job_id, kind, forced, outcome, seconds, result, failure),
         )
-        finish(context, session_id, job_id, released=release,
+        finish(context, session_id, job_id, released=run,
                forced_without_compaction=forced and not (result is not None and result.did_compress))
 
 
 def _job_fields(session_id: str, job_id: str, kind: str, forced: bool, outcome: str,
-                seconds: float, result: CompressResult | None) -> dict[str, Any]:
+                seconds: float, result: CompressResult | None, failure: LlmFailure | None) -> dict[str, Any]:
     """The structured fields of a job's log line (``extra=``)."""
     fields: dict[str, Any] = {"session_id": session_id, "job_id": job_id, "kind": kind,
                               "forced": forced, "outcome": outcome,
                               "duration_ms": round(seconds * 1000, 1)}
     if result is not None:
         fields.update(released=result.released, prompt_estimate=result.prompt_estimate)
+    if failure is not None:
+        fields.update(llm_error=failure.kind, fallback=failure.fallback)
     return fields
 
 
 def finish(
     context: WorkerContext, session_id: str, job_id: str, *, abandoned: bool = False,
-    released: Release | None = None, forced_without_compaction: bool = False,
+    released: JobRun | None = None, forced_without_compaction: bool = False,
 ) -> str | None:
     """Free the session's claim held by ``job_id`` and honour a coalesced trigger.
 

@@ -74,6 +74,11 @@ def compact(
         job = wait_for_job(client, job_id, wait_s)
     if job.status == "finished" and job.result is not None:
         result = job.result
+        if job.llm_error is not None:
+            failed = job.llm_error
+            err_console.print(f"the LLM call failed ({failed.kind}: {failed.error}); "
+                              f"summarized by the fallback {failed.fallback}", style="yellow", markup=False,
+                              soft_wrap=True)
         typer.echo(f"released {result.released} tokens; promptEstimate now "
                    f"{result.prompt_estimate}" if result.did_compress else "nothing to compact", err=json_out)
         print_json(result.model_dump(by_alias=True))

@@ -263,6 +263,27 @@ def test_compact_of_failed_job_exits_1_with_the_error(r: redis.Redis, settings: 
     assert "failed" in err and "summary" in err.lower() and out == ""
 
 
+def test_compact_answered_by_the_fallback_warns_of_the_llm_failure(
+        r: redis.Redis, settings: Settings, config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_session(r, settings, 3)
+    process = compact_process(settings, config, "--json")
+    queue = compaction_queue(r, settings)
+    deadline = time.monotonic() + 30
+    while queue.count == 0 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stubbed = settings.model_copy(update={"context": settings.context.model_copy(update={
+        "compaction_model": STUB_MODEL, "llm_timeout_seconds": 5.0, "fallback_model": "extractive"})})
+    with LLMStub() as stub:
+        monkeypatch.setenv("OPENAI_API_BASE", stub.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-stub")
+        stub.status = 401
+        run_jobs(r, stubbed)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert json.loads(out)["didCompress"] is True  # stdout stays the CompressResult alone
+    assert "the LLM call failed (permanent" in err and "summarized by the fallback extractive" in err
+
+
 def test_compact_of_unknown_session_exits_1(runner: CliRunner, settings: Settings,
                                             config: Path, r: redis.Redis) -> None:
     result = runner.invoke(app, ["compact", SID, "--cwd", CWD, *base_args(settings, config)])

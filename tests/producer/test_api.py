@@ -391,6 +391,27 @@ def test_compact_whose_llm_fails_is_502(r: redis.Redis, api_settings: Settings,
     assert int(r.get(Keys().failures(SID)) or 0) == 1
 
 
+def test_compact_answered_by_the_fallback_says_which_llm_failure_it_answered_for(
+        r: redis.Redis, api_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = with_context(api_settings, compaction_model=STUB_MODEL, llm_timeout_seconds=5.0,
+                            fallback_model="extractive")
+    write_session(r, settings, 3)
+    with LLMStub() as stub, TestClient(create_app(settings, redis=r)) as test_client:
+        monkeypatch.setenv("OPENAI_API_BASE", stub.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-stub")
+        stub.status = 429
+        response = post_while_working(test_client, r, settings, f"/api/sessions/{SID}/compact",
+                                      {"cwd": CWD})
+        assert response.status_code == 200
+        assert set(response.json()) == {"didCompress", "released", "promptEstimate"}  # SPEC's CompressResult
+        assert response.json()["didCompress"] is True
+        assert response.headers["X-Compactor-LLM-Error"] == "transient; fallback=extractive"
+        job = test_client.get(f"/api/jobs/{response.headers['X-Compactor-Job-Id']}").json()
+    assert job["status"] == "finished" and job["result"] == response.json()
+    assert job["llmError"]["kind"] == "transient" and job["llmError"]["fallback"] == "extractive"
+    assert job["llmError"]["model"] == STUB_MODEL and "error" not in job
+
+
 def test_compact_times_out_into_202(r: redis.Redis, api_settings: Settings) -> None:
     settings = with_api(api_settings, job_wait_seconds=0.3)
     write_session(r, settings, 3)

@@ -231,19 +231,39 @@ def test_breaker_open_blocks_automatic_jobs_but_not_forced_ones(
     assert r.exists(Keys().failures("s1")) == 0
 
 
+@pytest.mark.parametrize("failure", ["transient", "permanent", "invalid"])
 def test_extractive_fallback_summarizes_when_the_llm_fails(
-    r: redis.Redis, settings: Settings, stub: LLMStub
+    r: redis.Redis, settings: Settings, stub: LLMStub, failure: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
     wsettings = make_settings(settings, llm_timeout_seconds=5.0, compaction_model="openai/stub-model",
                               fallback_model="extractive")
     write_session(r, wsettings, "s1", 3, output="short")
-    stub.status = 503
-    job = _run(r, wsettings, "s1", forced=True)
-    assert job.get_status() == JobStatus.FINISHED and job.return_value()["didCompress"] is True
+    if failure == "invalid":
+        stub.reply = "no summary here"
+    else:
+        stub.status = 503 if failure == "transient" else 401
+    with caplog.at_level(logging.INFO, logger="worker.jobs"):
+        job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FINISHED
+    value = job.return_value()
+    assert value["didCompress"] is True
+    # the job succeeded, and its result still tells which kind of LLM failure the fallback answered for
+    assert {k: v for k, v in value["llmError"].items() if k != "error"} == {
+        "kind": failure, "model": "openai/stub-model", "fallback": "extractive"}
+    assert value["llmError"]["error"]
+    [line] = [rec for rec in caplog.records if rec.getMessage().startswith("compaction job")]
+    assert f"llm_error={failure} fallback=extractive" in line.getMessage()
+    assert (getattr(line, "llm_error", None), getattr(line, "fallback", None)) == (failure, "extractive")
     [summary] = _summaries(wsettings, "s1")
     validate_summary_text(summary["summaryText"])
     assert "```\nplease do step 1\n```" in summary["summaryText"]  # the user message, verbatim
     assert r.get(Keys().failures("s1")) == b"1"  # the LLM failure is still counted
+
+
+def test_a_job_whose_llm_answers_reports_no_llm_error(r: redis.Redis, wsettings: Settings, stub: LLMStub) -> None:
+    write_session(r, wsettings, "s1", 3)
+    value = _run(r, wsettings, "s1", forced=True).return_value()
+    assert value["didCompress"] is True and "llmError" not in value
 
 
 def test_extractive_compaction_model_needs_no_llm(r: redis.Redis, settings: Settings, stub: LLMStub) -> None:
