@@ -13,19 +13,21 @@ Invariants:
 - An LLM job's micro step (over its threshold, or forced) is *decided* from the
   snapshot but *appended with the summary*: ``compact`` then ``summary`` in one
   append, one state save (so the LLM sees the outputs elided, and the stored
-  state never holds the intermediate estimate). The outputs it elides and the
-  summary replaces are never tokenized (``events.view.extend_view`` of the
-  pair); those it elides in the kept turns are counted exactly. When no
+  state never holds the intermediate estimate). The log is read in one pass
+  (``events.view.llm_pass``): the targets as shown once the compact is
+  appended, rendered, and the state once the pair is appended
+  (``events.state.state_after_summary``; a rebuild when the log breaks uuid
+  uniqueness); no target is tokenized, what stays visible is counted exactly. When no
   summary is appended (nothing to summarize, the breaker open without a
   fallback, a failed LLM call, a stale snapshot) the micro step is applied on
   its own, with exact counts, from the log as it is then (after a failure or
   a stale snapshot: read again, so a compact never follows a rollback it
   would contradict). A worker killed during the LLM call loses its micro step
   (no line was written); the next job redoes it.
-- Before the LLM call the targets' token stamps are estimates for the outputs
-  the pending micro step elides (``llm_targets(compact=...)``: the stamp scaled
-  by the shown / original length); they only size the prompt (planning and
-  chunks keep ``summaryReserveTokens`` of slack), never the stored estimate.
+- Before the LLM call the token stamps of elided targets (by the pending micro
+  step or an earlier compact) are estimates (the stamp scaled by the shown /
+  original length); they only size the prompt (planning and chunks keep
+  ``summaryReserveTokens`` of slack), never the stored estimate.
 - The stored state after a job equals ``events.state.rebuild`` of the log,
   its ``promptEstimate`` exact (SPEC §4.5).
 - A summary replaces exactly the target uuids plus the previous visible
@@ -232,12 +234,12 @@ class Compactor:
         """Summarize the turns before the most recent ones; see the module docstring.
 
         The stored state (brought up to date under the lock) gives the estimate,
-        window and model; the log is read once, and its view is built once
-        (without chat messages). The micro step's ``compact`` is decided here but
+        window and model; the log is read once, and read through once
+        (``llm_pass``). The micro step's ``compact`` is decided here but
         appended with the summary (one append, one state save); the targets are
-        shown as they are after it (``llm_targets(compact=...)``: the outputs it
-        elides shown elided, their tokens estimated). When no summary is
-        appended, the micro step is applied on its own, with exact counts.
+        shown as they are after it (the outputs it elides shown elided, their
+        tokens estimated). When no summary is appended, the micro step is
+        applied on its own, with exact counts.
         ``release``: when the summary is appended, the job's claim is freed in
         the same round trip as the state save (``release.done``).
         """
