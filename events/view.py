@@ -578,40 +578,35 @@ def llm_pass(
     events: list[Event], ctx: ContextSettings, *, micro: bool, render: Callable[[Event], str],
     block_tokens: int = 0,
 ) -> LlmPass:
-    """What ``build_view`` + ``llm_targets(compact=...)`` + rendering + ``extend_view`` of the
-    compact and summary give an LLM job, in one reverse and one forward pass (a job's cost
-    beyond reading its log is mostly passes over it).
+    """An LLM job's reading of its log, in one reverse pass (``_scan``) and one forward
+    pass: a job's cost beyond reading its log is mostly passes over it (the forward one
+    is inlined, as ``_scan`` is).
 
-    ``micro``: the micro step runs (its compact covers the turns of the candidates in turns
-    before ``currentTurnId - 1``; every such candidate is then shown elided). The targets are
-    ``llm_targets(events, ctx, compact=<that compact>)``'s, with one difference: every
-    elided target carries an *estimated* stamp (its stamp scaled by the shown / original
-    length, plus the per-message overhead), also one a compact already covered, so no target
-    is tokenized (stamps only size the prompt). What stays visible is counted exactly, as
-    ``build_view`` counts it after the append.
+    ``micro``: the micro step runs; its compact covers the turns of the candidates in
+    turns before ``currentTurnId - 1``, every one of which is then shown elided. The
+    targets are SPEC §5's, as the view shows them once that compact is appended
+    (``build_view`` of the log + the compact), each elided one a copy carrying the
+    output as shown and an *estimated* stamp (its stamp scaled by the shown / original
+    length, plus the per-message overhead), also one a compact already covered: no
+    target is tokenized (stamps only size the prompt). What stays visible once the
+    compact and the summary are appended is counted exactly, as ``build_view`` would.
     """
     scan = _scan(events)
     hidden = scan.hidden
     encoding = encoding_for_model(scan.model)
-    compacted = _merge_ranges(scan.compacts)
-    starts = [start for start, _ in compacted]
     current = _current_turn(scan.last_ended_turn, scan.max_turn)
     end_turn = current - ctx.keep_recent_turns - 1
     previous = scan.summary
     start_after = _int(previous.get("lastSummarizedTurnId")) if previous else 0
     summarize = end_turn > start_after
-    old_before = current - 1  # the micro step's candidates are in turns before this
+    outputs = _Outputs(ctx, _merge_ranges(scan.compacts), micro=micro, before_turn=current - 1)
     min_chars = ctx.micro_compact_min_chars
-    keep_chars = ctx.micro_compact_keep_chars
-    compactable: dict[str, bool] = {}
     tokens_of = _ElidedTokens(encoding)
     targets: list[Event] = []
     blocks: list[str] = []
     replaces: list[str] = []
     others: list[Any] = []  # uuids of the events that stay visible and a summary could hide
     target_tokens = kept = kept_min = 0
-    low: int | None = None  # the micro step's range
-    high = 0
     for i, event in enumerate(events):
         if hidden[i]:
             continue
@@ -621,31 +616,10 @@ def llm_pass(
             if type(turn) is not int:
                 turn = 0
             shown: str | None = None  # the output as shown once the compact is appended, when elided
-            candidate = False  # still a candidate after the append
-            output: Any = None
-            if kind == "tool_result":
-                output = event.get("output")
-                if isinstance(output, str) and len(output) > min_chars:
-                    name = _str(event.get("toolName"))
-                    known = compactable.get(name)
-                    if known is None:
-                        known = compactable[name] = ctx.is_compactable(name)
-                    if not known:
-                        pass
-                    elif compacted and _in_ranges(turn, starts, compacted):
-                        shown = elide(output, keep_chars)
-                    elif micro and turn < old_before:
-                        if low is None:
-                            low = high = turn
-                        elif turn > high:
-                            high = turn
-                        elif turn < low:
-                            low = turn
-                        shown = elide(output, keep_chars)
-                    else:
-                        candidate = True
-                    if shown is output:
-                        shown = None
+            candidate = False  # still a micro candidate after the append
+            output: Any = event.get("output")
+            if kind == "tool_result" and isinstance(output, str) and len(output) > min_chars:
+                shown, candidate = outputs.show(output, _str(event.get("toolName")), turn)
             count = event.get(TOKEN_COUNT_FIELD)
             stamped = count if type(count) is int and event.get(TOKEN_ENCODING_FIELD) == encoding else -1
             uuid = event.get("uuid")
@@ -682,13 +656,11 @@ def llm_pass(
             others.append(event.get("uuid"))
     if previous is not None and isinstance(previous.get("uuid"), str):
         replaces.append(previous["uuid"])
-    compact_turns = (low, high) if low is not None else None
-    if compact_turns is not None:
-        compacted = _merge_ranges([*compacted, compact_turns])
+    compacted = outputs.compacted_after()
     replaced = set(replaces)
     return LlmPass(
         targets=LlmTargets(previous_summary=previous, events=targets, end_turn=end_turn, start_after=start_after),
-        compact_turns=compact_turns,
+        compact_turns=outputs.compact_turns(),
         blocks=blocks,
         target_tokens=target_tokens,
         replaces=replaces if targets else [],
@@ -703,3 +675,48 @@ def llm_pass(
         compacted_through=compacted[-1][1] if compacted else 0,
         exact=not any(uuid in replaced for uuid in others),
     )
+
+
+class _Outputs:
+    """``llm_pass``'s long tool outputs: each as shown once the micro step's compact is
+    appended, and that compact's range (the turns of the candidates before ``before_turn``)."""
+
+    __slots__ = ("ctx", "compacted", "starts", "micro", "before_turn", "keep_chars", "compactable", "low", "high")
+
+    def __init__(
+        self, ctx: ContextSettings, compacted: tuple[tuple[int, int], ...], *, micro: bool, before_turn: int,
+    ) -> None:
+        self.ctx = ctx
+        self.compacted = compacted  # the ranges compacted before the micro step
+        self.starts = [start for start, _ in compacted]
+        self.micro = micro
+        self.before_turn = before_turn
+        self.keep_chars = ctx.micro_compact_keep_chars
+        self.compactable: dict[str, bool] = {}
+        self.low: int | None = None
+        self.high = 0
+
+    def show(self, output: str, name: str, turn: int) -> tuple[str | None, bool]:
+        """For an output over ``microCompactMinChars``: the text shown when it is elided
+        (else None), and whether it is still a micro candidate after the compact."""
+        known = self.compactable.get(name)
+        if known is None:
+            known = self.compactable[name] = self.ctx.is_compactable(name)
+        if not known:
+            return None, False
+        if not (self.compacted and _in_ranges(turn, self.starts, self.compacted)):
+            if not self.micro or turn >= self.before_turn:
+                return None, True
+            if self.low is None or turn < self.low:
+                self.low = turn
+            self.high = max(self.high, turn)
+        shown = elide(output, self.keep_chars)
+        return (None if shown is output else shown), False
+
+    def compact_turns(self) -> tuple[int, int] | None:
+        return None if self.low is None else (self.low, self.high)
+
+    def compacted_after(self) -> tuple[tuple[int, int], ...]:
+        """The merged compacted ranges once the micro step's compact is appended."""
+        turns = self.compact_turns()
+        return self.compacted if turns is None else _merge_ranges([*self.compacted, turns])
