@@ -229,7 +229,7 @@ class Compactor:
     # -- llm -----------------------------------------------------------------------------
 
     def llm(
-        self, session_id: str, cwd: str, *, forced: bool = False, release: JobRun | None = None,
+        self, session_id: str, cwd: str, *, forced: bool = False, run: JobRun | None = None,
     ) -> CompressResult:
         """Summarize the turns before the most recent ones; see the module docstring.
 
@@ -240,8 +240,9 @@ class Compactor:
         shown as they are after it (the outputs it elides shown elided, their
         tokens estimated). When no summary is appended, the micro step is
         applied on its own, with exact counts.
-        ``release``: when the summary is appended, the job's claim is freed in
-        the same round trip as the state save (``release.done``).
+        ``run``: when the summary is appended, the job's claim is freed in the
+        same round trip as the state save (``run.done``); a failed LLM call the
+        fallback answered for is recorded in ``run.llm_failure``.
         """
         log = self._log(session_id, cwd)
         with log.lock():
@@ -275,14 +276,14 @@ class Compactor:
         session = _Session(state.model, state.window, state.encoding)
         try:
             summary_text, reset = self._summary_text(session_id, reading, session, breaker_open=breaker_open,
-                                                     run=release)
+                                                     run=run)
         except Exception:
             if compact is not None:
                 self._micro_after_failure(session_id, cwd, log)
             raise
         # (jobs of one session never run at once: only this job could have counted a failure since)
         reset = reset and stored.failures > 0
-        return self._append_summary(session_id, cwd, log, summary_text, reset, snapshot, before, release)
+        return self._append_summary(session_id, cwd, log, summary_text, reset, snapshot, before, run)
 
     def _micro_after_failure(self, session_id: str, cwd: str, log: SessionLog) -> None:
         """Apply the micro step of an LLM job that failed (its error is what the job reports)."""
@@ -293,13 +294,13 @@ class Compactor:
 
     def _append_summary(
         self, session_id: str, cwd: str, log: SessionLog, text: str, reset: bool,
-        snapshot: _Snapshot, before: int, release: JobRun | None = None,
+        snapshot: _Snapshot, before: int, run: JobRun | None = None,
     ) -> CompressResult:
         """Append the micro step's compact (if any) and the summary, unless a summary/rollback
         landed since the snapshot: then only the micro step, re-derived from the log as it is.
 
         ``reset`` (a successful LLM call, the counter not zero) deletes the failure
-        counter, and ``release`` frees the job's claim, in the same round trip as
+        counter, and ``run``'s claim is freed, in the same round trip as
         the state save when the summary is appended.
         """
         reading = snapshot.reading
@@ -317,7 +318,7 @@ class Compactor:
                     return _result(bool(applied.appended), before, applied.state.prompt_estimate)
                 return _result(False, before, self._estimate(session_id, snapshot.state.prompt_estimate))
             known = snapshot.events + since if since else snapshot.events
-            pipe = self.store.redis.pipeline(transaction=False) if reset or release else None
+            pipe = self.store.redis.pipeline(transaction=False) if reset or run else None
             if pipe is not None and reset:
                 self.failures.reset(session_id, pipe)
             derive = None
@@ -334,11 +335,11 @@ class Compactor:
                     self.failures.reset(session_id)
                 raise
             if pipe is not None:
-                if release is not None:  # last: after the save it follows
-                    queue_release(pipe, self.settings, session_id, release.job_id)
+                if run is not None:  # last: after the save it follows
+                    queue_release(pipe, self.settings, session_id, run.job_id)
                 replies = pipe.execute()
-                if release is not None:
-                    release.done, release.trigger = True, released_trigger(replies[-1])
+                if run is not None:
+                    run.done, run.trigger = True, released_trigger(replies[-1])
         return _result(True, before, state.prompt_estimate)
 
     def _summary_text(

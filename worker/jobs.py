@@ -65,7 +65,7 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
         if kind == "micro":
             result = context.compactor.micro(session_id, cwd)
         else:
-            result = context.compactor.llm(session_id, cwd, forced=forced, release=run)
+            result = context.compactor.llm(session_id, cwd, forced=forced, run=run)
         outcome = "compressed" if result.did_compress else "nothing_to_do"
         value = result.model_dump(by_alias=True)
         if run.llm_failure is not None:  # the fallback answered: the LLM's failure goes with the result
