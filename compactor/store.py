@@ -280,7 +280,7 @@ class SessionStore:
         cached: SessionState | None = None,
         known: list[dict[str, Any]] | None = None,
         known_view: ContextView | None = None,
-        derive: Callable[[list[dict[str, Any]]], SessionState] | None = None,
+        derive: Callable[[list[dict[str, Any]], int], SessionState] | None = None,
         taken: set[str] | None = None,
         stored: SessionState | None | _Unread = UNREAD,
     ) -> ApplyResult:
@@ -309,8 +309,9 @@ class SessionStore:
         after one compact or one summary the new view is then derived from it
         (``events.view.extend_view``) instead of built over the whole log.
         ``derive`` (optional, with ``known``) gives the state after the append from
-        the lines as written (the LLM job's ``events.state.state_after_summary``):
-        no view is built then (``result.view`` stays None); its ``logSize`` is set here.
+        the lines as written and the new log size (the LLM job's
+        ``events.state.state_after_summary``): no view is built then (``result.view``
+        stays None).
         ``taken`` is the result of ``taken_uuids`` for these events when the
         caller looked a whole batch up in one round trip (the watcher: it alone
         writes the session's producer events); it grows with the uuids applied,
@@ -346,8 +347,7 @@ class SessionStore:
                     guard(result.rejected)
                 state.log_size = log.append(result.appended)
                 if needs_rebuild and known is not None and derive is not None:
-                    size, state = state.log_size, derive(result.appended)
-                    state.log_size = size
+                    state = derive(result.appended, state.log_size)
                 elif needs_rebuild and known is not None:
                     ctx = self.settings.context
                     view = extend_view(known_view, result.appended, ctx) if known_view is not None else None

@@ -323,8 +323,8 @@ class Compactor:
                 self.failures.reset(session_id, pipe)
             derive = None
             if not since and reading.exact:  # the state after is known from the pass: no rebuild
-                def derive(appended: list[dict[str, Any]]) -> SessionState:
-                    return state_after_summary(snapshot.state, reading, appended, self.ctx, 0)
+                def derive(appended: list[dict[str, Any]], log_size: int) -> SessionState:
+                    return state_after_summary(snapshot.state, reading, appended, self.ctx, log_size)
             try:
                 state = self.store.apply(
                     session_id, cwd, lines, log=log, pipeline=pipe, cached=snapshot.state, known=known,
