@@ -69,6 +69,7 @@ Message = dict[str, Any]
 SUMMARY_MESSAGE_NAME = "compacted_history"
 MERGE_SEPARATOR = "\n\n"
 _TURN_SCOPED = frozenset({"user", "assistant", "tool_result", "turn_end"})
+_CONTEXT_KINDS = frozenset({"user", "assistant", "tool_result"})  # the kinds a summary replaces
 _NO_ROLLBACK = float("inf")
 
 
@@ -607,21 +608,25 @@ def llm_pass(
     replaces: list[str] = []
     others: list[Any] = []  # uuids of the events that stay visible and a summary could hide
     target_tokens = kept = kept_min = 0
-    for i, event in enumerate(events):
-        if hidden[i]:
+    show = outputs.show
+    count_field, encoding_field = TOKEN_COUNT_FIELD, TOKEN_ENCODING_FIELD
+    # (the hot loop: locals bound, ``zip`` rather than indexing, the output read only for a tool result)
+    for event, gone in zip(events, hidden):
+        if gone:
             continue
         kind = event.get("type")
-        if kind == "user" or kind == "assistant" or kind == "tool_result":
+        if kind in _CONTEXT_KINDS:
             turn = event.get("turnId")
             if type(turn) is not int:
                 turn = 0
             shown: str | None = None  # the output as shown once the compact is appended, when elided
             candidate = False  # still a micro candidate after the append
-            output: Any = event.get("output")
-            if kind == "tool_result" and isinstance(output, str) and len(output) > min_chars:
-                shown, candidate = outputs.show(output, _str(event.get("toolName")), turn)
-            count = event.get(TOKEN_COUNT_FIELD)
-            stamped = count if type(count) is int and event.get(TOKEN_ENCODING_FIELD) == encoding else -1
+            if kind == "tool_result":
+                output: Any = event.get("output")
+                if isinstance(output, str) and len(output) > min_chars:
+                    shown, candidate = show(output, _str(event.get("toolName")), turn)
+            count = event.get(count_field)
+            stamped = count if type(count) is int and event.get(encoding_field) == encoding else -1
             uuid = event.get("uuid")
             if summarize and start_after < turn <= end_turn:
                 if stamped < 0:

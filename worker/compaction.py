@@ -43,10 +43,12 @@ Invariants:
 
 Redis, for an LLM job that appends: one round trip for the stored state and
 the failure counter (sent before the log is read, answered while it is
-read), one for the state save (with the counter's delete when there is one);
-the uuids of the worker's own lines are checked against the log it read, not
-the Redis index. The job's claim is freed in the state save's round trip
-(``JobRun``; ``worker.jobs.finish`` uses its reply).
+read), one for the state save (with the counter's delete when there is one).
+The job's claim is freed in the state save's round trip, which is sent under
+the lock and answered while the job frees its memory, logs and counts
+(``JobRun``; ``worker.jobs.finish`` reads the reply: ``compactor.deferred``).
+The worker's own lines carry new random uuids (uuid4), which no log holds: they
+are not looked up.
 
 Model choice: ``compactionModel``, else the session's model. When the
 compaction model's window (litellm's max input tokens, else the default)
@@ -72,6 +74,7 @@ from typing import Any
 
 import redis
 
+from compactor.deferred import Deferred
 from compactor.queue import queue_release, released_trigger
 from compactor.store import ApplyResult, SessionStore
 from events.config import ContextSettings, Settings
@@ -148,15 +151,29 @@ class JobRun:
     """One job's run, shared by ``worker.jobs`` and ``Compactor.llm``.
 
     ``job_id`` holds the session's claim: an LLM job that appends a summary frees it
-    with its last writes (``done``; ``trigger`` is then the coalesced trigger the
-    release returned), else ``worker.jobs.finish`` does. ``llm_failure``: the failed
-    LLM call the fallback answered for (the job succeeds; its result reports it).
+    with its last writes, sent under the log's lock but read afterwards (``sent``;
+    ``collect`` reads it: ``done``, and ``trigger`` the coalesced trigger the release
+    returned), else ``worker.jobs.finish`` does. ``llm_failure``: the failed LLM call
+    the fallback answered for (the job succeeds; its result reports it).
     """
 
     job_id: str
     done: bool = False
     trigger: str | None = None
     llm_failure: LlmFailure | None = None
+    sent: Deferred | None = None
+
+    def collect(self) -> None:
+        """Read the replies of the last writes sent (the state save, the claim's release).
+
+        Raises what Redis answered (then ``done`` stays False: the claim is to be
+        freed again; the state save, guarded by its ``logSize``, may or may not have
+        landed, and the next writer catches the state up either way).
+        """
+        sent, self.sent = self.sent, None
+        if sent is not None:
+            replies = sent.replies()
+            self.done, self.trigger = True, released_trigger(replies[-1])
 
 
 @dataclass(frozen=True)
@@ -215,7 +232,7 @@ class Compactor:
         if event is None:
             return self.store.apply(session_id, cwd, [], log=log, cached=cached)  # stores the exact state anyway
         applied = self.store.apply(session_id, cwd, [event], log=log, cached=cached, known=events, known_view=view,
-                                   taken=_taken(events, [event]))
+                                   taken=set())  # a new uuid4: in no log
         logger.debug("micro compact session=%s turns=%d..%d", session_id, event["startTurnId"], event["endTurnId"])
         return applied
 
@@ -328,18 +345,21 @@ class Compactor:
             try:
                 state = self.store.apply(
                     session_id, cwd, lines, log=log, pipeline=pipe, cached=snapshot.state, known=known,
-                    derive=derive, taken=_taken(known, lines),
+                    derive=derive, taken=set(),  # new uuid4s: in no log
                 ).state
             except Exception:
                 if reset:  # the LLM call did succeed
                     self.failures.reset(session_id)
                 raise
             if pipe is not None:
-                if run is not None:  # last: after the save it follows
-                    queue_release(pipe, self.settings, session_id, run.job_id)
-                replies = pipe.execute()
-                if run is not None:
-                    run.done, run.trigger = True, released_trigger(replies[-1])
+                if run is None:
+                    pipe.execute()
+                else:
+                    queue_release(pipe, self.settings, session_id, run.job_id)  # last: after the save it follows
+                    if Deferred.supported(self.store.redis):  # the replies are read once the job is done
+                        run.sent = Deferred.pipeline(self.store.redis, pipe)
+                    else:
+                        run.done, run.trigger = True, released_trigger(pipe.execute()[-1])
         return _result(True, before, state.prompt_estimate)
 
     def _summary_text(
@@ -485,8 +505,7 @@ class _StateRead:
     """The session's stored state and failure count, asked for on entry, read on exit.
 
     The LLM job sends the request, reads the log while Redis answers, then
-    takes the reply: the round trip overlaps the read. A reply never read (an
-    error in between) costs the connection, which is dropped, not pooled.
+    takes the reply: the round trip overlaps the read (``compactor.deferred``).
     """
 
     def __init__(self, store: SessionStore, failures: FailureCounter, session_id: str) -> None:
@@ -495,50 +514,29 @@ class _StateRead:
         self.session_id = session_id
         self.state: SessionState | None = None
         self.failures = 0
-        self._connection: Any = None
+        self._sent: Deferred | None = None
 
     def __enter__(self) -> _StateRead:
         client = self.store.redis
-        if getattr(client, "connection", None) is not None:  # a single-connection client: no side channel
-            return self
-        connection = client.connection_pool.get_connection()
-        try:
-            commands = [("HGETALL", self.store.keys.session(self.session_id)),
-                        ("GET", self.counter.keys.failures(self.session_id))]
-            connection.send_packed_command(connection.pack_commands(commands))  # type: ignore[no-untyped-call]
-        except BaseException:
-            _drop(client, connection)
-            raise
-        self._connection = connection
+        if Deferred.supported(client):
+            self._sent = Deferred(client, [("HGETALL", self.store.keys.session(self.session_id)),
+                                           ("GET", self.counter.keys.failures(self.session_id))])
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        connection, self._connection = self._connection, None
-        client = self.store.redis
-        if connection is None:
+        sent, self._sent = self._sent, None
+        if sent is None:
             if kind is None:
                 self.state = self.store.load(self.session_id)
                 self.failures = self.counter.count(self.session_id)
             return
         if kind is not None:
-            _drop(client, connection)
+            sent.discard()
             return
-        try:
-            raw = connection.read_response()
-            count = connection.read_response()
-        except BaseException:
-            _drop(client, connection)
-            raise
-        client.connection_pool.release(connection)
+        raw, count = sent.replies()
         fields = dict(raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2]))
         self.state = SessionState.from_hash(fields) if fields else None
         self.failures = int(count) if count else 0
-
-
-def _drop(client: redis.Redis, connection: Any) -> None:
-    """Give back a connection whose replies may be unread: disconnected first."""
-    connection.disconnect()
-    client.connection_pool.release(connection)
 
 
 def _has_old_candidate(state: SessionState) -> bool:
@@ -572,16 +570,6 @@ def _new_line(kind: str, **fields: Any) -> dict[str, Any]:
     uuid, the time, then the fields), without the pydantic round trip: the worker's values
     (turn ids and uuids read from the log, the checked summary text) need no validation."""
     return {"uuid": str(uuid.uuid4()), "timestamp": now_iso(), "type": kind, **fields}
-
-
-def _taken(known: list[dict[str, Any]], lines: list[dict[str, Any]]) -> set[str]:
-    """The uuids of ``lines`` that the log's events ``known`` (all of them) already hold.
-
-    The log is the source of truth for uuid uniqueness, so this saves asking
-    the Redis index (``SessionStore.taken_uuids``) for the worker's new lines.
-    """
-    new = {e["uuid"] for e in lines if isinstance(e.get("uuid"), str)}
-    return {e["uuid"] for e in known if e.get("uuid") in new}
 
 
 def _lines_since(log: SessionLog, snapshot: int) -> list[dict[str, Any]] | None:

@@ -125,6 +125,11 @@ def finish(
     failure here is logged, and the trigger stays recorded for the janitor.
     """
     try:
+        if released is not None and released.sent is not None:
+            try:
+                released.collect()
+            except Exception:  # the claim is freed below in a round trip of its own
+                logger.exception("the last writes failed session=%s job=%s", session_id, job_id)
         if released is not None and released.done:
             trigger = released.trigger
         else:

@@ -105,10 +105,12 @@ class Summarizer(Protocol):
 def render_event(event: dict[str, Any]) -> str:
     """One transcript block: ``[role(:toolName)]`` then the content (and tool calls)."""
     kind = event.get("type")
-    if kind == "tool_result":
-        return f"[tool:{event.get('toolName', '')}]\n{_str(event.get('output'))}"
+    if kind == "tool_result":  # (``_str`` inlined: this runs for every line summarized)
+        output = event.get("output")
+        return f"[tool:{event.get('toolName', '')}]\n{output if isinstance(output, str) else ''}"
     if kind == "assistant":
-        head = f"[assistant]\n{_str(event.get('content'))}".rstrip("\n")
+        content = event.get("content")
+        head = f"[assistant]\n{content if isinstance(content, str) else ''}".rstrip("\n")
         calls = event.get("toolCalls")
         if not calls:
             return head

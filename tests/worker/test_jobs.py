@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import time
 from typing import Any
 
@@ -19,6 +21,7 @@ from events.state import decide, rebuild
 from events.view import build_view
 from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse, summary_text
 from tests.worker.conftest import CWD, log_lines, make_settings, read_log, run_burst, turn, write_session
+from worker.compaction import JobRun
 from worker.context import WorkerContext, install
 from worker.failures import FailureCounter
 from worker import jobs as worker_jobs
@@ -410,6 +413,68 @@ def test_an_llm_job_that_appends_a_summary_frees_its_claim_with_its_state_save(
     assert calls == []
     assert pending_job_id(r, wsettings, "s1") != job_id  # freed (and re-checked: nothing more to do)
     assert r.exists(Keys().retrigger("s1")) == 0
+
+
+def test_an_llm_job_reads_its_last_writes_reply_once_the_log_is_unlocked(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The state save and the claim's release are sent under the log's lock and answered
+    while the job winds down: the reply is read with the log free for the watcher."""
+    write_session(r, wsettings, "s1", 5, window=1000)
+    job_id = enqueue_compaction(r, wsettings, "s1", CWD, "llm")
+    unlocked: list[bool] = []
+    collect = JobRun.collect
+
+    def collect_checking_the_lock(run: JobRun) -> None:
+        fd = os.open(SessionLog(wsettings.data_dir, CWD, "s1").path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises while the job holds the lock
+            unlocked.append(run.sent is not None and not run.done)
+        finally:
+            os.close(fd)
+        collect(run)
+
+    monkeypatch.setattr(JobRun, "collect", collect_checking_the_lock)
+    run_burst(r, wsettings)
+    assert Job.fetch(job_id, connection=r).get_status() == JobStatus.FINISHED  # type: ignore[arg-type]
+    assert unlocked == [True]
+    assert pending_job_id(r, wsettings, "s1") is None
+    _assert_state_is_a_rebuild(r, wsettings, "s1")
+
+
+def test_a_job_whose_last_writes_reply_fails_still_frees_its_claim(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Redis failing to answer the state save + release: the summary is in the log, the job
+    succeeds, the claim is freed by a round trip of its own, the state catches up later."""
+    write_session(r, wsettings, "s1", 5, window=1000)
+    job_id = enqueue_compaction(r, wsettings, "s1", CWD, "llm")
+    releases: list[str] = []
+    release = worker_jobs.release_pending
+
+    def lost_reply(run: JobRun) -> None:
+        assert run.sent is not None
+        run.sent.discard()
+        run.sent = None
+        raise redis.ConnectionError("connection lost")
+
+    def counted_release(client: redis.Redis, settings: Settings, sid: str, job: str) -> str | None:
+        releases.append(job)
+        return release(client, settings, sid, job)
+
+    monkeypatch.setattr(JobRun, "collect", lost_reply)
+    monkeypatch.setattr(worker_jobs, "release_pending", counted_release)
+    with caplog.at_level(logging.ERROR, logger="worker.jobs"):
+        run_burst(r, wsettings)
+    assert Job.fetch(job_id, connection=r).get_status() == JobStatus.FINISHED  # type: ignore[arg-type]
+    assert [e["type"] for e in read_log(wsettings, "s1")][-1] == "summary"
+    assert releases == [job_id] and pending_job_id(r, wsettings, "s1") is None
+    assert "the last writes failed" in caplog.text
+    store = SessionStore(r, wsettings)
+    log = SessionLog(wsettings.data_dir, CWD, "s1")
+    with log.lock():
+        assert store.current("s1", CWD, log) == rebuild("s1", CWD, log.read(), wsettings.context, log.size())
 
 
 def test_state_after_an_llm_job_with_a_micro_step_equals_a_rebuild_from_the_log(
