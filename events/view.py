@@ -624,7 +624,8 @@ def llm_pass(
             if kind == "tool_result":
                 output: Any = event.get("output")
                 if isinstance(output, str) and len(output) > min_chars:
-                    shown, candidate = show(output, _str(event.get("toolName")), turn)
+                    name = event.get("toolName")
+                    shown, candidate = show(output, name if isinstance(name, str) else "", turn)
             count = event.get(count_field)
             stamped = count if type(count) is int and event.get(encoding_field) == encoding else -1
             uuid = event.get("uuid")
@@ -714,7 +715,8 @@ class _Outputs:
                 return None, True
             if self.low is None or turn < self.low:
                 self.low = turn
-            self.high = max(self.high, turn)
+            if turn > self.high:
+                self.high = turn
         shown = elide(output, self.keep_chars)
         return (None if shown is output else shown), False
 

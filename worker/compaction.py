@@ -258,8 +258,9 @@ class Compactor:
         tokens estimated). When no summary is appended, the micro step is
         applied on its own, with exact counts.
         ``run``: when the summary is appended, the job's claim is freed in the
-        same round trip as the state save (``run.done``); a failed LLM call the
-        fallback answered for is recorded in ``run.llm_failure``.
+        same round trip as the state save, sent here and read by ``run.collect``
+        (``run.sent``); a failed LLM call the fallback answered for is recorded in
+        ``run.llm_failure``.
         """
         log = self._log(session_id, cwd)
         with log.lock():
@@ -318,7 +319,8 @@ class Compactor:
 
         ``reset`` (a successful LLM call, the counter not zero) deletes the failure
         counter, and ``run``'s claim is freed, in the same round trip as
-        the state save when the summary is appended.
+        the state save when the summary is appended; with ``run`` that round trip's
+        reply is left to ``run.collect`` (``worker.jobs.finish``).
         """
         reading = snapshot.reading
         event = _new_line("summary", replaces=reading.replaces, summaryText=text,

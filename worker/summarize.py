@@ -114,6 +114,8 @@ def render_event(event: dict[str, Any]) -> str:
         calls = event.get("toolCalls")
         if not calls:
             return head
+        if type(calls) is list and len(calls) == 1 and type(call := calls[0]) is dict:  # the usual case
+            return f"{head}\n-> tool call {call.get('name', '')}({arguments_json(call.get('arguments', ''))})"
         lines = [head]
         for call in calls:
             if isinstance(call, dict):

@@ -12,6 +12,7 @@ from worker.summarize import (
     LiteLLMSummarizer,
     build_messages,
     extract_summary,
+    render_event,
     render_transcript,
     split_sections,
     validate_summary_text,
@@ -40,6 +41,17 @@ def test_transcript_blocks_show_role_tool_name_and_each_tool_call() -> None:
         "-> tool call search_code({\"q\": \"x\"})\n\n"
         "[tool:read_file]\nprint(1)"
     )
+
+
+def test_an_assistant_block_with_one_call_reads_as_with_several() -> None:
+    """One tool call (the usual case, rendered on a fast path) and odd shapes of ``toolCalls``."""
+    one = {"type": "assistant", "turnId": 1, "content": "looking\n",
+           "toolCalls": [{"id": "c1", "name": "grep", "arguments": {"q": "x", "n": 2}}]}
+    assert render_event(one) == "[assistant]\nlooking\n-> tool call grep({\"q\":\"x\",\"n\":2})"
+    nameless = {**one, "toolCalls": [{"id": "c1", "arguments": "raw args"}]}
+    assert render_event(nameless) == "[assistant]\nlooking\n-> tool call (raw args)"
+    assert render_event({**one, "toolCalls": {"0": {"name": "x"}}}) == "[assistant]\nlooking"  # not a list
+    assert render_event({**one, "toolCalls": ["not a call"]}) == "[assistant]\nlooking"
 
 
 def test_transcript_cannot_close_its_own_delimiter() -> None:
