@@ -148,12 +148,12 @@ class LlmFailure:
 
 @dataclass
 class JobRun:
-    """One job's run, shared by ``worker.jobs`` and ``Compactor.llm``.
+    """One job's run, shared by ``worker.jobs`` and ``Compactor.micro`` / ``Compactor.llm``.
 
-    ``job_id`` holds the session's claim: an LLM job that appends a summary frees it
-    with its last writes, sent under the log's lock but read afterwards (``sent``;
-    ``collect`` reads it: ``done``, and ``trigger`` the coalesced trigger the release
-    returned), else ``worker.jobs.finish`` does. ``llm_failure``: the failed LLM call
+    ``job_id`` holds the session's claim: a micro job, and an LLM job that appends a
+    summary, free it with their last writes, sent under the log's lock but read
+    afterwards (``sent``; ``collect`` reads it: ``done``, and ``trigger`` the coalesced
+    trigger the release returned), else ``worker.jobs.finish`` does. ``llm_failure``: the failed LLM call
     the fallback answered for (the job succeeds; its result reports it).
     """
 
@@ -208,31 +208,39 @@ class Compactor:
 
     # -- micro ---------------------------------------------------------------------------
 
-    def micro(self, session_id: str, cwd: str) -> CompressResult:
-        """Mark the turns of old long compactable outputs compacted (one ``compact`` event)."""
+    def micro(self, session_id: str, cwd: str, *, run: JobRun | None = None) -> CompressResult:
+        """Mark the turns of old long compactable outputs compacted (one ``compact`` event).
+
+        ``run``: the job's claim is freed in the state save's round trip, sent here
+        and read by ``run.collect`` (as an LLM job's that appends a summary).
+        """
         log = self._log(session_id, cwd)
         with log.lock():
             events = log.read()
             view = build_view(events, self.ctx, messages=False)
-            applied = self._micro_locked(session_id, cwd, log, events, view)
+            pipe = self.store.redis.pipeline(transaction=False) if run is not None else None
+            applied = self._micro_locked(session_id, cwd, log, events, view, pipeline=pipe)
+            if pipe is not None and run is not None:
+                self._send_last_writes(pipe, session_id, run)
         return _result(bool(applied.appended), view.prompt_estimate, applied.state.prompt_estimate)
 
     def _micro_locked(
         self, session_id: str, cwd: str, log: SessionLog, events: list[dict[str, Any]], view: ContextView,
-        cached: SessionState | None = None, event: dict[str, Any] | None = None,
+        cached: SessionState | None = None, event: dict[str, Any] | None = None, pipeline: Any | None = None,
     ) -> ApplyResult:
         """Append the compact event if there are candidates (the state is stored either way).
 
         ``events`` is the whole log as read under the lock and ``view`` its view;
         the state after the append is rebuilt from them, not from a re-read.
         ``event`` is the compact ``_compact_event`` already made of them, if any.
+        With ``pipeline`` the state save is queued there (if newer), for the caller to send.
         """
         if event is None:
             event = _compact_event(events, self.ctx, view)
-        if event is None:
-            return self.store.apply(session_id, cwd, [], log=log, cached=cached)  # stores the exact state anyway
+        if event is None:  # stores the exact state anyway
+            return self.store.apply(session_id, cwd, [], log=log, cached=cached, pipeline=pipeline)
         applied = self.store.apply(session_id, cwd, [event], log=log, cached=cached, known=events, known_view=view,
-                                   taken=set())  # a new uuid4: in no log
+                                   taken=set(), pipeline=pipeline)  # a new uuid4: in no log
         logger.debug("micro compact session=%s turns=%d..%d", session_id, event["startTurnId"], event["endTurnId"])
         return applied
 
@@ -357,12 +365,17 @@ class Compactor:
                 if run is None:
                     pipe.execute()
                 else:
-                    queue_release(pipe, self.settings, session_id, run.job_id)  # last: after the save it follows
-                    if Deferred.supported(self.store.redis):  # the replies are read once the job is done
-                        run.sent = Deferred.pipeline(self.store.redis, pipe)
-                    else:
-                        run.done, run.trigger = True, released_trigger(pipe.execute()[-1])
+                    self._send_last_writes(pipe, session_id, run)
         return _result(True, before, state.prompt_estimate)
+
+    def _send_last_writes(self, pipe: Any, session_id: str, run: JobRun) -> None:
+        """Queue the release of ``run``'s claim after the writes on ``pipe`` and send them all;
+        ``run.collect`` reads the replies once the job is done (call under the log's lock)."""
+        queue_release(pipe, self.settings, session_id, run.job_id)  # last: after the save it follows
+        if Deferred.supported(self.store.redis):
+            run.sent = Deferred.pipeline(self.store.redis, pipe)
+        else:  # a single-connection client: no side channel
+            run.done, run.trigger = True, released_trigger(pipe.execute()[-1])
 
     def _summary_text(
         self, session_id: str, reading: LlmPass, view: _Session, *, breaker_open: bool, run: JobRun | None = None,

@@ -63,7 +63,7 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
     run = JobRun(job_id)
     try:
         if kind == "micro":
-            result = context.compactor.micro(session_id, cwd)
+            result = context.compactor.micro(session_id, cwd, run=run)
         else:
             result = context.compactor.llm(session_id, cwd, forced=forced, run=run)
         outcome = "compressed" if result.did_compress else "nothing_to_do"

@@ -347,6 +347,26 @@ def test_micro_job_marks_old_long_outputs_compacted_once(
     assert stub.requests == []
 
 
+@pytest.mark.parametrize("outputs", ["x" * 600, "short"], ids=["compacts", "nothing-to-do"])
+def test_a_micro_job_frees_its_claim_with_its_state_save(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch, outputs: str,
+) -> None:
+    """As an LLM job's: the release rides in the state save's round trip, read once the log
+    is unlocked, whether or not a compact was appended; a trigger coalesced meanwhile is
+    re-checked all the same."""
+    write_session(r, wsettings, "s1", 4, output=outputs, window=1000)
+    job_id = enqueue_compaction(r, wsettings, "s1", CWD, "micro")
+    assert job_id and enqueue_compaction(r, wsettings, "s1", CWD, "micro") is None  # coalesced
+    calls: list[Any] = []
+    monkeypatch.setattr(worker_jobs, "release_pending", lambda *args: calls.append(args))
+    run_burst(r, wsettings)
+    assert Job.fetch(job_id, connection=r).get_status() == JobStatus.FINISHED
+    assert calls == []
+    assert pending_job_id(r, wsettings, "s1") != job_id  # freed (and re-checked)
+    assert r.exists(Keys().retrigger("s1")) == 0
+    _assert_state_is_a_rebuild(r, wsettings, "s1")
+
+
 def test_job_for_an_unknown_session_fails(r: redis.Redis, wsettings: Settings) -> None:
     job = _run(r, wsettings, "nope", kind="micro")
     assert job.get_status() == JobStatus.FAILED
