@@ -153,8 +153,9 @@ class JobRun:
     ``job_id`` holds the session's claim: a micro job, and an LLM job that appends a
     summary, free it with their last writes, sent under the log's lock but read
     afterwards (``sent``; ``collect`` reads it: ``done``, and ``trigger`` the coalesced
-    trigger the release returned), else ``worker.jobs.finish`` does. ``llm_failure``: the failed LLM call
-    the fallback answered for (the job succeeds; its result reports it).
+    trigger the release returned), else ``worker.jobs.finish`` does. ``llm_failure``:
+    the failed LLM call the fallback answered for (the job succeeds; its result
+    reports it).
     """
 
     job_id: str
@@ -218,9 +219,11 @@ class Compactor:
         with log.lock():
             events = log.read()
             view = build_view(events, self.ctx, messages=False)
-            pipe = self.store.redis.pipeline(transaction=False) if run is not None else None
-            applied = self._micro_locked(session_id, cwd, log, events, view, pipeline=pipe)
-            if pipe is not None and run is not None:
+            if run is None:
+                applied = self._micro_locked(session_id, cwd, log, events, view)
+            else:
+                pipe = self.store.redis.pipeline(transaction=False)
+                applied = self._micro_locked(session_id, cwd, log, events, view, pipeline=pipe)
                 self._send_last_writes(pipe, session_id, run)
         return _result(bool(applied.appended), view.prompt_estimate, applied.state.prompt_estimate)
 
