@@ -104,6 +104,28 @@ def _count_short(text: str, encoding: str) -> int:
     return len(get_encoding(encoding).encode_ordinary(text))
 
 
+SHOWN_TEXT_CHARS = 512  # an elided output as shown (``microCompactKeepChars`` up to ~230) is cached
+SHOWN_CACHE_ENTRIES = 8_192  # the text is the key: ~650 bytes each at the default keep (~5 MB), ~11 MB at most
+
+
+def count_shown_tokens(text: str, encoding: str) -> int:
+    """``count_tokens`` of an elided tool output as shown (head, marker, tail), cached.
+
+    Every view of a log counts all of its compacted outputs again (a micro job's,
+    a rebuild's, the API's), while only the newest compact adds new ones: a
+    worker counts each once. The cache is an LRU keyed by the text itself, so a
+    count is never another text's; a longer text is counted every time.
+    """
+    if len(text) <= SHOWN_TEXT_CHARS:
+        return _count_shown(text, encoding)
+    return count_tokens(text, encoding)
+
+
+@lru_cache(maxsize=SHOWN_CACHE_ENTRIES)
+def _count_shown(text: str, encoding: str) -> int:
+    return count_tokens(text, encoding)
+
+
 def arguments_json(arguments: Any) -> str:
     """Tool-call arguments as compact JSON: a string is kept as it is, anything else is dumped.
 

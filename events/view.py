@@ -55,6 +55,7 @@ from events.tokens import (
     TOKEN_COUNT_FIELD,
     TOKEN_ENCODING_FIELD,
     arguments_json,
+    count_shown_tokens,
     count_tokens,
     encoding_for_model,
     event_tokens,
@@ -340,7 +341,7 @@ class _Builder:
                 if self.compacted and _in_ranges(_int(event.get("turnId")), self.starts, self.compacted):
                     shown = elide(output, self.ctx.micro_compact_keep_chars)
                     if shown is not output:
-                        tokens = count_tokens(shown, self.encoding) + self._name_tokens(name) + MESSAGE_OVERHEAD_TOKENS
+                        tokens = count_shown_tokens(shown, self.encoding) + self._name_tokens(name) + MESSAGE_OVERHEAD_TOKENS
                         self.elided[position] = (shown, tokens)
                         return tokens
                 else:
@@ -520,7 +521,7 @@ class _ElidedTokens:
         known = self.names.get(name)
         if known is None:
             known = self.names[name] = count_tokens(name, self.encoding)
-        return count_tokens(shown, self.encoding) + known + MESSAGE_OVERHEAD_TOKENS
+        return count_shown_tokens(shown, self.encoding) + known + MESSAGE_OVERHEAD_TOKENS
 
 
 def current_turn_id(events: list[Event]) -> int:

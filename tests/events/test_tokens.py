@@ -166,3 +166,42 @@ def test_arguments_json_dumps_every_character_as_the_json_module_does() -> None:
     assert arguments_json(arguments) == json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
     lone = {"s": "\ud800"}  # orjson cannot dump a lone surrogate: the json module does
     assert arguments_json(lone) == json.dumps(lone, separators=(",", ":"), ensure_ascii=False)
+
+
+class _CountingEncoding:
+    """A tiktoken encoding that records the texts it was asked to encode."""
+
+    def __init__(self, encoding: object) -> None:
+        self.encoding = encoding
+        self.texts: list[str] = []
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        self.texts.append(text)
+        return self.encoding.encode_ordinary(text)  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.fixture
+def counting(monkeypatch: pytest.MonkeyPatch) -> _CountingEncoding:
+    """Every tokenization is recorded; the shown-text cache starts empty."""
+    real = tokens.get_encoding("cl100k_base")
+    recorder = _CountingEncoding(real)
+    monkeypatch.setattr(tokens, "get_encoding", lambda name: recorder)
+    tokens._count_shown.cache_clear()
+    yield recorder
+    tokens._count_shown.cache_clear()
+
+
+@given(text=st.text(max_size=tokens.SHOWN_TEXT_CHARS + 50))
+@settings(max_examples=200)
+def test_count_shown_tokens_is_count_tokens(text: str) -> None:
+    assert tokens.count_shown_tokens(text, "cl100k_base") == count_tokens(text, "cl100k_base")
+
+
+def test_a_shown_text_is_tokenized_once_and_a_long_one_every_time(counting: _CountingEncoding) -> None:
+    shown = "head of the output\n…[4000 characters elided]…\ntail of the output" * 2
+    long = "x " * tokens.SHOWN_TEXT_CHARS
+    first = [tokens.count_shown_tokens(text, "cl100k_base") for text in (shown, long)]
+    again = [tokens.count_shown_tokens(text, "cl100k_base") for text in (shown, long)]
+    assert counting.texts.count(shown) == 1
+    assert counting.texts.count(long) == 2
+    assert first == again == [count_tokens(shown, "cl100k_base"), count_tokens(long, "cl100k_base")]

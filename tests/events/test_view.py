@@ -407,3 +407,29 @@ def test_a_summary_that_replaces_a_compact_undoes_its_elision() -> None:
     assert _tool_contents(undone.messages)[0] == "x" * 500
     assert undone.compacted == ()
     assert [c["turnId"] for c in undone.candidates] == [1]
+
+
+def test_each_compacted_output_is_tokenized_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a micro job, a rebuild and the API build the view again and again: the elided outputs are
+    # the same texts each time, and counting them dominated a micro job on a compacted log
+    from events import tokens
+
+    real = tokens.get_encoding(ENC)
+    encoded: list[str] = []
+
+    class Recording:
+        def encode_ordinary(self, text: str) -> list[int]:
+            encoded.append(text)
+            return real.encode_ordinary(text)
+
+    monkeypatch.setattr(tokens, "get_encoding", lambda name: Recording())
+    tokens._count_shown.cache_clear()
+    events = [*_tool_turn(1, LONG, "read_file"), *_tool_turn(2, LONG + "2", "read_file"), compact(1, 2)]
+    first = build_view(events, CTX, messages=False)
+    elided = [text for text in encoded if "characters elided" in text]
+    assert len(elided) == 2
+    encoded.clear()
+    again = build_view(events, CTX)
+    assert again.prompt_estimate == first.prompt_estimate
+    assert not [text for text in encoded if "characters elided" in text]
+    assert _tool_contents(again.messages) == elided
