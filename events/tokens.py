@@ -126,6 +126,11 @@ def _count_shown(text: str, encoding: str) -> int:
     return count_tokens(text, encoding)
 
 
+def forget_shown_counts() -> None:
+    """Empty ``count_shown_tokens``'s cache (a process that never counted them: benchmarks, tests)."""
+    _count_shown.cache_clear()
+
+
 def arguments_json(arguments: Any) -> str:
     """Tool-call arguments as compact JSON: a string is kept as it is, anything else is dumped.
 

@@ -14,6 +14,13 @@ directory, then measures:
   to read and parse that log; target ``overhead_ratio`` (job / baseline) ``<= 2``.
   Every line carries a uuid, as the watcher writes them (a summary replaces
   events by uuid).
+- ``micro_overhead_ms_p50`` (no target): one micro job on that session once a
+  micro job compacted its old turns and two more turns came (the steady
+  state: the job elides the new candidates, while its view shows the ~100
+  earlier ones elided), in a worker that ran the session's previous job (the
+  outputs as shown are counted once per process: ``events.tokens.count_shown_tokens``);
+  ``micro_overhead_ratio`` against the parse of that log, and
+  ``micro_cold_overhead_ratio`` for a worker that never saw the session.
 - ``worker_rss_growth_pct``: RSS of an in-process worker after 1 000 jobs
   (litellm to the stub, no latency) vs after a warm-up; target < 10 %.
 """
@@ -77,6 +84,8 @@ def run(*, quick: bool = False, progress: Progress | None = None) -> dict[str, A
             result: dict[str, Any] = {}
             say("overhead of one job on a 100k-token session")
             result.update(_overhead(client, settings, OVERHEAD_RUNS[level]))
+            say("overhead of one micro job on a micro-compacted 100k-token session")
+            result.update(_micro_overhead(client, settings, OVERHEAD_RUNS[level]))
             say("throughput with worker processes")
             stub.latency_s = LLM_LATENCY_S
             result.update(_throughput(client, settings, *THROUGHPUT[level]))
@@ -147,6 +156,38 @@ def _overhead(client: redis.Redis, settings: Settings, runs: int) -> dict[str, A
     job, parse = statistics.median(job_ms), statistics.median(parse_ms)
     return {"session_tokens": estimate, "overhead_ms_p50": round(job, 2), "overhead_baseline_ms": round(parse, 2),
             "parse_ms_p50": round(parse, 2), "overhead_ratio": round(job / parse, 2)}
+
+
+def _micro_overhead(client: redis.Redis, settings: Settings, runs: int) -> dict[str, Any]:
+    from events.tokens import forget_shown_counts
+    from worker import context as worker_context
+    from worker.context import WorkerContext
+    from worker.jobs import micro_compact
+
+    store = SessionStore(client, settings)
+    _write_session(client, settings, "steady", turns=100, output_chars=4_600)
+    worker_context.install(WorkerContext.build(settings, client, summarizer=_InstantSummarizer))
+    try:
+        micro_compact("steady", CWD)  # compacts turns 1..98
+        later = [*_turn(101, 4_600), *_turn(102, 4_600)]
+        for index, event in enumerate(later):
+            event["uuid"] = str(uuid.uuid5(uuid.NAMESPACE_URL, f"bench/steady/later/{index}"))
+        store.apply("steady", CWD, later)
+        template = store.log("steady", CWD).path
+        timings: dict[str, list[float]] = {"warm": [], "cold": [], "parse": []}
+        for i in range(2 * runs):
+            sid, temperature = f"steady-{i}", ("warm", "cold")[i % 2]
+            shutil.copyfile(template, store.log(sid, CWD).path)
+            store.refresh(sid, CWD)  # counts the elided outputs, as the session's previous job did
+            timings["parse"].append(_timed(lambda sid=sid: SessionLog(settings.data_dir, CWD, sid).read()))
+            if temperature == "cold":
+                forget_shown_counts()
+            timings[temperature].append(_timed(lambda sid=sid: micro_compact(sid, CWD)))
+    finally:
+        worker_context.clear()
+    warm, cold, parse = (statistics.median(timings[k]) for k in ("warm", "cold", "parse"))
+    return {"micro_overhead_ms_p50": round(warm, 2), "micro_parse_ms_p50": round(parse, 2),
+            "micro_overhead_ratio": round(warm / parse, 2), "micro_cold_overhead_ratio": round(cold / parse, 2)}
 
 
 def _timed(fn: Callable[..., Any]) -> float:

@@ -186,9 +186,9 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> _CountingEncoding:
     real = tokens.get_encoding("cl100k_base")
     recorder = _CountingEncoding(real)
     monkeypatch.setattr(tokens, "get_encoding", lambda name: recorder)
-    tokens._count_shown.cache_clear()
+    tokens.forget_shown_counts()
     yield recorder
-    tokens._count_shown.cache_clear()
+    tokens.forget_shown_counts()
 
 
 @given(text=st.text(max_size=tokens.SHOWN_TEXT_CHARS + 50))

@@ -423,7 +423,7 @@ def test_each_compacted_output_is_tokenized_once_per_process(monkeypatch: pytest
             return real.encode_ordinary(text)
 
     monkeypatch.setattr(tokens, "get_encoding", lambda name: Recording())
-    tokens._count_shown.cache_clear()
+    tokens.forget_shown_counts()
     events = [*_tool_turn(1, LONG, "read_file"), *_tool_turn(2, LONG + "2", "read_file"), compact(1, 2)]
     first = build_view(events, CTX, messages=False)
     elided = [text for text in encoded if "characters elided" in text]
