@@ -69,6 +69,7 @@ class _Unread:
 
 
 UNREAD = _Unread()
+Stored = SessionState | None | _Unread  # a ``stored`` argument: the state a caller read, or ``UNREAD``
 
 
 @dataclass

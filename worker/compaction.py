@@ -47,6 +47,8 @@ read), one for the state save (with the counter's delete when there is one).
 The job's claim is freed in the state save's round trip, which is sent under
 the lock and answered while the job frees its memory, logs and counts
 (``JobRun``; ``worker.jobs.finish`` reads the reply: ``compactor.deferred``).
+A micro job makes the same two round trips: its stored state (no counter) read
+while the log is, and the state save that frees its claim.
 The worker's own lines carry new random uuids (uuid4), which no log holds: they
 are not looked up.
 
@@ -76,7 +78,7 @@ import redis
 
 from compactor.deferred import Deferred
 from compactor.queue import queue_release, released_trigger
-from compactor.store import ApplyResult, SessionStore
+from compactor.store import UNREAD, ApplyResult, SessionStore, Stored
 from events.config import ContextSettings, Settings
 from events.errors import (
     CompactorError,
@@ -217,19 +219,22 @@ class Compactor:
         """
         log = self._log(session_id, cwd)
         with log.lock():
-            events = log.read()
+            with _StateRead(self.store, None, session_id) as stored:
+                events = log.read()  # while Redis answers
             view = build_view(events, self.ctx, messages=False)
             if run is None:
-                applied = self._micro_locked(session_id, cwd, log, events, view)
+                applied = self._micro_locked(session_id, cwd, log, events, view, stored=stored.state)
             else:
                 pipe = self.store.redis.pipeline(transaction=False)
-                applied = self._micro_locked(session_id, cwd, log, events, view, pipeline=pipe)
+                applied = self._micro_locked(session_id, cwd, log, events, view, pipeline=pipe,
+                                             stored=stored.state)
                 self._send_last_writes(pipe, session_id, run)
         return _result(bool(applied.appended), view.prompt_estimate, applied.state.prompt_estimate)
 
     def _micro_locked(
         self, session_id: str, cwd: str, log: SessionLog, events: list[dict[str, Any]], view: ContextView,
         cached: SessionState | None = None, event: dict[str, Any] | None = None, pipeline: Any | None = None,
+        stored: Stored = UNREAD,
     ) -> ApplyResult:
         """Append the compact event if there are candidates (the state is stored either way).
 
@@ -237,13 +242,14 @@ class Compactor:
         the state after the append is rebuilt from them, not from a re-read.
         ``event`` is the compact ``_compact_event`` already made of them, if any.
         With ``pipeline`` the state save is queued there (if newer), for the caller to send.
+        ``stored``: the stored state, read while the log was (``SessionStore.apply``'s).
         """
         if event is None:
             event = _compact_event(events, self.ctx, view)
         if event is None:  # stores the exact state anyway
-            return self.store.apply(session_id, cwd, [], log=log, cached=cached, pipeline=pipeline)
+            return self.store.apply(session_id, cwd, [], log=log, cached=cached, pipeline=pipeline, stored=stored)
         applied = self.store.apply(session_id, cwd, [event], log=log, cached=cached, known=events, known_view=view,
-                                   taken=set(), pipeline=pipeline)  # a new uuid4: in no log
+                                   taken=set(), pipeline=pipeline, stored=stored)  # a new uuid4: in no log
         logger.debug("micro compact session=%s turns=%d..%d", session_id, event["startTurnId"], event["endTurnId"])
         return applied
 
@@ -522,11 +528,12 @@ class Compactor:
 class _StateRead:
     """The session's stored state and failure count, asked for on entry, read on exit.
 
-    The LLM job sends the request, reads the log while Redis answers, then
-    takes the reply: the round trip overlaps the read (``compactor.deferred``).
+    A job sends the request, reads the log while Redis answers, then takes the
+    reply: the round trip overlaps the read (``compactor.deferred``). Without a
+    counter (a micro job) only the state is read.
     """
 
-    def __init__(self, store: SessionStore, failures: FailureCounter, session_id: str) -> None:
+    def __init__(self, store: SessionStore, failures: FailureCounter | None, session_id: str) -> None:
         self.store = store
         self.counter = failures
         self.session_id = session_id
@@ -537,8 +544,10 @@ class _StateRead:
     def __enter__(self) -> _StateRead:
         client = self.store.redis
         if Deferred.supported(client):
-            self._sent = Deferred(client, [("HGETALL", self.store.keys.session(self.session_id)),
-                                           ("GET", self.counter.keys.failures(self.session_id))])
+            commands: list[tuple[str, ...]] = [("HGETALL", self.store.keys.session(self.session_id))]
+            if self.counter is not None:
+                commands.append(("GET", self.counter.keys.failures(self.session_id)))
+            self._sent = Deferred(client, commands)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
@@ -546,15 +555,15 @@ class _StateRead:
         if sent is None:
             if kind is None:
                 self.state = self.store.load(self.session_id)
-                self.failures = self.counter.count(self.session_id)
+                self.failures = self.counter.count(self.session_id) if self.counter is not None else 0
             return
         if kind is not None:
             sent.discard()
             return
-        raw, count = sent.replies()
+        raw, *count = sent.replies()
         fields = dict(raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2]))
         self.state = SessionState.from_hash(fields) if fields else None
-        self.failures = int(count) if count else 0
+        self.failures = int(count[0]) if count and count[0] else 0
 
 
 def _has_old_candidate(state: SessionState) -> bool:

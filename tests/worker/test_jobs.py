@@ -21,6 +21,7 @@ from events.state import decide, rebuild
 from events.view import build_view
 from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse, summary_text
 from tests.worker.conftest import CWD, log_lines, make_settings, read_log, run_burst, turn, write_session
+from worker import compaction as worker_compaction
 from worker.compaction import JobRun
 from worker.context import WorkerContext, install
 from worker.failures import FailureCounter
@@ -364,6 +365,39 @@ def test_a_micro_job_frees_its_claim_with_its_state_save(
     assert calls == []
     assert pending_job_id(r, wsettings, "s1") != job_id  # freed (and re-checked)
     assert r.exists(Keys().retrigger("s1")) == 0
+    _assert_state_is_a_rebuild(r, wsettings, "s1")
+
+
+@pytest.mark.parametrize("stored", ["kept", "lost", "lagging"])
+def test_a_micro_job_asks_for_its_state_before_reading_the_log(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch, stored: str,
+) -> None:
+    """Its round trip is answered while the log is read (no load after it); a state Redis
+    lost is rebuilt and one the watcher has not saved yet is caught up, as before."""
+    write_session(r, wsettings, "s1", 4, output="x" * 600, window=1000)
+    store = SessionStore(r, wsettings)
+    if stored == "lost":
+        r.delete(Keys().session("s1"))
+    elif stored == "lagging":  # a turn appended, its state save not run
+        store.apply("s1", CWD, turn(5, output="y" * 600, window=1000), pipeline=r.pipeline(transaction=False))
+    order: list[str] = []
+    real_read, real_init = SessionLog.read, worker_compaction.Deferred.__init__
+
+    def read(self: SessionLog, start: int = 0) -> list[dict[str, Any]]:
+        order.append("read")
+        return real_read(self, start)
+
+    def send(self: Any, client: Any, commands: Any) -> None:
+        order.append(" ".join(str(part) for part in commands[0][:1]))
+        real_init(self, client, commands)
+
+    monkeypatch.setattr(SessionLog, "read", read)
+    monkeypatch.setattr(worker_compaction.Deferred, "__init__", send)
+    monkeypatch.setattr(SessionStore, "load", lambda *args: pytest.fail("the state was loaded after the read"))
+    install(WorkerContext.build(wsettings, r))
+    assert micro_compact("s1", CWD)["didCompress"] is True
+    assert order[:2] == ["HGETALL", "read"]
+    monkeypatch.undo()
     _assert_state_is_a_rebuild(r, wsettings, "s1")
 
 
