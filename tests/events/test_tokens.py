@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -181,7 +182,7 @@ class _CountingEncoding:
 
 
 @pytest.fixture
-def counting(monkeypatch: pytest.MonkeyPatch) -> _CountingEncoding:
+def counting(monkeypatch: pytest.MonkeyPatch) -> Iterator[_CountingEncoding]:
     """Every tokenization is recorded; the shown-text cache starts empty."""
     real = tokens.get_encoding("cl100k_base")
     recorder = _CountingEncoding(real)
