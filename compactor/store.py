@@ -206,17 +206,23 @@ class SessionStore:
             raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}")
         if state is None or size < state.log_size:
             return (*self._reindex(session_id, cwd, log, pipeline), set())
+        fresh = state.settings == self.settings.context.state_fingerprint
+        if not fresh:
+            logger.info("state rebuilt session=%s: derived under other settings (%s)", session_id,
+                        state.settings or "none recorded")
+        caught_up: set[str] = set()
         if size > state.log_size:
             logger.info("state catch-up session=%s from=%d to=%d", session_id, state.log_size, size)
-            state = state.copy()
             tail = log.read(state.log_size)
             self._index_uuids(session_id, tail)
             caught_up = set(_uuids(tail))
-            if not _fold_all(state, tail, self.settings):
-                return self.rebuild(session_id, cwd, log), None, caught_up
-            state.log_size = size
-            return state, None, caught_up
-        return state, None, set()
+            if fresh:
+                state = state.copy()
+                fresh = _fold_all(state, tail, self.settings)  # False: the tail changes the past
+                state.log_size = size
+        if not fresh:
+            return self.rebuild(session_id, cwd, log), None, caught_up
+        return state, None, caught_up
 
     def _reindex(
         self, session_id: str, cwd: str, log: SessionLog, pipeline: Any | None = None,

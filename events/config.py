@@ -14,6 +14,8 @@ start-up.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -88,12 +90,28 @@ class ContextSettings(_Section):
         return tool_name.lower() in self._compactable_lower
 
     @property
+    def state_fingerprint(self) -> str:
+        """The settings a session's derived state depends on, as a short string: its
+        estimate (what is elided, how much of it is kept), its candidates and its window
+        when the model has none. A state stored under other settings is rebuilt."""
+        return _fingerprint(self.micro_compact_min_chars, self.micro_compact_keep_chars,
+                            self.default_context_window, self._compactable_lower)
+
+    @property
     def _compactable_lower(self) -> frozenset[str]:
-        cached: frozenset[str] | None = self.__dict__.get("_compactable_cache")
-        if cached is None:
-            cached = frozenset(t.lower() for t in self.compactable_tools)
-            object.__setattr__(self, "_compactable_cache", cached)
-        return cached
+        # (keyed by the value, not kept on the instance: ``model_copy(update=...)`` copies an instance's extras)
+        return _lower_names(self.compactable_tools)
+
+
+@functools.lru_cache(maxsize=64)
+def _lower_names(names: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(name.lower() for name in names)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(min_chars: int, keep_chars: int, default_window: int, tools: frozenset[str]) -> str:
+    digest = hashlib.sha256("\0".join(sorted(tools)).encode()).hexdigest()[:12]
+    return f"{min_chars}/{keep_chars}/{default_window}/{digest}"
 
 
 class LimitSettings(_Section):

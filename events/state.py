@@ -13,6 +13,10 @@ Invariants:
 - ``fold`` never reads the log and never tokenizes a stamped line.
 - ``log_size`` is set by the caller (the byte size of the log the state covers).
 - ``to_hash`` / ``from_hash`` round-trip exactly through a Redis hash of strings.
+- A state records the settings it was derived under (``settings``: the
+  ``ContextSettings.state_fingerprint``); the store rebuilds one derived under
+  others (``compactor.store.SessionStore.current``), so it can be trusted as
+  exact: a micro job adds to its estimate rather than counting the log again.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class SessionState:
     last_stream_id: str | None = None
     last_compaction: dict[str, Any] | None = None
     compacted_through: int = 0  # highest turn a visible compact covers; 0 none
+    settings: str = ""  # ``ContextSettings.state_fingerprint`` of the settings it was derived under
 
     def copy(self) -> SessionState:
         """A shallow copy (``dataclasses.replace`` costs five times more: it calls ``__init__``)."""
@@ -66,7 +71,8 @@ class SessionState:
     @classmethod
     def empty(cls, session_id: str, cwd: str, ctx: ContextSettings) -> SessionState:
         """The state of a session with an empty log."""
-        return cls(session_id=session_id, cwd=cwd, window=context_window(None, None, ctx))
+        return cls(session_id=session_id, cwd=cwd, window=context_window(None, None, ctx),
+                   settings=ctx.state_fingerprint)
 
     def to_hash(self) -> dict[str, str]:
         """The state as a Redis hash (str -> str); None is stored as an empty string."""
@@ -222,6 +228,7 @@ def state_from_view(
         last_stream_id=last_stream_id,
         last_compaction=_last_compaction(view),
         compacted_through=view.compacted[-1][1] if view.compacted else 0,
+        settings=ctx.state_fingerprint,
     )
 
 

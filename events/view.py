@@ -255,8 +255,10 @@ class _Builder:
 
     def __init__(
         self, ctx: ContextSettings, encoding: str, compacted: tuple[tuple[int, int], ...], *, messages: bool = True,
+        count: bool = True,
     ) -> None:
         self.ctx = ctx
+        self.count = count
         self.encoding = encoding
         self.compacted = compacted
         self.starts = [start for start, _ in compacted]
@@ -285,6 +287,9 @@ class _Builder:
                 self.add(event)
             return
         self.visible = events
+        if not self.count:
+            self._candidates_only(events)
+            return
         encoding = self.encoding
         estimate = 0
         for position, event in enumerate(events):
@@ -300,6 +305,20 @@ class _Builder:
                 if kind == "summary":
                     self.summaries.append(event)
         self.estimate += estimate
+
+    def _candidates_only(self, events: list[Event]) -> None:
+        """The candidates and summaries, nothing counted (the caller knows the estimate)."""
+        min_chars = self.min_chars
+        for event in events:
+            kind = event.get("type")
+            if kind == "tool_result":
+                output = event.get("output")
+                if isinstance(output, str) and len(output) > min_chars and self.is_compactable(
+                        _str(event.get("toolName"))) and not (
+                        self.compacted and _in_ranges(_int(event.get("turnId")), self.starts, self.compacted)):
+                    self.candidates.append(event)
+            elif kind == "summary":
+                self.summaries.append(event)
 
     def add(self, event: Event) -> None:
         self.visible.append(event)
@@ -435,17 +454,24 @@ def _summary_message(summary: Event) -> Message:
     return {"role": "system", "name": SUMMARY_MESSAGE_NAME, "content": _str(summary.get("summaryText"))}
 
 
-def build_view(events: list[Event], ctx: ContextSettings, *, messages: bool = True) -> ContextView:
+def build_view(
+    events: list[Event], ctx: ContextSettings, *, messages: bool = True, estimate: int | None = None,
+) -> ContextView:
     """The SPEC §4 view of a log's events (as read, camelCase dicts).
 
     ``messages=False`` skips building the chat messages (``.messages`` is then
     empty); everything else — the estimate, visibility, candidates, targets'
     inputs — is the same. The state and the compaction jobs use that.
+    ``estimate`` (with ``messages=False``): the caller knows these events' exact
+    estimate (a stored state derived from them): nothing is counted, and
+    ``.elided`` stays empty (the micro job: ``extend_view`` adds what its compact elides).
     """
+    if estimate is not None and messages:
+        raise ValueError("build_view: estimate= is for a view without messages")
     scan = _scan(events)
     encoding = encoding_for_model(scan.model)
     compacted = _merge_ranges(scan.compacts)
-    builder = _Builder(ctx, encoding, compacted, messages=messages)
+    builder = _Builder(ctx, encoding, compacted, messages=messages, count=estimate is None)
     builder.add_all([event for event, hidden in zip(events, scan.hidden) if not hidden])
     chat: list[Message] = []
     if messages:
@@ -453,7 +479,7 @@ def build_view(events: list[Event], ctx: ContextSettings, *, messages: bool = Tr
         chat += _merge(_pair(builder.messages, builder.call_ids))
     return ContextView(
         messages=chat,
-        prompt_estimate=builder.estimate,
+        prompt_estimate=builder.estimate if estimate is None else estimate,
         current_turn_id=_current_turn(scan.last_ended_turn, scan.max_turn),
         model=scan.model,
         encoding=encoding,

@@ -221,20 +221,31 @@ class Compactor:
         with log.lock():
             with _StateRead(self.store, None, session_id) as stored:
                 events = log.read()  # while Redis answers
-            view = build_view(events, self.ctx, messages=False)
+            events, view, state = self._micro_view(session_id, cwd, log, events, stored.state)
             if run is None:
-                applied = self._micro_locked(session_id, cwd, log, events, view, stored=stored.state)
+                applied = self._micro_locked(session_id, cwd, log, events, view, cached=state)
             else:
                 pipe = self.store.redis.pipeline(transaction=False)
-                applied = self._micro_locked(session_id, cwd, log, events, view, pipeline=pipe,
-                                             stored=stored.state)
+                applied = self._micro_locked(session_id, cwd, log, events, view, cached=state, pipeline=pipe)
                 self._send_last_writes(pipe, session_id, run)
         return _result(bool(applied.appended), view.prompt_estimate, applied.state.prompt_estimate)
+
+    def _micro_view(
+        self, session_id: str, cwd: str, log: SessionLog, events: list[dict[str, Any]], stored: Stored,
+    ) -> tuple[list[dict[str, Any]], ContextView, SessionState]:
+        """The log's events (read again when the stored state lagged them), their view and
+        state (call under the lock). The view counts nothing: its estimate is the state's,
+        exact for the settings in force (``SessionStore.current`` rebuilds a state derived
+        under others); the compact's elisions are counted on top (``extend_view``), so
+        the outputs earlier compacts elided are not counted again."""
+        state = self.store.current(session_id, cwd, log, stored=stored)
+        if state.events != len(events):  # the stored state lagged: caught up (or rebuilt) from the log
+            events = log.read()
+        return events, build_view(events, self.ctx, messages=False, estimate=state.prompt_estimate), state
 
     def _micro_locked(
         self, session_id: str, cwd: str, log: SessionLog, events: list[dict[str, Any]], view: ContextView,
         cached: SessionState | None = None, event: dict[str, Any] | None = None, pipeline: Any | None = None,
-        stored: Stored = UNREAD,
     ) -> ApplyResult:
         """Append the compact event if there are candidates (the state is stored either way).
 
@@ -242,23 +253,21 @@ class Compactor:
         the state after the append is rebuilt from them, not from a re-read.
         ``event`` is the compact ``_compact_event`` already made of them, if any.
         With ``pipeline`` the state save is queued there (if newer), for the caller to send.
-        ``stored``: the stored state, read while the log was (``SessionStore.apply``'s).
         """
         if event is None:
             event = _compact_event(events, self.ctx, view)
         if event is None:  # stores the exact state anyway
-            return self.store.apply(session_id, cwd, [], log=log, cached=cached, pipeline=pipeline, stored=stored)
+            return self.store.apply(session_id, cwd, [], log=log, cached=cached, pipeline=pipeline)
         applied = self.store.apply(session_id, cwd, [event], log=log, cached=cached, known=events, known_view=view,
-                                   taken=set(), pipeline=pipeline, stored=stored)  # a new uuid4: in no log
+                                   taken=set(), pipeline=pipeline)  # a new uuid4: in no log
         logger.debug("micro compact session=%s turns=%d..%d", session_id, event["startTurnId"], event["endTurnId"])
         return applied
 
     def _micro_again(self, session_id: str, cwd: str, log: SessionLog) -> ApplyResult:
         """The micro step of an LLM job whose summary was not appended, from the log as it is now."""
         with log.lock():
-            events = log.read()
-            view = build_view(events, self.ctx, messages=False)
-            return self._micro_locked(session_id, cwd, log, events, view)
+            events, view, state = self._micro_view(session_id, cwd, log, log.read(), UNREAD)
+            return self._micro_locked(session_id, cwd, log, events, view, cached=state)
 
     # -- llm -----------------------------------------------------------------------------
 
@@ -304,7 +313,7 @@ class Compactor:
                     logger.info("llm compaction skipped session=%s: breaker open", session_id)
                 if compact is None:
                     return _result(False, before, before)
-                view = build_view(events, self.ctx, messages=False)
+                view = build_view(events, self.ctx, messages=False, estimate=before)  # the state is current
                 applied = self._micro_locked(session_id, cwd, log, events, view, cached=state, event=compact)
                 return _result(True, before, applied.state.prompt_estimate)
             snapshot = _Snapshot(state.log_size, events, reading, state, compact)

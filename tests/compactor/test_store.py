@@ -284,3 +284,32 @@ def test_a_deferred_save_is_stored_with_its_uuids_when_nothing_newer_was(store: 
     pipe.execute()
     assert store.load(SID) == result.state
     assert r.smembers(store.keys.uuids(SID)) == {b"u-a", b"u-b", b"te1"}
+
+
+@pytest.mark.parametrize("recorded", ["other", "none"])
+@pytest.mark.parametrize("lagging", [False, True])
+def test_a_state_derived_under_other_settings_is_rebuilt_under_these(
+    r: redis.Redis, settings: Settings, recorded: str, lagging: bool,
+) -> None:
+    """A changed ``microCompactKeepChars`` changes every elided output's count: the stored
+    estimate is not folded on but derived again (a state of an older version records none),
+    and the lines a crashed writer left past it are indexed all the same."""
+    before = SessionStore(r, settings)
+    before.apply(SID, CWD, [*_long_turn(1), *_long_turn(2), *_long_turn(3),
+                            {"type": "compact", "uuid": "c", "startTurnId": 1, "endTurnId": 2}])
+    if recorded == "none":
+        r.hdel(before.keys.session(SID), "settings")
+    if lagging:
+        before.log(SID, CWD).append([user(4, "late", uuid="u-late")])  # appended, state never saved
+    changed = settings.model_copy(update={"context": settings.context.model_copy(
+        update={"micro_compact_keep_chars": 200})})
+    store = SessionStore(r, changed)
+    log = store.log(SID, CWD)
+    with log.lock():
+        state = store.current(SID, CWD, log)
+    assert state == rebuild(SID, CWD, log.read(), changed.context, log.size())
+    assert state.settings == changed.context.state_fingerprint != settings.context.state_fingerprint
+    stale = before.load(SID)
+    assert stale is not None and state.prompt_estimate > stale.prompt_estimate  # 2 outputs shown longer
+    if lagging:
+        assert [err.field for _, err in store.apply(SID, CWD, [user(4, "again", uuid="u-late")]).rejected] == ["uuid"]

@@ -216,6 +216,34 @@ def test_extending_a_view_with_a_compact_equals_building_it(
     assert extend_view(view, appended, CTX) == build_view(events + appended, CTX, messages=False)
 
 
+@given(events=logs(), start=st.integers(0, 8), length=st.integers(-1, 8), as_worker=st.booleans())
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_view_given_its_estimate_extends_to_the_state_a_rebuild_gives(
+    events: list[dict[str, Any]], start: int, length: int, as_worker: bool,
+) -> None:
+    """The micro job's view counts nothing (its estimate is the stored state's); the state
+    after its compact is the rebuild's all the same, the new elisions counted on top."""
+    known = rebuild("s1", "/w", events, CTX, 0).prompt_estimate
+    lean = build_view(events, CTX, messages=False, estimate=known)
+    full = build_view(events, CTX, messages=False)
+    for name in ("prompt_estimate", "current_turn_id", "model", "encoding", "summary", "visible", "last_ended_turn",
+                 "max_turn", "context_window", "candidates", "compacted"):
+        assert getattr(lean, name) == getattr(full, name), name
+    turns = [c["turnId"] for c in lean.candidates]
+    if as_worker and turns:
+        start, length = min(turns), max(turns) - min(turns)
+    appended = [compact(start, start + length)]
+    extended = extend_view(lean, appended, CTX)
+    assert extended is not None
+    assert rebuild_with_view("s1", "/w", events + appended, CTX, 9, extended)[0] == rebuild(
+        "s1", "/w", events + appended, CTX, 9)
+
+
+def test_a_view_with_messages_cannot_be_given_an_estimate() -> None:
+    with pytest.raises(ValueError, match="estimate"):
+        build_view(simple_turn(1), CTX, estimate=5)
+
+
 def test_extending_a_view_with_other_lines_is_left_to_a_full_build() -> None:
     view = build_view(simple_turn(1, "q"), CTX, messages=False)
     assert extend_view(view, [rollback(1)], CTX) is None
@@ -314,3 +342,26 @@ def test_an_llm_pass_is_not_exact_when_a_line_that_stays_shares_a_replaced_uuid(
     assert guessed != rebuild("s1", "/w", events + appended, CTX, 2)  # the reused line is hidden too
     events[10] = {**events[10], "uuid": "fresh"}
     assert llm_pass(events, CTX, micro=False, render=_render).exact
+
+
+def test_the_state_fingerprint_names_the_settings_a_state_depends_on_and_only_those() -> None:
+    base = ContextSettings()
+    fingerprint = base.state_fingerprint
+    for change in ({"micro_compact_min_chars": 121}, {"micro_compact_keep_chars": 41},
+                   {"default_context_window": 64_000}, {"compactable_tools": ("read_file",)}):
+        assert ContextSettings(**change).state_fingerprint != fingerprint, change  # type: ignore[arg-type]
+        assert base.model_copy(update=change).state_fingerprint != fingerprint, change  # a copy is not stale
+    for change in ({"keep_recent_turns": 3}, {"compaction_threshold": 0.8}, {"compaction_model": "x"},
+                   {"compactable_tools": tuple(reversed([t.upper() for t in base.compactable_tools]))}):
+        assert ContextSettings(**change).state_fingerprint == fingerprint, change  # type: ignore[arg-type]
+    narrowed = base.model_copy(update={"compactable_tools": ("grep",)})
+    assert narrowed.is_compactable("GREP") and not narrowed.is_compactable("read_file")
+
+
+def test_every_state_records_the_settings_it_was_derived_under() -> None:
+    ctx = ContextSettings(micro_compact_keep_chars=7)
+    events = [e for t in range(1, 4) for e in simple_turn(t, output=LONG)]
+    assert SessionState.empty("s1", "/w", ctx).settings == ctx.state_fingerprint
+    assert rebuild("s1", "/w", events, ctx, 0).settings == ctx.state_fingerprint
+    state = rebuild("s1", "/w", events, ctx, 0)
+    assert SessionState.from_hash(state.to_hash()) == state

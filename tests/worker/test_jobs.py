@@ -401,6 +401,24 @@ def test_a_micro_job_asks_for_its_state_before_reading_the_log(
     _assert_state_is_a_rebuild(r, wsettings, "s1")
 
 
+def test_a_micro_job_under_changed_settings_stores_the_state_they_give(
+    r: redis.Redis, wsettings: Settings,
+) -> None:
+    """A micro job adds its compact's elisions to the stored estimate instead of counting the
+    log again: a state stored under another ``microCompactKeepChars`` is rebuilt first, or
+    the outputs an earlier compact elided would keep their old count."""
+    write_session(r, wsettings, "s1", 6, output="x" * 600, window=4000)
+    SessionStore(r, wsettings).apply("s1", CWD, [{"type": "compact", "uuid": "c-1", "startTurnId": 1,
+                                                  "endTurnId": 2}])
+    write_session(r, wsettings, "s1", 2, output="x" * 600, window=4000, first=7)
+    changed = wsettings.model_copy(update={"context": wsettings.context.model_copy(
+        update={"micro_compact_keep_chars": 150})})
+    install(WorkerContext.build(changed, r))
+    assert micro_compact("s1", CWD)["didCompress"] is True
+    assert [e["type"] for e in read_log(changed, "s1")].count("compact") == 2
+    _assert_state_is_a_rebuild(r, changed, "s1")
+
+
 def test_job_for_an_unknown_session_fails(r: redis.Redis, wsettings: Settings) -> None:
     job = _run(r, wsettings, "nope", kind="micro")
     assert job.get_status() == JobStatus.FAILED
