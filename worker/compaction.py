@@ -40,6 +40,11 @@ Invariants:
   says nothing about the LLM's health; the breaker keeps reporting the LLM as
   failing).
 - ``released`` = promptEstimate before the job − after it (micro step included).
+- A micro job (and an LLM job's micro step applied on its own) takes the
+  estimate of the lines it read from the stored state, brought up to date
+  under the lock (exact: ``SessionStore.current`` rebuilds one derived under
+  other settings), and counts only what its compact elides on top: the
+  outputs earlier compacts elided are not counted again.
 
 Redis, for an LLM job that appends: one round trip for the stored state and
 the failure counter (sent before the log is read, answered while it is

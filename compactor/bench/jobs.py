@@ -16,11 +16,9 @@ directory, then measures:
   events by uuid).
 - ``micro_overhead_ms_p50`` (no target): one micro job on that session once a
   micro job compacted its old turns and two more turns came (the steady
-  state: the job elides the new candidates, while its view shows the ~100
-  earlier ones elided), in a worker that ran the session's previous job (the
-  outputs as shown are counted once per process: ``events.tokens.count_shown_tokens``);
-  ``micro_overhead_ratio`` against the parse of that log, and
-  ``micro_cold_overhead_ratio`` for a worker that never saw the session.
+  state: the job elides the new candidates while its view shows the ~100
+  earlier ones elided), in a worker that never saw the session;
+  ``micro_overhead_ratio`` against the parse of that log (``micro_parse_ms_p50``).
 - ``worker_rss_growth_pct``: RSS of an in-process worker after 1 000 jobs
   (litellm to the stub, no latency) vs after a warm-up; target < 10 %.
 """
@@ -174,20 +172,19 @@ def _micro_overhead(client: redis.Redis, settings: Settings, runs: int) -> dict[
             event["uuid"] = str(uuid.uuid5(uuid.NAMESPACE_URL, f"bench/steady/later/{index}"))
         store.apply("steady", CWD, later)
         template = store.log("steady", CWD).path
-        timings: dict[str, list[float]] = {"warm": [], "cold": [], "parse": []}
-        for i in range(2 * runs):
-            sid, temperature = f"steady-{i}", ("warm", "cold")[i % 2]
+        job_ms, parse_ms = [], []
+        for i in range(runs):
+            sid = f"steady-{i}"
             shutil.copyfile(template, store.log(sid, CWD).path)
-            store.refresh(sid, CWD)  # counts the elided outputs, as the session's previous job did
-            timings["parse"].append(_timed(lambda sid=sid: SessionLog(settings.data_dir, CWD, sid).read()))
-            if temperature == "cold":
-                forget_shown_counts()
-            timings[temperature].append(_timed(lambda sid=sid: micro_compact(sid, CWD)))
+            store.refresh(sid, CWD)
+            parse_ms.append(_timed(lambda sid=sid: SessionLog(settings.data_dir, CWD, sid).read()))
+            forget_shown_counts()  # a worker that never counted this session's elided outputs
+            job_ms.append(_timed(lambda sid=sid: micro_compact(sid, CWD)))
     finally:
         worker_context.clear()
-    warm, cold, parse = (statistics.median(timings[k]) for k in ("warm", "cold", "parse"))
-    return {"micro_overhead_ms_p50": round(warm, 2), "micro_parse_ms_p50": round(parse, 2),
-            "micro_overhead_ratio": round(warm / parse, 2), "micro_cold_overhead_ratio": round(cold / parse, 2)}
+    job, parse = statistics.median(job_ms), statistics.median(parse_ms)
+    return {"micro_overhead_ms_p50": round(job, 2), "micro_parse_ms_p50": round(parse, 2),
+            "micro_overhead_ratio": round(job / parse, 2)}
 
 
 def _timed(fn: Callable[..., Any]) -> float:
