@@ -181,7 +181,7 @@ class SessionStore:
         log: SessionLog | None = None,
         cached: SessionState | None = None,
         *,
-        stored: SessionState | None | _Unread = UNREAD,
+        stored: Stored = UNREAD,
     ) -> SessionState:
         """The state brought up to date with the log on disk (call with the log locked).
 
@@ -193,7 +193,7 @@ class SessionStore:
 
     def _current(
         self, session_id: str, cwd: str, log: SessionLog, cached: SessionState | None,
-        stored: SessionState | None | _Unread, pipeline: Any | None = None,
+        stored: Stored, pipeline: Any | None = None,
     ) -> tuple[SessionState, set[str] | None, set[str]]:
         """``current``; the log's uuids when the state was rebuilt from the whole log (the uuid
         index was rebuilt with it, on ``pipeline`` when given), else None; and the uuids of the
@@ -289,7 +289,7 @@ class SessionStore:
         known_view: ContextView | None = None,
         derive: Callable[[list[dict[str, Any]], int], SessionState] | None = None,
         taken: set[str] | None = None,
-        stored: SessionState | None | _Unread = UNREAD,
+        stored: Stored = UNREAD,
     ) -> ApplyResult:
         """Append ``events`` to the session's log exactly once and advance its state.
 

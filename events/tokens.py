@@ -111,10 +111,10 @@ SHOWN_CACHE_ENTRIES = 8_192  # the text is the key: ~650 bytes each at the defau
 def count_shown_tokens(text: str, encoding: str) -> int:
     """``count_tokens`` of an elided tool output as shown (head, marker, tail), cached.
 
-    Every view of a log counts all of its compacted outputs again (a micro job's,
-    a rebuild's, the API's), while only the newest compact adds new ones: a
-    worker counts each once. The cache is an LRU keyed by the text itself, so a
-    count is never another text's; a longer text is counted every time.
+    A rebuild's view, the API's and an LLM job's kept lines count the same
+    compacted outputs again and again, while only the newest compact adds new
+    ones: a process counts each once. The cache is an LRU keyed by the text
+    itself, so a count is never another text's; a longer text is counted every time.
     """
     if len(text) <= SHOWN_TEXT_CHARS:
         return _count_shown(text, encoding)

@@ -360,7 +360,8 @@ class _Builder:
                 if self.compacted and _in_ranges(_int(event.get("turnId")), self.starts, self.compacted):
                     shown = elide(output, self.ctx.micro_compact_keep_chars)
                     if shown is not output:
-                        tokens = count_shown_tokens(shown, self.encoding) + self._name_tokens(name) + MESSAGE_OVERHEAD_TOKENS
+                        tokens = (count_shown_tokens(shown, self.encoding) + self._name_tokens(name)
+                                  + MESSAGE_OVERHEAD_TOKENS)
                         self.elided[position] = (shown, tokens)
                         return tokens
                 else:
