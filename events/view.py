@@ -308,17 +308,25 @@ class _Builder:
 
     def _candidates_only(self, events: list[Event]) -> None:
         """The candidates and summaries, nothing counted (the caller knows the estimate)."""
-        min_chars = self.min_chars
         for event in events:
             kind = event.get("type")
             if kind == "tool_result":
-                output = event.get("output")
-                if isinstance(output, str) and len(output) > min_chars and self.is_compactable(
-                        _str(event.get("toolName"))) and not (
-                        self.compacted and _in_ranges(_int(event.get("turnId")), self.starts, self.compacted)):
+                if self._long_compactable(event) is not None and not self._compacted(event):
                     self.candidates.append(event)
             elif kind == "summary":
                 self.summaries.append(event)
+
+    def _long_compactable(self, event: Event) -> str | None:
+        """A tool result's output when it is over ``microCompactMinChars`` and its tool compactable."""
+        output = event.get("output")
+        if isinstance(output, str) and len(output) > self.min_chars and self.is_compactable(
+                _str(event.get("toolName"))):
+            return output
+        return None
+
+    def _compacted(self, event: Event) -> bool:
+        """Whether a visible compact covers the event's turn."""
+        return bool(self.compacted) and _in_ranges(_int(event.get("turnId")), self.starts, self.compacted)
 
     def add(self, event: Event) -> None:
         self.visible.append(event)
@@ -351,21 +359,15 @@ class _Builder:
 
     def _tool_result_tokens(self, event: Event, position: int) -> int:
         """The tool result's contribution as shown; records candidates and elided outputs."""
-        output = event.get("output")
-        if not isinstance(output, str):
-            output = ""
-        if len(output) > self.min_chars:
-            name = _str(event.get("toolName"))
-            if self.is_compactable(name):
-                if self.compacted and _in_ranges(_int(event.get("turnId")), self.starts, self.compacted):
-                    shown = elide(output, self.ctx.micro_compact_keep_chars)
-                    if shown is not output:
-                        tokens = (count_shown_tokens(shown, self.encoding) + self._name_tokens(name)
-                                  + MESSAGE_OVERHEAD_TOKENS)
-                        self.elided[position] = (shown, tokens)
-                        return tokens
-                else:
-                    self.candidates.append(event)
+        output = self._long_compactable(event)
+        if output is not None:
+            if not self._compacted(event):
+                self.candidates.append(event)
+            elif (shown := elide(output, self.ctx.micro_compact_keep_chars)) is not output:
+                tokens = (count_shown_tokens(shown, self.encoding) + self._name_tokens(_str(event.get("toolName")))
+                          + MESSAGE_OVERHEAD_TOKENS)
+                self.elided[position] = (shown, tokens)
+                return tokens
         return stamped_tokens(event, self.encoding)
 
     def _tool_result(self, event: Event) -> None:

@@ -235,17 +235,25 @@ class Compactor:
                 self._send_last_writes(pipe, session_id, run)
         return _result(bool(applied.appended), view.prompt_estimate, applied.state.prompt_estimate)
 
-    def _micro_view(
+    def _current(
         self, session_id: str, cwd: str, log: SessionLog, events: list[dict[str, Any]], stored: Stored,
-    ) -> tuple[list[dict[str, Any]], ContextView, SessionState]:
-        """The log's events (read again when the stored state lagged them), their view and
-        state (call under the lock). The view counts nothing: its estimate is the state's,
-        exact for the settings in force (``SessionStore.current`` rebuilds a state derived
-        under others); the compact's elisions are counted on top (``extend_view``), so
-        the outputs earlier compacts elided are not counted again."""
+    ) -> tuple[list[dict[str, Any]], SessionState]:
+        """The log's events (read again when the stored state lagged them) and the state
+        brought up to date with them (call under the lock; ``events`` as read under it,
+        ``stored`` the state read meanwhile)."""
         state = self.store.current(session_id, cwd, log, stored=stored)
         if state.events != len(events):  # the stored state lagged: caught up (or rebuilt) from the log
             events = log.read()
+        return events, state
+
+    def _micro_view(
+        self, session_id: str, cwd: str, log: SessionLog, events: list[dict[str, Any]], stored: Stored,
+    ) -> tuple[list[dict[str, Any]], ContextView, SessionState]:
+        """``_current``, and the events' view (call under the lock). The view counts nothing:
+        its estimate is the state's, exact for the settings in force (``SessionStore.current``
+        rebuilds a state derived under others); the compact's elisions are counted on top
+        (``extend_view``), so the outputs earlier compacts elided are not counted again."""
+        events, state = self._current(session_id, cwd, log, events, stored)
         return events, build_view(events, self.ctx, messages=False, estimate=state.prompt_estimate), state
 
     def _micro_locked(
@@ -298,9 +306,7 @@ class Compactor:
             with _StateRead(self.store, self.failures, session_id) as stored:
                 events = log.read()  # while Redis answers
             breaker_open = not forced and stored.failures >= self.failures.max_failures
-            state = self.store.current(session_id, cwd, log, cached=stored.state)
-            if state.events != len(events):  # the stored state lagged: caught up (or rebuilt) from the log
-                events = log.read()
+            events, state = self._current(session_id, cwd, log, events, stored.state)
             before = state.prompt_estimate
             # a forced job skips both thresholds (SPEC §5): its micro step runs whenever there are candidates
             over_micro = forced or before > self.ctx.micro_compact_threshold * state.window
