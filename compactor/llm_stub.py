@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Self
 
+STOP_POLL_S = 0.02  # how often the serving loop checks for stop()
+
 SECTION_TITLES = (
     "Primary Request", "Key Technical Concepts", "Files and Code Sections",
     "Errors and Fixes", "Problem Solving", "Decision Rationale", "All User Messages",
@@ -107,7 +109,9 @@ class LLMStub:
         server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         server.daemon_threads = True
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="llm-stub", daemon=True)
+        # shutdown() waits for the serving loop to poll: at the default 0.5 s every stop cost ~0.5 s
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": STOP_POLL_S},
+                                        name="llm-stub", daemon=True)
         self._thread.start()
         return self
 

@@ -284,21 +284,34 @@ _warmed_up = False
 
 
 def warm_up_litellm() -> None:
-    """One offline ``mock_response`` completion, once per process: litellm's lazy first-call
-    setup (~0.5 s of imports) happens here rather than in the first job."""
+    """One completion over HTTP to a local stub server, once per process: litellm's lazy
+    first-call setup happens here rather than in the first job. A ``mock_response`` call
+    alone left the HTTP path's (httpcore, h11, h2, the OpenAI client and its reply models:
+    ~60 ms) to the first job, after the worker froze its heap (``compactor.heap``), where
+    they stay in the way of every full collection. Offline: the stub is on 127.0.0.1; if
+    it cannot be reached, the mock call runs instead."""
     global _warmed_up
     litellm = load_litellm()
     with _litellm_lock:
         if _warmed_up:
             return
         _warmed_up = True
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                litellm.completion(model="openai/warm-up", messages=[{"role": "user", "content": "hi"}],
-                                   mock_response="ok", api_key="warm-up")
-        except Exception:  # a warm-up must never stop a worker from starting
-            logger.debug("litellm warm-up failed", exc_info=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            messages = [{"role": "user", "content": "hi"}]
+            try:
+                from compactor.llm_stub import LLMStub
+
+                with LLMStub() as stub:
+                    litellm.completion(model="openai/warm-up", messages=messages, api_base=stub.base_url,
+                                       api_key="warm-up", timeout=10, max_retries=0, num_retries=0)
+                return
+            except Exception:  # a warm-up must never stop a worker from starting
+                logger.debug("litellm warm-up over HTTP failed; warming up offline", exc_info=True)
+            try:
+                litellm.completion(model="openai/warm-up", messages=messages, mock_response="ok", api_key="warm-up")
+            except Exception:
+                logger.debug("litellm warm-up failed", exc_info=True)
 
 
 class LiteLLMSummarizer:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from events.errors import LLMUnavailable, SummaryInvalid
@@ -153,3 +159,28 @@ def test_connection_refused_is_a_transient_failure(monkeypatch: pytest.MonkeyPat
     with pytest.raises(LLMUnavailable) as caught:
         LiteLLMSummarizer(timeout_s=2, api_base=url).complete(STUB_MODEL, build_messages("x", None))
     assert caught.value.transient is True
+
+
+def test_after_the_warm_up_the_first_llm_call_imports_nothing() -> None:
+    """``warm_up_litellm`` (run by a worker before it freezes its heap) goes through the HTTP
+    path: the first job's call then imports nothing (httpcore and the OpenAI client's
+    modules were ~60 ms of it, and they stayed unfrozen in every full collection's way)."""
+    code = (
+        "import json, os, sys\n"
+        "from compactor.llm_stub import LLMStub\n"
+        "from worker.summarize import LiteLLMSummarizer, warm_up_litellm\n"
+        "warm_up_litellm()\n"
+        "before = set(sys.modules)\n"
+        "with LLMStub() as stub:\n"
+        "    os.environ['OPENAI_API_BASE'] = stub.base_url\n"
+        "    reply = LiteLLMSummarizer(timeout_s=10).complete('openai/stub-model', [{'role': 'user', 'content': 'hi'}])\n"
+        "print(json.dumps({'new': sorted(set(sys.modules) - before), 'replied': '<summary>' in reply}))\n"
+    )
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENAI_API_KEY": "sk-test"}
+    env.pop("OPENAI_API_BASE", None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=str(Path(__file__).parents[2]))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["replied"]
+    assert result["new"] == []
