@@ -289,7 +289,8 @@ def warm_up_litellm() -> None:
     alone left the HTTP path's (httpcore, h11, h2, the OpenAI client and its reply models:
     ~60 ms) to the first job, after the worker froze its heap (``compactor.heap``), where
     they stay in the way of every full collection. Offline: the stub is on 127.0.0.1; if
-    it cannot be reached, the mock call runs instead."""
+    it cannot be reached within 2 s (a proxy in the environment, say), the mock call runs
+    instead."""
     global _warmed_up
     litellm = load_litellm()
     with _litellm_lock:
@@ -304,7 +305,7 @@ def warm_up_litellm() -> None:
 
                 with LLMStub() as stub:
                     litellm.completion(model="openai/warm-up", messages=messages, api_base=stub.base_url,
-                                       api_key="warm-up", timeout=10, max_retries=0, num_retries=0)
+                                       api_key="warm-up", timeout=2, max_retries=0, num_retries=0)
                 return
             except Exception:  # a warm-up must never stop a worker from starting
                 logger.debug("litellm warm-up over HTTP failed; warming up offline", exc_info=True)

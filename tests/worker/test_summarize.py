@@ -184,3 +184,31 @@ def test_after_the_warm_up_the_first_llm_call_imports_nothing() -> None:
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["replied"]
     assert result["new"] == []
+
+
+def test_a_warm_up_that_cannot_reach_its_stub_falls_back_offline(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A worker must start even when the local stub cannot be served or reached (a proxy in
+    the environment, say): the warm-up then makes the offline ``mock_response`` call."""
+    from compactor import llm_stub
+    from worker import summarize
+
+    def refuse(self: LLMStub) -> LLMStub:
+        raise OSError("no loopback here")
+
+    monkeypatch.setattr(llm_stub.LLMStub, "start", refuse)
+    monkeypatch.setattr(summarize, "_warmed_up", False)
+    calls: list[dict[str, object]] = []
+    litellm = summarize.load_litellm()
+    real = litellm.completion
+
+    def completion(**kwargs: object) -> object:
+        calls.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(litellm, "completion", completion)
+    with caplog.at_level("DEBUG", logger="worker.summarize"):
+        summarize.warm_up_litellm()
+    assert [c.get("mock_response") for c in calls] == ["ok"]
+    assert "warming up offline" in caplog.text
