@@ -34,6 +34,7 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from compactor import metrics
+from compactor.llm_stub import LLMStub
 from events.errors import LLMUnavailable, SummaryInvalid
 from events.tokens import arguments_json
 
@@ -301,8 +302,6 @@ def warm_up_litellm() -> None:
             warnings.simplefilter("ignore")
             messages = [{"role": "user", "content": "hi"}]
             try:
-                from compactor.llm_stub import LLMStub
-
                 with LLMStub() as stub:
                     litellm.completion(model="openai/warm-up", messages=messages, api_base=stub.base_url,
                                        api_key="warm-up", timeout=2, max_retries=0, num_retries=0)
