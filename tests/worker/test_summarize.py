@@ -191,13 +191,12 @@ def test_a_warm_up_that_cannot_reach_its_stub_falls_back_offline(
 ) -> None:
     """A worker must start even when the local stub cannot be served or reached (a proxy in
     the environment, say): the warm-up then makes the offline ``mock_response`` call."""
-    from compactor import llm_stub
     from worker import summarize
 
     def refuse(self: LLMStub) -> LLMStub:
         raise OSError("no loopback here")
 
-    monkeypatch.setattr(llm_stub.LLMStub, "start", refuse)
+    monkeypatch.setattr(LLMStub, "start", refuse)
     monkeypatch.setattr(summarize, "_warmed_up", False)
     calls: list[dict[str, object]] = []
     litellm = summarize.load_litellm()
