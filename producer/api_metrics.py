@@ -14,7 +14,14 @@ What ``/metrics`` serves (``scrape_registry``):
 Invariants: every app has its own ``CollectorRegistry`` for its HTTP metrics
 (two apps in one process never share them); a scrape never fails because Redis
 is down (``compactor_redis_up`` says 0 and the Redis gauges are left out); the
-Redis work per scrape is bounded (``MAX_BREAKER_KEYS``, ``LAG_COUNT_CAP``).
+Redis work per scrape is bounded (``MAX_BREAKER_KEYS``, ``LAG_COUNT_CAP``); a scrape
+waits for a Redis that does not answer once, not once per collector: when
+``RedisCollector`` (registered first, so collected first) finds Redis down, the
+other Redis collectors skip that scrape (``RedisGate``). Against a Redis that
+accepts connections but never answers, a scrape then takes one socket timeout
+(5 s in the API), inside Prometheus's default 10 s scrape timeout, where three
+would not be. Concurrent scrapes share the gate: while Redis flaps, a scrape may
+leave gauges out because of another's failure; each scrape's first collector resets it.
 """
 
 from __future__ import annotations
@@ -43,13 +50,24 @@ SCAN_BATCH = 1_000
 LAG_COUNT_CAP = 100_000  # undelivered entries counted one by one only when Redis has no lag
 
 
+class RedisGate:
+    """Whether Redis answered the current scrape: set by ``RedisCollector``, read by the
+    Redis collectors registered after it."""
+
+    __slots__ = ("up",)
+
+    def __init__(self) -> None:
+        self.up = True
+
+
 class RedisCollector(Collector):
     """Gauges read from Redis on each scrape: queue depth, sessions, streams, dead letters."""
 
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+    def __init__(self, client: redis.Redis, settings: Settings, gate: RedisGate | None = None) -> None:
         self.client = client
         self.settings = settings
         self.keys = Keys(settings.redis.prefix, settings.redis.shards)
+        self.gate = gate or RedisGate()
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("compactor_redis_up", "1 when Redis answered this scrape")
@@ -57,9 +75,11 @@ class RedisCollector(Collector):
             families = list(self._read())
         except redis.RedisError as e:
             logger.warning("metrics scrape: redis unavailable: %s", e)
+            self.gate.up = False
             up.add_metric([], 0)
             yield up
             return
+        self.gate.up = True
         up.add_metric([], 1)
         yield up
         yield from families
@@ -93,11 +113,14 @@ class StreamLagCollector(Collector):
     every entry as undelivered.
     """
 
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+    def __init__(self, client: redis.Redis, settings: Settings, gate: RedisGate | None = None) -> None:
         self.client = client
         self.keys = Keys(settings.redis.prefix, settings.redis.shards)
+        self.gate = gate or RedisGate()
 
     def collect(self) -> Iterator[Metric]:
+        if not self.gate.up:  # RedisCollector found Redis down in this scrape: no second wait
+            return
         backlog = GaugeMetricFamily(
             "compactor_stream_backlog_entries",
             "entries the watcher has not applied yet (undelivered + pending)", labels=["shard"])
@@ -156,12 +179,15 @@ class BreakerCollector(Collector):
     ``compactor_breaker_scan_truncated`` says 1 when the bound cut it short.
     """
 
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+    def __init__(self, client: redis.Redis, settings: Settings, gate: RedisGate | None = None) -> None:
         self.client = client
         self.prefix = Keys(settings.redis.prefix, settings.redis.shards).failures("")
         self.max_failures = settings.context.max_failures
+        self.gate = gate or RedisGate()
 
     def collect(self) -> Iterator[Metric]:
+        if not self.gate.up:  # RedisCollector found Redis down in this scrape: no second wait
+            return
         try:
             open_now, failing, truncated = self.count()
         except redis.RedisError as e:
@@ -219,10 +245,12 @@ class ProcessMetrics(Collector):
 
 def scrape_registry(process: ProcessMetrics, client: redis.Redis,
                     settings: Settings) -> CollectorRegistry:
-    """What ``/metrics`` serves: the process metrics and the Redis gauges."""
+    """What ``/metrics`` serves: the process metrics and the Redis gauges (``RedisCollector``
+    first: the others skip a scrape it found Redis down in)."""
     registry = CollectorRegistry()
-    for collector in (process, RedisCollector(client, settings),
-                      StreamLagCollector(client, settings), BreakerCollector(client, settings)):
+    gate = RedisGate()
+    for collector in (process, RedisCollector(client, settings, gate),
+                      StreamLagCollector(client, settings, gate), BreakerCollector(client, settings, gate)):
         registry.register(collector)
     return registry
 

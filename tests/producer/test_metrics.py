@@ -7,8 +7,10 @@ between two scrapes of the API's ``/metrics``.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,11 +26,13 @@ from compactor.metrics import reason_kind
 from compactor.queue import enqueue_compaction
 from compactor.serve import metrics_dir
 from events.config import Settings
-from producer.api import create_app
+from producer import api as api_module
+from producer.api import create_app, make_redis
 from producer.publisher import Publisher
 from producer.watcher import Watcher
 from compactor.llm_stub import STUB_MODEL, LLMStub
 from tests.producer.conftest import CWD, drain, fast_settings
+from tests.support import free_port
 from worker import context as worker_context
 from worker.context import WorkerContext
 from worker.runner import CompactionWorker
@@ -185,12 +189,57 @@ def test_overview_reports_counters_and_backlog(api: TestClient, msettings: Setti
     assert body["counters"]["eventsIngested"] - first["counters"]["eventsIngested"] == 4
 
 
+def _settings_for(msettings: Settings, url: str) -> Settings:
+    return msettings.model_copy(update={"redis": msettings.redis.model_copy(update={"url": url})})
+
+
 def test_scrape_without_redis_still_answers(msettings: Settings) -> None:
-    dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
-    with TestClient(create_app(msettings, dead)) as client:
+    settings = _settings_for(msettings, f"redis://127.0.0.1:{free_port()}")  # refused
+    with TestClient(create_app(settings, make_redis(settings))) as client:
         samples = scrape(client)
     assert value(samples, "compactor_redis_up") == 0
     assert ("compactor_breakers_open", ()) not in samples
+
+
+@pytest.fixture
+def silent_redis() -> Iterator[str]:
+    """The URL of a server that accepts connections and never answers (a hung Redis)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        held: list[socket.socket] = []
+        stop = threading.Event()
+
+        def accept() -> None:
+            server.settimeout(0.05)
+            while not stop.is_set():
+                try:
+                    held.append(server.accept()[0])
+                except TimeoutError:
+                    continue
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        yield f"redis://127.0.0.1:{server.getsockname()[1]}"
+        stop.set()
+        thread.join()
+        for connection in held:
+            connection.close()
+
+
+def test_a_scrape_waits_for_a_hung_redis_once_not_once_per_gauge(
+    msettings: Settings, silent_redis: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    timeout_s = 0.5
+    monkeypatch.setattr(api_module, "REDIS_SOCKET_TIMEOUT_S", timeout_s)
+    settings = _settings_for(msettings, silent_redis)
+    app = create_app(settings, make_redis(settings))
+    with TestClient(app) as client:
+        started = time.monotonic()
+        samples = scrape(client)
+        took = time.monotonic() - started
+    assert value(samples, "compactor_redis_up") == 0
+    assert ("compactor_stream_backlog_entries", (("shard", "0"),)) not in samples
+    # one socket timeout (the queue's gauge), not three (+ stream lag, + breakers)
+    assert timeout_s <= took < 2 * timeout_s
 
 
 @pytest.mark.parametrize(("reason", "kind"), [
@@ -216,7 +265,8 @@ MULTIPROC_SCRAPE = """
 import sys, redis
 from fastapi.testclient import TestClient
 from events.config import Settings
-from producer.api import create_app
+from producer import api as api_module
+from producer.api import create_app, make_redis
 settings = Settings.model_validate({"dataDir": sys.argv[1], "redis": {"url": sys.argv[2]}})
 with TestClient(create_app(settings, redis.Redis.from_url(sys.argv[2]))) as client:
     client.get("/healthz")
