@@ -238,8 +238,8 @@ def test_a_scrape_waits_for_a_hung_redis_once_not_once_per_gauge(
         took = time.monotonic() - started
     assert value(samples, "compactor_redis_up") == 0
     assert ("compactor_stream_backlog_entries", (("shard", "0"),)) not in samples
-    # one socket timeout (the queue's gauge), not three (+ stream lag, + breakers)
-    assert timeout_s <= took < 2 * timeout_s
+    # one socket timeout (the queue's gauge), not three (+ stream lag, + breakers: >= 3 * timeout_s)
+    assert timeout_s <= took < 2.5 * timeout_s
 
 
 @pytest.mark.parametrize(("reason", "kind"), [
