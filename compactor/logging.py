@@ -21,9 +21,10 @@ from typing import Any
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 FORMATS = ("text", "json")
-# Attributes every LogRecord has; anything else on a record came from ``extra=``.
+# Attributes every LogRecord has; anything else on a record came from ``extra=``, but for
+# the marks filters leave: litellm's loggers' redaction filter marks each record it scrubbed.
 _STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
-    "message", "asctime", "taskName"}
+    "message", "asctime", "taskName", "litellm_redacted"}
 
 
 def record_extras(record: logging.LogRecord) -> dict[str, Any]:

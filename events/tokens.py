@@ -11,7 +11,8 @@ Invariants:
   promptEstimate; ``stamp`` stores exactly that number on the line
   (``tokenCount``) with the encoding it was computed with (``tokenEncoding``),
   and ``stamped_tokens`` reuses it only when the encodings match.
-- litellm is imported lazily, once, and only for ``model_max_input_tokens``.
+- litellm is imported lazily, once (``events.litellm_setup``), and only for
+  ``model_max_input_tokens``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any
 
 import orjson
 import tiktoken
+
+from events.litellm_setup import load_litellm
 
 logger = logging.getLogger(__name__)
 
@@ -219,12 +222,8 @@ def model_max_input_tokens(model: str) -> int | None:
     """litellm's max input tokens for ``model``; None when unknown (never raises)."""
     if not model:
         return None
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     try:
-        import litellm
-
-        litellm.suppress_debug_info = True  # no "Provider List" banner for unknown models
-        info = litellm.get_model_info(model)
+        info = load_litellm().get_model_info(model)
         value = info.get("max_input_tokens")
     except Exception:  # litellm raises plain Exception for unknown models
         logger.debug("no model info for %s", model, exc_info=True)

@@ -14,7 +14,7 @@ Invariants:
   10 sections in the prompt's order (SPEC §5 asks for all 10; issue #4 for
   them in order); headings inside fenced code blocks do not count.
   ``summaryText`` is the block's inner text, stripped.
-- litellm is imported once per process (``load_litellm``), never per call.
+- litellm is imported once per process (``events.litellm_setup.load_litellm``), never per call.
 - Every failure of the call becomes ``LLMUnavailable`` with ``transient`` set:
   rate limits, 408/409/5xx, timeouts and connection errors are transient;
   authentication, permission, unknown model and bad requests are permanent.
@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 import threading
 import time
 import warnings
 from collections.abc import Sequence
-from types import ModuleType
 from typing import Any, Protocol
 
 from compactor import metrics
 from compactor.llm_stub import LLMStub
 from events.errors import LLMUnavailable, SummaryInvalid
+from events.litellm_setup import load_litellm
 from events.tokens import arguments_json
 
 logger = logging.getLogger(__name__)
@@ -261,24 +260,7 @@ def split_sections(text: str) -> dict[str, str]:
 
 # -- the litellm call -----------------------------------------------------------------------
 
-_litellm: ModuleType | None = None
-_litellm_lock = threading.Lock()
-
-
-def load_litellm() -> ModuleType:
-    """Import litellm once per process (offline cost map, no debug banner, no callbacks)."""
-    global _litellm
-    with _litellm_lock:
-        if _litellm is None:
-            os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-            with warnings.catch_warnings():  # litellm's import-time warnings are not ours to raise
-                warnings.simplefilter("ignore")
-                import litellm
-
-            litellm.suppress_debug_info = True
-            litellm.telemetry = False
-            _litellm = litellm
-    return _litellm
+_warm_up_lock = threading.Lock()
 
 
 _warmed_up = False
@@ -294,7 +276,7 @@ def warm_up_litellm() -> None:
     instead."""
     global _warmed_up
     litellm = load_litellm()
-    with _litellm_lock:
+    with _warm_up_lock:
         if _warmed_up:
             return
         _warmed_up = True

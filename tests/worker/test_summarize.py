@@ -211,3 +211,53 @@ def test_a_warm_up_that_cannot_reach_its_stub_falls_back_offline(
         summarize.warm_up_litellm()
     assert [c.get("mock_response") for c in calls] == ["ok"]
     assert "warming up offline" in caplog.text
+
+
+WORKER_LOGS = """
+import json, logging, os
+from compactor.llm_stub import LLMStub
+from compactor.logging import configure
+configure(logging.INFO, "json")  # as `compactor work --log-format json` does
+from worker.runner import preload
+from worker.summarize import LiteLLMSummarizer
+preload()  # the worker's warm-up: one call over HTTP to a local stub
+with LLMStub() as stub:
+    os.environ["OPENAI_API_BASE"] = stub.base_url
+    LiteLLMSummarizer(timeout_s=10).complete("openai/stub-model", [{"role": "user", "content": "hi"}])
+logging.getLogger("LiteLLM").warning("auth failed api_key=sk-proj-abcdefghijklmnopqrstuvwxyz0123456789")
+print("END")
+"""
+
+
+def _worker_logs(**env_updates: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "OPENAI_API_KEY": "sk-test", **env_updates}
+    env.pop("OPENAI_API_BASE", None)
+    if "LITELLM_LOG" not in env_updates:
+        env.pop("LITELLM_LOG", None)
+    done = subprocess.run([sys.executable, "-c", WORKER_LOGS], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=str(Path(__file__).parents[2]))
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_a_worker_writes_litellm_records_once_in_its_own_format_and_nothing_on_stdout() -> None:
+    """litellm gives its loggers a handler of its own at import, writing INFO records to stdout
+    in its format: each LLM call printed two multi-line records there, and the same two again
+    through the worker's handler. Under ``--log-format json`` every stderr line is JSON."""
+    done = _worker_logs()
+    assert done.stdout == "END\n"
+    records = [json.loads(line) for line in done.stderr.splitlines()]  # every line is a JSON object
+    litellm_records = [r for r in records if r["logger"].startswith("LiteLLM")]
+    assert [(r["level"], r["msg"]) for r in litellm_records] == [("WARNING", "auth failed REDACTED")]
+    assert "litellm_redacted" not in litellm_records[0]  # the redaction filter's mark is not a field
+
+
+def test_litellm_log_sets_the_level_of_litellm_records() -> None:
+    """``LITELLM_LOG`` (litellm's documented switch) still shows its per-call INFO records:
+    each once, as JSON lines, none on stdout."""
+    done = _worker_logs(LITELLM_LOG="INFO")
+    assert done.stdout == "END\n"
+    records = [json.loads(line) for line in done.stderr.splitlines()]
+    calls = [r["msg"] for r in records
+             if r["logger"] == "LiteLLM" and r["level"] == "INFO" and "completion()" in r["msg"]]
+    assert len(calls) == 2 and "warm-up" in calls[0] and "stub-model" in calls[1]  # each call once
