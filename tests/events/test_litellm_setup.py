@@ -20,4 +20,3 @@ from events.litellm_setup import DEFAULT_LITELLM_LEVEL, litellm_level
 ])
 def test_litellm_log_names_a_level_or_the_default_applies(value: str | None, level: int) -> None:
     assert litellm_level(value) == level
-

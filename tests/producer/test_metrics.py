@@ -265,8 +265,7 @@ MULTIPROC_SCRAPE = """
 import sys, redis
 from fastapi.testclient import TestClient
 from events.config import Settings
-from producer import api as api_module
-from producer.api import create_app, make_redis
+from producer.api import create_app
 settings = Settings.model_validate({"dataDir": sys.argv[1], "redis": {"url": sys.argv[2]}})
 with TestClient(create_app(settings, redis.Redis.from_url(sys.argv[2]))) as client:
     client.get("/healthz")
