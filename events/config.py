@@ -3,8 +3,11 @@
 Where the file is found: ``--config PATH``, else ``$CODINGCODE_CONFIG``, else
 ``./codingcode.yaml``; a missing default file means all defaults, a missing
 explicitly named file is an error. Every key is optional. Unknown top-level keys
-are ignored (the file is shared with the Coding Code agent); unknown keys inside
-the sections this service owns are errors, so a typo never goes unnoticed.
+are ignored (the file is shared with the Coding Code agent), but one that reads
+like a misspelt section of ours (``contxt``, ``Redis``) is logged as a warning
+naming the section; unknown keys inside the sections this service owns are
+errors, so a typo never goes unnoticed. A file with several wrong values names
+them all in one error.
 
 Environment variables override the file: ``REDIS_URL``, ``COMPACTION_DATA_DIR``,
 ``COMPACTION_API_TOKEN``, ``COMPACTION_API_PORT``, ``COMPACTION_API_HOST``,
@@ -14,8 +17,10 @@ start-up.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import hashlib
+import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -25,6 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic.alias_generators import to_camel
 
 from events.errors import InvalidConfig
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG_FILE = "codingcode.yaml"
 DEFAULT_COMPACTABLE_TOOLS = (
@@ -221,9 +228,29 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, An
 
 
 def _as_invalid(error: ValidationError) -> InvalidConfig:
-    detail = error.errors(include_url=False)[0]
-    field = ".".join(str(p) for p in detail["loc"]) or "config"
-    return InvalidConfig(field, detail["msg"].removeprefix("Value error, "))
+    """The first wrong key as the error's field, every other one after its reason (``; key: reason``)."""
+    wrong = [(".".join(str(p) for p in detail["loc"]) or "config", detail["msg"].removeprefix("Value error, "))
+             for detail in error.errors(include_url=False)]
+    (field, reason), others = wrong[0], wrong[1:]
+    return InvalidConfig(field, reason + "".join(f"; {key}: {why}" for key, why in others))
+
+
+MISSPELT_CUTOFF = 0.75  # difflib's ratio from which an unknown top-level key reads as one of our sections
+
+
+def misspelt_sections(data: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(key, section)`` for each unknown top-level key that reads like a section of ours."""
+    ours = {field.alias or name: name for name, field in Settings.model_fields.items()}
+    known = set(ours) | set(ours.values())
+    by_lower = {name.lower(): name for name in ours}
+    found = []
+    for key in data:
+        if not isinstance(key, str) or key in known:
+            continue
+        match = difflib.get_close_matches(key.lower(), by_lower, n=1, cutoff=MISSPELT_CUTOFF)
+        if match:
+            found.append((key, by_lower[match[0]]))
+    return found
 
 
 def load_settings(
@@ -232,7 +259,10 @@ def load_settings(
 ) -> Settings:
     """Build the settings from the config file and the environment; raise InvalidConfig."""
     file, required = config_path(path)
-    data = _apply_env(_read_yaml(file, required), os.environ if environ is None else environ)
+    data = _read_yaml(file, required)
+    for key, section in misspelt_sections(data):
+        logger.warning("%s: unknown top-level key %r ignored; did you mean %r?", file, key, section)
+    data = _apply_env(data, os.environ if environ is None else environ)
     try:
         # Environment values are strings; lax mode converts "8081" to 8081 for them.
         return Settings.model_validate(data)

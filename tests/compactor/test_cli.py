@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -80,6 +81,33 @@ def test_bad_config_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path, ya
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("compactor: invalid configuration")
         assert fragment in lines[0]
+
+
+def test_every_wrong_value_is_named_in_the_one_line(runner: CliRunner, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("context:\n  compactionThreshold: 1.5\n  keepRecentTurns: -1\nredis:\n  shards: 0\n")
+    result = runner.invoke(app, ["status", "--config", str(bad)])
+    assert result.exit_code == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("compactor: invalid configuration: context.compactionThreshold: ")
+    assert "; context.keepRecentTurns: " in line and "; redis.shards: " in line
+
+
+def test_a_misspelt_section_is_warned_of_and_the_agents_own_keys_are_not(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from events.config import Settings, load_settings
+
+    config = tmp_path / "c.yaml"
+    config.write_text("contxt:\n  keepRecentTurns: 3\nRedis: {}\nmodel: gpt-4o\ntools: [read_file]\n"
+                      "apiKey: x\ncontextWindow: 8000\n")
+    with caplog.at_level(logging.WARNING, logger="events.config"):
+        settings = load_settings(config, environ={})
+    assert settings == Settings()  # still ignored: the file is shared with the agent
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        f"{config}: unknown top-level key 'Redis' ignored; did you mean 'redis'?",
+        f"{config}: unknown top-level key 'contxt' ignored; did you mean 'context'?",
+    ]
 
 
 def test_missing_config_file_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
