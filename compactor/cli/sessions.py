@@ -8,9 +8,11 @@ JSON line; ``--json`` elsewhere prints only JSON on stdout.
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
@@ -35,7 +37,9 @@ from producer.api_models import SessionBody
 
 logger = logging.getLogger(__name__)
 
-BAR_WIDTH = 24
+BAR_WIDTH = 24  # characters of the context bar in a terminal of WIDE_COLUMNS or more
+NARROW_BAR_WIDTH = 12
+WIDE_COLUMNS = 120
 CONTENT_PREVIEW_CHARS = 600
 
 SessionArg = Annotated[str, typer.Argument(help="Session id.", show_default=False)]
@@ -154,7 +158,8 @@ def status(
     if not bodies:
         err_console.print("no sessions yet")
         return
-    Console().print(status_table(bodies))
+    console = Console()
+    console.print(status_table(bodies, console.width))
 
 
 def session_bodies(client: Any, settings: Settings, limit: int) -> list[SessionBody]:
@@ -183,25 +188,43 @@ def fill_bar(estimate: int, micro: int, llm: int, window: int, width: int = BAR_
     return bar
 
 
-def status_table(bodies: list[SessionBody]) -> Table:
-    table = Table(title=f"compactor: {len(bodies)} session(s)", expand=False)
-    table.add_column("session", overflow="fold", min_width=12)
-    table.add_column("turn", justify="right")
-    table.add_column("context (┃ micro, LLM)", no_wrap=True)
-    for column in ("estimate / window", "failures", "pending job", "last compaction"):
-        table.add_column(column, overflow="fold")
+def status_table(bodies: list[SessionBody], width: int = 200, now: datetime | None = None) -> Table:
+    """One row per session, fitted to a terminal ``width`` columns wide: the bar narrows
+    under ``WIDE_COLUMNS`` and no header or value is broken over two lines (at 80 columns
+    only a session id over ~12 characters folds)."""
+    now = now or datetime.now(UTC)
+    bar_width = BAR_WIDTH if width >= WIDE_COLUMNS else NARROW_BAR_WIDTH
+    table = Table(title=f"compactor: {len(bodies)} session(s)", box=box.SIMPLE_HEAD, expand=False,
+                  caption="┃ micro and LLM thresholds · open: LLM breaker open")
+    table.add_column("session", overflow="fold", min_width=8)
+    for header in ("turn", "context", "tokens", "failures", "job", "last compaction"):
+        table.add_column(header, no_wrap=True, justify="right" if header in ("turn", "tokens") else "left")
     for b in bodies:
         fill = fill_bar(b.prompt_estimate, b.micro_threshold, b.compaction_threshold,
-                        b.context_window)
-        breaker = " [red]breaker open[/]" if b.breaker_open else ""
-        pending = f"{b.pending_job.job_id[:8]} {b.pending_job.status or ''}" if b.pending_job else ""
+                        b.context_window, bar_width)
+        breaker = " [red]open[/]" if b.breaker_open else ""
+        pending = (b.pending_job.status or "pending") if b.pending_job else ""
         table.add_row(b.session_id, str(b.current_turn_id), fill,
-                      f"{b.prompt_estimate} / {b.context_window}", f"{b.failures}{breaker}",
-                      pending, _describe(b.last_compaction))
+                      f"{b.prompt_estimate}/{b.context_window}", f"{b.failures}{breaker}",
+                      pending, _describe(b.last_compaction, now))
     return table
 
 
-def _describe(last: dict[str, Any] | None) -> str:
+def _describe(last: dict[str, Any] | None, now: datetime) -> str:
+    """``micro 42s ago``: the last compaction's kind and age (its timestamp when unreadable)."""
     if not last:
         return ""
-    return " ".join(str(last[k]) for k in ("kind", "timestamp") if last.get(k)) or str(last)
+    kind, stamp = last.get("kind") or "", last.get("timestamp")
+    try:
+        when = datetime.fromisoformat(str(stamp).replace("Z", "+00:00"))
+    except ValueError:
+        return " ".join(str(part) for part in (kind, stamp) if part)
+    return f"{kind} {_age(now - when)} ago".strip()
+
+
+def _age(delta: timedelta) -> str:
+    seconds = max(int(delta.total_seconds()), 0)
+    for unit, size in (("d", 86_400), ("h", 3_600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"

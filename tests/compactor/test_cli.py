@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ from typer.testing import CliRunner
 
 from compactor.cli import app
 from compactor.keys import Keys
-from compactor.queue import compaction_queue
+from compactor.queue import compaction_queue, enqueue_compaction
 from events.config import Settings
 from events.log import SessionLog
 from compactor.llm_stub import STUB_MODEL, LLMStub
@@ -221,7 +222,29 @@ def test_status_json_and_table(runner: CliRunner, r: redis.Redis, settings: Sett
     assert rows[SID]["currentTurnId"] == 3 and rows[SID]["contextWindow"] == 4000
     table = runner.invoke(app, ["status", *base_args(settings, config)], env={"COLUMNS": "200"})
     assert table.exit_code == 0
-    assert SID in table.stdout and "breaker open" in table.stdout and "/ 4000" in table.stdout
+    [other] = [line for line in table.stdout.splitlines() if line.strip().startswith("other ")]
+    assert "5 open" in other and "/4000" in other  # failures, the breaker open, tokens / window
+    assert "breaker open" in table.stdout  # the caption says what "open" means
+
+
+def test_status_table_fits_80_columns_with_a_line_per_session(runner: CliRunner, r: redis.Redis,
+                                                              settings: Settings, config: Path) -> None:
+    """At 80 columns no header or value breaks over two lines; the last compaction shows its age."""
+    write_session(r, settings, 2)
+    r.set(Keys().failures(SID), 3)
+    settings = cli_settings(settings)
+    enqueue_compaction(r, settings, SID, CWD, "llm", forced=True)
+    run_jobs(r, settings)
+    table = runner.invoke(app, ["status", *base_args(settings, config)], env={"COLUMNS": "80"})
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert any(line.split() == ["session", "turn", "context", "tokens", "failures", "job", "last", "compaction"]
+               for line in lines)
+    [row] = [line for line in lines if line.strip().startswith(SID)]
+    cells = row.split()
+    assert cells[1] == "3" and cells[3].endswith("/4000") and cells[4:7] == ["3", "open", "llm"]
+    assert re.fullmatch(r"\d+s", cells[7]) and cells[8] == "ago"
 
 
 def test_status_with_unreachable_redis_exits_1(runner: CliRunner, tmp_path: Path) -> None:
