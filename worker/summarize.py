@@ -17,7 +17,9 @@ Invariants:
 - litellm is imported once per process (``events.litellm_setup.load_litellm``), never per call.
 - Every failure of the call becomes ``LLMUnavailable`` with ``transient`` set:
   rate limits, 408/409/5xx, timeouts and connection errors are transient;
-  authentication, permission, unknown model and bad requests are permanent.
+  authentication, permission, unknown model and bad requests are permanent, and
+  so is a call the client refused to send (missing credentials), which litellm
+  reports as a 500.
 """
 
 from __future__ import annotations
@@ -330,7 +332,9 @@ def classify_llm_error(error: BaseException, model: str) -> LLMUnavailable:
     name = type(error).__name__
     status = getattr(error, "status_code", None)
     status = status if isinstance(status, int) else None
-    if name in _TRANSIENT_ERRORS:
+    if _before_any_request(error):
+        transient = False
+    elif name in _TRANSIENT_ERRORS:
         transient = True
     elif status is not None:
         transient = status in TRANSIENT_STATUS or status >= 500
@@ -341,6 +345,22 @@ def classify_llm_error(error: BaseException, model: str) -> LLMUnavailable:
     kind = "transient" if transient else "permanent"
     detail = str(error).strip().splitlines()[0][:300] if str(error).strip() else name
     return LLMUnavailable(f"{kind} LLM failure ({name}, model {model}): {detail}", transient=transient)
+
+
+def _before_any_request(error: BaseException) -> bool:
+    """Whether the call failed in the OpenAI client before it sent anything (missing
+    credentials, say): the cause chain then ends in the client's base ``OpenAIError``,
+    which litellm reports as a 500 ``InternalServerError``. A call that reached the
+    network ends in a connection, timeout or HTTP status error instead."""
+    seen: set[int] = set()
+    last = error
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        last = cause
+        cause = cause.__cause__ or cause.__context__
+    kind = type(last)
+    return kind.__name__ == "OpenAIError" and kind.__module__.partition(".")[0] == "openai"
 
 
 def _str(value: Any) -> str:

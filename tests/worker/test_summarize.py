@@ -161,6 +161,17 @@ def test_connection_refused_is_a_transient_failure(monkeypatch: pytest.MonkeyPat
     assert caught.value.transient is True
 
 
+def test_missing_credentials_are_a_permanent_failure(stub: LLMStub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OpenAI client refuses to send without a key, and litellm reports that as a 500
+    (``InternalServerError``): no retry can help, so it is permanent, and no request is made."""
+    monkeypatch.delenv("OPENAI_API_KEY")
+    with pytest.raises(LLMUnavailable) as caught:
+        LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, build_messages("x", None))
+    assert caught.value.transient is False
+    assert str(caught.value).startswith("permanent LLM failure") and "credentials" in str(caught.value)
+    assert stub.requests == []
+
+
 def test_after_the_warm_up_the_first_llm_call_imports_nothing() -> None:
     """``warm_up_litellm`` (run by a worker before it freezes its heap) goes through the HTTP
     path: the first job's call then imports nothing (httpcore and the OpenAI client's
