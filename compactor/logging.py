@@ -72,3 +72,9 @@ def configure(level: int, fmt: str = "text") -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+
+
+def json_configured() -> bool:
+    """Whether the root logger writes JSON lines (``configure(..., "json")``): then a line meant
+    for the operator goes out as a record, so stderr stays one JSON object per line."""
+    return any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers)

@@ -40,6 +40,7 @@ import redis
 import yaml
 
 from compactor.embedded import EmbeddedRedis
+from compactor.logging import json_configured
 from compactor.urls import redacted
 from events.config import ENV_OVERRIDES, Settings
 from events.errors import InvalidConfig
@@ -346,15 +347,16 @@ def supervise(stack: Stack, stop: _StopRequested) -> int:
         try:
             stack.supervisor.check()
         except ChildFailed as e:
-            logger.error("%s", e)
-            print(f"compactor serve: {e}; shutting down", file=sys.stderr)
+            if not json_configured():  # (under JSON logs the error below is the operator's line)
+                print(f"compactor serve: {e}; shutting down", file=sys.stderr)
+            logger.error("%s; shutting down", e)
             return 1
         if time.monotonic() >= next_redis_check:
             misses = 0 if stack.redis_alive() else misses + 1
             next_redis_check = time.monotonic() + REDIS_CHECK_INTERVAL_S
             if misses >= REDIS_MISSES_TO_FAIL:
-                print(f"compactor serve: Redis at {redacted(stack.redis_url)} stopped answering; "
-                      "shutting down", file=sys.stderr)
+                announce(f"Redis at {redacted(stack.redis_url)} stopped answering; shutting down",
+                         logging.ERROR)
                 return 1
         time.sleep(POLL_INTERVAL_S)
     logger.info("signal %s received; stopping", stop.signal)
@@ -368,8 +370,17 @@ def serve(settings: Settings, *, workers: int, host: str | None = None,
     with _StopRequested().installed() as stop:
         with running_stack(settings, specs) as stack:
             where = f"http://{host or settings.api.host}:{port or settings.api.port}"
-            print(f"compactor serve: API {where}, watcher, {workers} worker(s); "
-                  f"Redis {redacted(stack.redis_url)}; Ctrl-C to stop", file=sys.stderr, flush=True)
+            announce(f"API {where}, watcher, {workers} worker(s); "
+                     f"Redis {redacted(stack.redis_url)}; Ctrl-C to stop")
             code = supervise(stack, stop)
-        print("compactor serve: stopped", file=sys.stderr, flush=True)
+        announce("stopped")
     return code
+
+
+def announce(message: str, level: int = logging.INFO) -> None:
+    """A line for the operator on stderr: ``compactor serve: message`` as plain text, or a log
+    record under ``--log-format json`` (stderr then stays one JSON object per line)."""
+    if json_configured():
+        logger.log(level, "%s", message)
+    else:
+        print(f"compactor serve: {message}", file=sys.stderr, flush=True)

@@ -219,3 +219,32 @@ def test_serve_restarts_a_killed_worker(served: dict[str, Any]) -> None:
     assert replacement and process.poll() is None
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serve_with_json_logs_writes_only_json_lines(tmp_path: Path) -> None:
+    """Under ``--log-format json`` the start and stop lines are records too: a log pipeline
+    (``2>&1 | jq``, as OPERATIONS.md shows) stopped at the plain-text banner before."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_DATA_DIR=str(tmp_path / "data"))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "compactor", "serve", "--workers", "1", "--port", str(port),
+         "--log-format", "json"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: healthy(url) or process.poll() is not None, 90, "the API")
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=30)
+    assert process.returncode == 0, err
+    assert out == ""
+    records = [json.loads(line) for line in err.splitlines()]  # every line is one JSON object
+    said = [r["msg"] for r in records if r["logger"] == "compactor.serve"]
+    assert any(m.startswith(f"API http://127.0.0.1:{port}, watcher, 1 worker(s)") for m in said)
+    assert said[-1] == "stopped"
