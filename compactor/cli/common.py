@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -69,6 +70,19 @@ def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | 
         return load_settings(config, environ)
     except InvalidConfig as e:
         fail(f"invalid configuration: {e}", EXIT_CONFIG)
+
+
+def usable_data_dir(settings: Settings) -> Settings:
+    """``settings`` once their ``dataDir`` exists and takes a file (created when missing); else
+    exit 2 naming it, before a process starts (logs, the embedded Redis and its socket live there)."""
+    path = settings.data_dir
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        fail(f"invalid configuration: dataDir: {path} cannot be used: {e.strerror or e}", EXIT_CONFIG)
+    return settings
 
 
 def setup_logging(level: str, fmt: str | None = None) -> None:

@@ -22,6 +22,7 @@ from compactor.cli.common import (
     load,
     redis_url_of,
     setup_logging,
+    usable_data_dir,
     user_errors,
 )
 from events.config import Settings
@@ -57,7 +58,7 @@ def serve(
 
     setup_logging(log_level, log_format)
     os.environ["COMPACTION_LOG_LEVEL"] = log_level  # the children log at the same level
-    settings = load(config, redis_url=redis_url, data_dir=data_dir)
+    settings = usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir))
     with user_errors():
         code = run_serve(settings, workers=workers or settings.worker.count, host=host, port=port)
     raise typer.Exit(code)
@@ -75,7 +76,7 @@ def watch(
     from producer.watcher import main as watcher_main
 
     setup_logging(log_level, log_format)
-    settings = _with_redis(load(config, redis_url=redis_url, data_dir=data_dir))
+    settings = usable_data_dir(_with_redis(load(config, redis_url=redis_url, data_dir=data_dir)))
     exit_with_parent()
     with user_errors():
         watcher_main(settings)
@@ -98,7 +99,7 @@ def work(
     from worker.runner import main as runner_main
 
     setup_logging(log_level, log_format)
-    settings = _with_redis(load(config, redis_url=redis_url, data_dir=data_dir))
+    settings = usable_data_dir(_with_redis(load(config, redis_url=redis_url, data_dir=data_dir)))
     exit_with_parent()
     with user_errors():
         runner_main(settings, count=count, burst=burst)

@@ -111,6 +111,17 @@ def test_a_misspelt_section_is_warned_of_and_the_agents_own_keys_are_not(
     ]
 
 
+@pytest.mark.parametrize("command", ["serve", "watch", "work"])
+def test_a_data_dir_that_cannot_be_used_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path,
+                                                               command: str) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    result = runner.invoke(app, [command, "--data-dir", str(a_file / "data"), "--redis-url", "redis://127.0.0.1:1"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"compactor: invalid configuration: dataDir: {a_file / 'data'} cannot be used: Not a directory"]
+
+
 def test_missing_config_file_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
     result = runner.invoke(app, ["status", "--config", str(tmp_path / "nope.yaml")])
     assert result.exit_code == 2 and "config file not found" in result.stderr
