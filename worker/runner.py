@@ -47,6 +47,7 @@ from rq import Queue, SimpleWorker
 from rq.executions import Execution
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
+from rq.job_lifecycle import call_exception_handlers, format_exc_info
 from rq.rate_limit import RateLimitRegistry
 from rq.registry import StartedJobRegistry
 from rq.worker import WorkerStatus
@@ -63,6 +64,7 @@ from compactor.queue import (
     sessions_to_look_at,
 )
 from events.config import Settings
+from events.errors import CompactorError
 from events.tokens import get_encoding
 from worker import context as worker_context
 from worker.context import WorkerContext
@@ -168,6 +170,21 @@ class CompactionWorker(SimpleWorker):
         finally:
             self._keeper.idle()
         self.set_state(WorkerStatus.IDLE)
+
+    def handle_exception(self, job: Job, *exc_info: Any) -> None:
+        """RQ's handling of a failed job, but a failure the job classified and logged already
+        (a ``CompactorError``: an LLM failure, an invalid summary, a missing session) is one
+        ERROR line, not its chained traceback (~100 lines per failed LLM call, litellm's and
+        httpx's causes included). The job's result keeps the traceback (``exc_string``); DEBUG
+        logs it too. Anything else keeps RQ's full traceback."""
+        error = exc_info[1] if len(exc_info) > 1 else None
+        if not isinstance(error, CompactorError):
+            super().handle_exception(job, *exc_info)
+            return
+        self.log.error("Worker %s: job %s failed: %s: %s", self.name, job.id, type(error).__name__, error,
+                       extra={"queue": job.origin, "job_id": job.id})
+        self.log.debug("Worker %s: job %s traceback:\n%s", self.name, job.id, format_exc_info(exc_info))
+        call_exception_handlers(self._exc_handlers, job, *exc_info)
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
         """RQ's work loop, with the keeper thread running alongside."""

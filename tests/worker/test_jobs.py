@@ -179,6 +179,35 @@ def test_llm_failures_count_with_the_ttl_and_fail_the_job(
     assert pending_job_id(r, wsettings, "s1") is None
 
 
+def test_a_classified_failure_is_one_log_line_and_the_job_keeps_its_traceback(
+    r: redis.Redis, settings: Settings, stub: LLMStub, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed LLM call is logged by the job (kind, counter) and by RQ; RQ's line was the whole
+    chained traceback (~100 lines a failure: an outage flooded the logs). An unexpected error
+    keeps it."""
+    wsettings = make_settings(settings, compaction_model="openai/stub-model")
+    write_session(r, wsettings, "s1", 3)
+    stub.script(StubResponse(status=500))
+    with caplog.at_level(logging.INFO, logger="rq.worker"):
+        job = _run(r, wsettings, "s1")
+    [line] = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert f"job {job.id} failed: LLMUnavailable: transient LLM failure" in line and "\n" not in line
+    assert "Traceback" in str(job.latest_result().exc_string)  # type: ignore[union-attr]
+
+    caplog.clear()
+    write_session(r, wsettings, "s2", 3)
+
+    def broken(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("worker.compaction.Compactor.llm", broken)
+    with caplog.at_level(logging.INFO, logger="rq.worker"):
+        _run(r, wsettings, "s2")
+    [line] = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.ERROR]
+    assert "Traceback" in line and "RuntimeError: a bug" in line
+
+
 def test_a_job_over_its_timeout_is_stopped_counted_and_frees_the_session(
     r: redis.Redis, settings: Settings, stub: LLMStub,
 ) -> None:
