@@ -21,10 +21,9 @@ from typing import Any
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 FORMATS = ("text", "json")
-# Attributes every LogRecord has; anything else on a record came from ``extra=``, but for
-# the marks filters leave: litellm's loggers' redaction filter marks each record it scrubbed.
+# Attributes every LogRecord has; anything else on a record came from ``extra=``.
 _STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
-    "message", "asctime", "taskName", "litellm_redacted"}
+    "message", "asctime", "taskName"}
 
 
 def record_extras(record: logging.LogRecord) -> dict[str, Any]:

@@ -16,7 +16,8 @@ Invariants, once it returned:
   two multi-line records there, and the same two again through the process's
   handlers (``compactor.logging``). Now each record is written once, by the
   process's handlers, in its format (one JSON line under ``--log-format json``).
-  The loggers' own filters stay (litellm redacts secrets there).
+  The loggers' own filters stay (litellm redacts secrets there); the mark its
+  redaction leaves on a record is taken off after them.
 - Those loggers pass WARNING and above, or the level ``LITELLM_LOG`` names
   (litellm's documented switch, e.g. ``LITELLM_LOG=DEBUG``); the process's
   own level still applies on top, through its handlers.
@@ -71,7 +72,19 @@ def adopt_litellm_loggers() -> None:
         log = logging.getLogger(name)
         for handler in list(log.handlers):
             log.removeHandler(handler)
+        log.removeFilter(_drop_redaction_mark)
+        log.addFilter(_drop_redaction_mark)  # after litellm's own: it runs on what they left
         log.setLevel(level)
+
+
+REDACTION_MARK = "litellm_redacted"  # set on a record by litellm's redaction filter (its loggers' own)
+
+
+def _drop_redaction_mark(record: logging.LogRecord) -> bool:
+    """Take the mark litellm's redaction filter left off the record: it is no field of the
+    record's (``compactor.logging`` writes a record's extra attributes as JSON fields)."""
+    record.__dict__.pop(REDACTION_MARK, None)
+    return True
 
 
 def litellm_level(value: str | None) -> int:

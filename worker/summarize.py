@@ -263,8 +263,6 @@ def split_sections(text: str) -> dict[str, str]:
 # -- the litellm call -----------------------------------------------------------------------
 
 _warm_up_lock = threading.Lock()
-
-
 _warmed_up = False
 
 
