@@ -202,8 +202,7 @@ class SessionStore:
         state = cached if cached is not None and cached.log_size == size else None
         if state is None:
             state = self.load(session_id) if isinstance(stored, _Unread) else stored
-        if state is not None and state.cwd != cwd:
-            raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}")
+        _check_cwd(session_id, cwd, state)
         if state is None or size < state.log_size:
             return (*self._reindex(session_id, cwd, log, pipeline), set())
         fresh = state.settings == self.settings.context.state_fingerprint
@@ -327,6 +326,8 @@ class SessionStore:
         (see ``current``).
         """
         log = log or self.log(session_id, cwd)
+        if not log.exists():  # the lock would create it: refuse another cwd's session before that
+            self._refuse_other_cwd(session_id, cwd, cached, stored)
         with log.lock():
             pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
             current, log_uuids, caught_up = self._current(session_id, cwd, log, cached, stored, pipe)
@@ -348,7 +349,7 @@ class SessionStore:
                 taken = self.taken_uuids({session_id: fresh})[session_id]
             elif caught_up:  # looked up before the lock: a crashed writer's lines were not indexed then
                 taken.update(e["uuid"] for e in fresh if e.get("uuid") in caught_up)
-            needs_rebuild = self._admit(state, fresh, result, taken)
+            needs_rebuild = self._admit(state, fresh, result, taken, lambda: self._replayed(log, known, result))
             if result.appended:
                 if guard is not None:
                     guard(result.rejected)
@@ -369,23 +370,49 @@ class SessionStore:
         return result
 
     def _admit(
-        self, state: SessionState, events: list[dict[str, Any]], result: ApplyResult, taken: set[str]
+        self, state: SessionState, events: list[dict[str, Any]], result: ApplyResult, taken: set[str],
+        replayed: Callable[[], SessionState],
     ) -> bool:
-        """Stamp and fold each acceptable event into ``state``; True when a rebuild is due."""
+        """Stamp and fold each acceptable event into ``state``; True when a rebuild is due.
+
+        Once an event cannot be folded (a rollback, compact or summary: it changes
+        the past), ``state`` is left as it was, and the turn order of the events
+        after it is checked against ``replayed()``: the state of the log plus the
+        lines admitted so far, rebuilt, then folded on. So an event is refused or
+        not whatever batch it arrives in.
+        """
         needs_rebuild = False
+        order: SessionState | None = state  # the turn order's reference; None: replay it when needed
+        ctx = self.settings.context
         for event in events:
             try:
                 _check_unique(event, taken)
-                if not needs_rebuild:
-                    _check_turn_order(state, event)
+                if order is None and event.get("type") in TURN_SCOPED_TYPES:
+                    order = replayed()
+                if order is not None:
+                    _check_turn_order(order, event)
             except InvalidEvent as e:
                 result.rejected.append((event, e))
                 continue
             line = stamp(event, state.encoding)  # a producer's stamp is never trusted: replaced
             result.appended.append(line)
-            if not needs_rebuild and not fold(state, line, self.settings.context):
+            if order is not None and not fold(order, line, ctx):
                 needs_rebuild = True
+                order = None
         return needs_rebuild
+
+    def _replayed(self, log: SessionLog, known: list[dict[str, Any]] | None, result: ApplyResult) -> SessionState:
+        """The state of the log (``known``: its events, when the caller has them) plus the
+        lines admitted so far: rebuilt in memory, nothing written (call under the lock)."""
+        events = known if known is not None else log.read()
+        state = result.state
+        return rebuild(state.session_id, state.cwd, [*events, *result.appended], self.settings.context, 0)
+
+    def _refuse_other_cwd(self, session_id: str, cwd: str, cached: SessionState | None, stored: Stored) -> None:
+        """Refuse a session bound to another cwd (its log is elsewhere) before this cwd's log is
+        created: a refusal leaves nothing on disk (SPEC §3)."""
+        _check_cwd(session_id, cwd, cached if cached is not None else
+                   self.load(session_id) if isinstance(stored, _Unread) else stored)
 
 
 def _uuids(events: Iterable[dict[str, Any]]) -> list[str]:
@@ -404,6 +431,11 @@ def _check_unique(event: dict[str, Any], taken: set[str]) -> None:
         if uuid in taken:
             raise InvalidEvent("uuid", f"{uuid!r} duplicates an event already in this session")
         taken.add(uuid)
+
+
+def _check_cwd(session_id: str, cwd: str, state: SessionState | None) -> None:
+    if state is not None and state.cwd != cwd:
+        raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}")
 
 
 def _check_turn_order(state: SessionState, event: dict[str, Any]) -> None:

@@ -89,6 +89,36 @@ def test_session_is_bound_to_its_first_cwd(store: SessionStore) -> None:
     assert err.value.field == "cwd"
 
 
+def test_a_session_refused_for_its_cwd_leaves_no_log_under_that_cwd(store: SessionStore) -> None:
+    store.apply(SID, CWD, [user(1, "a")])
+    elsewhere = store.log(SID, "/somewhere/else")
+    with pytest.raises(InvalidEvent):
+        store.apply(SID, "/somewhere/else", [user(1, "b")])
+    assert not elsewhere.path.exists()  # an empty log there would make the session known under that cwd
+    assert not elsewhere.path.parent.parent.exists()
+
+
+def rollback(through: int) -> dict[str, Any]:
+    return {"type": "rollback", "uuid": f"rb{through}", "timestamp": "2026-01-01T00:00:00Z",
+            "throughTurnId": through, "reason": "undo"}
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["one batch", "two batches"])
+def test_turn_order_after_a_rollback_does_not_depend_on_the_batching(store: SessionStore, batched: bool) -> None:
+    store.apply(SID, CWD, [user(1, "a"), turn_end(1), user(2, "b"), turn_end(2), user(3, "c"), turn_end(3)])
+    after = [user(1, "too old"), user(2, "again"), {**turn_end(2), "uuid": "te2-again"}, user(2, "late")]
+    if batched:
+        rejected = store.apply(SID, CWD, [rollback(2), *after]).rejected
+    else:
+        store.apply(SID, CWD, [rollback(2)])
+        rejected = store.apply(SID, CWD, after).rejected
+    # after the rollback the current turn is 2; once turn 2 ends again, 3
+    assert [(e["content"], err.field) for e, err in rejected] == [("too old", "turnId"), ("late", "turnId")]
+    log = store.log(SID, CWD)
+    assert [e.get("content") for e in log.read() if e["type"] == "user"] == ["a", "b", "c", "again"]
+    assert store.load(SID) == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
+
+
 def test_lost_redis_state_is_rebuilt_from_the_log(store: SessionStore, r: redis.Redis) -> None:
     store.apply(SID, CWD, [user(1, "hello world", "1-0"), turn_end(1, "2-0")])
     before = store.load(SID)
