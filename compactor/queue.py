@@ -48,6 +48,7 @@ from rq.rate_limit import RateLimit
 from compactor import metrics
 from compactor.keys import Keys
 from events.config import Settings
+from events.errors import InvalidInput
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +270,15 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     """A forced LLM compaction (SPEC §5: no thresholds, no breaker; still one job per session at a
     time): the id of the forced job that will answer it. That job is queued now when the session
     has no pending job; else it waits (RQ status ``created``) until the pending one ends; when a
-    forced job already waits, this request joins it (its id is returned, no second job)."""
+    forced job already waits, this request joins it (its id is returned, no second job).
+
+    A session bound to another cwd is refused here (``InvalidInput`` on ``cwd``), not by a job
+    that fails: another spelling of the cwd (``/app/`` for ``/app``) finds the same log.
+    """
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    bound = client.hget(keys.session(session_id), "cwd")
+    if bound and _text(bound) != cwd:
+        raise InvalidInput("cwd", f"session {session_id} is bound to cwd {_text(bound)!r}, not {cwd!r}")
     queue = compaction_queue(client, settings)
     job = queue.create_job(**_job_spec(settings, session_id, cwd, new_job_id(session_id, "llm"), True),
                            status=JobStatus.CREATED)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import redis
 from rq.job import Job, JobStatus
 
@@ -22,7 +23,9 @@ from compactor.queue import (
     settle_trigger,
     trigger_compactions,
 )
+from compactor.store import SessionStore
 from events.config import Settings
+from events.errors import InvalidInput
 from tests.worker.conftest import CWD
 
 
@@ -90,6 +93,17 @@ def test_a_forced_request_claims_a_session_with_no_pending_job(r: redis.Redis, s
     assert job.kwargs == {"forced": True} and job.args == ("s1", CWD)
     assert job.func_name == "worker.jobs.llm_compact"
     assert job.timeout == settings.worker.job_timeout_seconds
+
+
+def test_a_forced_request_under_another_spelling_of_the_cwd_is_refused_before_any_job(
+    r: redis.Redis, settings: Settings,
+) -> None:
+    SessionStore(r, settings).apply("s1", CWD, [{"type": "user", "turnId": 1, "content": "hi"}])
+    with pytest.raises(InvalidInput) as refused:  # the same log file, but the session is bound to CWD
+        enqueue_compaction(r, settings, "s1", CWD + "/", "llm", forced=True)
+    assert refused.value.field == "cwd" and repr(CWD) in str(refused.value)
+    assert pending_job_id(r, settings, "s1") is None and compaction_queue(r, settings).count == 0
+    assert enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True) is not None
 
 
 def test_a_forced_request_waits_for_the_pending_job_and_the_next_one_joins_it(
