@@ -221,21 +221,36 @@ class SessionLog:
     def _parse_records(self, start: int, lines: list[bytes]) -> list[tuple[int, dict[str, Any]]]:
         records: list[tuple[int, dict[str, Any]]] = []
         offset = start
-        for number, line in enumerate(lines, 1):
+        for line in lines:
             offset += len(line) + 1
             if not line.strip():
                 continue
-            records.append((offset, self._parse_line(line, number, offset - len(line) - 1)))
+            records.append((offset, self._parse_line(line, offset - len(line) - 1)))
         return records
 
-    def _parse_line(self, line: bytes, number: int, offset: int) -> dict[str, Any]:
+    def _parse_line(self, line: bytes, offset: int) -> dict[str, Any]:
         try:
             event = orjson.loads(line)
         except orjson.JSONDecodeError as e:
-            raise LogCorrupted(f"{self.path}: line {number} (byte {offset}) is not JSON: {e}") from e
+            raise LogCorrupted(f"{self.path}: {self._where(offset)} is not JSON: {e}") from e
         if type(event) is not dict:
-            raise LogCorrupted(f"{self.path}: line {number} (byte {offset}) is not a JSON object")
+            raise LogCorrupted(f"{self.path}: {self._where(offset)} is not a JSON object")
         return event
+
+    def _where(self, offset: int) -> str:
+        """``line N (byte B)`` of the line starting at byte ``offset``, N counted from the
+        file's start (a reader may have started mid-file): what an operator opens to repair it."""
+        newlines = 0
+        try:
+            with open(self.path, "rb") as f:
+                while f.tell() < offset:
+                    chunk = f.read(min(1 << 20, offset - f.tell()))
+                    if not chunk:
+                        break
+                    newlines += chunk.count(b"\n")
+        except OSError:
+            return f"the line at byte {offset}"
+        return f"line {newlines + 1} (byte {offset})"
 
     # -- appending -----------------------------------------------------------
 

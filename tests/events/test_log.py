@@ -127,6 +127,18 @@ def test_a_corrupt_complete_line_raises_log_corrupted_naming_file_and_line(tmp_p
         log.read_records()
 
 
+def test_a_corrupt_line_is_numbered_from_the_start_of_the_file_when_read_from_an_offset(tmp_path: Path) -> None:
+    log = _log(tmp_path)
+    log.append([_event(1), _event(2)])
+    offset = log.size()
+    with open(log.path, "ab") as f:
+        f.write(b"not json\n")
+    with pytest.raises(LogCorrupted, match=rf"line 3 \(byte {offset}\)"):  # the line to open and repair
+        log.read(offset)
+    with pytest.raises(LogCorrupted, match=rf"line 3 \(byte {offset}\)"):
+        log.read_records(offset)
+
+
 def test_a_json_line_that_is_not_an_object_is_corrupt(tmp_path: Path) -> None:
     log = _log(tmp_path)
     log.path.parent.mkdir(parents=True)
