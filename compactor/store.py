@@ -86,9 +86,12 @@ class ApplyResult:
 
     ``view`` is the view (built without messages) of the whole log after the
     append, when the state was rebuilt from the caller's ``known`` events; else None.
+    ``before`` is the prompt estimate of the log right before the append (the lines
+    another writer added since the caller last looked included).
     """
 
     state: SessionState
+    before: int = 0
     appended: list[dict[str, Any]] = field(default_factory=list)
     duplicates: int = 0
     rejected: list[tuple[dict[str, Any], InvalidEvent]] = field(default_factory=list)
@@ -338,7 +341,7 @@ class SessionStore:
                 known = None
             batch = list(events)
             fresh = _not_applied(batch, state.last_stream_id)
-            result = ApplyResult(state, duplicates=len(batch) - len(fresh))
+            result = ApplyResult(state, before=state.prompt_estimate, duplicates=len(batch) - len(fresh))
             if log_uuids is not None:  # the index was rebuilt from the log: it, not the lookup, is right
                 uuids = {e["uuid"] for e in fresh if isinstance(e.get("uuid"), str)}
                 if taken is None:

@@ -39,7 +39,10 @@ Invariants:
   produced by the offline ``extractive`` fallback leaves the counter alone (it
   says nothing about the LLM's health; the breaker keeps reporting the LLM as
   failing).
-- ``released`` = promptEstimate before the job − after it (micro step included).
+- ``released`` = promptEstimate right before the job's append − right after it
+  (micro step included): what the compaction freed. Turns the agent added
+  while the LLM answered count in both, so they do not make it negative;
+  ``promptEstimate`` is the estimate after, those turns included.
 - A micro job (and an LLM job's micro step applied on its own) takes the
   estimate of the lines it read from the stored state, brought up to date
   under the lock (exact: ``SessionStore.current`` rebuilds one derived under
@@ -338,7 +341,7 @@ class Compactor:
             raise
         # (jobs of one session never run at once: only this job could have counted a failure since)
         reset = reset and stored.failures > 0
-        return self._append_summary(session_id, cwd, log, summary_text, reset, snapshot, before, run)
+        return self._append_summary(session_id, cwd, log, summary_text, reset, snapshot, run)
 
     def _micro_after_failure(self, session_id: str, cwd: str, log: SessionLog) -> None:
         """Apply the micro step of an LLM job that failed (its error is what the job reports)."""
@@ -349,7 +352,7 @@ class Compactor:
 
     def _append_summary(
         self, session_id: str, cwd: str, log: SessionLog, text: str, reset: bool,
-        snapshot: _Snapshot, before: int, run: JobRun | None = None,
+        snapshot: _Snapshot, run: JobRun | None = None,
     ) -> CompressResult:
         """Append the micro step's compact (if any) and the summary, unless a summary/rollback
         landed since the snapshot: then only the micro step, re-derived from the log as it is.
@@ -371,8 +374,8 @@ class Compactor:
                     self.failures.reset(session_id)
                 if snapshot.compact is not None:
                     applied = self._micro_again(session_id, cwd, log)
-                    return _result(bool(applied.appended), before, applied.state.prompt_estimate)
-                return _result(False, before, self._estimate(session_id, snapshot.state.prompt_estimate))
+                    return _result(bool(applied.appended), applied.before, applied.state.prompt_estimate)
+                return _result(False, 0, self._estimate(session_id, snapshot.state.prompt_estimate))
             known = snapshot.events + since if since else snapshot.events
             pipe = self.store.redis.pipeline(transaction=False) if reset or run else None
             if pipe is not None and reset:
@@ -382,10 +385,10 @@ class Compactor:
                 def derive(appended: list[dict[str, Any]], log_size: int) -> SessionState:
                     return state_after_summary(snapshot.state, reading, appended, self.ctx, log_size)
             try:
-                state = self.store.apply(
+                applied = self.store.apply(
                     session_id, cwd, lines, log=log, pipeline=pipe, cached=snapshot.state, known=known,
                     derive=derive, taken=set(),  # new uuid4s: in no log
-                ).state
+                )
             except Exception:
                 if reset:  # the LLM call did succeed
                     self.failures.reset(session_id)
@@ -395,7 +398,8 @@ class Compactor:
                     pipe.execute()
                 else:
                     self._send_last_writes(pipe, session_id, run)
-        return _result(True, before, state.prompt_estimate)
+        # released: what the append freed; the turns another writer added during the LLM call are in both
+        return _result(True, applied.before, applied.state.prompt_estimate)
 
     def _send_last_writes(self, pipe: Any, session_id: str, run: JobRun) -> None:
         """Queue the release of ``run``'s claim after the writes on ``pipe`` and send them all;

@@ -148,6 +148,31 @@ def test_summary_dropped_when_a_rollback_lands_during_the_llm_call(
     assert _summaries(wsettings, "s1") == []
 
 
+def test_released_is_what_the_append_freed_when_turns_arrive_during_the_llm_call(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """SPEC §5: released = estimate before − after, the tokens freed: the turns the agent
+    added while the LLM answered are in both (they made it negative before)."""
+    write_session(r, wsettings, "s1", 3)
+    store = SessionStore(r, wsettings)
+
+    def reply_after_two_more_turns(body: dict[str, Any]) -> str:
+        store.apply("s1", CWD, [*turn(4), *turn(5)])
+        return f"<summary>\n{summary_text('late')}\n</summary>"
+
+    stub.reply = reply_after_two_more_turns
+    result = _run(r, wsettings, "s1", forced=True).return_value()
+    events = read_log(wsettings, "s1")
+    first_appended = next(i for i, e in enumerate(events) if e["type"] in ("compact", "summary"))
+    assert [e["turnId"] for e in events[first_appended - 4:first_appended]] == [5, 5, 5, 5]
+    before = rebuild("s1", CWD, events[:first_appended], wsettings.context, 0).prompt_estimate
+    after = store.load("s1")
+    assert after is not None
+    assert result == {"didCompress": True, "released": before - after.prompt_estimate,
+                      "promptEstimate": after.prompt_estimate}
+    assert result["released"] > 0
+
+
 # -- failures --------------------------------------------------------------------------------
 
 
