@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import secrets
 import shutil
 import tempfile
 import threading
@@ -206,8 +207,12 @@ def _data_dir(options: DemoOptions) -> Iterator[Path]:
 
 
 def _agents(options: DemoOptions) -> list[Agent]:
+    """The simulated agents: their talk follows ``seed``; their session ids are new on every
+    run, so a second run on the same ``--data-dir`` (its Redis kept there) starts new sessions
+    instead of reporting the first run's, which the same ids found already settled."""
     rng = random.Random(options.seed)
-    tag = f"{rng.getrandbits(24):06x}"
+    rng.getrandbits(24)  # (what the session tag used to take: the talk stays what it was)
+    tag = secrets.token_hex(3)
     return [Agent(f"demo-{tag}-{n:02d}", f"{DEMO_CWD_ROOT}/app-{n % 5}",
                   random.Random(rng.getrandbits(32))) for n in range(options.sessions)]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from compactor.demo import Agent, DemoOptions, demo_settings
+from compactor.demo import Agent, DemoOptions, _agents, demo_settings
 from events.config import ENV_OVERRIDES, Settings
 from events.models import parse_event
 
@@ -30,6 +30,14 @@ def test_agent_turns_are_valid_events_that_end_with_turn_end() -> None:
     calls = {c["id"] for c in events[1]["toolCalls"]}
     assert calls == {e["toolCallId"] for e in events if e["type"] == "tool_result"}
     assert any(e.get("toolName") == "list_dir" for e in events)  # a non-compactable tool too
+
+
+def test_each_demo_run_has_new_sessions_with_the_same_talk() -> None:
+    """A second run on the same --data-dir must not find the first run's sessions (it
+    reported their results and simulated nothing)."""
+    first, second = _agents(DemoOptions(sessions=3)), _agents(DemoOptions(sessions=3))
+    assert not {a.session_id for a in first} & {a.session_id for a in second}
+    assert [a.turn(1, 8000) for a in first] == [a.turn(1, 8000) for a in second]
 
 
 def test_demo_settings_use_extractive_and_a_private_prefix_on_shared_redis(
