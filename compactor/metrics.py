@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 EVENT_TYPES = frozenset({"session_meta", "user", "assistant", "tool_result", "turn_end",
                          "rollback", "compact", "summary"})
-REASON_KINDS = ("malformed", "too_large", "invalid_event", "identity", "cwd_conflict",
+REASON_KINDS = ("malformed", "too_large", "invalid_event", "identity", "wrong_shard", "cwd_conflict",
                 "turn_order", "duplicate_uuid")
 JOB_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 LLM_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
@@ -106,6 +106,8 @@ def reason_kind(reason: str) -> str:
         return "cwd_conflict"
     if "maxeventbytes" in text:
         return "too_large"
+    if text.startswith("session: belongs to shard"):  # ``producer.watcher.entries.misrouted``
+        return "wrong_shard"
     if text.startswith(("sessionid:", "cwd:")) or "differs from the entry" in text:
         return "identity"
     if any(m in text for m in ("missing field", "invalid utf-8", "invalid json", "no fields",

@@ -21,8 +21,9 @@ Invariants:
 - A session whose append failed (``LogWriteFailed``: disk full) is *held
   back*: none of its later entries are applied or acked until a PEL sweep
   (every ``HOLD_RETRY_S``) applies the failed one. Other sessions go on.
-- A bad entry (see ``entries``), or one the store refuses (cwd bound to
-  another session, turn id going backwards), is dead-lettered to ``{p}:dead``
+- A bad entry (see ``entries``), one read from a shard its session does not
+  hash to, or one the store refuses (cwd bound to another session, turn id
+  going backwards), is dead-lettered to ``{p}:dead``
   with its reason and acked; the watcher never crashes on input.
 - Thresholds are checked from the state the store returns; the log is never
   read here. A redelivered ``turn_end`` is checked again: enqueueing coalesces.
@@ -49,7 +50,7 @@ import redis
 from compactor import metrics
 from compactor.heap import freeze_heap
 from compactor.keys import Keys
-from compactor.queue import UNCHECKED, Trigger, trigger_compactions
+from compactor.queue import UNCHECKED, Trigger, parse_job_id, trigger_compactions
 from compactor.store import UNREAD, Lookup, SessionStore
 from events.config import Settings
 from events.errors import CompactorError, InvalidConfig, InvalidEvent, InvalidInput
@@ -57,7 +58,7 @@ from events.log import SessionLog
 from events.state import SessionState, decide
 from events.tokens import get_encoding, model_max_input_tokens
 from producer.watcher.batch import BatchOutcome, ShardCursor, runs
-from producer.watcher.entries import Entry, Rejected, decode_entry
+from producer.watcher.entries import Entry, Rejected, decode_entry, misrouted
 from producer.watcher.leases import RENEW_FRACTION, LeaseLost, ShardLeases
 from producer.watcher.streams import NEW_ENTRIES, RawEntry, ReadResult, ShardStreams
 
@@ -298,15 +299,24 @@ class Watcher:
         return True
 
     def _decode(self, shard: int, raw: list[RawEntry]) -> tuple[BatchOutcome, dict[str, list[Entry]]]:
-        """A shard's entries by session, in stream order; the bad ones already rejected."""
+        """A shard's entries by session, in stream order; the bad ones (and those of sessions of
+        another shard) already rejected."""
         outcome = BatchOutcome(self.keys.stream(shard))
         by_session: dict[str, list[Entry]] = {}
+        elsewhere: dict[str, str | None] = {}  # per session of the batch: why not this shard, if not
         for entry_id, fields in raw:
             decoded = decode_entry(entry_id, fields, self.settings.limits.max_event_bytes)
             if isinstance(decoded, Rejected):
                 outcome.reject(decoded.id, decoded.reason, decoded.fields)
+                continue
+            sid = decoded.session_id
+            if sid not in elsewhere:
+                elsewhere[sid] = misrouted(self.keys, sid, shard)
+            reason = elsewhere[sid]
+            if reason is not None:
+                outcome.reject(decoded.id, reason, decoded.fields)
             else:
-                by_session.setdefault(decoded.session_id, []).append(decoded)
+                by_session.setdefault(sid, []).append(decoded)
         return outcome, by_session
 
     def _apply_session(
@@ -402,10 +412,7 @@ class Watcher:
             logger.exception("enqueue failed sessions=%s", [t.session_id for t, _ in noted])
             return
         for (trigger, state), job_id in zip(noted, job_ids):
-            logger.info("compaction triggered session=%s kind=%s job=%s estimate=%d window=%d",
-                        trigger.session_id, trigger.kind, job_id or "coalesced", state.prompt_estimate,
-                        state.window, extra={"session_id": trigger.session_id, "job_id": job_id,
-                                             "kind": trigger.kind, "outcome": "enqueued" if job_id else "coalesced"})
+            _log_trigger(trigger, state, job_id)
 
     def _lose(self, shard: int, reason: str) -> None:
         self.leases.forget(shard, reason)
@@ -490,6 +497,21 @@ def prepare_heap() -> None:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _log_trigger(trigger: Trigger, state: SessionState, job_id: str | None) -> None:
+    """One INFO line per job enqueued, naming the kind its id says (with the breaker open an LLM
+    trigger's claim may enqueue a micro job); DEBUG only when none was (coalesced into the pending
+    job, or nothing to do with the breaker open): a busy session coalesces on nearly every turn."""
+    if job_id is None:
+        logger.debug("compaction not enqueued session=%s called_for=%s estimate=%d window=%d",
+                     trigger.session_id, trigger.kind, state.prompt_estimate, state.window)
+        return
+    parsed = parse_job_id(job_id)
+    kind = parsed[1] if parsed is not None else trigger.kind
+    logger.info("compaction triggered session=%s kind=%s job=%s estimate=%d window=%d",
+                trigger.session_id, kind, job_id, state.prompt_estimate, state.window,
+                extra={"session_id": trigger.session_id, "job_id": job_id, "kind": kind, "outcome": "enqueued"})
 
 
 def _by_stream_id(rejected: list[tuple[dict[str, Any], InvalidEvent]]) -> dict[Any, InvalidEvent]:

@@ -14,6 +14,9 @@ Invariants:
   session or cwd. The reason says which.
 - ``session_meta`` lines get ``sessionId`` and ``cwd`` from the entry (SPEC §3
   lists them on that line); other events never carry them.
+- An entry read from a shard its session does not hash to is refused
+  (``misrouted``): stream ids are per stream, so a session's entries are
+  ordered, and redeliveries told apart, only within its own shard.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 
 import orjson
 
+from compactor.keys import Keys
 from events.errors import InvalidInput
 from events.models import (
     parse_event,
@@ -168,6 +172,16 @@ def _check_identity(wire: dict[str, Any], expected: dict[str, str]) -> None:
     for name, entry_field in IDENTITY_FIELDS.items():
         if name in wire and wire.pop(name) != expected[name]:
             raise _Reject(f"{name}: differs from the entry's {entry_field!r} field")
+
+
+def misrouted(keys: Keys, session_id: str, shard: int) -> str | None:
+    """The reason to refuse a session's entry read from ``shard`` when the session hashes to
+    another one (a producer with a signed CRC-32 or another shard count), else None."""
+    home = keys.shard_of(session_id)
+    if home == shard:
+        return None
+    return (f"session: belongs to shard {home} (crc32(utf8(sessionId)) % {keys.shards}), which differs "
+            f"from the entry's shard {shard} (read from {keys.stream(shard)})")
 
 
 def entry_uuid(session_id: str, entry_id: str) -> str:

@@ -250,6 +250,8 @@ def test_a_scrape_waits_for_a_hung_redis_once_not_once_per_gauge(
     ("cwd: session s is bound to cwd '/a'", "cwd_conflict"),
     ("uuid: 'u-1' duplicates an event already in this session", "duplicate_uuid"),
     ("sessionId: must match ^[A-Za-z0-9]...", "identity"),
+    ("session: belongs to shard 3 (crc32(utf8(sessionId)) % 8), which differs from the entry's shard 4 "
+     "(read from compaction:events:4)", "wrong_shard"),
     ("turnId: Input should be a valid integer", "invalid_event"),
 ])
 def test_dead_letter_reasons_fall_into_few_kinds(reason: str, kind: str) -> None:

@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from compactor.keys import Keys
+from compactor.metrics import REGISTRY
 from events.config import Settings
 from producer.publisher import Publisher
 from producer.watcher import Watcher
@@ -27,8 +28,8 @@ from tests.producer.conftest import (
 GOOD = orjson.dumps(user(1))
 
 
-def raw(r: redis.Redis, fields: dict[str, bytes | str], session_id: str = "s1") -> str:
-    entry_id = r.xadd(Keys().stream_for(session_id), fields)
+def raw(r: redis.Redis, fields: dict[str, bytes | str], session_id: str = "s1", stream: str | None = None) -> str:
+    entry_id = r.xadd(stream or Keys().stream_for(session_id), fields)
     return entry_id.decode()
 
 
@@ -161,6 +162,34 @@ def test_a_session_seen_with_another_cwd_is_dead_lettered(r: redis.Redis, small:
     publisher.publish("s1", "/another/project", [user(2)])
     drain(Watcher(r, small, name="w2"), r, small)
     assert len(dead_letters(r)) == 3
+
+
+@pytest.mark.parametrize("wrong_first", [True, False])
+def test_an_entry_on_another_sessions_shard_is_dead_lettered_not_dropped(
+    r: redis.Redis, small: Settings, wrong_first: bool,
+) -> None:
+    """Stream ids are per stream, so the store's redelivery check (one last applied id per session)
+    cannot order a session's entries across two shards: one of them was acked and silently lost.
+    (A producer with a signed CRC-32, or with another shard count, puts entries there.)"""
+    keys = Keys()
+    home = keys.shard_of("s1")
+    wrong = (home + 1) % keys.shards
+    event: dict[str, bytes | str] = {"session": "s1", "cwd": CWD, "event": orjson.dumps(user(1, "misrouted"))}
+    if wrong_first:
+        misrouted = raw(r, event, stream=keys.stream(wrong))
+    good = Publisher(r, small).publish("s1", CWD, [user(1, "routed")])
+    if not wrong_first:
+        misrouted = raw(r, event, stream=keys.stream(wrong))
+    before = REGISTRY.get_sample_value("compactor_entries_dead_lettered_total", {"reason": "wrong_shard"}) or 0
+    drain(Watcher(r, small, name="w"), r, small)
+    [dead] = dead_letters(r)
+    assert dead[b"id"].decode() == misrouted and dead[b"stream"].decode() == keys.stream(wrong)
+    reason = dead[b"reason"].decode()
+    assert reason.startswith("session: ") and f"shard {home} " in reason and f"shard {wrong} " in reason
+    assert dead[b"event"] == event["event"] and dead[b"session"] == b"s1"
+    assert [line["streamId"] for line in log_lines(small, "s1")] == good
+    assert REGISTRY.get_sample_value("compactor_entries_dead_lettered_total", {"reason": "wrong_shard"}) == before + 1
+    assert backlog(r, small) == 0
 
 
 def test_decoding_is_deterministic_and_fills_identity() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -190,3 +191,47 @@ def test_a_long_round_enqueues_its_triggers_as_it_goes(
     assert handled == 6
     assert queued_at_apply == [0, 1, 2]  # each session's job was enqueued before the next was applied
     assert all(pending_job_id(r, fast, sid) is not None for sid in ("s1", "s2", "s3"))
+
+
+def triggered_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The watcher's INFO (or higher) lines about compaction triggers."""
+    return [rec.getMessage() for rec in caplog.records
+            if rec.name == watcher_core.__name__ and rec.levelno >= logging.INFO and "compaction" in rec.getMessage()]
+
+
+def test_the_trigger_line_names_the_kind_enqueued_not_the_kind_called_for(
+    r: redis.Redis, fast: Settings, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With the breaker open the LLM trigger's claim enqueues a micro job: the line said kind=llm."""
+    r.set(Keys().failures("s1"), 3, ex=86_400)
+    with caplog.at_level(logging.DEBUG, logger=watcher_core.__name__):
+        assert run_session(r, fast, [*tool_turn(1), turn_end(1, window=WINDOW)], 950) == "micro"
+    [line] = triggered_lines(caplog)
+    assert "kind=micro" in line and f"job={pending_job_id(r, fast, 's1')}" in line
+
+
+def test_no_info_line_when_the_open_breaker_leaves_nothing_to_enqueue(
+    r: redis.Redis, fast: Settings, caplog: pytest.LogCaptureFixture,
+) -> None:
+    r.set(Keys().failures("s1"), 3, ex=86_400)
+    with caplog.at_level(logging.DEBUG, logger=watcher_core.__name__):
+        assert run_session(r, fast, [], 950) is None
+    assert triggered_lines(caplog) == []
+
+
+def test_no_info_line_for_a_trigger_coalesced_into_the_pending_job(
+    r: redis.Redis, fast: Settings, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Every turn_end of a busy session over the threshold coalesces: 2 000 turns gave 673 such lines."""
+    publisher = Publisher(r, fast)
+    watcher = Watcher(r, fast, name="w")
+    publisher.publish("s1", CWD, [padded_user(1, 950), turn_end(1, window=WINDOW)])
+    with caplog.at_level(logging.DEBUG, logger=watcher_core.__name__):
+        drain(watcher, r, fast)
+        [first] = triggered_lines(caplog)
+        caplog.clear()
+        for turn in (2, 3, 4):
+            publisher.publish("s1", CWD, [user(turn), turn_end(turn, window=WINDOW)])
+        drain(watcher, r, fast)
+    assert "kind=llm" in first and triggered_lines(caplog) == []
+    assert r.get(Keys().retrigger("s1")) == b"llm"
