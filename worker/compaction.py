@@ -491,7 +491,7 @@ class Compactor:
         previous_text = previous.get("summaryText") if previous else None
         previous_text = previous_text if isinstance(previous_text, str) else None
         if model == EXTRACTIVE_MODEL:
-            return extractive_summary(targets.events, previous_text)
+            return extractive_summary(targets.events, previous_text, view.encoding)
         window = plan.window if plan else self.model_window(model)
         running = previous_text
         chunks = self.chunks(targets.events, previous_text, window, view.encoding, reading.target_tokens)

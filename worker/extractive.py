@@ -6,31 +6,47 @@ Used when ``context.compactionModel`` or ``context.fallbackModel`` is
 Invariants:
 - Deterministic: the same targets and previous summary give the same text.
 - The output always passes ``worker.summarize.validate_summary_text``.
-- Every user message appears verbatim under *All User Messages*, in order
-  (after those carried over from the previous summary), each in a fenced code
-  block longer than any backtick run it holds, so no line of it can close the
-  block or pose as a section heading (headings inside fences do not count).
-- *Files and Code Sections* lists the paths mentioned: file names with an
-  extension, absolute / ``~/`` / ``./`` paths and well-known extensionless
-  names (``Makefile``, ``Dockerfile``, ...), and every tool-call argument whose
-  name says path, file or dir.
+- Every user message appears under *All User Messages*, in order (after those
+  carried over from the previous summary), once, each in a fenced code block
+  longer than any backtick run it holds, so no line of it can close the block
+  or pose as a section heading (headings inside fences do not count). It is
+  verbatim except in the one case below.
+- Every other section is bounded (``Bounds``): lists keep at most so many
+  items, quotes (the first user message as *Primary Request*, the last as
+  *Optional Next Step*, the last assistant reply as *Current Work*) at most
+  so many characters, a longer one its head and tail around a
+  ``[… N characters omitted …]`` line. User messages are quoted whole only
+  under *All User Messages*.
+- Size: the summary is never more tokens (SPEC §4.5, in ``encoding``) than
+  what it replaces (the targets as shown plus the previous summary). When the
+  usual bounds exceed that, the sections are rendered again with
+  ``TIGHT_BOUNDS``; when even that exceeds it (what is replaced is almost all
+  user messages), the longest user messages are cut to their head and tail,
+  at least ``MIN_KEPT_CHARS`` of each kept, under a ``- message (elided: N of
+  L characters omitted):`` item with the omitted count between the two parts.
+  Only when that floor (the 10 headings, the tight sections, every message
+  cut) is still larger, as for a transcript of a few short lines, is the
+  summary larger than what it replaces.
 - The previous summary's list-like sections (files, errors, user messages,
-  pending tasks, concepts) are carried forward and merged, so nothing is lost
-  across incremental compactions; its *Primary Request* is kept.
-- Long items are bounded (``MAX_*``) so the summary is always much shorter
-  than what it replaces, except for the user messages, which are kept whole.
+  pending tasks, concepts) are carried forward and merged under the same
+  bounds, so nothing is lost across incremental compactions but what the
+  bounds drop; its *Primary Request* is kept (quoted and elided when longer
+  than the bound). Messages this module wrote are parsed back, so a rolling
+  summary quotes each message once and can cut a carried one further.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from events.tokens import arguments_json
+from events.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD_TOKENS, arguments_json, count_tokens, event_tokens
 from worker.summarize import SECTION_TITLES, split_sections
 
 EXTRACTIVE_MODEL = "extractive"
@@ -39,6 +55,29 @@ MAX_ERROR_LINES = 30
 MAX_LINE_CHARS = 300
 MAX_CURRENT_WORK_CHARS = 4_000
 MAX_DECISIONS = 15
+MAX_PENDING = 30
+MAX_CONCEPTS = 15
+MAX_REQUEST_CHARS = 1_000  # a user message quoted as Primary Request or Optional Next Step
+MIN_KEPT_CHARS = 200  # a user message is never cut below this many characters (head + tail)
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """How much each section but *All User Messages* keeps: items per list, characters per quote."""
+
+    files: int = MAX_FILES
+    error_lines: int = MAX_ERROR_LINES
+    decisions: int = MAX_DECISIONS
+    pending: int = MAX_PENDING
+    concepts: int = MAX_CONCEPTS
+    line_chars: int = MAX_LINE_CHARS
+    request_chars: int = MAX_REQUEST_CHARS
+    current_work_chars: int = MAX_CURRENT_WORK_CHARS
+
+
+BOUNDS = Bounds()
+TIGHT_BOUNDS = Bounds(files=20, error_lines=10, decisions=5, pending=10, concepts=5, line_chars=160,
+                      request_chars=200, current_work_chars=600)
 
 _PATH = re.compile(
     r"(?<![\w/.<-])((?:~|\.{1,2})?/?(?:[\w.-]+/)+[\w.-]+\.[A-Za-z0-9]{1,8}|[\w-]+\.(?:py|js|ts|tsx|jsx|"
@@ -55,34 +94,161 @@ _DECISION = re.compile(r"\b(because|decided|instead of|so that|rather than|chose
 _PENDING = re.compile(r"(^\s*[-*]\s*\[ \]|\bTODO\b|\bFIXME\b)")
 
 
-def extractive_summary(events: Sequence[dict[str, Any]], previous_summary: str | None) -> str:
-    """The summary text (the inner text of ``<summary>``) of ``events`` folded onto ``previous_summary``."""
+def extractive_summary(events: Sequence[dict[str, Any]], previous_summary: str | None,
+                       encoding: str = DEFAULT_ENCODING) -> str:
+    """The summary text (the inner text of ``<summary>``) of ``events`` folded onto ``previous_summary``,
+    no more tokens in ``encoding`` than they are (see the module's invariants for the floor)."""
     previous = split_sections(previous_summary) if previous_summary else {}
     users = [_str(e.get("content")) for e in events if e.get("type") == "user"]
+    messages = _carried_messages(previous.get("All User Messages")) + [_Message(text) for text in users]
+    text = _render(_sections(events, previous, users, BOUNDS), messages)
+    tokens = count_tokens(text, encoding) + MESSAGE_OVERHEAD_TOKENS
+    replaced = _replaced_tokens(events, previous_summary, encoding, enough=tokens)
+    if tokens <= replaced:
+        return text
+    budget = replaced - MESSAGE_OVERHEAD_TOKENS  # all counted: the count stops early only at ``enough``
+    return _fit(_sections(events, previous, users, TIGHT_BOUNDS), messages, budget, encoding)
+
+
+def _sections(events: Sequence[dict[str, Any]], previous: dict[str, str], users: list[str],
+              bounds: Bounds) -> dict[str, str]:
+    """The body of every section but *All User Messages*."""
     assistants = [e for e in events if e.get("type") == "assistant"]
     results = [e for e in events if e.get("type") == "tool_result"]
-    bodies = {
-        "Primary Request": _primary_request(previous, users),
-        "Key Technical Concepts": _concepts(previous, assistants),
-        "Files and Code Sections": _files(previous, events),
-        "Errors and Fixes": _errors(previous, results),
+    return {
+        "Primary Request": _primary_request(previous, users, bounds),
+        "Key Technical Concepts": _concepts(previous, assistants, bounds),
+        "Files and Code Sections": _files(previous, events, bounds),
+        "Errors and Fixes": _errors(previous, results, bounds),
         "Problem Solving": _problem_solving(events, assistants, results),
-        "Decision Rationale": _decisions(previous, assistants),
-        "All User Messages": _user_messages(previous, users),
-        "Pending Tasks": _pending(previous, events),
-        "Current Work": _current_work(assistants),
-        "Optional Next Step": _next_step(users),
+        "Decision Rationale": _decisions(previous, assistants, bounds),
+        "Pending Tasks": _pending(previous, events, bounds),
+        "Current Work": _current_work(assistants, bounds),
+        "Optional Next Step": _next_step(users, bounds),
     }
+
+
+def _render(sections: dict[str, str], messages: list[str | _Message]) -> str:
+    bodies = {**sections, "All User Messages": "\n".join(
+        part if isinstance(part, str) else part.render() for part in messages)}
     return "\n\n".join(f"### {title}\n{bodies[title] or 'None.'}" for title in SECTION_TITLES)
 
 
-def _primary_request(previous: dict[str, str], users: list[str]) -> str:
-    if previous.get("Primary Request") and previous["Primary Request"] != "None.":
-        return previous["Primary Request"]
-    return _verbatim(users[0]) if users else ""
+def _replaced_tokens(events: Sequence[dict[str, Any]], previous_summary: str | None, encoding: str,
+                     enough: int) -> int:
+    """What the summary replaces, in SPEC §4.5 tokens (the previous summary and the events as
+    shown), counted only until it reaches ``enough``: a short summary of a long transcript
+    tokenizes little of it."""
+    total = count_tokens(previous_summary, encoding) + MESSAGE_OVERHEAD_TOKENS if previous_summary else 0
+    for event in events:
+        if total >= enough:
+            break
+        total += event_tokens(event, encoding)
+    return total
 
 
-def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]]) -> str:
+def _fit(sections: dict[str, str], messages: list[str | _Message], budget: int, encoding: str) -> str:
+    """The summary with the longest user messages cut, round by round, until it fits ``budget``
+    tokens or no message can be cut further (each round cuts at least one: it terminates)."""
+    while True:
+        text = _render(sections, messages)
+        over = count_tokens(text, encoding) - budget
+        if over <= 0:
+            return text
+        quoted = "\n".join(m.head + m.tail for m in messages if isinstance(m, _Message))
+        chars_per_token = len(quoted) / max(count_tokens(quoted, encoding), 1)
+        cap = _cap([m.kept for m in messages if isinstance(m, _Message)], math.ceil(over * chars_per_token))
+        cut = [m.cut(cap) if isinstance(m, _Message) else m for m in messages]
+        if cut == messages:
+            return text
+        messages = cut
+
+
+def _cap(sizes: list[int], need: int) -> int:
+    """The largest per-message size (at least ``MIN_KEPT_CHARS``) that cuts ``need`` characters
+    from messages of ``sizes``; ``MIN_KEPT_CHARS`` when even that cuts less."""
+    def cut_at(cap: int) -> int:
+        return sum(size - cap for size in sizes if size > cap)
+
+    low, high = MIN_KEPT_CHARS, max(sizes, default=0)
+    if high <= low or cut_at(low) < need:
+        return low
+    while high - low > 1:  # cut_at(low) >= need > cut_at(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if cut_at(middle) >= need else (low, middle)
+    return low
+
+
+@dataclass(frozen=True, slots=True)
+class _Message:
+    """A user message under *All User Messages*: whole (``tail`` empty), or its head and tail
+    with the middle of its ``length`` characters omitted."""
+
+    head: str
+    tail: str = ""
+    length: int = -1
+
+    def __post_init__(self) -> None:
+        if self.length < self.kept:
+            object.__setattr__(self, "length", self.kept)
+
+    @property
+    def kept(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def render(self) -> str:
+        omitted = self.length - self.kept
+        if not omitted:
+            return f"- message:\n{_verbatim(self.head + self.tail)}"
+        return (f"- message (elided: {omitted:,} of {self.length:,} characters omitted):\n{_verbatim(self.head)}\n"
+                f"[… {omitted:,} characters omitted …]\n{_verbatim(self.tail)}")
+
+    def cut(self, keep: int) -> _Message:
+        """This message with at most ``keep`` characters kept, half from its head, half from its tail."""
+        if keep >= self.kept:
+            return self
+        if self.length == self.kept:
+            text = self.head + self.tail
+            return _Message(text[:keep - keep // 2], text[len(text) - keep // 2:], self.length)
+        tail = min(max(keep // 2, keep - len(self.head)), len(self.tail))
+        return _Message(self.head[:keep - tail], self.tail[len(self.tail) - tail:], self.length)
+
+
+_WHOLE_ITEM = r"- message:\n(?P<fence>`{3,})\n(?P<text>.*?)\n(?P=fence)$"
+_ELIDED_ITEM = (r"- message \(elided: [\d,]+ of (?P<length>[\d,]+) characters omitted\):\n"
+                r"(?P<head_fence>`{3,})\n(?P<head>.*?)\n(?P=head_fence)\n\[… [\d,]+ characters omitted …\]\n"
+                r"(?P<tail_fence>`{3,})\n(?P<tail>.*?)\n(?P=tail_fence)$")
+_MESSAGE_ITEM = re.compile(rf"^(?:{_WHOLE_ITEM}|{_ELIDED_ITEM})", re.MULTILINE | re.DOTALL)
+
+
+def _carried_messages(body: str | None) -> list[str | _Message]:
+    """A previous *All User Messages* body as items: the messages this module wrote (whole or
+    cut) parsed back, any other text (an LLM's) as it is."""
+    body = "" if body is None or body == "None." else body
+    parts: list[str | _Message] = []
+    end = 0
+    for match in _MESSAGE_ITEM.finditer(body):
+        if match.group("length") is None:
+            item = _Message(match.group("text"))
+        else:
+            item = _Message(match.group("head"), match.group("tail"), int(match.group("length").replace(",", "")))
+        if item.render() == match.group(0):  # exactly as written here (an LLM's look-alike stays text)
+            parts.extend([body[end:match.start()].strip("\n"), item])
+            end = match.end()
+    parts.append(body[end:].strip("\n"))
+    return [part for part in parts if part]
+
+
+def _primary_request(previous: dict[str, str], users: list[str], bounds: Bounds) -> str:
+    carried = previous.get("Primary Request", "None.")
+    if carried != "None.":
+        if len(carried) <= bounds.request_chars:
+            return carried
+        return _quote(_elide(_unquoted(carried), bounds.request_chars))
+    return _quote(_elide(users[0], bounds.request_chars)) if users else ""
+
+
+def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]], bounds: Bounds) -> str:
     tools: Counter[str] = Counter()
     for event in assistants:
         for call in event.get("toolCalls") or []:
@@ -91,26 +257,26 @@ def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]]) -> str
     lines = _carried(previous.get("Key Technical Concepts"))
     if tools:
         used = ", ".join(f"{name} ({count}x)" for name, count in sorted(tools.items()))
-        lines.append(f"- tools used: {used}")
-    return "\n".join(_unique(lines))
+        lines.append(f"- tools used: {_clip(used, bounds.line_chars)}")
+    return "\n".join(_unique(lines)[-bounds.concepts:])
 
 
-def _files(previous: dict[str, str], events: Sequence[dict[str, Any]]) -> str:
+def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: Bounds) -> str:
     found: list[str] = [line[2:] for line in _carried(previous.get("Files and Code Sections"))]
     for event in events:
         for text in _texts(event):
             found.extend(match.group(1) for match in _PATH.finditer(text))
         found.extend(_path_arguments(event))
-    return "\n".join(f"- {path}" for path in _unique(found)[:MAX_FILES])
+    return "\n".join(f"- {path}" for path in _unique(found)[:bounds.files])
 
 
-def _errors(previous: dict[str, str], results: list[dict[str, Any]]) -> str:
+def _errors(previous: dict[str, str], results: list[dict[str, Any]], bounds: Bounds) -> str:
     lines = _carried(previous.get("Errors and Fixes"))
     for event in results:
         for line in _str(event.get("output")).splitlines():
             if _ERROR.search(line):
-                lines.append(f"- [{event.get('toolName', '')}] {_clip(line.strip())}")
-    return "\n".join(_unique(lines)[-MAX_ERROR_LINES:])
+                lines.append(f"- [{event.get('toolName', '')}] {_clip(line.strip(), bounds.line_chars)}")
+    return "\n".join(_unique(lines)[-bounds.error_lines:])
 
 
 def _problem_solving(events: Sequence[dict[str, Any]], assistants: list[dict[str, Any]],
@@ -123,47 +289,40 @@ def _problem_solving(events: Sequence[dict[str, Any]], assistants: list[dict[str
             f"{len(assistants)} assistant messages, {calls} tool calls, {len(results)} tool results.")
 
 
-def _decisions(previous: dict[str, str], assistants: list[dict[str, Any]]) -> str:
+def _decisions(previous: dict[str, str], assistants: list[dict[str, Any]], bounds: Bounds) -> str:
     lines = _carried(previous.get("Decision Rationale"))
     for event in assistants:
         for sentence in re.split(r"(?<=[.!?])\s+|\n", _str(event.get("content"))):
             if _DECISION.search(sentence):
-                lines.append(f"- {_clip(sentence.strip())}")
-    return "\n".join(_unique(lines)[-MAX_DECISIONS:])
+                lines.append(f"- {_clip(sentence.strip(), bounds.line_chars)}")
+    return "\n".join(_unique(lines)[-bounds.decisions:])
 
 
-def _user_messages(previous: dict[str, str], users: list[str]) -> str:
-    carried = previous.get("All User Messages", "")
-    carried = "" if carried == "None." else carried
-    new = [f"- message:\n{_verbatim(text)}" for text in users]
-    return "\n".join(part for part in [carried, *new] if part)
-
-
-def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]]) -> str:
+def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: Bounds) -> str:
     lines = _carried(previous.get("Pending Tasks"))
     for event in events:
         if event.get("type") in ("user", "assistant"):
             for line in _str(event.get("content")).splitlines():
                 if _PENDING.search(line):
-                    lines.append(f"- {_clip(line.strip().lstrip('-* ').strip())}")
-    return "\n".join(_unique(lines))
+                    lines.append(f"- {_clip(line.strip().lstrip('-* ').strip(), bounds.line_chars)}")
+    return "\n".join(_unique(lines)[-bounds.pending:])
 
 
-def _current_work(assistants: list[dict[str, Any]]) -> str:
+def _current_work(assistants: list[dict[str, Any]], bounds: Bounds) -> str:
     for event in reversed(assistants):
         content = _str(event.get("content")).strip()
-        calls = [f"-> {c.get('name', '')}({_clip(arguments_json(c.get('arguments', '')))})"
+        calls = [f"-> {c.get('name', '')}({_clip(arguments_json(c.get('arguments', '')), bounds.line_chars)})"
                  for c in event.get("toolCalls") or [] if isinstance(c, dict)]
         if content or calls:
-            text = _quote(content[:MAX_CURRENT_WORK_CHARS]) if content else ""
+            text = _quote(_elide(content, bounds.current_work_chars)) if content else ""
             return "\n".join(part for part in [text, *calls] if part)
     return ""
 
 
-def _next_step(users: list[str]) -> str:
+def _next_step(users: list[str], bounds: Bounds) -> str:
     if not users:
         return ""
-    return "Continue with the most recent user request:\n" + _quote(_clip(users[-1], 1_000))
+    return "Continue with the most recent user request:\n" + _quote(_elide(users[-1], bounds.request_chars))
 
 
 def _texts(event: dict[str, Any]) -> Iterable[str]:
@@ -202,6 +361,23 @@ def _verbatim(text: str) -> str:
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * max(3, longest + 1)
     return f"{fence}\n{text}\n{fence}"
+
+
+def _elide(text: str, limit: int) -> str:
+    """``text`` when at most ``limit`` characters, else its head and tail around a line saying how
+    many characters were omitted, ``limit`` characters in all (so eliding it again changes nothing)."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit - len(f"\n[… {len(text):,} characters omitted …]\n"), 0)
+    return f"{text[:keep - keep // 2]}\n[… {len(text) - keep:,} characters omitted …]\n{text[len(text) - keep // 2:]}"
+
+
+def _unquoted(text: str) -> str:
+    """``text`` without the ``> `` marks ``_quote`` adds, when every line has one."""
+    lines = text.splitlines()
+    if not all(line.startswith("> ") or line == ">" for line in lines):
+        return text
+    return "\n".join(line[2:] for line in lines)
 
 
 def _quote(text: str) -> str:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from worker.extractive import extractive_summary
+import re
+from typing import Any
+
+from events.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD_TOKENS, count_tokens, event_tokens
+from worker.extractive import MAX_CURRENT_WORK_CHARS, MAX_REQUEST_CHARS, extractive_summary
 from worker.summarize import (
     SECTION_TITLES,
     extract_summary,
@@ -10,7 +14,7 @@ from worker.summarize import (
     validate_summary_text,
 )
 
-EVENTS = [
+EVENTS: list[dict[str, Any]] = [
     {"type": "user", "turnId": 1, "content": "Fix the failing test in tests/test_app.py\nthanks"},
     {"type": "assistant", "turnId": 1, "content": "I chose pytest -x because it stops early.",
      "toolCalls": [{"id": "c1", "name": "execute_command", "arguments": {"cmd": "pytest src/app/main.py"}}]},
@@ -84,3 +88,119 @@ def test_it_is_deterministic_and_carries_the_previous_summary_forward() -> None:
 
 def test_empty_targets_still_give_a_valid_summary() -> None:
     validate_summary_text(extractive_summary([], None))
+
+
+def _pasted(lines: int) -> str:
+    """A long pasted user message; its middle line is a sentinel found nowhere else."""
+    body = [f"row {i}: the quick brown fox jumps over the lazy dog, again and again" for i in range(lines)]
+    body[lines // 2] = "SENTINEL-middle-of-the-paste"
+    return "\n".join(body)
+
+
+PASTED = _pasted(400)  # ~28k characters, ~5.6k tokens: the reported session's turn-1 message
+BIG_OUTPUT = "\n".join(f"{i:05d} ok  collected item number {i} of the build log" for i in range(600))
+
+
+def _replaced(events: list[dict[str, Any]], previous: str | None = None) -> int:
+    """What a summary of ``events`` folded onto ``previous`` replaces, in SPEC §4.5 tokens."""
+    total = sum(event_tokens(e, DEFAULT_ENCODING) for e in events)
+    return total + (count_tokens(previous, DEFAULT_ENCODING) + MESSAGE_OVERHEAD_TOKENS if previous else 0)
+
+
+def _cost(summary: str) -> int:
+    return count_tokens(summary, DEFAULT_ENCODING) + MESSAGE_OVERHEAD_TOKENS
+
+
+def _turn(turn: int, request: str, output: str = "2 passed") -> list[dict[str, Any]]:
+    return [
+        {"type": "user", "turnId": turn, "content": request},
+        {"type": "assistant", "turnId": turn, "content": f"Running the tests for turn {turn}.",
+         "toolCalls": [{"id": f"c{turn}", "name": "execute_command", "arguments": {"cmd": "pytest"}}]},
+        {"type": "tool_result", "turnId": turn, "toolCallId": f"c{turn}", "toolName": "execute_command",
+         "output": output},
+    ]
+
+
+def test_a_pasted_message_is_quoted_whole_once_and_the_summary_is_smaller_than_its_transcript() -> None:
+    last = "and now " + "please also check the other module carefully " * 60  # ~2.8k characters
+    events = [*_turn(1, PASTED, BIG_OUTPUT), *_turn(2, "thanks"), *_turn(3, last)]
+    text = extractive_summary(events, None)
+    validate_summary_text(text)
+    sections = split_sections(text)
+    assert PASTED in sections["All User Messages"] and last in sections["All User Messages"]
+    assert text.count("SENTINEL-middle-of-the-paste") == 1  # not again as the Primary Request
+    assert _cost(text) <= _replaced(events)
+    assert len(sections["Primary Request"]) <= 2 * MAX_REQUEST_CHARS
+    assert len(sections["Optional Next Step"]) <= 2 * MAX_REQUEST_CHARS
+    assert "characters omitted" in sections["Primary Request"]
+    assert "characters omitted" in sections["Optional Next Step"]  # an elided quote says so
+    assert text == extractive_summary(events, None)
+
+
+def test_a_long_assistant_reply_is_elided_with_a_marker_in_current_work() -> None:
+    reply = "First the plan. " + "Then another careful step. " * 400 + "Finally: done."
+    events = [{"type": "user", "turnId": 1, "content": "go"}, {"type": "assistant", "turnId": 1, "content": reply}]
+    work = split_sections(extractive_summary(events, None))["Current Work"]
+    assert "> First the plan." in work and "Finally: done." in work
+    assert "characters omitted" in work and len(work) <= 2 * MAX_CURRENT_WORK_CHARS
+
+
+def test_user_messages_larger_than_what_they_replace_are_cut_to_head_and_tail_with_a_count() -> None:
+    events = [*_turn(1, PASTED), *_turn(2, "short and kept whole")]
+    text = extractive_summary(events, None)
+    validate_summary_text(text)
+    assert _cost(text) <= _replaced(events)
+    messages = split_sections(text)["All User Messages"]
+    assert "SENTINEL-middle-of-the-paste" not in text
+    assert PASTED[:80] in messages and PASTED[-80:] in messages
+    assert "- message:\n```\nshort and kept whole\n```" in messages
+    match = re.search(r"- message \(elided: ([\d,]+) of ([\d,]+) characters omitted\):\n```\n(.*?)\n```\n"
+                      r"\[… ([\d,]+) characters omitted …\]\n```\n(.*?)\n```", messages, re.S)
+    assert match is not None
+    omitted, length, head, marked, tail = match.groups()
+    assert omitted == marked and int(length.replace(",", "")) == len(PASTED)
+    assert PASTED.startswith(head) and PASTED.endswith(tail)
+    assert int(omitted.replace(",", "")) == len(PASTED) - len(head) - len(tail)
+    assert text == extractive_summary(events, None)
+
+
+def test_a_rolling_compaction_quotes_each_user_message_once_and_stays_within_what_it_replaces() -> None:
+    first_events = _turn(1, PASTED, BIG_OUTPUT)
+    first = extractive_summary(first_events, None)
+    assert PASTED in split_sections(first)["All User Messages"]
+    second_events = [*_turn(2, "now fix the README"), *_turn(3, "and the changelog")]
+    second = extractive_summary(second_events, first)
+    validate_summary_text(second)
+    assert second.count("SENTINEL-middle-of-the-paste") == 1
+    assert PASTED in split_sections(second)["All User Messages"]
+    assert _cost(second) <= _replaced(second_events, first)
+    third = extractive_summary(_turn(4, "ship it"), second)
+    assert third.count("SENTINEL-middle-of-the-paste") == 1
+    assert split_sections(third)["Primary Request"] == split_sections(second)["Primary Request"]
+
+
+def test_a_previous_summary_quoting_the_request_whole_twice_is_not_carried_twice() -> None:
+    old = extractive_summary([], None).replace(
+        "### Primary Request\nNone.", f"### Primary Request\n```\n{PASTED}\n```").replace(
+        "### All User Messages\nNone.", f"### All User Messages\n- message:\n```\n{PASTED}\n```")
+    events = _turn(2, "continue")
+    text = extractive_summary(events, old)
+    validate_summary_text(text)
+    assert text.count("SENTINEL-middle-of-the-paste") == 1
+    assert PASTED in split_sections(text)["All User Messages"]
+    assert _cost(text) <= _replaced(events, old)
+
+
+def test_a_message_cut_in_an_earlier_summary_is_carried_and_cut_further_consistently() -> None:
+    first = extractive_summary([{"type": "user", "turnId": 1, "content": PASTED}], None)
+    second = extractive_summary(_turn(2, "ok " * 5), first)
+    validate_summary_text(second)
+    assert _cost(second) <= _replaced(_turn(2, "ok " * 5), first)
+    messages = split_sections(second)["All User Messages"]
+    match = re.search(r"- message \(elided: ([\d,]+) of ([\d,]+) characters omitted\):\n```\n(.*?)\n```\n"
+                      r"\[… [\d,]+ characters omitted …\]\n```\n(.*?)\n```", messages, re.S)
+    assert match is not None
+    omitted, length, head, tail = match.groups()
+    assert int(length.replace(",", "")) == len(PASTED) and PASTED.startswith(head) and PASTED.endswith(tail)
+    assert int(omitted.replace(",", "")) == len(PASTED) - len(head) - len(tail)
+    assert messages.index("elided") < messages.index("ok ok ok")
