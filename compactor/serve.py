@@ -41,7 +41,7 @@ import yaml
 
 from compactor.embedded import EmbeddedRedis
 from compactor.logging import json_configured
-from compactor.urls import redacted
+from compactor.urls import host_port, redacted
 from events.config import ENV_OVERRIDES, Settings
 from events.errors import InvalidConfig
 
@@ -369,7 +369,7 @@ def serve(settings: Settings, *, workers: int, host: str | None = None,
     specs = stack_specs(workers=workers, host=host, port=port)
     with _StopRequested().installed() as stop:
         with running_stack(settings, specs) as stack:
-            where = f"http://{host or settings.api.host}:{port or settings.api.port}"
+            where = "http://" + host_port(host or settings.api.host, settings.api.port if port is None else port)
             announce(f"API {where}, watcher, {workers} worker(s); "
                      f"Redis {redacted(stack.redis_url)}; Ctrl-C to stop")
             code = supervise(stack, stop)

@@ -1,4 +1,5 @@
-"""Redis URLs as they may be shown: never with their password."""
+"""URLs and addresses as they may be shown: a Redis URL never with its password, an IPv6
+host in brackets."""
 
 from __future__ import annotations
 
@@ -13,3 +14,8 @@ def redacted(url: str) -> str:
     user = parts.username or ""
     host = parts.netloc.rpartition("@")[2]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, or ``[host]:port`` for an IPv6 address."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

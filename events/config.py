@@ -12,7 +12,10 @@ them all in one error.
 Environment variables override the file: ``REDIS_URL``, ``COMPACTION_DATA_DIR``,
 ``COMPACTION_API_TOKEN``, ``COMPACTION_API_PORT``, ``COMPACTION_API_HOST``,
 ``COMPACTION_WORKERS``. A wrong value is an ``InvalidConfig`` naming the key at
-start-up.
+start-up, and the variable when the value came from one (``api.port (from
+COMPACTION_API_PORT): ...``). ``redis.url`` is checked here as redis-py will read
+it (scheme, port, database), so no process starts on a URL its client refuses.
+A file that is not YAML is named with the line and column of the problem.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -126,10 +130,52 @@ class LimitSettings(_Section):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
 
 
+REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py's from_url accepts
+
+
 class RedisSettings(_Section):
     url: str = ""  # empty: an embedded server started under dataDir
     prefix: str = Field("compaction", pattern=r"^[A-Za-z0-9_.-]+$")
     shards: int = Field(8, ge=1, le=1024)
+
+    @field_validator("url")
+    @classmethod
+    def _a_redis_url(cls, url: str) -> str:
+        if url:
+            _check_redis_url(url)
+        return url
+
+
+def _check_redis_url(url: str) -> None:
+    """ValueError, in words and without the URL's password, when redis-py would refuse ``url``
+    (or silently use database 0 for a wrong one)."""
+    if not url.startswith(REDIS_URL_SCHEMES):
+        scheme = url.partition("://")[0] if "://" in url else ""
+        raise ValueError("must start with redis://, rediss:// or unix://"
+                         + (f", not {scheme}://" if scheme and scheme.isalnum() else ""))
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:  # "Invalid IPv6 URL"
+        raise ValueError(f"is not a URL: {e}") from e
+    if parts.scheme == "unix":
+        if not parts.path.startswith("/") or parts.netloc:
+            raise ValueError("a unix:// URL needs the socket's absolute path (unix:///path/redis.sock)")
+    else:
+        _check_port(parts.netloc.rpartition("@")[2].rpartition("]")[2].partition(":")[2])
+    in_query = parse_qs(parts.query).get("db", [])
+    in_path = [] if parts.scheme == "unix" else [unquote(parts.path).strip("/")]  # redis://host/2
+    for db in in_query or in_path:  # as redis-py: ?db= wins over the path
+        if db and not db.isdigit():
+            raise ValueError(f"the database must be a number, not {db!r}")
+
+
+def _check_port(port: str) -> None:
+    if not port:
+        return  # redis-py's default, 6379
+    if not port.isdigit():
+        raise ValueError(f"port must be a number, not {port!r}")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"port {port} is out of range 1-65535")
 
 
 class ApiSettings(_Section):
@@ -200,7 +246,9 @@ def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
         return {}
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
+    except yaml.YAMLError as e:
+        raise InvalidConfig(str(path), _yaml_problem(e)) from e
+    except UnicodeDecodeError as e:
         raise InvalidConfig(str(path), f"is not valid YAML: {e}") from e
     except OSError as e:  # a directory, no permission, ...
         raise InvalidConfig(str(path), f"cannot be read: {e.strerror or e}") from e
@@ -211,7 +259,18 @@ def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
     return data
 
 
-def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's several-line message as one: ``line 2 column 1: expected the node content, ...``."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None)
+    if mark is None or not problem:
+        return "is not valid YAML: " + " ".join(str(error).split())
+    return f"line {mark.line + 1} column {mark.column + 1}: " + " ".join(problem.split())
+
+
+def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:
+    """Put the environment's overrides into ``data``; the key path each variable set."""
+    applied = {}
     for var, path in ENV_OVERRIDES.items():
         if var not in environ:
             continue
@@ -224,13 +283,19 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[str, An
             node = child
         else:
             node[path[-1]] = environ[var]
-    return data
+            applied[path] = var
+    return applied
 
 
-def _as_invalid(error: ValidationError) -> InvalidConfig:
-    """The first wrong key as the error's field, every other one after its reason (``; key: reason``)."""
-    wrong = [(".".join(str(p) for p in detail["loc"]) or "config", detail["msg"].removeprefix("Value error, "))
-             for detail in error.errors(include_url=False)]
+def _as_invalid(error: ValidationError, sources: Mapping[tuple[str, ...], str]) -> InvalidConfig:
+    """The first wrong key as the error's field, every other one after its reason (``; key: reason``);
+    a key whose value came from ``sources`` (key path -> variable or option) says so."""
+    wrong = []
+    for detail in error.errors(include_url=False):
+        loc = tuple(str(p) for p in detail["loc"])
+        key = ".".join(loc) or "config"
+        source = next((name for path, name in sources.items() if loc[:len(path)] == path), None)
+        wrong.append((f"{key} (from {source})" if source else key, detail["msg"].removeprefix("Value error, ")))
     (field, reason), others = wrong[0], wrong[1:]
     return InvalidConfig(field, reason + "".join(f"; {key}: {why}" for key, why in others))
 
@@ -256,15 +321,22 @@ def misspelt_sections(data: Mapping[str, Any]) -> list[tuple[str, str]]:
 def load_settings(
     path: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] | None = None,
+    origins: Mapping[str, str] | None = None,
 ) -> Settings:
-    """Build the settings from the config file and the environment; raise InvalidConfig."""
+    """Build the settings from the config file and the environment; raise InvalidConfig.
+
+    A wrong value set by an environment variable is reported with the variable's name, or
+    with its entry in ``origins`` (``{"REDIS_URL": "--redis-url"}`` for a command-line value
+    passed through the environment).
+    """
     file, required = config_path(path)
     data = _read_yaml(file, required)
     for key, section in misspelt_sections(data):
         logger.warning("%s: unknown top-level key %r ignored; did you mean %r?", file, key, section)
-    data = _apply_env(data, os.environ if environ is None else environ)
+    applied = _apply_env(data, os.environ if environ is None else environ)
     try:
         # Environment values are strings; lax mode converts "8081" to 8081 for them.
         return Settings.model_validate(data)
     except ValidationError as e:
-        raise _as_invalid(e) from e
+        sources = {path: (origins or {}).get(var, var) for path, var in applied.items()}
+        raise _as_invalid(e, sources) from e

@@ -1,9 +1,12 @@
 """The worker process: N non-forking RQ workers on the compaction queue.
 
-``main(settings, count=N)`` preloads the heavy imports (litellm, the tiktoken
-encodings) once, then runs one ``CompactionWorker`` per process: in this
-process when N is 1, else in N forked children that it supervises (a child
-that dies is replaced; SIGTERM/SIGINT are passed on and waited for).
+``main(settings, count=N)`` checks that Redis answers (a ``redis.ConnectionError``
+or ``TimeoutError`` before anything starts, not N children dying at their first
+call), preloads the heavy imports (litellm, the tiktoken encodings) once, then
+runs one ``CompactionWorker`` per process: in this process when N is 1, else in N forked
+children that it supervises (a child that dies is replaced, unless one has died
+``MAX_RESPAWNS`` times within ``RESPAWN_WINDOW_S``: then all stop and
+``WorkersFailed`` says why; SIGTERM/SIGINT are passed on and waited for).
 
 ``CompactionWorker`` is an RQ ``SimpleWorker`` (jobs run in the worker's main
 thread: ~3 ms of RQ overhead per job against ~10 ms for a fork per job). Job
@@ -37,6 +40,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -79,6 +83,9 @@ JANITOR_INTERVAL_S = 5  # how often a worker process tries to run the janitor
 WORKER_TTL_S = 60  # RQ worker key TTL; the blocking dequeue returns every WORKER_TTL_S - 15 s
 RQ_MAINTENANCE_INTERVAL_S = 60  # RQ's own registry maintenance (finished/failed/... cleanup)
 RESPAWN_DELAY_S = 1.0  # before replacing a worker child that died
+MAX_RESPAWNS = 5  # deaths of one worker child within RESPAWN_WINDOW_S that stop them all
+RESPAWN_WINDOW_S = 60.0
+REDIS_CHECK_TIMEOUT_S = 5.0
 STRANDED_AFTER_S = 10  # a job dequeued but not started this long: its worker died in between
 PRELOAD_ENCODINGS = ("cl100k_base", "o200k_base")
 
@@ -293,16 +300,33 @@ def run_worker(settings: Settings, *, burst: bool = False) -> bool:
 
 
 def main(settings: Settings, *, count: int | None = None, burst: bool = False) -> None:
-    """Run ``count`` (default ``worker.count``) workers until stopped (or the queue is empty with ``burst``)."""
+    """Run ``count`` (default ``worker.count``) workers until stopped (or the queue is empty with ``burst``).
+
+    Raises ``redis.ConnectionError`` (or ``TimeoutError``) when Redis does not answer at start,
+    ``WorkersFailed`` when a worker process keeps dying."""
     if not settings.redis.url:
         raise ValueError("worker.runner.main needs settings.redis.url (start the embedded Redis first)")
     count = count or settings.worker.count
+    _ping(settings.redis.url)
     preload()
     freeze_heap()  # before forking too: the children share the frozen pages untouched by collections
     if count == 1:
         run_worker(settings, burst=burst)
         return
     _Supervisor(settings, count, burst).run()
+
+
+def _ping(url: str) -> None:
+    client = redis.Redis.from_url(url, socket_timeout=REDIS_CHECK_TIMEOUT_S,
+                                  socket_connect_timeout=REDIS_CHECK_TIMEOUT_S)
+    try:
+        client.ping()
+    finally:
+        client.close()
+
+
+class WorkersFailed(RuntimeError):
+    """A worker process kept dying; the others were stopped."""
 
 
 class _Supervisor:
@@ -314,6 +338,7 @@ class _Supervisor:
         self.burst = burst
         self.stopping = False
         self.children: list[BaseProcess] = []
+        self.deaths: dict[str, deque[float]] = {}  # by process name: one per slot
         self._mp = multiprocessing.get_context("fork")
 
     def run(self) -> None:
@@ -323,6 +348,9 @@ class _Supervisor:
             while self.children:
                 self._reap()
                 time.sleep(0.2)
+        except WorkersFailed:
+            self._stop_all()
+            raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -341,9 +369,27 @@ class _Supervisor:
             if self.stopping or self.burst or child.exitcode == 0:
                 self.children.remove(child)
                 continue
+            self._count_death(child)
             logger.warning("worker process died pid=%s exitcode=%s: replacing it", child.pid, child.exitcode)
             time.sleep(RESPAWN_DELAY_S)
             self.children[self.children.index(child)] = self._spawn(i)
+
+    def _count_death(self, child: BaseProcess) -> None:
+        deaths, now = self.deaths.setdefault(child.name, deque()), time.monotonic()
+        deaths.append(now)
+        while now - deaths[0] > RESPAWN_WINDOW_S:
+            deaths.popleft()
+        if len(deaths) >= MAX_RESPAWNS:
+            raise WorkersFailed(f"worker process exited {len(deaths)} times within {RESPAWN_WINDOW_S:.0f}s "
+                                f"(last exit code {child.exitcode}); giving up")
+
+    def _stop_all(self) -> None:
+        self.stopping = True
+        for child in self.children:
+            if child.is_alive():
+                child.terminate()
+        for child in self.children:
+            child.join(10)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stopping = True

@@ -8,7 +8,8 @@
 
 Every command takes ``--config PATH``; options docker-compose needs also read
 environment variables (REDIS_URL, COMPACTION_DATA_DIR, ...). Bad configuration
-exits with code 2 and a one-line message.
+(an API address that cannot be listened on included) exits with code 2 and a
+one-line message.
 
 Command bodies import the heavy modules (FastAPI, RQ, litellm via the worker)
 when they run, so ``--help`` and ``health --check`` (a container health check

@@ -4,16 +4,19 @@ Invariants:
 - Every command takes ``--config PATH`` (env ``CODINGCODE_CONFIG``); command-line
   overrides go through the same environment variables ``events.config`` reads,
   so a flag, an env var and the file are validated by one code path.
-- Bad configuration is one line on stderr and exit code 2; an unreachable Redis
-  is one line and exit code 1. No traceback for either.
+- Bad configuration is one line on stderr and exit code 2 (so is an API address
+  that cannot be listened on: checked before anything is announced or started);
+  an unreachable Redis is one line and exit code 1. No traceback for either.
 - Data goes to stdout (JSON with ``--json``); progress and messages to stderr.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +27,7 @@ import redis
 import typer
 from rich.console import Console
 
-from compactor.urls import redacted
+from compactor.urls import host_port, redacted
 from events.config import Settings, load_settings
 from events.errors import CompactorError, InvalidConfig, InvalidInput
 
@@ -60,14 +63,23 @@ def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
     raise typer.Exit(code)
 
 
+OPTION_OF_ENV = {"REDIS_URL": "--redis-url", "COMPACTION_DATA_DIR": "--data-dir",
+                 "COMPACTION_API_HOST": "--host", "COMPACTION_API_PORT": "--port"}
+
+
 def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | None = None,
          **env: Any) -> Settings:
-    """Settings from ``--config`` and the environment, with these command-line overrides."""
+    """Settings from ``--config`` and the environment, with these command-line overrides.
+
+    typer fills an option from its environment variable too: a wrong value equal to the
+    variable's is named by the variable, any other by its option (``--redis-url``)."""
     environ = dict(os.environ)
-    overrides = {"REDIS_URL": redis_url, "COMPACTION_DATA_DIR": data_dir, **env}
-    environ.update({k: str(v) for k, v in overrides.items() if v is not None})
+    overrides = {k: str(v) for k, v in {"REDIS_URL": redis_url, "COMPACTION_DATA_DIR": data_dir, **env}.items()
+                 if v is not None}
+    environ.update(overrides)
+    origins = {var: OPTION_OF_ENV.get(var, var) for var, value in overrides.items() if os.environ.get(var) != value}
     try:
-        return load_settings(config, environ)
+        return load_settings(config, environ, origins)
     except InvalidConfig as e:
         fail(f"invalid configuration: {e}", EXIT_CONFIG)
 
@@ -83,6 +95,21 @@ def usable_data_dir(settings: Settings) -> Settings:
     except OSError as e:
         fail(f"invalid configuration: dataDir: {path} cannot be used: {e.strerror or e}", EXIT_CONFIG)
     return settings
+
+
+def api_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` for the API, not yet listening; else exit 2 naming the
+    address and why (the port in use or privileged, not an address of this machine, not a host)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+    try:
+        sock.bind((host, port))
+    except OSError as e:  # socket.gaierror for a name that does not resolve
+        sock.close()
+        key = "api.port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "api.host"
+        fail(f"invalid configuration: {key}: cannot listen on {host_port(host, port)}: {e.strerror or e}",
+             EXIT_CONFIG)
+    return sock
 
 
 def setup_logging(level: str, fmt: str | None = None) -> None:
@@ -133,7 +160,7 @@ def user_errors() -> Iterator[None]:
         fail(str(e), EXIT_CONFIG)
     except CompactorError as e:
         fail(str(e) or type(e).__name__)
-    except redis.ConnectionError as e:
+    except (redis.ConnectionError, redis.TimeoutError) as e:
         fail(f"Redis unreachable: {e}")
 
 

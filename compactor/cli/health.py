@@ -2,8 +2,11 @@
 
 Meant for container health checks: ``compactor health --check`` prints nothing
 and exits 0 when every requested check passes, 1 otherwise, also when the
-configuration does not load or names no Redis (say, before ``compactor serve``
-has started its embedded one): a health check reports, it never exits 2.
+configuration does not load (a bad ``redis.url`` included) or names no Redis
+(say, before ``compactor serve`` has started its embedded one): a health check
+reports, it never exits 2 (Docker reserves 2). Without ``--check``, a
+configuration that does not load is what it is for every command: one line,
+exit 2.
 """
 
 from __future__ import annotations

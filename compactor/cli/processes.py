@@ -19,12 +19,15 @@ from compactor.cli.common import (
     LogFormatOpt,
     LogLevelOpt,
     RedisUrlOpt,
+    api_socket,
+    fail,
     load,
     redis_url_of,
     setup_logging,
     usable_data_dir,
     user_errors,
 )
+from compactor.urls import host_port
 from events.config import Settings
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,8 @@ def serve(
     setup_logging(log_level, log_format)
     os.environ["COMPACTION_LOG_LEVEL"] = log_level  # the children log at the same level
     settings = usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir))
+    # The API child binds it in a moment: a port in use is said now, before Redis and the banner.
+    api_socket(host or settings.api.host, settings.api.port if port is None else port).close()
     with user_errors():
         code = run_serve(settings, workers=workers or settings.worker.count, host=host, port=port)
     raise typer.Exit(code)
@@ -96,13 +101,17 @@ def work(
 ) -> None:
     """Run RQ workers for the compaction jobs."""
     from compactor.serve import exit_with_parent
+    from worker.runner import WorkersFailed
     from worker.runner import main as runner_main
 
     setup_logging(log_level, log_format)
     settings = usable_data_dir(_with_redis(load(config, redis_url=redis_url, data_dir=data_dir)))
     exit_with_parent()
     with user_errors():
-        runner_main(settings, count=count, burst=burst)
+        try:
+            runner_main(settings, count=count, burst=burst)
+        except WorkersFailed as e:
+            fail(str(e))
 
 
 def api(
@@ -123,10 +132,15 @@ def api(
     setup_logging(log_level, log_format)
     settings = _with_redis(load(config, redis_url=redis_url, data_dir=data_dir,
                                 COMPACTION_API_HOST=host, COMPACTION_API_PORT=port))
+    sock = api_socket(settings.api.host, settings.api.port)  # before uvicorn, which exits 3 on a bind error
     exit_with_parent()
-    app = create_app(settings)
-    uvicorn.run(app, host=settings.api.host, port=settings.api.port,
-                log_level=log_level.lower(), log_config=None)
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.api.host, port=settings.api.port,
+                                           log_level=log_level.lower(), log_config=None))
+    logger.info("API listening on http://%s", host_port(settings.api.host, sock.getsockname()[1]))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it stopped on (uvicorn.run swallows it too)
+        pass
 
 
 def _with_redis(settings: Settings) -> Settings:

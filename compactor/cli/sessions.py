@@ -8,6 +8,8 @@ JSON line; ``--json`` elsewhere prints only JSON on stdout.
 from __future__ import annotations
 
 import logging
+import os
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
@@ -40,7 +42,12 @@ logger = logging.getLogger(__name__)
 BAR_WIDTH = 24  # characters of the context bar in a terminal of WIDE_COLUMNS or more
 NARROW_BAR_WIDTH = 12
 WIDE_COLUMNS = 120
+UNCROPPED_COLUMNS = 10_000  # the table's width when stdout is no terminal: as wide as its content
 CONTENT_PREVIEW_CHARS = 600
+# RQ's statuses as an operator reads them: a job not yet running is "queued", whether RQ calls it
+# queued, created (a forced job waiting behind the session's pending job), deferred or scheduled.
+WAIT_WORDS = {"created": "queued", "deferred": "queued", "scheduled": "queued", "started": "running"}
+QUALIFIED_ERROR_RE = re.compile(r"(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)(?:: (.*))?", re.DOTALL)
 
 SessionArg = Annotated[str, typer.Argument(help="Session id.", show_default=False)]
 CwdOpt = Annotated[str, typer.Option("--cwd", help="Absolute working directory of the session.",
@@ -88,9 +95,18 @@ def compact(
         print_json(result.model_dump(by_alias=True))
         return
     if job.error is not None:
-        fail(f"compaction job {job_id} {job.status}: {job.error}")
-    fail(f"compaction job {job_id} still {job.status} after {wait_s:.0f}s; "
+        fail(f"compaction job {job_id} {job.status}: {_message_of(job.error)}")
+    fail(f"compaction job {job_id} still {WAIT_WORDS.get(job.status, job.status)} after {wait_s:.0f}s; "
          f"see GET /api/jobs/{job_id}")
+
+
+def _message_of(error: str) -> str:
+    """A job's error line without the exception's module path: ``events.errors.SessionNotFound:
+    no log ...`` is ``no log ...``; an exception with no message keeps its class name."""
+    match = QUALIFIED_ERROR_RE.fullmatch(error)
+    if match is None:
+        return error
+    return match.group(2) or match.group(1)
 
 
 def _require_log(settings: Settings, session_id: str, cwd: str) -> None:
@@ -148,18 +164,30 @@ def status(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Sessions by last activity: context fill against both thresholds, breaker, jobs."""
+    from compactor.keys import Keys
+
     settings = load(config, redis_url=redis_url, data_dir=data_dir)
     client = connect(settings)
     with user_errors():
         bodies = session_bodies(client, settings, limit)
+        total = int(client.zcard(Keys(settings.redis.prefix, settings.redis.shards).sessions))
     if json_out:
         print_json([b.model_dump(by_alias=True) for b in bodies])
         return
     if not bodies:
         err_console.print("no sessions yet")
         return
+    console = _table_console()
+    console.print(status_table(bodies, console.width, total=total))
+
+
+def _table_console() -> Console:
+    """A console for stdout: a terminal's width (or ``$COLUMNS``) to fit; else, piped or
+    redirected, as wide as the table, which is then never cropped (rich would take 80)."""
     console = Console()
-    console.print(status_table(bodies, console.width))
+    if console.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+        return console
+    return Console(width=UNCROPPED_COLUMNS)
 
 
 def session_bodies(client: Any, settings: Settings, limit: int) -> list[SessionBody]:
@@ -188,13 +216,16 @@ def fill_bar(estimate: int, micro: int, llm: int, window: int, width: int = BAR_
     return bar
 
 
-def status_table(bodies: list[SessionBody], width: int = 200, now: datetime | None = None) -> Table:
+def status_table(bodies: list[SessionBody], width: int = 200, now: datetime | None = None,
+                 total: int | None = None) -> Table:
     """One row per session, fitted to a terminal ``width`` columns wide: the bar narrows
     under ``WIDE_COLUMNS`` and no header or value is broken over two lines (at 80 columns
-    only a session id over ~12 characters folds)."""
+    only a session id over ~12 characters folds). The title says "N of M" when ``total``
+    sessions are more than the rows."""
     now = now or datetime.now(UTC)
     bar_width = BAR_WIDTH if width >= WIDE_COLUMNS else NARROW_BAR_WIDTH
-    table = Table(title=f"compactor: {len(bodies)} session(s)", box=box.SIMPLE_HEAD, expand=False,
+    title = f"{len(bodies)} of {total} sessions" if total and total > len(bodies) else f"{len(bodies)} session(s)"
+    table = Table(title=f"compactor: {title}", box=box.SIMPLE_HEAD, expand=False,
                   caption="┃ micro and LLM thresholds · open: LLM breaker open")
     table.add_column("session", overflow="fold", min_width=8)
     for header in ("turn", "context", "tokens", "failures", "job", "last compaction"):

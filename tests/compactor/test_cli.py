@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -158,6 +161,85 @@ def test_bad_env_override_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
     assert result.exit_code == 2
 
 
+@pytest.mark.parametrize("url,why", [
+    ("http://x", "redis.url{src}: must start with redis://, rediss:// or unix://, not http://"),
+    ("REDIS://h", "redis.url{src}: must start with redis://, rediss:// or unix://, not REDIS://"),
+    ("redis://h:99999", "redis.url{src}: port 99999 is out of range 1-65535"),
+    ("redis://:s3cret@127.0.0.1:notaport/0", "redis.url{src}: port must be a number, not 'notaport'"),
+    ("redis://h/db0", "redis.url{src}: the database must be a number, not 'db0'"),
+    ("redis://h?db=x", "redis.url{src}: the database must be a number, not 'x'"),
+    ("unix://", "redis.url{src}: a unix:// URL needs the socket's absolute path (unix:///path/redis.sock)"),
+    ("unix://relative.sock", "redis.url{src}: a unix:// URL needs the socket's absolute path "
+                             "(unix:///path/redis.sock)"),
+])
+@pytest.mark.parametrize("source", ["file", "--redis-url", "REDIS_URL"])
+def test_a_bad_redis_url_is_one_line_and_exit_2_naming_where_it_came_from(
+    runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str, why: str, source: str,
+) -> None:
+    """redis-py's ValueError was a 47-line traceback (exit 1), and ``work`` replaced its dying
+    workers every second forever; the password of a URL is never shown."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"redis:\n  url: '{url}'\n" if source == "file" else "")
+    flag = ["--redis-url", url] if source == "--redis-url" else []
+    env = {"REDIS_URL": url} if source == "REDIS_URL" else {}
+    expected = "compactor: invalid configuration: " + why.format(src="" if source == "file" else f" (from {source})")
+    for command in (["status"], ["health"], ["watch"], ["work", "--count", "1"], ["api"], ["demo"]):
+        result = runner.invoke(app, [*command, "--config", str(config), "--data-dir", str(tmp_path / "d"), *flag],
+                               env=env)
+        assert result.exit_code == 2, (command, result.output)
+        assert result.stderr.strip().splitlines() == [expected], command
+        assert "s3cret" not in result.stderr
+    quiet = runner.invoke(app, ["health", "--check", "--config", str(config), *flag], env=env)
+    assert (quiet.exit_code, quiet.stdout, quiet.stderr) == (1, "", "")  # a health check never exits 2
+
+
+@pytest.mark.parametrize("url", ["redis://h", "rediss://user:pw@h:6380/2", "redis://[::1]:6379?db=3",
+                                 "unix:///tmp/r.sock?db=0", "redis://h:6379/"])
+def test_a_good_redis_url_loads(tmp_path: Path, url: str) -> None:
+    from events.config import load_settings
+
+    (tmp_path / "c.yaml").write_text(f"redis: {{url: '{url}'}}\n")
+    assert load_settings(tmp_path / "c.yaml", environ={}).redis.url == url
+
+
+@pytest.mark.parametrize("var,value,why", [
+    ("COMPACTION_API_PORT", "abc", "api.port (from COMPACTION_API_PORT): Input should be a valid integer"),
+    ("COMPACTION_WORKERS", "0", "worker.count (from COMPACTION_WORKERS): Input should be greater than or equal to 1"),
+    ("COMPACTION_DATA_DIR", " ", "dataDir (from COMPACTION_DATA_DIR): must not be empty"),
+])
+def test_a_bad_environment_variable_is_named(runner: CliRunner, tmp_path: Path, var: str, value: str,
+                                             why: str) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("api: {port: 9000}\nworker: {count: 3}\n")
+    result = runner.invoke(app, ["status", "--config", str(config)], env={var: value})
+    assert result.exit_code == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"compactor: invalid configuration: {why}")
+
+
+def test_a_bad_value_in_the_file_is_not_blamed_on_an_unrelated_variable(runner: CliRunner, tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("api: {port: abc}\n")
+    result = runner.invoke(app, ["status", "--config", str(config)], env={"COMPACTION_API_HOST": "0.0.0.0"})
+    assert result.exit_code == 2
+    assert result.stderr.startswith("compactor: invalid configuration: api.port: Input should be a valid integer")
+
+
+@pytest.mark.parametrize("yaml_text,where", [
+    ("context: {\n", "line 2 column 1: expected the node content, but found '<stream end>'"),
+    ("redis:\n  url: x\n   prefix: y\n", "line 3 column 10: mapping values are not allowed here"),
+    ("a: 1\n\tb: 2\n", "line 2 column 1: found character '\\t' that cannot start any token"),
+])
+def test_invalid_yaml_is_one_line_with_its_position(runner: CliRunner, tmp_path: Path, yaml_text: str,
+                                                    where: str) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml_text)
+    result = runner.invoke(app, ["context", SID, "--cwd", CWD, "--config", str(bad)])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [f"compactor: invalid configuration: {bad}: {where}"]
+
+
 def test_processes_without_redis_url_and_no_serve_exit_2(runner: CliRunner, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("REDIS_URL", raising=False)
@@ -167,6 +249,53 @@ def test_processes_without_redis_url_and_no_serve_exit_2(runner: CliRunner, tmp_
         result = runner.invoke(app, [command, "--data-dir", str(tmp_path / "d")])
         assert result.exit_code == 2, (command, result.output)
         assert "no `compactor serve` runs" in result.stderr
+
+
+def test_work_with_an_unreachable_redis_exits_1_at_once(tmp_path: Path) -> None:
+    """Its worker processes used to die at their first Redis call and be replaced every second,
+    a traceback each, forever."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "compactor", "work", "--count", "2", "--redis-url", f"unix://{tmp_path}/none.sock",
+         "--data-dir", str(tmp_path / "d")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+    assert process.returncode == 1
+    [line] = err.strip().splitlines()
+    assert line.startswith("compactor: Redis unreachable: ") and f"{tmp_path}/none.sock" in line
+
+
+def test_work_gives_up_on_a_worker_process_that_keeps_dying(settings: Settings,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker import runner
+
+    monkeypatch.setattr(runner, "RESPAWN_DELAY_S", 0.0)
+    monkeypatch.setattr(runner, "_child", lambda settings, burst: os._exit(3))  # forked: inherited
+    with pytest.raises(runner.WorkersFailed, match=rf"worker process exited {runner.MAX_RESPAWNS} times within "
+                                                    r"60s \(last exit code 3\); giving up"):
+        runner._Supervisor(settings, 2, burst=False).run()
+
+
+@pytest.mark.parametrize("host,key,reason", [
+    ("127.0.0.1", "api.port", "Address already in use"),
+    ("10.255.255.1", "api.host", "Cannot assign requested address"),
+    ("not a host", "api.host", "Name or service not known"),
+])
+def test_api_on_an_address_it_cannot_listen_on_is_one_line_and_exit_2(
+        runner: CliRunner, settings: Settings, config: Path, host: str, key: str, reason: str) -> None:
+    """uvicorn logged "[Errno 98] address already in use" and exited 3, a code the README does not list."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = runner.invoke(app, ["api", "--host", host, "--port", str(port), *base_args(settings, config)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"compactor: invalid configuration: {key}: cannot listen on {host}:{port}: {reason}"]
 
 
 # -- context -----------------------------------------------------------------------------
@@ -258,6 +387,30 @@ def test_status_table_fits_80_columns_with_a_line_per_session(runner: CliRunner,
     assert re.fullmatch(r"\d+s", cells[7]) and cells[8] == "ago"
 
 
+def test_status_piped_is_not_cropped_and_a_limited_list_says_of_how_many(
+        runner: CliRunner, r: redis.Redis, settings: Settings, config: Path) -> None:
+    """Piped (``status | cat``, ``> file``) the table took rich's 80-column default: "last compactio",
+    cells cut; and ``--limit 2`` of 4 sessions was titled "2 session(s)", read as the total."""
+    long_sid = "a-session-id-long-enough-to-be-folded-in-80-columns"
+    for n, sid in enumerate((SID, "other", "third", long_sid)):
+        write_session(r, settings, n + 1, sid=sid)
+        r.zadd(Keys().sessions, {sid: 1000 + n})  # the long id is the most recent
+    settings = cli_settings(settings)
+    enqueue_compaction(r, settings, long_sid, CWD, "llm", forced=True)
+    run_jobs(r, settings)
+    table = runner.invoke(app, ["status", "--limit", "2", *base_args(settings, config)], env={"COLUMNS": None})
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.splitlines()
+    assert "compactor: 2 of 4 sessions" in lines[0]
+    assert any(line.split() == ["session", "turn", "context", "tokens", "failures", "job", "last", "compaction"]
+               for line in lines)
+    [row] = [line for line in lines if line.strip().startswith(long_sid)]  # the whole id, on one line
+    cells = row.split()
+    assert cells[-3] == "llm" and re.fullmatch(r"\d+s", cells[-2]) and cells[-1] == "ago"
+    everything = runner.invoke(app, ["status", *base_args(settings, config)], env={"COLUMNS": None})
+    assert "compactor: 4 session(s)" in everything.stdout.splitlines()[0]
+
+
 def test_status_with_unreachable_redis_exits_1(runner: CliRunner, tmp_path: Path) -> None:
     result = runner.invoke(app, ["status", "--redis-url", f"unix://{tmp_path}/none.sock",
                                  "--data-dir", str(tmp_path)])
@@ -302,6 +455,35 @@ def test_compact_times_out_with_exit_1(runner: CliRunner, r: redis.Redis, settin
     result = runner.invoke(app, ["compact", SID, "--cwd", CWD, "--timeout", "0.3",
                                  *base_args(settings, config)])
     assert result.exit_code == 1 and "still queued" in result.stderr
+
+
+def test_compact_waiting_behind_a_queued_job_says_still_queued(runner: CliRunner, r: redis.Redis,
+                                                                settings: Settings, config: Path) -> None:
+    """The second forced compaction waits behind the first (RQ status ``created``): it is queued
+    as far as the operator can tell, as OPERATIONS.md names it."""
+    write_session(r, settings, 3)
+    args = ["compact", SID, "--cwd", CWD, "--timeout", "0.3", *base_args(settings, config)]
+    first, second = runner.invoke(app, args), runner.invoke(app, args)
+    for result in (first, second):
+        assert result.exit_code == 1
+        assert re.search(r"compaction job \S+ still queued after 0s; see GET /api/jobs/", result.stderr), result.stderr
+
+
+def test_compact_of_failed_job_names_the_error_without_its_module_path(
+        r: redis.Redis, settings: Settings, config: Path) -> None:
+    """The failure line said "failed: events.errors.SessionNotFound: no session ..."."""
+    write_session(r, settings, 3)
+    process = compact_process(settings, config)
+    queue = compaction_queue(r, settings)
+    deadline = time.monotonic() + 30
+    while queue.count == 0 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    SessionLog(settings.data_dir, CWD, SID).path.unlink()  # the job finds no log
+    run_jobs(r, settings)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 1 and out == ""
+    [line] = [line for line in err.splitlines() if line.startswith("compactor: ")]
+    assert re.fullmatch(rf"compactor: compaction job \S+ failed: no log for session {SID} in {CWD}", line), line
 
 
 def test_compact_of_failed_job_exits_1_with_the_error(r: redis.Redis, settings: Settings,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -112,6 +113,23 @@ def test_supervisor_restarts_a_dying_child_then_gives_up(tmp_path: Path,
     finally:
         supervisor.stop()
     assert len(pids) >= 2  # it was restarted before giving up
+
+
+@pytest.mark.timeout(90)
+def test_serve_on_a_port_in_use_says_so_before_starting_anything(tmp_path: Path) -> None:
+    """It printed its banner as if up, restarted the API 5 times over ~17 s, then exited 1."""
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_DATA_DIR=str(tmp_path / "data"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "compactor", "serve", "--workers", "1", "--port", str(port)],
+                              env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"compactor: invalid configuration: api.port: cannot listen on 127.0.0.1:{port}: Address already in use"]
+    assert not (tmp_path / "data" / serve.EMBEDDED_DIR_NAME).exists()  # no Redis was started
 
 
 # -- the real thing ----------------------------------------------------------------------

@@ -1,4 +1,4 @@
-from compactor.urls import redacted
+from compactor.urls import host_port, redacted
 
 
 def test_password_is_hidden_and_the_rest_kept() -> None:
@@ -6,3 +6,8 @@ def test_password_is_hidden_and_the_rest_kept() -> None:
     assert redacted("rediss://user:s3cret@host/1") == "rediss://user:***@host/1"
     assert redacted("redis://host:6379/0") == "redis://host:6379/0"
     assert redacted("unix:///tmp/r.sock?db=0") == "unix:///tmp/r.sock?db=0"
+
+
+def test_an_ipv6_host_is_bracketed_before_its_port() -> None:
+    assert host_port("127.0.0.1", 8080) == "127.0.0.1:8080"
+    assert host_port("::1", 8080) == "[::1]:8080"
