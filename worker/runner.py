@@ -129,12 +129,16 @@ class _Keeper:
                 return
             try:
                 self.worker.maintain_heartbeats(*self._job)
+            except (redis.ConnectionError, redis.TimeoutError) as e:  # RQ's loop says it too, and retries
+                logger.warning("heartbeat skipped worker=%s: Redis unreachable: %s", self.worker.name, e)
             except Exception:
                 logger.exception("heartbeat failed worker=%s", self.worker.name)
 
     def _janitor(self) -> None:
         try:
             run_janitor(worker_context.current(), self.worker)
+        except (redis.ConnectionError, redis.TimeoutError) as e:  # one line per try, not ~50 of traceback
+            logger.warning("janitor skipped worker=%s: Redis unreachable: %s", self.worker.name, e)
         except Exception:
             logger.exception("janitor failed worker=%s", self.worker.name)
 

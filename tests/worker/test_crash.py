@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from compactor.queue import enqueue_compaction, pending_job_id
 from events.config import Settings, load_settings
 from compactor.llm_stub import STUB_MODEL, LLMStub
 from tests.worker.conftest import CWD, log_lines, write_session
+from worker import context as worker_context
 
 RECOVERY_LIMIT_S = 60.0
 
@@ -182,3 +184,24 @@ def test_a_worker_process_freezes_its_heap_after_the_heavy_imports(
     frozen, tracked, litellm = int(out[0]), int(out[1]), out[2]
     assert litellm == "True"
     assert frozen > 100_000 and tracked < frozen // 5
+
+
+def test_the_keeper_logs_one_line_not_a_traceback_while_redis_is_unreachable(
+    r: redis.Redis, wsettings: Settings, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """In a Redis outage RQ's loop retries (one line every few seconds); the keeper's janitor and
+    heartbeat each logged a ~50-line chained traceback every 5 s per worker meanwhile."""
+    from worker.context import WorkerContext
+    from worker.runner import CompactionWorker
+
+    worker = CompactionWorker.for_settings(r, wsettings)  # (RQ names it in Redis as it starts)
+    gone = redis.Redis.from_url("redis://127.0.0.1:1", socket_connect_timeout=0.5)  # nothing listens there
+    worker_context.install(WorkerContext.build(wsettings, gone))  # Redis goes away under the running worker
+    try:
+        with caplog.at_level(logging.WARNING, logger="worker.runner"):
+            worker._keeper._janitor()
+    finally:
+        worker_context.clear()
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and record.exc_info is None
+    assert "janitor skipped" in record.getMessage() and "Redis unreachable" in record.getMessage()
