@@ -6,6 +6,11 @@ Invariants:
 - Models are frozen; validation is strict (no "1" -> 1 coercion), so a wrong
   type is an error naming the field rather than a silent conversion.
 - ``EVENT_ADAPTER`` is the one ``TypeAdapter`` for the discriminated union.
+- A timestamp (``timestamp``, ``createdAt``) is exactly ``YYYY-MM-DDTHH:MM:SS``, an optional
+  fraction of 1-9 digits, then ``Z`` or ``+00:00`` (docs/STREAM_PROTOCOL.md), and kept as sent.
+- ``check_json`` and ``check_batch`` are the rules beyond one event's schema: a value the log
+  cannot hold as it was sent (a non-finite number, an integer past 64 bits, a lone surrogate),
+  and the uuid / turn order of a batch (what ``compactor.store`` refuses, seen from the batch).
 
 The service reads logs as plain dicts for speed (see ``events.log``); these
 models are the gate every event passes before it is written.
@@ -15,23 +20,42 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import re
 import typing
 import uuid as uuidlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetPydanticSchema,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 from pydantic.fields import FieldInfo
+from pydantic_core import CoreSchema, PydanticCustomError
 
 from events.errors import InvalidEvent
 
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 MAX_TURN_ID = 1_000_000_000  # far above any real session; rejects absurd ids
 MAX_CWD_CHARS = 4096
+# SPEC §3's "ISO-8601 UTC" as docs/STREAM_PROTOCOL.md spells it (the date and time are checked too)
+UTC_TIMESTAMP_RE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]{1,9})?(?:Z|\+00:00)")
+TIMESTAMP_RULE = ("must be an ISO-8601 UTC date and time: YYYY-MM-DDTHH:MM:SS, an optional fraction, "
+                  "then Z or +00:00 (2024-01-01T12:00:00.000Z)")
+SURROGATE_RE = re.compile("[\ud800-\udfff]")  # never valid Unicode text: UTF-8 cannot encode one
+# what the log's JSON encoder (orjson) writes: a signed or unsigned 64-bit integer
+MIN_JSON_INT, MAX_JSON_INT = -(2**63), 2**64 - 1
 
 EVENT_TYPES = (
     "session_meta", "user", "assistant", "tool_result",
@@ -54,34 +78,36 @@ class _Wire(BaseModel):
     )
 
 
+def _utc_timestamp(value: str | None) -> str | None:
+    if value is not None and not _is_utc_timestamp(value):
+        raise ValueError(TIMESTAMP_RULE)
+    return value
+
+
+UtcTimestamp = Annotated[str | None, AfterValidator(_utc_timestamp)]
+
+
 class _Event(_Wire):
     uuid: str | None = Field(default=None, min_length=1, max_length=128)
-    timestamp: str | None = None
-
-    @field_validator("timestamp")
-    @classmethod
-    def _iso_timestamp(cls, value: str | None) -> str | None:
-        if value is not None and not _is_utc_timestamp(value):
-            raise ValueError("must be an ISO-8601 UTC date and time, e.g. 2024-01-01T12:00:00Z")
-        return value
+    timestamp: UtcTimestamp = None
 
 
 def _is_utc_timestamp(value: str) -> bool:
-    """SPEC §3: a full date and time whose offset is UTC (``Z`` or ``+00:00``); kept as sent."""
-    if "T" not in value and "t" not in value:  # a date alone is not a moment
+    """SPEC §3: a full date and time in UTC, in the one form ``UTC_TIMESTAMP_RE`` spells; kept as sent."""
+    if UTC_TIMESTAMP_RE.fullmatch(value) is None:
         return False
     try:
-        moment = datetime.fromisoformat(value[:-1] + "+00:00" if value[-1:] in ("Z", "z") else value)
+        datetime.fromisoformat(value[:19])  # the date and time exist: not 2024-02-30, 24:00:00, :60
     except ValueError:
         return False
-    return moment.utcoffset() == timedelta(0)  # None (no offset given) is not UTC either
+    return True
 
 
 class SessionMeta(_Event):
     type: Literal["session_meta"]
     session_id: str | None = None
     cwd: str | None = None
-    created_at: str | None = None
+    created_at: UtcTimestamp = None
     model: str | None = None
     parent_session_id: str | None = None
 
@@ -92,10 +118,19 @@ class UserEvent(_Event):
     content: str
 
 
+def _one_error(message: str) -> GetPydanticSchema:
+    """A union that fails with ``message`` alone, not one error per member (``dict[str,any]: ...``)."""
+    def schema(source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        union = dict(handler(source), custom_error_type="union_type", custom_error_message=message)
+        return typing.cast(CoreSchema, union)
+
+    return GetPydanticSchema(schema)
+
+
 class ToolCall(_Wire):
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
-    arguments: dict[str, Any] | str = ""
+    arguments: Annotated[dict[str, Any] | str, _one_error("must be an object or a JSON string")] = ""
 
 
 class Usage(_Wire):
@@ -130,13 +165,20 @@ class TurnEndEvent(_Event):
 class RollbackEvent(_Event):
     type: Literal["rollback"]
     through_turn_id: TurnId
-    reason: str = ""
+    reason: str  # SPEC §3 lists it without a "?": a rollback says why
 
 
 class CompactEvent(_Event):
     type: Literal["compact"]
     start_turn_id: TurnId
     end_turn_id: TurnId
+
+    @model_validator(mode="after")
+    def _a_range(self) -> CompactEvent:
+        if self.end_turn_id < self.start_turn_id:  # SPEC §4: turns startTurnId..endTurnId
+            raise PydanticCustomError("turn_range", "must be at least startTurnId ({start})",
+                                      {"start": self.start_turn_id, "wire_field": "endTurnId"})
+        return self
 
 
 class SummaryEvent(_Event):
@@ -182,11 +224,17 @@ def validate_session_id(session_id: object) -> str:
 
 
 def validate_cwd(cwd: object) -> str:
-    """Return ``cwd`` if it is an absolute path with no NUL byte, else raise InvalidEvent."""
-    if not isinstance(cwd, str) or not cwd:
-        raise InvalidEvent("cwd", "is required and must be a string")
+    """Return ``cwd`` if it is an absolute path of valid text with no NUL byte, else raise InvalidEvent."""
+    if cwd is None:
+        raise InvalidEvent("cwd", "is required: an absolute path")
+    if not isinstance(cwd, str):
+        raise InvalidEvent("cwd", "must be a string: an absolute path")
+    if not cwd:
+        raise InvalidEvent("cwd", "must not be empty: it must be an absolute path")
     if "\x00" in cwd:
         raise InvalidEvent("cwd", "must not contain a NUL byte")
+    if (problem := _text_problem(cwd)) is not None:  # a CLI argument of undecodable bytes, a JSON escape
+        raise InvalidEvent("cwd", problem)
     if len(cwd) > MAX_CWD_CHARS:
         raise InvalidEvent("cwd", f"is longer than {MAX_CWD_CHARS} characters")
     if not (cwd.startswith("/") or cwd.startswith("\\") or re.match(r"^[A-Za-z]:[\\/]", cwd)):
@@ -196,12 +244,144 @@ def validate_cwd(cwd: object) -> str:
 
 def _first_error(error: ValidationError) -> InvalidEvent:
     detail = error.errors(include_url=False)[0]
-    loc = [str(part) for part in detail["loc"]]
+    loc: list[str | int] = list(detail["loc"])
     # The discriminated union puts the type tag first in the location; drop it.
     if loc and loc[0] in EVENT_TYPES:
         loc = loc[1:]
-    field = ".".join(loc) or "event"
-    return InvalidEvent(field, detail["msg"])
+    ctx = detail.get("ctx") or {}
+    if "wire_field" in ctx:  # a model validator names the field it refused
+        loc.append(ctx["wire_field"])
+    message = str(ctx["error"]) if detail["type"] == "value_error" else detail["msg"]  # no "Value error, "
+    return InvalidEvent(json_path(loc) or "event", message)
+
+
+def json_path(parts: Sequence[str | int]) -> str:
+    """``["toolCalls", 0, "name"]`` -> ``toolCalls[0].name``, the form error messages use."""
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _text_problem(text: str) -> str | None:
+    """Why ``text`` cannot be written as UTF-8 (a lone surrogate), else None."""
+    if text.isascii():
+        return None
+    found = SURROGATE_RE.search(text)
+    if found is None:
+        return None
+    return (f"contains a lone surrogate ({_escaped(found.group())} at character {found.start()}): "
+            "it is not valid Unicode")
+
+
+def _escaped(text: str) -> str:
+    """``text`` with its surrogates as ``\\udxxx`` (an error message must be valid text itself)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def check_json(value: object, where: Sequence[str | int] = ()) -> None:
+    """Raise InvalidEvent naming the first value in ``value`` the log cannot hold as it was sent.
+
+    A JSON decoder may hand over what JSON cannot hold (Python's reads ``NaN``, ``Infinity``
+    and ``1e999``, and lone surrogate escapes such as ``"\\ud800"``); the log's encoder would
+    write a non-finite number as ``null`` and refuse the rest with no field named. Iterative:
+    any depth the decoder read.
+    """
+    if _plainly_holdable(value):
+        return
+    stack: list[tuple[object, tuple[str | int, ...]]] = [(value, tuple(where))]
+    while stack:
+        item, path = stack.pop()
+        problem = _value_problem(item)
+        if problem is not None:
+            raise InvalidEvent(_escaped(json_path(path)) or "body", problem)
+        if isinstance(item, dict):
+            stack.extend((v, (*path, k)) for k, v in reversed(item.items()))
+        elif isinstance(item, list):
+            stack.extend((v, (*path, i)) for i, v in reversed(list(enumerate(item))))
+
+
+def _plainly_holdable(value: object) -> bool:
+    """``check_json``'s fast pass (no paths kept): True when nothing in ``value`` needs a look
+    (False sends it to the pass that finds and names the problem; so does any other type)."""
+    stack: list[Any] = [value]
+    pop, extend = stack.pop, stack.extend
+    while stack:
+        item = pop()
+        kind = type(item)
+        if kind is str:
+            if not item.isascii() and _text_problem(item) is not None:
+                return False
+        elif kind is dict:
+            extend(item.values())
+            if not all(type(k) is str and (k.isascii() or _text_problem(k) is None) for k in item):
+                return False
+        elif kind is list:
+            extend(item)
+        elif kind is float:
+            if not math.isfinite(item):
+                return False
+        elif kind is int:
+            if not MIN_JSON_INT <= item <= MAX_JSON_INT:
+                return False
+        elif item is not None and kind is not bool:
+            return False
+    return True
+
+
+def _value_problem(value: object) -> str | None:
+    if isinstance(value, str):
+        return _text_problem(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return ("is not a finite number (NaN, Infinity, or past a double's range like 1e999): "
+                "not valid JSON, and the log cannot hold it")
+    if isinstance(value, int) and not isinstance(value, bool) and not MIN_JSON_INT <= value <= MAX_JSON_INT:
+        return "is an integer outside the 64-bit range (-2^63 .. 2^64-1) the log can store"
+    if isinstance(value, dict):
+        for key in value:
+            if isinstance(key, str) and (problem := _text_problem(key)) is not None:
+                return f"has a key {_escaped(key)!r} that {problem}"
+    return None
+
+
+def check_batch(events: Sequence[Mapping[str, Any]]) -> None:
+    """Raise InvalidEvent (located at the event's index) for an event the log would refuse after
+    the ones before it in ``events`` (each valid alone, as written): a ``uuid`` seen before
+    (SPEC §3: unique within the session) or a turn-scoped event whose ``turnId`` is below the
+    ``currentTurnId`` the events before it reached (a ``rollback`` hides the turns it undoes
+    from it, SPEC §4). Events before the batch are not known here: the current turn of the
+    log is never below this one, so what is refused here the log refuses too."""
+    seen: dict[str, int] = {}
+    turns: list[tuple[int, bool, int]] = []  # (turnId, is a turn_end, index) of the visible events
+    current, reached_at = 1, -1
+    for index, event in enumerate(events):
+        uuid = event.get("uuid")
+        if isinstance(uuid, str):
+            if uuid in seen:
+                raise InvalidEvent("uuid", f"{uuid!r} duplicates events[{seen[uuid]}]", index)
+            seen[uuid] = index
+        kind, turn = event.get("type"), event.get("turnId")
+        if kind == "rollback" and isinstance(through := event.get("throughTurnId"), int):
+            turns = [t for t in turns if t[0] < through]
+            current, reached_at = _current_turn(turns)
+        elif kind in TURN_SCOPED_TYPES and isinstance(turn, int):
+            if turn < current:
+                raise InvalidEvent(
+                    "turnId", f"goes backwards: {turn} < currentTurnId {current}, reached at events[{reached_at}]",
+                    index)
+            turns.append((turn, kind == "turn_end", index))
+            if (now := max(current, turn + 1 if kind == "turn_end" else turn)) > current:
+                current, reached_at = now, index
+
+
+def _current_turn(turns: Sequence[tuple[int, bool, int]]) -> tuple[int, int]:
+    """SPEC §3's currentTurnId of visible ``(turnId, is a turn_end, index)`` events, and the index
+    of the event that set it (-1: none, an empty log's 1)."""
+    current, reached_at = 1, -1
+    for turn, ended, index in turns:
+        if (now := turn + 1 if ended else turn) > current:
+            current, reached_at = now, index
+    return current, reached_at
 
 
 def parse_event(data: object) -> Event:

@@ -7,27 +7,36 @@ Routes:
     GET  /api/sessions/{id}/context?cwd=               -> {messages, promptEstimate, currentTurnId}
     GET  /api/sessions/{id}?cwd=                       -> session state (see SessionBody)
     GET  /api/jobs/{jobId}                             -> {jobId, status, result?, error?}
-    GET  /healthz                                      -> 200 when Redis answers, else 503
+    GET  /healthz (and HEAD)                           -> 200 when Redis answers, else 503
     GET  /metrics                                      -> Prometheus text (producer.api_metrics)
     GET  /, /api/overview, /api/sessions, .../history  -> the status page (producer.status_page)
 
 Invariants:
 - The session id and cwd are validated before any path is built or any key is read.
+- A JSON body is read strictly (``api_errors.JsonBodyRoute``): JSON content type,
+  UTF-8, no value the log would change or refuse (``NaN``, a 65-bit integer ...).
 - ``POST .../events`` validates every event before the first one is published
-  (all or none, by the Publisher: one validation path for Python and HTTP
-  clients); a 400 names the index and field (``events[2].turnId: ...``).
+  (all or none): each alone by the Publisher (one validation path for Python
+  and HTTP clients), then the batch as the watcher will apply it (a uuid twice,
+  a turn going backwards: ``events.models.check_batch``), then against what
+  Redis already holds of the session (its bound cwd, its uuids); a 400 names
+  the index and field (``events[2].turnId: ...``).
 - A forced compaction never hangs the request: past ``api.jobWaitSeconds`` it
   answers 202 with the job id.
 - Settings and the Redis client come from dependencies (``get_settings``,
   ``get_redis``) that tests override; ``create_app`` builds no global state.
+- The OpenAPI schema declares the errors each route really answers (all
+  ``{"error": {code, message}}``) and no 422: a validation error is a 400 here.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import anyio.to_thread
+import orjson
 import redis
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -36,11 +45,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from compactor import __version__
 from compactor.queue import enqueue_forced_compaction
 from compactor.serve import client_redis_url
+from compactor.store import SessionStore
 from events.config import Settings
-from events.errors import SessionNotFound
+from events.errors import InvalidEvent, SessionNotFound
 from events.log import SessionLog
-from events.models import validate_cwd, validate_session_id
-from producer.api_errors import ApiError, RequestGuard, install_error_handlers
+from events.models import check_batch, validate_cwd, validate_session_id
+from producer.api_errors import PUBLIC_PATHS, ApiError, JsonBodyRoute, RequestGuard, install_error_handlers
 from producer.api_jobs import job_body, wait_for_job_async
 from producer.api_metrics import HttpMetrics, ProcessMetrics, scrape_registry
 from producer.api_models import (
@@ -61,14 +71,26 @@ from producer.publisher import Publisher
 logger = logging.getLogger(__name__)
 
 REDIS_SOCKET_TIMEOUT_S = 5.0
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody, "description": text} for code, text in {
-        400: "bad input", 401: "token required and missing or wrong",
-        503: "Redis unreachable",
-    }.items()
+Responses = dict[int | str, dict[str, Any]]
+ERROR_CASES = {
+    400: "bad input: a bad field (named), session id or cwd; a body not JSON",
+    401: "api.token is set and the token is missing or wrong",
+    404: "no log file for the session",
+    413: "body over limits.maxBodyBytes",
+    502: "the compaction job failed",
+    503: "Redis unreachable",
 }
-NOT_FOUND: dict[int | str, dict[str, Any]] = {
-    404: {"model": ErrorBody, "description": "no log file for the session"}}
+
+
+def errors(*statuses: int, described: Mapping[int, str] | None = None) -> Responses:
+    """OpenAPI ``responses`` for error statuses (``{"error": {code, message}}``), described as in
+    ``ERROR_CASES`` unless ``described`` says otherwise."""
+    text = {**ERROR_CASES, **(described or {})}
+    return {status: {"model": ErrorBody, "description": text[status]} for status in statuses}
+
+
+ERRORS = errors(400, 401)  # every route under /api
+NOT_FOUND = errors(404)
 
 
 def get_settings(request: Request) -> Settings:
@@ -106,19 +128,39 @@ def _require_log(settings: Settings, session_id: str, cwd: str) -> None:
 
 def _publish(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
              events: list[dict[str, Any]]) -> list[str]:
-    return Publisher(client, settings).publish(session_id, cwd, events)
+    """Validate each event, the batch, and the batch against the session; then publish it all."""
+    publisher = Publisher(client, settings)
+    batch = publisher.prepare(session_id, cwd, events)
+    wires = [orjson.loads(payload) for payload in batch.payloads]  # the events as the watcher reads them
+    check_batch(wires)
+    _check_against_session(client, settings, session_id, cwd, wires)
+    return publisher.send(batch)
 
 
-sessions = APIRouter(prefix="/api/sessions", tags=["sessions"], responses=ERRORS)
+def _check_against_session(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
+                           wires: list[dict[str, Any]]) -> None:
+    """Refuse what the watcher would refuse from the session's stored state (one round trip):
+    a session bound to another cwd, a uuid already in its log. A turn id is not checked
+    here: a rollback still in the stream may lower the turn the stored state shows."""
+    found = SessionStore(client, settings).lookup({session_id: wires}, load=[session_id])
+    state = found.stored.get(session_id)
+    if state is not None and state.cwd != cwd:
+        raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}, not {cwd!r}")
+    taken = found.taken.get(session_id, set())
+    for index, event in enumerate(wires):
+        if event.get("uuid") in taken:
+            raise InvalidEvent("uuid", f"{event['uuid']!r} duplicates an event already in this session", index)
+
+
+sessions = APIRouter(prefix="/api/sessions", tags=["sessions"], responses=ERRORS, route_class=JsonBodyRoute)
 JOB_ID_HEADER = "X-Compactor-Job-Id"  # on a forced compaction's 200: the job that answered
 LLM_ERROR_HEADER = "X-Compactor-LLM-Error"  # ... and the failed LLM call its fallback answered for
 
 
 @sessions.post(
     "/{session_id}/compact", response_model=CompressResult,
-    responses={**NOT_FOUND,
-               202: {"model": JobAccepted, "description": "queued (wait=false or wait timed out)"},
-               502: {"model": ErrorBody, "description": "the compaction job failed"}},
+    responses={**errors(404, 413, 502, 503),
+               202: {"model": JobAccepted, "description": "queued (wait=false or wait timed out)"}},
 )
 async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
                   client: RedisDep, response: Response, wait: bool = True) -> Any:
@@ -150,16 +192,17 @@ def _accepted(job_id: str) -> JSONResponse:
 
 
 @sessions.post(
-    "/{session_id}/events", status_code=202, response_model=EventsAccepted,
-    responses={413: {"model": ErrorBody, "description": "body over limits.maxBodyBytes"}},
+    "/{session_id}/events", status_code=202, response_model=EventsAccepted, responses=errors(413, 503),
 )
 def push_events(session_id: str, body: EventsRequest, settings: SettingsDep,
                 client: RedisDep) -> EventsAccepted:
     """Validate every event, then publish them all to the session's stream shard.
 
-    The Publisher validates the whole batch before its one MULTI/EXEC, so a bad
-    event (400 ``events[i].field: ...``; an event over ``limits.maxEventBytes``
-    is a bad event too: ``events[i].event``) means nothing was published.
+    The whole batch is validated before its one MULTI/EXEC, so a bad event (400
+    ``events[i].field: ...``; an event over ``limits.maxEventBytes`` is a bad
+    event too: ``events[i].event``; so is one the watcher would refuse after
+    the others: ``events[1].uuid: 'u' duplicates events[0]``) means nothing
+    was published.
     """
     sid, cwd = _checked(session_id, body.cwd)
     ids = _publish(client, settings, sid, cwd, body.events)
@@ -174,7 +217,7 @@ def get_context(session_id: str, cwd: CwdQuery, settings: SettingsDep) -> Contex
     return context_body(settings, sid, cwd)
 
 
-@sessions.get("/{session_id}", response_model=SessionBody, responses=NOT_FOUND)
+@sessions.get("/{session_id}", response_model=SessionBody, responses=errors(404, 503))
 def get_session(session_id: str, cwd: CwdQuery, settings: SettingsDep,
                 client: RedisDep) -> SessionBody:
     """The session's estimate, thresholds in tokens, breaker, pending job, last compaction."""
@@ -182,49 +225,68 @@ def get_session(session_id: str, cwd: CwdQuery, settings: SettingsDep,
     return session_body(client, settings, current_state(client, settings, sid, cwd))
 
 
-jobs = APIRouter(prefix="/api/jobs", tags=["jobs"], responses=ERRORS)
+jobs = APIRouter(prefix="/api/jobs", tags=["jobs"], responses=ERRORS, route_class=JsonBodyRoute)
 
 
 @jobs.get("/{job_id}", response_model=JobBody, response_model_exclude_none=True,
-          responses={404: {"model": ErrorBody, "description": "no such job"}})
+          responses=errors(404, 503, described={404: "no such job"}))
 def get_job(job_id: str, client: RedisDep) -> JobBody:
     """A compaction job's status, with its CompressResult or error when it has ended."""
     return job_body(client, job_id)
 
 
-ops = APIRouter(tags=["operations"])
+ops = APIRouter(tags=["operations"], route_class=JsonBodyRoute)
 
 
-@ops.get("/healthz", response_model=Health,
-         responses={503: {"model": ErrorBody, "description": "Redis unreachable"}})
+@ops.head("/healthz", include_in_schema=False)  # what GET says, without the body (RFC 9110)
+@ops.get("/healthz", response_model=Health, responses=errors(503))
 def healthz(client: RedisDep) -> Health:
-    """Liveness: 200 when Redis answers PING (no token needed)."""
+    """Liveness: 200 when Redis answers PING (no token needed; HEAD too, for probes that send it)."""
     client.ping()
     return Health(status="ok", redis="ok")
 
 
 @ops.get("/metrics", response_class=Response,
-         responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}})
+         responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text"}, **errors(401)})
 def metrics(request: Request) -> Response:
     """Prometheus metrics: process counters (all processes under serve), Redis-side gauges."""
     registry: CollectorRegistry = request.app.state.scrape_registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
-def _with_bearer_scheme(app: FastAPI) -> None:
-    """Declare the Bearer scheme in the OpenAPI schema when a token is configured."""
+def _install_openapi(app: FastAPI, bearer: bool) -> None:
+    """The schema as the app answers: FastAPI's 422 (a validation error is our 400) taken off
+    every route, a 401 on every route but the public ones, and, when a token is configured,
+    the Bearer scheme."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = build()
-            schema.setdefault("components", {})["securitySchemes"] = {
-                "bearer": {"type": "http", "scheme": "bearer"}}
-            schema["security"] = [{"bearer": []}]
+            _declare_errors(schema)
+            if bearer:
+                schema.setdefault("components", {})["securitySchemes"] = {
+                    "bearer": {"type": "http", "scheme": "bearer"}}
+                schema["security"] = [{"bearer": []}]
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _declare_errors(schema: dict[str, Any]) -> None:
+    error = {"description": "", "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+    for path, operations in schema.get("paths", {}).items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            if responses.pop("422", None) is not None:
+                responses.setdefault("400", {**error, "description": ERROR_CASES[400]})
+            if path not in PUBLIC_PATHS:
+                responses.setdefault("401", {**error, "description": ERROR_CASES[401]})
+    schemas = schema.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
 
 
 def create_app(settings: Settings, redis: redis.Redis | None = None) -> FastAPI:
@@ -245,6 +307,5 @@ def create_app(settings: Settings, redis: redis.Redis | None = None) -> FastAPI:
     app.add_middleware(RequestGuard, token=settings.api.token,
                        max_body_bytes=settings.limits.max_body_bytes)
     app.add_middleware(HttpMetrics, registry=registry)
-    if settings.api.token:
-        _with_bearer_scheme(app)
+    _install_openapi(app, bearer=bool(settings.api.token))
     return app

@@ -1,4 +1,5 @@
-"""Error responses of the HTTP API and the request guard that runs before routing.
+"""Error responses of the HTTP API, the request guard that runs before routing, and how a
+route reads its JSON body.
 
 Every error is ``{"error": {"code", "message"}}`` (SPEC §7):
 
@@ -19,24 +20,37 @@ The token is accepted as ``Authorization: Bearer <token>`` or as HTTP Basic
 with any user name and the token as password; a 401 challenges both schemes
 (two ``WWW-Authenticate`` lines), so a browser opening the status page shows
 its own login prompt and then sends the credentials with the page's fetches.
+Either way the bytes sent are compared with the token's UTF-8 bytes, in
+constant time (a header is bytes: a non-ASCII token works as sent by curl).
+
+``JsonBodyRoute`` reads a route's body as strict JSON: sent as
+``application/json`` (or ``application/*+json``; anything else is a 400, which
+also keeps a browser page from posting here with a plain form), UTF-8, and
+only values the log can hold as sent (``events.models.check_json``: no
+``NaN``/``Infinity``, no integer past 64 bits, no lone surrogate); each
+refusal names the body or the field and why.
 """
 
 from __future__ import annotations
 
 import base64
+import email.message
+import json
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 import redis
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from events.errors import InvalidInput, SessionNotFound
+from events.models import check_json
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +84,73 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(413, self.message)
 
 
+class BadBody(StarletteHTTPException):
+    """A 400 for a body that cannot be read as JSON, raised while FastAPI reads it (an
+    HTTPException, so FastAPI lets it through instead of its generic parsing error)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
+
+
+def is_json_type(content_type: str | None) -> bool:
+    """Whether a ``Content-Type`` is JSON: ``application/json`` or ``application/*+json``,
+    any parameters (``; charset=utf-8``)."""
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def decode_json_body(raw: bytes) -> Any:
+    """The body as JSON, UTF-8 only, holding only what the log can store; BadBody saying why not."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadBody(f"body: is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}; "
+                      "send JSON as UTF-8") from e
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadBody(f"body: is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from e
+    except RecursionError as e:
+        raise BadBody("body: is nested too deeply to be read") from e
+    try:
+        check_json(value)
+    except InvalidInput as e:
+        raise BadBody(str(e)) from e
+    return value
+
+
+class JsonRequest(Request):
+    """A request whose ``json()`` is ``decode_json_body`` (read once)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = decode_json_body(await self.body())
+        return self._json
+
+
+class JsonBodyRoute(APIRoute):
+    """A route whose body, when it takes one, must be JSON sent as JSON (see the module docstring)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        if self.body_field is None:
+            return handler
+
+        async def read_json(request: Request) -> Response:
+            strict = JsonRequest(request.scope, request.receive)
+            content_type = strict.headers.get("content-type")
+            if await strict.body() and not is_json_type(content_type):
+                sent = f"not {content_type!r}" if content_type else "none was sent"
+                raise BadBody(f"body: must be sent with Content-Type: application/json ({sent})")
+            return await handler(strict)
+
+        return read_json
+
+
 def error_body(code: str, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
 
@@ -92,7 +173,7 @@ def _validation_message(exc: RequestValidationError) -> str:
         where += f"[{part}]" if part.isdigit() else (f".{part}" if where else part)
     msg = str(first.get("msg", "invalid"))
     if first.get("type") == "json_invalid":
-        return f"body is not valid JSON: {first.get('ctx', {}).get('error', msg)}"
+        return f"body: is not valid JSON: {first.get('ctx', {}).get('error', msg)}"  # a route not a JsonBodyRoute
     where = where or (located[0] if located else "")  # the whole body (or query) is what is wrong
     return f"{where}: {msg}" if where else msg
 
@@ -138,28 +219,29 @@ def unauthorized_response() -> JSONResponse:
     return response
 
 
-def basic_password(credentials: str) -> bytes | None:
+def basic_password(credentials: bytes) -> bytes | None:
     """The password of HTTP Basic ``base64(user:password)``; None when malformed."""
     try:
         decoded = base64.b64decode(credentials, validate=True)
-    except ValueError:  # binascii.Error, or a non-ASCII string
+    except ValueError:  # binascii.Error
         return None
     _, colon, password = decoded.partition(b":")
     return password if colon else None
 
 
-def token_matches(header: str | None, token: str) -> bool:
-    """Whether an ``Authorization`` header carries the token (constant-time): as
-    ``Bearer <token>``, or as HTTP Basic with the token as password (any user name)."""
+def token_matches(header: bytes | None, token: str) -> bool:
+    """Whether an ``Authorization`` header (its bytes, as received) carries the token, compared
+    with the token's UTF-8 bytes in constant time: as ``Bearer <token>``, or as HTTP Basic
+    with the token as password (any user name)."""
     if not header:
         return False
-    scheme, _, given = header.partition(" ")
+    scheme, _, given = header.partition(b" ")
     scheme = scheme.lower()
-    if scheme == "bearer":
-        return secrets.compare_digest(given.strip().encode(), token.encode())
-    if scheme == "basic":
+    if scheme == b"bearer":
+        return secrets.compare_digest(given.strip(), token.encode("utf-8"))
+    if scheme == b"basic":
         password = basic_password(given.strip())
-        return password is not None and secrets.compare_digest(password, token.encode())
+        return password is not None and secrets.compare_digest(password, token.encode("utf-8"))
     return False
 
 
@@ -175,18 +257,18 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = {k.lower(): v for k, v in scope["headers"]}
         refusal = self._refuse(scope["path"], headers)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
         await self._call_counted(scope, receive, send)
 
-    def _refuse(self, path: str, headers: dict[str, str]) -> JSONResponse | None:
+    def _refuse(self, path: str, headers: dict[bytes, bytes]) -> JSONResponse | None:
         if self.token and path not in PUBLIC_PATHS and not token_matches(
-                headers.get("authorization"), self.token):
+                headers.get(b"authorization"), self.token):
             return unauthorized_response()
-        declared = headers.get("content-length")
+        declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.strip().isdigit():
                 return error_response(400, "Content-Length is not a number")

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.errors import InvalidEvent
-from events.models import parse_event, to_wire, wire_of
+from events.models import check_batch, check_json, parse_event, to_wire, validate_cwd, wire_of
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.text(max_size=5),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
@@ -63,16 +63,14 @@ def events(draw: Any) -> dict[str, Any]:
         required.update(turnId=turn, model=draw(TEXT))
         optional.update(contextWindow=st.integers(1, 10**6))
     elif kind == "rollback":
-        required.update(throughTurnId=turn)
-        optional.update(reason=st.text(max_size=5))
+        required.update(throughTurnId=turn, reason=draw(st.text(max_size=5)))
     elif kind == "compact":
         required.update(startTurnId=turn, endTurnId=turn)
     else:
         required.update(replaces=draw(st.lists(TEXT, max_size=2)), summaryText=draw(TEXT), lastSummarizedTurnId=turn)
     event = _build(required, optional, draw)
-    for name in ("toolCalls", "reason"):  # optional, but null is not valid for them
-        if name in event and event[name] is None:
-            del event[name]
+    if event.get("toolCalls", []) is None:  # optional, but null is not valid for it
+        del event["toolCalls"]
     if "turnId" in event and draw(st.booleans()):
         event["turn_id"] = event.pop("turnId")  # sent by its Python name
     return event
@@ -115,3 +113,100 @@ def test_a_timestamp_not_in_utc_or_without_a_time_is_refused_naming_the_field() 
             parse_event({"type": "user", "turnId": 1, "content": "hi", "timestamp": sent})
         assert caught.value.field == "timestamp", sent
         assert "UTC" in str(caught.value), sent
+
+
+@pytest.mark.parametrize("sent", [
+    "2024-01-01T12:00:00+0000", "2024-01-01T12:00:00-00:00", "2024-01-01t12:00:00z", "2024-01-01T12:00:00z",
+    "2024-01-01t12:00:00Z", "2024-01-01T12:00Z", "2024-W01-1T12:00:00Z", "20240101T120000Z",
+    "2024-01-01 12:00:00Z", "2024-02-30T12:00:00Z", "2024-01-01T24:00:00Z", "2024-01-01T12:00:00.Z",
+    "２０２４-01-01T12:00:00Z",
+])
+def test_a_timestamp_in_any_form_but_the_documented_one_is_refused(sent: str) -> None:
+    """docs/STREAM_PROTOCOL.md: YYYY-MM-DDTHH:MM:SS, optional fraction, then ``Z`` or ``+00:00``."""
+    with pytest.raises(InvalidEvent) as caught:
+        parse_event({"type": "user", "turnId": 1, "content": "hi", "timestamp": sent})
+    assert str(caught.value).startswith("timestamp: must be an ISO-8601 UTC date and time"), sent
+
+
+def test_a_timestamp_with_up_to_nanoseconds_is_kept() -> None:
+    for sent in ("2024-01-01T00:00:00.1Z", "2024-02-29T23:59:59.123456789+00:00"):
+        event = parse_event({"type": "user", "turnId": 1, "content": "hi", "timestamp": sent})
+        assert to_wire(event)["timestamp"] == sent
+
+
+def test_a_session_meta_created_at_is_a_timestamp_too() -> None:
+    with pytest.raises(InvalidEvent) as caught:
+        parse_event({"type": "session_meta", "createdAt": "not a date"})
+    assert caught.value.field == "createdAt"
+    assert to_wire(parse_event({"type": "session_meta", "createdAt": "2024-01-01T00:00:00Z"}))["createdAt"] \
+        == "2024-01-01T00:00:00Z"
+
+
+def test_a_compact_whose_range_ends_before_it_starts_is_refused() -> None:
+    with pytest.raises(InvalidEvent) as caught:
+        parse_event({"type": "compact", "startTurnId": 3, "endTurnId": 1})
+    assert str(caught.value) == "endTurnId: must be at least startTurnId (3)"
+    assert parse_event({"type": "compact", "startTurnId": 2, "endTurnId": 2})
+
+
+def test_a_rollback_needs_its_reason() -> None:
+    """SPEC §3 lists ``reason`` without a ``?``: a rollback says why."""
+    with pytest.raises(InvalidEvent) as caught:
+        parse_event({"type": "rollback", "throughTurnId": 2})
+    assert caught.value.field == "reason"
+    assert to_wire(parse_event({"type": "rollback", "throughTurnId": 2, "reason": ""}))["reason"] == ""
+
+
+@pytest.mark.parametrize("cwd,reason", [
+    ("", "must not be empty: it must be an absolute path"),
+    (None, "is required: an absolute path"),
+    (7, "must be a string: an absolute path"),
+    ("/uni\ud800", "contains a lone surrogate (\\ud800 at character 4): it is not valid Unicode"),
+])
+def test_a_bad_cwd_is_refused_saying_why(cwd: object, reason: str) -> None:
+    with pytest.raises(InvalidEvent) as caught:
+        validate_cwd(cwd)
+    assert str(caught.value) == f"cwd: {reason}"
+
+
+def test_nested_errors_are_named_with_bracket_indexes_and_no_pydantic_prefix() -> None:
+    with pytest.raises(InvalidEvent) as caught:
+        parse_event({"type": "assistant", "turnId": 1, "toolCalls": [{"id": "c", "name": "n"}, {"id": "d"}]})
+    assert caught.value.field == "toolCalls[1].name"
+    with pytest.raises(InvalidEvent) as caught:
+        parse_event({"type": "user", "turnId": 1, "content": "x", "timestamp": "no"})
+    assert "Value error" not in str(caught.value)
+
+
+@pytest.mark.parametrize("value,where,fragment", [
+    ({"a": [1, float("nan")]}, "a[1]", "not a finite number"),
+    ({"a": {"b": float("inf")}}, "a.b", "not a finite number"),
+    ({"a": 2**64}, "a", "64-bit"),
+    ({"a": -(2**63) - 1}, "a", "64-bit"),
+    ({"a": ["ok", "x\udc80"]}, "a[1]", "lone surrogate"),
+    ({"a": {"k\ud800": 1}}, "a", "lone surrogate"),
+])
+def test_check_json_names_the_first_value_json_cannot_hold(value: Any, where: str, fragment: str) -> None:
+    with pytest.raises(InvalidEvent) as caught:
+        check_json(value)
+    assert caught.value.field == where and fragment in caught.value.reason
+    str(caught.value).encode("utf-8")  # the message itself is valid text
+
+
+def test_check_json_accepts_what_the_log_can_store() -> None:
+    check_json({"a": [2**64 - 1, -(2**63), 1.5, "é😀", None, True, {"": []}]})
+
+
+def test_check_batch_refuses_a_repeated_uuid_and_a_turn_going_backwards() -> None:
+    with pytest.raises(InvalidEvent) as caught:
+        check_batch([{"type": "user", "turnId": 1, "uuid": "u"}, {"type": "summary", "uuid": "u"}])
+    assert str(caught.value) == "events[1].uuid: 'u' duplicates events[0]"
+    with pytest.raises(InvalidEvent) as caught:
+        check_batch([{"type": "turn_end", "turnId": 2}, {"type": "tool_result", "turnId": 2}])
+    assert str(caught.value).startswith("events[1].turnId: goes backwards: 2 < currentTurnId 3")
+
+
+def test_check_batch_follows_the_current_turn_as_the_log_would() -> None:
+    check_batch([{"type": "user", "turnId": 4}, {"type": "assistant", "turnId": 4}, {"type": "turn_end", "turnId": 4},
+                 {"type": "user", "turnId": 6}, {"type": "rollback", "throughTurnId": 1},
+                 {"type": "user", "turnId": 1}, {"type": "compact", "startTurnId": 1, "endTurnId": 1}])

@@ -11,13 +11,18 @@ from typing import Any
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 from rq import SimpleWorker
 
 from compactor.keys import Keys
 from compactor.queue import compaction_queue
 from compactor.store import SessionStore
 from events.config import Settings
+from events.errors import InvalidEvent
 from events.log import SessionLog
+from events.models import check_batch
 from producer.api import create_app, get_settings
 from compactor.llm_stub import STUB_MODEL, LLMStub
 from worker import context as worker_context
@@ -441,3 +446,213 @@ def test_job_routes_validate_ids(client: TestClient) -> None:
     assert client.get("/api/jobs/nope").status_code == 404
     assert error_of(client.get("/api/jobs/nope"))["code"] == "not_found"
     assert client.get("/api/jobs/-x").status_code == 400
+
+
+# -- bad input, named -----------------------------------------------------------------------
+
+def post_raw(test_client: TestClient, path: str, body: str | bytes,
+             content_type: str | None = "application/json") -> Any:
+    headers = {"Content-Type": content_type} if content_type else {}
+    return test_client.post(path, content=body.encode() if isinstance(body, str) else body, headers=headers)
+
+
+@pytest.mark.parametrize("route,body", [
+    ("events", r'{"cwd": "/uni\ud800", "events": [{"type": "user", "turnId": 1, "content": "x"}]}'),
+    ("compact", r'{"cwd": "/a\ud800"}'),
+])
+def test_a_cwd_with_a_lone_surrogate_is_400_naming_cwd(client: TestClient, r: redis.Redis,
+                                                       route: str, body: str) -> None:
+    response = post_raw(client, f"/api/sessions/{SID}/{route}", body)
+    assert response.status_code == 400
+    assert error_of(response)["message"].startswith("cwd: ")
+    assert "surrogate" in error_of(response)["message"]
+    assert r.xlen(Keys().stream_for(SID)) == 0
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_a_number_json_cannot_hold_is_400_naming_the_field_not_stored_as_null(
+        client: TestClient, r: redis.Redis, value: str) -> None:
+    body = '{"cwd": "/uni", "events": [{"type": "user", "turnId": 1, "content": "ok", "x": %s}]}' % value
+    response = post_raw(client, f"/api/sessions/{SID}/events", body)
+    assert response.status_code == 400
+    message = error_of(response)["message"]
+    assert message.startswith("events[0].x: ") and "finite" in message and "JSON" in message
+    assert r.xlen(Keys().stream_for(SID)) == 0
+
+
+def test_an_integer_beyond_64_bits_is_400_naming_its_field(client: TestClient, r: redis.Redis) -> None:
+    events = [{"type": "turn_end", "turnId": 1, "model": "m", "contextWindow": 10**20}]
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
+    assert response.status_code == 400
+    assert error_of(response)["message"].startswith("events[0].contextWindow: ")
+    assert "64" in error_of(response)["message"]
+    assert r.xlen(Keys().stream_for(SID)) == 0
+
+
+def test_a_uuid_twice_in_one_batch_is_400_naming_both_and_publishes_nothing(
+        client: TestClient, r: redis.Redis) -> None:
+    events = [{"type": "user", "turnId": 1, "content": "a", "uuid": "u-1"},
+              {"type": "user", "turnId": 1, "content": "b", "uuid": "u-1"}]
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
+    assert response.status_code == 400
+    assert error_of(response)["message"].startswith("events[1].uuid: ")
+    assert "duplicates events[0]" in error_of(response)["message"]
+    assert r.xlen(Keys().stream_for(SID)) == 0
+
+
+def test_a_turn_going_backwards_within_one_batch_is_400_and_publishes_nothing(
+        client: TestClient, r: redis.Redis) -> None:
+    events = [*turn(1), *turn(2), {"type": "user", "turnId": 1, "content": "late"}]
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
+    assert response.status_code == 400
+    message = error_of(response)["message"]
+    assert message.startswith("events[8].turnId: goes backwards") and "3" in message
+    assert r.xlen(Keys().stream_for(SID)) == 0
+
+
+def test_a_batch_the_watcher_would_apply_whole_is_accepted(client: TestClient, r: redis.Redis) -> None:
+    """No false alarm: turns may repeat and skip ahead, and a rollback lets a turn run again."""
+    events = [*turn(1), {"type": "user", "turnId": 2, "content": "again"}, *turn(2),
+              {"type": "rollback", "throughTurnId": 2, "reason": "undo"}, *turn(2),
+              {"type": "compact", "startTurnId": 1, "endTurnId": 1}, *turn(5)]
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
+    assert response.status_code == 202, response.text
+    assert r.xlen(Keys().stream_for(SID)) == len(events)
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """Turn-scoped events, rollbacks and compacts in any order; uuids from a small pool."""
+    batch = []
+    for _ in range(draw(st.integers(1, 12))):
+        kind = draw(st.sampled_from(["user", "assistant", "tool_result", "turn_end", "rollback", "compact"]))
+        turn = draw(st.integers(1, 5))
+        event: dict[str, Any] = {"type": kind, "uuid": draw(st.sampled_from(["a", "b", "c", "d", "e", "f", "g"]))}
+        if kind == "rollback":
+            event.update(throughTurnId=turn, reason="undo")
+        elif kind == "compact":
+            event.update(startTurnId=1, endTurnId=turn)
+        elif kind == "tool_result":
+            event.update(turnId=turn, toolCallId="c", toolName="t", output="o")
+        elif kind == "turn_end":
+            event.update(turnId=turn, model="gpt-4")
+        else:
+            event.update(turnId=turn, content="x")
+        batch.append(event)
+    return batch
+
+
+def test_the_batch_check_refuses_what_the_store_would_first_refuse(r: redis.Redis, api_settings: Settings) -> None:
+    """``check_batch`` (what the API refuses with a 400) and ``compactor.store`` (what the watcher
+    dead-letters) agree on a new session: the same first bad event, or none."""
+    store = SessionStore(r, api_settings)
+    sessions = iter(range(10**6))
+
+    @hsettings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(batches())
+    def check(batch: list[dict[str, Any]]) -> None:
+        try:
+            check_batch(batch)
+            refused = None
+        except InvalidEvent as e:
+            refused = e.index
+        sid, first = f"agree-{next(sessions)}", None
+        for index, event in enumerate(batch):  # one by one, as a watcher batch of one entry each
+            if store.apply(sid, CWD, [dict(event, timestamp="2025-01-01T00:00:00Z")]).rejected:
+                first = index
+                break
+        assert refused == first, batch
+
+    check()
+
+
+def test_a_uuid_the_session_already_has_and_another_cwd_are_400(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    write_session(r, api_settings, 1)  # uuids sess-1-0 .. sess-1-4, bound to CWD
+    again = [{"type": "user", "turnId": 2, "content": "a", "uuid": f"{SID}-2"}]
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": again})
+    assert response.status_code == 400
+    assert error_of(response)["message"].startswith("events[0].uuid: ")
+    elsewhere = client.post(f"/api/sessions/{SID}/events",
+                            json={"cwd": "/somewhere/else", "events": turn(2)})
+    assert elsewhere.status_code == 400
+    assert error_of(elsewhere)["message"].startswith("cwd: ") and CWD in error_of(elsewhere)["message"]
+    assert r.xlen(Keys().stream_for(SID)) == 0
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_not_sent_as_json_is_400_saying_the_content_type(client: TestClient,
+                                                                content_type: str | None) -> None:
+    response = post_raw(client, f"/api/sessions/{SID}/events", '{"cwd": "/uni", "events": []}', content_type)
+    assert response.status_code == 400
+    assert "application/json" in error_of(response)["message"]
+
+
+def test_json_with_a_charset_or_a_json_suffix_type_is_read(client: TestClient) -> None:
+    for content_type in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        response = post_raw(client, f"/api/sessions/{SID}/events", '{"cwd": "/uni", "events": []}', content_type)
+        assert response.status_code == 202, (content_type, response.text)
+
+
+def test_a_body_that_is_not_utf8_is_400_saying_so(client: TestClient) -> None:
+    response = post_raw(client, f"/api/sessions/{SID}/events", b'{"cwd": "/uni\xff", "events": []}')
+    assert response.status_code == 400
+    message = error_of(response)["message"]
+    assert message.startswith("body: ") and "UTF-8" in message and "0xff at offset 13" in message
+
+
+def test_an_empty_cwd_is_400_saying_it_must_be_an_absolute_path(client: TestClient) -> None:
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": "", "events": []})
+    assert response.status_code == 400
+    assert error_of(response)["message"] == "cwd: must not be empty: it must be an absolute path"
+
+
+def test_nested_fields_are_named_with_bracket_indexes(client: TestClient) -> None:
+    events = [{"type": "assistant", "turnId": 1, "toolCalls": [{"id": "c"}]}]
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
+    assert response.status_code == 400
+    assert error_of(response)["message"].startswith("events[0].toolCalls[0].name: ")
+
+
+def test_tool_call_arguments_of_another_type_say_what_they_may_be(client: TestClient) -> None:
+    events = [{"type": "assistant", "turnId": 1, "toolCalls": [{"id": "c", "name": "n", "arguments": [1, 2]}]}]
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
+    assert response.status_code == 400
+    assert error_of(response)["message"] == (
+        "events[0].toolCalls[0].arguments: must be an object or a JSON string")
+
+
+def test_a_non_ascii_token_matches_as_bearer_and_as_basic(api_settings: Settings, r: redis.Redis) -> None:
+    import base64
+
+    app = create_app(with_api(api_settings, token="pässwörd"), redis=r)
+    basic = base64.b64encode("any:pässwörd".encode()).decode()
+    with TestClient(app) as test_client:
+        for header in ("Bearer pässwörd".encode(), f"Basic {basic}".encode()):
+            response = test_client.get("/api/jobs/abc", headers={"Authorization": header})
+            assert response.status_code == 404, header  # past auth: the job does not exist
+        wrong = test_client.get("/api/jobs/abc", headers={"Authorization": "Bearer passwörd".encode()})
+        assert wrong.status_code == 401
+
+
+def test_head_healthz_answers_like_get(client: TestClient) -> None:
+    response = client.head("/healthz")
+    assert response.status_code == 200 and response.content == b""
+
+
+def test_openapi_declares_the_errors_the_routes_return_and_no_422(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    paths = schema["paths"]
+    for path, operations in paths.items():
+        for method, operation in operations.items():
+            assert "422" not in operation["responses"], (method, path)
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+    error_ref = {"$ref": "#/components/schemas/ErrorBody"}
+    events = paths["/api/sessions/{session_id}/events"]["post"]["responses"]
+    assert {"202", "400", "401", "413", "503"} <= set(events)
+    assert events["400"]["content"]["application/json"]["schema"] == error_ref
+    assert "404" not in events
+    context = paths["/api/sessions/{session_id}/context"]["get"]["responses"]
+    assert {"200", "400", "401", "404"} <= set(context) and "503" not in context  # works with Redis down
+    assert {"200", "401"} <= set(paths["/metrics"]["get"]["responses"])
+    assert set(paths["/healthz"]["get"]["responses"]) == {"200", "503"}
