@@ -8,9 +8,8 @@ Invariants:
 - ``EVENT_ADAPTER`` is the one ``TypeAdapter`` for the discriminated union.
 - A timestamp (``timestamp``, ``createdAt``) is exactly ``YYYY-MM-DDTHH:MM:SS``, an optional
   fraction of 1-9 digits, then ``Z`` or ``+00:00`` (docs/STREAM_PROTOCOL.md), and kept as sent.
-- ``check_json`` and ``check_batch`` are the rules beyond one event's schema: a value the log
-  cannot hold as it was sent (a non-finite number, an integer past 64 bits, a lone surrogate),
-  and the uuid / turn order of a batch (what ``compactor.store`` refuses, seen from the batch).
+- The rules beyond one event's schema (a value the log cannot hold as sent, a batch's uuid
+  and turn order) are in ``events.checks``.
 
 The service reads logs as plain dicts for speed (see ``events.log``); these
 models are the gate every event passes before it is written.
@@ -20,11 +19,10 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 import re
 import typing
 import uuid as uuidlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Annotated, Any, Literal, Union
@@ -233,7 +231,7 @@ def validate_cwd(cwd: object) -> str:
         raise InvalidEvent("cwd", "must not be empty: it must be an absolute path")
     if "\x00" in cwd:
         raise InvalidEvent("cwd", "must not contain a NUL byte")
-    if (problem := _text_problem(cwd)) is not None:  # a CLI argument of undecodable bytes, a JSON escape
+    if (problem := text_problem(cwd)) is not None:  # a CLI argument of undecodable bytes, a JSON escape
         raise InvalidEvent("cwd", problem)
     if len(cwd) > MAX_CWD_CHARS:
         raise InvalidEvent("cwd", f"is longer than {MAX_CWD_CHARS} characters")
@@ -263,125 +261,20 @@ def json_path(parts: Sequence[str | int]) -> str:
     return path
 
 
-def _text_problem(text: str) -> str | None:
+def text_problem(text: str) -> str | None:
     """Why ``text`` cannot be written as UTF-8 (a lone surrogate), else None."""
     if text.isascii():
         return None
     found = SURROGATE_RE.search(text)
     if found is None:
         return None
-    return (f"contains a lone surrogate ({_escaped(found.group())} at character {found.start()}): "
+    return (f"contains a lone surrogate ({escaped(found.group())} at character {found.start()}): "
             "it is not valid Unicode")
 
 
-def _escaped(text: str) -> str:
+def escaped(text: str) -> str:
     """``text`` with its surrogates as ``\\udxxx`` (an error message must be valid text itself)."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def check_json(value: object, where: Sequence[str | int] = ()) -> None:
-    """Raise InvalidEvent naming the first value in ``value`` the log cannot hold as it was sent.
-
-    A JSON decoder may hand over what JSON cannot hold (Python's reads ``NaN``, ``Infinity``
-    and ``1e999``, and lone surrogate escapes such as ``"\\ud800"``); the log's encoder would
-    write a non-finite number as ``null`` and refuse the rest with no field named. Iterative:
-    any depth the decoder read.
-    """
-    if _plainly_holdable(value):
-        return
-    stack: list[tuple[object, tuple[str | int, ...]]] = [(value, tuple(where))]
-    while stack:
-        item, path = stack.pop()
-        problem = _value_problem(item)
-        if problem is not None:
-            raise InvalidEvent(_escaped(json_path(path)) or "body", problem)
-        if isinstance(item, dict):
-            stack.extend((v, (*path, k)) for k, v in reversed(item.items()))
-        elif isinstance(item, list):
-            stack.extend((v, (*path, i)) for i, v in reversed(list(enumerate(item))))
-
-
-def _plainly_holdable(value: object) -> bool:
-    """``check_json``'s fast pass (no paths kept): True when nothing in ``value`` needs a look
-    (False sends it to the pass that finds and names the problem; so does any other type)."""
-    stack: list[Any] = [value]
-    pop, extend = stack.pop, stack.extend
-    while stack:
-        item = pop()
-        kind = type(item)
-        if kind is str:
-            if not item.isascii() and _text_problem(item) is not None:
-                return False
-        elif kind is dict:
-            extend(item.values())
-            if not all(type(k) is str and (k.isascii() or _text_problem(k) is None) for k in item):
-                return False
-        elif kind is list:
-            extend(item)
-        elif kind is float:
-            if not math.isfinite(item):
-                return False
-        elif kind is int:
-            if not MIN_JSON_INT <= item <= MAX_JSON_INT:
-                return False
-        elif item is not None and kind is not bool:
-            return False
-    return True
-
-
-def _value_problem(value: object) -> str | None:
-    if isinstance(value, str):
-        return _text_problem(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        return ("is not a finite number (NaN, Infinity, or past a double's range like 1e999): "
-                "not valid JSON, and the log cannot hold it")
-    if isinstance(value, int) and not isinstance(value, bool) and not MIN_JSON_INT <= value <= MAX_JSON_INT:
-        return "is an integer outside the 64-bit range (-2^63 .. 2^64-1) the log can store"
-    if isinstance(value, dict):
-        for key in value:
-            if isinstance(key, str) and (problem := _text_problem(key)) is not None:
-                return f"has a key {_escaped(key)!r} that {problem}"
-    return None
-
-
-def check_batch(events: Sequence[Mapping[str, Any]]) -> None:
-    """Raise InvalidEvent (located at the event's index) for an event the log would refuse after
-    the ones before it in ``events`` (each valid alone, as written): a ``uuid`` seen before
-    (SPEC §3: unique within the session) or a turn-scoped event whose ``turnId`` is below the
-    ``currentTurnId`` the events before it reached (a ``rollback`` hides the turns it undoes
-    from it, SPEC §4). Events before the batch are not known here: the current turn of the
-    log is never below this one, so what is refused here the log refuses too."""
-    seen: dict[str, int] = {}
-    turns: list[tuple[int, bool, int]] = []  # (turnId, is a turn_end, index) of the visible events
-    current, reached_at = 1, -1
-    for index, event in enumerate(events):
-        uuid = event.get("uuid")
-        if isinstance(uuid, str):
-            if uuid in seen:
-                raise InvalidEvent("uuid", f"{uuid!r} duplicates events[{seen[uuid]}]", index)
-            seen[uuid] = index
-        kind, turn = event.get("type"), event.get("turnId")
-        if kind == "rollback" and isinstance(through := event.get("throughTurnId"), int):
-            turns = [t for t in turns if t[0] < through]
-            current, reached_at = _current_turn(turns)
-        elif kind in TURN_SCOPED_TYPES and isinstance(turn, int):
-            if turn < current:
-                raise InvalidEvent(
-                    "turnId", f"goes backwards: {turn} < currentTurnId {current}, reached at events[{reached_at}]",
-                    index)
-            turns.append((turn, kind == "turn_end", index))
-            if (now := max(current, turn + 1 if kind == "turn_end" else turn)) > current:
-                current, reached_at = now, index
-
-
-def _current_turn(turns: Sequence[tuple[int, bool, int]]) -> tuple[int, int]:
-    """SPEC §3's currentTurnId of visible ``(turnId, is a turn_end, index)`` events, and the index
-    of the event that set it (-1: none, an empty log's 1)."""
-    current, reached_at = 1, -1
-    for turn, ended, index in turns:
-        if (now := turn + 1 if ended else turn) > current:
-            current, reached_at = now, index
-    return current, reached_at
 
 
 def parse_event(data: object) -> Event:

@@ -18,7 +18,7 @@ Invariants:
 - ``POST .../events`` validates every event before the first one is published
   (all or none): each alone by the Publisher (one validation path for Python
   and HTTP clients), then the batch as the watcher will apply it (a uuid twice,
-  a turn going backwards: ``events.models.check_batch``), then against what
+  a turn going backwards: ``events.checks.check_batch``), then against what
   Redis already holds of the session (its bound cwd, its uuids); a 400 names
   the index and field (``events[2].turnId: ...``).
 - A forced compaction never hangs the request: past ``api.jobWaitSeconds`` it
@@ -32,11 +32,10 @@ Invariants:
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import anyio.to_thread
-import orjson
 import redis
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -49,7 +48,7 @@ from compactor.store import SessionStore
 from events.config import Settings
 from events.errors import InvalidEvent, SessionNotFound
 from events.log import SessionLog
-from events.models import check_batch, validate_cwd, validate_session_id
+from events.models import validate_cwd, validate_session_id
 from producer.api_errors import PUBLIC_PATHS, ApiError, JsonBodyRoute, RequestGuard, install_error_handlers
 from producer.api_jobs import job_body, wait_for_job_async
 from producer.api_metrics import HttpMetrics, ProcessMetrics, scrape_registry
@@ -130,19 +129,17 @@ def _publish(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
              events: list[dict[str, Any]]) -> list[str]:
     """Validate each event, the batch, and the batch against the session; then publish it all."""
     publisher = Publisher(client, settings)
-    batch = publisher.prepare(session_id, cwd, events)
-    wires = [orjson.loads(payload) for payload in batch.payloads]  # the events as the watcher reads them
-    check_batch(wires)
-    _check_against_session(client, settings, session_id, cwd, wires)
+    batch = publisher.prepare(session_id, cwd, events)  # each event, then the batch (check_batch)
+    _check_against_session(client, settings, session_id, cwd, batch.events)
     return publisher.send(batch)
 
 
 def _check_against_session(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
-                           wires: list[dict[str, Any]]) -> None:
+                           wires: Sequence[dict[str, Any]]) -> None:
     """Refuse what the watcher would refuse from the session's stored state (one round trip):
     a session bound to another cwd, a uuid already in its log. A turn id is not checked
     here: a rollback still in the stream may lower the turn the stored state shows."""
-    found = SessionStore(client, settings).lookup({session_id: wires}, load=[session_id])
+    found = SessionStore(client, settings).lookup({session_id: list(wires)}, load=[session_id])
     state = found.stored.get(session_id)
     if state is not None and state.cwd != cwd:
         raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}, not {cwd!r}")

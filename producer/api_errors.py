@@ -26,7 +26,7 @@ constant time (a header is bytes: a non-ASCII token works as sent by curl).
 ``JsonBodyRoute`` reads a route's body as strict JSON: sent as
 ``application/json`` (or ``application/*+json``; anything else is a 400, which
 also keeps a browser page from posting here with a plain form), UTF-8, and
-only values the log can hold as sent (``events.models.check_json``: no
+only values the log can hold as sent (``events.checks.check_json``: no
 ``NaN``/``Infinity``, no integer past 64 bits, no lone surrogate); each
 refusal names the body or the field and why.
 """
@@ -50,7 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from events.errors import InvalidInput, SessionNotFound
-from events.models import check_json
+from events.checks import check_json
 
 logger = logging.getLogger(__name__)
 

@@ -3,6 +3,9 @@
 Invariants:
 - Nothing reaches Redis unless the session id, the cwd and *every* event of the
   call are valid (all or nothing); the error names the bad event's index and field.
+  Valid means: each event alone (its schema, no value the log would change:
+  ``events.checks.check_json``), then the batch as the watcher will apply it
+  (no uuid twice, no turn going backwards: ``events.checks.check_batch``).
 - One call is one ``MULTI``/``EXEC``: its entries land contiguously, in the
   order given, or not at all.
 - Each entry has exactly the fields of SPEC §6 — ``session``, ``cwd`` and
@@ -27,6 +30,7 @@ from compactor.queue import enqueue_compaction
 from events.config import Settings
 from events.errors import InvalidEvent, InvalidInput
 from events.log import session_log_path
+from events.checks import check_batch, check_json
 from events.models import parse_event, to_wire, validate_cwd, validate_session_id
 
 logger = logging.getLogger(__name__)
@@ -45,6 +49,7 @@ class PreparedBatch:
     cwd: str
     stream: str
     payloads: tuple[bytes, ...]
+    events: tuple[dict[str, Any], ...] = ()  # the payloads' events, as the watcher will read them
 
 
 class Publisher:
@@ -69,8 +74,11 @@ class Publisher:
         cwd = validate_cwd(cwd)
         session_log_path(self.settings.data_dir, cwd, session_id)  # a cwd no log can live under: refused now
         batch = [events] if isinstance(events, (Mapping, BaseModel)) else list(events)
-        payloads = tuple(self._encode(session_id, cwd, event, index) for index, event in enumerate(batch))
-        return PreparedBatch(session_id, cwd, self.keys.stream_for(session_id), payloads)
+        encoded = [self._encode(session_id, cwd, event, index) for index, event in enumerate(batch)]
+        wires = tuple(wire for wire, _ in encoded)
+        check_batch(wires)
+        return PreparedBatch(session_id, cwd, self.keys.stream_for(session_id),
+                             tuple(payload for _, payload in encoded), wires)
 
     def send(self, batch: PreparedBatch) -> list[str]:
         """XADD a prepared batch in one transaction; its stream ids."""
@@ -101,10 +109,13 @@ class Publisher:
         cwd = validate_cwd(cwd)
         return enqueue_compaction(self.redis, self.settings, session_id, cwd, "llm", forced=forced)
 
-    def _encode(self, session_id: str, cwd: str, event: object, index: int) -> bytes:
-        """The entry's ``event`` field: validated, identity fields checked and dropped, size-limited."""
+    def _encode(self, session_id: str, cwd: str, event: object, index: int) -> tuple[dict[str, Any], bytes]:
+        """The event as sent and the entry's ``event`` field: validated, identity fields checked
+        and dropped, size-limited."""
         try:
-            wire = to_wire(parse_event(_as_data(event)))
+            data = _as_data(event)
+            check_json(data)  # orjson would write NaN as null
+            wire = to_wire(parse_event(data))
             _check_identity(wire, session_id, cwd)
             payload = orjson.dumps(wire)
         except InvalidInput as e:
@@ -114,7 +125,7 @@ class Publisher:
         limit = self.settings.limits.max_event_bytes
         if len(payload) > limit:
             raise InvalidEvent("event", f"is {len(payload)} bytes, more than limits.maxEventBytes ({limit})", index)
-        return payload
+        return wire, payload
 
 
 def _check_identity(wire: dict[str, Any], session_id: str, cwd: str) -> None:

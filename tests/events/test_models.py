@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.errors import InvalidEvent
-from events.models import check_batch, check_json, parse_event, to_wire, validate_cwd, wire_of
+from events.checks import check_batch, check_json
+from events.models import parse_event, to_wire, validate_cwd, wire_of
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1) | st.text(max_size=5),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),

@@ -22,7 +22,7 @@ from compactor.store import SessionStore
 from events.config import Settings
 from events.errors import InvalidEvent
 from events.log import SessionLog
-from events.models import check_batch
+from events.checks import check_batch
 from producer.api import create_app, get_settings
 from compactor.llm_stub import STUB_MODEL, LLMStub
 from worker import context as worker_context

@@ -66,6 +66,25 @@ def test_publish_rejects_bad_events(r: redis.Redis, settings: Settings, event: A
     assert caught.value.field == field and caught.value.index == 0
 
 
+@pytest.mark.parametrize("batch, index, field, fragment", [
+    ([{"type": "user", "turnId": 1, "content": "x", "score": float("nan")}], 0, "score", "finite number"),
+    ([{"type": "user", "turnId": 1, "content": "x", "big": 2**70}], 0, "big", "64-bit"),
+    ([{"type": "user", "turnId": 1, "content": "a", "uuid": "u"},
+      {"type": "user", "turnId": 1, "content": "b", "uuid": "u"}], 1, "uuid", "duplicates events[0]"),
+    ([{"type": "turn_end", "turnId": 2, "model": "m"}, {"type": "user", "turnId": 1, "content": "late"}],
+     1, "turnId", "goes backwards"),
+], ids=["nan", "65-bit int", "uuid twice", "turn backwards"])
+def test_publish_refuses_what_the_log_would_change_or_the_watcher_half_apply(
+    r: redis.Redis, settings: Settings, batch: list[dict[str, Any]], index: int, field: str, fragment: str,
+) -> None:
+    """The Python client gets the API's checks: orjson wrote NaN as null, and a batch with a uuid
+    twice or a turn going backwards was published and then partly dead-lettered."""
+    with pytest.raises(InvalidEvent) as caught:
+        Publisher(r, settings).publish("s1", CWD, batch)
+    assert (caught.value.index, caught.value.field) == (index, field) and fragment in str(caught.value)
+    assert entries(r, settings, "s1") == []
+
+
 def test_publish_drops_matching_session_id_and_cwd_from_the_event(r: redis.Redis, settings: Settings) -> None:
     meta = {"type": "session_meta", "sessionId": "s1", "cwd": CWD, "model": "gpt-4"}
     Publisher(r, settings).publish("s1", CWD, meta)
