@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+import sys
 import threading
 import time
 import warnings
@@ -287,6 +288,7 @@ def warm_up_litellm() -> None:
                 with LLMStub() as stub:
                     litellm.completion(model="openai/warm-up", messages=messages, api_base=stub.base_url,
                                        api_key="warm-up", timeout=2, max_retries=0, num_retries=0)
+                _settle_background_imports()
                 return
             except Exception:  # a warm-up must never stop a worker from starting
                 logger.debug("litellm warm-up over HTTP failed; warming up offline", exc_info=True)
@@ -294,6 +296,21 @@ def warm_up_litellm() -> None:
                 litellm.completion(model="openai/warm-up", messages=messages, mock_response="ok", api_key="warm-up")
             except Exception:
                 logger.debug("litellm warm-up failed", exc_info=True)
+
+
+def _settle_background_imports(timeout_s: float = 2.0, quiet_s: float = 0.25) -> None:
+    """Wait (at most ``timeout_s``) until no module was imported for ``quiet_s``: litellm logs a
+    call in a thread of its own, whose first run imports more (litellm 1.110: its spend
+    tracking's savings module); on a busy machine that thread ran after the warm-up returned,
+    and its imports landed in the first job, after the heap was frozen."""
+    deadline = time.monotonic() + timeout_s
+    count, quiet_since = len(sys.modules), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        if len(sys.modules) != count:
+            count, quiet_since = len(sys.modules), time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            return
 
 
 class LiteLLMSummarizer:

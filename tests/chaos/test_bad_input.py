@@ -207,10 +207,10 @@ def test_a_duplicate_uuid_in_a_session_is_dead_lettered(r: redis.Redis, settings
     session's log already holds is dead-lettered with a reason, and the log keeps one line per uuid."""
     settings = settings.model_copy(update={"data_dir": jail})
     publisher = Publisher(r, settings)
+    # two calls: one call with a uuid twice is refused by the publisher itself (events.checks)
+    publisher.publish("dup", "/home/dev/app", [{"type": "user", "turnId": 1, "content": "first", "uuid": "same-uuid"}])
     publisher.publish("dup", "/home/dev/app", [
-        {"type": "user", "turnId": 1, "content": "first", "uuid": "same-uuid"},
-        {"type": "assistant", "turnId": 1, "content": "second", "uuid": "same-uuid"},
-    ])
+        {"type": "assistant", "turnId": 1, "content": "second", "uuid": "same-uuid"}])
     watcher = Watcher(r, settings, name="dup")
     watcher.run_once()
     while backlog(r, settings):
