@@ -186,7 +186,7 @@ def _headings(text: str) -> list[tuple[int, str | None]]:
     line). A line inside a fenced code block (markdown ``` or ~~~) is never a heading."""
     lines: list[tuple[int, str | None]] = []
     fence = ""
-    for index, line in enumerate(text.splitlines()):
+    for index, line in enumerate(text.split("\n")):  # (not ``splitlines``: see ``split_sections``)
         if fence:
             if line.strip() == fence[0] * len(line.strip()) and len(line.strip()) >= len(fence):
                 fence = ""  # the closing fence: as long at least, of the same character, nothing else
@@ -248,8 +248,10 @@ def validate_summary_text(text: str) -> None:
 
 def split_sections(text: str) -> dict[str, str]:
     """The body of each section of ``text`` by title, in the sections' order (SPEC §1); a heading
-    repeated later, or inside a fenced code block, is part of the body it is in."""
-    lines = text.splitlines()
+    repeated later, or inside a fenced code block, is part of the body it is in. Only ``\n``
+    ends a line (a heading line's trailing ``\r`` is ignored): ``splitlines`` also split on
+    ``\r``, ``\u2028`` and the like, and dropped them from the user messages a body quotes."""
+    lines = text.split("\n")
     bodies: dict[str, list[str]] = {}
     current: str | None = None
     for index, title in _headings(text):

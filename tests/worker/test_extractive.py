@@ -204,3 +204,14 @@ def test_a_message_cut_in_an_earlier_summary_is_carried_and_cut_further_consiste
     assert int(length.replace(",", "")) == len(PASTED) and PASTED.startswith(head) and PASTED.endswith(tail)
     assert int(omitted.replace(",", "")) == len(PASTED) - len(head) - len(tail)
     assert messages.index("elided") < messages.index("ok ok ok")
+
+
+def test_a_user_message_with_other_line_breaks_is_carried_byte_for_byte() -> None:
+    """Only ``\\n`` ends a line of a summary: a message pasted from Windows (``\\r\\n``) or holding a
+    Unicode line separator lost those characters once its summary was carried forward."""
+    message = "first line\r\nsecond\u2028third\x0bfourth\x85fifth\u2029end"
+    first = extractive_summary([{"type": "user", "turnId": 1, "content": message}], None)
+    second = extractive_summary([{"type": "user", "turnId": 2, "content": "next"}], first)
+    for text in (first, second):
+        validate_summary_text(text)
+        assert message in split_sections(text)["All User Messages"]
