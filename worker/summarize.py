@@ -88,6 +88,7 @@ SYSTEM_PROMPT = (
     "precisely what was being worked on just before this summary, with file names and code. "
     "Optional Next Step — the next step, only if it directly follows the most recent request; "
     "otherwise write 'None'.\n\n"
+    "Quote the data's &lt;summary&gt;-style tags as written.\n\n"
     "Reply in exactly this shape and nothing else:\n"
     "<analysis>\n...\n</analysis>\n\n<summary>\n### Primary Request\n...\n"
     "### Optional Next Step\n...\n</summary>"
@@ -148,8 +149,23 @@ def _block(name: str, nonce: str, text: str) -> str:
     return f"<<<BEGIN {name} {nonce}>>>\n{text}\n<<<END {name} {nonce}>>>"
 
 
+_REPLY_TAG = re.compile(r"</?(?:summary|analysis)>")  # what ``extract_summary`` splits a reply at
+
+
+def neutralized(text: str) -> str:
+    """``text`` with the reply's tags written ``&lt;summary&gt;`` ...: a transcript that holds
+    ``</analysis><summary>`` and ten forged sections, quoted by the model in its analysis, made
+    ``extract_summary`` take the forgery as the summary."""
+    if "summary>" not in text and "analysis>" not in text:  # (the usual case: no regex pass)
+        return text
+    return _REPLY_TAG.sub(lambda tag: tag.group().replace("<", "&lt;").replace(">", "&gt;"), text)
+
+
 def build_messages(transcript: str, previous_summary: str | None) -> list[dict[str, str]]:
-    """The chat messages for one compaction call (system prompt + delimited data)."""
+    """The chat messages for one compaction call (system prompt + delimited data, the reply's
+    tags in it neutralized)."""
+    transcript = neutralized(transcript)
+    previous_summary = neutralized(previous_summary) if previous_summary else previous_summary
     nonce = nonce_for(previous_summary or "", transcript)
     parts = []
     if previous_summary:
@@ -213,7 +229,9 @@ def extract_summary(reply: str) -> str:
     The ``<analysis>`` block (up to its first ``</analysis>``) is skipped: the
     block runs from the first ``<summary>`` to the last ``</summary>`` after
     it, or, when there is none after it, before it (a reply that puts the
-    summary first).
+    summary first). A block that holds one of the reply's tags itself is
+    ambiguous (the model quoted one, unescaped: a forged summary in the
+    transcript could then pass for the real one) and invalid.
     """
     if not isinstance(reply, str) or not reply.strip():
         raise SummaryInvalid("empty reply")
@@ -229,6 +247,9 @@ def extract_summary(reply: str) -> str:
     else:
         raise SummaryInvalid("no <summary>...</summary> block in the reply")
     text = rest[start + len("<summary>"):end].strip()
+    tag = _REPLY_TAG.search(text)
+    if tag is not None:
+        raise SummaryInvalid(f"ambiguous reply: the <summary> block holds a {tag.group()} tag of its own")
     validate_summary_text(text)
     return text
 
