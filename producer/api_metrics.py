@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Metric
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+from starlette.routing import Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from compactor import metrics as process_metrics
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 MAX_BREAKER_KEYS = 10_000  # failure counters examined per scrape, at most
 SCAN_BATCH = 1_000
 LAG_COUNT_CAP = 100_000  # undelivered entries counted one by one only when Redis has no lag
+UNMATCHED = "unmatched"  # the route label of a request no route answered
 
 
 class RedisGate:
@@ -306,6 +308,28 @@ class HttpMetrics:
         try:
             await self.app(scope, receive, tracked_send)
         finally:
-            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            route = route_label(scope)
             self.requests.labels(scope["method"], route, str(status)).inc()
             self.latency.labels(scope["method"], route).observe(time.perf_counter() - started)
+
+
+def route_label(scope: Scope) -> str:
+    """The template of the route that answered (``unmatched`` when none did).
+
+    A mount's requests (the status page's ``/static`` files) all count under the
+    mount's template, ``/static/{path}``, never their own paths: the label set
+    stays bounded. FastAPI leaves ``scope["route"]`` unset for a mount; its
+    ``endpoint`` (the mounted app) names it.
+    """
+    route = scope.get("route") or _mount_of(scope)
+    if isinstance(route, Mount):
+        return route.path_format
+    return getattr(route, "path", None) or UNMATCHED
+
+
+def _mount_of(scope: Scope) -> Mount | None:
+    endpoint = scope.get("endpoint")
+    if endpoint is None:
+        return None
+    routes = getattr(scope.get("app"), "routes", ())
+    return next((r for r in routes if isinstance(r, Mount) and r.app is endpoint), None)

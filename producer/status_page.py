@@ -18,15 +18,19 @@ Invariants:
   cached per API process, keyed by what makes them stale (the log size, the
   compaction's uuid), so a refreshing page does not rebuild views of an idle
   session.
+- A compaction line out of the view says why (``hiddenBy``): a later rollback
+  (SPEC §4 rule 1, re-read here from the log: ``undone_by_rollback``), else a
+  later summary that replaced it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import anyio.to_thread
 import redis
@@ -81,6 +85,11 @@ class SessionRow(SessionBody):
     last_savings: Savings | None = Field(None, description="what the last compaction released")
 
 
+class Thresholds(_Body):
+    micro: float = Field(description="context.microCompactThreshold: a fraction of the context window")
+    llm: float = Field(description="context.compactionThreshold: a fraction of the context window")
+
+
 class Overview(_Body):
     sessions: int
     breakers_open: int
@@ -94,6 +103,7 @@ class Overview(_Body):
         description="process counters (all processes under `compactor serve`): eventsIngested, "
                     "deadLettered, jobsEnqueued, jobsCoalesced, jobsSucceeded, jobsFailed, "
                     "tokensReleased, breakerOpens")
+    thresholds: Thresholds = Field(description="the configured thresholds (the page's legend)")
     server_time: float
 
 
@@ -104,7 +114,10 @@ class Compaction(Savings):
     start_turn_id: int | None = None
     end_turn_id: int | None = Field(None, description="last turn covered")
     replaced: int | None = Field(None, description="events a summary replaced")
-    visible: bool = Field(description="still part of the view (not undone by a rollback)")
+    visible: bool = Field(description="still part of the view")
+    hidden_by: Literal["rollback", "summary"] | None = Field(
+        None, description="why it is not visible: a later rollback undid a turn it covers, or a "
+                          "later summary replaced it; null when visible")
 
 
 class Elided(_Body):
@@ -158,22 +171,50 @@ def compaction_at(events: list[dict[str, Any]], index: int, ctx: ContextSettings
     return Savings(tokens_before=before, tokens_after=after, released=before - after)
 
 
+def undone_by_rollback(events: list[dict[str, Any]]) -> set[int]:
+    """Indexes of the ``compact``/``summary`` lines a later rollback hides.
+
+    SPEC §4 rule 1, as ``events.view`` applies it: a rollback hides a compaction
+    line before it that covers a turn at or after its ``throughTurnId``. Any
+    other compaction line missing from the view was replaced by a later summary.
+    """
+    undone: set[int] = set()
+    through: float = math.inf
+    for i in range(len(events) - 1, -1, -1):
+        event = events[i]
+        kind = event.get("type")
+        if kind == "rollback":
+            through = min(through, _turn(event.get("throughTurnId")))
+        elif kind in ("compact", "summary"):
+            end = event.get("endTurnId" if kind == "compact" else "lastSummarizedTurnId")
+            if _turn(end) >= through:
+                undone.add(i)
+    return undone
+
+
+def _turn(value: Any) -> int:
+    return value if type(value) is int else 0  # as events.view reads a turn id
+
+
 def compaction_history(events: list[dict[str, Any]], ctx: ContextSettings,
                        limit: int = MAX_HISTORY_ENTRIES) -> list[Compaction]:
-    """Each ``compact``/``summary`` line (the last ``limit``) with its savings."""
+    """Each ``compact``/``summary`` line (the last ``limit``) with its savings and, when it is
+    no longer in the view, why."""
     visible = {id(e) for e in build_view(events, ctx).visible}
+    undone = undone_by_rollback(events)
     indexes = [i for i, e in enumerate(events) if e.get("type") in ("compact", "summary")]
     history = []
     for i in indexes[-limit:]:
         event = events[i]
         micro = event["type"] == "compact"
+        shown = id(event) in visible
         history.append(Compaction(
             **compaction_at(events, i, ctx).model_dump(), kind="micro" if micro else "llm",
             uuid=event.get("uuid"), timestamp=event.get("timestamp"),
             start_turn_id=event.get("startTurnId") if micro else None,
             end_turn_id=event.get("endTurnId") if micro else event.get("lastSummarizedTurnId"),
             replaced=None if micro else len(event.get("replaces") or []),
-            visible=id(event) in visible))
+            visible=shown, hidden_by=None if shown else "rollback" if i in undone else "summary"))
     return history
 
 
@@ -248,6 +289,8 @@ def overview(request: Request, client: redis.Redis, settings: Settings) -> Overv
         dead_letters=client.xlen(keys.dead), stream_backlog=sum(s[0] for s in shards),
         oldest_unapplied_seconds=max((s[2] for s in shards), default=0.0),
         counters={key: totals.get(name, 0.0) for key, name in COUNTERS.items()},
+        thresholds=Thresholds(micro=settings.context.micro_compact_threshold,
+                              llm=settings.context.compaction_threshold),
         server_time=time.time())
 
 

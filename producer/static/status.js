@@ -6,6 +6,7 @@
 "use strict";
 
 const REFRESH_MS = 3000;
+const HIDDEN_BY = { rollback: "undone by a rollback", summary: "replaced by a later summary" };
 const $ = (id) => document.getElementById(id);
 let previous = null; // the last overview sample, for rates
 let timer = null;
@@ -34,6 +35,7 @@ async function api(path) {
 
 const fmt = (n) => (n === null || n === undefined ? "–" : Math.round(n).toLocaleString("en-US"));
 const pct = (part, whole) => (whole > 0 ? Math.min(100, (100 * part) / whole) : 0);
+const share = (fraction) => `${Number((100 * fraction).toFixed(1))}\u00a0%`; // 0.25 -> "25 %"
 
 function ago(value) {
   if (!value) return "";
@@ -95,6 +97,8 @@ function renderOverview(o, sessions) {
          false, "released"),
   );
   previous = o;
+  $("micro-share").textContent = share(o.thresholds.micro);
+  $("llm-share").textContent = share(o.thresholds.llm);
   const rows = sessions.map((s) => {
     const href = `#/session/${encodeURIComponent(s.sessionId)}?cwd=${encodeURIComponent(s.cwd)}`;
     const last = s.lastCompaction;
@@ -137,7 +141,7 @@ function renderSession(state, history) {
     el("td", { class: "num before", text: fmt(h.tokensBefore) }),
     el("td", { class: "num after", text: fmt(h.tokensAfter) }),
     el("td", { class: "num released", text: fmt(h.released) }),
-    el("td", { class: "muted", text: h.visible ? "" : "undone by a rollback" }),
+    el("td", { class: "muted", text: h.visible ? "" : HIDDEN_BY[h.hiddenBy] || "not in the view" }),
   ));
   $("history").tBodies[0].replaceChildren(...rows);
   $("no-history").hidden = rows.length > 0;

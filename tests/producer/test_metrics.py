@@ -189,6 +189,21 @@ def test_overview_reports_counters_and_backlog(api: TestClient, msettings: Setti
     assert body["counters"]["eventsIngested"] - first["counters"]["eventsIngested"] == 4
 
 
+def test_static_files_count_under_one_route_template(api: TestClient) -> None:
+    """The status page's script and style sheet (and a file that is not there) count under
+    their mount's template, not as unmatched, nor one label per file."""
+    before = scrape(api)
+    for path in ("/static/status.css", "/static/status.js", "/static/missing.js"):
+        api.get(path)
+    after = scrape(api)
+    served = {"method": "GET", "route": "/static/{path}"}
+    assert delta(before, after, "compactor_http_requests_total", **served, status="200") == 2
+    assert delta(before, after, "compactor_http_requests_total", **served, status="404") == 1
+    assert delta(before, after, "compactor_http_request_seconds_count", **served) == 3
+    assert {dict(labels).get("route") for name, labels in after
+            if name == "compactor_http_requests_total"} == {"/static/{path}", "/metrics"}
+
+
 def _settings_for(msettings: Settings, url: str) -> Settings:
     return msettings.model_copy(update={"redis": msettings.redis.model_copy(update={"url": url})})
 

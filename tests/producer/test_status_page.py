@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -65,10 +66,39 @@ def write_session(r: redis.Redis, settings: Settings, sid: str, turns: int) -> N
     events: list[dict[str, Any]] = [{"type": "session_meta", "sessionId": sid, "cwd": CWD}]
     for n in range(1, turns + 1):
         events += turn(n)
-    lines = [{**e, "uuid": f"{sid}-{i}", "timestamp": "2025-01-01T00:00:00.000Z"}
+    write_lines(r, settings, sid, events)
+
+
+def write_lines(r: redis.Redis, settings: Settings, sid: str, events: list[dict[str, Any]]) -> None:
+    """Append ``events`` (a uuid given to those without one) and list the session as active."""
+    lines = [{"uuid": f"{sid}-{i}", **e, "timestamp": "2025-01-01T00:00:00.000Z"}
              for i, e in enumerate(events)]
     SessionStore(r, settings).apply(sid, CWD, lines)
     r.zadd(Keys(settings.redis.prefix, settings.redis.shards).sessions, {sid: time.time()})
+
+
+def write_summarized(r: redis.Redis, settings: Settings, sid: str, turns: int,
+                     rollback_through: int | None = None) -> None:
+    """Each turn followed by a summary of it that also replaces the summary before (an
+    incremental summary, SPEC §5); before the last one, a micro compaction of its turn; then
+    a rollback, when asked for."""
+    events: list[dict[str, Any]] = [{"type": "session_meta", "sessionId": sid, "cwd": CWD}]
+    previous: list[str] = []
+    for n in range(1, turns + 1):
+        lines = [{**e, "uuid": f"{sid}-t{n}-{i}"} for i, e in enumerate(turn(n))]
+        if n == turns:
+            lines.append({"type": "compact", "uuid": f"{sid}-c{n}", "startTurnId": n, "endTurnId": n})
+        replaces = [e["uuid"] for e in lines if e["type"] in ("user", "assistant", "tool_result")]
+        events += [*lines, {"type": "summary", "uuid": f"{sid}-s{n}", "replaces": replaces + previous,
+                            "summaryText": f"turns 1-{n} done", "lastSummarizedTurnId": n}]
+        previous = [f"{sid}-s{n}"]
+    if rollback_through is not None:
+        events.append({"type": "rollback", "throughTurnId": rollback_through, "reason": "undo"})
+    write_lines(r, settings, sid, events)
+
+
+def hidden(history: dict[str, Any]) -> list[tuple[str, bool, str | None]]:
+    return [(c["kind"], c["visible"], c["hiddenBy"]) for c in history["compactions"]]
 
 
 @pytest.fixture
@@ -109,6 +139,26 @@ def test_history_route_has_tokens_before_after_and_elisions(sessions: Settings,
     assert all(e["shownChars"] < e["originalChars"] for e in context["elided"])
     assert context["promptEstimate"] == compaction["tokensAfter"]
     assert missing.status_code == 404 and bad.status_code == 400
+
+
+def test_history_says_a_summary_a_later_summary_replaced_was_replaced(settings: Settings,
+                                                                      r: redis.Redis) -> None:
+    """No rollback was ever sent: the first summary is out of the view because the second
+    folded it in, and the history says so (it used to read as undone by a rollback)."""
+    write_summarized(r, settings, "sess-sums", 2)
+    with TestClient(create_app(settings, r)) as client:
+        body = client.get("/api/sessions/sess-sums/history", params={"cwd": CWD}).json()
+    assert hidden(body) == [("llm", False, "summary"), ("micro", True, None), ("llm", True, None)]
+
+
+def test_history_says_a_rollback_undid_what_it_undid(settings: Settings, r: redis.Redis) -> None:
+    """The rollback through turn 3 undoes the third summary and the compaction of turn 3; the
+    second summary is shown again, and the first stays replaced by it."""
+    write_summarized(r, settings, "sess-undo", 3, rollback_through=3)
+    with TestClient(create_app(settings, r)) as client:
+        body = client.get("/api/sessions/sess-undo/history", params={"cwd": CWD}).json()
+    assert hidden(body) == [("llm", False, "summary"), ("llm", True, None),
+                            ("micro", False, "rollback"), ("llm", False, "rollback")]
 
 
 def test_the_page_and_its_routes_need_the_token_as_bearer_or_basic(sessions: Settings,
@@ -217,6 +267,37 @@ def test_page_shows_sessions_bars_history_and_elisions(sessions: Settings, serve
     assert "characters hidden" in elided.first.locator(".badge").inner_text()
     assert "characters elided" in elided.first.locator("pre").inner_text()
     page.screenshot(path=str(ARTIFACTS / "status-session.png"), full_page=True)
+
+
+@pytest.mark.slow
+def test_legend_gives_the_configured_thresholds_where_the_ticks_are(sessions: Settings,
+                                                                     serve_api: Any,
+                                                                     browser: Any) -> None:
+    context = sessions.context.model_copy(update={"micro_compact_threshold": 0.4,
+                                                  "compaction_threshold": 0.85})
+    base = serve_api(sessions.model_copy(update={"context": context}))
+    assert httpx.get(base + "/api/overview").json()["thresholds"] == {"micro": 0.4, "llm": 0.85}
+    page = browser.new_page()
+    page.goto(base + "/")
+    page.wait_for_selector(f'#sessions tr[data-session="{BUSY}"]')
+    legend = " ".join(page.locator(".legend").inner_text().replace("\xa0", " ").split())
+    assert "over micro (40 %)" in legend and "over LLM (85 %)" in legend, legend
+    bar = page.locator(f'#sessions tr[data-session="{BUSY}"] .bar')  # a 4000-token window
+    assert bar.locator(".micro-mark").get_attribute("style") == "left:40%"
+    assert bar.locator(".llm-mark").get_attribute("style") == "left:85%"
+
+
+@pytest.mark.slow
+def test_session_page_tells_replaced_by_a_summary_from_undone_by_a_rollback(
+    settings: Settings, r: redis.Redis, serve_api: Any, browser: Any,
+) -> None:
+    write_summarized(r, settings, "sess-undo", 3, rollback_through=3)
+    page = browser.new_page()
+    page.goto(serve_api(settings) + f"/#/session/sess-undo?cwd={quote(CWD, safe='')}")
+    page.wait_for_selector("#history tbody tr")
+    notes = [text.strip() for text in page.locator("#history tbody td:last-child").all_inner_texts()]
+    assert notes == ["undone by a rollback", "undone by a rollback", "",  # newest first
+                     "replaced by a later summary"]
 
 
 @pytest.mark.slow
