@@ -78,7 +78,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -494,7 +494,8 @@ class Compactor:
             return extractive_summary(targets.events, previous_text, view.encoding)
         window = plan.window if plan else self.model_window(model)
         running = previous_text
-        chunks = self.chunks(targets.events, previous_text, window, view.encoding, reading.target_tokens)
+        chunks = self.chunks(targets.events, previous_text, window, view.encoding, reading.target_tokens,
+                             running=lambda: running)
         for chunk in chunks:
             # the whole targets in one call: the pass rendered them already
             transcript = "\n\n".join(reading.blocks) if chunk is targets.events else render_transcript(chunk)
@@ -505,36 +506,45 @@ class Compactor:
 
     def chunks(
         self, events: list[dict[str, Any]], previous_text: str | None, window: int, encoding: str,
-        events_tokens: int | None = None,
-    ) -> list[list[dict[str, Any]]]:
-        """Consecutive slices of ``events`` whose prompts each fit ``window`` with the reserve
-        (``[events]`` itself when they all fit); ``events_tokens``: ``_events_tokens(events,
-        encoding)`` when known.
+        events_tokens: int | None = None, *, running: Callable[[], str | None] | None = None,
+    ) -> Iterator[list[dict[str, Any]]]:
+        """``[events]`` itself when their prompt fits ``window`` with the reserve
+        (``summaryReserveTokens``); else consecutive slices of them, each planned when it is
+        asked for, to fit ``window`` beside the running summary as it is then (``running()``;
+        ``previous_text`` without it) and room for the reply: the reserve, at most a quarter
+        of the window. ``events_tokens``: ``_events_tokens(events, encoding)`` when known.
 
-        The running summary's size is budgeted at the larger of the previous
-        summary and the reserve (a summary is at most what the reserve allows).
+        (Each slice once budgeted at the reserve for the reply *and* for the running summary:
+        2 × 25 000 tokens, so under a ~51k window every slice fell to ``MIN_CHUNK_BUDGET_TOKENS``
+        and a user message of a few thousand tokens was cut to its head and tail.)
         """
-        previous_tokens = count_tokens(previous_text or "", encoding)
-        summary_tokens = max(previous_tokens, self.ctx.summary_reserve_tokens)
-        fixed = _system_tokens(encoding) + PROMPT_FRAME_TOKENS + self.ctx.summary_reserve_tokens
+        fixed = _system_tokens(encoding) + PROMPT_FRAME_TOKENS
         if events_tokens is None:
             events_tokens = _events_tokens(events, encoding)
-        if fixed + previous_tokens + events_tokens <= window:
-            return [events]
-        budget = max(window - fixed - summary_tokens, MIN_CHUNK_BUDGET_TOKENS)
-        chunks: list[list[dict[str, Any]]] = [[]]
-        used = 0
-        for event in events:
-            tokens = self._event_tokens(event, encoding)
-            if tokens > budget:
-                event, tokens = _clipped(event, budget), budget
-            if chunks[-1] and used + tokens > budget:
-                chunks.append([])
-                used = 0
-            chunks[-1].append(event)
-            used += tokens
-        logger.info("summarizing in %d chunks (window %d, budget %d tokens each)", len(chunks), window, budget)
-        return chunks
+        previous_tokens = count_tokens(previous_text or "", encoding)
+        if fixed + self.ctx.summary_reserve_tokens + previous_tokens + events_tokens <= window:
+            yield events
+            return
+        current = running or (lambda: previous_text)
+        reply = min(self.ctx.summary_reserve_tokens, window // 4)
+        position, count = 0, 0
+        while position < len(events):
+            budget = max(window - fixed - reply - count_tokens(current() or "", encoding), MIN_CHUNK_BUDGET_TOKENS)
+            chunk: list[dict[str, Any]] = []
+            used = 0
+            while position < len(events):
+                event, tokens = events[position], self._event_tokens(events[position], encoding)
+                if tokens > budget:
+                    event, tokens = _clipped(event, budget), budget
+                if chunk and used + tokens > budget:
+                    break
+                chunk.append(event)
+                used += tokens
+                position += 1
+            count += 1
+            logger.info("summarizing chunk %d (%d events, window %d, budget %d tokens)", count, len(chunk), window,
+                        budget)
+            yield chunk
 
     # -- helpers -------------------------------------------------------------------------
 

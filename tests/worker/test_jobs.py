@@ -356,6 +356,23 @@ def test_targets_too_large_for_the_window_are_summarized_in_chunks(
     assert summary["lastSummarizedTurnId"] == 11 and len(summary["replaces"]) == 33
 
 
+def test_a_chunk_is_budgeted_once_for_the_reply_and_at_the_running_summarys_real_size(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    """A 32k window with the default 25 000-token reserve: the targets do not fit whole, so they
+    are chunked; each chunk had the reserve taken twice (for the reply and for the running
+    summary), fell to 1 000 tokens, and the user's 7 500-token request reached the model cut to
+    its head and tail over ~15 calls."""
+    wsettings = make_settings(settings, compaction_model="openai/stub-model", llm_timeout_seconds=5.0)
+    request = " ".join(f"req{i}" for i in range(3_000))  # ~7 500 tokens
+    write_session(r, wsettings, "s1", 1, user=request, window=32_000, tool="ask_human")
+    write_session(r, wsettings, "s1", 5, first=2, output="y " * 1_200, window=32_000, tool="ask_human")
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FINISHED
+    assert len(stub.requests) <= 2
+    assert request in "".join(req.user_text for req in stub.requests)  # whole, not elided
+
+
 def test_elided_targets_are_planned_at_their_shown_size_not_chunked(
     r: redis.Redis, settings: Settings, stub: LLMStub
 ) -> None:
