@@ -382,7 +382,20 @@ def classify_llm_error(error: BaseException, model: str) -> LLMUnavailable:
         transient = True  # unknown: assume the network, let the breaker bound the retries
     kind = "transient" if transient else "permanent"
     detail = str(error).strip().splitlines()[0][:300] if str(error).strip() else name
+    if any(type(cause).__name__ == "JobTimeoutException" for cause in _causes(error)):  # RQ's, wrapped as a 500
+        return LLMUnavailable(f"transient LLM failure (the job's worker.jobTimeoutSeconds ran out during the call, "
+                              f"model {model}): {detail}", transient=True)
     return LLMUnavailable(f"{kind} LLM failure ({name}, model {model}): {detail}", transient=transient)
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error`` and its causes (``__cause__``, else ``__context__``), outermost first."""
+    chain: list[BaseException] = []
+    cause: BaseException | None = error
+    while cause is not None and all(cause is not seen for seen in chain):
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    return chain
 
 
 def _before_any_request(error: BaseException) -> bool:
@@ -390,14 +403,7 @@ def _before_any_request(error: BaseException) -> bool:
     credentials, say): the cause chain then ends in the client's base ``OpenAIError``,
     which litellm reports as a 500 ``InternalServerError``. A call that reached the
     network ends in a connection, timeout or HTTP status error instead."""
-    seen: set[int] = set()
-    last = error
-    cause: BaseException | None = error
-    while cause is not None and id(cause) not in seen:
-        seen.add(id(cause))
-        last = cause
-        cause = cause.__cause__ or cause.__context__
-    kind = type(last)
+    kind = type(_causes(error)[-1])
     return kind.__name__ == "OpenAIError" and kind.__module__.partition(".")[0] == "openai"
 
 

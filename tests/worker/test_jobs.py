@@ -148,6 +148,22 @@ def test_summary_dropped_when_a_rollback_lands_during_the_llm_call(
     assert _summaries(wsettings, "s1") == []
 
 
+def test_a_job_timeout_during_the_llm_call_says_so_not_that_the_provider_failed(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """RQ's job timeout fires inside litellm's call, which wraps it as a provider 500: the job's
+    error said 'InternalServerError', sending the operator to the provider, not to
+    worker.jobTimeoutSeconds. It is still a transient LLM failure (counted)."""
+    short = wsettings.model_copy(update={"worker": wsettings.worker.model_copy(update={"job_timeout_seconds": 1})})
+    write_session(r, short, "s1", 3)
+    stub.script(StubResponse(delay_s=4))
+    job = _run(r, short, "s1", forced=True)
+    assert job.get_status() == JobStatus.FAILED
+    error = (job.latest_result().exc_string or "").strip().splitlines()[-1]  # type: ignore[union-attr]
+    assert "worker.jobTimeoutSeconds ran out" in error and "transient" in error
+    assert FailureCounter(r, short).count("s1") == 1
+
+
 def test_released_is_what_the_append_freed_when_turns_arrive_during_the_llm_call(
     r: redis.Redis, wsettings: Settings, stub: LLMStub
 ) -> None:
