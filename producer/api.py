@@ -49,7 +49,14 @@ from events.config import Settings
 from events.errors import InvalidEvent, SessionNotFound
 from events.log import SessionLog
 from events.models import validate_cwd, validate_session_id
-from producer.api_errors import PUBLIC_PATHS, ApiError, JsonBodyRoute, RequestGuard, install_error_handlers
+from producer.api_errors import (
+    PUBLIC_PATHS,
+    ApiError,
+    JsonBodyRoute,
+    RequestGuard,
+    error_response,
+    install_error_handlers,
+)
 from producer.api_jobs import job_body, wait_for_job_async
 from producer.api_metrics import HttpMetrics, ProcessMetrics, scrape_registry
 from producer.api_models import (
@@ -179,8 +186,9 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
         if job.llm_error is not None:
             response.headers[LLM_ERROR_HEADER] = f"{job.llm_error.kind}; fallback={job.llm_error.fallback}"
         return job.result
-    if job.error is not None:
-        raise ApiError(502, f"compaction job {job_id} {job.status}: {job.error}")
+    if job.error is not None:  # the job id in the header too, as on a 200: GET /api/jobs/{id} has the rest
+        return error_response(502, f"compaction job {job_id} {job.status}: {job.error}",
+                              headers={JOB_ID_HEADER: job_id})
     return _accepted(job_id)
 
 

@@ -392,6 +392,7 @@ def test_compact_whose_llm_fails_is_502(r: redis.Redis, api_settings: Settings,
                                       {"cwd": CWD})
     assert response.status_code == 502
     assert error_of(response)["code"] == "compaction_failed"
+    assert response.headers["X-Compactor-Job-Id"] in error_of(response)["message"]
     assert "summary" in error_of(response)["message"].lower()
     assert int(r.get(Keys().failures(SID)) or 0) == 1
 
