@@ -28,17 +28,22 @@ Invariants:
   children), every process writes its values to files there and the API
   aggregates them with ``MultiProcessCollector``. Unset, each process exposes
   its own values (``REGISTRY``).
+- A process's files are named by host name and pid (``counter_{host}-{pid}.db``),
+  not by pid alone: the containers of a docker compose stack share the directory
+  and each runs its process as pid 1, and two processes writing one file lose
+  each other's counts.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, values
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 EVENT_TYPES = frozenset({"session_meta", "user", "assistant", "tool_result", "turn_end",
@@ -47,6 +52,18 @@ REASON_KINDS = ("malformed", "too_large", "invalid_event", "identity", "wrong_sh
                 "turn_order", "duplicate_uuid")
 JOB_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 LLM_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
+
+HOST = socket.gethostname()
+
+
+def process_identifier() -> str:
+    """This process in the shared directory's file names; a forked child gets its own."""
+    return f"{HOST}-{os.getpid()}"
+
+
+if os.environ.get(MULTIPROC_ENV):  # before any metric (here or in the API) has a value
+    values.ValueClass = values.MultiProcessValue(  # type: ignore[no-untyped-call]
+        process_identifier)
 
 REGISTRY = CollectorRegistry()
 

@@ -4,6 +4,7 @@ run here as local processes against the test Redis, compact a session end to end
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +25,8 @@ from tests.support import free_port, wait_for
 ROOT = Path(__file__).resolve().parents[2]
 CWD = "/home/dev/project"
 COMPACTOR_SERVICES = ("watcher", "worker", "api")
+PATH_VARIABLES = ("COMPACTION_DATA_DIR", "PROMETHEUS_MULTIPROC_DIR")  # container paths on volumes
+MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,7 @@ def test_services_and_redis_with_aof_on_a_volume(compose: dict[str, Any]) -> Non
     assert redis_service["command"][redis_service["command"].index("--appendonly") + 1] == "yes"
     assert any(v.endswith(":/data") for v in redis_service["volumes"])
     assert redis_service["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
-    assert set(compose["volumes"]) == {"sessions", "redis-data"}
+    assert set(compose["volumes"]) == {"sessions", "redis-data", "metrics"}
 
 
 @pytest.mark.parametrize("name", COMPACTOR_SERVICES)
@@ -89,6 +92,31 @@ def test_worker_scales_and_dashboard_is_optional(compose: dict[str, Any]) -> Non
     assert dashboard["environment"]["RQ_DASHBOARD_REDIS_URL"] == "redis://redis:6379/0"
 
 
+def volume_at(service: dict[str, Any], container_path: str) -> tuple[str, str]:
+    """The named volume of ``service`` that holds ``container_path``, and the path inside it."""
+    for mount in service["volumes"]:
+        volume, target = mount.split(":")[:2]
+        if container_path == target or container_path.startswith(target.rstrip("/") + "/"):
+            return volume, container_path[len(target):].lstrip("/")
+    raise AssertionError(f"{container_path} is on no volume of {service['command']}")
+
+
+def test_the_three_processes_write_their_metrics_to_one_shared_directory(
+        compose: dict[str, Any]) -> None:
+    """The API's /metrics and status page count the watcher's and the workers' counters only
+    when all of them write to the same PROMETHEUS_MULTIPROC_DIR: one volume, mounted in each."""
+    services = compose["services"]
+    directories = {services[name]["environment"].get(MULTIPROC) for name in COMPACTOR_SERVICES}
+    assert len(directories) == 1 and None not in directories, directories
+    (directory,) = directories
+    (volume,) = {volume_at(services[name], directory) for name in COMPACTOR_SERVICES}
+    assert volume[0] in compose["volumes"]  # a named volume, shared by the containers
+    options = compose["volumes"][volume[0]]["driver_opts"]
+    assert options["type"] == "tmpfs"  # emptied when the stack stops, not by a process starting
+    uid = re.search(r"useradd .*--uid (\d+)", (ROOT / "Dockerfile").read_text())
+    assert uid and f"uid={uid[1]}" in options["o"].split(",")  # writable by the image's user
+
+
 def test_the_generated_config_is_valid(compose: dict[str, Any], tmp_path: Path) -> None:
     from events.config import load_settings
 
@@ -120,21 +148,35 @@ def local_argv(command: list[str], port: int) -> list[str]:
     return argv
 
 
+def local_env(service: dict[str, Any], base: dict[str, str], volumes: Path) -> dict[str, str]:
+    """A service's environment for a local process: its container paths under ``volumes``, one
+    directory per named volume, so services that share a volume in compose share it here."""
+    env = dict(base)
+    for name in PATH_VARIABLES:
+        if name in service["environment"]:
+            volume, inside = volume_at(service, service["environment"][name])
+            (volumes / volume).mkdir(parents=True, exist_ok=True)
+            env[name] = str(volumes / volume / inside)
+    return env
+
+
 @pytest.fixture
 def stack(compose: dict[str, Any], redis_url: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
     config = tmp_path / "codingcode.yaml"
     config.write_text("context:\n  compactionModel: extractive\n")
-    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
-    env.update(REDIS_URL=redis_url, COMPACTION_DATA_DIR=str(tmp_path / "data"),
-               CODINGCODE_CONFIG=str(config), LITELLM_LOCAL_MODEL_COST_MAP="True",
-               COMPACTION_LOG_LEVEL="WARNING")
+    base = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES and k != MULTIPROC}
+    base.update(REDIS_URL=redis_url, CODINGCODE_CONFIG=str(config),
+                LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_LOG_LEVEL="WARNING")
+    volumes = tmp_path / "volumes"
+    envs = {name: local_env(compose["services"][name], base, volumes) for name in COMPACTOR_SERVICES}
     port = free_port()
     processes = {name: subprocess.Popen(local_argv(compose["services"][name]["command"], port),
-                                        env=env, stdout=subprocess.DEVNULL,
+                                        env=envs[name], stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True)
                  for name in COMPACTOR_SERVICES}
     try:
-        yield {"env": env, "port": port, "processes": processes, "data": tmp_path / "data"}
+        yield {"envs": envs, "port": port, "processes": processes,
+               "data": Path(envs["watcher"]["COMPACTION_DATA_DIR"])}
     finally:
         for process in processes.values():
             if process.poll() is None:
@@ -192,9 +234,23 @@ def test_compose_commands_compact_a_session_end_to_end(compose: dict[str, Any],
     assert session["lastCompaction"]["kind"] == "llm"
     assert session["promptEstimate"] < 0.9 * window
 
+    def counters() -> dict[str, float]:  # the API's, with the watcher's and the worker's
+        got: dict[str, float] = httpx.get(f"{url}/api/overview", timeout=10).json()["counters"]
+        return got
+
+    wait_for(lambda: counters()["jobsSucceeded"] >= 1, 30, "the worker's jobs in the API's counters")
+    totals = counters()
+    assert totals["eventsIngested"] >= 12 and totals["tokensReleased"] > 0, totals
+
     for name in COMPACTOR_SERVICES:  # the compose health checks, against the local stack
         health = compose["services"][name]["healthcheck"]["test"][1:]
         argv = [sys.executable, "-m", "compactor", *health[1:]]
         argv = [a.replace("http://127.0.0.1:8080", url) for a in argv]
-        wait_for(lambda argv=argv: subprocess.run(argv, check=False, env=stack["env"], timeout=60).returncode == 0,
+        wait_for(lambda argv=argv, env=stack["envs"][name]:
+                 subprocess.run(argv, check=False, env=env, timeout=60).returncode == 0,
                  60, f"{name} healthcheck")
+    # the health checks run with the service's environment; they must not leave metric files
+    # of their own, which the API would read on every scrape and which would pile up
+    files = list(Path(stack["envs"]["api"][MULTIPROC]).glob("*.db"))
+    writers = {f.stem.split("_")[-1].rsplit("-", 1)[-1] for f in files}  # {type}_[{host}-]{pid}
+    assert writers <= {str(p.pid) for p in stack["processes"].values()}, sorted(files)

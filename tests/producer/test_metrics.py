@@ -309,3 +309,42 @@ def test_multiprocess_mode_aggregates_every_process(tmp_path: Path, redis_url: s
     assert value(samples, "compactor_http_requests_total",
                  method="GET", route="/healthz", status="200") == 1
     assert value(samples, "compactor_redis_up") == 1
+
+
+
+AS_PID_1 = """
+import os, socket, sys
+socket.gethostname = lambda: sys.argv[1]  # a container: its own host name, its process pid 1
+os.getpid = lambda: 1
+from compactor import metrics
+ingested = metrics.EVENTS_INGESTED.labels("user")  # the process's files are open from here on
+print("started", flush=True)
+sys.stdin.readline()
+ingested.inc(3)
+metrics.JOB_SECONDS.labels("micro").observe(0.2)
+"""
+
+
+def test_containers_sharing_the_directory_each_as_pid_1_keep_their_counts(
+        tmp_path: Path, redis_url: str) -> None:
+    """docker compose: the watcher, worker and api containers share PROMETHEUS_MULTIPROC_DIR
+    and each runs its process as pid 1; files named by pid alone were one file for all, in
+    which each process overwrote the others' values."""
+    shared = metrics_dir(tmp_path)
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    containers = [subprocess.Popen([sys.executable, "-c", AS_PID_1, host], env=env, text=True,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                  for host in ("watcher-c1", "worker-c2")]
+    for process in containers:  # both running before either counts
+        assert process.stdout is not None and process.stdout.readline() == "started\n"
+    for process in containers:
+        process.communicate("go\n", timeout=60)
+        assert process.returncode == 0
+    out = subprocess.run([sys.executable, "-c", MULTIPROC_SCRAPE, str(tmp_path / "d"), redis_url],
+                         env=env, check=True, timeout=60, capture_output=True, text=True).stdout
+    samples: Samples = {}
+    for family in text_string_to_metric_families(out):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    assert value(samples, "compactor_events_ingested_total", type="user") == 6
+    assert value(samples, "compactor_job_seconds_count", kind="micro") == 2
