@@ -53,10 +53,14 @@ def demo(
     with tempfile.TemporaryFile() as child_output, user_errors():
         if json_out:
             result = run_demo(settings, options, output=child_output)
-        else:
+        elif err_console.is_terminal:
             with Live(live_view({}), console=err_console, refresh_per_second=4) as live:
                 result = run_demo(settings, options, output=child_output,
                                   on_tick=lambda n: live.update(live_view(n)))
+        else:  # a file or a pipe (CI): the last numbers once, ended (rich's Live leaves the
+            last: dict[str, Any] = {}  # line open there, and the table's title joined it)
+            result = run_demo(settings, options, output=child_output, on_tick=last.update)
+            err_console.print(live_view(last))
     if json_out:
         print_json(result)
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -70,6 +71,26 @@ def test_demo_with_defaults_finishes_under_a_minute_with_both_kinds(tmp_path: Pa
         assert row["turns"] == DemoOptions().turns
         assert row["estimateAfter"] < row["estimateBefore"]
     assert not list(tmp_path.iterdir())  # nothing left in the working directory
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_demo_into_one_file_ends_the_live_numbers_before_the_table(redis_url: str,
+                                                                   tmp_path: Path) -> None:
+    """``compactor demo > f 2>&1`` (CI): the live view's last line ended without a newline, so
+    the table's title was glued to it ("tokens released  146817830 sessions, ...")."""
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    with (tmp_path / "out").open("w") as out:
+        done = subprocess.run([sys.executable, "-m", "compactor", "demo", "-s", "2", "-t", "3",
+                               "--redis-url", redis_url], check=False, cwd=tmp_path, env=env,
+                              stdout=out, stderr=subprocess.STDOUT, timeout=110)
+    text = (tmp_path / "out").read_text()
+    assert done.returncode == 0, text[-3000:]
+    released = re.search(r"^failed jobs +\d+ +tokens released +(\d+) *$", text, re.M)
+    assert released, text  # the live numbers' last line, ended
+    assert re.search(rf"^ *2 sessions, \d+ events in .*; {released[1]} tokens released *$",
+                     text, re.M | re.S), text  # the table's title, on a line of its own
 
 
 @pytest.mark.slow
