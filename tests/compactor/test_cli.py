@@ -426,6 +426,16 @@ def compact_process(settings: Settings, config: Path, *extra: str) -> subprocess
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def queued_compact_process(r: redis.Redis, settings: Settings, config: Path) -> subprocess.Popen[str]:
+    """``compact_process``, returned once its job is queued (or it ended, or 30 s passed)."""
+    process = compact_process(settings, config)
+    queue = compaction_queue(r, settings)
+    deadline = time.monotonic() + 30
+    while queue.count == 0 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return process
+
+
 @pytest.mark.parametrize("json_out", [False, True])
 def test_compact_prints_compress_result_json_last(r: redis.Redis, settings: Settings,
                                                   config: Path, json_out: bool) -> None:
@@ -473,11 +483,7 @@ def test_compact_of_failed_job_names_the_error_without_its_module_path(
         r: redis.Redis, settings: Settings, config: Path) -> None:
     """The failure line said "failed: events.errors.SessionNotFound: no session ..."."""
     write_session(r, settings, 3)
-    process = compact_process(settings, config)
-    queue = compaction_queue(r, settings)
-    deadline = time.monotonic() + 30
-    while queue.count == 0 and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    process = queued_compact_process(r, settings, config)
     SessionLog(settings.data_dir, CWD, SID).path.unlink()  # the job finds no log
     run_jobs(r, settings)
     out, err = process.communicate(timeout=30)
@@ -490,11 +496,7 @@ def test_compact_of_failed_job_exits_1_with_the_error(r: redis.Redis, settings: 
                                                       config: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     write_session(r, settings, 3)
-    process = compact_process(settings, config)
-    queue = compaction_queue(r, settings)
-    deadline = time.monotonic() + 30
-    while queue.count == 0 and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    process = queued_compact_process(r, settings, config)
     stubbed = settings.model_copy(update={"context": settings.context.model_copy(
         update={"compaction_model": STUB_MODEL, "llm_timeout_seconds": 5.0})})
     with LLMStub() as stub:

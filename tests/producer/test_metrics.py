@@ -298,18 +298,20 @@ def test_multiprocess_mode_aggregates_every_process(tmp_path: Path, redis_url: s
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)}
     for _ in range(2):
         subprocess.run([sys.executable, "-c", MULTIPROC_INC], env=env, check=True, timeout=60)
-    out = subprocess.run([sys.executable, "-c", MULTIPROC_SCRAPE, str(tmp_path / "d"), redis_url],
-                         env=env, check=True, timeout=60, capture_output=True, text=True).stdout
-    samples: Samples = {}
-    for family in text_string_to_metric_families(out):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    samples = _scraped(tmp_path, redis_url, env)
     assert value(samples, "compactor_events_ingested_total", type="user") == 6
     assert value(samples, "compactor_job_seconds_count", kind="micro") == 2
     assert value(samples, "compactor_http_requests_total",
                  method="GET", route="/healthz", status="200") == 1
     assert value(samples, "compactor_redis_up") == 1
 
+
+def _scraped(tmp_path: Path, redis_url: str, env: dict[str, str]) -> Samples:
+    """The samples a fresh API process's /metrics gives over the shared directory."""
+    out = subprocess.run([sys.executable, "-c", MULTIPROC_SCRAPE, str(tmp_path / "d"), redis_url],
+                         env=env, check=True, timeout=60, capture_output=True, text=True).stdout
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(out) for s in family.samples}
 
 
 AS_PID_1 = """
@@ -340,11 +342,6 @@ def test_containers_sharing_the_directory_each_as_pid_1_keep_their_counts(
     for process in containers:
         process.communicate("go\n", timeout=60)
         assert process.returncode == 0
-    out = subprocess.run([sys.executable, "-c", MULTIPROC_SCRAPE, str(tmp_path / "d"), redis_url],
-                         env=env, check=True, timeout=60, capture_output=True, text=True).stdout
-    samples: Samples = {}
-    for family in text_string_to_metric_families(out):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    samples = _scraped(tmp_path, redis_url, env)
     assert value(samples, "compactor_events_ingested_total", type="user") == 6
     assert value(samples, "compactor_job_seconds_count", kind="micro") == 2
