@@ -336,7 +336,12 @@ def load_settings(
     applied = _apply_env(data, os.environ if environ is None else environ)
     try:
         # Environment values are strings; lax mode converts "8081" to 8081 for them.
-        return Settings.model_validate(data)
+        settings = Settings.model_validate(data)
     except ValidationError as e:
         sources = {path: (origins or {}).get(var, var) for path, var in applied.items()}
         raise _as_invalid(e, sources) from e
+    if settings.worker.job_timeout_seconds <= settings.context.llm_timeout_seconds:
+        logger.warning("worker.jobTimeoutSeconds (%s) is not above context.llmTimeoutSeconds (%s): a slow LLM "
+                       "call will end as a job timeout, not an LLM timeout", settings.worker.job_timeout_seconds,
+                       settings.context.llm_timeout_seconds)
+    return settings

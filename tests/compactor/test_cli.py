@@ -114,6 +114,25 @@ def test_a_misspelt_section_is_warned_of_and_the_agents_own_keys_are_not(
     ]
 
 
+def test_a_job_timeout_not_above_the_llm_timeout_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Valid but self-defeating: the job's timeout fired inside every slow LLM call."""
+    from events.config import load_settings
+
+    config = tmp_path / "c.yaml"
+    config.write_text("context:\n  llmTimeoutSeconds: 30\nworker:\n  jobTimeoutSeconds: 5\n")
+    with caplog.at_level(logging.WARNING, logger="events.config"):
+        load_settings(config, environ={})
+    [record] = caplog.records
+    assert record.getMessage().startswith("worker.jobTimeoutSeconds (5) is not above context.llmTimeoutSeconds (30")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="events.config"):
+        (tmp_path / "empty.yaml").write_text("")
+        load_settings(tmp_path / "empty.yaml", environ={})  # the defaults: 600 s against 120 s
+    assert caplog.records == []
+
+
 @pytest.mark.parametrize("command", ["serve", "watch", "work"])
 def test_a_data_dir_that_cannot_be_used_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path,
                                                                command: str) -> None:
