@@ -214,6 +214,23 @@ def _scan(events: list[Event]) -> _Scan:
     return scan
 
 
+def undone_by_rollback(events: list[Event]) -> set[int]:
+    """Indexes of the ``compact``/``summary`` lines a later rollback hides: ``_scan``'s rule 1
+    (SPEC §4), for a caller that must tell them from lines a later summary replaced."""
+    undone: set[int] = set()
+    through: float = _NO_ROLLBACK
+    for i in range(len(events) - 1, -1, -1):
+        event = events[i]
+        kind = event.get("type")
+        if kind == "rollback":
+            through = min(through, _int(event.get("throughTurnId")))
+        elif kind == "compact" and _int(event.get("endTurnId")) >= through:
+            undone.add(i)
+        elif kind == "summary" and _int(event.get("lastSummarizedTurnId")) >= through:
+            undone.add(i)
+    return undone
+
+
 def _note_turn_end(scan: _Scan, event: Event, turn: int) -> None:
     if turn > scan.last_ended_turn:
         scan.last_ended_turn = turn

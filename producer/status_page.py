@@ -19,14 +19,12 @@ Invariants:
   compaction's uuid), so a refreshing page does not rebuild views of an idle
   session.
 - A compaction line out of the view says why (``hiddenBy``): a later rollback
-  (SPEC §4 rule 1, re-read here from the log: ``undone_by_rollback``), else a
-  later summary that replaced it.
+  (``events.view.undone_by_rollback``), else a later summary that replaced it.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -44,7 +42,7 @@ from compactor.keys import Keys
 from compactor.queue import compaction_queue
 from compactor.store import SessionStore
 from events.config import ContextSettings, Settings
-from events.view import build_view
+from events.view import build_view, undone_by_rollback
 from producer.api import NOT_FOUND, CwdQuery, RedisDep, SettingsDep, _checked
 from producer.api_metrics import BreakerCollector, ProcessMetrics, StreamLagCollector
 from producer.api_models import SessionBody
@@ -169,31 +167,6 @@ def compaction_at(events: list[dict[str, Any]], index: int, ctx: ContextSettings
     before = build_view(events[:index], ctx).prompt_estimate
     after = build_view(events[:index + 1], ctx).prompt_estimate
     return Savings(tokens_before=before, tokens_after=after, released=before - after)
-
-
-def undone_by_rollback(events: list[dict[str, Any]]) -> set[int]:
-    """Indexes of the ``compact``/``summary`` lines a later rollback hides.
-
-    SPEC §4 rule 1, as ``events.view`` applies it: a rollback hides a compaction
-    line before it that covers a turn at or after its ``throughTurnId``. Any
-    other compaction line missing from the view was replaced by a later summary.
-    """
-    undone: set[int] = set()
-    through: float = math.inf
-    for i in range(len(events) - 1, -1, -1):
-        event = events[i]
-        kind = event.get("type")
-        if kind == "rollback":
-            through = min(through, _turn(event.get("throughTurnId")))
-        elif kind in ("compact", "summary"):
-            end = event.get("endTurnId" if kind == "compact" else "lastSummarizedTurnId")
-            if _turn(end) >= through:
-                undone.add(i)
-    return undone
-
-
-def _turn(value: Any) -> int:
-    return value if type(value) is int else 0  # as events.view reads a turn id
 
 
 def compaction_history(events: list[dict[str, Any]], ctx: ContextSettings,
