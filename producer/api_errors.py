@@ -51,6 +51,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from events.errors import InvalidInput, SessionNotFound
 from events.checks import check_json
+from events.models import json_path
 
 logger = logging.getLogger(__name__)
 
@@ -166,15 +167,12 @@ def _validation_message(exc: RequestValidationError) -> str:
     if not errors:
         return "invalid request"
     first = errors[0]
-    located = [str(p) for p in first.get("loc", ())]
-    loc = [p for p in located if p not in ("body", "query", "path")]
-    where = ""
-    for part in loc:
-        where += f"[{part}]" if part.isdigit() else (f".{part}" if where else part)
+    located = list(first.get("loc", ()))
+    where = json_path([p for p in located if p not in ("body", "query", "path")])
     msg = str(first.get("msg", "invalid"))
     if first.get("type") == "json_invalid":
         return f"body: is not valid JSON: {first.get('ctx', {}).get('error', msg)}"  # a route not a JsonBodyRoute
-    where = where or (located[0] if located else "")  # the whole body (or query) is what is wrong
+    where = where or (str(located[0]) if located else "")  # the whole body (or query) is what is wrong
     return f"{where}: {msg}" if where else msg
 
 
