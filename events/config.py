@@ -30,6 +30,7 @@ from typing import Any, Mapping
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
+from redis import ConnectionPool
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -167,6 +168,13 @@ def _check_redis_url(url: str) -> None:
     for db in in_query or in_path:  # as redis-py: ?db= wins over the path
         if db and not db.isdigit():
             raise ValueError(f"the database must be a number, not {db!r}")
+    try:  # the query's other settings (socket_timeout=, ...), as redis-py reads them; nothing connects
+        ConnectionPool.from_url(url).make_connection()
+    except ValueError as e:  # "Invalid value for 'socket_timeout' in connection URL."
+        raise ValueError(str(e).rstrip(".")) from None
+    except TypeError as e:  # "...__init__() got an unexpected keyword argument 'ssl_cert_reqs'"
+        name = str(e).rpartition(" ")[2]
+        raise ValueError(f"the query setting {name} is not one a {parts.scheme}:// connection takes") from None
 
 
 def _check_port(port: str) -> None:

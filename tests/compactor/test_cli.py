@@ -187,6 +187,9 @@ def test_bad_env_override_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
     ("redis://:s3cret@127.0.0.1:notaport/0", "redis.url{src}: port must be a number, not 'notaport'"),
     ("redis://h/db0", "redis.url{src}: the database must be a number, not 'db0'"),
     ("redis://h?db=x", "redis.url{src}: the database must be a number, not 'x'"),
+    ("redis://:s3cret@h/0?socket_timeout=abc", "redis.url{src}: Invalid value for 'socket_timeout' in connection URL"),
+    ("redis://h?ssl_cert_reqs=none", "redis.url{src}: the query setting 'ssl_cert_reqs' is not one a redis:// "
+                                     "connection takes"),
     ("unix://", "redis.url{src}: a unix:// URL needs the socket's absolute path (unix:///path/redis.sock)"),
     ("unix://relative.sock", "redis.url{src}: a unix:// URL needs the socket's absolute path "
                              "(unix:///path/redis.sock)"),
@@ -214,7 +217,8 @@ def test_a_bad_redis_url_is_one_line_and_exit_2_naming_where_it_came_from(
 
 
 @pytest.mark.parametrize("url", ["redis://h", "rediss://user:pw@h:6380/2", "redis://[::1]:6379?db=3",
-                                 "unix:///tmp/r.sock?db=0", "redis://h:6379/"])
+                                 "unix:///tmp/r.sock?db=0", "redis://h:6379/", "redis://h?socket_timeout=2.5",
+                                 "rediss://h?ssl_cert_reqs=none"])
 def test_a_good_redis_url_loads(tmp_path: Path, url: str) -> None:
     from events.config import load_settings
 
