@@ -40,6 +40,7 @@ import redis
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.routing import Mount
 
 from compactor import __version__
 from compactor.queue import enqueue_forced_compaction
@@ -300,7 +301,7 @@ def create_app(settings: Settings, redis: redis.Redis | None = None) -> FastAPI:
                   description="Context compaction service for LLM coding agents (SPEC §7).")
     app.state.settings = settings
     app.state.redis = redis if redis is not None else make_redis(settings)
-    from producer.status_page import install_status_page
+    from producer.status_page import STATUS_ROUTERS, install_status_page
 
     app.state.registry = registry = CollectorRegistry()  # this app's HTTP metrics
     app.state.process_metrics = process = ProcessMetrics(registry)
@@ -311,6 +312,8 @@ def create_app(settings: Settings, redis: redis.Redis | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(RequestGuard, token=settings.api.token,
                        max_body_bytes=settings.limits.max_body_bytes)
-    app.add_middleware(HttpMetrics, registry=registry)
+    routes = [route for router in (*STATUS_ROUTERS, sessions, jobs, ops) for route in router.routes]
+    app.add_middleware(HttpMetrics, registry=registry,  # the routers in the order they were included
+                       routes=[*routes, *(route for route in app.routes if isinstance(route, Mount))])
     _install_openapi(app, bearer=bool(settings.api.token))
     return app

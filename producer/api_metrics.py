@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import redis
@@ -36,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Metric
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
-from starlette.routing import Mount
+from starlette.routing import BaseRoute, Match, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from compactor import metrics as process_metrics
@@ -285,8 +285,9 @@ def _glob_escape(text: str) -> str:
 class HttpMetrics:
     """ASGI middleware counting requests by method, route template and status."""
 
-    def __init__(self, app: ASGIApp, *, registry: CollectorRegistry) -> None:
+    def __init__(self, app: ASGIApp, *, registry: CollectorRegistry, routes: Sequence[BaseRoute] = ()) -> None:
         self.app = app
+        self.routes = routes  # the app's routes, in routing order: to label a request refused before routing
         self.requests = Counter("compactor_http_requests", "HTTP requests",
                                 ["method", "route", "status"], registry=registry)
         self.latency = Histogram("compactor_http_request_seconds", "HTTP request latency",
@@ -308,23 +309,38 @@ class HttpMetrics:
         try:
             await self.app(scope, receive, tracked_send)
         finally:
-            route = route_label(scope)
+            route = route_label(scope, self.routes)
             self.requests.labels(scope["method"], route, str(status)).inc()
             self.latency.labels(scope["method"], route).observe(time.perf_counter() - started)
 
 
-def route_label(scope: Scope) -> str:
+def route_label(scope: Scope, routes: Sequence[BaseRoute] = ()) -> str:
     """The template of the route that answered (``unmatched`` when none did).
 
     A mount's requests (the status page's ``/static`` files) all count under the
     mount's template, ``/static/{path}``, never their own paths: the label set
     stays bounded. FastAPI leaves ``scope["route"]`` unset for a mount; its
-    ``endpoint`` (the mounted app) names it.
+    ``endpoint`` (the mounted app) names it. A request refused before routing
+    (``RequestGuard``'s 401 and 413) counts under the first of ``routes`` whose path
+    it is: FastAPI did not route it.
     """
-    route = scope.get("route") or _mount_of(scope)
+    route = scope.get("route") or _mount_of(scope) or _route_for(scope, routes)
     if isinstance(route, Mount):
         return route.path_format
     return getattr(route, "path", None) or UNMATCHED
+
+
+def _route_for(scope: Scope, routes: Sequence[BaseRoute]) -> BaseRoute | None:
+    """The first of ``routes`` that matches the request in full, else the first that matches
+    its path for another method (it would have answered 405)."""
+    partial = None
+    for route in routes:
+        match = route.matches(dict(scope))[0]  # (a copy: FastAPI's routes note things in the scope)
+        if match is Match.FULL:
+            return route
+        if match is Match.PARTIAL and partial is None:
+            partial = route
+    return partial
 
 
 def _mount_of(scope: Scope) -> Mount | None:

@@ -321,6 +321,9 @@ def index() -> FileResponse:
                         headers={"Cache-Control": "no-cache"})
 
 
+STATUS_ROUTERS = (status_api, pages)  # in the order ``install_status_page`` includes them
+
+
 def install_status_page(app: FastAPI) -> None:
     """Mount the page, its static files and its JSON routes on ``app``."""
     app.state.status_cache = _Lru()

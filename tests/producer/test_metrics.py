@@ -6,6 +6,7 @@ between two scrapes of the API's ``/metrics``.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
@@ -202,6 +203,34 @@ def test_static_files_count_under_one_route_template(api: TestClient) -> None:
     assert delta(before, after, "compactor_http_request_seconds_count", **served) == 3
     assert {dict(labels).get("route") for name, labels in after
             if name == "compactor_http_requests_total"} == {"/static/{path}", "/metrics"}
+
+
+def test_requests_refused_before_routing_count_under_their_route(msettings: Settings, r: redis.Redis) -> None:
+    """A 401 (and a 413 on the declared length) is answered before FastAPI routes the request;
+    it counted as ``route="unmatched"``, so an operator could not tell which route was refused."""
+    secured = msettings.model_copy(update={"api": msettings.api.model_copy(update={"token": "s3cret"})})
+    with TestClient(create_app(secured, r)) as client:
+        auth = {"Authorization": "Bearer s3cret"}
+        before = scrape_with(client, auth)
+        client.get("/api/sessions/s1")
+        client.post("/api/sessions/s1/events", content=b"[]")
+        client.put("/api/sessions/s1/events")  # the path's route, for another method
+        client.get("/nowhere")
+        client.post("/api/sessions/s1/events", headers={**auth, "Content-Length": str(10**9)})
+        after = scrape_with(client, auth)
+    counted = functools.partial(delta, before, after, "compactor_http_requests_total")
+    assert counted(method="GET", route="/api/sessions/{session_id}", status="401") == 1
+    assert counted(method="POST", route="/api/sessions/{session_id}/events", status="401") == 1
+    assert counted(method="PUT", route="/api/sessions/{session_id}/events", status="401") == 1
+    assert counted(method="GET", route="unmatched", status="401") == 1
+    assert counted(method="POST", route="/api/sessions/{session_id}/events", status="413") == 1
+
+
+def scrape_with(client: TestClient, headers: dict[str, str]) -> Samples:
+    response = client.get("/metrics", headers=headers)
+    assert response.status_code == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}
 
 
 def _settings_for(msettings: Settings, url: str) -> Settings:
