@@ -4,7 +4,9 @@ Invariants:
 - Counting never touches the network: before tiktoken loads its first encoding,
   ``TIKTOKEN_CACHE_DIR`` (when unset) points at the BPE files litellm ships in
   ``litellm/litellm_core_utils/tokenizers/`` (found without importing litellm,
-  which costs seconds). Both ``cl100k_base`` and ``o200k_base`` are there.
+  which costs seconds). ``cl100k_base``, ``o200k_base`` and ``p50k_base`` are there; a
+  model whose encoding is not (``r50k_base``, ``gpt2``) is counted with ``cl100k_base``,
+  as a model tiktoken does not know.
 - Special-token text such as ``<|endoftext|>`` is counted as ordinary text;
   counting never raises on user content.
 - ``event_tokens`` is the one definition of an event's contribution to
@@ -84,10 +86,25 @@ def encoding_for_model(model: str | None) -> str:
         candidates.append(model.rsplit("/", 1)[-1])
     for candidate in candidates:
         try:
-            return tiktoken.encoding_name_for_model(candidate)
+            name = tiktoken.encoding_name_for_model(candidate)
         except KeyError:
             continue
+        return name if _loads_offline(name, model) else DEFAULT_ENCODING
     return DEFAULT_ENCODING
+
+
+def _loads_offline(name: str, model: str) -> bool:
+    """Whether the encoding ``name`` loads from the files at hand: litellm ships ``cl100k_base``,
+    ``o200k_base`` (and ``o200k_harmony``'s) and ``p50k_base``; ``r50k_base`` (davinci, ada, ...)
+    and ``gpt2`` would be downloaded, and with no network every count of such a session raised
+    (its watcher round failed again and again, its entries stayed pending)."""
+    try:
+        get_encoding(name)
+    except Exception as e:  # requests' ConnectionError offline; whatever tiktoken raises elsewhere
+        logger.warning("token encoding %s of model %s cannot be loaded (%s: %s); counting with %s", name, model,
+                       type(e).__name__, str(e)[:200], DEFAULT_ENCODING)
+        return False
+    return True
 
 
 def count_tokens(text: str, encoding: str) -> int:

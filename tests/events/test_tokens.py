@@ -132,6 +132,37 @@ def test_token_counting_works_offline_without_importing_litellm(tmp_path: Path) 
     assert cache_dir == litellm_tokenizer_dir()
 
 
+def test_a_model_whose_encoding_is_not_shipped_is_counted_with_cl100k_offline(tmp_path: Path) -> None:
+    """tiktoken maps davinci/ada to r50k_base and gpt2 to gpt2, whose files litellm does not ship:
+    every count of such a session raised a ConnectionError offline (the watcher's round failed
+    again and again, the session's entries stayed pending, its API routes answered 500)."""
+    script = textwrap.dedent(
+        """
+        import socket
+        def refuse(*args, **kwargs):
+            raise OSError("network disabled in this test")
+        socket.socket.connect = refuse  # (the class kept: ssl subclasses it when imported)
+        socket.create_connection = refuse
+        from events.config import ContextSettings
+        from events.tokens import encoding_for_model
+        from events.view import build_view
+        for model in ("davinci", "gpt2", "ollama/ada", "text-davinci-003", "gpt-4o"):
+            print(model, encoding_for_model(model))
+        events = [{"type": "user", "uuid": "u1", "turnId": 1, "content": "hello world"},
+                  {"type": "turn_end", "uuid": "e1", "turnId": 1, "model": "davinci"}]
+        print(build_view(events, ContextSettings()).prompt_estimate)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TIKTOKEN_CACHE_DIR", "DATA_GYM_CACHE_DIR")}
+    env.update(HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9", TMPDIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "davinci cl100k_base", "gpt2 cl100k_base", "ollama/ada cl100k_base", "text-davinci-003 p50k_base",
+        "gpt-4o o200k_base", str(2 + 4)]  # "hello world" in cl100k_base, plus the message's overhead
+    assert "token encoding r50k_base of model davinci cannot be loaded" in done.stderr
+
+
 def test_a_user_chosen_tiktoken_cache_dir_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "/somewhere/else")
     tokens.ensure_offline_cache()
