@@ -130,6 +130,7 @@ logger = logging.getLogger(__name__)
 PROMPT_FRAME_TOKENS = 200  # delimiters, the request lines and chat framing around the data
 BLOCK_HEADER_TOKENS = 6  # "[tool:name]\n" and the blank line, per transcript block
 MIN_CHUNK_BUDGET_TOKENS = 1_000  # below this a window is hopeless; chunk at this size anyway
+MIN_SUMMARY_LIMIT_TOKENS = 1_000  # the limit on a summary's size in a small window (see ``summary_limit``)
 
 
 @dataclass(frozen=True)
@@ -490,8 +491,9 @@ class Compactor:
         previous = targets.previous_summary
         previous_text = previous.get("summaryText") if previous else None
         previous_text = previous_text if isinstance(previous_text, str) else None
+        limit = self.summary_limit(view.window)
         if model == EXTRACTIVE_MODEL:
-            return extractive_summary(targets.events, previous_text, view.encoding)
+            return extractive_summary(targets.events, previous_text, view.encoding, limit_tokens=limit)
         window = plan.window if plan else self.model_window(model)
         running = previous_text
         chunks = self.chunks(targets.events, previous_text, window, view.encoding, reading.target_tokens,
@@ -499,10 +501,21 @@ class Compactor:
         for chunk in chunks:
             # the whole targets in one call: the pass rendered them already
             transcript = "\n\n".join(reading.blocks) if chunk is targets.events else render_transcript(chunk)
-            messages = build_messages(transcript, running)
+            messages = build_messages(transcript, running, limit)
             running = extract_summary(self.summarizer.complete(model, messages))
+            size = count_tokens(running, view.encoding)
+            if size > limit:
+                raise SummaryInvalid(f"the summary is {size} tokens, over the {limit} a summary may take "
+                                     f"(a quarter of the session's {view.window}-token window)")
         assert running is not None  # targets are never empty here
         return running
+
+    def summary_limit(self, window: int) -> int:
+        """The most tokens a summary may take in a session of ``window`` tokens: a quarter of the
+        window, at least ``MIN_SUMMARY_LIMIT_TOKENS`` (ten sections need a few hundred). A larger
+        one left the session over its window for good (17 937 tokens of summary in an
+        8 000-token window), and was sent back as the next call's previous summary."""
+        return max(window // 4, MIN_SUMMARY_LIMIT_TOKENS)
 
     def chunks(
         self, events: list[dict[str, Any]], previous_text: str | None, window: int, encoding: str,

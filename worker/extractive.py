@@ -18,7 +18,9 @@ Invariants:
   ``[… N characters omitted …]`` line. User messages are quoted whole only
   under *All User Messages*.
 - Size: the summary is never more tokens (SPEC §4.5, in ``encoding``) than
-  what it replaces (the targets as shown plus the previous summary). When the
+  what it replaces (the targets as shown plus the previous summary), nor than
+  ``limit_tokens`` (the compaction's limit on a summary, counted without the
+  message overhead). When the
   usual bounds exceed that, the sections are rendered again with
   ``TIGHT_BOUNDS``; when even that exceeds it (what is replaced is almost all
   user messages), the longest user messages are cut to their head and tail,
@@ -95,18 +97,21 @@ _PENDING = re.compile(r"(^\s*[-*]\s*\[ \]|\bTODO\b|\bFIXME\b)")
 
 
 def extractive_summary(events: Sequence[dict[str, Any]], previous_summary: str | None,
-                       encoding: str = DEFAULT_ENCODING) -> str:
+                       encoding: str = DEFAULT_ENCODING, *, limit_tokens: int | None = None) -> str:
     """The summary text (the inner text of ``<summary>``) of ``events`` folded onto ``previous_summary``,
-    no more tokens in ``encoding`` than they are (see the module's invariants for the floor)."""
+    no more tokens in ``encoding`` than they are, nor than ``limit_tokens`` (see the module's
+    invariants for the floor)."""
     previous = split_sections(previous_summary) if previous_summary else {}
     users = [_str(e.get("content")) for e in events if e.get("type") == "user"]
     messages = _carried_messages(previous.get("All User Messages")) + [_Message(text) for text in users]
     text = _render(_sections(events, previous, users, BOUNDS), messages)
     tokens = count_tokens(text, encoding) + MESSAGE_OVERHEAD_TOKENS
-    replaced = _replaced_tokens(events, previous_summary, encoding, enough=tokens)
-    if tokens <= replaced:
+    cap = tokens if limit_tokens is None else min(tokens, limit_tokens + MESSAGE_OVERHEAD_TOKENS)
+    replaced = _replaced_tokens(events, previous_summary, encoding, enough=cap)
+    if tokens <= min(replaced, cap):
         return text
-    budget = replaced - MESSAGE_OVERHEAD_TOKENS  # all counted: the count stops early only at ``enough``
+    # (all counted when under ``cap``: the count stops early only at it)
+    budget = min(replaced, cap) - MESSAGE_OVERHEAD_TOKENS
     return _fit(_sections(events, previous, users, TIGHT_BOUNDS), messages, budget, encoding)
 
 

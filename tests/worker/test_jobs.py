@@ -334,6 +334,32 @@ def test_extractive_fallback_summarizes_when_the_llm_fails(
     assert r.get(Keys().failures("s1")) == b"1"  # the LLM failure is still counted
 
 
+@pytest.mark.parametrize("fallback", ["", "extractive"])
+def test_a_summary_over_a_quarter_of_the_window_is_an_invalid_reply(
+    r: redis.Redis, settings: Settings, stub: LLMStub, fallback: str,
+) -> None:
+    """A valid reply whose summary is bigger than the session's window was appended: the session
+    stayed over its window for good, and the summary went back to the model with every new turn."""
+    wsettings = make_settings(settings, llm_timeout_seconds=5.0, compaction_model=STUB_MODEL,
+                              fallback_model=fallback)
+    write_session(r, wsettings, "s1", 12, window=8_000, user=" ".join(f"ask{i}" for i in range(400)))
+    rambling = summary_text("t").replace("### Current Work\n", "### Current Work\n" + "more words " * 1_000 + "\n")
+    stub.reply = f"<summary>\n{rambling}\n</summary>"
+    job = _run(r, wsettings, "s1", forced=True)
+    why = "over the 2000 a summary may take (a quarter of the session's 8000-token window)"
+    assert "(the <summary> block at most 2000 tokens)" in stub.requests[0].user_text  # asked for, too
+    assert int(r.get(Keys().failures("s1")) or 0) == len(stub.requests)  # each call counted
+    if not fallback:
+        result = job.latest_result()
+        assert job.get_status() == JobStatus.FAILED and result is not None and why in (result.exc_string or "")
+        assert _summaries(wsettings, "s1") == []
+        return
+    assert job.return_value()["llmError"]["kind"] == "invalid" and why in job.return_value()["llmError"]["error"]
+    [summary] = _summaries(wsettings, "s1")  # the extractive one: every user message would not fit whole
+    assert summary["tokenCount"] <= 2_000 + 4
+    validate_summary_text(summary["summaryText"])
+
+
 def test_a_job_whose_llm_answers_reports_no_llm_error(r: redis.Redis, wsettings: Settings, stub: LLMStub) -> None:
     write_session(r, wsettings, "s1", 3)
     value = _run(r, wsettings, "s1", forced=True).return_value()
@@ -396,7 +422,7 @@ def test_elided_targets_are_planned_at_their_shown_size_not_chunked(
     # and the prompt estimate counts them as shown (a copy's stamp is not the full output's)
     small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=100,
                           default_context_window=2_000, llm_timeout_seconds=5.0)
-    write_session(r, small, "s1", 12, output="y " * 300, window=2_000)
+    write_session(r, small, "s1", 11, output="y " * 300, window=2_000)  # unelided: ~3 300 tokens of outputs
     job = _run(r, small, "s1", forced=True)
     assert job.get_status() == JobStatus.FINISHED
     assert [e["type"] for e in read_log(small, "s1")[-2:]] == ["compact", "summary"]
