@@ -125,7 +125,7 @@ def _sections(events: Sequence[dict[str, Any]], previous: dict[str, str], users:
         "Key Technical Concepts": _concepts(previous, assistants, bounds),
         "Files and Code Sections": _files(previous, events, bounds),
         "Errors and Fixes": _errors(previous, results, bounds),
-        "Problem Solving": _problem_solving(events, assistants, results),
+        "Problem Solving": _problem_solving(previous, events, assistants, results, bounds),
         "Decision Rationale": _decisions(previous, assistants, bounds),
         "Pending Tasks": _pending(previous, events, bounds),
         "Current Work": _current_work(assistants, bounds),
@@ -255,15 +255,27 @@ def _primary_request(previous: dict[str, str], users: list[str], bounds: Bounds)
 
 def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]], bounds: Bounds) -> str:
     tools: Counter[str] = Counter()
+    lines = []
+    for line in _carried(previous.get("Key Technical Concepts")):
+        if line.startswith(_TOOLS_USED):  # a rolling summary adds up the counts: one line, not one per summary
+            for item in line[len(_TOOLS_USED):].split(", "):
+                counted = _TOOL_COUNT.fullmatch(item)
+                if counted:
+                    tools[counted.group(1)] += int(counted.group(2))
+        else:
+            lines.append(line)
     for event in assistants:
         for call in event.get("toolCalls") or []:
             if isinstance(call, dict) and call.get("name"):
                 tools[str(call["name"])] += 1
-    lines = _carried(previous.get("Key Technical Concepts"))
     if tools:
         used = ", ".join(f"{name} ({count}x)" for name, count in sorted(tools.items()))
-        lines.append(f"- tools used: {_clip(used, bounds.line_chars)}")
+        lines.append(f"{_TOOLS_USED}{_clip(used, bounds.line_chars)}")
     return "\n".join(_unique(lines)[-bounds.concepts:])
+
+
+_TOOLS_USED = "- tools used: "
+_TOOL_COUNT = re.compile(r"(.+) \((\d+)x\)")
 
 
 def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: Bounds) -> str:
@@ -284,14 +296,28 @@ def _errors(previous: dict[str, str], results: list[dict[str, Any]], bounds: Bou
     return "\n".join(_unique(lines)[-bounds.error_lines:])
 
 
-def _problem_solving(events: Sequence[dict[str, Any]], assistants: list[dict[str, Any]],
-                     results: list[dict[str, Any]]) -> str:
+def _problem_solving(previous: dict[str, str], events: Sequence[dict[str, Any]],
+                     assistants: list[dict[str, Any]], results: list[dict[str, Any]], bounds: Bounds) -> str:
+    """The previous summary's items (an LLM's included), then the range of turns summarized
+    extractively so far (a rolling summary widens its own line) with this batch's counts."""
+    lines, first = [], None
+    for line in _carried(previous.get("Problem Solving")):
+        summarized = _SUMMARIZED.match(line)
+        if summarized:
+            first = int(summarized.group(1)) if first is None else min(first, int(summarized.group(1)))
+        else:
+            lines.append(line)
     turns = [e["turnId"] for e in events if isinstance(e.get("turnId"), int)]
-    if not turns:
-        return ""
-    calls = sum(len(e.get("toolCalls") or []) for e in assistants)
-    return (f"- turns {min(turns)}-{max(turns)} summarized extractively (no LLM): "
-            f"{len(assistants)} assistant messages, {calls} tool calls, {len(results)} tool results.")
+    if turns:
+        calls = sum(len(e.get("toolCalls") or []) for e in assistants)
+        start = min(turns) if first is None else min(first, min(turns))
+        lines.append(f"- turns {start}-{max(turns)} summarized extractively (no LLM); turns {min(turns)}-"
+                     f"{max(turns)}: {len(assistants)} assistant messages, {calls} tool calls, "
+                     f"{len(results)} tool results.")
+    return "\n".join(_unique(lines)[-bounds.decisions:])
+
+
+_SUMMARIZED = re.compile(r"- turns (\d+)-\d+ summarized extractively \(no LLM\)")
 
 
 def _decisions(previous: dict[str, str], assistants: list[dict[str, Any]], bounds: Bounds) -> str:

@@ -213,3 +213,27 @@ def test_a_user_message_with_other_line_breaks_is_carried_byte_for_byte() -> Non
     for text in (first, second):
         validate_summary_text(text)
         assert message in split_sections(text)["All User Messages"]
+
+
+def test_a_rolling_summary_adds_up_tool_counts_and_widens_its_turn_range() -> None:
+    """Three rolling extractive summaries had three ``tools used`` lines (6x, then 2x, then 1x) and
+    said "turns 12-12" for a summary of turns 1-12; an LLM's Problem Solving items were dropped."""
+    def batch(first: int, last: int) -> list[dict[str, Any]]:
+        return [event for n in range(first, last + 1) for event in (
+            {"type": "user", "turnId": n, "content": f"step {n}"},
+            {"type": "assistant", "turnId": n, "content": "ok",
+             "toolCalls": [{"id": f"c{n}", "name": "grep", "arguments": {"q": "x"}}]},
+            {"type": "tool_result", "turnId": n, "toolCallId": f"c{n}", "toolName": "grep", "output": "hit"})]
+
+    llm_summary = extractive_summary(batch(1, 1), None).replace(
+        split_sections(extractive_summary(batch(1, 1), None))["Problem Solving"],
+        "- the flaky test was traced to a shared temp dir")
+    text = extractive_summary(batch(2, 7), llm_summary)
+    text = extractive_summary(batch(8, 9), text)
+    sections = split_sections(extractive_summary(batch(10, 12), text))
+    assert [line for line in sections["Key Technical Concepts"].splitlines() if "tools used" in line] == [
+        "- tools used: grep (12x)"]
+    assert sections["Problem Solving"].splitlines() == [
+        "- the flaky test was traced to a shared temp dir",
+        "- turns 2-12 summarized extractively (no LLM); turns 10-12: 3 assistant messages, 3 tool calls, "
+        "3 tool results."]
