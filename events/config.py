@@ -50,7 +50,13 @@ ENV_OVERRIDES: dict[str, tuple[str, ...]] = {
     "COMPACTION_API_PORT": ("api", "port"),
     "COMPACTION_API_HOST": ("api", "host"),
     "COMPACTION_WORKERS": ("worker", "count"),
+    "COMPACTION_MODEL": ("context", "compactionModel"),
+    "COMPACTION_FALLBACK_MODEL": ("context", "fallbackModel"),
 }
+# The embedded Redis's socket under ``dataDir`` (``compactor.serve.embedded_dir`` + ``EmbeddedRedis.socket``)
+# and the most bytes a unix socket's path may have (``sun_path`` holds 108, with its NUL).
+EMBEDDED_SOCKET = ".redis/redis.sock"
+MAX_SOCKET_PATH_BYTES = 107
 
 
 class _Section(BaseModel):
@@ -233,7 +239,10 @@ class Settings(_Section):
 
     @model_validator(mode="after")
     def _expand_data_dir(self) -> Settings:
-        object.__setattr__(self, "data_dir", self.data_dir.expanduser())
+        # absolute: ``serve`` and its children, and the commands that find its socket, agree on it
+        # whatever their working directory (a relative one made the embedded Redis fail to start)
+        data_dir = Path(os.path.abspath(self.data_dir.expanduser()))
+        object.__setattr__(self, "data_dir", data_dir)
         return self
 
 
@@ -280,8 +289,8 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[s
     """Put the environment's overrides into ``data``; the key path each variable set."""
     applied = {}
     for var, path in ENV_OVERRIDES.items():
-        if var not in environ:
-            continue
+        if not environ.get(var):  # set empty (``${COMPACTION_API_TOKEN:-}`` in compose) is unset: the file's
+            continue  # value stands (an empty token had silently turned the file's token off)
         node = data
         for key in path[:-1]:
             child = node.get(key)
@@ -293,6 +302,11 @@ def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[s
             node[path[-1]] = environ[var]
             applied[path] = var
     return applied
+
+
+def _sources(applied: Mapping[tuple[str, ...], str], origins: Mapping[str, str] | None) -> dict[tuple[str, ...], str]:
+    """Key path -> the variable (or, per ``origins``, the option) that set it."""
+    return {path: (origins or {}).get(var, var) for path, var in applied.items()}
 
 
 def _as_invalid(error: ValidationError, sources: Mapping[tuple[str, ...], str]) -> InvalidConfig:
@@ -346,8 +360,14 @@ def load_settings(
         # Environment values are strings; lax mode converts "8081" to 8081 for them.
         settings = Settings.model_validate(data)
     except ValidationError as e:
-        sources = {path: (origins or {}).get(var, var) for path, var in applied.items()}
-        raise _as_invalid(e, sources) from e
+        raise _as_invalid(e, _sources(applied, origins)) from e
+    socket = settings.data_dir / EMBEDDED_SOCKET
+    if not settings.redis.url and len(os.fsencode(socket)) > MAX_SOCKET_PATH_BYTES:
+        source = _sources(applied, origins).get(("dataDir",))
+        raise InvalidConfig("dataDir" + (f" (from {source})" if source else ""),
+                            f"too long for the embedded Redis: its socket {socket} would be {len(os.fsencode(socket))} "
+                            f"bytes, and a unix socket's path takes at most {MAX_SOCKET_PATH_BYTES} (use a shorter "
+                            "dataDir, or set redis.url)")
     if settings.worker.job_timeout_seconds <= settings.context.llm_timeout_seconds:
         logger.warning("worker.jobTimeoutSeconds (%s) is not above context.llmTimeoutSeconds (%s): a slow LLM "
                        "call will end as a job timeout, not an LLM timeout", settings.worker.job_timeout_seconds,

@@ -241,6 +241,61 @@ def test_a_bad_environment_variable_is_named(runner: CliRunner, tmp_path: Path, 
     assert line.startswith(f"compactor: invalid configuration: {why}")
 
 
+def test_an_empty_environment_variable_leaves_the_files_value(tmp_path: Path) -> None:
+    """docker compose sets ``COMPACTION_API_TOKEN=${COMPACTION_API_TOKEN:-}``: empty, it turned the
+    file's ``api.token`` off, and the API answered everyone without a word in the logs."""
+    from events.config import load_settings
+
+    config = tmp_path / "c.yaml"
+    config.write_text("api: {token: filetok}\nredis: {url: 'redis://h:6390'}\n")
+    settings = load_settings(config, {"COMPACTION_API_TOKEN": "", "REDIS_URL": "", "COMPACTION_MODEL": ""})
+    assert (settings.api.token, settings.redis.url, settings.context.compaction_model) == (
+        "filetok", "redis://h:6390", "")
+    assert load_settings(config, {"COMPACTION_API_TOKEN": "envtok"}).api.token == "envtok"
+
+
+def test_the_compaction_and_fallback_models_can_come_from_the_environment(tmp_path: Path) -> None:
+    """The compose file's template used them; ``docker run -e COMPACTION_MODEL=...`` was ignored."""
+    from events.config import load_settings
+
+    (tmp_path / "c.yaml").write_text("")
+    settings = load_settings(tmp_path / "c.yaml", {"COMPACTION_MODEL": "openai/gpt-4o-mini",
+                                                      "COMPACTION_FALLBACK_MODEL": "extractive"})
+    assert (settings.context.compaction_model, settings.context.fallback_model) == (
+        "openai/gpt-4o-mini", "extractive")
+
+
+def test_a_relative_data_dir_is_made_absolute_at_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from events.config import load_settings
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text("")
+    assert load_settings(tmp_path / "c.yaml", {"COMPACTION_DATA_DIR": "d/../data"}).data_dir == tmp_path / "data"
+
+
+def test_a_data_dir_too_long_for_the_embedded_redis_socket_is_one_line(runner: CliRunner, tmp_path: Path) -> None:
+    """valkey refuses a unix socket path over 107 bytes: ``serve`` died with a traceback."""
+    from compactor.embedded import EmbeddedRedis
+    from compactor.serve import embedded_dir
+    from events.config import MAX_SOCKET_PATH_BYTES, load_settings
+
+    long_dir = tmp_path / ("d" * (MAX_SOCKET_PATH_BYTES - len(str(tmp_path))))
+    fits = tmp_path / ("d" * (MAX_SOCKET_PATH_BYTES - len(str(tmp_path)) - len("/.redis/redis.sock") - 1))
+    (tmp_path / "c.yaml").write_text("")
+    settings = load_settings(tmp_path / "c.yaml", {"COMPACTION_DATA_DIR": str(fits)})
+    assert len(str(EmbeddedRedis(embedded_dir(settings)).socket)) == MAX_SOCKET_PATH_BYTES  # the same layout
+    for command in (["serve"], ["status"]):
+        result = runner.invoke(app, [*command, "--data-dir", str(long_dir)], env={"REDIS_URL": ""})
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip().splitlines() == [
+            f"compactor: invalid configuration: dataDir (from --data-dir): too long for the embedded Redis: its "
+            f"socket {long_dir}/.redis/redis.sock would be {len(str(long_dir)) + 18} bytes, and a unix socket's "
+            f"path takes at most {MAX_SOCKET_PATH_BYTES} (use a shorter dataDir, or set redis.url)"]
+    assert not long_dir.exists()
+    assert load_settings(tmp_path / "c.yaml", {"COMPACTION_DATA_DIR": str(long_dir),
+                                                  "REDIS_URL": "redis://h"}).data_dir == long_dir
+
+
 def test_a_bad_value_in_the_file_is_not_blamed_on_an_unrelated_variable(runner: CliRunner, tmp_path: Path) -> None:
     config = tmp_path / "c.yaml"
     config.write_text("api: {port: abc}\n")

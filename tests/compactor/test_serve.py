@@ -136,17 +136,19 @@ def test_serve_on_a_port_in_use_says_so_before_starting_anything(tmp_path: Path)
 
 @pytest.fixture
 def served(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """``compactor serve`` on a fresh data dir, the embedded Redis, one worker."""
+    """``compactor serve`` on a fresh data dir, the embedded Redis, one worker. The data dir is
+    given relative to the working directory the commands run in (``cwd``): a relative one had
+    made the embedded Redis fail to start, and ``status`` miss its socket."""
     config = tmp_path / "codingcode.yaml"
     config.write_text("context:\n  compactionModel: extractive\n")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
-    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_DATA_DIR=str(tmp_path / "data"))
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_DATA_DIR="data")
     process = subprocess.Popen(
         [sys.executable, "-m", "compactor", "serve", "--config", str(config), "--workers", "1",
          "--port", str(port), "--log-level", "WARNING"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    info = {"process": process, "port": port, "env": env, "config": config,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    info = {"process": process, "port": port, "env": env, "config": config, "cwd": tmp_path,
             "data": tmp_path / "data", "url": f"http://127.0.0.1:{port}"}
     try:
         yield info
@@ -199,13 +201,13 @@ def test_serve_runs_the_stack_on_embedded_redis_and_stops_cleanly(served: dict[s
 
     status = subprocess.run(  # finds the embedded Redis through its socket: no REDIS_URL
         [sys.executable, "-m", "compactor", "status", "--json"], check=False, env=served["env"],
-        capture_output=True, text=True, timeout=60)
+        capture_output=True, text=True, timeout=60, cwd=served["cwd"])
     assert status.returncode == 0, status.stderr
     assert [row["sessionId"] for row in json.loads(status.stdout)] == ["s1"]
 
     second = subprocess.run(
         [sys.executable, "-m", "compactor", "serve", "--port", str(free_port())],
-        check=False, env=served["env"], capture_output=True, text=True, timeout=60)
+        check=False, env=served["env"], capture_output=True, text=True, timeout=60, cwd=served["cwd"])
     assert second.returncode == 2 and "already runs" in second.stderr
 
     process.send_signal(signal.SIGTERM)
