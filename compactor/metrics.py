@@ -28,6 +28,8 @@ Invariants:
   children), every process writes its values to files there and the API
   aggregates them with ``MultiProcessCollector``. Unset, each process exposes
   its own values (``REGISTRY``).
+- The shared directory is created when missing; at a stack's start only the files of
+  processes of this host that are gone are removed (``prepare_multiprocess_dir``).
 - A process's files are named by host name and pid (``counter_{host}-{pid}.db``),
   not by pid alone: the containers of a docker compose stack share the directory
   and each runs its process as pid 1, and two processes writing one file lose
@@ -36,6 +38,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Iterable
@@ -61,7 +64,24 @@ def process_identifier() -> str:
     return f"{HOST}-{os.getpid()}"
 
 
-if os.environ.get(MULTIPROC_ENV):  # before any metric (here or in the API) has a value
+def _usable_multiprocess_dir() -> bool:
+    """Whether ``PROMETHEUS_MULTIPROC_DIR`` is set and usable (created when missing: a missing one
+    made every command die with a traceback at its first metric). One that cannot be created is
+    dropped from the environment with a warning: this process and its children count alone."""
+    directory = os.environ.get(MULTIPROC_ENV)
+    if not directory:
+        return False
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        logging.getLogger(__name__).warning("%s=%s cannot be used (%s): metrics are per process", MULTIPROC_ENV,
+                                            directory, e.strerror or e)
+        del os.environ[MULTIPROC_ENV]
+        return False
+    return True
+
+
+if _usable_multiprocess_dir():  # before any metric (here or in the API) has a value
     values.ValueClass = values.MultiProcessValue(  # type: ignore[no-untyped-call]
         process_identifier)
 
@@ -105,11 +125,26 @@ def multiprocess_dir() -> str | None:
 
 
 def prepare_multiprocess_dir(directory: Path) -> Path:
-    """Create ``directory`` and remove the metric files a previous run left there."""
+    """Create ``directory`` and remove the metric files that processes of this host no longer
+    running left there. A live process's files stay (another stack sharing the directory: its
+    counters had stopped at zero, written to files no longer there), as do other hosts' (the
+    containers of a compose stack, whose processes cannot be seen from here)."""
     directory.mkdir(parents=True, exist_ok=True)
-    for stale in directory.glob("*.db"):
-        stale.unlink(missing_ok=True)
+    for stale in directory.glob("*.db"):  # ``{kind}_{host}-{pid}.db``, the kind with ``_`` in it at times
+        prefix, _, pid = stale.stem.rpartition("-")
+        if not pid.isdigit() or (prefix.endswith(f"_{HOST}") and not _running(int(pid))):
+            stale.unlink(missing_ok=True)  # not named by ``process_identifier``, or ours and gone
     return directory
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def reason_kind(reason: str) -> str:

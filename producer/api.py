@@ -40,7 +40,7 @@ import redis
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.routing import Mount
+from starlette.routing import Mount, Route
 
 from compactor import __version__
 from compactor.queue import enqueue_forced_compaction
@@ -313,7 +313,8 @@ def create_app(settings: Settings, redis: redis.Redis | None = None) -> FastAPI:
     app.add_middleware(RequestGuard, token=settings.api.token,
                        max_body_bytes=settings.limits.max_body_bytes)
     routes = [route for router in (*STATUS_ROUTERS, sessions, jobs, ops) for route in router.routes]
-    app.add_middleware(HttpMetrics, registry=registry,  # the routers in the order they were included
-                       routes=[*routes, *(route for route in app.routes if isinstance(route, Mount))])
+    app.add_middleware(HttpMetrics, registry=registry,  # the routers in the order they were included, then
+                       routes=[*routes, *(route for route in app.routes  # the docs' routes and the static files
+                                          if isinstance(route, (Route, Mount)))])
     _install_openapi(app, bearer=bool(settings.api.token))
     return app

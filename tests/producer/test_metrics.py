@@ -217,6 +217,8 @@ def test_requests_refused_before_routing_count_under_their_route(msettings: Sett
         client.put("/api/sessions/s1/events")  # the path's route, for another method
         client.get("/nowhere")
         client.post("/api/sessions/s1/events", headers={**auth, "Content-Length": str(10**9)})
+        for docs in ("/openapi.json", "/docs", "/redoc"):  # FastAPI's own routes (they answer 200)
+            client.get(docs, headers=auth)
         after = scrape_with(client, auth)
     counted = functools.partial(delta, before, after, "compactor_http_requests_total")
     assert counted(method="GET", route="/api/sessions/{session_id}", status="401") == 1
@@ -224,6 +226,8 @@ def test_requests_refused_before_routing_count_under_their_route(msettings: Sett
     assert counted(method="PUT", route="/api/sessions/{session_id}/events", status="401") == 1
     assert counted(method="GET", route="unmatched", status="401") == 1
     assert counted(method="POST", route="/api/sessions/{session_id}/events", status="413") == 1
+    for docs in ("/openapi.json", "/docs", "/redoc"):
+        assert counted(method="GET", route=docs, status="200") == 1, docs
 
 
 def scrape_with(client: TestClient, headers: dict[str, str]) -> Samples:
@@ -333,6 +337,53 @@ def test_multiprocess_mode_aggregates_every_process(tmp_path: Path, redis_url: s
     assert value(samples, "compactor_http_requests_total",
                  method="GET", route="/healthz", status="200") == 1
     assert value(samples, "compactor_redis_up") == 1
+
+
+def test_a_stack_starting_on_a_shared_directory_keeps_the_files_of_live_processes(
+        tmp_path: Path, redis_url: str) -> None:
+    """Two ``serve`` with one exported PROMETHEUS_MULTIPROC_DIR: the second one's start deleted the
+    first one's files under its running processes, whose counters then stayed at 0 for good."""
+    from compactor.metrics import HOST
+
+    shared = metrics_dir(tmp_path)
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    running = subprocess.Popen([sys.executable, "-c", AS_RUNNING], env=env, text=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert running.stdout is not None and running.stdout.readline() == "started\n"
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        for name in (f"counter_{HOST}-{gone.pid}.db", "counter_123.db", "counter_other-host-7.db"):
+            (shared / name).write_bytes(b"")
+        metrics_dir(tmp_path)  # the second stack starts
+        assert sorted(p.name for p in shared.glob("*.db")) == sorted(
+            ["counter_other-host-7.db", *(f"{kind}_{HOST}-{running.pid}.db" for kind in ("counter", "histogram"))])
+        running.communicate("go\n", timeout=60)
+    finally:
+        running.kill()
+    (shared / "counter_other-host-7.db").unlink()  # (not a metrics file)
+    samples = _scraped(tmp_path, redis_url, env)
+    assert value(samples, "compactor_events_ingested_total", type="user") == 3
+
+
+AS_RUNNING = """
+import sys
+from compactor import metrics
+ingested = metrics.EVENTS_INGESTED.labels("user")
+metrics.JOB_SECONDS.labels("micro")
+print("started", flush=True)
+sys.stdin.readline()
+ingested.inc(3)
+"""
+
+
+def test_a_missing_multiprocess_directory_is_created(tmp_path: Path) -> None:
+    """Every command died with a FileNotFoundError traceback at its first metric."""
+    missing = tmp_path / "not" / "yet"
+    done = subprocess.run([sys.executable, "-c", AS_RUNNING], env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(
+        missing)}, input="go\n", text=True, capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert any(p.name.startswith("counter_") for p in missing.glob("*.db"))
 
 
 def _scraped(tmp_path: Path, redis_url: str, env: dict[str, str]) -> Samples:
