@@ -23,7 +23,8 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 FORMATS = ("text", "json")
 # Attributes every LogRecord has; anything else on a record came from ``extra=``.
 _STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
-    "message", "asctime", "taskName"}
+    "message", "asctime", "taskName",
+    "color_message"}  # uvicorn's message again, with terminal colour codes: not a field
 
 
 def record_extras(record: logging.LogRecord) -> dict[str, Any]:

@@ -49,6 +49,13 @@ def test_json_record_stays_one_line_with_newlines_exceptions_and_odd_values() ->
     assert "ValueError: boom" in data["exc"] and data["payload"].startswith("<object")
 
 
+def test_uvicorns_coloured_copy_of_the_message_is_not_a_field() -> None:
+    """uvicorn passes ``extra={"color_message": ...}`` (the message with terminal colour codes)."""
+    data = json.loads(JsonFormatter().format(record(
+        "Started server process [%d]", (7,), color_message="Started server process [\x1b[36m%d\x1b[0m]")))
+    assert data["msg"] == "Started server process [7]" and "color_message" not in data
+
+
 def test_unknown_format_is_refused() -> None:
     with pytest.raises(ValueError, match="text, json"):
         make_formatter("xml")
