@@ -6,7 +6,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     LITELLM_LOCAL_MODEL_COST_MAP=True \
-    COMPACTION_DATA_DIR=/data
+    COMPACTION_DATA_DIR=/data \
+    COMPACTION_API_HOST=0.0.0.0
 
 WORKDIR /app
 COPY pyproject.toml README.md ./
@@ -23,8 +24,10 @@ USER compactor
 VOLUME ["/data"]
 EXPOSE 8080
 
+# (shell form: the port follows COMPACTION_API_PORT, as the API does)
 HEALTHCHECK --interval=15s --timeout=10s --start-period=30s \
-  CMD ["compactor", "health", "--check", "--api", "http://127.0.0.1:8080"]
+  CMD compactor health --check --api "http://127.0.0.1:${COMPACTION_API_PORT:-8080}"
 
-# With REDIS_URL unset, `serve` runs an embedded Redis under /data/.redis.
-CMD ["compactor", "serve", "--host", "0.0.0.0"]
+# With REDIS_URL unset, `serve` runs an embedded Redis under /data/.redis. It listens on
+# COMPACTION_API_HOST (0.0.0.0 above; `docker run -e COMPACTION_API_HOST=...` changes it).
+CMD ["compactor", "serve"]

@@ -130,9 +130,22 @@ def test_the_generated_config_is_valid(compose: dict[str, Any], tmp_path: Path) 
 
 def test_dockerfile_installs_the_console_script_and_runs_serve() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert "pip install ." in text and 'CMD ["compactor", "serve", "--host", "0.0.0.0"]' in text
+    assert "pip install ." in text and '\nCMD ["compactor", "serve"]\n' in text
     for package in ("events", "producer", "worker", "compactor"):
         assert f"COPY {package} ./{package}" in text
+
+
+def test_the_images_address_and_health_check_follow_the_api_variables() -> None:
+    """``CMD serve --host 0.0.0.0`` overrode ``-e COMPACTION_API_HOST``, and the health check
+    asked port 8080 whatever ``COMPACTION_API_PORT`` said."""
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^\s+COMPACTION_API_HOST=0\.0\.0\.0$", text, re.MULTILINE)
+    check = re.search(r"^HEALTHCHECK [^\n]*\\\n\s+CMD (.+)$", text, re.MULTILINE)
+    assert check is not None and not check[1].startswith("[")  # shell form: the variable is expanded
+    for env, port in (({}, "8080"), ({"COMPACTION_API_PORT": "9191"}, "9191")):
+        said = subprocess.run(["sh", "-c", f"compactor() {{ echo \"$@\"; }}; {check[1]}"], env=env,
+                              capture_output=True, text=True, check=True).stdout
+        assert said == f"health --check --api http://127.0.0.1:{port}\n"
 
 
 # -- the smoke test ----------------------------------------------------------------------
