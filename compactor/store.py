@@ -8,7 +8,7 @@ Invariants, for every writer (watcher or worker):
   brought up to date with any lines past ``logSize`` (a crashed writer's), and
   saved with the new ``logSize`` — inside the same lock, or, when the watcher
   defers it into its batch pipeline, only if no state that has seen more of
-  the log was stored meanwhile (``SAVE_IF_NEWER``). So a stored state never
+  the log was stored meanwhile (``SAVE_STATE``). So a stored state never
   goes backwards, two writers never interleave, and any state that lags the
   log is caught up by the next writer before it is used.
 - An entry whose ``streamId`` is at or below the session's last applied one is
@@ -18,7 +18,9 @@ Invariants, for every writer (watcher or worker):
   bound to another cwd refuses the whole batch.
 - ``{p}:uuids:{id}`` holds every uuid in the log (SPEC §3: unique within the
   session). It is written with the state, extended when lines past ``logSize``
-  are folded, and rebuilt with the state from the log when Redis lost it.
+  are folded, and rebuilt with the state from the log when Redis lost it. Only a
+  state rebuilt with it creates the session's hash (``SAVE_STATE``): a hash
+  that exists vouches for the index.
 - Missing or stale state is rebuilt from the log, never guessed.
 """
 
@@ -48,18 +50,28 @@ Guard = Callable[[list[tuple[dict[str, Any], InvalidEvent]]], None]  # called wi
 UUID_INDEX_CHUNK = 10_000  # uuids per SADD when indexing a whole log
 
 # KEYS: the session hash, its uuid index, the active sessions. ARGV: the new logSize, the
-# activity score, the session id, the number n of hash fields, n field/value pairs, the uuids
-# of the lines appended (indexed even when the state is not stored: they are in the log).
-SAVE_IF_NEWER = """
-local n = tonumber(ARGV[4])
-local first, last = 5 + 2 * n, #ARGV
+# activity score, the session id, "1" to store the state only if no state that has seen more of
+# the log is stored, "1" when the state may create the hash (it and the uuid index were rebuilt
+# from the whole log), the number n of hash fields, n field/value pairs, the uuids of the lines
+# appended (indexed even when the state is not stored: they are in the log). A state that may
+# not create the hash finds it gone when Redis lost it (a restart without persistence, an
+# eviction): nothing is written then (-1), so the next writer, finding no state, rebuilds the
+# state and the uuid index from the log. (Storing it would have left an index of the new uuids
+# only, under a state whose logSize matches the log: nobody would have rebuilt it, and a
+# producer's re-sent event would have been taken for a new one.)
+SAVE_STATE = """
+if ARGV[5] ~= '1' and redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+local n = tonumber(ARGV[6])
+local first, last = 7 + 2 * n, #ARGV
 for i = first, last, 1000 do
   redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, last)))
 end
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[3])
-local stored = redis.call('HGET', KEYS[1], 'log_size')
-if stored and stored ~= '' and tonumber(stored) > tonumber(ARGV[1]) then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5, 4 + 2 * n))
+if ARGV[4] == '1' then
+  local stored = redis.call('HGET', KEYS[1], 'log_size')
+  if stored and stored ~= '' and tonumber(stored) > tonumber(ARGV[1]) then return 0 end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 7, 6 + 2 * n))
 return 1
 """
 
@@ -74,10 +86,12 @@ Stored = SessionState | None | _Unread  # a ``stored`` argument: the state a cal
 
 @dataclass
 class Lookup:
-    """``SessionStore.lookup``: per session, the uuids already taken; the states it read."""
+    """``SessionStore.lookup``: per session, the uuids already taken; the states it read; the
+    sessions it was to check whose state is gone (Redis lost it)."""
 
     taken: dict[str, set[str]]
     stored: dict[str, SessionState | None]
+    gone: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -139,25 +153,22 @@ class SessionStore:
 
     def save(
         self, state: SessionState, pipeline: Any | None = None, *, if_newer: bool = False,
-        uuids: Sequence[str] = (),
+        uuids: Sequence[str] = (), create: bool = False,
     ) -> None:
         """Store the state, index ``uuids`` (of the lines just appended) and mark the session
-        active (executed here unless ``pipeline`` is given).
+        active, in one command (``SAVE_STATE``; executed here unless ``pipeline`` is given).
 
         ``if_newer`` stores the state only when the stored one has not seen more of the
-        log (a deferred save must never overwrite a worker's later one); it is then one
-        command (``SAVE_IF_NEWER``) however many uuids.
+        log (a deferred save must never overwrite a worker's later one). ``create``: the
+        state and the uuid index were rebuilt from the whole log, so the state may create
+        the hash; any other state is stored only over one that is there.
         """
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
         mapping = state.to_hash()
-        if if_newer:
-            flat = [item for pair in mapping.items() for item in pair]
-            pipe.eval(SAVE_IF_NEWER, 3, self.keys.session(state.session_id), self.keys.uuids(state.session_id),
-                      self.keys.sessions, state.log_size, time.time(), state.session_id, len(mapping), *flat, *uuids)
-        else:
-            self._index(state.session_id, uuids, pipe)
-            pipe.hset(self.keys.session(state.session_id), mapping=mapping)  # type: ignore[arg-type]
-            pipe.zadd(self.keys.sessions, {state.session_id: time.time()})
+        flat = [item for pair in mapping.items() for item in pair]
+        pipe.eval(SAVE_STATE, 3, self.keys.session(state.session_id), self.keys.uuids(state.session_id),
+                  self.keys.sessions, state.log_size, time.time(), state.session_id, "1" if if_newer else "0",
+                  "1" if create else "0", len(mapping), *flat, *uuids)
         if pipeline is None:
             pipe.execute()
 
@@ -170,12 +181,10 @@ class SessionStore:
         return rebuild(session_id, cwd, events, self.settings.context, size)
 
     def refresh(self, session_id: str, cwd: str, log: SessionLog | None = None) -> SessionState:
-        """Rebuild the state from the log and save it."""
+        """Rebuild the state and the uuid index from the log and save them."""
         log = log or self.log(session_id, cwd)
         with log.lock():
-            state = self.rebuild(session_id, cwd, log)
-            self.save(state)
-        return state
+            return self._reindex(session_id, cwd, log)[0]
 
     def current(
         self,
@@ -230,16 +239,19 @@ class SessionStore:
         self, session_id: str, cwd: str, log: SessionLog, pipeline: Any | None = None,
     ) -> tuple[SessionState, set[str]]:
         """Rebuild the state and the uuid index from the whole log (Redis lost them); the
-        state and the log's uuids. With ``pipeline`` the index is rebuilt there (queued)."""
+        state and the log's uuids. With ``pipeline`` the index is rebuilt there (queued; the
+        caller saves the state, with ``create``), else the index and the state are stored here."""
         size = log.complete_size()
         events = log.read() if size else []
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.uuids(session_id))
         self._index_uuids(session_id, events, pipe)
-        if pipeline is None:
-            pipe.execute()
         uuids = {e["uuid"] for e in events if isinstance(e.get("uuid"), str)}
-        return rebuild(session_id, cwd, events, self.settings.context, size), uuids
+        state = rebuild(session_id, cwd, events, self.settings.context, size)
+        if pipeline is None:
+            self.save(state, pipe, create=True)  # the hash again, vouching for the index
+            pipe.execute()
+        return state, uuids
 
     def _index_uuids(self, session_id: str, events: list[dict[str, Any]], pipeline: Any | None = None) -> None:
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
@@ -255,27 +267,32 @@ class SessionStore:
         """Per session, the uuids among its events that its log already holds (one round trip)."""
         return self.lookup(events_by_session).taken
 
-    def lookup(self, events_by_session: dict[str, list[dict[str, Any]]], load: Iterable[str] = ()) -> Lookup:
+    def lookup(self, events_by_session: dict[str, list[dict[str, Any]]], load: Iterable[str] = (),
+               check: Iterable[str] = ()) -> Lookup:
         """In one round trip: per session, the uuids among its events its log already
-        holds, and the stored state of each session in ``load`` (None when Redis has none)."""
+        holds; the stored state of each session in ``load`` (None when Redis has none); and
+        which sessions of ``check`` (those a caller holds a state of) Redis has no state of."""
         asked = {sid: [e["uuid"] for e in events if isinstance(e.get("uuid"), str)]
                  for sid, events in events_by_session.items()}
         asked = {sid: uuids for sid, uuids in asked.items() if uuids}
-        loading = list(load)
-        if not asked and not loading:
+        loading, checking = list(load), list(check)
+        if not asked and not loading and not checking:
             return Lookup({sid: set() for sid in events_by_session}, {})
         pipe = self.redis.pipeline(transaction=False)
         for sid, uuids in asked.items():
             pipe.smismember(self.keys.uuids(sid), uuids)
         for sid in loading:
             pipe.hgetall(self.keys.session(sid))
+        for sid in checking:
+            pipe.exists(self.keys.session(sid))
         replies = pipe.execute()
         hits = dict(zip(asked, replies))
         taken = {sid: {u for u, hit in zip(asked.get(sid, []), hits.get(sid, [])) if hit}
                  for sid in events_by_session}
-        stored = {sid: SessionState.from_hash(raw) if raw else None
-                  for sid, raw in zip(loading, replies[len(asked):])}
-        return Lookup(taken, stored)
+        states = replies[len(asked):len(asked) + len(loading)]
+        stored = {sid: SessionState.from_hash(raw) if raw else None for sid, raw in zip(loading, states)}
+        gone = {sid for sid, there in zip(checking, replies[len(asked) + len(loading):]) if not there}
+        return Lookup(taken, stored, gone)
 
     def apply(
         self,
@@ -367,7 +384,8 @@ class SessionStore:
                 elif needs_rebuild:
                     state = self.rebuild(session_id, cwd, log)
             result.state = state
-            self.save(state, pipe, if_newer=pipeline is not None, uuids=_uuids(result.appended))
+            self.save(state, pipe, if_newer=pipeline is not None, uuids=_uuids(result.appended),
+                      create=log_uuids is not None)
             if pipeline is None:
                 pipe.execute()
         return result

@@ -168,7 +168,13 @@ class Watcher:
         self._next_tick = time.monotonic() + interval
 
     def _take(self, shard: int) -> None:
-        """A shard just acquired: make sure its group exists, adopt strays, sweep its PEL first."""
+        """A shard just acquired: make sure its group exists, adopt strays, sweep its PEL first.
+        The states cached of its sessions are forgotten: a shard is taken again after its lease
+        was lost, as when Redis restarted without its data (the states and uuid indexes gone,
+        which a cached state matching its log would never have noticed)."""
+        shard_of = self.store.keys.shard_of
+        for sid in [sid for sid in self._sessions if shard_of(sid) == shard]:
+            del self._sessions[sid]
         self.streams.ensure_group(shard)
         self.streams.claim_foreign(shard, self.settings.watcher.claim_idle_ms)
         self.cursors[shard] = ShardCursor()
@@ -238,7 +244,14 @@ class Watcher:
         # which the session's last applied stream id catches: only producers' uuids are looked up.
         wanted = {sid: [e.event for e in entries if not e.derived_uuid] for shard, sessions in by_session.items()
                   for sid, entries in sessions.items() if sid not in self.cursors[shard].held}
-        found = self.store.lookup(wanted, load=[sid for sid in wanted if sid not in self._sessions])
+        # A cached session whose events carry a producer's uuid is checked to be still stored: its
+        # uuid index is asked in the same round trip, and one Redis lost would pass a re-sent event.
+        found = self.store.lookup(wanted, load=[sid for sid in wanted if sid not in self._sessions],
+                                  check=[sid for sid, events in wanted.items() if events and sid in self._sessions])
+        for sid in found.gone:  # Redis lost the state (and the uuid index) of a session held here
+            logger.warning("session state gone from Redis session=%s: rebuilt from its log", sid)
+            self._sessions.pop(sid, None)
+            found.stored[sid] = None
         lost: set[int] = set()
         fired = time.monotonic()
         try:
@@ -286,8 +299,9 @@ class Watcher:
         if result.lost:
             self._lose(shard, "lease taken")
             return False
-        if result.no_group:
+        if result.no_group:  # Redis lost its data (a restart without persistence), the states with it:
             logger.warning("consumer group missing, recreating shard=%d", shard)
+            self._sessions.clear()  # none cached is trusted; each is loaded, or rebuilt from its log
             self.streams.ensure_group(shard)
             cursor.restart_sweep()
             return False

@@ -294,7 +294,7 @@ def test_lookup_reads_the_stored_states_it_is_asked_for(store: SessionStore) -> 
 def test_a_deferred_save_overtaken_by_a_later_state_still_indexes_its_uuids(
     store: SessionStore, r: redis.Redis,
 ) -> None:
-    """SAVE_IF_NEWER refuses a state older than the stored one, but the uuids of the lines it
+    """SAVE_STATE refuses a state older than the stored one, but the uuids of the lines it
     appended are in the log whatever happens to the state: they are indexed all the same."""
     store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a")])
     pipe = r.pipeline(transaction=False)
@@ -314,6 +314,32 @@ def test_a_deferred_save_is_stored_with_its_uuids_when_nothing_newer_was(store: 
     pipe.execute()
     assert store.load(SID) == result.state
     assert r.smembers(store.keys.uuids(SID)) == {b"u-a", b"u-b", b"te1"}
+
+
+def test_a_cached_state_does_not_recreate_a_state_redis_lost(store: SessionStore, r: redis.Redis) -> None:
+    """A writer holding a state that matches the log (the watcher's cache) appends after Redis lost
+    the session: storing that state would have left an index of the new uuids only, under a
+    ``logSize`` matching the log, which no writer would rebuild. Nothing is stored; the next
+    writer finds no state and rebuilds both from the log."""
+    held = store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a")]).state
+    r.delete(store.keys.session(SID), store.keys.uuids(SID))  # Redis lost them
+    pipe = r.pipeline(transaction=False)
+    store.apply(SID, CWD, [user(1, "b", "2-0", uuid="u-b")], pipeline=pipe, cached=held, stored=held)
+    assert pipe.execute()[-1] == -1
+    assert not r.exists(store.keys.session(SID)) and not r.exists(store.keys.uuids(SID))
+    again = store.apply(SID, CWD, [user(1, "c", "3-0", uuid="u-a")])  # a re-sent uuid
+    assert [str(e) for _, e in again.rejected] == ["uuid: 'u-a' duplicates an event already in this session"]
+    assert r.smembers(store.keys.uuids(SID)) == {b"u-a", b"u-b"}
+    assert store.load(SID) == again.state and again.state.events == 2
+
+
+def test_lookup_tells_which_held_sessions_redis_has_no_state_of(store: SessionStore, r: redis.Redis) -> None:
+    store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a")])
+    store.apply("other", CWD, [user(1, "a", "1-0", uuid="u-o")])
+    r.delete(store.keys.session("other"))
+    found = store.lookup({SID: [user(1, "b", uuid="u-x")], "other": [user(1, "b", uuid="u-y")]},
+                         check=[SID, "other"])
+    assert found.gone == {"other"}
 
 
 @pytest.mark.parametrize("recorded", ["other", "none"])

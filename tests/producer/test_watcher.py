@@ -346,3 +346,48 @@ def test_a_shard_whose_take_failed_is_taken_again_on_the_next_tick(
     drain(watcher, r, fast)
     assert failed[0] in watcher.cursors
     assert [e["type"] for e in log_lines(fast, "s1")] == ["user", "turn_end"]
+
+
+def test_a_redis_restarted_without_its_data_still_refuses_a_re_sent_uuid(tmp_path: Path) -> None:
+    """Redis restarted empty under a running watcher, and the agent re-sent what it was not sure
+    had landed: the watcher's cached states matched the logs, so the uuid index was never rebuilt,
+    and both events were appended again; later saves then stored a state over an index of the new
+    uuids only, which no writer rebuilt, so even a new watcher let a re-sent event in."""
+    from compactor.embedded import EmbeddedRedis
+    from compactor.store import SessionStore
+
+    def restart(server: EmbeddedRedis) -> EmbeddedRedis:
+        server.stop()
+        return EmbeddedRedis(server.directory, persist=False).start()
+
+    server = EmbeddedRedis(tmp_path / "redis", persist=False).start()
+    try:
+        r = redis.Redis.from_url(server.url)
+        fast = fast_settings(tmp_path / "data", server.url)
+        publisher = Publisher(r, fast)
+        first = {**user(1), "uuid": "u-1"}
+        watcher = Watcher(r, fast, name="w")
+        publisher.publish("rr", CWD, [first])
+        drain(watcher, r, fast)
+        server = restart(server)
+        publisher.publish("rr", CWD, [first, {**turn_end(1), "uuid": "e-1"},  # re-sent, then new ones
+                                      {**user(2, "new"), "uuid": "n-2"}])
+        drain(watcher, r, fast)
+        assert [line["uuid"] for line in log_lines(fast, "rr")] == ["u-1", "e-1", "n-2"]
+        refused = [fields[b"reason"].decode() for _, fields in r.xrange(Keys().dead)]
+        assert refused == ["uuid: 'u-1' duplicates an event already in this session"]
+
+        server = restart(server)
+        publisher.publish("rr", CWD, [user(3, "no uuid of its own")])  # a save from the cached state only
+        drain(watcher, r, fast)
+        stored = SessionStore(r, fast).load("rr")
+        assert stored is not None and stored.events == 4  # rebuilt from the whole log, not the cache
+        assert r.smembers(Keys().uuids("rr")) >= {b"u-1", b"e-1", b"n-2"}
+        watcher.close()
+        fresh = Watcher(r, fast, name="w2")
+        publisher.publish("rr", CWD, [{**user(4, "again"), "uuid": "u-1"}])
+        drain(fresh, r, fast)
+        assert [line["uuid"] for line in log_lines(fast, "rr")][:3] == ["u-1", "e-1", "n-2"]
+        assert sum(line["uuid"] == "u-1" for line in log_lines(fast, "rr")) == 1
+    finally:
+        server.stop()
