@@ -7,8 +7,11 @@ Every error is ``{"error": {"code", "message"}}`` (SPEC §7):
     401 unauthorized     ``api.token`` is set and the token is missing or wrong
     404 not_found        no log file for the session, an unknown job or route
     413 payload_too_large  the body is over ``limits.maxBodyBytes`` (declared or streamed)
+    500 log_unreadable   the session's log is corrupt (a line that is not JSON) or cannot be read
+    500 internal_error   anything else unexpected (the traceback goes to the log)
     502 compaction_failed  a forced compaction whose job failed (the LLM call, mostly)
-    503 redis_unavailable  Redis does not answer
+    503 redis_unavailable  Redis does not answer, or refuses to serve (MISCONF: its disk
+                         is full; READONLY; OOM; LOADING)
 
 ``RequestGuard`` is pure ASGI (no BaseHTTPMiddleware): it checks the token
 before anything else runs (every path but ``/healthz``, the status page and
@@ -49,7 +52,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from events.errors import InvalidInput, SessionNotFound
+from events.errors import InvalidInput, LogCorrupted, LogWriteFailed, SessionNotFound
 from events.checks import check_json
 from events.models import json_path
 
@@ -201,6 +204,20 @@ def install_error_handlers(app: FastAPI) -> None:
         logger.warning("redis unavailable path=%s error=%s", request.url.path, exc)
         return error_response(503, f"Redis is unreachable: {exc}")
 
+    async def redis_refused(request: Request, exc: Exception) -> JSONResponse:
+        # MISCONF (its disk is full), READONLY (a replica), OOM, LOADING: up, but not serving
+        logger.warning("redis refused path=%s error=%s", request.url.path, exc)
+        return error_response(503, f"Redis refused the request: {exc}")
+
+    async def storage(request: Request, exc: Exception) -> JSONResponse:
+        logger.error("session log unusable path=%s error=%s", request.url.path, exc)
+        return error_response(500, str(exc), "log_unreadable")
+
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        # (Starlette logs the traceback after this answer; the body keeps SPEC §7's shape)
+        return error_response(500, f"internal error ({type(exc).__name__}); the API's log has the details",
+                              "internal_error")
+
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(InvalidInput, invalid_input)
     app.add_exception_handler(SessionNotFound, not_found)
@@ -208,6 +225,10 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(redis.ConnectionError, redis_down)
     app.add_exception_handler(redis.TimeoutError, redis_down)
+    app.add_exception_handler(redis.RedisError, redis_refused)
+    app.add_exception_handler(LogCorrupted, storage)
+    app.add_exception_handler(LogWriteFailed, storage)
+    app.add_exception_handler(Exception, internal)
 
 
 def unauthorized_response() -> JSONResponse:

@@ -141,6 +141,45 @@ def test_openapi_schema_lists_every_route_with_camelcase_models(client: TestClie
     assert {"200", "202", "404", "502"} <= set(compact)
 
 
+def test_a_corrupt_log_is_a_json_500_naming_the_line(api_settings: Settings, r: redis.Redis) -> None:
+    """It was a plain-text ``Internal Server Error``, the cause only in the API's log."""
+    write_session(r, api_settings, 2)
+    log = SessionLog(api_settings.data_dir, CWD, SID)
+    lines = log.path.read_bytes().splitlines(keepends=True)
+    log.path.write_bytes(b"".join([*lines[:3], b'{"type":"user","turnId":2,"cont\n', *lines[3:]]))
+    with TestClient(create_app(api_settings, redis=r), raise_server_exceptions=False) as test_client:
+        for path in (f"/api/sessions/{SID}?cwd={CWD}", f"/api/sessions/{SID}/context?cwd={CWD}"):
+            response = test_client.get(path)
+            assert response.status_code == 500, path
+            error = error_of(response)
+            assert error["code"] == "log_unreadable" and "line 4 " in error["message"], error
+
+
+def test_a_redis_that_refuses_writes_is_a_json_503(api_settings: Settings, r: redis.Redis) -> None:
+    """A Redis whose disk is full answers MISCONF to every write: the API answered a plain-text
+    500. (Refusing writes for want of replicas is a refusal of the same kind, and can be asked for.)"""
+    r.config_set("min-replicas-to-write", 1)
+    try:
+        with TestClient(create_app(api_settings, redis=r), raise_server_exceptions=False) as test_client:
+            response = test_client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": turn(1)})
+    finally:
+        r.config_set("min-replicas-to-write", 0)
+    assert response.status_code == 503
+    error = error_of(response)
+    assert error["code"] == "redis_unavailable" and "NOREPLICAS" in error["message"], error
+
+
+def test_an_unexpected_error_keeps_the_error_shape(api_settings: Settings, r: redis.Redis,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    write_session(r, api_settings, 1)
+    monkeypatch.setattr(SessionStore, "load", lambda *_: 1 / 0)
+    with TestClient(create_app(api_settings, redis=r), raise_server_exceptions=False) as test_client:
+        response = test_client.get(f"/api/sessions/{SID}?cwd={CWD}")
+    assert response.status_code == 500
+    assert error_of(response) == {"code": "internal_error",
+                                  "message": "internal error (ZeroDivisionError); the API's log has the details"}
+
+
 # -- auth ---------------------------------------------------------------------------------
 
 @pytest.fixture
