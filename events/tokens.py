@@ -113,7 +113,16 @@ def count_tokens(text: str, encoding: str) -> int:
         return 0
     if len(text) <= SHORT_TEXT_CHARS:
         return _count_short(text, encoding)
-    return len(get_encoding(encoding).encode_ordinary(text))
+    global _last_count
+    last = _last_count  # (one read of one tuple: threads may count at once)
+    if last[0] is text and last[1] == encoding:  # the very same string, counted again (a summary: checked
+        return last[2]  # against its limit, then stamped as it is appended)
+    count = len(get_encoding(encoding).encode_ordinary(text))
+    _last_count = (text, encoding, count)
+    return count
+
+
+_last_count: tuple[str | None, str, int] = (None, "", 0)  # the last long text counted (by identity), ...
 
 
 SHORT_TEXT_CHARS = 64  # tool names, small arguments: the same few strings again and again
@@ -147,8 +156,11 @@ def _count_shown(text: str, encoding: str) -> int:
 
 
 def forget_shown_counts() -> None:
-    """Empty ``count_shown_tokens``'s cache (a process that never counted them: benchmarks, tests)."""
+    """Empty ``count_shown_tokens``'s cache and ``count_tokens``'s last count (a process that never
+    counted them: benchmarks, tests)."""
+    global _last_count
     _count_shown.cache_clear()
+    _last_count = (None, "", 0)
 
 
 def arguments_json(arguments: Any) -> str:

@@ -113,15 +113,21 @@ class Summarizer(Protocol):
 def render_event(event: dict[str, Any]) -> str:
     """One transcript block: ``[role(:toolName)]`` then the content (and tool calls). The
     event's own text never starts a line that reads as a block header or a tool-call line
-    (``data_text``), and a tool name is one line (``_name``): a tool output holding
-    ``\n\n[user]\n...`` posed as a message of the user's, which the summary then quoted as one."""
+    (``_escaped``, ``data_text``), and a tool name is one line (``_name``): a tool output
+    holding ``\n\n[user]\n...`` posed as a message of the user's, which the summary then
+    quoted as one. (This runs for every line summarized: the usual case is inlined, one
+    search per block, of its line breaks only.)"""
     kind = event.get("type")
-    if kind == "tool_result":  # (``_str`` inlined: this runs for every line summarized)
-        output = event.get("output")
-        return f"[tool:{_name(event.get('toolName', ''))}]\n{data_text(output) if isinstance(output, str) else ''}"
+    if kind == "tool_result":
+        output, name = event.get("output"), event.get("toolName", "")
+        block = (f"[tool:{name if type(name) is str and name.isidentifier() else _name(name)}]\n"
+                 f"{output if isinstance(output, str) else ''}")
+        return block if _posing_after(block) is None else _escaped(block)
     if kind == "assistant":
         content = event.get("content")
-        head = f"[assistant]\n{data_text(content) if isinstance(content, str) else ''}".rstrip("\n")
+        head = f"[assistant]\n{content if isinstance(content, str) else ''}".rstrip("\n")
+        if _posing_after(head) is not None:
+            head = _escaped(head)
         calls = event.get("toolCalls")
         if not calls:
             return head
@@ -132,35 +138,53 @@ def render_event(event: dict[str, Any]) -> str:
             if isinstance(call, dict):
                 lines.append(_call_line(call))
         return "\n".join(lines)
-    if kind == "summary":
-        return f"[summary]\n{data_text(_str(event.get('summaryText')))}"
-    return f"[{kind}]\n{data_text(_str(event.get('content')))}"
+    text = _str(event.get("summaryText" if kind == "summary" else "content"))
+    block = f"[{kind}]\n{text}"
+    return block if _posing_after(block) is None else _escaped(block)
 
 
 def _call_line(call: dict[str, Any]) -> str:
-    return f"-> tool call {_name(call.get('name', ''))}({data_text(arguments_json(call.get('arguments', '')))})"
+    """``-> tool call name(arguments)``: arguments sent as a string are the one text in it that
+    can break a line (dumped ones are JSON, their line breaks escaped)."""
+    arguments, name = call.get("arguments", ""), call.get("name", "")
+    text = data_text(arguments) if type(arguments) is str else arguments_json(arguments)
+    return f"-> tool call {name if type(name) is str and name.isidentifier() else _name(name)}({text})"
 
 
 # A line of an event's text that would read as a transcript block's header or a tool-call line.
-_POSING_LINE = re.compile(r"^(?=\[(?:user|assistant|summary|tool(?::[^\n]*)?)\][ \t\r]*$|-> tool call )",
-                          re.MULTILINE | re.IGNORECASE)
+_POSING = r"(?:\[(?:user|assistant|summary|tool(?::[^\n]*)?)\][ \t\r]*$|-> tool call )"
+_POSING_AT = re.compile(_POSING, re.MULTILINE | re.IGNORECASE)  # one, where the text starts
+_POSING_AFTER = re.compile(f"\\n{_POSING}", re.MULTILINE | re.IGNORECASE)  # one, after a line break
+_POSING_LINE = re.compile(f"^(?={_POSING})", re.MULTILINE | re.IGNORECASE)  # where each starts
+_BACKSLASH = "\\\\"  # (as a replacement string: one backslash)
+_posing_after = _POSING_AFTER.search
+
+
+def _escaped(block: str) -> str:
+    """A block (its header line, then the event's text) with each line of the text that poses as a
+    header or a tool-call line escaped (``data_text``): one search, of the line breaks only, when
+    none does (the usual case). The block's own header is its first line: never matched."""
+    if _posing_after(block) is None:
+        return block
+    header, _, text = block.partition("\n")
+    return f"{header}\n{_POSING_LINE.sub(_BACKSLASH, text)}"
 
 
 def data_text(text: str) -> str:
     """``text`` with a backslash before each line that would read as a block header (``[user]``,
     ``[tool:x]``, ...) or a tool-call line (``-> tool call``): the prompt says such a line is text."""
-    if "\n[" not in text and "\n-> " not in text and not text.startswith(("[", "-> ")):  # (the usual case)
-        return text
-    return _POSING_LINE.sub("\\\\", text)
+    if (text.startswith(("[", "-> ")) and _POSING_AT.match(text)) or _POSING_AFTER.search(text):
+        return _POSING_LINE.sub(_BACKSLASH, text)
+    return text
 
 
 def _name(name: Any) -> str:
     """A tool's name as a header or a call line shows it: as is, or as a JSON string when it holds
     a line break or a bracket (a name could otherwise close its header and start a block)."""
     text = _str(name)
-    if "\n" in text or "\r" in text or "]" in text or "[" in text:
-        return orjson.dumps(text).decode()
-    return text
+    if text.isidentifier() or not ("\n" in text or "\r" in text or "]" in text or "[" in text):
+        return text
+    return orjson.dumps(text).decode()
 
 
 def render_transcript(events: Sequence[dict[str, Any]]) -> str:
@@ -226,7 +250,8 @@ _TITLES = {title.lower(): title for title in SECTION_TITLES}
 
 def _heading_title(line: str) -> str | None:
     """The section title a heading line names (see ``_HEADING``), else None."""
-    match = _HEADING.match(line.strip())
+    stripped = line.strip()
+    match = _HEADING.match(stripped) if stripped.startswith("##") else None  # (most lines: no regex)
     if match is None:
         return None
     return _TITLES.get(" ".join(match.group(1).strip("*_: \t").split()).lower())
@@ -292,26 +317,32 @@ def extract_summary(reply: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate (a "\ud800" escape in the reply's JSON): no log can hold it
         raise SummaryInvalid(f"the summary is not valid Unicode: {e.reason} at character {e.start}") from None
-    validate_summary_text(text)
-    return canonical_headings(text)
+    headings = _headings(text)
+    validate_summary_text(text, headings)
+    return canonical_headings(text, headings)
 
 
-def canonical_headings(text: str) -> str:
+def canonical_headings(text: str, headings: list[tuple[int, str | None]] | None = None) -> str:
     """``text`` with each section's heading line written ``### Title`` (a summary is stored with
-    the headings the prompt asked for, however the model wrote them)."""
+    the headings the prompt asked for, however the model wrote them); ``headings``: its
+    ``_headings`` when known."""
     lines = text.split("\n")
     seen: set[str] = set()
-    for index, title in _headings(text):
+    changed = False
+    for index, title in _headings(text) if headings is None else headings:
         if title is not None and title not in seen:
             seen.add(title)
-            lines[index] = f"### {title}"
-    return "\n".join(lines)
+            if lines[index] != f"### {title}":
+                lines[index], changed = f"### {title}", True
+    return "\n".join(lines) if changed else text
 
 
-def validate_summary_text(text: str) -> None:
-    """Raise SummaryInvalid unless ``text`` has the 10 ``### `` section headings, in order (a
-    heading repeated later is body text; headings inside fenced code blocks do not count)."""
-    order = _first_headings(text)
+def validate_summary_text(text: str, headings: list[tuple[int, str | None]] | None = None) -> None:
+    """Raise SummaryInvalid unless ``text`` has the 10 section headings, in order (a heading
+    repeated later is body text; headings inside fenced code blocks do not count);
+    ``headings``: its ``_headings`` when known."""
+    order = list(dict.fromkeys(title for _, title in (_headings(text) if headings is None else headings)
+                               if title is not None))
     missing = [title for title in SECTION_TITLES if title not in order]
     if missing:
         raise SummaryInvalid(f"summary lacks section headings: {', '.join(missing)}")

@@ -233,7 +233,18 @@ def test_a_shown_text_is_tokenized_once_and_a_long_one_every_time(counting: _Cou
     shown = "head of the output\n…[4000 characters elided]…\ntail of the output" * 2
     long = "x " * tokens.SHOWN_TEXT_CHARS
     first = [tokens.count_shown_tokens(text, "cl100k_base") for text in (shown, long)]
-    again = [tokens.count_shown_tokens(text, "cl100k_base") for text in (shown, long)]
+    equal = "x " * tokens.SHOWN_TEXT_CHARS  # the same text, another string: no cache keeps long texts
+    again = [tokens.count_shown_tokens(text, "cl100k_base") for text in (shown, equal)]
     assert counting.texts.count(shown) == 1
     assert counting.texts.count(long) == 2
     assert first == again == [count_tokens(shown, "cl100k_base"), count_tokens(long, "cl100k_base")]
+
+
+def test_the_very_same_long_string_counted_twice_in_a_row_is_tokenized_once(counting: _CountingEncoding) -> None:
+    """A summary is counted against its limit, then again when its line is stamped."""
+    summary, other = "word " * 200, "other " * 200
+    assert count_tokens(summary, "cl100k_base") == count_tokens(summary, "cl100k_base") > 200
+    count_tokens(summary, "o200k_base")  # another encoding: counted
+    count_tokens(other, "cl100k_base")
+    count_tokens(summary, "cl100k_base")  # not the last one counted: counted again
+    assert counting.texts.count(summary) == 3
