@@ -6,7 +6,10 @@ call), preloads the heavy imports (litellm, the tiktoken encodings) once, then
 runs one ``CompactionWorker`` per process: in this process when N is 1, else in N forked
 children that it supervises (a child that dies is replaced, unless one has died
 ``MAX_RESPAWNS`` times within ``RESPAWN_WINDOW_S``: then all stop and
-``WorkersFailed`` says why; SIGTERM/SIGINT are passed on and waited for).
+``WorkersFailed`` says why; SIGTERM/SIGINT are passed on and waited for). A
+child whose supervisor was killed stops by itself, as ``serve``'s children do
+(``compactor.serve.exit_with_parent``): SIGTERM within a second, so it finishes
+its job, and SIGKILL 15 s later, abandoning it to the janitor below.
 
 ``CompactionWorker`` is an RQ ``SimpleWorker`` (jobs run in the worker's main
 thread: ~3 ms of RQ overhead per job against ~10 ms for a fork per job). Job
@@ -18,7 +21,10 @@ functions read, and runs a *keeper* thread that
 - heartbeats the running job every ``HEARTBEAT_INTERVAL_S`` with an execution
   TTL of ``EXECUTION_TTL_S`` (SimpleWorker's default TTL is the job timeout +
   60 s, i.e. 11 minutes before a killed job is noticed; with the keeper a
-  SIGKILLed worker's job expires ~20 s after the kill), and
+  SIGKILLed worker's job expires ~20 s after the kill), and, idle, the worker
+  itself as often (RQ's loop does only every ``WORKER_TTL_S - 15`` s): a running
+  worker's ``last_heartbeat`` is never much older, and ``compactor health
+  --workers`` counts a worker as live by it; and
 - every ``JANITOR_INTERVAL_S`` runs the janitor (in one process at a time,
   under a Redis lock): RQ's ``StartedJobRegistry.cleanup`` moves jobs whose
   execution expired to failed (``AbandonedJobError``) and frees their
@@ -67,6 +73,7 @@ from compactor.queue import (
     pending_job_id,
     sessions_to_look_at,
 )
+from compactor.serve import exit_with_parent
 from events.config import Settings
 from events.errors import CompactorError
 from events.tokens import get_encoding
@@ -126,6 +133,7 @@ class _Keeper:
     def _beat(self) -> None:
         with self._lock:
             if self._job is None:
+                self._beat_idle()
                 return
             try:
                 self.worker.maintain_heartbeats(*self._job)
@@ -133,6 +141,16 @@ class _Keeper:
                 logger.warning("heartbeat skipped worker=%s: Redis unreachable: %s", self.worker.name, e)
             except Exception:
                 logger.exception("heartbeat failed worker=%s", self.worker.name)
+
+    def _beat_idle(self) -> None:
+        """The worker's own heartbeat (``last_heartbeat``, read by ``compactor health --workers``);
+        RQ's loop gives one only every ``WORKER_TTL_S - 15`` s while it waits for a job."""
+        try:
+            self.worker.heartbeat()
+        except (redis.ConnectionError, redis.TimeoutError) as e:  # RQ's loop and the janitor say it already
+            logger.debug("idle heartbeat skipped worker=%s: Redis unreachable: %s", self.worker.name, e)
+        except Exception:
+            logger.exception("idle heartbeat failed worker=%s", self.worker.name)
 
     def _janitor(self) -> None:
         try:
@@ -205,6 +223,11 @@ class CompactionWorker(SimpleWorker):
             return bool(super().work(*args, **kwargs))
         finally:
             self._keeper.stop()
+
+    def teardown(self) -> None:
+        """Stop the keeper before RQ deletes the worker's key, so no late heartbeat recreates it."""
+        self._keeper.stop()
+        super().teardown()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
 
 
 def run_janitor(context: WorkerContext, worker: SimpleWorker | None = None) -> list[str]:
@@ -360,7 +383,8 @@ class _Supervisor:
                 signal.signal(sig, handler)
 
     def _spawn(self, index: int) -> BaseProcess:
-        process = self._mp.Process(target=_child, args=(self.settings, self.burst), name=f"compaction-worker-{index}")
+        process = self._mp.Process(target=_orphan_safe_child, args=(self.settings, self.burst, os.getpid()),
+                                   name=f"compaction-worker-{index}")
         process.start()
         logger.info("worker process started pid=%s", process.pid)
         return process
@@ -403,6 +427,12 @@ class _Supervisor:
                     os.kill(child.pid, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
                 except ProcessLookupError:
                     pass
+
+
+def _orphan_safe_child(settings: Settings, burst: bool, parent_pid: int) -> None:
+    """A forked worker process that stops by itself when its supervisor is gone (killed)."""
+    exit_with_parent(parent_pid)
+    _child(settings, burst)
 
 
 def _child(settings: Settings, burst: bool) -> None:

@@ -1,5 +1,10 @@
 """``compactor health``: is Redis (and optionally the API, a worker, a watcher) alive?
 
+A worker counts as alive while RQ's record of it (``last_heartbeat``) is under
+``WORKER_ALIVE_S`` old: every worker heartbeats each ``HEARTBEAT_INTERVAL_S``
+(5 s), idle or busy, so a killed one stops counting within 20 s, not when its
+key expires (``worker_ttl + 60`` s).
+
 Meant for container health checks: ``compactor health --check`` prints nothing
 and exits 0 when every requested check passes, 1 otherwise, also when the
 configuration does not load (a bad ``redis.url`` included) or names no Redis
@@ -15,6 +20,7 @@ import contextlib
 import io
 import logging
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -36,6 +42,9 @@ from events.errors import InvalidConfig
 logger = logging.getLogger(__name__)
 
 CHECK_TIMEOUT_S = 3.0
+# A worker is live while its last heartbeat is younger than this. Ours beat every 5 s, busy or idle
+# (worker.runner.HEARTBEAT_INTERVAL_S; not imported here: worker.runner loads litellm).
+WORKER_ALIVE_S = 20.0
 
 
 def check_redis(client: redis.Redis) -> str:
@@ -54,13 +63,21 @@ def check_api(url: str, token: str) -> str:
 
 
 def check_workers(client: redis.Redis, settings: Settings) -> str:
+    """``ok (N)``: N workers on the queue whose last heartbeat is under ``WORKER_ALIVE_S`` old
+    (a SIGKILLed worker stays registered until its key expires, up to 2 minutes)."""
     from rq import Queue, Worker
 
     queue = Queue(Keys(settings.redis.prefix, settings.redis.shards).queue, connection=client)
-    count = len(Worker.all(connection=client, queue=queue))
-    if count == 0:
+    registered = Worker.all(connection=client, queue=queue)
+    now = datetime.now(UTC)
+    live = [w for w in registered
+            if w.last_heartbeat is not None and (now - w.last_heartbeat).total_seconds() < WORKER_ALIVE_S]
+    if not registered:
         raise RuntimeError("no RQ worker registered on the queue")
-    return f"ok ({count})"
+    if not live:
+        raise RuntimeError(f"no live RQ worker on the queue: {len(registered)} registered, "
+                           f"none with a heartbeat in the last {WORKER_ALIVE_S:.0f}s")
+    return f"ok ({len(live)})"
 
 
 def check_watcher(client: redis.Redis, settings: Settings) -> str:
@@ -77,7 +94,8 @@ def health(
     api_url: Annotated[str | None, typer.Option(
         "--api", help="Also GET this API's /healthz (e.g. http://127.0.0.1:8080).")] = None,
     workers: Annotated[bool, typer.Option(
-        "--workers", help="Also require a live RQ worker on the queue.")] = False,
+        "--workers",
+        help=f"Also require a live RQ worker on the queue (a heartbeat in the last {WORKER_ALIVE_S:.0f} s).")] = False,
     watcher: Annotated[bool, typer.Option(
         "--watcher", help="Also require a watcher holding a shard lease.")] = False,
     json_out: JsonOpt = False,
