@@ -11,10 +11,18 @@ Invariants:
   overrides are removed from the children's environment so nothing differs.
 - Children run in their own sessions, so Ctrl-C reaches only the supervisor,
   which stops them in order (API, watcher, workers; then Redis). Children exit
-  by themselves when the supervisor dies (``COMPACTOR_PARENT_PID``).
+  by themselves when the supervisor dies (``COMPACTOR_PARENT_PID``; ``exit_with_parent``:
+  SIGTERM within ``PARENT_POLL_INTERVAL_S``, SIGKILL ``STOP_TIMEOUT_S`` later, as on a stop).
 - A child that dies is restarted after a short delay; one that dies
   ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S`` stops the whole stack with
   a message naming it.
+- Redis is PINGed every ``REDIS_CHECK_INTERVAL_S``. The embedded one missing
+  ``REDIS_MISSES_TO_FAIL`` checks in a row stops the stack (exit 1: our own
+  server died; whatever runs ``serve`` restarts it on its AOF). An external
+  one (``redis.url`` set) is waited for, a line per missed check, as the
+  children wait for it (the watcher and workers retry, the API answers 503);
+  meanwhile a child that exits is restarted only once Redis answers (started
+  before, it would fail its own Redis check at start and count as dying).
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 RESTART_DELAY_S = 1.0
 STOP_TIMEOUT_S = 15.0
+PARENT_POLL_INTERVAL_S = 1.0  # how often a child checks that its parent is still there
 POLL_INTERVAL_S = 0.2
 REDIS_CHECK_INTERVAL_S = 2.0
 REDIS_MISSES_TO_FAIL = 3
@@ -161,19 +170,26 @@ def child_env(parent_pid: int) -> dict[str, str]:
     return env
 
 
-def exit_with_parent() -> None:
-    """In a child of ``serve``: SIGTERM ourselves when the supervisor goes away."""
-    expected = os.environ.get(PARENT_PID_ENV)
-    if not expected or not expected.isdigit():
-        return
+def exit_with_parent(parent_pid: int | None = None) -> None:
+    """Stop this process when its parent goes away: SIGTERM, then SIGKILL ``STOP_TIMEOUT_S`` later
+    if still running, as ``Supervisor.stop`` would. The parent is ``parent_pid``, else the ``serve``
+    named by ``COMPACTOR_PARENT_PID`` (not set: nothing to watch)."""
+    if parent_pid is None:
+        expected = os.environ.get(PARENT_PID_ENV, "")
+        if not expected.isdigit():
+            return
+        parent_pid = int(expected)
+    threading.Thread(target=_stop_when_orphaned, args=(parent_pid,), name="parent-watch", daemon=True).start()
 
-    def watch() -> None:
-        while os.getppid() == int(expected):
-            time.sleep(1.0)
-        logger.warning("supervisor %s is gone; stopping", expected)
-        os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+def _stop_when_orphaned(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_INTERVAL_S)
+    logger.warning("parent %d is gone; stopping", parent_pid)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(STOP_TIMEOUT_S)
+    logger.warning("still running %.0fs after the parent went; killing", STOP_TIMEOUT_S)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -341,26 +357,42 @@ class _StopRequested:
 
 
 def supervise(stack: Stack, stop: _StopRequested) -> int:
-    """Watch the stack until a signal (exit 0) or a child or Redis fails for good (exit 1)."""
+    """Watch the stack until a signal (exit 0) or a child or the embedded Redis fails for good (exit 1)."""
     misses, next_redis_check = 0, time.monotonic()
     while stop.signal is None:
         try:
-            stack.supervisor.check()
+            if not misses:  # else a child that exited waits: started now, it would fail its Redis check
+                stack.supervisor.check()
         except ChildFailed as e:
             if not json_configured():  # (under JSON logs the error below is the operator's line)
                 print(f"compactor serve: {e}; shutting down", file=sys.stderr)
             logger.error("%s; shutting down", e)
             return 1
         if time.monotonic() >= next_redis_check:
-            misses = 0 if stack.redis_alive() else misses + 1
+            misses = _check_redis(stack, misses)
             next_redis_check = time.monotonic() + REDIS_CHECK_INTERVAL_S
-            if misses >= REDIS_MISSES_TO_FAIL:
+            if misses >= REDIS_MISSES_TO_FAIL and stack.embedded is not None:
                 announce(f"Redis at {redacted(stack.redis_url)} stopped answering; shutting down",
                          logging.ERROR)
                 return 1
         time.sleep(POLL_INTERVAL_S)
     logger.info("signal %s received; stopping", stop.signal)
     return 0
+
+
+def _check_redis(stack: Stack, misses: int) -> int:
+    """PING the stack's Redis; the checks missed in a row since it last answered. An outage of an
+    external Redis is one line per check, and one when it answers again (the children retry alone)."""
+    url = redacted(stack.redis_url)
+    if stack.redis_alive():
+        if misses and stack.embedded is None:
+            logger.info("Redis at %s answers again after %d missed checks", url, misses)
+        return 0
+    if stack.embedded is None:
+        logger.warning("Redis at %s does not answer (%d missed in a row); waiting for it, checking every "
+                       "%.0fs (a child that exits meanwhile is restarted once it answers)",
+                       url, misses + 1, REDIS_CHECK_INTERVAL_S)
+    return misses + 1
 
 
 def serve(settings: Settings, *, workers: int, host: str | None = None,
