@@ -3,6 +3,12 @@
 Each of ``watch``/``work``/``api`` is what one docker-compose service runs; they
 need a Redis URL (``REDIS_URL``) unless a ``compactor serve`` on the same data
 dir provides its embedded one. ``serve`` starts the embedded Redis itself.
+
+Redis: ``watch`` and ``work`` exit 1 (one line) when it does not answer at
+start, and ride out an outage once running (they retry); ``api`` starts
+anyway and answers 503 while Redis is down (``/healthz`` included), like
+during an outage. ``serve --port 0`` takes the port the OS picks before it
+starts anything, so its banner and the API agree.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from compactor.cli.common import (
     LogLevelOpt,
     RedisUrlOpt,
     api_socket,
+    connect,
     fail,
     load,
     redis_url_of,
@@ -32,12 +39,17 @@ from events.config import Settings
 
 logger = logging.getLogger(__name__)
 
+# On SIGTERM the API answers the requests in flight for this long, then closes the rest: a forced
+# compaction waiting for its job (up to api.jobWaitSeconds) had held a stop for 5 minutes. (The job
+# runs on; the client can ask GET /api/jobs/{id}.) Within serve's STOP_TIMEOUT_S.
+API_STOP_GRACE_S = 5
+
 HostOpt = Annotated[str | None, typer.Option(
     "--host", envvar="COMPACTION_API_HOST", show_envvar=True,
     help="Interface the API binds (default api.host, 127.0.0.1).")]
 PortOpt = Annotated[int | None, typer.Option(
     "--port", envvar="COMPACTION_API_PORT", show_envvar=True, min=0, max=65535,
-    help="API port (default api.port, 8080).")]
+    help="API port (default api.port, 8080; 0: a free one, logged, and named in serve's banner).")]
 
 
 def serve(
@@ -62,8 +74,10 @@ def serve(
     setup_logging(log_level, log_format)
     os.environ["COMPACTION_LOG_LEVEL"] = log_level  # the children log at the same level
     settings = usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir))
-    # The API child binds it in a moment: a port in use is said now, before Redis and the banner.
-    api_socket(host or settings.api.host, settings.api.port if port is None else port).close()
+    # The API child binds it in a moment: a port in use is said now, before Redis and the banner;
+    # port 0 becomes the port the OS picked here, so the banner names it (and restarts keep it).
+    with api_socket(host or settings.api.host, settings.api.port if port is None else port) as sock:
+        port = int(sock.getsockname()[1])
     with user_errors():
         code = run_serve(settings, workers=workers or settings.worker.count, host=host, port=port)
     raise typer.Exit(code)
@@ -82,6 +96,7 @@ def watch(
 
     setup_logging(log_level, log_format)
     settings = usable_data_dir(_with_redis(load(config, redis_url=redis_url, data_dir=data_dir)))
+    connect(settings).close()  # unreachable now: exit 1, as `work`; an outage later is waited out
     exit_with_parent()
     with user_errors():
         watcher_main(settings)
@@ -135,7 +150,8 @@ def api(
     sock = api_socket(settings.api.host, settings.api.port)  # before uvicorn, which exits 3 on a bind error
     exit_with_parent()
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.api.host, port=settings.api.port,
-                                           log_level=log_level.lower(), log_config=None))
+                                           log_level=log_level.lower(), log_config=None,
+                                           timeout_graceful_shutdown=API_STOP_GRACE_S))
     logger.info("API listening on http://%s", host_port(settings.api.host, sock.getsockname()[1]))
     try:
         server.run(sockets=[sock])

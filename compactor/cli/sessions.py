@@ -7,6 +7,7 @@ JSON line; ``--json`` elsewhere prints only JSON on stdout.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -15,7 +16,9 @@ from typing import Annotated, Any
 
 import typer
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -42,6 +45,10 @@ logger = logging.getLogger(__name__)
 BAR_WIDTH = 24  # characters of the context bar in a terminal of WIDE_COLUMNS or more
 NARROW_BAR_WIDTH = 12
 WIDE_COLUMNS = 120
+SESSION_WIDTH = 8  # the session column's width at least, where there is room (a longer id folds)
+SESSION_MIN_WIDTH = 6  # ... and never less: other columns are left out first
+STATUS_COLUMNS = ("turn", "context", "tokens", "failures", "job", "last compaction")
+NARROW_DROP_ORDER = ("last compaction", "context", "job", "turn", "tokens", "failures")  # to keep the session's
 UNCROPPED_COLUMNS = 10_000  # the table's width when stdout is no terminal: as wide as its content
 CONTENT_PREVIEW_CHARS = 600
 # RQ's statuses as an operator reads them: a job not yet running is "queued", whether RQ calls it
@@ -220,24 +227,52 @@ def status_table(bodies: list[SessionBody], width: int = 200, now: datetime | No
                  total: int | None = None) -> Table:
     """One row per session, fitted to a terminal ``width`` columns wide: the bar narrows
     under ``WIDE_COLUMNS`` and no header or value is broken over two lines (at 80 columns
-    only a session id over ~12 characters folds). The title says "N of M" when ``total``
-    sessions are more than the rows."""
+    only a session id over ~8 characters folds). Where even that leaves the session column
+    under ``SESSION_MIN_WIDTH``, whole columns are left out (``NARROW_DROP_ORDER``; the caption
+    names them), never the session's. The title says "N of M" when ``total`` sessions are
+    more than the rows."""
     now = now or datetime.now(UTC)
-    bar_width = BAR_WIDTH if width >= WIDE_COLUMNS else NARROW_BAR_WIDTH
     title = f"{len(bodies)} of {total} sessions" if total and total > len(bodies) else f"{len(bodies)} session(s)"
-    table = Table(title=f"compactor: {title}", box=box.SIMPLE_HEAD, expand=False,
-                  caption="┃ micro and LLM thresholds · open: LLM breaker open")
-    table.add_column("session", overflow="fold", min_width=8)
-    for header in ("turn", "context", "tokens", "failures", "job", "last compaction"):
-        table.add_column(header, no_wrap=True, justify="right" if header in ("turn", "tokens") else "left")
+    longest = max((cell_len(b.session_id) for b in bodies), default=0)
+    hidden: list[str] = []
+    table = _status_table(bodies, width, now, title, hidden)
+    for header in NARROW_DROP_ORDER:
+        if _session_room(table, width, longest) >= min(SESSION_MIN_WIDTH, longest):
+            break
+        hidden.append(header)
+        table = _status_table(bodies, width, now, title, hidden)
+    return table
+
+
+def _session_room(table: Table, width: int, longest: int) -> int:
+    """Characters left for the session column in ``width`` once every other column has its own."""
+    console = Console(width=UNCROPPED_COLUMNS, file=io.StringIO())
+    natural = Measurement.get(console, console.options, table).maximum
+    return width - natural + max(longest, cell_len("session"), SESSION_WIDTH)
+
+
+def _status_table(bodies: list[SessionBody], width: int, now: datetime, title: str,
+                  hidden: list[str]) -> Table:
+    bar_width = BAR_WIDTH if width >= WIDE_COLUMNS else NARROW_BAR_WIDTH
+    notes = [] if "context" in hidden else ["┃ micro and LLM thresholds"]
+    notes.append("open: LLM breaker open")
+    if hidden:
+        notes.append(f"hidden to fit: {', '.join(hidden)} (--json has all)")
+    caption = " · ".join(notes)
+    table = Table(title=f"compactor: {title}", box=box.SIMPLE_HEAD, expand=False, caption=caption)
+    table.add_column("session", overflow="fold", min_width=SESSION_WIDTH)
+    for header in STATUS_COLUMNS:
+        if header not in hidden:
+            table.add_column(header, no_wrap=True, justify="right" if header in ("turn", "tokens") else "left")
     for b in bodies:
         fill = fill_bar(b.prompt_estimate, b.micro_threshold, b.compaction_threshold,
                         b.context_window, bar_width)
         breaker = " [red]open[/]" if b.breaker_open else ""
         pending = (b.pending_job.status or "pending") if b.pending_job else ""
-        table.add_row(b.session_id, str(b.current_turn_id), fill,
-                      f"{b.prompt_estimate}/{b.context_window}", f"{b.failures}{breaker}",
-                      pending, _describe(b.last_compaction, now))
+        cells: dict[str, Text | str] = {
+            "turn": str(b.current_turn_id), "context": fill, "tokens": f"{b.prompt_estimate}/{b.context_window}",
+            "failures": f"{b.failures}{breaker}", "job": pending, "last compaction": _describe(b.last_compaction, now)}
+        table.add_row(b.session_id, *(cell for header, cell in cells.items() if header not in hidden))
     return table
 
 

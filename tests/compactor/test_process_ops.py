@@ -1,0 +1,401 @@
+"""The long-running processes as an operator meets them: orphans, outages, health, the banner, status.
+
+Real processes against a real Redis (the session's, or one of the test's own where
+the test stops it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import redis
+from rq import Queue, Worker
+from rq.utils import utcformat
+from typer.testing import CliRunner
+
+from compactor import serve
+from compactor.cli import app
+from compactor.cli.health import WORKER_ALIVE_S, check_workers
+from compactor.embedded import EmbeddedRedis
+from compactor.keys import Keys
+from events.config import ENV_OVERRIDES, Settings
+from tests.producer.test_api import write_session
+from worker import context as worker_context
+from tests.support import free_port, wait_for
+
+PASSWORD = "s3cret-pw"
+
+
+def process_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def compactor(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """``python -m compactor ARGS`` in its own process group, its output kept."""
+    return subprocess.Popen([sys.executable, "-m", "compactor", *args], env=env or process_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def kill_all(process: subprocess.Popen[str], others: list[int]) -> str:
+    """SIGKILL the process, its group and ``others``; what it wrote on stderr."""
+    for pid in [process.pid, *others]:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return process.communicate(timeout=30)[1]
+
+
+def registered_workers(r: redis.Redis, settings: Settings) -> list[Worker]:
+    return Worker.all(connection=r, queue=Queue(Keys(settings.redis.prefix).queue, connection=r))
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# -- orphans -----------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_work_children_stop_when_their_parent_is_killed(r: redis.Redis, settings: Settings,
+                                                        tmp_path: Path) -> None:
+    """kill -9 of ``work --count 2`` left both worker children running (PPID 1) for good."""
+    process = compactor("work", "--count", "2", "--redis-url", settings.redis.url,
+                        "--data-dir", str(tmp_path / "data"))
+    children: list[int] = []
+    try:
+        wait_for(lambda: len(registered_workers(r, settings)) == 2 or process.poll() is not None, 60,
+                 "two RQ workers")
+        assert process.poll() is None, process.communicate()[1]
+        children = [c.pid for c in psutil.Process(process.pid).children()]
+        assert len(children) == 2
+        process.kill()
+        process.wait()
+        wait_for(lambda: not any(alive(pid) for pid in children), 15, "the orphaned workers to stop")
+        assert registered_workers(r, settings) == []  # a warm stop: each left RQ's registry
+    finally:
+        kill_all(process, children)
+
+
+ORPHAN = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    if sys.argv[1:] == ["child"]:
+        from compactor import serve
+        serve.STOP_TIMEOUT_S = 1.0
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # busy: a job it will not drop for SIGTERM
+        serve.exit_with_parent(os.getppid())
+        print("ready", flush=True)
+        time.sleep(120)
+    else:
+        child = subprocess.Popen([sys.executable, __file__, "child"], stdout=subprocess.PIPE, text=True)
+        child.stdout.readline()
+        print(child.pid, flush=True)
+        time.sleep(120)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_an_orphan_that_does_not_stop_on_sigterm_is_killed(tmp_path: Path) -> None:
+    """A child that outlives its parent gets SIGTERM, then SIGKILL ``STOP_TIMEOUT_S`` later."""
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN)
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env=process_env(PYTHONPATH=str(Path(__file__).parents[2])), start_new_session=True)
+    child = 0
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        parent.kill()
+        parent.wait()
+        killed_at = time.monotonic()
+        wait_for(lambda: not alive(child), 15, "the orphan to be killed")
+        assert time.monotonic() - killed_at >= 1.0  # SIGTERM was ignored; SIGKILL came after the timeout
+    finally:
+        parent.kill()
+        parent.communicate()
+        if child and alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+# -- health --workers --------------------------------------------------------------------
+
+def test_health_counts_only_workers_with_a_recent_heartbeat(r: redis.Redis, settings: Settings) -> None:
+    from worker.runner import CompactionWorker
+
+    worker = CompactionWorker.for_settings(r, settings)
+    worker.register_birth()
+    try:
+        assert check_workers(r, settings) == "ok (1)"
+        stale = datetime.now(UTC) - timedelta(seconds=WORKER_ALIVE_S + 1)
+        r.hset(worker.key, "last_heartbeat", utcformat(stale))
+        with pytest.raises(RuntimeError, match=r"no live RQ worker on the queue: 1 registered, "
+                                               r"none with a heartbeat in the last 20s"):
+            check_workers(r, settings)
+        worker._keeper._beat()  # idle: RQ itself beats only every 45 s while it waits for a job
+        assert check_workers(r, settings) == "ok (1)"
+    finally:
+        worker.register_death()
+        worker_context.clear()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_health_workers_fails_soon_after_the_workers_are_killed(r: redis.Redis, settings: Settings,
+                                                                tmp_path: Path) -> None:
+    """``health --workers`` said ``workers ok (1)`` for ~2 minutes after kill -9 (until RQ's key expired)."""
+    runner = CliRunner()
+    args = ["health", "--workers", "--redis-url", settings.redis.url, "--data-dir", str(tmp_path / "data")]
+    process = compactor("work", "--count", "1", *args[2:])
+    try:
+        wait_for(lambda: runner.invoke(app, args).exit_code == 0 or process.poll() is not None, 60, "a live worker")
+        assert process.poll() is None, process.communicate()[1]
+        time.sleep(8)  # past a keeper heartbeat or so: the worker is idle, waiting for a job
+        assert runner.invoke(app, args).exit_code == 0
+        process.kill()
+        process.wait()
+        report = wait_for(lambda: (lambda result: result.exit_code == 1 and result.stdout)(runner.invoke(app, args)),
+                          WORKER_ALIVE_S + 10, "health to see the worker gone")
+        assert "none with a heartbeat" in report
+    finally:
+        kill_all(process, [])
+
+
+# -- Redis at start and during an outage -------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_watch_with_an_unreachable_redis_exits_1_at_once(tmp_path: Path) -> None:
+    """It logged a retry every few seconds, forever, where `work` says so and exits 1."""
+    url = f"redis://:{PASSWORD}@127.0.0.1:{free_port()}/0"
+    process = compactor("watch", "--redis-url", url, "--data-dir", str(tmp_path / "data"))
+    try:
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            kill_all(process, [])
+    assert process.returncode == 1
+    [line] = err.strip().splitlines()
+    assert line.startswith("compactor: Redis unreachable at redis://:***@127.0.0.1:") and PASSWORD not in line
+
+
+@pytest.mark.timeout(60)
+def test_api_with_an_unreachable_redis_answers_503(tmp_path: Path) -> None:
+    """Documented: the API starts anyway and answers 503 until Redis answers, as during an outage."""
+    port = free_port()
+    process = compactor("api", "--port", str(port), "--redis-url", f"redis://127.0.0.1:{free_port()}/0",
+                        "--data-dir", str(tmp_path / "data"))
+    try:
+        def status() -> int:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code
+            except httpx.HTTPError:
+                return 0 if process.poll() is None else -1
+
+        assert wait_for(status, 30, "the API") == 503
+    finally:
+        kill_all(process, [])
+
+
+class PasswordRedis(EmbeddedRedis):
+    """A Redis of the test's own on a TCP port, with a password (never to be printed)."""
+
+    def __init__(self, directory: Path, port: int) -> None:
+        super().__init__(directory, persist=False, port=port)
+
+    @property
+    def url(self) -> str:
+        return f"redis://:{PASSWORD}@127.0.0.1:{self.port}/0"
+
+    def _args(self) -> list[str]:
+        return [*super()._args(), "--requirepass", PASSWORD]
+
+
+@pytest.fixture
+def external_redis(tmp_path: Path) -> Iterator[PasswordRedis]:
+    server = PasswordRedis(tmp_path / "redis", free_port()).start()
+    yield server
+    server.stop()
+
+
+def serve_children(process: subprocess.Popen[str]) -> dict[str, int]:
+    """The pid of serve's running ``api``, ``watch`` and ``work`` children, by command."""
+    found = {}
+    for child in psutil.Process(process.pid).children():
+        try:
+            argv = child.cmdline()  # python -m compactor {api,watch,work} ...
+        except psutil.Error:  # exited: a zombie until serve reaps it
+            continue
+        if argv[1:3] == ["-m", "compactor"]:
+            found[argv[3]] = child.pid
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_serve_rides_out_an_outage_of_an_external_redis(external_redis: PasswordRedis, tmp_path: Path) -> None:
+    """It shut the whole stack down ("stopped answering", exit 1) after ~6 s of outage, where its
+    children wait. A worker that dies meanwhile is restarted once Redis answers, not into a
+    Redis check that fails until it has "died" 5 times."""
+    port = free_port()
+    process = compactor("serve", "--workers", "1", "--port", str(port), "--data-dir", str(tmp_path / "data"),
+                        env=process_env(REDIS_URL=external_redis.url))
+    url, children = f"http://127.0.0.1:{port}", list[int]()
+    client = redis.Redis.from_url(external_redis.url)
+    try:
+        wait_for(lambda: healthy(url) or process.poll() is not None, 90, "the API")
+        wait_for(lambda: client.keys("rq:worker:*") or process.poll() is not None, 60, "the worker")
+        before = serve_children(process)
+        children = list(before.values())
+        external_redis.kill()
+        os.kill(before["work"], signal.SIGKILL)
+        time.sleep(20)  # > REDIS_MISSES_TO_FAIL checks, and time for 5 restarts of the worker
+        assert process.poll() is None, process.communicate()[1]
+        external_redis.start()  # the same port: the outage is over
+        wait_for(lambda: healthy(url), 60, "the API to answer again")
+        after = wait_for(lambda: (lambda c: c.get("work") not in (None, before["work"]) and c)(serve_children(process)),
+                         60, "the worker restarted")
+        children += list(after.values())
+        assert after["api"] == before["api"] and after["watch"] == before["watch"]
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 0, err
+    finally:
+        client.close()
+        if process.poll() is None:
+            kill_all(process, children)
+    said = [line for line in err.splitlines() if "compactor.serve" in line]
+    assert any(re.search(r"Redis at redis://:\*\*\*@127\.0\.0\.1:\d+/0 does not answer \(3 missed in a row\)", line)
+               for line in said), err
+    assert any("answers again" in line for line in said), err
+    assert "stopped answering" not in err and PASSWORD not in out + err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serve_stops_when_its_embedded_redis_dies(tmp_path: Path) -> None:
+    """Kept as it was: its own server gone, the stack stops (exit 1) for whatever runs serve to restart."""
+    process = compactor("serve", "--workers", "1", "--port", str(free_port()), "--log-level", "WARNING",
+                        env=process_env(COMPACTION_DATA_DIR=str(tmp_path / "data")))
+    children: list[int] = []
+    try:
+        def server() -> psutil.Process | None:
+            found = [c for c in psutil.Process(process.pid).children()
+                     if "valkey-server" in " ".join(c.cmdline()) or "redis-server" in " ".join(c.cmdline())]
+            return found[0] if found else None
+
+        redis_server = wait_for(server, 60, "the embedded Redis")
+        wait_for(lambda: len(serve_children(process)) == 3 or process.poll() is not None, 60, "the children")
+        children = [c.pid for c in psutil.Process(process.pid).children()]
+        redis_server.kill()
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            kill_all(process, children)
+    assert process.returncode == 1
+    assert re.search(r"compactor serve: Redis at unix://\S+ stopped answering; shutting down", err), err
+    assert not any(alive(pid) for pid in children)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serve_on_port_0_names_the_port_its_api_listens_on(tmp_path: Path) -> None:
+    """The banner said ``API http://127.0.0.1:0`` while the API listened on a port the OS picked."""
+    process = compactor("serve", "--workers", "1", "--port", "0", "--log-level", "WARNING",
+                        env=process_env(COMPACTION_DATA_DIR=str(tmp_path / "data")))
+    children: list[int] = []
+    try:
+        assert process.stderr is not None
+        banner = next(line for line in process.stderr if "compactor serve: API" in line)
+        match = re.match(r"compactor serve: API http://127\.0\.0\.1:(\d+), watcher, 1 worker\(s\)", banner)
+        assert match and match.group(1) != "0", banner
+        wait_for(lambda: healthy(f"http://127.0.0.1:{match.group(1)}") or process.poll() is not None, 90,
+                 "the API on the port the banner names")
+        assert process.poll() is None
+        children = [c.pid for c in psutil.Process(process.pid).children()]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            kill_all(process, children)
+        process.communicate(timeout=30)
+
+
+# -- status on a narrow terminal ---------------------------------------------------------
+
+@pytest.mark.parametrize("columns", [40, 50, 60, 70, 80, 100, 120])
+def test_status_keeps_the_session_column_on_a_narrow_terminal(r: redis.Redis, settings: Settings,
+                                                              columns: int) -> None:
+    """``COLUMNS=60 compactor status`` dropped the session column: rows could not be identified.
+    Other columns are left out instead (the caption says which), the whole id shown (folded)."""
+    sid = "my-session-123"
+    write_session(r, settings, 2, sid=sid)
+    result = CliRunner().invoke(app, ["status", "--limit", "1", "--redis-url", settings.redis.url,
+                                      "--data-dir", str(settings.data_dir)], env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= columns
+    [header] = [line for line in lines if "tokens" in line.split() or "failures" in line.split()]
+    assert header.split()[0] == "session"
+    first = next(i for i, line in enumerate(lines) if line.strip().startswith(sid[:6]))
+    folded = "".join(line.split()[0] for line in lines[first:first + 3] if line.strip())
+    assert folded.startswith(sid)
+    if columns < 80:
+        assert "hidden to fit: last compaction" in " ".join(result.stdout.split())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_stops_the_api_while_a_forced_compaction_waits(r: redis.Redis, settings: Settings,
+                                                                redis_url: str) -> None:
+    """A ``POST /compact`` waiting for its job (no worker runs) held a SIGTERM'd ``api`` for up to
+    ``api.jobWaitSeconds`` (5 minutes): uvicorn waited for the request to end."""
+    from compactor.cli.processes import API_STOP_GRACE_S
+    from tests.producer.test_api import CWD, SID
+
+    write_session(r, settings, 1)
+    port = free_port()
+    process = compactor("api", "--port", str(port), "--redis-url", redis_url,
+                        "--data-dir", str(settings.data_dir))
+    try:
+        wait_for(lambda: healthy(f"http://127.0.0.1:{port}") or process.poll() is not None, 60, "the API")
+        waiting = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import httpx
+            try:
+                httpx.post("http://127.0.0.1:{port}/api/sessions/{SID}/compact", json={{"cwd": "{CWD}"}}, timeout=600)
+            except httpx.HTTPError:
+                pass
+            """)])
+        wait_for(lambda: r.llen(f"rq:queue:{Keys().queue}") > 0 or bool(
+            r.keys("rq:job:*")), 30, "the forced compaction's job")
+        time.sleep(0.5)  # the request is waiting for its job
+        started = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+        assert time.monotonic() - started < API_STOP_GRACE_S + 5
+        waiting.wait(timeout=30)
+    finally:
+        kill_all(process, [])
