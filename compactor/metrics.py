@@ -77,6 +77,7 @@ def _usable_multiprocess_dir() -> bool:
         logging.getLogger(__name__).warning("%s=%s cannot be used (%s): metrics are per process", MULTIPROC_ENV,
                                             directory, e.strerror or e)
         del os.environ[MULTIPROC_ENV]
+        values.ValueClass = values.MutexValue  # (prometheus_client chose the multi-process one at import)
         return False
     return True
 

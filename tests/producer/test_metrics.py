@@ -386,6 +386,15 @@ def test_a_missing_multiprocess_directory_is_created(tmp_path: Path) -> None:
     assert any(p.name.startswith("counter_") for p in missing.glob("*.db"))
 
 
+def test_a_multiprocess_directory_that_cannot_be_made_leaves_each_process_its_own_metrics(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    done = subprocess.run([sys.executable, "-c", AS_RUNNING], input="go\n", text=True, capture_output=True,
+                          env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "file" / "metrics")},
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "cannot be used (Not a directory): metrics are per process" in done.stderr
+
+
 def _scraped(tmp_path: Path, redis_url: str, env: dict[str, str]) -> Samples:
     """The samples a fresh API process's /metrics gives over the shared directory."""
     out = subprocess.run([sys.executable, "-c", MULTIPROC_SCRAPE, str(tmp_path / "d"), redis_url],
