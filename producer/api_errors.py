@@ -8,6 +8,7 @@ Every error is ``{"error": {"code", "message"}}`` (SPEC §7):
     404 not_found        no log file for the session, an unknown job or route
     413 payload_too_large  the body is over ``limits.maxBodyBytes`` (declared or streamed)
     500 log_unreadable   the session's log is corrupt (a line that is not JSON) or cannot be read
+    500 log_write_failed an append to the session's log failed (a full disk, say; nothing was written)
     500 internal_error   anything else unexpected (the traceback goes to the log)
     502 compaction_failed  a forced compaction whose job failed (the LLM call, mostly)
     503 redis_unavailable  Redis does not answer, or refuses to serve (MISCONF: its disk
@@ -40,6 +41,7 @@ import base64
 import email.message
 import json
 import logging
+import re
 import secrets
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
@@ -62,6 +64,10 @@ PUBLIC_PATHS = frozenset({"/healthz"})  # SPEC §7: the only route open without 
 CHALLENGES = ('Bearer realm="compactor"', 'Basic realm="compactor", charset="UTF-8"')
 UNAUTHORIZED = ("a valid 'Authorization: Bearer <token>' header is required "
                 "(in a browser: any user name, the token as password)")
+# The first word of a Redis error reply that means "up, but not serving now": its disk is full
+# (MISCONF), too few replicas (NOREPLICAS), a replica (READONLY), out of memory, loading, busy.
+# (the reply starts the message, or follows "Command # 1 (...) of pipeline caused error: ")
+_REFUSAL = re.compile(r"(?:^|error: )(?:MISCONF|NOREPLICAS|READONLY|OOM|LOADING|BUSY|MASTERDOWN|TRYAGAIN)\b")
 STATUS_CODES = {
     400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
     413: "payload_too_large", 422: "bad_request", 502: "compaction_failed",
@@ -205,13 +211,16 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(503, f"Redis is unreachable: {exc}")
 
     async def redis_refused(request: Request, exc: Exception) -> JSONResponse:
-        # MISCONF (its disk is full), READONLY (a replica), OOM, LOADING: up, but not serving
+        if not (isinstance(exc, (redis.ReadOnlyError, redis.OutOfMemoryError))
+                or _REFUSAL.search(str(exc))):  # WRONGTYPE, a script's error: a bug, not an outage
+            logger.error("redis error path=%s", request.url.path, exc_info=exc)
+            return await internal(request, exc)
         logger.warning("redis refused path=%s error=%s", request.url.path, exc)
         return error_response(503, f"Redis refused the request: {exc}")
 
     async def storage(request: Request, exc: Exception) -> JSONResponse:
         logger.error("session log unusable path=%s error=%s", request.url.path, exc)
-        return error_response(500, str(exc), "log_unreadable")
+        return error_response(500, str(exc), "log_unreadable" if isinstance(exc, LogCorrupted) else "log_write_failed")
 
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         # (Starlette logs the traceback after this answer; the body keeps SPEC §7's shape)
@@ -225,7 +234,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(redis.ConnectionError, redis_down)
     app.add_exception_handler(redis.TimeoutError, redis_down)
-    app.add_exception_handler(redis.RedisError, redis_refused)
+    app.add_exception_handler(redis.ResponseError, redis_refused)
     app.add_exception_handler(LogCorrupted, storage)
     app.add_exception_handler(LogWriteFailed, storage)
     app.add_exception_handler(Exception, internal)

@@ -169,6 +169,32 @@ def test_a_redis_that_refuses_writes_is_a_json_503(api_settings: Settings, r: re
     assert error["code"] == "redis_unavailable" and "NOREPLICAS" in error["message"], error
 
 
+def test_a_redis_error_that_is_no_refusal_to_serve_is_a_500_not_a_503(api_settings: Settings, r: redis.Redis) -> None:
+    """WRONGTYPE (a key of ours holding something else) is a bug to look into, not an outage to retry."""
+    r.set(f"compaction:session:{SID}", "not a hash")
+    with TestClient(create_app(api_settings, redis=r), raise_server_exceptions=False) as test_client:
+        response = test_client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": turn(1)})
+    assert response.status_code == 500
+    assert error_of(response)["code"] == "internal_error"
+
+
+def test_a_failed_append_is_its_own_500(api_settings: Settings, r: redis.Redis,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from events.errors import LogWriteFailed
+
+    write_session(r, api_settings, 1)
+
+    def full(*_: Any) -> None:
+        raise LogWriteFailed("append to x.jsonl failed: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(SessionStore, "load", full)
+    with TestClient(create_app(api_settings, redis=r), raise_server_exceptions=False) as test_client:
+        response = test_client.get(f"/api/sessions/{SID}?cwd={CWD}")
+    assert response.status_code == 500
+    assert error_of(response) == {"code": "log_write_failed",
+                                  "message": "append to x.jsonl failed: [Errno 28] No space left on device"}
+
+
 def test_an_unexpected_error_keeps_the_error_shape(api_settings: Settings, r: redis.Redis,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     write_session(r, api_settings, 1)
