@@ -30,7 +30,7 @@ from typing import Any, Mapping
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
-from redis import ConnectionPool
+from redis import ConnectionPool, RedisError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -181,6 +181,8 @@ def _check_redis_url(url: str) -> None:
     except TypeError as e:  # "...__init__() got an unexpected keyword argument 'ssl_cert_reqs'"
         name = str(e).rpartition(" ")[2]
         raise ValueError(f"the query setting {name} is not one a {parts.scheme}:// connection takes") from None
+    except RedisError as e:  # "Invalid SSL Certificate Requirements Flag", "protocol must be either 2 or 3"
+        raise ValueError(f"a query setting is refused: {e}") from None
 
 
 def _check_port(port: str) -> None:

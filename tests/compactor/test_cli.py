@@ -190,6 +190,9 @@ def test_bad_env_override_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
     ("redis://:s3cret@h/0?socket_timeout=abc", "redis.url{src}: Invalid value for 'socket_timeout' in connection URL"),
     ("redis://h?ssl_cert_reqs=none", "redis.url{src}: the query setting 'ssl_cert_reqs' is not one a redis:// "
                                      "connection takes"),
+    ("rediss://h/0?ssl_cert_reqs=bogus", "redis.url{src}: a query setting is refused: Invalid SSL Certificate "
+                                         "Requirements Flag: bogus"),
+    ("redis://h/0?protocol=9", "redis.url{src}: a query setting is refused: protocol must be either 2 or 3"),
     ("unix://", "redis.url{src}: a unix:// URL needs the socket's absolute path (unix:///path/redis.sock)"),
     ("unix://relative.sock", "redis.url{src}: a unix:// URL needs the socket's absolute path "
                              "(unix:///path/redis.sock)"),
