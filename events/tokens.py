@@ -93,18 +93,25 @@ def encoding_for_model(model: str | None) -> str:
     return DEFAULT_ENCODING
 
 
+SHIPPED_ENCODINGS = frozenset({"cl100k_base", "o200k_base", "o200k_harmony", "p50k_base", "p50k_edit"})
+
+
 def _loads_offline(name: str, model: str) -> bool:
-    """Whether the encoding ``name`` loads from the files at hand: litellm ships ``cl100k_base``,
-    ``o200k_base`` (and ``o200k_harmony``'s) and ``p50k_base``; ``r50k_base`` (davinci, ada, ...)
-    and ``gpt2`` would be downloaded, and with no network every count of such a session raised
-    (its watcher round failed again and again, its entries stayed pending)."""
-    try:
-        get_encoding(name)
-    except Exception as e:  # requests' ConnectionError offline; whatever tiktoken raises elsewhere
-        logger.warning("token encoding %s of model %s cannot be loaded (%s: %s); counting with %s", name, model,
-                       type(e).__name__, str(e)[:200], DEFAULT_ENCODING)
-        return False
-    return True
+    """Whether the encoding ``name`` is one whose file litellm ships (``o200k_harmony`` and
+    ``p50k_edit`` read those of ``o200k_base`` and ``p50k_base``); ``r50k_base`` (davinci, ada,
+    ...) and ``gpt2`` are not, and tiktoken would download them: offline every count of such a
+    session raised (its watcher round failed again and again). Decided by name, not by trying:
+    a host with the network would then count such a session otherwise than one without."""
+    if name in SHIPPED_ENCODINGS:
+        return True
+    _warn_unshipped(name, model)
+    return False
+
+
+@lru_cache(maxsize=64)
+def _warn_unshipped(name: str, model: str) -> None:
+    logger.warning("token encoding %s of model %s is not one litellm ships: counting with %s", name, model,
+                   DEFAULT_ENCODING)
 
 
 def count_tokens(text: str, encoding: str) -> int:
