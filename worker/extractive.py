@@ -257,12 +257,12 @@ def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]], bounds
     tools: Counter[str] = Counter()
     lines = []
     for line in _carried(previous.get("Key Technical Concepts")):
-        if line.startswith(_TOOLS_USED):  # a rolling summary adds up the counts: one line, not one per summary
-            for item in line[len(_TOOLS_USED):].split(", "):
-                counted = _TOOL_COUNT.fullmatch(item)
-                if counted:
-                    tools[counted.group(1)] += int(counted.group(2))
-        else:
+        counts = [_TOOL_COUNT.fullmatch(item) for item in line[len(_TOOLS_USED):].split(", ")]
+        if line.startswith(_TOOLS_USED) and all(counts):  # ours: a rolling summary adds the counts up
+            for counted in counts:
+                assert counted is not None
+                tools[counted.group(1)] += int(counted.group(2))
+        else:  # (an LLM's own "- tools used: ..." line, or one clipped, is carried as it is)
             lines.append(line)
     for event in assistants:
         for call in event.get("toolCalls") or []:

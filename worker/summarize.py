@@ -152,7 +152,7 @@ def _call_line(call: dict[str, Any]) -> str:
 
 
 # A line of an event's text that would read as a transcript block's header or a tool-call line.
-_POSING = r"(?:\[(?:user|assistant|summary|tool(?::[^\n]*)?)\][ \t\r]*$|-> tool call )"
+_POSING = r"[ \t]*(?:\[(?:user|assistant|summary|tool(?::[^\n]*)?)\][ \t\r]*$|-> tool call )"
 _POSING_AT = re.compile(_POSING, re.MULTILINE | re.IGNORECASE)  # one, where the text starts
 _POSING_AFTER = re.compile(f"\\n{_POSING}", re.MULTILINE | re.IGNORECASE)  # one, after a line break
 _POSING_LINE = re.compile(f"^(?={_POSING})", re.MULTILINE | re.IGNORECASE)  # where each starts
@@ -241,8 +241,9 @@ def build_messages(transcript: str, previous_summary: str | None,
 # -- reply validation -----------------------------------------------------------------------
 
 # A heading as models write it: ``### Title``, also at level 2 or 4, numbered (``### 1. Title``), in
-# bold, closed (``### Title ###``), with a trailing colon; the title's case and spacing do not count.
-_HEADING = re.compile(r"^#{2,4}[ \t]+(?:\d{1,2}[.)][ \t]+)?(.+?)[ \t]*#*$")
+# bold (``### **1. Title**``), closed (``### Title ###``), with a trailing colon; the title's case and
+# spacing do not count.
+_HEADING = re.compile(r"^#{2,4}[ \t]+(?:[*_]{1,2})?(?:\d{1,2}[.)][ \t]+)?(.+?)[ \t]*#*$")
 
 
 _TITLES = {title.lower(): title for title in SECTION_TITLES}

@@ -237,3 +237,12 @@ def test_a_rolling_summary_adds_up_tool_counts_and_widens_its_turn_range() -> No
         "- the flaky test was traced to a shared temp dir",
         "- turns 2-12 summarized extractively (no LLM); turns 10-12: 3 assistant messages, 3 tool calls, "
         "3 tool results."]
+
+
+def test_an_llm_summarys_own_tools_used_line_is_carried_as_it_is() -> None:
+    previous = extractive_summary([], None).replace(
+        "### Key Technical Concepts\nNone.", "### Key Technical Concepts\n- tools used: the Bash tool and ripgrep, mostly")
+    events = [{"type": "assistant", "turnId": 2, "content": "ok",
+               "toolCalls": [{"id": "c", "name": "grep", "arguments": {}}]}]
+    concepts = split_sections(extractive_summary(events, previous))["Key Technical Concepts"].splitlines()
+    assert concepts == ["- tools used: the Bash tool and ripgrep, mostly", "- tools used: grep (1x)"]
