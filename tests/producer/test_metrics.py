@@ -44,8 +44,8 @@ LONG = " ".join(f"word{i}" for i in range(300))
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def scrape(client: TestClient) -> Samples:
-    response = client.get("/metrics")
+def scrape(client: TestClient, headers: dict[str, str] | None = None) -> Samples:
+    response = client.get("/metrics", headers=headers)
     assert response.status_code == 200
     samples: Samples = {}
     for family in text_string_to_metric_families(response.text):
@@ -211,7 +211,7 @@ def test_requests_refused_before_routing_count_under_their_route(msettings: Sett
     secured = msettings.model_copy(update={"api": msettings.api.model_copy(update={"token": "s3cret"})})
     with TestClient(create_app(secured, r)) as client:
         auth = {"Authorization": "Bearer s3cret"}
-        before = scrape_with(client, auth)
+        before = scrape(client, auth)
         client.get("/api/sessions/s1")
         client.post("/api/sessions/s1/events", content=b"[]")
         client.put("/api/sessions/s1/events")  # the path's route, for another method
@@ -219,7 +219,7 @@ def test_requests_refused_before_routing_count_under_their_route(msettings: Sett
         client.post("/api/sessions/s1/events", headers={**auth, "Content-Length": str(10**9)})
         for docs in ("/openapi.json", "/docs", "/redoc"):  # FastAPI's own routes (they answer 200)
             client.get(docs, headers=auth)
-        after = scrape_with(client, auth)
+        after = scrape(client, auth)
     counted = functools.partial(delta, before, after, "compactor_http_requests_total")
     assert counted(method="GET", route="/api/sessions/{session_id}", status="401") == 1
     assert counted(method="POST", route="/api/sessions/{session_id}/events", status="401") == 1
@@ -228,13 +228,6 @@ def test_requests_refused_before_routing_count_under_their_route(msettings: Sett
     assert counted(method="POST", route="/api/sessions/{session_id}/events", status="413") == 1
     for docs in ("/openapi.json", "/docs", "/redoc"):
         assert counted(method="GET", route=docs, status="200") == 1, docs
-
-
-def scrape_with(client: TestClient, headers: dict[str, str]) -> Samples:
-    response = client.get("/metrics", headers=headers)
-    assert response.status_code == 200
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(response.text) for s in family.samples}
 
 
 def _settings_for(msettings: Settings, url: str) -> Settings:
