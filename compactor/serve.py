@@ -21,8 +21,10 @@ Invariants:
   server died; whatever runs ``serve`` restarts it on its AOF). An external
   one (``redis.url`` set) is waited for, a line per missed check, as the
   children wait for it (the watcher and workers retry, the API answers 503);
-  meanwhile a child that exits is restarted only once Redis answers (started
-  before, it would fail its own Redis check at start and count as dying).
+  so is one, embedded or not, that answers PING with an error (MISCONF, when
+  its disk is full: it serves again by itself once there is room). Meanwhile
+  a child that exits is restarted only once Redis answers (started before, it
+  would fail its own Redis check at start and count as dying).
 """
 
 from __future__ import annotations
@@ -304,15 +306,31 @@ class Stack:
     embedded: EmbeddedRedis | None = None
 
     def redis_alive(self) -> bool:
+        return self.redis_problem() is None
+
+    def redis_problem(self) -> RedisProblem | None:
+        """None when Redis answers PING; else whether it is down or answered with an error (it
+        runs, but refuses: MISCONF when its disk is full, which it answers even to PING)."""
         try:
             client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0,
                                           socket_connect_timeout=1.0)
             try:
-                return bool(client.ping())
+                client.ping()
+                return None
             finally:
                 client.close()
-        except (redis.RedisError, OSError):
-            return False
+        except redis.ResponseError as e:  # (before RedisError: an error reply is an answer)
+            return RedisProblem(str(e), refusing=True)
+        except (redis.RedisError, OSError) as e:
+            return RedisProblem(str(e) or type(e).__name__, refusing=False)
+
+
+@dataclass(frozen=True)
+class RedisProblem:
+    """Why the stack's Redis did not answer PING: ``refusing`` when it answered with an error."""
+
+    error: str
+    refusing: bool
 
 
 @contextmanager
@@ -358,10 +376,10 @@ class _StopRequested:
 
 def supervise(stack: Stack, stop: _StopRequested) -> int:
     """Watch the stack until a signal (exit 0) or a child or the embedded Redis fails for good (exit 1)."""
-    misses, next_redis_check = 0, time.monotonic()
+    misses, next_redis_check = _Misses(), time.monotonic()
     while stop.signal is None:
         try:
-            if not misses:  # else a child that exited waits: started now, it would fail its Redis check
+            if not misses.count:  # else a child that exited waits: started now, it would fail its Redis check
                 stack.supervisor.check()
         except ChildFailed as e:
             if not json_configured():  # (under JSON logs the error below is the operator's line)
@@ -371,7 +389,7 @@ def supervise(stack: Stack, stop: _StopRequested) -> int:
         if time.monotonic() >= next_redis_check:
             misses = _check_redis(stack, misses)
             next_redis_check = time.monotonic() + REDIS_CHECK_INTERVAL_S
-            if misses >= REDIS_MISSES_TO_FAIL and stack.embedded is not None:
+            if misses.count >= REDIS_MISSES_TO_FAIL and stack.embedded is not None and not misses.refusing:
                 announce(f"Redis at {redacted(stack.redis_url)} stopped answering; shutting down",
                          logging.ERROR)
                 return 1
@@ -380,19 +398,34 @@ def supervise(stack: Stack, stop: _StopRequested) -> int:
     return 0
 
 
-def _check_redis(stack: Stack, misses: int) -> int:
+@dataclass(frozen=True)
+class _Misses:
+    """The Redis checks missed in a row, and whether the last one was a refusal (an error reply)."""
+
+    count: int = 0
+    refusing: bool = False
+
+
+def _check_redis(stack: Stack, misses: _Misses) -> _Misses:
     """PING the stack's Redis; the checks missed in a row since it last answered. An outage of an
-    external Redis is one line per check, and one when it answers again (the children retry alone)."""
+    external Redis is one line per check, and one when it answers again (the children retry alone);
+    so is a Redis, embedded or not, that answers with an error (MISCONF: its disk is full; it
+    serves again by itself once there is room, and the stack waits for it)."""
     url = redacted(stack.redis_url)
-    if stack.redis_alive():
-        if misses and stack.embedded is None:
-            logger.info("Redis at %s answers again after %d missed checks", url, misses)
-        return 0
-    if stack.embedded is None:
+    problem = stack.redis_problem()
+    if problem is None:
+        if misses.count and (stack.embedded is None or misses.refusing):
+            logger.info("Redis at %s answers again after %d missed checks", url, misses.count)
+        return _Misses()
+    if problem.refusing:
+        logger.warning("Redis at %s refuses to serve (%s; %d checks in a row); waiting for it, checking every "
+                       "%.0fs (a child that exits meanwhile is restarted once it serves)",
+                       url, problem.error, misses.count + 1, REDIS_CHECK_INTERVAL_S)
+    elif stack.embedded is None:
         logger.warning("Redis at %s does not answer (%d missed in a row); waiting for it, checking every "
                        "%.0fs (a child that exits meanwhile is restarted once it answers)",
-                       url, misses + 1, REDIS_CHECK_INTERVAL_S)
-    return misses + 1
+                       url, misses.count + 1, REDIS_CHECK_INTERVAL_S)
+    return _Misses(misses.count + 1, problem.refusing)
 
 
 def serve(settings: Settings, *, workers: int, host: str | None = None,

@@ -399,3 +399,33 @@ def test_sigterm_stops_the_api_while_a_forced_compaction_waits(r: redis.Redis, s
         waiting.wait(timeout=30)
     finally:
         kill_all(process, [])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serve_waits_for_its_embedded_redis_while_it_refuses_to_serve(tmp_path: Path) -> None:
+    """A full disk under the embedded Redis: its AOF fails and it answers MISCONF, even to PING.
+    serve took that for a dead server and stopped the stack, which then needed a restart by hand
+    once there was room again. (Here PING is refused by an ACL rule: an error reply all the same.)"""
+    process = compactor("serve", "--workers", "1", "--port", str(free_port()),
+                        env=process_env(COMPACTION_DATA_DIR=str(tmp_path / "data")))
+    children: list[int] = []
+    try:
+        wait_for(lambda: len(serve_children(process)) == 3 or process.poll() is not None, 90, "the children")
+        children = [c.pid for c in psutil.Process(process.pid).children()]
+        client = redis.Redis(unix_socket_path=str(tmp_path / "data" / ".redis" / "redis.sock"))
+        client.execute_command("ACL", "SETUSER", "default", "-ping")
+        time.sleep((serve.REDIS_MISSES_TO_FAIL + 1) * serve.REDIS_CHECK_INTERVAL_S + 1)
+        assert process.poll() is None  # still serving
+        client.execute_command("ACL", "SETUSER", "default", "+ping")
+        time.sleep(serve.REDIS_CHECK_INTERVAL_S * 2)
+        assert process.poll() is None
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            kill_all(process, children)
+    said = [line for line in err.splitlines() if "compactor.serve" in line]
+    assert any("refuses to serve (" in line and "ping" in line for line in said), err
+    assert any("answers again" in line for line in said), err
+    assert "stopped answering" not in err and process.returncode == 0
