@@ -208,6 +208,24 @@ class SessionLog:
             return [event for _, event in self._parse_records(start, lines)]
         return events
 
+    def _started_mid_line(self, start: int, error: LogCorrupted) -> LogCorrupted:
+        """The error to raise for a bad line met reading from byte ``start``: when ``start`` is no
+        longer the start of a line (a line was inserted or edited before it by hand, and the reader's
+        stored offset now falls inside one), the first bad line of the whole log, else that; ``error``
+        when ``start`` is the start of a line. (A line inserted mid-log was reported at the line the
+        stale offset fell in, which was a valid one.)"""
+        if start == 0 or self._read_bytes(start - 1)[:1] == b"\n":
+            return error
+        lines = self._read_bytes(0).split(b"\n")
+        del lines[-1]
+        try:
+            self._parse_records(0, lines)
+        except LogCorrupted as first:
+            return first
+        return LogCorrupted(f"{self.path}: byte {start}, where reading resumed, is not the start of a line: the "
+                            "log was changed before it (a line inserted or edited), and the state's stored size "
+                            "no longer matches it")
+
     def read_records(self, start: int = 0) -> list[tuple[int, dict[str, Any]]]:
         """``(end_offset, event)`` per complete line from byte ``start``.
 
@@ -221,11 +239,14 @@ class SessionLog:
     def _parse_records(self, start: int, lines: list[bytes]) -> list[tuple[int, dict[str, Any]]]:
         records: list[tuple[int, dict[str, Any]]] = []
         offset = start
-        for line in lines:
-            offset += len(line) + 1
-            if not line.strip():
-                continue
-            records.append((offset, self._parse_line(line, offset - len(line) - 1)))
+        try:
+            for line in lines:
+                offset += len(line) + 1
+                if not line.strip():
+                    continue
+                records.append((offset, self._parse_line(line, offset - len(line) - 1)))
+        except LogCorrupted as e:
+            raise self._started_mid_line(start, e) from e.__cause__
         return records
 
     def _parse_line(self, line: bytes, offset: int) -> dict[str, Any]:

@@ -139,6 +139,26 @@ def test_a_corrupt_line_is_numbered_from_the_start_of_the_file_when_read_from_an
         log.read_records(offset)
 
 
+@pytest.mark.parametrize("inserted", [b'{"type":"user","turnId":2,"cont\n', b'{"type": "user"}\n'])
+def test_a_line_inserted_before_a_readers_offset_is_named_not_the_line_the_offset_fell_in(
+    tmp_path: Path, inserted: bytes,
+) -> None:
+    """A line inserted mid-log by hand moved a reader's stored offset (the watcher's ``logSize``)
+    into another line, which it reported as corrupt: a valid line, and the wrong place to repair."""
+    log = _log(tmp_path)
+    log.append([_event(1), _event(2), _event(3)])
+    offset = log.size()
+    lines = log.path.read_bytes().splitlines(keepends=True)
+    log.path.write_bytes(b"".join([lines[0], inserted, *lines[1:]]))
+    log.append([_event(4)])
+    bad = len(lines[0])
+    why = (rf"line 2 \(byte {bad}\) is not JSON" if inserted.endswith(b"cont\n") else
+           rf"byte {offset}, where reading resumed, is not the start of a line: the log was changed before it")
+    for read in (log.read, log.read_records):
+        with pytest.raises(LogCorrupted, match=why):
+            read(offset)
+
+
 def test_a_json_line_that_is_not_an_object_is_corrupt(tmp_path: Path) -> None:
     log = _log(tmp_path)
     log.path.parent.mkdir(parents=True)
