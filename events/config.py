@@ -30,9 +30,9 @@ from typing import Any, Mapping
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import yaml
-from redis import ConnectionPool, RedisError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+from redis import ConnectionPool, RedisError
 
 from events.errors import InvalidConfig
 

@@ -506,7 +506,8 @@ class Compactor:
             size = count_tokens(running, view.encoding)
             if size > limit:
                 raise SummaryInvalid(f"the summary is {size} tokens, over the {limit} a summary may take "
-                                     f"(a quarter of the session's {view.window}-token window)")
+                                     f"(a quarter of the session's {view.window}-token window, at least "
+                                     f"{MIN_SUMMARY_LIMIT_TOKENS})")
         assert running is not None  # targets are never empty here
         return running
 

@@ -346,7 +346,7 @@ def test_a_summary_over_a_quarter_of_the_window_is_an_invalid_reply(
     rambling = summary_text("t").replace("### Current Work\n", "### Current Work\n" + "more words " * 1_000 + "\n")
     stub.reply = f"<summary>\n{rambling}\n</summary>"
     job = _run(r, wsettings, "s1", forced=True)
-    why = "over the 2000 a summary may take (a quarter of the session's 8000-token window)"
+    why = "over the 2000 a summary may take (a quarter of the session's 8000-token window, at least 1000)"
     assert "(the <summary> block at most 2000 tokens)" in stub.requests[0].user_text  # asked for, too
     assert int(r.get(Keys().failures("s1")) or 0) == len(stub.requests)  # each call counted
     if not fallback:
