@@ -9,6 +9,7 @@ someone else uses.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,11 +24,15 @@ from events.config import Settings  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
-    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), persist=False)
-    server.start()
-    yield server
-    server.stop()
+def redis_server() -> Iterator[EmbeddedRedis]:
+    """In a directory of its own, not under pytest's base temp: a second pytest run on the machine
+    removes the oldest base temps but three, and took this run's socket with it (every later test
+    then failed to connect)."""
+    with tempfile.TemporaryDirectory(prefix="compactor-test-redis-") as directory:
+        server = EmbeddedRedis(Path(directory), persist=False)
+        server.start()
+        yield server
+        server.stop()
 
 
 @pytest.fixture
