@@ -305,9 +305,6 @@ class Stack:
     config: Path
     embedded: EmbeddedRedis | None = None
 
-    def redis_alive(self) -> bool:
-        return self.redis_problem() is None
-
     def redis_problem(self) -> RedisProblem | None:
         """None when Redis answers PING; else whether it is down or answered with an error (it
         runs, but refuses: MISCONF when its disk is full, which it answers even to PING)."""

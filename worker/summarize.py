@@ -281,9 +281,9 @@ def _headings(text: str) -> list[tuple[int, str | None]]:
     return lines
 
 
-def _first_headings(text: str) -> list[str]:
-    """The section titles of ``text``'s headings, each at its first heading, in text order."""
-    return list(dict.fromkeys(title for _, title in _headings(text) if title is not None))
+def _first_headings(headings: list[tuple[int, str | None]]) -> list[str]:
+    """The section titles of a text's ``_headings``, each at its first heading, in text order."""
+    return list(dict.fromkeys(title for _, title in headings if title is not None))
 
 
 def extract_summary(reply: str) -> str:
@@ -320,17 +320,17 @@ def extract_summary(reply: str) -> str:
         raise SummaryInvalid(f"the summary is not valid Unicode: {e.reason} at character {e.start}") from None
     headings = _headings(text)
     validate_summary_text(text, headings)
-    return canonical_headings(text, headings)
+    return _canonical_headings(text, headings)
 
 
-def canonical_headings(text: str, headings: list[tuple[int, str | None]] | None = None) -> str:
-    """``text`` with each section's heading line written ``### Title`` (a summary is stored with
-    the headings the prompt asked for, however the model wrote them); ``headings``: its
-    ``_headings`` when known."""
+def _canonical_headings(text: str, headings: list[tuple[int, str | None]]) -> str:
+    """``text`` (``headings``: its ``_headings``) with each section's heading line written
+    ``### Title``: a summary is stored with the headings the prompt asked for, however the
+    model wrote them."""
     lines = text.split("\n")
     seen: set[str] = set()
     changed = False
-    for index, title in _headings(text) if headings is None else headings:
+    for index, title in headings:
         if title is not None and title not in seen:
             seen.add(title)
             if lines[index] != f"### {title}":
@@ -342,8 +342,7 @@ def validate_summary_text(text: str, headings: list[tuple[int, str | None]] | No
     """Raise SummaryInvalid unless ``text`` has the 10 section headings, in order (a heading
     repeated later is body text; headings inside fenced code blocks do not count);
     ``headings``: its ``_headings`` when known."""
-    order = list(dict.fromkeys(title for _, title in (_headings(text) if headings is None else headings)
-                               if title is not None))
+    order = _first_headings(_headings(text) if headings is None else headings)
     missing = [title for title in SECTION_TITLES if title not in order]
     if missing:
         raise SummaryInvalid(f"summary lacks section headings: {', '.join(missing)}")
