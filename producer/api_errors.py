@@ -41,7 +41,6 @@ import base64
 import email.message
 import json
 import logging
-import re
 import secrets
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
@@ -54,6 +53,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from compactor.redis_errors import is_refusal
 from events.errors import InvalidInput, LogCorrupted, LogWriteFailed, SessionNotFound
 from events.checks import check_json
 from events.models import json_path
@@ -64,10 +64,6 @@ PUBLIC_PATHS = frozenset({"/healthz"})  # SPEC §7: the only route open without 
 CHALLENGES = ('Bearer realm="compactor"', 'Basic realm="compactor", charset="UTF-8"')
 UNAUTHORIZED = ("a valid 'Authorization: Bearer <token>' header is required "
                 "(in a browser: any user name, the token as password)")
-# The first word of a Redis error reply that means "up, but not serving now": its disk is full
-# (MISCONF), too few replicas (NOREPLICAS), a replica (READONLY), out of memory, loading, busy.
-# (the reply starts the message, or follows "Command # 1 (...) of pipeline caused error: ")
-_REFUSAL = re.compile(r"(?:^|error: )(?:MISCONF|NOREPLICAS|READONLY|OOM|LOADING|BUSY|MASTERDOWN|TRYAGAIN)\b")
 STATUS_CODES = {
     400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
     413: "payload_too_large", 422: "bad_request", 502: "compaction_failed",
@@ -211,8 +207,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(503, f"Redis is unreachable: {exc}")
 
     async def redis_refused(request: Request, exc: Exception) -> JSONResponse:
-        if not (isinstance(exc, (redis.ReadOnlyError, redis.OutOfMemoryError))
-                or _REFUSAL.search(str(exc))):  # WRONGTYPE, a script's error: a bug, not an outage
+        if not is_refusal(exc):  # WRONGTYPE, a script's error: a bug, not an outage
             logger.error("redis error path=%s", request.url.path, exc_info=exc)
             return await internal(request, exc)
         logger.warning("redis refused path=%s error=%s", request.url.path, exc)

@@ -36,10 +36,16 @@ functions read, and runs a *keeper* thread that
   intermediate queue; RQ itself fails it only after a minute) is failed once
   seen there by two janitor runs ``STRANDED_AFTER_S`` apart, and its claim is
   then freed as stale: the session is compactable again within ~40 s.
+
+A Redis that refuses writes (``MISCONF`` on a full disk) or drops a connection
+never ends the worker's loop: it waits (``worker.redis_wait``), and a job whose
+start or end could not be recorded is left to the janitor. A loop that ends on
+any other error raises ``WorkerLoopEnded`` (the process exits 1 and is replaced).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -73,6 +79,7 @@ from compactor.queue import (
     pending_job_id,
     sessions_to_look_at,
 )
+from compactor.redis_errors import is_refusal
 from compactor.serve import exit_with_parent
 from events.config import Settings
 from events.errors import CompactorError
@@ -80,6 +87,7 @@ from events.tokens import get_encoding
 from worker import context as worker_context
 from worker.context import WorkerContext
 from worker.jobs import finish
+from worker.redis_wait import RedisWait, is_transient
 from worker.summarize import warm_up_litellm
 
 logger = logging.getLogger(__name__)
@@ -137,28 +145,30 @@ class _Keeper:
                 return
             try:
                 self.worker.maintain_heartbeats(*self._job)
-            except (redis.ConnectionError, redis.TimeoutError) as e:  # RQ's loop says it too, and retries
-                logger.warning("heartbeat skipped worker=%s: Redis unreachable: %s", self.worker.name, e)
-            except Exception:
-                logger.exception("heartbeat failed worker=%s", self.worker.name)
+            except Exception as e:
+                self._failed("the job's heartbeat", e)
 
     def _beat_idle(self) -> None:
         """The worker's own heartbeat (``last_heartbeat``, read by ``compactor health --workers``);
-        RQ's loop gives one only every ``WORKER_TTL_S - 15`` s while it waits for a job."""
+        RQ's loop gives one only every ``WORKER_TTL_S - 15`` s while it waits for a job.
+        (``CompactionWorker.heartbeat`` reports a Redis that does not serve it.)"""
         try:
             self.worker.heartbeat()
-        except (redis.ConnectionError, redis.TimeoutError) as e:  # RQ's loop and the janitor say it already
-            logger.debug("idle heartbeat skipped worker=%s: Redis unreachable: %s", self.worker.name, e)
         except Exception:
             logger.exception("idle heartbeat failed worker=%s", self.worker.name)
 
     def _janitor(self) -> None:
         try:
             run_janitor(worker_context.current(), self.worker)
-        except (redis.ConnectionError, redis.TimeoutError) as e:  # one line per try, not ~50 of traceback
-            logger.warning("janitor skipped worker=%s: Redis unreachable: %s", self.worker.name, e)
-        except Exception:
-            logger.exception("janitor failed worker=%s", self.worker.name)
+        except Exception as e:
+            self._failed("the janitor", e)
+
+    def _failed(self, what: str, error: Exception) -> None:
+        """A Redis outage or refusal: a line now and then (``RedisWait``), not ~50 of traceback per try."""
+        if is_transient(error):
+            self.worker.redis_wait.failed(what, error)
+        else:
+            logger.exception("%s failed worker=%s", what, self.worker.name)
 
 
 class CompactionWorker(SimpleWorker):
@@ -179,6 +189,7 @@ class CompactionWorker(SimpleWorker):
         super().__init__(list(queues), connection=connection, **kwargs)
         self.settings = settings
         worker_context.install(context or WorkerContext.build(settings, connection))
+        self.redis_wait = RedisWait(self.name)
         self._keeper = _Keeper(self)
 
     @classmethod
@@ -191,14 +202,64 @@ class CompactionWorker(SimpleWorker):
         return EXECUTION_TTL_S
 
     def execute_job(self, job: Job, queue: Queue) -> None:
-        """Run the job in this thread while the keeper heartbeats it."""
-        execution = self.prepare_execution(job)
-        self._keeper.running(job, execution)
+        """Run the job in this thread while the keeper heartbeats it. When Redis does not let
+        its start or end be recorded, the job is left to the janitor, as a killed worker's is."""
         try:
-            self.perform_job(job, queue, execution)
-        finally:
-            self._keeper.idle()
-        self.set_state(WorkerStatus.IDLE)
+            execution = self.prepare_execution(job)
+            self._keeper.running(job, execution)
+            try:
+                self.perform_job(job, queue, execution)
+            finally:
+                self._keeper.idle()
+            self.set_state(WorkerStatus.IDLE)
+        except redis.RedisError as error:
+            if not is_transient(error):
+                raise
+            self.redis_wait.failed(f"recording job {job.id}", error)
+            logger.warning("job %s not recorded as ended worker=%s: %s; the janitor recovers it", job.id,
+                           self.name, error, extra={"job_id": job.id})
+
+    # -- riding out a Redis that does not serve (``worker.redis_wait``) ------------------------
+
+    def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
+        """RQ's dequeue (which waits out a dropped connection itself), waiting out refusals too."""
+        while True:
+            try:
+                return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
+            except redis.ResponseError as error:
+                if not is_refusal(error):
+                    raise
+                time.sleep(self.redis_wait.failed("waiting for a job", error))
+
+    def heartbeat(self, timeout: int | None = None, pipeline: Any | None = None) -> None:
+        """RQ's heartbeat, skipped (and reported) while Redis does not serve."""
+        try:
+            super().heartbeat(timeout, pipeline)
+        except redis.RedisError as error:
+            if pipeline is not None or not is_transient(error):
+                raise
+            self.redis_wait.failed("the worker's heartbeat", error)
+            return
+        if pipeline is None:
+            self.redis_wait.served()
+
+    def run_maintenance_tasks(self) -> None:
+        """RQ's registry maintenance, put off (and reported) while Redis does not serve."""
+        try:
+            super().run_maintenance_tasks()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
+        except redis.RedisError as error:
+            if not is_transient(error):
+                raise
+            self.redis_wait.failed("registry maintenance", error)
+
+    def check_for_suspension(self, burst: bool) -> None:
+        """RQ's ``rq suspend`` check, skipped while Redis does not serve (the dequeue waits)."""
+        try:
+            super().check_for_suspension(burst)
+        except redis.RedisError as error:
+            if not is_transient(error):
+                raise
+            self.redis_wait.failed("the suspension check", error)
 
     def handle_exception(self, job: Job, *exc_info: Any) -> None:
         """RQ's handling of a failed job, but a failure the job classified and logged already
@@ -216,18 +277,45 @@ class CompactionWorker(SimpleWorker):
         call_exception_handlers(self._exc_handlers, job, *exc_info)
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
-        """RQ's work loop, with the keeper thread running alongside."""
+        """RQ's work loop, with the keeper thread running alongside.
+
+        Raises ``WorkerLoopEnded`` when the loop ended on an error while it was to run until
+        stopped (RQ logs the error and returns): the process is then replaced, not left idle.
+        """
         self._keeper.start()
         try:
-            run_janitor(worker_context.current(), self)  # recover what a dead predecessor left
-            return bool(super().work(*args, **kwargs))
+            try:
+                run_janitor(worker_context.current(), self)  # recover what a dead predecessor left
+            except redis.RedisError as error:
+                if not is_transient(error):
+                    raise
+                self.redis_wait.failed("the janitor", error)
+            worked = bool(super().work(*args, **kwargs))
         finally:
             self._keeper.stop()
+        burst = kwargs.get("burst", args[0] if args else False)
+        asked_to_end = burst or kwargs.get("max_jobs") is not None or kwargs.get("max_idle_time") is not None
+        if not (asked_to_end or self._stop_requested or self._shutdown_requested_date is not None):
+            raise WorkerLoopEnded(f"worker {self.name}: RQ's work loop ended on an error (logged above)")
+        return worked
 
     def teardown(self) -> None:
-        """Stop the keeper before RQ deletes the worker's key, so no late heartbeat recreates it."""
+        """Stop the keeper before RQ deletes the worker's key, so no late heartbeat recreates it.
+        A worker that ends while Redis does not serve leaves its key to expire."""
         self._keeper.stop()
-        super().teardown()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
+        try:
+            super().teardown()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
+        except redis.RedisError as error:
+            if not is_transient(error):
+                raise
+            logger.warning("worker %s ended without recording it: %s (its key expires within %d s)",
+                           self.name, error, WORKER_TTL_S)
+            with contextlib.suppress(redis.RedisError):
+                self.unsubscribe()  # type: ignore[no-untyped-call]  # (RQ's teardown does it after recording the end)
+
+
+class WorkerLoopEnded(RuntimeError):
+    """RQ's work loop ended on an error while the worker was to run until stopped."""
 
 
 def run_janitor(context: WorkerContext, worker: SimpleWorker | None = None) -> list[str]:

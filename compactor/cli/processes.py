@@ -116,7 +116,7 @@ def work(
 ) -> None:
     """Run RQ workers for the compaction jobs."""
     from compactor.serve import exit_with_parent
-    from worker.runner import WorkersFailed
+    from worker.runner import WorkerLoopEnded, WorkersFailed
     from worker.runner import main as runner_main
 
     setup_logging(log_level, log_format)
@@ -125,7 +125,7 @@ def work(
     with user_errors():
         try:
             runner_main(settings, count=count, burst=burst)
-        except WorkersFailed as e:
+        except (WorkersFailed, WorkerLoopEnded) as e:
             fail(str(e))
 
 

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 import redis
 from rq.job import Job, JobStatus
 
+from compactor.embedded import EmbeddedRedis
 from compactor.queue import enqueue_compaction, pending_job_id
 from events.config import Settings, load_settings
 from compactor.llm_stub import STUB_MODEL, LLMStub
@@ -190,7 +192,8 @@ def test_the_keeper_logs_one_line_not_a_traceback_while_redis_is_unreachable(
     r: redis.Redis, wsettings: Settings, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """In a Redis outage RQ's loop retries (one line every few seconds); the keeper's janitor and
-    heartbeat each logged a ~50-line chained traceback every 5 s per worker meanwhile."""
+    heartbeat each logged a ~50-line chained traceback every 5 s per worker meanwhile. Now the
+    outage is one line when it starts (and one a minute while it lasts)."""
     from worker.context import WorkerContext
     from worker.runner import CompactionWorker
 
@@ -198,10 +201,80 @@ def test_the_keeper_logs_one_line_not_a_traceback_while_redis_is_unreachable(
     gone = redis.Redis.from_url("redis://127.0.0.1:1", socket_connect_timeout=0.5)  # nothing listens there
     worker_context.install(WorkerContext.build(wsettings, gone))  # Redis goes away under the running worker
     try:
-        with caplog.at_level(logging.WARNING, logger="worker.runner"):
+        with caplog.at_level(logging.WARNING):
             worker._keeper._janitor()
+            worker._keeper._janitor()  # the next try, 5 s later: nothing more to say
     finally:
         worker_context.clear()
     [record] = caplog.records
     assert record.levelno == logging.WARNING and record.exc_info is None
-    assert "janitor skipped" in record.getMessage() and "Redis unreachable" in record.getMessage()
+    assert "Redis does not serve" in record.getMessage() and "(the janitor)" in record.getMessage()
+    assert worker.redis_wait.waiting
+    worker.heartbeat()  # Redis (``r``) serves the worker's own writes
+    assert not worker.redis_wait.waiting
+
+
+def test_a_worker_rides_out_a_redis_that_refuses_writes_and_takes_jobs_again(
+    stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
+) -> None:
+    """A full disk under Redis: it answers MISCONF to every write until there is room (here
+    NOREPLICAS, a refusal of the same kind that a test can turn on and off). RQ's loop ended on
+    the first refused write of its own (the end of the job in flight, a heartbeat): the worker
+    took no job again, even once Redis served. Now it waits; the job whose end could not be
+    recorded is recovered by the janitor, and its summary is in the log once."""
+    with tempfile.TemporaryDirectory(prefix="refusal-") as directory, EmbeddedRedis(Path(directory)) as server:
+        client = redis.Redis.from_url(server.url)
+        env = {**env_for_subprocess, "REDIS_URL": server.url}
+        config = tmp_path / "compactor.yaml"
+        config.write_text(json.dumps({"dataDir": str(tmp_path / "data"),
+                                      "context": {"compactionModel": STUB_MODEL, "llmTimeoutSeconds": 60}}))
+        wsettings = load_settings(config, env)
+        for session in ("s1", "s2"):
+            write_session(client, wsettings, session, 3)
+        stub.latency_s = 3
+        worker = _start_worker(config, env)
+        output = ""
+        try:
+            first = enqueue_compaction(client, wsettings, "s1", CWD, "llm", forced=True)
+            assert first is not None
+            stub.wait_for_requests(1, timeout_s=60)  # the LLM call is in flight
+            client.config_set("min-replicas-to-write", 1)
+            try:
+                with pytest.raises(redis.ResponseError, match="NOREPLICAS"):
+                    client.set("probe", 1)
+                time.sleep(stub.latency_s + 3)  # the job's writes and RQ's record of its end are refused
+                assert worker.poll() is None
+            finally:
+                client.config_set("min-replicas-to-write", 0)
+            stub.latency_s = 0
+            second = enqueue_compaction(client, wsettings, "s2", CWD, "llm", forced=True)
+            assert second is not None
+            assert _wait_job(client, second, 30).get_status() == JobStatus.FINISHED
+            again = enqueue_compaction(client, wsettings, "s1", CWD, "llm", forced=True)  # once the janitor freed it
+            assert again is not None
+            assert _wait_job(client, again, RECOVERY_LIMIT_S).get_status() == JobStatus.FINISHED
+            assert worker.poll() is None
+        finally:
+            output = _stop(worker)
+        assert "Redis does not serve worker=" in output and "again after" in output, output
+        assert "found an unhandled exception" not in output, output
+        for session in ("s1", "s2"):
+            events = [json.loads(line) for line in log_lines(wsettings, session)]
+            assert sum(e["type"] == "summary" for e in events) == 1, output
+
+
+def test_a_worker_loop_ended_by_an_error_ends_its_process_so_it_is_replaced(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RQ's loop logs an unexpected error and returns: the worker process then exited 0, which
+    its supervisor takes for a worker done on purpose (one worker fewer until a restart)."""
+    from worker.runner import CompactionWorker, WorkerLoopEnded
+
+    worker = CompactionWorker.for_settings(r, wsettings)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in the loop")
+
+    monkeypatch.setattr(worker, "dequeue_job_and_maintain_ttl", broken)
+    with pytest.raises(WorkerLoopEnded, match="ended on an error"):
+        worker.work()
