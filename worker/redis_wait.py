@@ -44,18 +44,22 @@ class RedisWait:
         self._said = 0.0
         self._wait = 1.0
 
-    def failed(self, what: str, error: BaseException) -> float:
-        """Note that Redis did not serve ``what``; the seconds to wait before trying again."""
+    def failed(self, what: str, error: BaseException) -> None:
+        """Note that Redis did not serve ``what`` (logged when the outage starts, then each ``REPEAT_S``)."""
         with self._lock:
             now = time.monotonic()
             if self._since is None:
-                self._since, self._said, self._wait = now, now, 1.0
+                self._since, self._said = now, now
                 logger.warning("Redis does not serve worker=%s (%s): %s; waiting for it",
                                self.worker_name, what, error)
             elif now - self._said >= REPEAT_S:
                 self._said = now
                 logger.warning("Redis still does not serve worker=%s after %.0f s (%s): %s",
                                self.worker_name, now - self._since, what, error)
+
+    def next_wait(self) -> float:
+        """The seconds to wait before trying again: 1, 2, 4 … ``WAIT_MAX_S`` while the outage lasts."""
+        with self._lock:
             wait, self._wait = self._wait, min(self._wait * 2, WAIT_MAX_S)
             return wait
 
@@ -67,7 +71,7 @@ class RedisWait:
             if self._since is not None:
                 logger.info("Redis serves worker=%s again after %.0f s", self.worker_name,
                             time.monotonic() - self._since)
-                self._since = None
+                self._since, self._wait = None, 1.0
 
     @property
     def waiting(self) -> bool:

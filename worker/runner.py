@@ -229,7 +229,8 @@ class CompactionWorker(SimpleWorker):
             except redis.ResponseError as error:
                 if not is_refusal(error):
                     raise
-                time.sleep(self.redis_wait.failed("waiting for a job", error))
+                self.redis_wait.failed("waiting for a job", error)
+                time.sleep(self.redis_wait.next_wait())
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any | None = None) -> None:
         """RQ's heartbeat, skipped (and reported) while Redis does not serve."""
