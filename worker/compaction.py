@@ -101,6 +101,7 @@ from events.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
     TOKEN_COUNT_FIELD,
     TOKEN_ENCODING_FIELD,
+    arguments_json,
     count_tokens,
     model_max_input_tokens,
     stamped_tokens,
@@ -130,6 +131,7 @@ logger = logging.getLogger(__name__)
 PROMPT_FRAME_TOKENS = 200  # delimiters, the request lines and chat framing around the data
 BLOCK_HEADER_TOKENS = 6  # "[tool:name]\n" and the blank line, per transcript block
 MIN_CHUNK_BUDGET_TOKENS = 1_000  # below this a window is hopeless; chunk at this size anyway
+CLIP_TRIES = 6  # counted cuts of an event larger than a chunk, to fill ~85-100 % of its budget
 MIN_SUMMARY_LIMIT_TOKENS = 1_000  # the limit on a summary's size in a small window (see ``summary_limit``)
 
 
@@ -549,7 +551,8 @@ class Compactor:
             while position < len(events):
                 event, tokens = events[position], self._event_tokens(events[position], encoding)
                 if tokens > budget:
-                    event, tokens = _clipped(event, budget), budget
+                    event = _clipped(event, budget, encoding)
+                    tokens = self._event_tokens(event, encoding)
                 if chunk and used + tokens > budget:
                     break
                 chunk.append(event)
@@ -655,14 +658,66 @@ def _lines_since(log: SessionLog, snapshot: int) -> list[dict[str, Any]] | None:
     return log.read(snapshot) if size > snapshot else []
 
 
-def _clipped(event: dict[str, Any], budget_tokens: int) -> dict[str, Any]:
-    """A copy of an event too large for one chunk, its text cut to about ``budget_tokens``."""
-    field = "output" if event.get("type") == "tool_result" else "content"
-    text = event.get(field)
-    if not isinstance(text, str):
-        return event
-    keep = max(budget_tokens, 1) * 3 // 2  # ~3 characters per token, head and tail halves
-    return {**event, field: elide(text, keep), "tokenCount": budget_tokens}
+def _clipped(event: dict[str, Any], budget_tokens: int, encoding: str) -> dict[str, Any]:
+    """A copy of an event too large for one chunk, its texts (the output or content, each tool
+    call's arguments) cut to their head and tail so that its block takes at most ``budget_tokens``
+    (``BLOCK_HEADER_TOKENS`` included), counted as rendered; its stamp is that count.
+
+    (The cut once kept ~3 characters per token and trusted it: code, hex or CJK text takes a
+    token per character or two, and a 5 239-token budget sent a 9 609-token chunk; and a tool
+    call's arguments were never cut: a 60 000-word ``write_file`` went whole into an 8 000-token
+    window.)
+    """
+    target = max(budget_tokens - BLOCK_HEADER_TOKENS, 1)
+    keep = target * 3 // 2  # characters per head and per tail: a first guess, then counted
+    best: tuple[dict[str, Any], int] | None = None
+    for _ in range(CLIP_TRIES):
+        clipped = _cut_texts(event, keep)
+        tokens = count_tokens(render_event(clipped), encoding)
+        if tokens <= target:
+            if best is None or tokens > best[1]:
+                best = (clipped, tokens)
+            if tokens * 100 >= target * 85:
+                break
+        scaled = keep * target * 95 // (100 * max(tokens, 1))  # aim at 95 % of the budget
+        if scaled == keep:
+            break
+        keep = scaled
+    while best is None:  # still over after the tries: shrink until it fits (keep 0: the markers alone)
+        keep = keep * 9 // 10
+        clipped = _cut_texts(event, keep)
+        tokens = count_tokens(render_event(clipped), encoding)
+        if tokens <= target or keep == 0:
+            best = (clipped, tokens)
+    clipped, tokens = best
+    return {**clipped, TOKEN_COUNT_FIELD: tokens, TOKEN_ENCODING_FIELD: encoding}
+
+
+def _cut_texts(event: dict[str, Any], keep: int) -> dict[str, Any]:
+    """``event`` with each of its texts cut to ``keep`` characters of head and of tail, shared
+    among them (an assistant's content and its calls' arguments, as JSON)."""
+    if event.get("type") != "assistant":
+        field = "output" if event.get("type") == "tool_result" else "content"
+        text = event.get(field)
+        return {**event, field: elide(text, keep)} if isinstance(text, str) else event
+    calls = event.get("toolCalls")
+    calls = [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+    content = event.get("content")
+    texts = [content if isinstance(content, str) else "", *(arguments_json(c.get("arguments")) for c in calls)]
+    cut = [elide(text, share) for text, share in zip(texts, _shares([len(t) // 2 for t in texts], keep))]
+    return {**event, "content": cut[0],
+            "toolCalls": [{**call, "arguments": text} for call, text in zip(calls, cut[1:])]}
+
+
+def _shares(wants: list[int], keep: int) -> list[int]:
+    """``keep`` split among texts that want ``wants`` each: the short ones get what they want,
+    the long ones share the rest equally."""
+    shares = [0] * len(wants)
+    left = keep
+    for done, index in enumerate(sorted(range(len(wants)), key=wants.__getitem__)):
+        shares[index] = min(wants[index], left // (len(wants) - done))
+        left -= shares[index]
+    return shares
 
 
 def _events_tokens(events: list[dict[str, Any]], encoding: str) -> int:

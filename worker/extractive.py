@@ -7,7 +7,8 @@ Invariants:
 - Deterministic: the same targets and previous summary give the same text.
 - The output always passes ``worker.summarize.validate_summary_text``.
 - Every user message appears under *All User Messages*, in order (after those
-  carried over from the previous summary), once, each in a fenced code block
+  carried over from the previous summary), once (or is counted in the folded
+  line, see Size), each in a fenced code block
   longer than any backtick run it holds, so no line of it can close the block
   or pose as a section heading (headings inside fences do not count). It is
   verbatim except in the one case below.
@@ -28,7 +29,11 @@ Invariants:
   L characters omitted):`` item with the omitted count between the two parts.
   Only when that floor (the 10 headings, the tight sections, every message
   cut) is still larger, as for a transcript of a few short lines, is the
-  summary larger than what it replaces.
+  summary larger than what it replaces. It is never larger than
+  ``limit_tokens`` for that: past it, the sections are rendered with
+  ``MINIMAL_BOUNDS`` and the fewest oldest user messages are folded into one
+  ``- [N earlier user messages omitted ...]`` line, which a later summary folds
+  on (the messages stay in the session's log).
 - The previous summary's list-like sections (files, errors, user messages,
   pending tasks, concepts) are carried forward and merged under the same
   bounds, so nothing is lost across incremental compactions but what the
@@ -80,6 +85,8 @@ class Bounds:
 BOUNDS = Bounds()
 TIGHT_BOUNDS = Bounds(files=20, error_lines=10, decisions=5, pending=10, concepts=5, line_chars=160,
                       request_chars=200, current_work_chars=600)
+MINIMAL_BOUNDS = Bounds(files=5, error_lines=3, decisions=2, pending=3, concepts=3, line_chars=100,
+                        request_chars=200, current_work_chars=300)
 
 _PATH = re.compile(
     r"(?<![\w/.<-])((?:~|\.{1,2})?/?(?:[\w.-]+/)+[\w.-]+\.[A-Za-z0-9]{1,8}|[\w-]+\.(?:py|js|ts|tsx|jsx|"
@@ -112,7 +119,10 @@ def extractive_summary(events: Sequence[dict[str, Any]], previous_summary: str |
         return text
     # (all counted when under ``cap``: the count stops early only at it)
     budget = min(replaced, cap) - MESSAGE_OVERHEAD_TOKENS
-    return _fit(_sections(events, previous, users, TIGHT_BOUNDS), messages, budget, encoding)
+    text = _fit(_sections(events, previous, users, TIGHT_BOUNDS), messages, budget, encoding)
+    if limit_tokens is None or count_tokens(text, encoding) <= limit_tokens:
+        return text
+    return _within_limit(_sections(events, previous, users, MINIMAL_BOUNDS), messages, limit_tokens, encoding)
 
 
 def _sections(events: Sequence[dict[str, Any]], previous: dict[str, str], users: list[str],
@@ -167,6 +177,47 @@ def _fit(sections: dict[str, str], messages: list[str | _Message], budget: int, 
         if cut == messages:
             return text
         messages = cut
+
+
+def _within_limit(sections: dict[str, str], messages: list[str | _Message], limit: int, encoding: str) -> str:
+    """The summary at most ``limit`` tokens when even every message cut to its floor is more: the
+    sections at ``MINIMAL_BOUNDS``, each message at its floor, and the fewest oldest messages
+    folded into one line that counts them (``_folded``; they stay in the session's log).
+
+    (A rolling summary carried every user message at least ``MIN_KEPT_CHARS``: in a 4 000-token
+    window it passed its 1 000-token limit after ~17 turns and reached 6 300 tokens by turn 40,
+    the session over its window after every compaction.)
+    """
+    messages = [m.cut(MIN_KEPT_CHARS) if isinstance(m, _Message) else m for m in messages]
+
+    def fits(dropped: int) -> bool:
+        return count_tokens(_render(sections, _folded(messages, dropped)), encoding) <= limit
+
+    if fits(0):
+        return _render(sections, messages)
+    low, high = 0, len(messages)  # the fewest dropped that fits: in (low, high] (all, if none does)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return _render(sections, _folded(messages, high))
+
+
+_FOLDED = re.compile(r"- \[(?P<count>[\d,]+) earlier user messages? omitted to keep this summary within its "
+                     r"limit: they are in the session's log\]")
+
+
+def _folded(messages: list[str | _Message], dropped: int) -> list[str | _Message]:
+    """``messages`` with the first ``dropped`` replaced by one line counting them (a folded line
+    among them counts what it counted)."""
+    if dropped == 0:
+        return messages
+    count = 0
+    for item in messages[:dropped]:
+        match = _FOLDED.fullmatch(item) if isinstance(item, str) else None
+        count += int(match.group("count").replace(",", "")) if match else 1
+    line = (f"- [{count:,} earlier user message{'' if count == 1 else 's'} omitted to keep this summary "
+            f"within its limit: they are in the session's log]")
+    return [line, *messages[dropped:]]
 
 
 def _cap(sizes: list[int], need: int) -> int:

@@ -246,3 +246,24 @@ def test_an_llm_summarys_own_tools_used_line_is_carried_as_it_is() -> None:
                "toolCalls": [{"id": "c", "name": "grep", "arguments": {}}]}]
     concepts = split_sections(extractive_summary(events, previous))["Key Technical Concepts"].splitlines()
     assert concepts == ["- tools used: the Bash tool and ripgrep, mostly", "- tools used: grep (1x)"]
+
+
+def test_a_rolling_summary_stays_within_its_limit_folding_the_oldest_messages_into_a_count() -> None:
+    """With the LLM down, each turn's compaction folds one more 300-word message onto the summary.
+    Every message was carried at least ``MIN_KEPT_CHARS``: in a 4 000-token window (limit 1 000)
+    the summary passed its limit after ~17 turns and reached 6 300 tokens by turn 40, leaving the
+    session over its window after every compaction."""
+    limit, summary = 1_000, None
+    for turn in range(1, 41):
+        message = f"MARK{turn} " + " ".join(f"w{turn}x{i}" for i in range(300))
+        summary = extractive_summary(_turn(turn, message), summary, limit_tokens=limit)
+        validate_summary_text(summary)
+        assert count_tokens(summary, DEFAULT_ENCODING) <= limit, turn
+    assert summary is not None
+    messages = split_sections(summary)["All User Messages"]
+    folded = re.fullmatch(r"- \[(\d+) earlier user messages omitted to keep this summary within its limit: "
+                          r"they are in the session's log\]", messages.split("\n", 1)[0])
+    assert folded is not None
+    kept = [turn for turn in range(1, 41) if f"MARK{turn} " in messages]
+    assert kept == list(range(41 - len(kept), 41)) and len(kept) >= 3  # the most recent, in order
+    assert int(folded.group(1)) + len(kept) == 40  # every message kept or counted, once

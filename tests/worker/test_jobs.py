@@ -27,7 +27,8 @@ from worker.context import WorkerContext, install
 from worker.failures import FailureCounter
 from worker import jobs as worker_jobs
 from worker.jobs import llm_compact, micro_compact, recheck
-from worker.summarize import extract_summary, validate_summary_text
+from events.tokens import MESSAGE_OVERHEAD_TOKENS, count_tokens
+from worker.summarize import build_messages, extract_summary, render_transcript, validate_summary_text
 
 
 def _summaries(settings: Settings, sid: str) -> list[dict[str, Any]]:
@@ -413,6 +414,32 @@ def test_a_chunk_is_budgeted_once_for_the_reply_and_at_the_running_summarys_real
     assert job.get_status() == JobStatus.FINISHED
     assert len(stub.requests) <= 2
     assert request in "".join(req.user_text for req in stub.requests)  # whole, not elided
+
+
+@pytest.mark.parametrize("event", [
+    {"type": "user", "turnId": 1, "uuid": "u", "content": "中文字符测试内容" * 5_000},  # ~1 token a character
+    {"type": "tool_result", "turnId": 1, "uuid": "t", "toolName": "read_file", "toolCallId": "c",
+     "output": "".join(f"{i:08x}" for i in range(20_000))},  # hex: ~2 characters a token
+    {"type": "assistant", "turnId": 1, "uuid": "a", "content": "writing it",
+     "toolCalls": [{"id": "c", "name": "write_file", "arguments": {"path": "a.txt", "content": "word " * 60_000}}]},
+], ids=["cjk", "hex", "tool-call-arguments"])
+def test_an_event_larger_than_a_chunk_is_cut_to_fit_the_window_whatever_its_text(
+    settings: Settings, event: dict[str, Any],
+) -> None:
+    """Each chunk's request must fit the window with room for the reply. The cut kept ~3
+    characters per token on trust (a CJK message sent 10 458 tokens into an 8 000-token window),
+    and never cut a tool call's arguments (a 60 000-word write_file went whole: 60 635 tokens)."""
+    window, encoding = 8_000, "cl100k_base"
+    compactor = worker_compaction.Compactor(None, settings, lambda: None)  # type: ignore[arg-type]
+    chunks = list(compactor.chunks([event], None, window, encoding))
+    assert len(chunks) == 1
+    messages = build_messages(render_transcript(chunks[0]), None, compactor.summary_limit(window))
+    sent = sum(count_tokens(m["content"], encoding) + MESSAGE_OVERHEAD_TOKENS for m in messages)
+    reply = min(settings.context.summary_reserve_tokens, window // 4)
+    assert window // 2 < sent <= window - reply  # cut, but not to nothing
+    assert "characters elided" in messages[1]["content"]
+    if event["type"] == "assistant":
+        assert '"path":"a.txt"' in messages[1]["content"] and "-> tool call write_file(" in messages[1]["content"]
 
 
 def test_elided_targets_are_planned_at_their_shown_size_not_chunked(
