@@ -228,6 +228,7 @@ def run_demo(settings: Settings, options: DemoOptions, *, on_tick: Snapshot | No
         specs = stack_specs(workers=options.workers, api=False)
         with running_stack(demo, specs, output=output) as stack:
             client = redis.Redis.from_url(stack.redis_url)
+            client.ping()  # a configured Redis that does not answer: one error, before any agent starts
             agents = _agents(options)
             try:
                 return _drive(client, demo, agents, options, on_tick)
@@ -241,14 +242,23 @@ def _drive(client: redis.Redis, settings: Settings, agents: list[Agent], options
            on_tick: Snapshot | None) -> dict[str, Any]:
     publisher = Publisher(client, settings)
     stop, stats, started = threading.Event(), JobStats(), time.monotonic()
-    threads = [threading.Thread(target=a.run, name=a.session_id, daemon=True,
-                                args=(publisher.publish, options.turns, options.context_window, stop))
-               for a in agents]
+    errors: list[Exception] = []
+
+    def run(agent: Agent) -> None:  # an agent's error stops them all and is raised here, not dumped
+        try:
+            agent.run(publisher.publish, options.turns, options.context_window, stop)
+        except Exception as e:
+            errors.append(e)
+            stop.set()
+
+    threads = [threading.Thread(target=run, args=(a,), name=a.session_id, daemon=True) for a in agents]
     for t in threads:
         t.start()
     try:
         _wait(lambda: not any(t.is_alive() for t in threads), client, settings, agents, stats,
               started, on_tick, timeout_s=None)
+        if errors:
+            raise errors[0]
         _wait(lambda: _settled(client, settings, agents, stats, options.turns), client, settings,
               agents, stats, started, on_tick, timeout_s=SETTLE_TIMEOUT_S)
     finally:

@@ -49,7 +49,8 @@ def run_scenario(name: str, *, quick: bool, progress: Any = None) -> dict[str, A
 def bench(
     scenario: Annotated[Scenario, typer.Argument(help="Which benchmark to run.")] = Scenario.all,
     json_out: JsonOpt = False,
-    quick: Annotated[bool, typer.Option("--quick", help="Small sizes, a few seconds each.")] = False,
+    quick: Annotated[bool, typer.Option(
+        "--quick", help="Small sizes: seconds to half a minute each (jobs starts workers and a 1 s LLM stub).")] = False,
     config: ConfigOpt = None,
 ) -> None:
     """Benchmark the context view, event ingestion and compaction jobs."""

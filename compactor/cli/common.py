@@ -43,8 +43,19 @@ ConfigOpt = Annotated[Path | None, typer.Option(
 RedisUrlOpt = Annotated[str | None, typer.Option(
     "--redis-url", envvar="REDIS_URL", show_envvar=True,
     help="Redis URL; empty: the embedded server of `compactor serve`.")]
+def data_dir_path(value: str | Path) -> Path:
+    """``--data-dir``'s value: an empty one is refused (``Path("")`` is the current directory,
+    which an empty ``dataDir`` in the config file is refused for meaning)."""
+    if isinstance(value, Path):
+        return value
+    if not value:  # (a blank one reaches the config's own check, which names it alike)
+        fail("invalid configuration: dataDir (from --data-dir): must not be empty (it would mean the current "
+             "directory: pass . for that)", EXIT_CONFIG)
+    return Path(value)
+
+
 DataDirOpt = Annotated[Path | None, typer.Option(
-    "--data-dir", envvar="COMPACTION_DATA_DIR", show_envvar=True,
+    "--data-dir", envvar="COMPACTION_DATA_DIR", show_envvar=True, parser=data_dir_path,
     help="Root of the session logs (dataDir).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the data as JSON on stdout.")]
 LogLevelOpt = Annotated[str, typer.Option(
@@ -87,14 +98,20 @@ def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | 
 def usable_data_dir(settings: Settings) -> Settings:
     """``settings`` once their ``dataDir`` exists and takes a file (created when missing); else
     exit 2 naming it, before a process starts (logs, the embedded Redis and its socket live there)."""
-    path = settings.data_dir
+    usable_dir(settings.data_dir, "dataDir")
+    return settings
+
+
+def usable_dir(path: Path, name: str) -> None:
+    """Create ``path`` when missing and check that it takes a file; else exit 2 naming ``name``."""
+    if path.exists() and not path.is_dir():
+        fail(f"invalid configuration: {name}: {path} is not a directory", EXIT_CONFIG)
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        fail(f"invalid configuration: dataDir: {path} cannot be used: {e.strerror or e}", EXIT_CONFIG)
-    return settings
+        fail(f"invalid configuration: {name}: {path} cannot be used: {e.strerror or e}", EXIT_CONFIG)
 
 
 def api_socket(host: str, port: int) -> socket.socket:

@@ -16,9 +16,11 @@ from compactor.cli.common import (
     ConfigOpt,
     JsonOpt,
     RedisUrlOpt,
+    data_dir_path,
     err_console,
     load,
     print_json,
+    usable_dir,
     user_errors,
 )
 
@@ -35,7 +37,8 @@ def demo(
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, max=16,
                                          help="Worker processes.")] = 2,
     data_dir: Annotated[Path | None, typer.Option(
-        "--data-dir", help="Keep the logs here (default: a temp dir removed afterwards).")] = None,
+        "--data-dir", parser=data_dir_path,
+        help="Keep the logs here (default: a temp dir removed afterwards).")] = None,
     json_out: JsonOpt = False,
     config: ConfigOpt = None,
     redis_url: RedisUrlOpt = None,
@@ -48,6 +51,8 @@ def demo(
     from compactor.demo import DemoOptions, run_demo
 
     settings = load(config, redis_url=redis_url)
+    if data_dir is not None:
+        usable_dir(data_dir, "--data-dir")
     options = DemoOptions(sessions=sessions, turns=turns, context_window=window,
                           workers=workers, data_dir=data_dir)
     with tempfile.TemporaryFile() as child_output, user_errors():

@@ -122,6 +122,7 @@ def work(
     setup_logging(log_level, log_format)
     settings = usable_data_dir(_with_redis(load(config, redis_url=redis_url, data_dir=data_dir)))
     exit_with_parent()
+    connect(settings).close()  # one line naming the (redacted) URL when Redis does not answer, as watch says
     with user_errors():
         try:
             runner_main(settings, count=count, burst=burst)

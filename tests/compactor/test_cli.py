@@ -144,6 +144,27 @@ def test_a_data_dir_that_cannot_be_used_is_one_line_and_exit_2(runner: CliRunner
         f"compactor: invalid configuration: dataDir: {a_file / 'data'} cannot be used: Not a directory"]
 
 
+def test_a_demo_data_dir_that_cannot_be_used_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path) -> None:
+    """It was a traceback from the embedded Redis's mkdir (NotADirectoryError, or a read-only file system)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    result = runner.invoke(app, ["demo", "--data-dir", str(a_file), "-s", "1", "-t", "1"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        f"compactor: invalid configuration: --data-dir: {a_file} is not a directory"]
+
+
+@pytest.mark.parametrize("command", [["context", "s1", "--cwd", "/p"], ["demo"]])
+def test_an_empty_data_dir_option_is_refused_not_taken_for_the_current_directory(
+    runner: CliRunner, command: list[str],
+) -> None:
+    result = runner.invoke(app, [*command, "--data-dir", ""])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        "compactor: invalid configuration: dataDir (from --data-dir): must not be empty (it would mean the "
+        "current directory: pass . for that)"]
+
+
 def test_missing_config_file_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
     result = runner.invoke(app, ["status", "--config", str(tmp_path / "nope.yaml")])
     assert result.exit_code == 2 and "config file not found" in result.stderr
@@ -347,7 +368,7 @@ def test_work_with_an_unreachable_redis_exits_1_at_once(tmp_path: Path) -> None:
             process.communicate()
     assert process.returncode == 1
     [line] = err.strip().splitlines()
-    assert line.startswith("compactor: Redis unreachable: ") and f"{tmp_path}/none.sock" in line
+    assert line.startswith(f"compactor: Redis unreachable at unix://{tmp_path}/none.sock: "), line
 
 
 def test_work_gives_up_on_a_worker_process_that_keeps_dying(settings: Settings,
