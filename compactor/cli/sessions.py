@@ -45,8 +45,7 @@ logger = logging.getLogger(__name__)
 BAR_WIDTH = 24  # characters of the context bar in a terminal of WIDE_COLUMNS or more
 NARROW_BAR_WIDTH = 12
 WIDE_COLUMNS = 120
-SESSION_WIDTH = 8  # the session column's width at least, where there is room (a longer id folds)
-SESSION_MIN_WIDTH = 6  # ... and never less: other columns are left out first
+SESSION_WIDTH = 8  # the session column's width at least (a longer id folds); other columns are left out first
 STATUS_COLUMNS = ("turn", "context", "tokens", "failures", "job", "last compaction")
 NARROW_DROP_ORDER = ("last compaction", "context", "job", "turn", "tokens", "failures")  # to keep the session's
 UNCROPPED_COLUMNS = 10_000  # the table's width when stdout is no terminal: as wide as its content
@@ -228,7 +227,7 @@ def status_table(bodies: list[SessionBody], width: int = 200, now: datetime | No
     """One row per session, fitted to a terminal ``width`` columns wide: the bar narrows
     under ``WIDE_COLUMNS`` and no header or value is broken over two lines (at 80 columns
     only a session id over ~8 characters folds). Where even that leaves the session column
-    under ``SESSION_MIN_WIDTH``, whole columns are left out (``NARROW_DROP_ORDER``; the caption
+    under ``SESSION_WIDTH``, whole columns are left out (``NARROW_DROP_ORDER``; the caption
     names them), never the session's. The title says "N of M" when ``total`` sessions are
     more than the rows."""
     now = now or datetime.now(UTC)
@@ -237,7 +236,7 @@ def status_table(bodies: list[SessionBody], width: int = 200, now: datetime | No
     hidden: list[str] = []
     table = _status_table(bodies, width, now, title, hidden)
     for header in NARROW_DROP_ORDER:
-        if _session_room(table, width, longest) >= min(SESSION_MIN_WIDTH, longest):
+        if _session_room(table, width, longest) >= SESSION_WIDTH:  # (rich keeps a column's min_width)
             break
         hidden.append(header)
         table = _status_table(bodies, width, now, title, hidden)

@@ -489,6 +489,33 @@ def test_status_table_fits_80_columns_with_a_line_per_session(runner: CliRunner,
     assert re.fullmatch(r"\d+s", cells[7]) and cells[8] == "ago"
 
 
+@pytest.mark.parametrize("session_ids", [["s1", "s2"], ["abcdefgh"]])
+def test_a_narrow_status_table_leaves_columns_out_rather_than_crop_one(session_ids: list[str]) -> None:
+    """At 60 columns with ids shorter than the session column's minimum (8), the table was fitted
+    as if that column could shrink to the ids: it overflowed, and the terminal cut off the job
+    column and the caption's end, which said nothing of it."""
+    import io
+
+    from rich.console import Console
+
+    from compactor.cli.sessions import status_table
+    from producer.api_models import SessionBody
+
+    bodies = [SessionBody(session_id=sid, cwd="/p", prompt_estimate=5000, context_window=8000, current_turn_id=3,
+                          micro_threshold=4000, compaction_threshold=7200, failures=0, breaker_open=False)
+              for sid in session_ids]
+
+    def rendered(width: int, console_width: int) -> list[str]:
+        console = Console(width=console_width, file=io.StringIO(), color_system=None)
+        console.print(status_table(bodies, width))
+        return [line.rstrip() for line in console.file.getvalue().splitlines()]  # type: ignore[attr-defined]
+
+    for width in range(44, 101, 2):
+        lines, uncropped = rendered(width, width), rendered(width, 1_000)
+        assert max(len(line) for line in uncropped) <= width, (width, uncropped)
+        assert lines == uncropped, width
+
+
 def test_status_piped_is_not_cropped_and_a_limited_list_says_of_how_many(
         runner: CliRunner, r: redis.Redis, settings: Settings, config: Path) -> None:
     """Piped (``status | cat``, ``> file``) the table took rich's 80-column default: "last compactio",
