@@ -20,6 +20,7 @@ import threading
 import time
 
 import redis
+from redis.exceptions import AuthenticationError, AuthorizationError
 
 from compactor.redis_errors import is_refusal
 
@@ -30,7 +31,10 @@ REPEAT_S = 60.0  # how often a lasting refusal is logged again
 
 
 def is_transient(error: BaseException) -> bool:
-    """A Redis error that passes by itself: a refusal, a dropped or timed-out connection."""
+    """A Redis error that passes by itself: a refusal, a dropped or timed-out connection (not a
+    refused password or ACL, which are ``ConnectionError``s too in redis-py but need an operator)."""
+    if isinstance(error, (AuthenticationError, AuthorizationError)):
+        return False
     return isinstance(error, (redis.ConnectionError, redis.TimeoutError)) or is_refusal(error)
 
 

@@ -79,7 +79,6 @@ from compactor.queue import (
     pending_job_id,
     sessions_to_look_at,
 )
-from compactor.redis_errors import is_refusal
 from compactor.serve import exit_with_parent
 from events.config import Settings
 from events.errors import CompactorError
@@ -211,26 +210,64 @@ class CompactionWorker(SimpleWorker):
                 self.perform_job(job, queue, execution)
             finally:
                 self._keeper.idle()
-            self.set_state(WorkerStatus.IDLE)
         except redis.RedisError as error:
             if not is_transient(error):
                 raise
             self.redis_wait.failed(f"recording job {job.id}", error)
-            logger.warning("job %s not recorded as ended worker=%s: %s; the janitor recovers it", job.id,
-                           self.name, error, extra={"job_id": job.id})
+            logger.warning("job %s not recorded as started or ended worker=%s: %s; the janitor recovers it",
+                           job.id, self.name, error, extra={"job_id": job.id})
+        self.set_state(WorkerStatus.IDLE)
 
     # -- riding out a Redis that does not serve (``worker.redis_wait``) ------------------------
 
     def dequeue_job_and_maintain_ttl(self, timeout: int | None, max_idle_time: int | None = None) -> Any:
-        """RQ's dequeue (which waits out a dropped connection itself), waiting out refusals too."""
+        """RQ's dequeue (which waits out a dropped connection in its own loop), waiting out
+        refusals too, and a dropped connection before that loop."""
         while True:
             try:
                 return super().dequeue_job_and_maintain_ttl(timeout, max_idle_time)
-            except redis.ResponseError as error:
-                if not is_refusal(error):
+            except redis.RedisError as error:
+                if not is_transient(error):
                     raise
-                self.redis_wait.failed("waiting for a job", error)
-                time.sleep(self.redis_wait.next_wait())
+                self._wait("waiting for a job", error)
+
+    def register_birth(self) -> None:
+        """RQ's registration of the worker, tried until Redis takes it (a worker started, or
+        replaced, while Redis refuses writes waits instead of dying at once, over and over)."""
+        retry = False
+        while True:
+            try:
+                if retry:  # a refused try may have left this worker's key (its name is its own)
+                    self.connection.delete(self.key)
+                super().register_birth()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
+                return
+            except redis.RedisError as error:
+                if not is_transient(error):
+                    raise
+                self._wait("registering the worker", error)
+                retry = True
+
+    def subscribe(self) -> None:
+        """RQ's command channel (``rq`` stop-job commands), left out while Redis is unreachable."""
+        try:
+            super().subscribe()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
+        except redis.RedisError as error:
+            if not is_transient(error):
+                raise
+            self.redis_wait.failed("subscribing to the command channel", error)
+
+    def set_state(self, state: str, pipeline: Any | None = None) -> None:
+        """RQ's record of the worker's state, skipped (and reported) while Redis does not serve."""
+        try:
+            super().set_state(state, pipeline)
+        except redis.RedisError as error:
+            if pipeline is not None or not is_transient(error):
+                raise
+            self.redis_wait.failed("recording the worker's state", error)
+
+    def _wait(self, what: str, error: redis.RedisError) -> None:
+        self.redis_wait.failed(what, error)
+        time.sleep(self.redis_wait.next_wait())
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any | None = None) -> None:
         """RQ's heartbeat, skipped (and reported) while Redis does not serve."""

@@ -263,6 +263,37 @@ def test_a_worker_rides_out_a_redis_that_refuses_writes_and_takes_jobs_again(
             assert sum(e["type"] == "summary" for e in events) == 1, output
 
 
+def test_a_worker_started_while_redis_refuses_writes_waits_and_then_takes_jobs(
+    stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
+) -> None:
+    """RQ registers a worker before its loop, outside anything that waits: a worker started (or
+    replaced by its supervisor) while Redis refused writes died at once, and each replacement
+    did too, until the supervisor gave up on all of them."""
+    with tempfile.TemporaryDirectory(prefix="refusal-") as directory, EmbeddedRedis(Path(directory)) as server:
+        client = redis.Redis.from_url(server.url)
+        env = {**env_for_subprocess, "REDIS_URL": server.url}
+        config = tmp_path / "compactor.yaml"
+        config.write_text(json.dumps({"dataDir": str(tmp_path / "data"), "context": {"compactionModel": STUB_MODEL}}))
+        wsettings = load_settings(config, env)
+        write_session(client, wsettings, "s1", 3)
+        job = enqueue_compaction(client, wsettings, "s1", CWD, "llm", forced=True)
+        assert job is not None
+        client.config_set("min-replicas-to-write", 1)
+        worker = _start_worker(config, env, count=2)
+        try:
+            try:
+                time.sleep(8)  # preload, then the workers' registration is refused, again and again
+                assert worker.poll() is None
+            finally:
+                client.config_set("min-replicas-to-write", 0)
+            assert _wait_job(client, job, 30).get_status() == JobStatus.FINISHED
+            assert worker.poll() is None
+        finally:
+            output = _stop(worker)
+        assert "Redis does not serve worker=" in output and "again after" in output, output
+        assert "worker process died" not in output and "Traceback" not in output, output
+
+
 def test_a_worker_loop_ended_by_an_error_ends_its_process_so_it_is_replaced(
     r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -278,3 +309,34 @@ def test_a_worker_loop_ended_by_an_error_ends_its_process_so_it_is_replaced(
     monkeypatch.setattr(worker, "dequeue_job_and_maintain_ttl", broken)
     with pytest.raises(WorkerLoopEnded, match="ended on an error"):
         worker.work()
+
+
+def test_a_dropped_connection_outside_rqs_own_retry_is_waited_out_not_fatal(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RQ's dequeue records the worker as idle before its own retry loop: a connection dropped
+    there (Redis restarting as a job ended) ended the worker's loop."""
+    from rq import SimpleWorker
+
+    from worker import runner
+    from worker.runner import CompactionWorker
+
+    worker = CompactionWorker.for_settings(r, wsettings)
+    gone = redis.Redis.from_url("redis://127.0.0.1:1", socket_connect_timeout=0.5)
+    monkeypatch.setattr(worker, "connection", gone)
+    worker.set_state("idle")  # raised ConnectionError
+    assert worker.redis_wait.waiting
+    tries: list[int] = []
+
+    def dequeue(self: SimpleWorker, timeout: int | None, max_idle_time: int | None = None) -> None:
+        tries.append(1)
+        if len(tries) == 1:
+            raise redis.ConnectionError("Connection closed by server.")
+
+    monkeypatch.setattr(SimpleWorker, "dequeue_job_and_maintain_ttl", dequeue)
+    monkeypatch.setattr(runner.time, "sleep", lambda seconds: None)
+    assert worker.dequeue_job_and_maintain_ttl(1) is None and len(tries) == 2
+    monkeypatch.setattr(SimpleWorker, "dequeue_job_and_maintain_ttl", lambda *a, **k: (_ for _ in ()).throw(
+        redis.AuthenticationError("WRONGPASS invalid username-password pair")))
+    with pytest.raises(redis.AuthenticationError):  # a refused password needs an operator: not waited out
+        worker.dequeue_job_and_maintain_ttl(1)
