@@ -683,30 +683,52 @@ def _clipped(event: dict[str, Any], budget_tokens: int, encoding: str) -> dict[s
         if scaled == keep:
             break
         keep = scaled
+    calls: int | None = None  # how many tool calls are kept, once cutting the texts is not enough
     while best is None:  # still over after the tries: shrink until it fits (keep 0: the markers alone)
-        keep = keep * 9 // 10
-        clipped = _cut_texts(event, keep)
+        if keep > 0:
+            keep = keep * 9 // 10
+        else:
+            calls = len(event.get("toolCalls") or []) // 2 if calls is None else calls // 2
+        clipped = _cut_texts(event, keep, calls)
         tokens = count_tokens(render_event(clipped), encoding)
-        if tokens <= target or keep == 0:
+        if tokens <= target or (keep == 0 and not calls):
             best = (clipped, tokens)
     clipped, tokens = best
     return {**clipped, TOKEN_COUNT_FIELD: tokens, TOKEN_ENCODING_FIELD: encoding}
 
 
-def _cut_texts(event: dict[str, Any], keep: int) -> dict[str, Any]:
+def _cut_texts(event: dict[str, Any], keep: int, calls_kept: int | None = None) -> dict[str, Any]:
     """``event`` with each of its texts cut to ``keep`` characters of head and of tail, shared
-    among them (an assistant's content and its calls' arguments, as JSON)."""
-    if event.get("type") != "assistant":
-        field = "output" if event.get("type") == "tool_result" else "content"
+    among them (a tool result's output and tool name; an assistant's content, its calls' names
+    and arguments, as JSON), and only its first ``calls_kept`` tool calls when given."""
+    kind = event.get("type")
+    if kind == "tool_result":
+        output, name = _str_or_empty(event.get("output")), _str_or_empty(event.get("toolName"))
+        cut = _cut_all([output, name], keep)
+        return {**event, "output": cut[0], "toolName": cut[1]}
+    if kind != "assistant":
+        field = "summaryText" if kind == "summary" else "content"  # (the text ``render_event`` shows)
         text = event.get(field)
         return {**event, field: elide(text, keep)} if isinstance(text, str) else event
     calls = event.get("toolCalls")
     calls = [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
-    content = event.get("content")
-    texts = [content if isinstance(content, str) else "", *(arguments_json(c.get("arguments")) for c in calls)]
-    cut = [elide(text, share) for text, share in zip(texts, _shares([len(t) // 2 for t in texts], keep))]
+    content = _str_or_empty(event.get("content"))
+    if calls_kept is not None and calls_kept < len(calls):
+        content = f"{content}\n[… {len(calls) - calls_kept} more tool calls omitted …]"
+        calls = calls[:calls_kept]
+    cut = _cut_all([content, *(_str_or_empty(c.get("name")) for c in calls),
+                    *(arguments_json(c.get("arguments")) for c in calls)], keep)
+    names, arguments = cut[1:1 + len(calls)], cut[1 + len(calls):]
     return {**event, "content": cut[0],
-            "toolCalls": [{**call, "arguments": text} for call, text in zip(calls, cut[1:])]}
+            "toolCalls": [{**call, "name": name, "arguments": text} for call, name, text in zip(calls, names, arguments)]}
+
+
+def _cut_all(texts: list[str], keep: int) -> list[str]:
+    return [elide(text, share) for text, share in zip(texts, _shares([len(t) // 2 for t in texts], keep))]
+
+
+def _str_or_empty(value: Any) -> str:
+    return value if isinstance(value, str) else ""
 
 
 def _shares(wants: list[int], keep: int) -> list[int]:

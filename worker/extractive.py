@@ -199,7 +199,13 @@ def _within_limit(sections: dict[str, str], messages: list[str | _Message], limi
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (low, middle) if fits(middle) else (middle, high)
-    return _render(sections, _folded(messages, high))
+    text = _render(sections, _folded(messages, high))
+    for chars in (100, 60, 30):  # a previous summary's long lines carried: cut every line (never a line away)
+        if count_tokens(text, encoding) <= limit:
+            break
+        short = {title: "\n".join(_clip(line, chars) for line in body.split("\n")) for title, body in sections.items()}
+        text = _render(short, _folded(messages, len(messages)))
+    return text
 
 
 _FOLDED = re.compile(r"- \[(?P<count>[\d,]+) earlier user messages? omitted to keep this summary within its "
@@ -208,7 +214,7 @@ _FOLDED = re.compile(r"- \[(?P<count>[\d,]+) earlier user messages? omitted to k
 
 def _folded(messages: list[str | _Message], dropped: int) -> list[str | _Message]:
     """``messages`` with the first ``dropped`` replaced by one line counting them (a folded line
-    among them counts what it counted)."""
+    among them counts what it counted; other text, an LLM summary's, counts as one)."""
     if dropped == 0:
         return messages
     count = 0
@@ -343,7 +349,8 @@ def _errors(previous: dict[str, str], results: list[dict[str, Any]], bounds: Bou
     for event in results:
         for line in _str(event.get("output")).splitlines():
             if _ERROR.search(line):
-                lines.append(f"- [{event.get('toolName', '')}] {_clip(line.strip(), bounds.line_chars)}")
+                name = _clip(_str(event.get("toolName", "")), bounds.line_chars)
+                lines.append(f"- [{name}] {_clip(line.strip(), bounds.line_chars)}")
     return "\n".join(_unique(lines)[-bounds.error_lines:])
 
 
@@ -393,8 +400,11 @@ def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds:
 def _current_work(assistants: list[dict[str, Any]], bounds: Bounds) -> str:
     for event in reversed(assistants):
         content = _str(event.get("content")).strip()
-        calls = [f"-> {c.get('name', '')}({_clip(arguments_json(c.get('arguments', '')), bounds.line_chars)})"
+        calls = [f"-> {_clip(_str(c.get('name', '')), bounds.line_chars)}"
+                 f"({_clip(arguments_json(c.get('arguments', '')), bounds.line_chars)})"
                  for c in event.get("toolCalls") or [] if isinstance(c, dict)]
+        if len(calls) > bounds.pending:
+            calls = [*calls[:bounds.pending], f"-> ... and {len(calls) - bounds.pending} more tool calls"]
         if content or calls:
             text = _quote(_elide(content, bounds.current_work_chars)) if content else ""
             return "\n".join(part for part in [text, *calls] if part)

@@ -267,3 +267,19 @@ def test_a_rolling_summary_stays_within_its_limit_folding_the_oldest_messages_in
     kept = [turn for turn in range(1, 41) if f"MARK{turn} " in messages]
     assert kept == list(range(41 - len(kept), 41)) and len(kept) >= 3  # the most recent, in order
     assert int(folded.group(1)) + len(kept) == 40  # every message kept or counted, once
+
+
+def test_many_tool_calls_and_long_tool_names_stay_within_the_limit_too() -> None:
+    """Current Work listed every call of the last assistant message and Errors each tool's name
+    whole: 60 calls with long paths made a 2 517-token summary under a 1 000-token limit."""
+    events = [
+        {"type": "user", "turnId": 1, "content": "please fix"},
+        {"type": "assistant", "turnId": 1, "content": "on it",
+         "toolCalls": [{"id": f"c{i}", "name": f"tool_{i}", "arguments": {"path": f"/src/pkg{i}/m_{'z' * 40}.py"}}
+                       for i in range(60)]},
+        {"type": "tool_result", "turnId": 1, "toolCallId": "c0", "toolName": "n" * 5_000, "output": "error: boom"},
+    ]
+    summary = extractive_summary(events, None, limit_tokens=1_000)
+    validate_summary_text(summary)
+    assert count_tokens(summary, DEFAULT_ENCODING) <= 1_000
+    assert "more tool calls" in split_sections(summary)["Current Work"]
