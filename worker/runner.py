@@ -53,7 +53,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
@@ -249,70 +249,50 @@ class CompactionWorker(SimpleWorker):
 
     def subscribe(self) -> None:
         """RQ's command channel (``rq`` stop-job commands), left out while Redis is unreachable."""
-        try:
+        with self._unless_down("subscribing to the command channel"):
             super().subscribe()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
-        except redis.RedisError as error:
-            if not is_transient(error):
-                raise
-            self.redis_wait.failed("subscribing to the command channel", error)
 
     def set_state(self, state: str, pipeline: Any | None = None) -> None:
         """RQ's record of the worker's state, skipped (and reported) while Redis does not serve."""
-        try:
+        if pipeline is not None:  # (queued: the pipeline's owner handles its errors)
             super().set_state(state, pipeline)
-        except redis.RedisError as error:
-            if pipeline is not None or not is_transient(error):
-                raise
-            self.redis_wait.failed("recording the worker's state", error)
-
-    def _wait(self, what: str, error: redis.RedisError) -> None:
-        self.redis_wait.failed(what, error)
-        time.sleep(self.redis_wait.next_wait())
+            return
+        with self._unless_down("recording the worker's state"):
+            super().set_state(state)
 
     def heartbeat(self, timeout: int | None = None, pipeline: Any | None = None) -> None:
         """RQ's heartbeat, skipped (and reported) while Redis does not serve."""
-        try:
+        if pipeline is not None:
             super().heartbeat(timeout, pipeline)
-        except redis.RedisError as error:
-            if pipeline is not None or not is_transient(error):
-                raise
-            self.redis_wait.failed("the worker's heartbeat", error)
             return
-        if pipeline is None:
+        with self._unless_down("the worker's heartbeat"):
+            super().heartbeat(timeout)
             self.redis_wait.served()
 
     def run_maintenance_tasks(self) -> None:
         """RQ's registry maintenance, put off (and reported) while Redis does not serve."""
-        try:
+        with self._unless_down("registry maintenance"):
             super().run_maintenance_tasks()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
-        except redis.RedisError as error:
-            if not is_transient(error):
-                raise
-            self.redis_wait.failed("registry maintenance", error)
 
     def check_for_suspension(self, burst: bool) -> None:
         """RQ's ``rq suspend`` check, skipped while Redis does not serve (the dequeue waits)."""
-        try:
+        with self._unless_down("the suspension check"):
             super().check_for_suspension(burst)
+
+    @contextlib.contextmanager
+    def _unless_down(self, what: str) -> Iterator[None]:
+        """Run the block; a Redis that does not serve it (``is_transient``) is reported and the
+        block skipped, any other error raised."""
+        try:
+            yield
         except redis.RedisError as error:
             if not is_transient(error):
                 raise
-            self.redis_wait.failed("the suspension check", error)
+            self.redis_wait.failed(what, error)
 
-    def handle_exception(self, job: Job, *exc_info: Any) -> None:
-        """RQ's handling of a failed job, but a failure the job classified and logged already
-        (a ``CompactorError``: an LLM failure, an invalid summary, a missing session) is one
-        ERROR line, not its chained traceback (~100 lines per failed LLM call, litellm's and
-        httpx's causes included). The job's result keeps the traceback (``exc_string``); DEBUG
-        logs it too. Anything else keeps RQ's full traceback."""
-        error = exc_info[1] if len(exc_info) > 1 else None
-        if not isinstance(error, CompactorError):
-            super().handle_exception(job, *exc_info)
-            return
-        self.log.error("Worker %s: job %s failed: %s: %s", self.name, job.id, type(error).__name__, error,
-                       extra={"queue": job.origin, "job_id": job.id})
-        self.log.debug("Worker %s: job %s traceback:\n%s", self.name, job.id, format_exc_info(exc_info))
-        call_exception_handlers(self._exc_handlers, job, *exc_info)
+    def _wait(self, what: str, error: redis.RedisError) -> None:
+        self.redis_wait.failed(what, error)
+        time.sleep(self.redis_wait.next_wait())
 
     def work(self, *args: Any, **kwargs: Any) -> bool:
         """RQ's work loop, with the keeper thread running alongside.
