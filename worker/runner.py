@@ -294,6 +294,21 @@ class CompactionWorker(SimpleWorker):
         self.redis_wait.failed(what, error)
         time.sleep(self.redis_wait.next_wait())
 
+    def handle_exception(self, job: Job, *exc_info: Any) -> None:
+        """RQ's handling of a failed job, but a failure the job classified and logged already
+        (a ``CompactorError``: an LLM failure, an invalid summary, a missing session) is one
+        ERROR line, not its chained traceback (~100 lines per failed LLM call, litellm's and
+        httpx's causes included). The job's result keeps the traceback (``exc_string``); DEBUG
+        logs it too. Anything else keeps RQ's full traceback."""
+        error = exc_info[1] if len(exc_info) > 1 else None
+        if not isinstance(error, CompactorError):
+            super().handle_exception(job, *exc_info)
+            return
+        self.log.error("Worker %s: job %s failed: %s: %s", self.name, job.id, type(error).__name__, error,
+                       extra={"queue": job.origin, "job_id": job.id})
+        self.log.debug("Worker %s: job %s traceback:\n%s", self.name, job.id, format_exc_info(exc_info))
+        call_exception_handlers(self._exc_handlers, job, *exc_info)
+
     def work(self, *args: Any, **kwargs: Any) -> bool:
         """RQ's work loop, with the keeper thread running alongside.
 
