@@ -688,10 +688,10 @@ def _clipped(event: dict[str, Any], budget_tokens: int, encoding: str) -> dict[s
         if keep > 0:
             keep = keep * 9 // 10
         else:
-            calls = len(event.get("toolCalls") or []) // 2 if calls is None else calls // 2
+            calls = len(_calls_of(event)) // 2 if calls is None else calls // 2
         clipped = _cut_texts(event, keep, calls)
         tokens = count_tokens(render_event(clipped), encoding)
-        if tokens <= target or (keep == 0 and not calls):
+        if tokens <= target or calls == 0:
             best = (clipped, tokens)
     clipped, tokens = best
     return {**clipped, TOKEN_COUNT_FIELD: tokens, TOKEN_ENCODING_FIELD: encoding}
@@ -710,17 +710,22 @@ def _cut_texts(event: dict[str, Any], keep: int, calls_kept: int | None = None) 
         field = "summaryText" if kind == "summary" else "content"  # (the text ``render_event`` shows)
         text = event.get(field)
         return {**event, field: elide(text, keep)} if isinstance(text, str) else event
-    calls = event.get("toolCalls")
-    calls = [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
-    content = _str_or_empty(event.get("content"))
+    calls = _calls_of(event)
+    omitted = ""
     if calls_kept is not None and calls_kept < len(calls):
-        content = f"{content}\n[… {len(calls) - calls_kept} more tool calls omitted …]"
+        omitted = f"\n[… {len(calls) - calls_kept} more tool calls omitted …]"  # (after the cut: kept whole)
         calls = calls[:calls_kept]
-    cut = _cut_all([content, *(_str_or_empty(c.get("name")) for c in calls),
+    cut = _cut_all([_str_or_empty(event.get("content")), *(_str_or_empty(c.get("name")) for c in calls),
                     *(arguments_json(c.get("arguments")) for c in calls)], keep)
     names, arguments = cut[1:1 + len(calls)], cut[1 + len(calls):]
-    return {**event, "content": cut[0],
+    return {**event, "content": cut[0] + omitted,
             "toolCalls": [{**call, "name": name, "arguments": text} for call, name, text in zip(calls, names, arguments)]}
+
+
+def _calls_of(event: dict[str, Any]) -> list[dict[str, Any]]:
+    """An assistant event's tool calls as ``render_event`` shows them (the dicts of a list)."""
+    calls = event.get("toolCalls")
+    return [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
 
 
 def _cut_all(texts: list[str], keep: int) -> list[str]:

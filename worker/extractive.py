@@ -200,12 +200,26 @@ def _within_limit(sections: dict[str, str], messages: list[str | _Message], limi
         middle = (low + high) // 2
         low, high = (low, middle) if fits(middle) else (middle, high)
     text = _render(sections, _folded(messages, high))
-    for chars in (100, 60, 30):  # a previous summary's long lines carried: cut every line (never a line away)
+    if count_tokens(text, encoding) <= limit:
+        return text
+    # (a previous summary's long lines, carried): every line cut but fence lines, which keep the
+    # sections' structure; then the least useful sections emptied, one by one, until it fits
+    folded = _folded(messages, len(messages))
+    sections = {title: "\n".join(line if _FENCE.match(line) else _clip(line, 60) for line in body.split("\n"))
+                for title, body in sections.items()}
+    for title in (None, *_EMPTIED_FIRST):
+        if title is not None:
+            sections = {**sections, title: ""}
+        text = _render(sections, folded)
         if count_tokens(text, encoding) <= limit:
             break
-        short = {title: "\n".join(_clip(line, chars) for line in body.split("\n")) for title, body in sections.items()}
-        text = _render(short, _folded(messages, len(messages)))
     return text
+
+
+_FENCE = re.compile(r"[ \t]*(`{3,}|~{3,})")  # a line that opens or closes a fenced block
+_EMPTIED_FIRST = ("Key Technical Concepts", "Decision Rationale", "Problem Solving", "Errors and Fixes",
+                  "Files and Code Sections", "Pending Tasks", "Current Work", "Optional Next Step",
+                  "Primary Request")
 
 
 _FOLDED = re.compile(r"- \[(?P<count>[\d,]+) earlier user messages? omitted to keep this summary within its "
@@ -324,7 +338,7 @@ def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]], bounds
     for event in assistants:
         for call in event.get("toolCalls") or []:
             if isinstance(call, dict) and call.get("name"):
-                tools[str(call["name"])] += 1
+                tools[_one_line(str(call["name"]))] += 1
     if tools:
         used = ", ".join(f"{name} ({count}x)" for name, count in sorted(tools.items()))
         lines.append(f"{_TOOLS_USED}{_clip(used, bounds.line_chars)}")
@@ -349,7 +363,7 @@ def _errors(previous: dict[str, str], results: list[dict[str, Any]], bounds: Bou
     for event in results:
         for line in _str(event.get("output")).splitlines():
             if _ERROR.search(line):
-                name = _clip(_str(event.get("toolName", "")), bounds.line_chars)
+                name = _clip(_one_line(_str(event.get("toolName", ""))), bounds.line_chars)
                 lines.append(f"- [{name}] {_clip(line.strip(), bounds.line_chars)}")
     return "\n".join(_unique(lines)[-bounds.error_lines:])
 
@@ -400,8 +414,8 @@ def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds:
 def _current_work(assistants: list[dict[str, Any]], bounds: Bounds) -> str:
     for event in reversed(assistants):
         content = _str(event.get("content")).strip()
-        calls = [f"-> {_clip(_str(c.get('name', '')), bounds.line_chars)}"
-                 f"({_clip(arguments_json(c.get('arguments', '')), bounds.line_chars)})"
+        calls = [f"-> {_clip(_one_line(_str(c.get('name', ''))), bounds.line_chars)}"
+                 f"({_clip(_one_line(arguments_json(c.get('arguments', ''))), bounds.line_chars)})"
                  for c in event.get("toolCalls") or [] if isinstance(c, dict)]
         if len(calls) > bounds.pending:
             calls = [*calls[:bounds.pending], f"-> ... and {len(calls) - bounds.pending} more tool calls"]
@@ -475,6 +489,12 @@ def _unquoted(text: str) -> str:
 def _quote(text: str) -> str:
     safe = text.replace("<summary>", "&lt;summary>").replace("</summary>", "&lt;/summary>")
     return "\n".join(f"> {line}" if line else ">" for line in safe.splitlines() or [""])
+
+
+def _one_line(text: str) -> str:
+    """``text`` on one line (any run of whitespace, line breaks included, one space): a tool name
+    or arguments holding ``\n### Optional Next Step`` wrote a section heading of their own."""
+    return " ".join(text.split())
 
 
 def _clip(text: str, limit: int = MAX_LINE_CHARS) -> str:

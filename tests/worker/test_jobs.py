@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import re
 import time
 from typing import Any
 
@@ -422,10 +423,11 @@ def test_a_chunk_is_budgeted_once_for_the_reply_and_at_the_running_summarys_real
      "output": "".join(f"{i:08x}" for i in range(20_000))},  # hex: ~2 characters a token
     {"type": "assistant", "turnId": 1, "uuid": "a", "content": "writing it",
      "toolCalls": [{"id": "c", "name": "write_file", "arguments": {"path": "a.txt", "content": "word " * 60_000}}]},
-    {"type": "assistant", "turnId": 1, "uuid": "m", "content": "reading them all",
-     "toolCalls": [{"id": f"c{i}", "name": f"read_{i}", "arguments": {"path": f"src/m{i}.py"}} for i in range(3_000)]},
+    *({"type": "assistant", "turnId": 1, "uuid": "m", "content": "reading them all",
+       "toolCalls": [{"id": f"c{i}", "name": f"read_{i}", "arguments": {"path": f"src/m{i}.py"}} for i in range(n)]}
+      for n in (500, 3_000)),
     {"type": "tool_result", "turnId": 1, "uuid": "n", "toolName": "t" * 40_000, "toolCallId": "c", "output": "ok"},
-], ids=["cjk", "hex", "tool-call-arguments", "many-tool-calls", "long-tool-name"])
+], ids=["cjk", "hex", "tool-call-arguments", "500-tool-calls", "3000-tool-calls", "long-tool-name"])
 def test_an_event_larger_than_a_chunk_is_cut_to_fit_the_window_whatever_its_text(
     settings: Settings, event: dict[str, Any],
 ) -> None:
@@ -441,6 +443,10 @@ def test_an_event_larger_than_a_chunk_is_cut_to_fit_the_window_whatever_its_text
     reply = min(settings.context.summary_reserve_tokens, window // 4)
     assert window // 3 < sent <= window - reply  # cut, but not to nothing
     assert "characters elided" in messages[1]["content"] or "more tool calls omitted" in messages[1]["content"]
+    if event["uuid"] == "m":  # the calls that do not fit are dropped from the end, and counted
+        shown = messages[1]["content"].count("\n-> tool call read_")
+        omitted = re.search(r"\[… (\d+) more tool calls omitted …\]", messages[1]["content"])
+        assert omitted is not None and 0 < shown and shown + int(omitted.group(1)) == len(event["toolCalls"])
     if event["uuid"] == "a":
         assert '"path":"a.txt"' in messages[1]["content"] and "-> tool call write_file(" in messages[1]["content"]
 
