@@ -151,6 +151,8 @@ class _Keeper:
         """The worker's own heartbeat (``last_heartbeat``, read by ``compactor health --workers``);
         RQ's loop gives one only every ``WORKER_TTL_S - 15`` s while it waits for a job.
         (``CompactionWorker.heartbeat`` reports a Redis that does not serve it.)"""
+        if not self.worker.registered:  # (a heartbeat creates the key its registration checks for)
+            return
         try:
             self.worker.heartbeat()
         except Exception:
@@ -189,6 +191,7 @@ class CompactionWorker(SimpleWorker):
         self.settings = settings
         worker_context.install(context or WorkerContext.build(settings, connection))
         self.redis_wait = RedisWait(self.name)
+        self.registered = False  # set once RQ's registration (``register_birth``) went through
         self._keeper = _Keeper(self)
 
     @classmethod
@@ -240,6 +243,7 @@ class CompactionWorker(SimpleWorker):
                 if retry:  # a refused try may have left this worker's key (its name is its own)
                     self.connection.delete(self.key)
                 super().register_birth()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
+                self.registered = True
                 return
             except redis.RedisError as error:
                 if not is_transient(error):
