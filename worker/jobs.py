@@ -150,18 +150,19 @@ def finish(
 def recheck(context: WorkerContext, session_id: str) -> str | None:
     """Enqueue the compaction the session's state calls for now, if any.
 
-    The state is brought up to date with the log first (under its lock): the watcher appends a
-    turn and records its trigger before its deferred state save runs, so the stored state can
-    lag the very turn whose trigger is being answered.
+    The state is brought up to date with the log first (under its lock) and stored: the watcher
+    appends a turn and records its trigger before its deferred state save runs, so the stored
+    state can lag the very turn whose trigger is being answered; and a job that appended its
+    summary but whose state save failed (Redis killed meanwhile: the janitor re-checks its
+    session) left the stored state behind its log until the session's next event.
     """
     store = context.compactor.store
     state = store.load(session_id)
     if state is None:
         return None
     log = store.log(session_id, state.cwd)
-    if log.exists():
-        with log.lock():
-            state = store.current(session_id, state.cwd, log, cached=state, stored=state)  # no second read
+    if log.exists():  # (caught up and stored when it lags; no second read of the state)
+        state = store.apply(session_id, state.cwd, [], log=log, cached=state, stored=state).state
     breaker_open = context.compactor.failures.is_open(session_id)
     kind = decide(state, context.settings.context, breaker_open=breaker_open)
     if kind is None:

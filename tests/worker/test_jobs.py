@@ -287,6 +287,27 @@ def test_success_deletes_the_failure_counter(r: redis.Redis, wsettings: Settings
     assert r.exists(Keys().failures("s1")) == 0
 
 
+def test_a_recheck_stores_the_state_caught_up_with_a_summary_whose_state_save_was_lost(
+    r: redis.Redis, wsettings: Settings,
+) -> None:
+    """A job appended its summary, then Redis died before its state save; the janitor failed the
+    job and re-checked the session from the log, but stored nothing: the stored state kept the
+    pre-summary estimate and log size until the session's next event."""
+    write_session(r, wsettings, "s1", 3)
+    store = SessionStore(r, wsettings)
+    before = store.load("s1")
+    assert before is not None
+    log = store.log("s1", CWD)
+    with log.lock():  # what the job wrote before Redis died: the log line, no state save
+        log.append([{"uuid": "sum-1", "timestamp": "2026-12-01T00:00:00.000Z", "type": "summary",
+                     "replaces": ["u1", "a1", "t1"], "summaryText": summary_text("lost"), "lastSummarizedTurnId": 1}])
+    recheck(install(WorkerContext.build(wsettings, r)), "s1")
+    after = store.load("s1")
+    assert after is not None and after.log_size == log.size() > before.log_size
+    assert after.prompt_estimate == rebuild("s1", CWD, read_log(wsettings, "s1"), wsettings.context,
+                                            log.size()).prompt_estimate
+
+
 def test_breaker_open_blocks_automatic_jobs_but_not_forced_ones(
     r: redis.Redis, wsettings: Settings, stub: LLMStub
 ) -> None:
