@@ -161,7 +161,7 @@ def recheck(context: WorkerContext, session_id: str) -> str | None:
     if state is None:
         return None
     log = store.log(session_id, state.cwd)
-    if log.exists():  # (caught up and stored when it lags; no second read of the state)
+    if log.exists():  # (caught up with the log and stored; no second read of the state)
         state = store.apply(session_id, state.cwd, [], log=log, cached=state, stored=state).state
     breaker_open = context.compactor.failures.is_open(session_id)
     kind = decide(state, context.settings.context, breaker_open=breaker_open)
