@@ -337,7 +337,7 @@ class _Builder:
         """A tool result's output when it is over ``microCompactMinChars`` and its tool compactable."""
         output = event.get("output")
         if isinstance(output, str) and len(output) > self.min_chars and self.is_compactable(
-                _str(event.get("toolName"))):
+                str_or_empty(event.get("toolName"))):
             return output
         return None
 
@@ -352,7 +352,7 @@ class _Builder:
             self._tool_result(event)
         elif kind == "user":
             self.estimate += stamped_tokens(event, self.encoding)
-            self._message({"role": "user", "content": _str(event.get("content"))}, None)
+            self._message({"role": "user", "content": str_or_empty(event.get("content"))}, None)
         elif kind == "assistant":
             self.estimate += stamped_tokens(event, self.encoding)
             self._assistant(event)
@@ -365,7 +365,7 @@ class _Builder:
         self.call_ids.append(call_ids)
 
     def _assistant(self, event: Event) -> None:
-        message: Message = {"role": "assistant", "content": _str(event.get("content"))}
+        message: Message = {"role": "assistant", "content": str_or_empty(event.get("content"))}
         calls = event.get("toolCalls")
         if not calls:
             self._message(message, None)
@@ -381,8 +381,8 @@ class _Builder:
             if not self._compacted(event):
                 self.candidates.append(event)
             elif (shown := elide(output, self.ctx.micro_compact_keep_chars)) is not output:
-                tokens = (count_shown_tokens(shown, self.encoding) + self._name_tokens(_str(event.get("toolName")))
-                          + MESSAGE_OVERHEAD_TOKENS)
+                name = str_or_empty(event.get("toolName"))
+                tokens = count_shown_tokens(shown, self.encoding) + self._name_tokens(name) + MESSAGE_OVERHEAD_TOKENS
                 self.elided[position] = (shown, tokens)
                 return tokens
         return stamped_tokens(event, self.encoding)
@@ -391,8 +391,8 @@ class _Builder:
         position = len(self.visible) - 1
         self.estimate += self._tool_result_tokens(event, position)
         elided = self.elided.get(position)
-        message = {"role": "tool", "tool_call_id": event.get("toolCallId"), "name": _str(event.get("toolName")),
-                   "content": _str(event.get("output")) if elided is None else elided[0]}
+        message = {"role": "tool", "tool_call_id": event.get("toolCallId"), "name": str_or_empty(event.get("toolName")),
+                   "content": str_or_empty(event.get("output")) if elided is None else elided[0]}
         self._message(message, None)
 
     def _name_tokens(self, name: str) -> int:
@@ -402,7 +402,8 @@ class _Builder:
         return known
 
 
-def _str(value: Any) -> str:
+def str_or_empty(value: Any) -> str:
+    """``value`` when it is a string, else ``""`` (a field of an event as read from a log)."""
     return value if isinstance(value, str) else ""
 
 
@@ -410,7 +411,7 @@ def _tool_call(call: Event) -> Message:
     return {
         "id": call.get("id"),
         "type": "function",
-        "function": {"name": _str(call.get("name")), "arguments": arguments_json(call.get("arguments", ""))},
+        "function": {"name": str_or_empty(call.get("name")), "arguments": arguments_json(call.get("arguments", ""))},
     }
 
 
@@ -471,7 +472,7 @@ def _merge(messages: list[Message]) -> list[Message]:
 
 
 def _summary_message(summary: Event) -> Message:
-    return {"role": "system", "name": SUMMARY_MESSAGE_NAME, "content": _str(summary.get("summaryText"))}
+    return {"role": "system", "name": SUMMARY_MESSAGE_NAME, "content": str_or_empty(summary.get("summaryText"))}
 
 
 def build_view(
@@ -563,7 +564,7 @@ class _ElidedTokens:
         self.names: dict[str, int] = {}
 
     def __call__(self, event: Event, shown: str) -> int:
-        name = _str(event.get("toolName"))
+        name = str_or_empty(event.get("toolName"))
         known = self.names.get(name)
         if known is None:
             known = self.names[name] = count_tokens(name, self.encoding)

@@ -114,6 +114,7 @@ from events.view import (
     elide,
     llm_pass,
     micro_candidates,
+    str_or_empty,
 )
 from worker.extractive import EXTRACTIVE_MODEL, extractive_summary
 from worker.failures import FailureCounter
@@ -703,7 +704,7 @@ def _cut_texts(event: dict[str, Any], keep: int, calls_kept: int | None = None) 
     and arguments, as JSON), and only its first ``calls_kept`` tool calls when given."""
     kind = event.get("type")
     if kind == "tool_result":
-        output, name = _str_or_empty(event.get("output")), _str_or_empty(event.get("toolName"))
+        output, name = str_or_empty(event.get("output")), str_or_empty(event.get("toolName"))
         cut = _cut_all([output, name], keep)
         return {**event, "output": cut[0], "toolName": cut[1]}
     if kind != "assistant":
@@ -715,11 +716,12 @@ def _cut_texts(event: dict[str, Any], keep: int, calls_kept: int | None = None) 
     if calls_kept is not None and calls_kept < len(calls):
         omitted = f"\n[… {len(calls) - calls_kept} more tool calls omitted …]"  # (after the cut: kept whole)
         calls = calls[:calls_kept]
-    cut = _cut_all([_str_or_empty(event.get("content")), *(_str_or_empty(c.get("name")) for c in calls),
+    cut = _cut_all([str_or_empty(event.get("content")), *(str_or_empty(c.get("name")) for c in calls),
                     *(arguments_json(c.get("arguments")) for c in calls)], keep)
     names, arguments = cut[1:1 + len(calls)], cut[1 + len(calls):]
     return {**event, "content": cut[0] + omitted,
-            "toolCalls": [{**call, "name": name, "arguments": text} for call, name, text in zip(calls, names, arguments)]}
+            "toolCalls": [{**call, "name": name, "arguments": text}
+                          for call, name, text in zip(calls, names, arguments)]}
 
 
 def _calls_of(event: dict[str, Any]) -> list[dict[str, Any]]:
@@ -730,10 +732,6 @@ def _calls_of(event: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _cut_all(texts: list[str], keep: int) -> list[str]:
     return [elide(text, share) for text, share in zip(texts, _shares([len(t) // 2 for t in texts], keep))]
-
-
-def _str_or_empty(value: Any) -> str:
-    return value if isinstance(value, str) else ""
 
 
 def _shares(wants: list[int], keep: int) -> list[int]:

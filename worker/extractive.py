@@ -54,6 +54,7 @@ from typing import Any
 import orjson
 
 from events.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD_TOKENS, arguments_json, count_tokens, event_tokens
+from events.view import str_or_empty as _str
 from worker.summarize import SECTION_TITLES, split_sections
 
 EXTRACTIVE_MODEL = "extractive"
@@ -503,7 +504,3 @@ def _clip(text: str, limit: int = MAX_LINE_CHARS) -> str:
 
 def _unique(items: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(items))
-
-
-def _str(value: Any) -> str:
-    return value if isinstance(value, str) else ""
