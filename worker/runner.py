@@ -120,7 +120,8 @@ class _Keeper:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # (started)
+            self._thread.join(timeout=5)
 
     def running(self, job: Job, execution: Execution) -> None:
         with self._lock:
@@ -133,6 +134,7 @@ class _Keeper:
     def _loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
             self._beat()
+            self._listen()
             if time.monotonic() >= self._next_janitor:
                 self._next_janitor = time.monotonic() + JANITOR_INTERVAL_S
                 self._janitor()
@@ -157,6 +159,15 @@ class _Keeper:
             self.worker.heartbeat()
         except Exception:
             logger.exception("idle heartbeat failed worker=%s", self.worker.name)
+
+    def _listen(self) -> None:
+        """Subscribe again when the command channel is not listened to (``CompactionWorker.listening``)."""
+        if self.worker.listening():
+            return
+        try:
+            self.worker.subscribe_again()
+        except Exception as e:
+            self._failed("subscribing to the command channel", e)
 
     def _janitor(self) -> None:
         try:
@@ -192,6 +203,7 @@ class CompactionWorker(SimpleWorker):
         worker_context.install(context or WorkerContext.build(settings, connection))
         self.redis_wait = RedisWait(self.name)
         self.registered = False  # set once RQ's registration (``register_birth``) went through
+        self.subscribe_tried = False  # set once RQ's loop tried to subscribe to the command channel
         self._keeper = _Keeper(self)
 
     @classmethod
@@ -252,9 +264,52 @@ class CompactionWorker(SimpleWorker):
                 retry = True
 
     def subscribe(self) -> None:
-        """RQ's command channel (``rq`` stop-job commands), left out while Redis is unreachable."""
+        """RQ's command channel (``rq`` stop-job commands), left out while Redis is unreachable;
+        the keeper subscribes again (``listening``, ``subscribe_again``)."""
+        self.subscribe_tried = True
         with self._unless_down("subscribing to the command channel"):
             super().subscribe()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
+
+    def handle_payload(self, message: dict[str, Any]) -> None:
+        """RQ's handling of a command, but a malformed one is logged and ignored: RQ's error
+        ended the channel's thread (the worker was deaf to commands until the keeper noticed)."""
+        try:
+            super().handle_payload(message)  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
+        except Exception:
+            logger.warning("worker %s: ignored a malformed command %r", self.name, message.get("data"), exc_info=True)
+
+    def _pubsub_exception_handler(self, exc: BaseException, pubsub: Any, pubsub_thread: Any) -> None:
+        """The command channel's thread on an error: a Redis that does not serve is waited out
+        (RQ waits out a dropped connection only); any other error ends the thread with one log
+        line instead of a traceback, and the keeper subscribes again."""
+        if not isinstance(exc, Exception):
+            raise exc
+        if is_transient(exc):
+            self.redis_wait.failed("listening to the command channel", exc)
+            time.sleep(2.0)
+            return
+        logger.error("worker %s: the command channel's listener ended on %s: %s; subscribing again",
+                     self.name, type(exc).__name__, exc)
+        pubsub_thread.stop()
+
+    def listening(self) -> bool:
+        """Whether the command channel is listened to, or need not be yet: False when RQ's
+        subscription failed (Redis went away between the registration and it: the worker then
+        ignored stop-job commands until it was restarted) or its thread ended (RQ's thread
+        waits out a dropped connection, and ends on any other error)."""
+        if not self.subscribe_tried:  # (RQ subscribes once registered; not before)
+            return True
+        thread = self.pubsub_thread
+        return thread is not None and thread.is_alive()
+
+    def subscribe_again(self) -> None:
+        """Subscribe anew, the earlier subscription (if any) closed; raises what Redis does."""
+        if self.pubsub is not None:
+            with contextlib.suppress(Exception):
+                self.pubsub.close()
+        self.pubsub, self.pubsub_thread = None, None
+        super().subscribe()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
+        logger.info("worker %s: subscribed to its command channel again", self.name)
 
     def set_state(self, state: str, pipeline: Any | None = None) -> None:
         """RQ's record of the worker's state, skipped (and reported) while Redis does not serve."""

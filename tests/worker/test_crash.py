@@ -339,3 +339,66 @@ def test_a_dropped_connection_outside_rqs_own_retry_is_waited_out_not_fatal(
         redis.AuthenticationError("WRONGPASS invalid username-password pair")))
     with pytest.raises(redis.AuthenticationError):  # a refused password needs an operator: not waited out
         worker.dequeue_job_and_maintain_ttl(1)
+
+
+def test_a_worker_whose_command_channel_failed_or_ended_subscribes_again(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RQ subscribes to a worker's command channel once, right after registering it: when Redis
+    went away in between, or the channel's thread ended on an error (any but a dropped
+    connection, a malformed message included), the worker ignored `rq`'s stop-job and shutdown
+    commands until it was restarted. The keeper now subscribes again; a malformed message is
+    logged and ignored."""
+    from redis.client import PubSub
+    from rq.command import send_command
+
+    from worker.runner import CompactionWorker
+
+    worker = CompactionWorker.for_settings(r, wsettings)
+    received: list[bytes] = []
+    real_handler = worker.handle_payload
+
+    def handle(message: dict[str, object]) -> None:  # (what RQ subscribes with)
+        received.append(message["data"])  # type: ignore[arg-type]
+        real_handler(message)
+
+    monkeypatch.setattr(worker, "handle_payload", handle)
+    real_subscribe = PubSub.subscribe
+    refusals = [redis.ConnectionError("Connection refused.")]
+
+    def subscribe(self: PubSub, *args: object, **kwargs: object) -> object:
+        if refusals:
+            raise refusals.pop()
+        return real_subscribe(self, *args, **kwargs)
+
+    def heard(command: str) -> bool:
+        send_command(r, worker.name, command)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            if any(command.encode() in data for data in received):
+                return True
+            time.sleep(0.05)
+        return False
+
+    monkeypatch.setattr(PubSub, "subscribe", subscribe)
+    worker.register_birth()
+    try:
+        worker.subscribe()  # Redis went away between the registration and this
+        assert not worker.listening() and worker.redis_wait.waiting
+        worker._keeper._listen()  # the keeper's next beat
+        assert worker.listening() and heard("stop-job")
+
+        r.publish(worker.pubsub_channel_name, "not a command")  # RQ's thread ended on it
+        assert heard("kill-horse") and worker.listening()
+
+        assert worker.pubsub is not None and worker.pubsub_thread is not None
+        thread = worker.pubsub_thread
+        monkeypatch.setattr(worker.pubsub, "get_message", lambda **_: (_ for _ in ()).throw(
+            redis.ResponseError("an error RQ's thread does not wait out")))
+        r.publish(worker.pubsub_channel_name, "wake up")  # (the thread waits up to 60 s for a message)
+        thread.join(timeout=5)
+        assert not thread.is_alive() and not worker.listening()
+        worker._keeper._listen()
+        assert worker.listening() and heard("stop-job")
+    finally:
+        worker.teardown()
