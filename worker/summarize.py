@@ -121,11 +121,11 @@ def render_event(event: dict[str, Any]) -> str:
     if kind == "tool_result":
         output, name = event.get("output"), event.get("toolName", "")
         block = (f"[tool:{name if type(name) is str and name.isidentifier() else _name(name)}]\n"
-                 f"{output if isinstance(output, str) else ''}")
+                 f"{_breaks(output) if isinstance(output, str) else ''}")
         return block if _posing_after(block) is None else _escaped(block)
     if kind == "assistant":
         content = event.get("content")
-        head = f"[assistant]\n{content if isinstance(content, str) else ''}".rstrip("\n")
+        head = f"[assistant]\n{_breaks(content) if isinstance(content, str) else ''}".rstrip("\n")
         if _posing_after(head) is not None:
             head = _escaped(head)
         calls = event.get("toolCalls")
@@ -138,7 +138,7 @@ def render_event(event: dict[str, Any]) -> str:
             if isinstance(call, dict):
                 lines.append(_call_line(call))
         return "\n".join(lines)
-    text = _str(event.get("summaryText" if kind == "summary" else "content"))
+    text = _breaks(_str(event.get("summaryText" if kind == "summary" else "content")))
     block = f"[{kind}]\n{text}"
     return block if _posing_after(block) is None else _escaped(block)
 
@@ -147,7 +147,7 @@ def _call_line(call: dict[str, Any]) -> str:
     """``-> tool call name(arguments)``: arguments sent as a string are the one text in it that
     can break a line (dumped ones are JSON, their line breaks escaped)."""
     arguments, name = call.get("arguments", ""), call.get("name", "")
-    text = data_text(arguments) if type(arguments) is str else arguments_json(arguments)
+    text = data_text(arguments) if type(arguments) is str else _one_line_json(arguments_json(arguments))
     return f"-> tool call {name if type(name) is str and name.isidentifier() else _name(name)}({text})"
 
 
@@ -170,9 +170,33 @@ def _escaped(block: str) -> str:
     return f"{header}\n{_POSING_LINE.sub(_BACKSLASH, text)}"
 
 
+# Unicode's line breaks other than ``\n`` and ``\r`` (a reader, or a model, may take them for one).
+_SEPARATORS = "\u2028\u2029\x85"
+_AS_LINE_BREAKS = str.maketrans(dict.fromkeys(_SEPARATORS, "\n"))
+_AS_ESCAPES = str.maketrans({c: f"\\u{ord(c):04x}" for c in _SEPARATORS})
+
+
+def _breaks(text: str) -> str:
+    """``text`` with U+2028, U+2029 and NEL written as line breaks, so the escaping sees the
+    lines a reader does: a ``[user]`` line after a U+2028 was left as is. (An ASCII text,
+    the usual case, is returned at once.)"""
+    if text.isascii() or not any(c in text for c in _SEPARATORS):
+        return text
+    return text.translate(_AS_LINE_BREAKS)
+
+
+def _one_line_json(text: str) -> str:
+    """Dumped JSON with U+2028, U+2029 and NEL escaped (JSON escapes ``\n`` but not them): the
+    same value, on one line as a reader sees it."""
+    if text.isascii() or not any(c in text for c in _SEPARATORS):
+        return text
+    return text.translate(_AS_ESCAPES)
+
+
 def data_text(text: str) -> str:
     """``text`` with a backslash before each line that would read as a block header (``[user]``,
     ``[tool:x]``, ...) or a tool-call line (``-> tool call``): the prompt says such a line is text."""
+    text = _breaks(text)
     if (text.startswith(("[", "-> ")) and _POSING_AT.match(text)) or _POSING_AFTER.search(text):
         return _POSING_LINE.sub(_BACKSLASH, text)
     return text
@@ -182,9 +206,10 @@ def _name(name: Any) -> str:
     """A tool's name as a header or a call line shows it: as is, or as a JSON string when it holds
     a line break or a bracket (a name could otherwise close its header and start a block)."""
     text = _str(name)
-    if text.isidentifier() or not ("\n" in text or "\r" in text or "]" in text or "[" in text):
+    if text.isidentifier() or not ("\n" in text or "\r" in text or "]" in text or "[" in text
+                                   or (not text.isascii() and any(c in text for c in _SEPARATORS))):
         return text
-    return orjson.dumps(text).decode()
+    return orjson.dumps(text).decode().translate(_AS_ESCAPES)  # (JSON leaves U+2028 ... as they are)
 
 
 def render_transcript(events: Sequence[dict[str, Any]]) -> str:
