@@ -121,11 +121,15 @@ def render_event(event: dict[str, Any]) -> str:
     if kind == "tool_result":
         output, name = event.get("output"), event.get("toolName", "")
         block = (f"[tool:{name if type(name) is str and name.isidentifier() else _name(name)}]\n"
-                 f"{_breaks(output) if isinstance(output, str) else ''}")
+                 f"{(output if output.isascii() else _breaks(output)) if isinstance(output, str) else ''}")
         return block if _posing_after(block) is None else _escaped(block)
     if kind == "assistant":
         content = event.get("content")
-        head = f"[assistant]\n{_breaks(content) if isinstance(content, str) else ''}".rstrip("\n")
+        if not isinstance(content, str):
+            content = ""
+        elif not content.isascii():
+            content = _breaks(content)
+        head = f"[assistant]\n{content}".rstrip("\n")
         if _posing_after(head) is not None:
             head = _escaped(head)
         calls = event.get("toolCalls")
