@@ -34,7 +34,9 @@ from producer.api_models import JobBody, LlmError
 
 logger = logging.getLogger(__name__)
 
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+# The service's ids are ``{20 digits}-{micro|llm}-{sessionId}``: up to 155 characters for a 128-character session id.
+JOB_ID_MAX = 160
+JOB_ID_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9_.:-]{{0,{JOB_ID_MAX - 1}}}$")
 POLL_INTERVAL_S = 0.05
 TERMINAL_STATUSES = frozenset({
     JobStatus.FINISHED.value, JobStatus.FAILED.value,
@@ -44,7 +46,7 @@ TERMINAL_STATUSES = frozenset({
 
 def validate_job_id(job_id: str) -> str:
     if not JOB_ID_RE.fullmatch(job_id):
-        raise ApiError(400, "jobId: must be 1-128 letters, digits, '_', '.', ':' or '-'")
+        raise ApiError(400, f"jobId: must be 1-{JOB_ID_MAX} letters, digits, '_', '.', ':' or '-'")
     return job_id
 
 

@@ -508,10 +508,28 @@ def test_compact_of_session_with_only_meta_is_known(client: TestClient, r: redis
     assert response.status_code == 202
 
 
+def test_compact_of_a_session_with_the_longest_id_is_followed_to_its_end(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """A job id is ``{20 digits}-{kind}-{sessionId}``: a session id of 104 characters or more (SPEC
+    allows 128) made one longer than the 128 the job routes took, so its forced compaction was a
+    400 and its job could not be read."""
+    sid = "b" * 128
+    write_session(r, api_settings, 3, sid=sid)
+    response = client.post(f"/api/sessions/{sid}/compact?wait=false", json={"cwd": CWD})
+    assert response.status_code == 202, response.text
+    job_id = response.json()["jobId"]
+    assert client.get(f"/api/jobs/{job_id}").json()["status"] == "queued"
+    run_jobs(r, api_settings)
+    assert client.get(f"/api/jobs/{job_id}").json()["result"]["didCompress"] is True
+    waited = post_while_working(client, r, api_settings, f"/api/sessions/{sid}/compact", {"cwd": CWD})
+    assert waited.status_code == 200, waited.text
+
+
 def test_job_routes_validate_ids(client: TestClient) -> None:
     assert client.get("/api/jobs/nope").status_code == 404
     assert error_of(client.get("/api/jobs/nope"))["code"] == "not_found"
     assert client.get("/api/jobs/-x").status_code == 400
+    assert client.get(f"/api/jobs/{'1' * 161}").status_code == 400
 
 
 # -- bad input, named -----------------------------------------------------------------------
