@@ -38,6 +38,9 @@ from events.errors import InvalidConfig
 
 logger = logging.getLogger(__name__)
 
+DAY_S = 86_400
+WEEK_S = 7 * DAY_S
+TEN_YEARS_S = 3_650 * DAY_S
 DEFAULT_CONFIG_FILE = "codingcode.yaml"
 DEFAULT_COMPACTABLE_TOOLS = (
     "read_file", "execute_command", "search_code", "search_files",
@@ -90,11 +93,11 @@ class ContextSettings(_Section):
     compaction_threshold: float = Field(0.9, gt=0, le=1)
     keep_recent_turns: int = Field(1, ge=0)
     max_failures: int = Field(3, ge=1)
-    failure_ttl_seconds: int = Field(86_400, ge=1)
+    failure_ttl_seconds: int = Field(86_400, ge=1, le=TEN_YEARS_S)  # (Redis's EXPIRE refuses past ~2^53)
     compactable_tools: tuple[str, ...] = DEFAULT_COMPACTABLE_TOOLS
     micro_compact_keep_chars: int = Field(40, ge=0)  # head and tail kept of an elided output
     default_context_window: int = Field(128_000, ge=1)
-    llm_timeout_seconds: float = Field(120.0, gt=0)
+    llm_timeout_seconds: float = Field(120.0, gt=0, le=DAY_S)
     summary_reserve_tokens: int = Field(25_000, ge=0)  # SPEC §5: window must hold prompt + this
 
     @model_validator(mode="after")
@@ -133,8 +136,16 @@ def _fingerprint(min_chars: int, keep_chars: int, default_window: int, tools: fr
 
 
 class LimitSettings(_Section):
-    max_event_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_event_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+
+    @field_validator("max_event_bytes")
+    @classmethod
+    def _within_a_body(cls, value: int, info: ValidationInfo) -> int:
+        body = info.data.get("max_body_bytes")  # (absent when it was wrong itself)
+        if body is not None and value > body:  # an event that large never gets past the body's limit
+            raise ValueError(f"must not exceed limits.maxBodyBytes ({body})")
+        return value
 
 
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py's from_url accepts
@@ -198,7 +209,7 @@ class ApiSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     token: str = ""  # set: Bearer auth required on every route but /healthz
-    job_wait_seconds: float = Field(300.0, gt=0)  # a forced compaction waits this long, then 202
+    job_wait_seconds: float = Field(300.0, gt=0, le=DAY_S)  # a forced compaction waits this long, then 202
 
 
 class LogSettings(_Section):
@@ -207,14 +218,14 @@ class LogSettings(_Section):
 
 class WatcherSettings(_Section):
     batch_size: int = Field(256, ge=1)
-    block_ms: int = Field(1000, ge=1)
-    lease_ms: int = Field(10_000, ge=1000)
-    claim_idle_ms: int = Field(30_000, ge=1000)
+    block_ms: int = Field(1000, ge=1, le=DAY_S * 1000)
+    lease_ms: int = Field(10_000, ge=1000, le=DAY_S * 1000)
+    claim_idle_ms: int = Field(30_000, ge=1000, le=DAY_S * 1000)
 
 
 class WorkerSettings(_Section):
     count: int = Field(2, ge=1, le=64)
-    job_timeout_seconds: int = Field(600, ge=1)
+    job_timeout_seconds: int = Field(600, ge=1, le=WEEK_S)
 
 
 class Settings(_Section):
