@@ -13,6 +13,7 @@ expose), keeps its files in ``{dataDir}/.redis``, and persists with AOF
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -26,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
+OWNER_LOCK_FILE = "owner.lock"
 
 
 def server_binary() -> str:
@@ -54,6 +56,7 @@ class EmbeddedRedis:
         self.port = port
         self.socket = self.directory / "redis.sock"
         self._process: subprocess.Popen[bytes] | None = None
+        self._claim: int | None = None  # the fd holding the directory's owner lock (``claim``)
 
     @property
     def url(self) -> str:
@@ -78,6 +81,29 @@ class EmbeddedRedis:
         else:
             args += ["--appendonly", "no"]
         return args
+
+    def claim(self) -> bool:
+        """Take the directory's owner lock (``flock`` on ``owner.lock``), held until ``stop``
+        or ``kill`` or this process's end; False when another holder has it. Whoever checks
+        for a server and starts one under the directory does so holding it, so two can
+        never both find none and start one each on the same files."""
+        if self._claim is not None:
+            return True
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory / OWNER_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._claim = fd
+        return True
+
+    def release(self) -> None:
+        """Let go of the owner lock (``claim``), if held."""
+        fd, self._claim = self._claim, None
+        if fd is not None:
+            os.close(fd)
 
     def start(self) -> EmbeddedRedis:
         """Start the server and wait until it answers PING."""
@@ -121,6 +147,7 @@ class EmbeddedRedis:
         """Stop the server gracefully (SIGTERM flushes the AOF), killing it after a timeout."""
         process, self._process = self._process, None
         if process is None or process.poll() is not None:
+            self.release()
             return
         process.terminate()
         try:
@@ -130,6 +157,7 @@ class EmbeddedRedis:
             process.wait()
         if process.stderr:
             process.stderr.close()
+        self.release()
 
     def kill(self) -> None:
         """SIGKILL the server (tests of Redis loss)."""
@@ -139,6 +167,7 @@ class EmbeddedRedis:
             process.wait()
         if process is not None and process.stderr:
             process.stderr.close()
+        self.release()
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()

@@ -127,19 +127,25 @@ def start_embedded(settings: Settings) -> EmbeddedRedis:
     left behind by a killed serve: it is shut down (AOF kept) and started afresh.
     """
     server = EmbeddedRedis(embedded_dir(settings), persist=True)
-    if server.ping():
-        if _owner_alive(server.directory):
-            raise InvalidConfig("redis.url", f"is empty and another `compactor serve` already "
-                                             f"runs on {settings.data_dir} (Redis at {server.url})")
-        _shutdown_orphan(server)
-    # Block SIGINT while the server is spawned: the mask is inherited, so a
-    # terminal's Ctrl-C reaches only us and we stop Redis last, after the children.
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    already = f"is empty and another `compactor serve` already runs on {settings.data_dir}"
+    if not server.claim():  # (two serves started at once both found no server and started one each)
+        raise InvalidConfig("redis.url", already)
     try:
-        server.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-    _record_owner(server.directory)
+        if server.ping():
+            if _owner_alive(server.directory):
+                raise InvalidConfig("redis.url", f"{already} (Redis at {server.url})")
+            _shutdown_orphan(server)
+        # Block SIGINT while the server is spawned: the mask is inherited, so a
+        # terminal's Ctrl-C reaches only us and we stop Redis last, after the children.
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            server.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        _record_owner(server.directory)
+    except BaseException:
+        server.stop()  # (releases the claim)
+        raise
     return server
 
 

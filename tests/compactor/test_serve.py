@@ -76,6 +76,40 @@ def test_a_second_embedded_redis_on_the_same_data_dir_is_refused(settings: Setti
     assert (serve.embedded_dir(local) / "appendonlydir").is_dir()
 
 
+def test_two_serves_starting_at_once_on_one_data_dir_do_not_both_start_a_redis(settings: Settings,
+                                                                               tmp_path: Path) -> None:
+    """Each checked for a server, found none, and started its own on the same socket and AOF files
+    (the first to stop deleted the other's socket): one now holds the directory while it checks."""
+    import threading
+
+    local = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": ""}),
+                                        "data_dir": tmp_path / "d"})
+    together = threading.Barrier(2)
+    started: list[EmbeddedRedis] = []
+    refused: list[str] = []
+
+    def start() -> None:
+        together.wait()
+        try:
+            started.append(serve.start_embedded(local))
+        except InvalidConfig as e:
+            refused.append(str(e))
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    try:
+        assert len(started) == 1 and len(refused) == 1, (started, refused)
+        assert "already runs" in refused[0]
+    finally:
+        for server in started:
+            server.stop()
+    again = serve.start_embedded(local)  # stopped: the directory is free again
+    again.stop()
+
+
 def test_a_redis_left_by_a_killed_serve_is_replaced_keeping_its_data(settings: Settings,
                                                                      tmp_path: Path) -> None:
     import redis
