@@ -266,6 +266,14 @@ def enqueue_compaction(
     return _enqueue_claimed(client, settings, session_id, cwd, claimed)
 
 
+def check_bound_cwd(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> None:
+    """Refuse (``InvalidInput`` on ``cwd``) a cwd other than the one the session is bound to:
+    another spelling of it (``/app/``, ``/APP`` for ``/app``) finds the same log."""
+    bound = client.hget(Keys(settings.redis.prefix, settings.redis.shards).session(session_id), "cwd")
+    if bound and _text(bound) != cwd:
+        raise InvalidInput("cwd", f"session {session_id} is bound to cwd {_text(bound)!r}, not {cwd!r}")
+
+
 def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> str:
     """A forced LLM compaction (SPEC §5: no thresholds, no breaker; still one job per session at a
     time): the id of the forced job that will answer it. That job is queued now when the session
@@ -275,10 +283,7 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     A session bound to another cwd is refused here (``InvalidInput`` on ``cwd``), not by a job
     that fails: another spelling of the cwd (``/app/`` for ``/app``) finds the same log.
     """
-    keys = Keys(settings.redis.prefix, settings.redis.shards)
-    bound = client.hget(keys.session(session_id), "cwd")
-    if bound and _text(bound) != cwd:
-        raise InvalidInput("cwd", f"session {session_id} is bound to cwd {_text(bound)!r}, not {cwd!r}")
+    check_bound_cwd(client, settings, session_id, cwd)
     queue = compaction_queue(client, settings)
     job = queue.create_job(**_job_spec(settings, session_id, cwd, new_job_id(session_id, "llm"), True),
                            status=JobStatus.CREATED)

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from compactor.keys import Keys
-from compactor.queue import compaction_queue
+from compactor.queue import check_bound_cwd, compaction_queue
 from compactor.store import SessionStore
 from events.config import ContextSettings, Settings
 from events.view import build_view, undone_by_rollback
@@ -270,6 +270,7 @@ def overview(request: Request, client: redis.Redis, settings: Settings) -> Overv
 def history(request: Request, settings: Settings, session_id: str, cwd: str) -> History:
     """A session's compaction history and current context (cached by log size)."""
     cache: _Lru = request.app.state.status_cache
+    check_bound_cwd(request.app.state.redis, settings, session_id, cwd)  # (not another spelling of it)
     log = SessionStore(request.app.state.redis, settings).log(session_id, cwd)
     key = ("history", session_id, cwd, log.size() if log.exists() else -1)
     cached = cache.get(key)

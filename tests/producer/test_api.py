@@ -404,6 +404,21 @@ def test_settings_come_from_an_overridable_dependency(api_settings: Settings,
                                params={"cwd": CWD}).status_code == 200
 
 
+def test_reads_under_another_spelling_of_the_cwd_are_refused_as_writes_are(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """``/tmp/PROJ`` and ``/tmp/proj/`` find the log of ``/tmp/proj``: the session and history routes
+    answered 200 and echoed that spelling as the session's cwd, while posting events or a
+    compaction under it is a 400. ``/context`` reads the log alone (no cwd in its body)."""
+    write_session(r, api_settings, 2)
+    for other in (CWD + "/", CWD.upper()):
+        for path in (f"/api/sessions/{SID}", f"/api/sessions/{SID}/history"):
+            response = client.get(path, params={"cwd": other})
+            assert response.status_code == 400, (path, response.text)
+            assert error_of(response)["message"] == f"cwd: session {SID} is bound to cwd {CWD!r}, not {other!r}"
+    assert client.get(f"/api/sessions/{SID}", params={"cwd": CWD}).json()["cwd"] == CWD
+    assert client.get(f"/api/sessions/{SID}/history", params={"cwd": CWD}).json()["cwd"] == CWD
+
+
 # -- compaction and jobs -----------------------------------------------------------------
 
 def test_compact_without_wait_is_202_then_job_finishes(client: TestClient, r: redis.Redis,
