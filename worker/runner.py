@@ -59,7 +59,7 @@ from types import FrameType
 from typing import Any
 
 import redis
-from rq import Queue, SimpleWorker
+from rq import Queue, SimpleWorker, worker_registration
 from rq.executions import Execution
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job
@@ -157,8 +157,9 @@ class _Keeper:
             return
         try:
             self.worker.heartbeat()
-        except Exception:
-            logger.exception("idle heartbeat failed worker=%s", self.worker.name)
+            self.worker.keep_registered()
+        except Exception as e:
+            self._failed("the worker's idle heartbeat", e)
 
     def _listen(self) -> None:
         """Subscribe again when the command channel is not listened to (``CompactionWorker.listening``)."""
@@ -262,6 +263,26 @@ class CompactionWorker(SimpleWorker):
                     raise
                 self._wait("registering the worker", error)
                 retry = True
+
+    def keep_registered(self) -> None:
+        """Register again when Redis lost the worker's registration: its data lost (a restart
+        without persistence, a ``FLUSHALL``) or the worker's key expired during an outage (RQ's
+        maintenance then drops it from the worker sets). A heartbeat recreates the key, but not
+        its fields or the sets, so ``Worker.all`` (``compactor health --workers``, the compose
+        healthcheck) no longer saw a worker that went on taking jobs."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            pipe.sismember(self.redis_workers_keys, self.key)
+            pipe.hexists(self.key, "birth")
+            listed, born = pipe.execute()
+        if listed and born:
+            return
+        with self.connection.pipeline() as pipe:
+            pipe.hset(self.key, mapping=self.serialize())
+            worker_registration.register(self, pipe)
+            pipe.expire(self.key, self.worker_ttl + 60)
+            pipe.execute()
+        logger.warning("worker %s: Redis had lost its registration (data lost, or its key expired during an "
+                       "outage); registered again", self.name)
 
     def subscribe(self) -> None:
         """RQ's command channel (``rq`` stop-job commands), left out while Redis is unreachable;

@@ -402,3 +402,29 @@ def test_a_worker_whose_command_channel_failed_or_ended_subscribes_again(
         assert worker.listening() and heard("stop-job")
     finally:
         worker.teardown()
+
+
+def test_a_worker_whose_registration_redis_lost_registers_again(r: redis.Redis, wsettings: Settings) -> None:
+    """After Redis lost its data (a restart without persistence, FLUSHALL) the worker went on taking
+    jobs, and its heartbeat recreated its key, but it was in no worker set again: `compactor health
+    --workers` (the compose healthcheck) said no worker, for good."""
+    from rq import Worker
+
+    from compactor.queue import compaction_queue
+    from worker.runner import CompactionWorker
+
+    queue = compaction_queue(r, wsettings)
+    worker = CompactionWorker.for_settings(r, wsettings)
+    worker.register_birth()
+    try:
+        assert [w.name for w in Worker.all(queue=queue)] == [worker.name]
+        worker._keeper._beat_idle()  # registered: nothing to do
+        r.flushall()
+        worker.heartbeat()
+        assert Worker.all(queue=queue) == []
+        worker._keeper._beat_idle()
+        [again] = Worker.all(queue=queue)
+        assert again.name == worker.name and again.birth_date is not None
+        assert r.ttl(worker.key) > 0
+    finally:
+        worker.teardown()
