@@ -32,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
@@ -168,7 +169,7 @@ LLM_ERROR_HEADER = "X-Compactor-LLM-Error"  # ... and the failed LLM call its fa
                202: {"model": JobAccepted, "description": "queued (wait=false or wait timed out)"}},
 )
 async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
-                  client: RedisDep, response: Response, wait: bool = True) -> Any:
+                  client: RedisDep, request: Request, response: Response, wait: bool = True) -> Any:
     """Force an LLM compaction (thresholds and breaker skipped) and wait for its result.
 
     When the fallback summarizer answered for a failed LLM call, the answer says so in
@@ -181,7 +182,7 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
     logger.info("forced compaction queued session=%s job=%s", sid, job_id)
     if not wait:
         return _accepted(job_id)
-    job = await wait_for_job_async(client, job_id, timeout)
+    job = await wait_for_job_async(client, job_id, timeout, stop=request.app.state.stopping)
     if job.status == "finished" and job.result is not None:
         response.headers[JOB_ID_HEADER] = job_id
         if job.llm_error is not None:
@@ -300,6 +301,7 @@ def create_app(settings: Settings, redis: redis.Redis | None = None) -> FastAPI:
     app = FastAPI(title="compactor", version=__version__,
                   description="Context compaction service for LLM coding agents (SPEC §7).")
     app.state.settings = settings
+    app.state.stopping = threading.Event()  # set on SIGTERM/SIGINT (``compactor api``): waits answer 202 at once
     app.state.redis = redis if redis is not None else make_redis(settings)
     from producer.status_page import STATUS_ROUTERS, install_status_page
 

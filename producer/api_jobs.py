@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
 from typing import Any
 
@@ -96,11 +97,13 @@ def wait_for_job(client: redis.Redis, job_id: str, timeout_s: float) -> JobBody:
         time.sleep(POLL_INTERVAL_S)
 
 
-async def wait_for_job_async(client: redis.Redis, job_id: str, timeout_s: float) -> JobBody:
-    """``wait_for_job`` without blocking the event loop."""
+async def wait_for_job_async(client: redis.Redis, job_id: str, timeout_s: float,
+                             stop: threading.Event | None = None) -> JobBody:
+    """``wait_for_job`` without blocking the event loop; it ends early once ``stop`` is set (the
+    API is stopping: the caller answers as for a wait that timed out, the job runs on)."""
     deadline = time.monotonic() + timeout_s
     while True:
         body = await anyio.to_thread.run_sync(job_body, client, job_id)
-        if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline:
+        if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline or (stop is not None and stop.is_set()):
             return body
         await asyncio.sleep(POLL_INTERVAL_S)

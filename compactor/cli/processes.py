@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from types import FrameType
 from typing import Annotated
 
 import typer
@@ -150,9 +151,16 @@ def api(
                                 COMPACTION_API_HOST=host, COMPACTION_API_PORT=port))
     sock = api_socket(settings.api.host, settings.api.port)  # before uvicorn, which exits 3 on a bind error
     exit_with_parent()
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host=settings.api.host, port=settings.api.port,
-                                           log_level=log_level.lower(), log_config=None,
-                                           timeout_graceful_shutdown=API_STOP_GRACE_S))
+    application = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            application.state.stopping.set()  # a waiting forced compaction answers 202 now (not 500 after the grace)
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(application, host=settings.api.host, port=settings.api.port,
+                                   log_level=log_level.lower(), log_config=None,
+                                   timeout_graceful_shutdown=API_STOP_GRACE_S))
     logger.info("API listening on http://%s", host_port(settings.api.host, sock.getsockname()[1]))
     try:
         server.run(sockets=[sock])
