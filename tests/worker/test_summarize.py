@@ -313,7 +313,7 @@ WORKER_LOGS = """
 import json, logging, os
 from compactor.llm_stub import LLMStub
 from compactor.logging import configure
-configure(logging.INFO, "json")  # as `compactor work --log-format json` does
+configure(getattr(logging, os.environ.get("TEST_LOG_LEVEL", "INFO")), "json")  # as `compactor work --log-format json`
 from worker.runner import preload
 from worker.summarize import LiteLLMSummarizer
 preload()  # the worker's warm-up: one call over HTTP to a local stub
@@ -346,6 +346,15 @@ def test_a_worker_writes_litellm_records_once_in_its_own_format_and_nothing_on_s
     litellm_records = [r for r in records if r["logger"].startswith("LiteLLM")]
     assert [(r["level"], r["msg"]) for r in litellm_records] == [("WARNING", "auth failed REDACTED")]
     assert "litellm_redacted" not in litellm_records[0]  # the redaction filter's mark is not a field
+
+
+def test_litellm_import_writes_nothing_on_stdout_at_debug_either() -> None:
+    """At ``--log-level DEBUG`` litellm's import logged ~13 DEBUG records, before its loggers'
+    own stdout handler was taken off: printed on stdout in its format, and again on stderr."""
+    for litellm_log in ("", "DEBUG"):
+        done = _worker_logs(TEST_LOG_LEVEL="DEBUG", **({"LITELLM_LOG": litellm_log} if litellm_log else {}))
+        assert done.stdout == "END\n", (litellm_log, done.stdout[:2000])
+        assert all(line.startswith("{") for line in done.stderr.splitlines())
 
 
 def test_litellm_log_sets_the_level_of_litellm_records() -> None:
