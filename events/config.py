@@ -88,16 +88,16 @@ class _Section(BaseModel):
 class ContextSettings(_Section):
     compaction_model: str = ""  # empty: the session's own model
     fallback_model: str = ""  # used when the LLM breaker is open; "extractive" needs no LLM
-    micro_compact_threshold: float = Field(0.25, gt=0, le=1)
+    micro_compact_threshold: float = Field(0.25, gt=0, le=1, allow_inf_nan=False)
     micro_compact_min_chars: int = Field(120, ge=1)
-    compaction_threshold: float = Field(0.9, gt=0, le=1)
+    compaction_threshold: float = Field(0.9, gt=0, le=1, allow_inf_nan=False)
     keep_recent_turns: int = Field(1, ge=0)
     max_failures: int = Field(3, ge=1)
     failure_ttl_seconds: int = Field(86_400, ge=1, le=TEN_YEARS_S)  # (Redis's EXPIRE refuses past ~2^53)
     compactable_tools: tuple[str, ...] = DEFAULT_COMPACTABLE_TOOLS
     micro_compact_keep_chars: int = Field(40, ge=0)  # head and tail kept of an elided output
     default_context_window: int = Field(128_000, ge=1)
-    llm_timeout_seconds: float = Field(120.0, gt=0, le=DAY_S)
+    llm_timeout_seconds: float = Field(120.0, gt=0, le=DAY_S, allow_inf_nan=False)
     summary_reserve_tokens: int = Field(25_000, ge=0)  # SPEC §5: window must hold prompt + this
 
     @model_validator(mode="after")
@@ -209,7 +209,7 @@ class ApiSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     token: str = ""  # set: Bearer auth required on every route but /healthz
-    job_wait_seconds: float = Field(300.0, gt=0, le=DAY_S)  # a forced compaction waits this long, then 202
+    job_wait_seconds: float = Field(300.0, gt=0, le=DAY_S, allow_inf_nan=False)  # a forced compaction waits this long, then 202
 
 
 class LogSettings(_Section):
@@ -248,6 +248,8 @@ class Settings(_Section):
     def _data_dir_not_empty(cls, value: Any) -> Any:
         if isinstance(value, str) and not value.strip():  # Path("") would be the current directory
             raise ValueError("must not be empty (leave it out for ~/.codingcode/project)")
+        if not isinstance(value, (str, os.PathLike)):  # (pydantic's: "Input is not a valid path for <class ...>")
+            raise ValueError(f"must be a path (a string), not {type(value).__name__} {value!r}")
         return value
 
     @model_validator(mode="after")

@@ -74,6 +74,8 @@ def test_python_dash_m_runs_the_cli() -> None:
     ("api:\n  port: true\n", "api.port: must be a number, not true/false"),  # lax mode would read 1
     ("context:\n  microCompactMinChars: yes\n", "context.microCompactMinChars: must be a number"),
     ("dataDir: ''\n", "dataDir: must not be empty"),  # Path('') would be the current directory
+    ("dataDir: 5\n", "dataDir: must be a path (a string), not int 5"),
+    ("context:\n  compactionThreshold: .nan\n", "context.compactionThreshold: Input should be a finite number"),
     # Redis refused the TTL (the breaker's key then never expired: the breaker stayed open for good)
     ("context:\n  failureTtlSeconds: 99999999999999999999\n", "context.failureTtlSeconds: Input should be less"),
     ("limits:\n  maxEventBytes: 2000000\n  maxBodyBytes: 1024\n", "limits.maxEventBytes: must not exceed"),
