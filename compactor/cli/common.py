@@ -75,7 +75,7 @@ def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
 
 
 OPTION_OF_ENV = {"REDIS_URL": "--redis-url", "COMPACTION_DATA_DIR": "--data-dir",
-                 "COMPACTION_API_HOST": "--host", "COMPACTION_API_PORT": "--port"}
+                 "COMPACTION_API_HOST": "--host", "COMPACTION_API_PORT": "--port", "COMPACTION_WORKERS": "--workers"}
 
 
 def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | None = None,

@@ -48,8 +48,10 @@ API_STOP_GRACE_S = 5
 HostOpt = Annotated[str | None, typer.Option(
     "--host", envvar="COMPACTION_API_HOST", show_envvar=True,
     help="Interface the API binds (default api.host, 127.0.0.1).")]
-PortOpt = Annotated[int | None, typer.Option(
-    "--port", envvar="COMPACTION_API_PORT", show_envvar=True, min=0, max=65535,
+# (as text: a wrong value, from the option or its variable, is then bad configuration like any other, named
+# in one line by the settings, not in typer's usage box)
+PortOpt = Annotated[str | None, typer.Option(
+    "--port", envvar="COMPACTION_API_PORT", show_envvar=True,
     help="API port (default api.port, 8080; 0: a free one, logged, and named in serve's banner).")]
 
 
@@ -57,9 +59,9 @@ def serve(
     config: ConfigOpt = None,
     redis_url: RedisUrlOpt = None,
     data_dir: DataDirOpt = None,
-    workers: Annotated[int | None, typer.Option(
-        "--workers", "-w", envvar="COMPACTION_WORKERS", show_envvar=True, min=1, max=64,
-        help="Worker processes (default worker.count, 2).")] = None,
+    workers: Annotated[str | None, typer.Option(
+        "--workers", "-w", envvar="COMPACTION_WORKERS", show_envvar=True,
+        help="Worker processes, 1-64 (default worker.count, 2).")] = None,
     host: HostOpt = None,
     port: PortOpt = None,
     log_level: LogLevelOpt = "INFO",
@@ -74,13 +76,14 @@ def serve(
 
     setup_logging(log_level, log_format)
     os.environ["COMPACTION_LOG_LEVEL"] = log_level  # the children log at the same level
-    settings = usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir))
+    settings = usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir, COMPACTION_API_HOST=host,
+                                    COMPACTION_API_PORT=port, COMPACTION_WORKERS=workers))
     # The API child binds it in a moment: a port in use is said now, before Redis and the banner;
     # port 0 becomes the port the OS picked here, so the banner names it (and restarts keep it).
-    with api_socket(host or settings.api.host, settings.api.port if port is None else port) as sock:
-        port = int(sock.getsockname()[1])
+    with api_socket(settings.api.host, settings.api.port) as sock:
+        bound = int(sock.getsockname()[1])
     with user_errors():
-        code = run_serve(settings, workers=workers or settings.worker.count, host=host, port=port)
+        code = run_serve(settings, workers=settings.worker.count, host=host, port=bound)
     raise typer.Exit(code)
 
 

@@ -263,11 +263,25 @@ def test_a_good_redis_url_loads(tmp_path: Path, url: str) -> None:
 def test_a_bad_environment_variable_is_named(runner: CliRunner, tmp_path: Path, var: str, value: str,
                                              why: str) -> None:
     config = tmp_path / "c.yaml"
-    config.write_text("api: {port: 9000}\nworker: {count: 3}\n")
-    result = runner.invoke(app, ["status", "--config", str(config)], env={var: value})
-    assert result.exit_code == 2
-    [line] = result.stderr.strip().splitlines()
-    assert line.startswith(f"compactor: invalid configuration: {why}")
+    config.write_text(f"api: {{port: 9000}}\nworker: {{count: 3}}\ndataDir: {tmp_path / 'data'}\n")
+    # (``serve`` and ``api`` take the variable as their option's value too: typer's usage box said it)
+    for command in (["status"], ["serve"], ["api"]):
+        result = runner.invoke(app, [*command, "--config", str(config)], env={var: value})
+        assert result.exit_code == 2, (command, result.output)
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith(f"compactor: invalid configuration: {why}"), (command, line)
+
+
+def test_a_bad_port_or_worker_count_option_is_one_line_naming_it(runner: CliRunner, tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text(f"dataDir: {tmp_path / 'data'}\n")
+    for args, why in ((["serve", "--port", "70000"], "api.port (from --port): Input should be less than or equal"),
+                      (["api", "--port", "x"], "api.port (from --port): Input should be a valid integer"),
+                      (["serve", "--workers", "65"], "worker.count (from --workers): Input should be less than")):
+        result = runner.invoke(app, [*args, "--config", str(config)])
+        assert result.exit_code == 2, (args, result.output)
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith(f"compactor: invalid configuration: {why}"), (args, line)
 
 
 def test_an_empty_environment_variable_leaves_the_files_value(tmp_path: Path) -> None:

@@ -79,7 +79,7 @@ def test_api_binds_all_interfaces_in_the_container_but_publishes_on_localhost(
         compose: dict[str, Any]) -> None:
     api = compose["services"]["api"]
     context = parse_cli(api["command"])
-    assert context.params["host"] == "0.0.0.0" and context.params["port"] == 8080
+    assert context.params["host"] == "0.0.0.0" and context.params["port"] == "8080"
     assert api["ports"] == ["127.0.0.1:${COMPACTION_API_PORT:-8080}:8080"]
 
 
