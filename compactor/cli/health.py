@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import socket
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -62,18 +63,21 @@ def check_api(url: str, token: str) -> str:
     return "ok"
 
 
-def check_workers(client: redis.Redis, settings: Settings) -> str:
+def check_workers(client: redis.Redis, settings: Settings, host: str | None = None) -> str:
     """``ok (N)``: N workers on the queue whose last heartbeat is under ``WORKER_ALIVE_S`` old
-    (a SIGKILLed worker stays registered until its key expires, up to 2 minutes)."""
+    (a SIGKILLed worker stays registered until its key expires, up to 2 minutes); with ``host``,
+    only the workers running on that host (RQ records each worker's hostname: a container's own)."""
     from rq import Queue, Worker
 
     queue = Queue(Keys(settings.redis.prefix, settings.redis.shards).queue, connection=client)
     registered = Worker.all(connection=client, queue=queue)
+    if host is not None:
+        registered = [w for w in registered if w.hostname == host]
     now = datetime.now(UTC)
     live = [w for w in registered
             if w.last_heartbeat is not None and (now - w.last_heartbeat).total_seconds() < WORKER_ALIVE_S]
     if not registered:
-        raise RuntimeError("no RQ worker registered on the queue")
+        raise RuntimeError("no RQ worker registered on the queue" + (f" from host {host}" if host else ""))
     if not live:
         raise RuntimeError(f"no live RQ worker on the queue: {len(registered)} registered, "
                            f"none with a heartbeat in the last {WORKER_ALIVE_S:.0f}s")
@@ -98,6 +102,9 @@ def health(
         help=f"Also require a live RQ worker on the queue (a heartbeat in the last {WORKER_ALIVE_S:.0f} s).")] = False,
     watcher: Annotated[bool, typer.Option(
         "--watcher", help="Also require a watcher holding a shard lease.")] = False,
+    this_host: Annotated[bool, typer.Option(
+        "--this-host", help="With --workers: count only the workers on this host (a container's own, "
+                            "for its healthcheck), not any of the deployment's.")] = False,
     json_out: JsonOpt = False,
     config: ConfigOpt = None,
     redis_url: RedisUrlOpt = None,
@@ -106,7 +113,8 @@ def health(
     """Check Redis (and --api / --workers / --watcher); exit 0 healthy, 1 not."""
     settings = _quiet_load(config, redis_url, data_dir) if check else load(
         config, redis_url=redis_url, data_dir=data_dir)
-    report = run_checks(settings, api_url=api_url, workers=workers, watcher=watcher)
+    report = run_checks(settings, api_url=api_url, workers=workers, watcher=watcher,
+                        host=socket.gethostname() if this_host else None)
     healthy = all(value.startswith("ok") for value in report.values())
     if json_out:
         print_json({"healthy": healthy, "checks": report})
@@ -126,7 +134,7 @@ def _quiet_load(config: Path | None, redis_url: str | None, data_dir: Path | Non
 
 
 def run_checks(settings: Settings, *, api_url: str | None, workers: bool,
-               watcher: bool) -> dict[str, str]:
+               watcher: bool, host: str | None = None) -> dict[str, str]:
     """Each requested check's outcome: ``ok...`` or ``error: ...`` (no Redis URL to use is
     an error of the checks that need Redis, not of the command)."""
     from compactor.serve import client_redis_url
@@ -149,7 +157,7 @@ def run_checks(settings: Settings, *, api_url: str | None, workers: bool,
     if api_url:
         checks["api"] = lambda: check_api(api_url, settings.api.token)
     if workers:
-        checks["workers"] = lambda: check_workers(redis_client(), settings)
+        checks["workers"] = lambda: check_workers(redis_client(), settings, host)
     if watcher:
         checks["watcher"] = lambda: check_watcher(redis_client(), settings)
     for name, run in checks.items():

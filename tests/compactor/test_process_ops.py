@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -160,6 +161,10 @@ def test_health_counts_only_workers_with_a_recent_heartbeat(r: redis.Redis, sett
             check_workers(r, settings)
         worker._keeper._beat()  # idle: RQ itself beats only every 45 s while it waits for a job
         assert check_workers(r, settings) == "ok (1)"
+        # a container's healthcheck counts its own worker: any of the deployment's made a dead one healthy
+        assert check_workers(r, settings, host=socket.gethostname()) == "ok (1)"
+        with pytest.raises(RuntimeError, match="no RQ worker registered on the queue from host elsewhere"):
+            check_workers(r, settings, host="elsewhere")
     finally:
         worker.register_death()
         worker_context.clear()
