@@ -19,8 +19,9 @@ Invariants:
   (all or none): each alone by the Publisher (one validation path for Python
   and HTTP clients), then the batch as the watcher will apply it (a uuid twice,
   a turn going backwards: ``events.checks.check_batch``), then against what
-  Redis already holds of the session (its bound cwd, its uuids); a 400 names
-  the index and field (``events[2].turnId: ...``).
+  Redis already holds of the session (its bound cwd, its uuids, its turn when
+  nothing waiting in the stream can change it: ``_refuse_backwards``); a 400
+  names the index and field (``events[2].turnId: ...``).
 - A forced compaction never hangs the request: past ``api.jobWaitSeconds`` it
   answers 202 with the job id.
 - Settings and the Redis client come from dependencies (``get_settings``,
@@ -44,13 +45,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.routing import Mount, Route
 
 from compactor import __version__
+from compactor.keys import Keys
 from compactor.queue import enqueue_forced_compaction
 from compactor.serve import client_redis_url
 from compactor.store import SessionStore
 from events.config import Settings
 from events.errors import InvalidEvent, SessionNotFound
 from events.log import SessionLog
-from events.models import validate_cwd, validate_session_id
+from events.models import TURN_SCOPED_TYPES, validate_cwd, validate_session_id
+from events.state import SessionState
 from producer.api_errors import (
     PUBLIC_PATHS,
     ApiError,
@@ -146,9 +149,10 @@ def _publish(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
 def _check_against_session(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
                            wires: Sequence[dict[str, Any]]) -> None:
     """Refuse what the watcher would refuse from the session's stored state (one round trip):
-    a session bound to another cwd, a uuid already in its log. A turn id is not checked
-    here: a rollback still in the stream may lower the turn the stored state shows."""
-    found = SessionStore(client, settings).lookup({session_id: list(wires)}, load=[session_id])
+    a session bound to another cwd, a uuid already in its log, and a turn going backwards when
+    that is certain (``_backwards``)."""
+    store = SessionStore(client, settings)
+    found = store.lookup({session_id: list(wires)}, load=[session_id])
     state = found.stored.get(session_id)
     if state is not None and state.cwd != cwd:
         raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}, not {cwd!r}")
@@ -156,6 +160,60 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
     for index, event in enumerate(wires):
         if event.get("uuid") in taken:
             raise InvalidEvent("uuid", f"{event['uuid']!r} duplicates an event already in this session", index)
+    if state is not None:
+        _refuse_backwards(client, settings, store, state, wires)
+
+
+UNAPPLIED_SCAN = 200  # entries of a shard looked through for the session's own; past that: not certain
+
+
+def _refuse_backwards(client: redis.Redis, settings: Settings, store: SessionStore, state: SessionState,
+                      wires: Sequence[dict[str, Any]]) -> None:
+    """Refuse (400 ``events[i].turnId``) a turn-scoped event, before the batch's first rollback,
+    below the session's ``currentTurnId``, when the stored state is certainly the session's
+    as the watcher will see it: it matches the log's size, and no entry of the session waits
+    in its shard (undelivered, or delivered and not acked). Otherwise a rollback published
+    earlier may still lower the turn: the event is published, and the watcher decides (it
+    dead-letters it if it does go backwards). The usual batch costs nothing here."""
+    current = state.current_turn_id
+    for index, event in enumerate(wires):
+        kind, turn = event.get("type"), event.get("turnId")
+        if kind == "rollback":
+            return
+        if kind in TURN_SCOPED_TYPES and isinstance(turn, int) and turn < current:
+            break
+    else:
+        return
+    if store.log(state.session_id, state.cwd).complete_size() != state.log_size or _waiting_in_shard(
+            client, settings, state.session_id):
+        return
+    raise InvalidEvent("turnId", f"goes backwards: {turn} < currentTurnId {current}", index)
+
+
+def _waiting_in_shard(client: redis.Redis, settings: Settings, session_id: str) -> bool:
+    """Whether an entry of ``session_id`` may not be applied yet: one in its shard not delivered
+    to the watchers' group, or delivered and not acked (True when more than ``UNAPPLIED_SCAN``
+    entries would have to be looked through)."""
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    stream = keys.stream_for(session_id)
+    groups = {_str(g["name"]): g for g in client.xinfo_groups(stream)} if client.exists(stream) else {}
+    group = groups.get(keys.group)
+    after = _str(group["last-delivered-id"]) if group else "0-0"
+    undelivered: list[Any] = client.xrange(stream, f"({after}", "+", count=UNAPPLIED_SCAN) or []
+    pending: list[Any] = client.xpending_range(stream, keys.group, "-", "+", UNAPPLIED_SCAN) if group else []
+    if len(undelivered) >= UNAPPLIED_SCAN or len(pending) >= UNAPPLIED_SCAN:
+        return True
+    entries = list(undelivered)
+    if pending:
+        pipe = client.pipeline(transaction=False)
+        for item in pending:
+            pipe.xrange(stream, item["message_id"], item["message_id"])
+        entries += [entry for reply in pipe.execute() for entry in reply]
+    return any(_str((fields or {}).get(b"session", b"")) == session_id for _, fields in entries)
+
+
+def _str(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 sessions = APIRouter(prefix="/api/sessions", tags=["sessions"], responses=ERRORS, route_class=JsonBodyRoute)

@@ -588,6 +588,41 @@ def test_an_integer_beyond_64_bits_is_400_naming_its_field(client: TestClient, r
     assert r.xlen(Keys().stream_for(SID)) == 0
 
 
+def test_a_turn_going_backwards_against_the_session_is_400_when_nothing_can_change_its_turn(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """Such an event was answered 202 (published) and then dead-lettered by the watcher: the client
+    took it for stored. It is refused when the stored state is the session's as the watcher will
+    see it; while an entry of the session waits in its shard (a rollback may lower the turn), it
+    is still published, for the watcher to decide."""
+    write_session(r, api_settings, 3)  # currentTurnId 4
+    path, stream = f"/api/sessions/{SID}/events", Keys().stream_for(SID)
+    back = [{"type": "user", "turnId": 2, "content": "back"}]
+    response = client.post(path, json={"cwd": CWD, "events": back})
+    assert response.status_code == 400
+    assert error_of(response)["message"] == "events[0].turnId: goes backwards: 2 < currentTurnId 4"
+    assert r.xlen(stream) == 0
+    other = [{"type": "user", "turnId": 1, "content": "another session's"}]
+    neighbour = next(f"other-{n}" for n in range(100) if Keys().shard_of(f"other-{n}") == Keys().shard_of(SID))
+    assert client.post(f"/api/sessions/{neighbour}/events", json={"cwd": CWD, "events": other}).status_code == 202
+    assert r.xlen(stream) == 1
+    assert client.post(path, json={"cwd": CWD, "events": back}).status_code == 400  # (another's entry waits)
+    rollback = [{"type": "rollback", "throughTurnId": 2, "reason": "undo"}]
+    assert client.post(path, json={"cwd": CWD, "events": rollback}).status_code == 202
+    again = [{"type": "user", "turnId": 2, "content": "again"}]
+    assert client.post(path, json={"cwd": CWD, "events": again}).status_code == 202  # the rollback waits
+    group = Keys().group
+    r.xgroup_create(stream, group, id="0")
+    r.xreadgroup(group, "shard-0", {stream: ">"})  # delivered, not acked: not applied yet
+    assert client.post(path, json={"cwd": CWD, "events": again}).status_code == 202
+    r.xreadgroup(group, "shard-0", {stream: ">"})
+    r.xack(stream, group, *[entry_id for entry_id, _ in r.xrange(stream)])  # (as if applied)
+    assert client.post(path, json={"cwd": CWD, "events": back}).status_code == 400
+    assert client.post(path, json={"cwd": CWD, "events": rollback + again}).status_code == 202  # its own rollback
+    with SessionStore(r, api_settings).log(SID, CWD).path.open("ab") as log:  # a line the state has not seen
+        log.write(b'{"type":"user","turnId":4,"content":"x","uuid":"late"}\n')
+    assert client.post(path, json={"cwd": CWD, "events": back}).status_code == 202  # the state lags its log
+
+
 def test_a_uuid_twice_in_one_batch_is_400_naming_both_and_publishes_nothing(
         client: TestClient, r: redis.Redis) -> None:
     events = [{"type": "user", "turnId": 1, "content": "a", "uuid": "u-1"},
