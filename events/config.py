@@ -136,16 +136,8 @@ def _fingerprint(min_chars: int, keep_chars: int, default_window: int, tools: fr
 
 
 class LimitSettings(_Section):
-    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     max_event_bytes: int = Field(4 * 1024 * 1024, ge=1024)
-
-    @field_validator("max_event_bytes")
-    @classmethod
-    def _within_a_body(cls, value: int, info: ValidationInfo) -> int:
-        body = info.data.get("max_body_bytes")  # (absent when it was wrong itself)
-        if body is not None and value > body:  # an event that large never gets past the body's limit
-            raise ValueError(f"must not exceed limits.maxBodyBytes ({body})")
-        return value
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
 
 
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py's from_url accepts
@@ -383,6 +375,10 @@ def load_settings(
                             f"too long for the embedded Redis: its socket {socket} would be {len(os.fsencode(socket))} "
                             f"bytes, and a unix socket's path takes at most {MAX_SOCKET_PATH_BYTES} (use a shorter "
                             "dataDir, or set redis.url)")
+    if settings.limits.max_event_bytes > settings.limits.max_body_bytes:
+        logger.warning("limits.maxEventBytes (%s) is above limits.maxBodyBytes (%s): the HTTP API refuses a body "
+                       "before one of its events reaches the event limit (producers writing to the streams are "
+                       "held to maxEventBytes)", settings.limits.max_event_bytes, settings.limits.max_body_bytes)
     if settings.worker.job_timeout_seconds <= settings.context.llm_timeout_seconds:
         logger.warning("worker.jobTimeoutSeconds (%s) is not above context.llmTimeoutSeconds (%s): a slow LLM "
                        "call will end as a job timeout, not an LLM timeout", settings.worker.job_timeout_seconds,
