@@ -134,7 +134,9 @@ class _Keeper:
     def _loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
             self._beat()
-            self._listen()
+            if not self._stop.is_set():  # (not once the worker ends: it unsubscribes and unregisters)
+                self._listen()
+                self._keep_registered()
             if time.monotonic() >= self._next_janitor:
                 self._next_janitor = time.monotonic() + JANITOR_INTERVAL_S
                 self._janitor()
@@ -157,18 +159,25 @@ class _Keeper:
             return
         try:
             self.worker.heartbeat()
-            self.worker.keep_registered()
         except Exception as e:
             self._failed("the worker's idle heartbeat", e)
 
     def _listen(self) -> None:
         """Subscribe again when the command channel is not listened to (``CompactionWorker.listening``)."""
-        if self.worker.listening():
-            return
         try:
             self.worker.subscribe_again()
         except Exception as e:
             self._failed("subscribing to the command channel", e)
+
+    def _keep_registered(self) -> None:
+        """Register again when Redis lost the registration (``CompactionWorker.keep_registered``),
+        idle or busy."""
+        if not self.worker.registered:
+            return
+        try:
+            self.worker.keep_registered()
+        except Exception as e:
+            self._failed("the worker's registration check", e)
 
     def _janitor(self) -> None:
         try:
@@ -205,6 +214,7 @@ class CompactionWorker(SimpleWorker):
         self.redis_wait = RedisWait(self.name)
         self.registered = False  # set once RQ's registration (``register_birth``) went through
         self.subscribe_tried = False  # set once RQ's loop tried to subscribe to the command channel
+        self._subscribing = threading.Lock()  # RQ's subscription and the keeper's again, one at a time
         self._keeper = _Keeper(self)
 
     @classmethod
@@ -287,9 +297,12 @@ class CompactionWorker(SimpleWorker):
     def subscribe(self) -> None:
         """RQ's command channel (``rq`` stop-job commands), left out while Redis is unreachable;
         the keeper subscribes again (``listening``, ``subscribe_again``)."""
-        self.subscribe_tried = True
-        with self._unless_down("subscribing to the command channel"):
-            super().subscribe()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
+        with self._subscribing:
+            try:
+                with self._unless_down("subscribing to the command channel"):
+                    super().subscribe()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
+            finally:
+                self.subscribe_tried = True
 
     def handle_payload(self, message: dict[str, Any]) -> None:
         """RQ's handling of a command, but a malformed one is logged and ignored: RQ's error
@@ -324,12 +337,17 @@ class CompactionWorker(SimpleWorker):
         return thread is not None and thread.is_alive()
 
     def subscribe_again(self) -> None:
-        """Subscribe anew, the earlier subscription (if any) closed; raises what Redis does."""
-        if self.pubsub is not None:
-            with contextlib.suppress(Exception):
-                self.pubsub.close()
-        self.pubsub, self.pubsub_thread = None, None
-        super().subscribe()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
+        """Unless ``listening``: subscribe anew, the earlier subscription (if any) closed; raises
+        what Redis does. (Serialized with RQ's own ``subscribe``: the keeper's beat could land
+        while RQ's SUBSCRIBE was in flight, and two threads then read one connection.)"""
+        with self._subscribing:
+            if self.listening():
+                return
+            if self.pubsub is not None:
+                with contextlib.suppress(Exception):
+                    self.pubsub.close()
+            self.pubsub, self.pubsub_thread = None, None
+            super().subscribe()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
         logger.info("worker %s: subscribed to its command channel again", self.name)
 
     def set_state(self, state: str, pipeline: Any | None = None) -> None:

@@ -418,13 +418,54 @@ def test_a_worker_whose_registration_redis_lost_registers_again(r: redis.Redis, 
     worker.register_birth()
     try:
         assert [w.name for w in Worker.all(queue=queue)] == [worker.name]
-        worker._keeper._beat_idle()  # registered: nothing to do
+        worker._keeper._keep_registered()  # registered: nothing to do
         r.flushall()
         worker.heartbeat()
         assert Worker.all(queue=queue) == []
-        worker._keeper._beat_idle()
+        worker._keeper._keep_registered()  # (each beat, idle or busy)
         [again] = Worker.all(queue=queue)
         assert again.name == worker.name and again.birth_date is not None
         assert r.ttl(worker.key) > 0
     finally:
         worker.teardown()
+
+
+def test_the_keepers_subscription_waits_for_rqs_own_in_flight(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A keeper beat landing while RQ's SUBSCRIBE was in flight (a slow Redis at start) subscribed
+    a second time: two listener threads read one connection, and one outlived the worker."""
+    import threading
+
+    from redis.client import PubSub
+
+    from worker.runner import CompactionWorker
+
+    worker = CompactionWorker.for_settings(r, wsettings)
+    real_subscribe = PubSub.subscribe
+    slow = [1.0]
+
+    def subscribe(self: PubSub, *args: object, **kwargs: object) -> object:
+        if slow:
+            time.sleep(slow.pop())
+        return real_subscribe(self, *args, **kwargs)
+
+    def listeners() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if type(t).__name__ == "PubSubWorkerThread" and t.is_alive()]
+
+    monkeypatch.setattr(PubSub, "subscribe", subscribe)
+    before = len(listeners())
+    worker.register_birth()
+    rq_own = threading.Thread(target=worker.subscribe)  # RQ's, in the worker's loop
+    rq_own.start()
+    try:
+        time.sleep(0.2)
+        worker._keeper._listen()  # the keeper's beat, in the middle of it
+        rq_own.join(timeout=10)
+        assert worker.listening() and len(listeners()) == before + 1
+    finally:
+        worker.teardown()
+    deadline = time.monotonic() + 5
+    while len(listeners()) > before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(listeners()) == before
