@@ -96,6 +96,9 @@ class EmbeddedRedis:
         except BlockingIOError:
             os.close(fd)
             return False
+        except OSError:  # (a file system without locks: the caller says so)
+            os.close(fd)
+            raise
         self._claim = fd
         return True
 

@@ -49,7 +49,7 @@ import psutil
 import redis
 import yaml
 
-from compactor.embedded import EmbeddedRedis
+from compactor.embedded import OWNER_LOCK_FILE, EmbeddedRedis
 from compactor.logging import json_configured
 from compactor.urls import host_port, redacted
 from events.config import ENV_OVERRIDES, Settings
@@ -128,7 +128,12 @@ def start_embedded(settings: Settings) -> EmbeddedRedis:
     """
     server = EmbeddedRedis(embedded_dir(settings), persist=True)
     already = f"is empty and another `compactor serve` already runs on {settings.data_dir}"
-    if not server.claim():  # (two serves started at once both found no server and started one each)
+    try:
+        claimed = server.claim()  # (two serves started at once both found no server and started one each)
+    except OSError as e:
+        raise InvalidConfig("dataDir", f"cannot lock {server.directory / OWNER_LOCK_FILE}: {e.strerror or e} "
+                                       "(the embedded Redis needs a local file system)") from e
+    if not claimed:
         raise InvalidConfig("redis.url", already)
     try:
         if server.ping():

@@ -16,8 +16,8 @@ Invariants, once it returned:
   two multi-line records there, and the same two again through the process's
   handlers (``compactor.logging``). Now each record is written once, by the
   process's handlers, in its format (one JSON line under ``--log-format json``).
-  The import's own records (~13 at DEBUG, logged before its handlers can be
-  taken off) are not written: the loggers are silenced until then.
+  The import's own records below WARNING (~13 at DEBUG, logged before its
+  handlers can be taken off, to stdout) are not written.
   The loggers' own filters stay (litellm redacts secrets there); the mark its
   redaction leaves on a record is taken off after them.
 - Those loggers pass WARNING and above, or the level ``LITELLM_LOG`` names
@@ -54,11 +54,17 @@ def load_litellm() -> ModuleType:
     with _lock:
         if _litellm is None:
             os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-            for name in LITELLM_LOGGERS:  # its import's chatter, past its stdout handler (adopted below)
-                logging.getLogger(name).setLevel(logging.CRITICAL + 1)
-            with warnings.catch_warnings():  # litellm's import-time warnings are not ours to raise
-                warnings.simplefilter("ignore")
-                import litellm
+            levels = {name: logging.getLogger(name).level for name in LITELLM_LOGGERS}
+            for name in LITELLM_LOGGERS:  # its import's chatter (below WARNING: to stdout) is not written
+                logging.getLogger(name).setLevel(logging.WARNING)
+            try:
+                with warnings.catch_warnings():  # litellm's import-time warnings are not ours to raise
+                    warnings.simplefilter("ignore")
+                    import litellm
+            except BaseException:
+                for name, level in levels.items():
+                    logging.getLogger(name).setLevel(level)
+                raise
             for message in LITELLM_IGNORED_WARNINGS:  # litellm's own, undone by catch_warnings' exit
                 warnings.filterwarnings("ignore", message=message)
 

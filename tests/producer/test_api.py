@@ -417,6 +417,10 @@ def test_reads_under_another_spelling_of_the_cwd_are_refused_as_writes_are(
             assert error_of(response)["message"] == f"cwd: session {SID} is bound to cwd {CWD!r}, not {other!r}"
     assert client.get(f"/api/sessions/{SID}", params={"cwd": CWD}).json()["cwd"] == CWD
     assert client.get(f"/api/sessions/{SID}/history", params={"cwd": CWD}).json()["cwd"] == CWD
+    gone = redis.Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.5)
+    with TestClient(create_app(api_settings, redis=gone)) as without_redis:  # the history reads the log alone
+        answer = without_redis.get(f"/api/sessions/{SID}/history", params={"cwd": CWD})
+        assert answer.status_code == 200 and answer.json()["cwd"] == CWD
 
 
 # -- compaction and jobs -----------------------------------------------------------------
