@@ -154,6 +154,25 @@ def start_embedded(settings: Settings) -> EmbeddedRedis:
     return server
 
 
+PRIVATE_PREFIX = "compactor-serve-"  # + pid + "-": a stack's private dir (its effective config, token included)
+
+
+def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
+    """Remove the private dirs of stacks whose serve is gone (``kill -9``: its effective config,
+    API token included, stayed in the temp dir); the dirs removed."""
+    removed = []
+    for path in Path(root or tempfile.gettempdir()).glob(f"{PRIVATE_PREFIX}*-*"):
+        pid = path.name[len(PRIVATE_PREFIX):].partition("-")[0]
+        try:
+            mine = path.is_dir() and path.stat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def metrics_dir(private: Path) -> Path:
     """The children's shared Prometheus directory: ``$PROMETHEUS_MULTIPROC_DIR`` when set,
     else one in the stack's private dir; emptied of old metric files either way."""
@@ -347,7 +366,8 @@ def running_stack(settings: Settings, specs: list[ChildSpec], *,
     """Start Redis (embedded when not configured) and the children; stop all on exit."""
     embedded = start_embedded(settings) if not settings.redis.url else None
     redis_url = embedded.url if embedded else settings.redis.url
-    private = Path(tempfile.mkdtemp(prefix="compactor-"))
+    remove_stale_private_dirs()
+    private = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-"))
     try:
         config = write_effective_config(settings, redis_url, private)
         supervisor = Supervisor(specs, config, output=output)

@@ -302,3 +302,21 @@ def test_serve_with_json_logs_writes_only_json_lines(tmp_path: Path) -> None:
     said = [r["msg"] for r in records if r["logger"] == "compactor.serve"]
     assert any(m.startswith(f"API http://127.0.0.1:{port}, watcher, 1 worker(s)") for m in said)
     assert said[-1] == "stopped"
+
+
+def test_a_killed_serves_private_dir_is_removed_by_the_next_one(tmp_path: Path) -> None:
+    """``kill -9`` of a serve left its private dir in the temp dir: the effective config, API token
+    included. The next serve removes those of serves that are gone, and only those."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = tmp_path / f"{serve.PRIVATE_PREFIX}{dead.pid}-abc"
+    alive = tmp_path / f"{serve.PRIVATE_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "compactor-unrelated"
+    for path in (gone, alive, other):
+        path.mkdir()
+        (path / "codingcode.yaml").write_text("api: {token: secret}\n")
+    assert serve.remove_stale_private_dirs(tmp_path) == [gone]
+    assert not gone.exists() and alive.exists() and other.exists()
