@@ -44,6 +44,7 @@ import redis
 from rq import Queue
 from rq.job import Job, JobStatus
 from rq.rate_limit import RateLimit
+from rq.utils import as_text
 
 from compactor import metrics
 from compactor.keys import Keys
@@ -270,8 +271,8 @@ def check_bound_cwd(client: redis.Redis, settings: Settings, session_id: str, cw
     """Refuse (``InvalidInput`` on ``cwd``) a cwd other than the one the session is bound to:
     another spelling of it (``/app/``, ``/APP`` for ``/app``) finds the same log."""
     bound = client.hget(Keys(settings.redis.prefix, settings.redis.shards).session(session_id), "cwd")
-    if bound and _text(bound) != cwd:
-        raise InvalidInput("cwd", f"session {session_id} is bound to cwd {_text(bound)!r}, not {cwd!r}")
+    if bound and as_text(bound) != cwd:
+        raise InvalidInput("cwd", f"session {session_id} is bound to cwd {as_text(bound)!r}, not {cwd!r}")
 
 
 def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> str:
@@ -315,7 +316,7 @@ def _force(client: redis.Redis, settings: Settings, session_id: str, job_id: str
     """Run ``_FORCE`` for the forced job ``job_id``: (outcome, the id of the job that answers)."""
     reply: Any = client.eval(_FORCE, 3, *_session_keys(settings, session_id), job_id, session_id,
                              Job.key_for(""), STALE_CLAIM_GRACE_S)
-    outcome, answering, _ = (_text(part) for part in reply)
+    outcome, answering, _ = (as_text(part) for part in reply)
     return outcome, answering
 
 
@@ -437,7 +438,7 @@ def _release_call(settings: Settings, session_id: str, job_id: str) -> tuple[Any
 
 def released_trigger(reply: Any) -> str | None:
     """The coalesced trigger's kind from the release script's reply, if any."""
-    return _text(reply) if reply else None
+    return as_text(reply) if reply else None
 
 
 def settle_trigger(client: redis.Redis, settings: Settings, session_id: str) -> None:
@@ -450,13 +451,13 @@ def sessions_to_look_at(client: redis.Redis, settings: Settings, older_than_s: f
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     found: list[bytes] = client.zrangebyscore(  # type: ignore[assignment]
         keys.claims, "-inf", time.time() - older_than_s, start=0, num=JANITOR_BATCH)
-    return [_text(sid) for sid in found]
+    return [as_text(sid) for sid in found]
 
 
 def pending_job_id(client: redis.Redis, settings: Settings, session_id: str) -> str | None:
     """The id of the session's pending job (automatic or forced), if any."""
     value = client.get(Keys(settings.redis.prefix, settings.redis.shards).job(session_id))
-    return _text(value) if value else None
+    return as_text(value) if value else None
 
 
 def _claim(
@@ -486,7 +487,7 @@ def _claim_call(settings: Settings, trigger: Trigger, job_id: str) -> tuple[Any,
 
 def _claimed(session_id: str, reply: Any) -> str | None:
     """The claimed job id from the claim script's reply; None when coalesced or skipped."""
-    outcome, claimed, other = (_text(part) for part in reply)
+    outcome, claimed, other = (as_text(part) for part in reply)
     if outcome == "skipped":
         logger.debug("no job session=%s: breaker open", session_id)
         return None
@@ -508,7 +509,7 @@ def claim_is_stale(client: redis.Redis, job_id: str) -> bool:
     """Whether a claimed job has ended, or never came to exist within the grace period."""
     status = client.hget(Job.key_for(job_id), "status")
     if status is not None:
-        return _text(status) in ENDED_STATUSES
+        return as_text(status) in ENDED_STATUSES
     parsed = parse_job_id(job_id)
     age_s = (time.time_ns() - parsed[0]) / 1e9 if parsed else STALE_CLAIM_GRACE_S + 1
     return age_s > STALE_CLAIM_GRACE_S
@@ -528,10 +529,6 @@ def _job_spec(settings: Settings, session_id: str, cwd: str, job_id: str, forced
         "description": f"{kind} compaction of {session_id}{' (forced)' if forced else ''}",
         "rate_limit": rate_limit_for(settings, session_id),
     }
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 __all__ = [

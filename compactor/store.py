@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from rq.utils import as_text
 
 from compactor.keys import Keys
 from events.config import Settings
@@ -149,7 +150,7 @@ class SessionStore:
         raw = self.redis.hgetall(self.keys.session(session_id))
         if not raw:
             return None
-        return SessionState.from_hash({_text(k): _text(v) for k, v in raw.items()})
+        return SessionState.from_hash({as_text(k): as_text(v) for k, v in raw.items()})
 
     def save(
         self, state: SessionState, pipeline: Any | None = None, *, if_newer: bool = False,
@@ -466,7 +467,3 @@ def _check_turn_order(state: SessionState, event: dict[str, Any]) -> None:
             raise InvalidEvent(
                 "turnId", f"goes backwards: {turn} < currentTurnId {state.current_turn_id}"
             )
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value

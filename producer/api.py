@@ -42,6 +42,7 @@ import redis
 from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from rq.utils import as_text
 from starlette.routing import Mount, Route
 
 from compactor import __version__
@@ -150,7 +151,7 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
                            wires: Sequence[dict[str, Any]]) -> None:
     """Refuse what the watcher would refuse from the session's stored state (one round trip):
     a session bound to another cwd, a uuid already in its log, and a turn going backwards when
-    that is certain (``_backwards``)."""
+    that is certain (``_refuse_backwards``)."""
     store = SessionStore(client, settings)
     found = store.lookup({session_id: list(wires)}, load=[session_id])
     state = found.stored.get(session_id)
@@ -196,9 +197,9 @@ def _waiting_in_shard(client: redis.Redis, settings: Settings, session_id: str) 
     entries would have to be looked through)."""
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     stream = keys.stream_for(session_id)
-    groups = {_str(g["name"]): g for g in client.xinfo_groups(stream)} if client.exists(stream) else {}
+    groups = {as_text(g["name"]): g for g in client.xinfo_groups(stream)} if client.exists(stream) else {}
     group = groups.get(keys.group)
-    after = _str(group["last-delivered-id"]) if group else "0-0"
+    after = as_text(group["last-delivered-id"]) if group else "0-0"
     undelivered: list[Any] = client.xrange(stream, f"({after}", "+", count=UNAPPLIED_SCAN) or []
     pending: list[Any] = client.xpending_range(stream, keys.group, "-", "+", UNAPPLIED_SCAN) if group else []
     if len(undelivered) >= UNAPPLIED_SCAN or len(pending) >= UNAPPLIED_SCAN:
@@ -209,11 +210,7 @@ def _waiting_in_shard(client: redis.Redis, settings: Settings, session_id: str) 
         for item in pending:
             pipe.xrange(stream, item["message_id"], item["message_id"])
         entries += [entry for reply in pipe.execute() for entry in reply]
-    return any(_str((fields or {}).get(b"session", b"")) == session_id for _, fields in entries)
-
-
-def _str(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    return any(as_text((fields or {}).get(b"session", b"")) == session_id for _, fields in entries)
 
 
 sessions = APIRouter(prefix="/api/sessions", tags=["sessions"], responses=ERRORS, route_class=JsonBodyRoute)

@@ -46,6 +46,7 @@ from types import FrameType
 from typing import Any
 
 import redis
+from rq.utils import as_text
 
 from compactor import metrics
 from compactor.heap import freeze_heap
@@ -287,7 +288,7 @@ class Watcher:
             metrics.count_dead_letters(outcomes[shard].reasons)
             swept = self.cursors.get(shard)
             if swept is not None and swept.sweeping:
-                swept.start = _text(batches[shard][-1][0])
+                swept.start = as_text(batches[shard][-1][0])
         return sum(len(raw) for raw in batches.values())
 
     def _settle_read(self, shard: int, result: ReadResult) -> bool:
@@ -507,10 +508,6 @@ def prepare_heap() -> None:
     after the freeze would put its objects back in every full collection's way."""
     warm_up()
     freeze_heap()
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _log_trigger(trigger: Trigger, state: SessionState, job_id: str | None) -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from rq.utils import as_text
 
 from compactor.keys import Keys
 
@@ -192,7 +193,7 @@ class ShardStreams:
         if reply == -1:
             return ReadResult([], lost=True)
         if isinstance(reply, (bytes, str)):
-            return ReadResult([], top=_text(reply))
+            return ReadResult([], top=as_text(reply))
         return ReadResult([(entry[0], entry[1] or None) for entry in reply])
 
     def ack(self, shard: int, ids: list[str], dead: list[list[bytes]], pipeline: Any | None = None) -> bool:
@@ -256,12 +257,12 @@ class ShardStreams:
             consumers = self.redis.xinfo_consumers(stream, group)
         except redis.ResponseError:
             return 0
-        foreign = [c for c in consumers if _text(c["name"]) != mine]
+        foreign = [c for c in consumers if as_text(c["name"]) != mine]
         moved = 0
         if any(int(c["pending"]) for c in foreign):
             moved = self._autoclaim_all(stream, group, mine)
         for c in self.redis.xinfo_consumers(stream, group) if foreign else []:
-            if _text(c["name"]) != mine and int(c["pending"]) == 0 and int(c["idle"]) >= min_idle_ms:
+            if as_text(c["name"]) != mine and int(c["pending"]) == 0 and int(c["idle"]) >= min_idle_ms:
                 self.redis.xgroup_delconsumer(stream, group, c["name"])
         if moved:
             logger.warning("claimed foreign entries shard=%d entries=%d", shard, moved)
@@ -273,11 +274,7 @@ class ShardStreams:
         start, moved = PEL_START, 0
         while True:
             reply = self.redis.xautoclaim(stream, group, consumer, min_idle_time=0, start_id=start, count=1000)
-            start = _text(reply[0])
+            start = as_text(reply[0])
             moved += len(reply[1])
             if start == PEL_START:
                 return moved
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
