@@ -187,7 +187,8 @@ def _scan(events: list[Event]) -> _Scan:
             if _int(event.get("lastSummarizedTurnId")) >= through:
                 hidden[i] = True
                 continue
-            if event.get("uuid") in replaced:
+            uuid = event.get("uuid")
+            if type(uuid) is str and uuid in replaced:  # (a hand-edited line's uuid may be unhashable)
                 hidden[i] = True  # superseded: not shown, but what it replaced stays hidden
             elif scan.summary is None:
                 scan.summary = event
@@ -197,7 +198,8 @@ def _scan(events: list[Event]) -> _Scan:
             continue
         elif kind == "compact":
             end = _int(event.get("endTurnId"))
-            if end >= through or (replaced and event.get("uuid") in replaced):  # a replaced one marks nothing
+            if end >= through or (replaced and type(uuid := event.get("uuid")) is str
+                                  and uuid in replaced):  # a replaced one marks nothing
                 hidden[i] = True
             else:
                 scan.compacts.append((_int(event.get("startTurnId")), end))
@@ -206,7 +208,7 @@ def _scan(events: list[Event]) -> _Scan:
             if scan.meta_model is None and isinstance(event.get("model"), str) and event["model"]:
                 scan.meta_model = event["model"]
             continue
-        if replaced and event.get("uuid") in replaced:
+        if replaced and type(uuid := event.get("uuid")) is str and uuid in replaced:
             hidden[i] = True
     scan.max_turn = max_turn
     if not scan.turn_end_seen:
@@ -727,7 +729,7 @@ def llm_pass(
         kept_estimate=kept,
         kept_min_candidate_turn=kept_min,
         compacted_through=compacted[-1][1] if compacted else 0,
-        exact=not any(uuid in replaced for uuid in others),
+        exact=replaced.isdisjoint(uuid for uuid in others if type(uuid) is str),
     )
 
 

@@ -409,6 +409,26 @@ def test_a_summary_that_replaces_a_compact_undoes_its_elision() -> None:
     assert [c["turnId"] for c in undone.candidates] == [1]
 
 
+@pytest.mark.parametrize("bad", [[1], {"a": 1}, 7])
+def test_a_hand_edited_uuid_that_is_not_a_string_reads_as_no_uuid(bad: Any) -> None:
+    """A list or object as a uuid (a hand-edited log) made the view and the LLM job's pass raise
+    TypeError (unhashable); a summary's ``replaces`` can only name string uuids, so such a line
+    reads as one with no uuid, wherever it stands: before, as or after a summary, or a compact."""
+    turns = [_tool_turn(t, LONG, "read_file") for t in range(1, 6)]
+    s = summary([e["uuid"] for e in turns[0] if e["type"] != "turn_end"] + [[1], {"a": 1}], "S", 1)
+    events = [*turns[0], *turns[1], s, *turns[2], compact(2, 3), *turns[3], *turns[4]]
+    for edited_at in (4, 8, 13, 14, 18):  # a user before the summary, the summary, the compact, later lines
+        edited = [dict(e) for e in events]
+        edited[edited_at]["uuid"] = bad
+        without = [dict(e) for e in events]
+        del without[edited_at]["uuid"]
+        view, expected = build_view(edited, CTX), build_view(without, CTX)
+        assert view.messages == expected.messages and view.prompt_estimate == expected.prompt_estimate
+        reading, expected_reading = _pass(edited, micro=True), _pass(without, micro=True)
+        assert reading.blocks == expected_reading.blocks and reading.exact == expected_reading.exact
+        assert reading.replaces == expected_reading.replaces
+
+
 def test_each_compacted_output_is_tokenized_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
     # a micro job, a rebuild and the API build the view again and again: the elided outputs are
     # the same texts each time, and counting them dominated a micro job on a compacted log
