@@ -53,13 +53,14 @@ from compactor.embedded import OWNER_LOCK_FILE, EmbeddedRedis
 from compactor.logging import json_configured
 from compactor.urls import host_port, redacted
 from events.config import ENV_OVERRIDES, Settings
-from events.errors import InvalidConfig
+from events.errors import CompactorError, InvalidConfig
 
 logger = logging.getLogger(__name__)
 
 Output = IO[bytes] | int | None  # where children write: a file, subprocess.DEVNULL, or inherit
 
 EMBEDDED_DIR_NAME = ".redis"
+ORPHAN_STOP_TIMEOUT_S = 10.0  # how long an orphaned embedded Redis gets to stop after SHUTDOWN
 SERVE_PID_FILE = "serve.pid"  # in the embedded dir: the serve that owns its Redis
 PARENT_PID_ENV = "COMPACTOR_PARENT_PID"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # compactor.metrics: the children share their metrics
@@ -106,7 +107,11 @@ def _record_owner(directory: Path) -> None:
 
 
 def _shutdown_orphan(server: EmbeddedRedis) -> None:
-    """Stop a Redis left behind by a killed ``serve`` (SHUTDOWN writes its AOF first)."""
+    """Stop a Redis left behind by a killed ``serve`` (SHUTDOWN writes its AOF first).
+
+    One still answering ``ORPHAN_STOP_TIMEOUT_S`` later is left alone and the serve
+    refused (``CompactorError``): starting another server would take its socket and
+    append to the same AOF files."""
     logger.warning("stopping the embedded Redis a killed serve left at %s", server.url)
     client = redis.Redis.from_url(server.url, socket_timeout=5.0)
     try:
@@ -115,8 +120,13 @@ def _shutdown_orphan(server: EmbeddedRedis) -> None:
         logger.warning("shutdown of the orphaned Redis: %s", e)
     finally:
         client.close()
-    deadline = time.monotonic() + 10.0
-    while server.ping() and time.monotonic() < deadline:
+    deadline = time.monotonic() + ORPHAN_STOP_TIMEOUT_S
+    while server.ping():
+        if time.monotonic() >= deadline:
+            raise CompactorError(
+                f"the embedded Redis a killed serve left at {server.url} still answers "
+                f"{ORPHAN_STOP_TIMEOUT_S:g} s after SHUTDOWN (see {server.directory / 'redis.log'}): "
+                "stop that redis/valkey-server, then start serve again")
         time.sleep(0.05)
 
 

@@ -129,6 +129,35 @@ def test_a_redis_left_by_a_killed_serve_is_replaced_keeping_its_data(settings: S
         orphan.stop()
 
 
+def test_an_orphaned_redis_that_does_not_stop_is_left_alone_and_serve_refused(
+        settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After 10 s of an orphan still answering, serve started a second server anyway: it took the
+    orphan's socket and appended to the same AOF files."""
+    import redis
+
+    from compactor.embedded import server_binary
+    from events.errors import CompactorError
+
+    monkeypatch.setattr(serve, "ORPHAN_STOP_TIMEOUT_S", 1.0)
+    local = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": ""}),
+                                        "data_dir": tmp_path / "d"})
+    orphan = EmbeddedRedis(serve.embedded_dir(local))
+    monkeypatch.setattr(orphan, "_args", lambda: [*EmbeddedRedis._args(orphan), "--rename-command", "SHUTDOWN", ""])
+    orphan.start()  # ignores SHUTDOWN
+    try:
+        redis.Redis.from_url(orphan.url).set("kept", "1")
+        with pytest.raises(CompactorError, match="still answers 1 s after SHUTDOWN"):
+            serve.start_embedded(local)
+        assert redis.Redis.from_url(orphan.url).get("kept") == b"1"  # its socket is still its own
+        assert [p for p in psutil.process_iter(["exe"]) if p.info["exe"] == server_binary()
+                and str(serve.embedded_dir(local)) in " ".join(p.cmdline())] == [psutil.Process(orphan.pid)]
+        again = EmbeddedRedis(serve.embedded_dir(local))
+        assert again.claim()  # the refused serve let go of the directory
+        again.release()
+    finally:
+        orphan.stop()
+
+
 def test_supervisor_restarts_a_dying_child_then_gives_up(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(serve, "RESTART_DELAY_S", 0.0)
