@@ -48,8 +48,10 @@ from rq.utils import as_text
 
 from compactor import metrics
 from compactor.keys import Keys
+from compactor.store import check_logged_cwd
 from events.config import Settings
 from events.errors import InvalidInput
+from events.log import SessionLog
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +273,9 @@ def check_bound_cwd(client: redis.Redis, settings: Settings, session_id: str, cw
     """Refuse (``InvalidInput`` on ``cwd``) a cwd other than the one the session is bound to:
     another spelling of it (``/app/``, ``/APP`` for ``/app``) finds the same log."""
     bound = client.hget(Keys(settings.redis.prefix, settings.redis.shards).session(session_id), "cwd")
-    if bound and as_text(bound) != cwd:
+    if not bound:  # Redis lost it (or never had it): the log's session_meta keeps it
+        check_logged_cwd(session_id, cwd, SessionLog(settings.data_dir, cwd, session_id).read())
+    elif as_text(bound) != cwd:
         raise InvalidInput("cwd", f"session {session_id} is bound to cwd {as_text(bound)!r}, not {cwd!r}")
 
 

@@ -40,7 +40,7 @@ from events.config import Settings
 from events.errors import InvalidEvent
 from events.log import SessionLog
 from events.models import TURN_SCOPED_TYPES
-from events.state import SessionState, fold, rebuild, rebuild_with_view
+from events.state import SessionState, fold, logged_cwd, rebuild, rebuild_with_view
 from events.tokens import stamp
 from events.view import ContextView, extend_view
 
@@ -179,6 +179,7 @@ class SessionStore:
         with log.lock():
             size = log.complete_size()
             events = log.read() if size else []
+        check_logged_cwd(session_id, cwd, events)
         return rebuild(session_id, cwd, events, self.settings.context, size)
 
     def refresh(self, session_id: str, cwd: str, log: SessionLog | None = None) -> SessionState:
@@ -244,6 +245,7 @@ class SessionStore:
         caller saves the state, with ``create``), else the index and the state are stored here."""
         size = log.complete_size()
         events = log.read() if size else []
+        check_logged_cwd(session_id, cwd, events)
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.uuids(session_id))
         self._index_uuids(session_id, events, pipe)
@@ -458,6 +460,15 @@ def _check_unique(event: dict[str, Any], taken: set[str]) -> None:
 def _check_cwd(session_id: str, cwd: str, state: SessionState | None) -> None:
     if state is not None and state.cwd != cwd:
         raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}")
+
+
+def check_logged_cwd(session_id: str, cwd: str, events: Iterable[dict[str, Any]]) -> None:
+    """Refuse ``cwd`` when the log's ``session_meta`` records another (``logged_cwd``): another
+    spelling of it (``/app/``, ``/APP`` for ``/app``) finds the same log, and a state rebuilt
+    under it after Redis lost the session's hash bound the session to that spelling for good."""
+    logged = logged_cwd(events)
+    if logged is not None and logged != cwd:
+        raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {logged!r}, not {cwd!r}")
 
 
 def _check_turn_order(state: SessionState, event: dict[str, Any]) -> None:

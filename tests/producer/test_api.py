@@ -423,6 +423,39 @@ def test_reads_under_another_spelling_of_the_cwd_are_refused_as_writes_are(
         assert answer.status_code == 200 and answer.json()["cwd"] == CWD
 
 
+def test_after_redis_lost_a_session_its_log_keeps_the_cwd_binding(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """With the session's hash gone (a Redis restarted without persistence), the first request
+    under another spelling of the cwd rebuilt the state under that spelling: the session was
+    then bound to ``/home/dev/project/`` for good, and its agent's own events were refused and
+    dead-lettered. The log's ``session_meta`` records the cwd, and a rebuild keeps to it."""
+    write_session(r, api_settings, 2)
+    log = SessionLog(api_settings.data_dir, CWD, SID)
+    before = log.path.read_bytes()
+    keys = Keys(api_settings.redis.prefix, api_settings.redis.shards)
+    for other in (CWD + "/", CWD.upper()):
+        r.delete(keys.session(SID), keys.uuids(SID))
+        message = f"cwd: session {SID} is bound to cwd {CWD!r}, not {other!r}"
+        for method, path, kwargs in (
+            ("post", f"/api/sessions/{SID}/compact", {"json": {"cwd": other}}),
+            ("post", f"/api/sessions/{SID}/events",
+             {"json": {"cwd": other, "events": [{"type": "user", "turnId": 3, "content": "x"}]}}),
+            ("get", f"/api/sessions/{SID}", {"params": {"cwd": other}}),
+            ("get", f"/api/sessions/{SID}/history", {"params": {"cwd": other}}),
+        ):
+            response = getattr(client, method)(path, **kwargs)
+            assert response.status_code == 400, (path, response.text)
+            assert error_of(response)["message"] == message, path
+        with pytest.raises(InvalidEvent, match="is bound to cwd"):  # the watcher's and the workers' way in
+            SessionStore(r, api_settings).apply(SID, other, [{"type": "user", "turnId": 3, "content": "x"}])
+        assert r.hget(keys.session(SID), "cwd") is None
+    assert log.path.read_bytes() == before
+    assert client.get(f"/api/sessions/{SID}", params={"cwd": CWD}).json()["cwd"] == CWD  # rebuilt as it was
+    assert r.hget(keys.session(SID), "cwd") in (None, CWD.encode())
+    response = client.post(f"/api/sessions/{SID}/compact?wait=false", json={"cwd": CWD})
+    assert response.status_code == 202
+
+
 # -- compaction and jobs -----------------------------------------------------------------
 
 def test_compact_without_wait_is_202_then_job_finishes(client: TestClient, r: redis.Redis,
