@@ -204,7 +204,7 @@ class SessionLog:
             events = [orjson.loads(line) for line in lines if line]
         except orjson.JSONDecodeError:
             events = []  # locate the bad line below
-        if len(events) != len(lines) or not all(type(e) is dict for e in events):
+        if len(events) != len(lines) or not all(type(e) is dict and type(e.get("type")) is str for e in events):
             return [event for _, event in self._parse_records(start, lines)]
         return events
 
@@ -256,6 +256,9 @@ class SessionLog:
             raise LogCorrupted(f"{self.path}: {self._where(offset)} is not JSON: {e}") from e
         if type(event) is not dict:
             raise LogCorrupted(f"{self.path}: {self._where(offset)} is not a JSON object")
+        kind = event.get("type")
+        if kind is not None and type(kind) is not str:  # (every reader tells events apart by it)
+            raise LogCorrupted(f"{self.path}: {self._where(offset)} has a \"type\" that is not a string")
         return event
 
     def _where(self, offset: int) -> str:

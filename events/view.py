@@ -8,7 +8,8 @@ Rules, in SPEC order:
 1. A ``rollback`` hides the turn-scoped events *before it* with
    ``turnId >= throughTurnId`` (``turn_end`` included) and the ``compact`` /
    ``summary`` events before it that cover such a turn. Later events are
-   unaffected.
+   unaffected. A rollback whose ``throughTurnId`` is not an integer (only a
+   hand-edited log has one) hides nothing.
 2. A ``summary`` not hidden by a rollback hides the events whose uuids it
    ``replaces``. A summary replaced by a later such summary is not shown, but
    what it replaced stays hidden: an incremental summary (SPEC §5) replaces
@@ -181,7 +182,9 @@ def _scan(events: list[Event]) -> _Scan:
             if kind == "turn_end":
                 _note_turn_end(scan, event, turn)
         elif kind == "rollback":
-            through = min(through, _int(event.get("throughTurnId")))
+            value = event.get("throughTurnId")
+            if type(value) is int:  # (a hand-edited "2" or 2.0 is ignored: read as 0, it hid every turn)
+                through = min(through, value)
             continue
         elif kind == "summary":
             if _int(event.get("lastSummarizedTurnId")) >= through:
@@ -225,7 +228,9 @@ def undone_by_rollback(events: list[Event]) -> set[int]:
         event = events[i]
         kind = event.get("type")
         if kind == "rollback":
-            through = min(through, _int(event.get("throughTurnId")))
+            value = event.get("throughTurnId")
+            if type(value) is int:  # as in ``_scan``
+                through = min(through, value)
         elif kind == "compact" and _int(event.get("endTurnId")) >= through:
             undone.add(i)
         elif kind == "summary" and _int(event.get("lastSummarizedTurnId")) >= through:
@@ -424,10 +429,10 @@ def _pair(messages: list[Message], call_ids: list[list[str] | None]) -> list[Mes
     earlier kept call took (a call id may come back: a stray result logged
     ahead of its call, or an id reused by a later assistant, costs nothing else).
     """
-    answers: dict[Any, list[int]] = {}  # call id -> positions of the tool messages with it
+    answers: dict[str, list[int]] = {}  # call id -> positions of the tool messages with it
     for position, message in enumerate(messages):
-        if message["role"] == "tool":
-            answers.setdefault(message["tool_call_id"], []).append(position)
+        if message["role"] == "tool" and type(answered := message["tool_call_id"]) is str:
+            answers.setdefault(answered, []).append(position)  # (a hand-edited id that is no string answers nothing)
     first_free: dict[Any, int] = {}  # call id -> index in answers[id] of the first not taken nor passed
     taken: set[int] = set()
     kept: list[Message] = []
@@ -439,6 +444,8 @@ def _pair(messages: list[Message], call_ids: list[list[str] | None]) -> list[Mes
             continue
         chosen: dict[Any, int] = {}
         for call in ids:
+            if type(call) is not str:
+                break  # (hand-edited: no string id, so no answer)
             if call in chosen:
                 continue
             found = answers.get(call, ())

@@ -194,8 +194,8 @@ def compaction_history(events: list[dict[str, Any]], ctx: ContextSettings,
 def context_with_elisions(events: list[dict[str, Any]], ctx: ContextSettings) -> HistoryContext:
     """The context view, with the tool outputs shown shorter than logged listed in ``elided``."""
     view = build_view(events, ctx)
-    originals = {e.get("toolCallId"): e.get("output") for e in view.visible
-                 if e.get("type") == "tool_result"}
+    originals = {e["toolCallId"]: e.get("output") for e in view.visible
+                 if e.get("type") == "tool_result" and type(e.get("toolCallId")) is str}  # (the view pairs no other)
     elided = []
     for message in view.messages:
         original = originals.get(message.get("tool_call_id"))

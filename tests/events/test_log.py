@@ -167,6 +167,23 @@ def test_a_json_line_that_is_not_an_object_is_corrupt(tmp_path: Path) -> None:
         log.read()
 
 
+@pytest.mark.parametrize("kind", [b'["user"]', b'{"a":1}', b"5"])
+def test_a_line_whose_type_is_not_a_string_is_corrupt(tmp_path: Path, kind: bytes) -> None:
+    """Every reader tells events apart by ``type``: a list or an object there (a hand-edited
+    log) crashed the view, the API, both jobs and the watcher with TypeError (unhashable)."""
+    log = _log(tmp_path)
+    log.append([_event(1)])
+    with open(log.path, "ab") as f:
+        f.write(b'{"type":' + kind + b',"turnId":2,"content":"x"}\n')
+    for read in (log.read, log.read_records):
+        with pytest.raises(LogCorrupted, match=r'line 2 \(byte \d+\) has a "type" that is not a string'):
+            read()
+    with open(log.path, "ab") as f:
+        f.write(b'{"turnId":3}\n')  # no type at all: an unknown kind of line, as before
+    log.path.write_bytes(log.path.read_bytes().replace(b'{"type":' + kind, b'{"type":"user"'))
+    assert [e.get("type") for e in log.read()] == ["user", "user", None]
+
+
 def test_an_unserializable_event_is_rejected_and_nothing_is_written(tmp_path: Path) -> None:
     log = _log(tmp_path)
     log.append([_event(1)])

@@ -19,6 +19,7 @@ from events.view import (
     llm_pass,
     micro_candidates,
     session_model,
+    undone_by_rollback,
 )
 from tests.events.builders import (
     assistant,
@@ -61,6 +62,17 @@ def test_rollback_through_turn_two_keeps_only_turn_one() -> None:
     assert _users(view.messages) == ["question 1"]
     assert {e.get("turnId") for e in view.visible if "turnId" in e} == {1}
     assert view.current_turn_id == 2
+
+
+@pytest.mark.parametrize("through", ["2", 2.0, None, True])
+def test_a_rollback_whose_through_turn_is_not_an_integer_hides_nothing(through: Any) -> None:
+    """A hand-edited ``"throughTurnId": "2"`` read as 0 and hid every turn of the session."""
+    marker = rollback(2)
+    marker["throughTurnId"] = through
+    turns = _three_turns()
+    view = build_view([*turns, marker], CTX)
+    assert view.messages == build_view(turns, CTX).messages and len(_users(view.messages)) == 3
+    assert undone_by_rollback([*turns, compact(2, 2), marker]) == set()
 
 
 def test_events_after_a_rollback_are_unaffected() -> None:
@@ -242,6 +254,24 @@ def test_an_assistant_with_an_unanswered_tool_call_is_dropped_with_its_answered_
     assert view.messages == [{"role": "user", "content": "go"}, {"role": "assistant", "content": "end"}]
     # promptEstimate is computed before pairing: dropped messages still count
     assert view.prompt_estimate == sum(event_tokens(e, ENC) for e in events)
+
+
+@pytest.mark.parametrize("bad", [["c1"], {"a": 1}, 1])
+def test_a_call_id_or_tool_call_id_that_is_not_a_string_pairs_nothing(bad: Any) -> None:
+    """Hand-edited ids: a list or object raised TypeError (unhashable) in every view, and an
+    int paired with an int. Only string ids pair (an LLM's tool_call_id is a string)."""
+    answered = [user(1, "go"), assistant(1, "calling", [call("c1")]), result(1, "c1", "A"), assistant(1, "end")]
+    kept = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "end"}]
+    bad_result = [dict(e) for e in answered]
+    bad_result[2]["toolCallId"] = bad
+    bad_call = [dict(e) for e in answered]
+    bad_call[1]["toolCalls"] = [call(bad), call("c2")]
+    both = [dict(e) for e in bad_result]
+    both[1]["toolCalls"] = [call(bad)]  # the call and its result carry the same odd id
+    for events in (bad_result, bad_call, both):
+        view = build_view(events, CTX)
+        assert view.messages == kept
+        assert view.prompt_estimate == sum(event_tokens(e, ENC) for e in events)
 
 
 def test_a_tool_result_before_its_call_does_not_answer_it() -> None:
