@@ -89,6 +89,8 @@ ERROR_CASES = {
     401: "api.token is set and the token is missing or wrong",
     404: "no log file for the session",
     413: "body over limits.maxBodyBytes",
+    500: "log_unreadable: the session's log has a line that is not a JSON event (named); "
+         "log_write_failed; internal_error",
     502: "the compaction job failed",
     503: "Redis unreachable",
 }
@@ -102,7 +104,6 @@ def errors(*statuses: int, described: Mapping[int, str] | None = None) -> Respon
 
 
 ERRORS = errors(400, 401)  # every route under /api
-NOT_FOUND = errors(404)
 
 
 def get_settings(request: Request) -> Settings:
@@ -222,7 +223,7 @@ LLM_ERROR_HEADER = "X-Compactor-LLM-Error"  # ... and the failed LLM call its fa
 
 @sessions.post(
     "/{session_id}/compact", response_model=CompressResult,
-    responses={**errors(404, 413, 502, 503),
+    responses={**errors(404, 413, 500, 502, 503),
                202: {"model": JobAccepted, "description": "queued (wait=false or wait timed out)"}},
 )
 async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
@@ -246,9 +247,26 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
             response.headers[LLM_ERROR_HEADER] = f"{job.llm_error.kind}; fallback={job.llm_error.fallback}"
         return job.result
     if job.error is not None:  # the job id in the header too, as on a 200: GET /api/jobs/{id} has the rest
-        return error_response(502, f"compaction job {job_id} {job.status}: {job.error}",
+        status, code = _job_failure_status(job.error)
+        return error_response(status, f"compaction job {job_id} {job.status}: {job.error}", code,
                               headers={JOB_ID_HEADER: job_id})
     return _accepted(job_id)
+
+
+# A forced job that failed before any LLM call answers as the other session routes do for the
+# same cause (its error line starts with the exception's class); any other failure is a 502.
+_JOB_FAILURES = {
+    "events.errors.LogCorrupted": (500, "log_unreadable"),
+    "events.errors.LogWriteFailed": (500, "log_write_failed"),
+    "events.errors.SessionNotFound": (404, None),
+    "events.errors.InvalidEvent": (400, None),
+    "events.errors.InvalidInput": (400, None),
+}
+
+
+def _job_failure_status(error: str) -> tuple[int, str | None]:
+    """The status and code of a forced compaction whose job failed with ``error`` (its last line)."""
+    return _JOB_FAILURES.get(error.partition(":")[0], (502, None))
 
 
 def _accepted(job_id: str) -> JSONResponse:
@@ -274,14 +292,14 @@ def push_events(session_id: str, body: EventsRequest, settings: SettingsDep,
     return EventsAccepted(accepted=len(ids), stream_ids=ids)
 
 
-@sessions.get("/{session_id}/context", response_model=ContextBody, responses=NOT_FOUND)
+@sessions.get("/{session_id}/context", response_model=ContextBody, responses=errors(404, 500))
 def get_context(session_id: str, cwd: CwdQuery, settings: SettingsDep) -> ContextBody:
     """The context view (SPEC §4) computed from the log."""
     sid, cwd = _checked(session_id, cwd)
     return context_body(settings, sid, cwd)
 
 
-@sessions.get("/{session_id}", response_model=SessionBody, responses=errors(404, 503))
+@sessions.get("/{session_id}", response_model=SessionBody, responses=errors(404, 500, 503))
 def get_session(session_id: str, cwd: CwdQuery, settings: SettingsDep,
                 client: RedisDep) -> SessionBody:
     """The session's estimate, thresholds in tokens, breaker, pending job, last compaction."""

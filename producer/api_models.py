@@ -79,7 +79,8 @@ class LlmError(_Body):
 class JobBody(_Body):
     job_id: str
     status: str = Field(description="queued, started, deferred, scheduled, finished, failed, "
-                                    "stopped or canceled")
+                                    "stopped or canceled; created: a forced job waiting for the "
+                                    "session's pending job to end")
     result: CompressResult | None = None
     error: str | None = None
     llm_error: LlmError | None = Field(

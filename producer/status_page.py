@@ -43,7 +43,7 @@ from compactor.queue import check_bound_cwd, compaction_queue
 from compactor.store import SessionStore
 from events.config import ContextSettings, Settings
 from events.view import build_view, undone_by_rollback
-from producer.api import NOT_FOUND, CwdQuery, RedisDep, SettingsDep, _checked
+from producer.api import CwdQuery, RedisDep, SettingsDep, _checked, errors
 from producer.api_metrics import BreakerCollector, ProcessMetrics, StreamLagCollector
 from producer.api_models import SessionBody
 from producer.api_sessions import known_sessions, read_log, session_body
@@ -293,13 +293,13 @@ LimitQuery = Annotated[int, Query(ge=1, le=MAX_SESSIONS_LISTED,
                                   description="most recently active sessions listed")]
 
 
-@status_api.get("/overview", response_model=Overview)
+@status_api.get("/overview", response_model=Overview, responses=errors(503))
 async def get_overview(request: Request, settings: SettingsDep, client: RedisDep) -> Overview:
     """Totals: sessions, open breakers, queue, stream backlog, process counters."""
     return await anyio.to_thread.run_sync(overview, request, client, settings)
 
 
-@status_api.get("/sessions", response_model=list[SessionRow])
+@status_api.get("/sessions", response_model=list[SessionRow], responses=errors(400, 503))
 async def list_sessions(request: Request, settings: SettingsDep, client: RedisDep,
                         limit: LimitQuery = DEFAULT_SESSIONS_LISTED) -> list[SessionRow]:
     """The most recently active sessions with their state (as ``GET /api/sessions/{id}``),
@@ -307,7 +307,7 @@ async def list_sessions(request: Request, settings: SettingsDep, client: RedisDe
     return await anyio.to_thread.run_sync(session_rows, request, client, settings, limit)
 
 
-@status_api.get("/sessions/{session_id}/history", response_model=History, responses=NOT_FOUND)
+@status_api.get("/sessions/{session_id}/history", response_model=History, responses=errors(400, 404, 500))
 async def get_history(request: Request, session_id: str, cwd: CwdQuery,
                       settings: SettingsDep) -> History:
     """Compaction history (tokens before/after each) and the context with elisions marked."""

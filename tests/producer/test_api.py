@@ -138,7 +138,15 @@ def test_openapi_schema_lists_every_route_with_camelcase_models(client: TestClie
     assert {"sessionId", "promptEstimate", "contextWindow", "microThreshold",
             "compactionThreshold", "breakerOpen", "pendingJob", "lastCompaction"} <= set(session)
     compact = schema["paths"]["/api/sessions/{session_id}/compact"]["post"]["responses"]
-    assert {"200", "202", "404", "502"} <= set(compact)
+    assert {"200", "202", "404", "500", "502", "503"} <= set(compact)
+    declared = {path: set(schema["paths"][path]["get"]["responses"]) for path in (
+        "/api/sessions/{session_id}/context", "/api/sessions/{session_id}", "/api/sessions/{session_id}/history",
+        "/api/overview", "/api/sessions")}
+    assert declared["/api/sessions/{session_id}/context"] >= {"404", "500"}  # what each answers (OPERATIONS)
+    assert declared["/api/sessions/{session_id}"] >= {"404", "500", "503"}
+    assert declared["/api/sessions/{session_id}/history"] >= {"404", "500"}
+    assert declared["/api/overview"] >= {"503"} and declared["/api/sessions"] >= {"503"}
+    assert "created" in schema["components"]["schemas"]["JobBody"]["properties"]["status"]["description"]
 
 
 def test_a_corrupt_log_is_a_json_500_naming_the_line(api_settings: Settings, r: redis.Redis) -> None:
@@ -153,6 +161,12 @@ def test_a_corrupt_log_is_a_json_500_naming_the_line(api_settings: Settings, r: 
             assert response.status_code == 500, path
             error = error_of(response)
             assert error["code"] == "log_unreadable" and "line 4 " in error["message"], error
+        # a forced compaction's job fails on the same line: the same answer, not a 502 for an LLM failure
+        response = post_while_working(test_client, r, api_settings, f"/api/sessions/{SID}/compact", {"cwd": CWD})
+        assert response.status_code == 500
+        error = error_of(response)
+        assert error["code"] == "log_unreadable" and "line 4 " in error["message"], error
+        assert response.headers["X-Compactor-Job-Id"] in error["message"]
 
 
 def test_a_redis_that_refuses_writes_is_a_json_503(api_settings: Settings, r: redis.Redis) -> None:
