@@ -387,8 +387,11 @@ class SessionStore:
                 elif needs_rebuild:
                     state = self.rebuild(session_id, cwd, log)
             result.state = state
-            self.save(state, pipe, if_newer=pipeline is not None, uuids=_uuids(result.appended),
-                      create=log_uuids is not None)
+            # a state rebuilt from the whole log under its lock is the log's: it replaces even one that
+            # saw more bytes (the log shrank: truncated, or restored from an older copy); one stored
+            # over a later writer's is harmless, that writer's lines are past its logSize and folded
+            self.save(state, pipe, if_newer=pipeline is not None and log_uuids is None,
+                      uuids=_uuids(result.appended), create=log_uuids is not None)
             if pipeline is None:
                 pipe.execute()
         return result
