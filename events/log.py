@@ -253,6 +253,11 @@ class SessionLog:
         try:
             event = orjson.loads(line)
         except orjson.JSONDecodeError as e:
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as bad:  # (orjson words it "str is not valid UTF-8: surrogates not allowed")
+                raise LogCorrupted(f"{self.path}: {self._where(offset)} is not UTF-8: byte {bad.start} of the line "
+                                   f"is {line[bad.start]:#04x}") from e
             raise LogCorrupted(f"{self.path}: {self._where(offset)} is not JSON: {e}") from e
         if type(event) is not dict:
             raise LogCorrupted(f"{self.path}: {self._where(offset)} is not a JSON object")

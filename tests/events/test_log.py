@@ -159,6 +159,17 @@ def test_a_line_inserted_before_a_readers_offset_is_named_not_the_line_the_offse
             read(offset)
 
 
+def test_a_line_that_is_not_utf8_is_named_so(tmp_path: Path) -> None:
+    """orjson's wording, "str is not valid UTF-8: surrogates not allowed", sent the operator
+    looking for surrogates in a line holding a Latin-1 byte."""
+    log = _log(tmp_path)
+    log.append([_event(1)])
+    with open(log.path, "ab") as f:
+        f.write(b'{"type":"user","turnId":2,"content":"caf\xe9"}\n')
+    with pytest.raises(LogCorrupted, match=r"line 2 \(byte \d+\) is not UTF-8: byte 40 of the line is 0xe9"):
+        log.read()
+
+
 def test_a_json_line_that_is_not_an_object_is_corrupt(tmp_path: Path) -> None:
     log = _log(tmp_path)
     log.path.parent.mkdir(parents=True)
