@@ -25,6 +25,7 @@ import functools
 import hashlib
 import logging
 import os
+import string
 from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -32,6 +33,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+from pydantic_core import ErrorDetails
 from redis import ConnectionPool, RedisError
 
 from events.errors import InvalidConfig
@@ -42,6 +44,7 @@ DAY_S = 86_400
 WEEK_S = 7 * DAY_S
 TEN_YEARS_S = 3_650 * DAY_S
 DEFAULT_CONFIG_FILE = "codingcode.yaml"
+DEFAULT_DATA_DIR = "~/.codingcode/project"
 DEFAULT_COMPACTABLE_TOOLS = (
     "read_file", "execute_command", "search_code", "search_files",
     "web_search", "fetch_url", "write_file", "edit_file",
@@ -203,13 +206,29 @@ class ApiSettings(_Section):
     token: str = ""  # set: Bearer auth required on every route but /healthz
     job_wait_seconds: float = Field(300.0, gt=0, le=DAY_S, allow_inf_nan=False)  # a forced compaction waits this long, then 202
 
+    @field_validator("token")
+    @classmethod
+    def _no_whitespace_at_the_ends(cls, token: str) -> str:
+        # HTTP servers (and the API's Bearer check) strip a header value's ends, so a request never
+        # matches such a token; refused, not stripped: its clients would go on sending it as written.
+        # (The message never shows the token.)
+        if token != token.strip(string.whitespace):
+            raise ValueError("must not begin or end with whitespace (HTTP strips a header's ends: no request "
+                             "could carry it)")
+        return token
+
 
 class LogSettings(_Section):
     fsync: bool = False  # fsync after every append: durable across power loss, slower
 
 
+# Entries read per shard per round (XREADGROUP COUNT): the read of all a watcher's shards is one
+# script, during which Redis serves no one else, and the round is held in memory until acked.
+MAX_BATCH_SIZE = 10_000
+
+
 class WatcherSettings(_Section):
-    batch_size: int = Field(256, ge=1)
+    batch_size: int = Field(256, ge=1, le=MAX_BATCH_SIZE)
     block_ms: int = Field(1000, ge=1, le=DAY_S * 1000)
     lease_ms: int = Field(10_000, ge=1000, le=DAY_S * 1000)
     claim_idle_ms: int = Field(30_000, ge=1000, le=DAY_S * 1000)
@@ -229,7 +248,7 @@ class Settings(_Section):
     context: ContextSettings = ContextSettings()
     limits: LimitSettings = LimitSettings()
     redis: RedisSettings = RedisSettings()
-    data_dir: Path = Path("~/.codingcode/project")
+    data_dir: Path = Field(Path(DEFAULT_DATA_DIR), validate_default=True)  # (the default is expanded too)
     api: ApiSettings = ApiSettings()
     log: LogSettings = LogSettings()
     watcher: WatcherSettings = WatcherSettings()
@@ -237,20 +256,37 @@ class Settings(_Section):
 
     @field_validator("data_dir", mode="before")
     @classmethod
-    def _data_dir_not_empty(cls, value: Any) -> Any:
+    def _data_dir_a_path(cls, value: Any) -> Any:
         if isinstance(value, str) and not value.strip():  # Path("") would be the current directory
-            raise ValueError("must not be empty (leave it out for ~/.codingcode/project)")
+            raise ValueError(f"must not be empty (leave it out for {DEFAULT_DATA_DIR})")
         if not isinstance(value, (str, os.PathLike)):  # (pydantic's: "Input is not a valid path for <class ...>")
             raise ValueError(f"must be a path (a string), not {type(value).__name__} {value!r}")
+        _check_path_bytes(os.fspath(value))
         return value
 
-    @model_validator(mode="after")
-    def _expand_data_dir(self) -> Settings:
+    @field_validator("data_dir")
+    @classmethod
+    def _expand_data_dir(cls, data_dir: Path) -> Path:
         # absolute: ``serve`` and its children, and the commands that find its socket, agree on it
         # whatever their working directory (a relative one made the embedded Redis fail to start)
-        data_dir = Path(os.path.abspath(self.data_dir.expanduser()))
-        object.__setattr__(self, "data_dir", data_dir)
-        return self
+        try:
+            expanded = data_dir.expanduser()
+        except RuntimeError:  # "Could not determine home directory."
+            head = data_dir.parts[0]
+            why = "HOME is not set and this user has no home directory" if head == "~" else "no such user"
+            raise ValueError(f"{data_dir}: cannot expand {head}: {why}") from None
+        return Path(os.path.abspath(expanded))
+
+
+def _check_path_bytes(path: str) -> None:
+    """ValueError when no file system path can be ``path`` (the OS calls fail on it at run time)."""
+    if "\0" in path:
+        raise ValueError("must not contain a NUL byte (no path can)")
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError as e:  # a lone surrogate ("\ud800" in YAML)
+        raise ValueError(f"has {path[e.start]!r} at position {e.start}, which a path cannot hold "
+                         f"({e.reason})") from None
 
 
 def config_path(explicit: str | os.PathLike[str] | None) -> tuple[Path, bool]:
@@ -324,9 +360,26 @@ def _as_invalid(error: ValidationError, sources: Mapping[tuple[str, ...], str]) 
         loc = tuple(str(p) for p in detail["loc"])
         key = ".".join(loc) or "config"
         source = next((name for path, name in sources.items() if loc[:len(path)] == path), None)
-        wrong.append((f"{key} (from {source})" if source else key, detail["msg"].removeprefix("Value error, ")))
+        wrong.append((f"{key} (from {source})" if source else key, _reason(detail)))
     (field, reason), others = wrong[0], wrong[1:]
     return InvalidConfig(field, reason + "".join(f"; {key}: {why}" for key, why in others))
+
+
+def _reason(detail: ErrorDetails) -> str:
+    """Why one value is wrong: pydantic's words, but for a whole number in another notation (YAML
+    reads ``1e100`` as a string, which pydantic was "unable to parse ... as an integer")."""
+    value = detail["input"]
+    if detail["type"] == "int_parsing" and isinstance(value, str) and _is_a_number(value):
+        return f"must be a whole number written in digits, not {value!r}"
+    return detail["msg"].removeprefix("Value error, ")
+
+
+def _is_a_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 MISSPELT_CUTOFF = 0.75  # difflib's ratio from which an unknown top-level key reads as one of our sections

@@ -45,7 +45,9 @@ def demo(
 ) -> None:
     """Run simulated agents against watcher + workers and show the compactions live.
 
-    Uses an embedded Redis and a temporary data dir unless configured, and the offline
+    Uses a temporary data dir, removed afterwards, unless --data-dir is given
+    (never dataDir or COMPACTION_DATA_DIR); an embedded Redis unless redis.url
+    is set (then its own key prefix there, deleted afterwards); the offline
     `extractive` summarizer unless context.compactionModel is set.
     """
     from compactor.demo import DemoOptions, run_demo

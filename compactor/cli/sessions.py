@@ -35,7 +35,7 @@ from compactor.cli.common import (
     print_json,
     user_errors,
 )
-from events.config import Settings
+from events.config import DAY_S, Settings
 from events.errors import SessionNotFound
 from events.models import validate_cwd, validate_session_id
 from producer.api_models import SessionBody
@@ -70,7 +70,8 @@ def compact(
     redis_url: RedisUrlOpt = None,
     data_dir: DataDirOpt = None,
     timeout: Annotated[float | None, typer.Option(
-        "--timeout", min=0.1, help="Seconds to wait for the job (default api.jobWaitSeconds).")
+        "--timeout", min=0.1, max=DAY_S,  # as api.jobWaitSeconds (inf had been taken: "waiting (up to infs)")
+        help="Seconds to wait for the job (default api.jobWaitSeconds).")
     ] = None,
 ) -> None:
     """Force an LLM compaction now and print its CompressResult JSON (last line).

@@ -60,6 +60,17 @@ def test_every_command_has_help_and_takes_config(runner: CliRunner, command: str
     assert "--config" in result.output
 
 
+def test_demo_help_says_it_never_uses_the_configured_data_dir(runner: CliRunner) -> None:
+    """It said "a temporary data dir unless configured", but dataDir and COMPACTION_DATA_DIR
+    are never used by the demo: only --data-dir."""
+    result = runner.invoke(app, ["demo", "--help"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "unless configured" not in text
+    assert ("a temporary data dir, removed afterwards, unless --data-dir is given (never dataDir or "
+            "COMPACTION_DATA_DIR)") in text
+
+
 def test_python_dash_m_runs_the_cli() -> None:
     done = subprocess.run([sys.executable, "-m", "compactor", "--help"], check=False, capture_output=True,
                           text=True, timeout=60)
@@ -78,6 +89,16 @@ def test_python_dash_m_runs_the_cli() -> None:
     ("context:\n  compactionThreshold: .nan\n", "context.compactionThreshold: Input should be a finite number"),
     # Redis refused the TTL (the breaker's key then never expired: the breaker stayed open for good)
     ("context:\n  failureTtlSeconds: 99999999999999999999\n", "context.failureTtlSeconds: Input should be less"),
+    # Redis refused the COUNT of every XREADGROUP, and the watcher retried it forever
+    ("watcher:\n  batchSize: 99999999999999999999999\n", "watcher.batchSize: Input should be less than or equal "
+                                                         "to 10000"),
+    # loaded, then ``watch`` and ``serve`` died on "ValueError: embedded null byte" (or a UnicodeEncodeError)
+    ('dataDir: "/tmp/x/a\\0x"\n', "dataDir: must not contain a NUL byte"),
+    ('dataDir: "/tmp/x/\\ud800"\n', "dataDir: has '\\ud800' at position 7, which a path cannot "
+                                     "hold (surrogates not allowed)"),
+    # YAML reads 1e100 as a string: pydantic's "unable to parse string as an integer" puzzled
+    ("context:\n  keepRecentTurns: 1e100\n", "context.keepRecentTurns: must be a whole number written in digits, "
+                                             "not '1e100'"),
 ])
 def test_bad_config_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path, yaml_text: str,
                                            fragment: str) -> None:
@@ -173,6 +194,22 @@ def test_an_empty_data_dir_option_is_refused_not_taken_for_the_current_directory
     assert result.stderr.strip().splitlines() == [
         "compactor: invalid configuration: dataDir (from --data-dir): must not be empty (it would mean the "
         "current directory: pass . for that)"]
+
+
+@pytest.mark.parametrize("source", ["file", "COMPACTION_DATA_DIR", "--data-dir"])
+def test_a_data_dir_in_an_unknown_users_home_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path,
+                                                                     source: str) -> None:
+    """``Path.expanduser`` raised "RuntimeError: Could not determine home directory.": a traceback."""
+    config = tmp_path / "c.yaml"
+    config.write_text("dataDir: ~nosuchuser/x\n" if source == "file" else "")
+    flag = ["--data-dir", "~nosuchuser/x"] if source == "--data-dir" else []
+    env = {"COMPACTION_DATA_DIR": "~nosuchuser/x"} if source == "COMPACTION_DATA_DIR" else {}
+    key = "dataDir" if source == "file" else f"dataDir (from {source})"
+    for command in (["status"], ["watch"], ["serve"]):
+        result = runner.invoke(app, [*command, "--config", str(config), *flag], env=env)
+        assert result.exit_code == 2, (command, result.output)
+        assert result.stderr.strip().splitlines() == [
+            f"compactor: invalid configuration: {key}: ~nosuchuser/x: cannot expand ~nosuchuser: no such user"]
 
 
 def test_missing_config_file_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
@@ -300,6 +337,27 @@ def test_an_empty_environment_variable_leaves_the_files_value(tmp_path: Path) ->
     assert (settings.api.token, settings.redis.url, settings.context.compaction_model) == (
         "filetok", "redis://h:6390", "")
     assert load_settings(config, {"COMPACTION_API_TOKEN": "envtok"}).api.token == "envtok"
+
+
+@pytest.mark.parametrize("token", [" s3cret", "s3cret\n", "\ts3cret "])
+def test_an_api_token_with_whitespace_at_an_end_is_refused_without_showing_it(runner: CliRunner, tmp_path: Path,
+                                                                              token: str) -> None:
+    """HTTP strips a header value's ends, so no request could carry such a token: every Bearer
+    request was a 401. Stripping it would leave the clients sending something else."""
+    from events.config import load_settings
+
+    config, empty = tmp_path / "c.yaml", tmp_path / "empty.yaml"
+    config.write_text(json.dumps({"api": {"token": token}}))  # (JSON is YAML)
+    empty.write_text("")
+    for path, env, key in ((config, {}, "api.token"),
+                           (empty, {"COMPACTION_API_TOKEN": token}, "api.token (from COMPACTION_API_TOKEN)")):
+        result = runner.invoke(app, ["api", "--config", str(path)], env=env)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip().splitlines() == [
+            f"compactor: invalid configuration: {key}: must not begin or end with whitespace (HTTP strips a "
+            "header's ends: no request could carry it)"]
+        assert "s3cret" not in result.stderr
+    assert load_settings(empty, {"COMPACTION_API_TOKEN": "a b\u00a0"}).api.token == "a b\u00a0"  # sent as is
 
 
 def test_the_compaction_and_fallback_models_can_come_from_the_environment(tmp_path: Path) -> None:
@@ -618,6 +676,15 @@ def test_compact_times_out_with_exit_1(runner: CliRunner, r: redis.Redis, settin
     result = runner.invoke(app, ["compact", SID, "--cwd", CWD, "--timeout", "0.3",
                                  *base_args(settings, config)])
     assert result.exit_code == 1 and "still queued" in result.stderr
+
+
+@pytest.mark.parametrize("timeout", ["inf", "1e309", "86401", "nan", "0"])
+def test_compact_refuses_a_timeout_that_is_not_up_to_a_day(runner: CliRunner, tmp_path: Path, timeout: str) -> None:
+    """``--timeout inf`` was taken ("waiting (up to infs)"); api.jobWaitSeconds, which it
+    replaces, is at most a day."""
+    result = runner.invoke(app, ["compact", SID, "--cwd", CWD, "--timeout", timeout, "--data-dir", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--timeout'" in result.stderr and "waiting" not in result.output
 
 
 def test_compact_waiting_behind_a_queued_job_says_still_queued(runner: CliRunner, r: redis.Redis,
