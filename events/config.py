@@ -215,6 +215,8 @@ class ApiSettings(_Section):
         if token != token.strip(string.whitespace):
             raise ValueError("must not begin or end with whitespace (HTTP strips a header's ends: no request "
                              "could carry it)")
+        if any(c in token for c in "\r\n\0"):
+            raise ValueError("must not hold a line break or a NUL (no HTTP header can carry one)")
         return token
 
 

@@ -53,7 +53,8 @@ def demo(
     from compactor.demo import DemoOptions, run_demo
 
     settings = load(config, redis_url=redis_url)
-    if data_dir is not None:
+    if data_dir is not None:  # read as dataDir is: ~ expanded, made absolute, a NUL refused
+        data_dir = load(config, redis_url=redis_url, data_dir=data_dir).data_dir
         usable_dir(data_dir, "--data-dir")
     options = DemoOptions(sessions=sessions, turns=turns, context_window=window,
                           workers=workers, data_dir=data_dir)

@@ -360,6 +360,29 @@ def test_an_api_token_with_whitespace_at_an_end_is_refused_without_showing_it(ru
     assert load_settings(empty, {"COMPACTION_API_TOKEN": "a b\u00a0"}).api.token == "a b\u00a0"  # sent as is
 
 
+def test_an_api_token_with_a_line_break_or_a_nul_inside_is_refused(runner: CliRunner, tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    for token in ("s3cret\nmore", "s3cret\rmore", "s3cret\0more"):
+        config.write_text(json.dumps({"api": {"token": token}}))
+        result = runner.invoke(app, ["api", "--config", str(config)])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip().splitlines() == [
+            "compactor: invalid configuration: api.token: must not hold a line break or a NUL (no HTTP header "
+            "can carry one)"]
+
+
+def test_demo_reads_its_data_dir_as_data_dir_is_read(runner: CliRunner, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--data-dir '~nosuchuser/x'`` made a directory named ``~nosuchuser`` where the demo ran."""
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["demo", "--sessions", "1", "--turns", "1", "--data-dir", "~nosuchuser/x"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        "compactor: invalid configuration: dataDir (from --data-dir): ~nosuchuser/x: cannot expand ~nosuchuser: "
+        "no such user"]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_compaction_and_fallback_models_can_come_from_the_environment(tmp_path: Path) -> None:
     """The compose file's template used them; ``docker run -e COMPACTION_MODEL=...`` was ignored."""
     from events.config import load_settings
