@@ -142,8 +142,9 @@ class SessionStore:
         self.settings = settings
         self.keys = Keys(settings.redis.prefix, settings.redis.shards)
 
-    def log(self, session_id: str, cwd: str) -> SessionLog:
-        return SessionLog(self.settings.data_dir, cwd, session_id, fsync=self.settings.log.fsync)
+    def log(self, session_id: str, cwd: str, *, create: bool = True) -> SessionLog:
+        """The session's log; ``create=False``: one its lock never creates (SessionNotFound)."""
+        return SessionLog(self.settings.data_dir, cwd, session_id, fsync=self.settings.log.fsync, create=create)
 
     def load(self, session_id: str) -> SessionState | None:
         """The stored state, or None when Redis has none."""

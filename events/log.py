@@ -37,7 +37,7 @@ from typing import Any
 
 import orjson
 
-from events.errors import InvalidEvent, LogCorrupted, LogWriteFailed
+from events.errors import InvalidEvent, LogCorrupted, LogWriteFailed, SessionNotFound
 from events.models import validate_cwd, validate_session_id
 
 logger = logging.getLogger(__name__)
@@ -100,10 +100,12 @@ class SessionLog:
         session_id: str,
         *,
         fsync: bool = False,
+        create: bool = True,
     ) -> None:
         self.path = session_log_path(data_dir, cwd, session_id)
         self.torn_path = _sibling(self.path, TORN_SUFFIX)
         self.fsync = fsync
+        self.create = create  # False: ``lock`` raises SessionNotFound for a missing log (a worker's)
         self._mutex = threading.RLock()
         self._depth = 0
         self._lock_fd: int | None = None
@@ -152,11 +154,14 @@ class SessionLog:
         return self._held
 
     def _acquire(self) -> None:
-        """Open the log for appending (creating it, and its directory, when missing) and flock it."""
+        """Open the log for appending (creating it, and its directory, when missing, unless
+        ``create`` is False: SessionNotFound) and flock it."""
         flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC
         try:
             fd = os.open(self.path, flags)
         except FileNotFoundError:  # a new session (the directory too, perhaps): not on every lock
+            if not self.create:
+                raise SessionNotFound(f"{self.path}: no such log (deleted?)") from None
             fd = self._create()
         except OSError as e:
             raise LogWriteFailed(f"{self.path}: cannot open: {e}") from e

@@ -373,7 +373,8 @@ class Compactor:
         with log.lock():
             since = _lines_since(log, snapshot.size)
             if since is None or any(e.get("type") in ("summary", "rollback") for e in since):
-                logger.warning("summary dropped session=%s: the log got a summary/rollback meanwhile", session_id)
+                logger.warning("summary dropped session=%s: the log %s meanwhile", session_id,
+                               "shrank" if since is None else "got a summary/rollback")
                 if reset:
                     self.failures.reset(session_id)
                 if snapshot.compact is not None:
@@ -567,7 +568,8 @@ class Compactor:
     # -- helpers -------------------------------------------------------------------------
 
     def _log(self, session_id: str, cwd: str) -> SessionLog:
-        log = self.store.log(session_id, cwd)
+        # never created by a job: one deleted while the LLM call ran stays deleted (SessionNotFound)
+        log = self.store.log(session_id, cwd, create=False)
         if not log.exists():
             raise SessionNotFound(f"no log for session {session_id} in {cwd}")
         return log

@@ -20,7 +20,7 @@ from events.config import Settings
 from events.log import SessionLog
 from events.state import decide, rebuild
 from events.view import build_view
-from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse, summary_text
+from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse, summary_text, valid_summary_reply
 from tests.worker.conftest import CWD, log_lines, make_settings, read_log, run_burst, turn, write_session
 from worker import compaction as worker_compaction
 from worker.compaction import JobRun
@@ -593,6 +593,27 @@ def test_job_for_an_unknown_session_fails(r: redis.Redis, wsettings: Settings) -
     job = _run(r, wsettings, "nope", kind="micro")
     assert job.get_status() == JobStatus.FAILED
     assert "SessionNotFound" in str(job.latest_result().exc_string)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("micro", [True, False])
+def test_a_log_deleted_while_the_llm_call_runs_stays_deleted(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, micro: bool,
+) -> None:
+    """The job's append took the log's lock, which created the missing file: the session came
+    back empty (the API answered 200 for it again, its state rewritten or left stale against a
+    0-byte log) and the forced compaction reported success."""
+    write_session(r, wsettings, "s1", 6, output="x" * 600 if micro else "short output")
+    path = SessionLog(wsettings.data_dir, CWD, "s1").path
+
+    def deleting(body: dict[str, Any]) -> str:
+        path.unlink()
+        return valid_summary_reply(body)
+
+    stub.reply = deleting
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FAILED
+    assert "SessionNotFound" in str(job.latest_result().exc_string)  # type: ignore[union-attr]
+    assert len(stub.requests) == 1 and not path.exists()
 
 
 # -- coalescing ------------------------------------------------------------------------------
