@@ -315,6 +315,32 @@ def _first_headings(headings: list[tuple[int, str | None]]) -> list[str]:
     return list(dict.fromkeys(title for _, title in headings if title is not None))
 
 
+def _section_lines(text: str, headings: list[tuple[int, str | None]]) -> list[int] | None:
+    """The line of each section's heading, in ``SECTION_TITLES`` order, or None when the 10 are
+    not there in order. A heading line whose title is not the next section's is body text: the
+    summary quotes the user's messages, and one holding ``## Current Work`` inside *All User
+    Messages* made a valid reply invalid for good (the message stays in every later job's
+    targets). The headings at the level the model wrote most of them are tried first: a quoted
+    ``## Pending Tasks`` among ``###`` headings is text, not section 8's heading."""
+    lines = text.split("\n")
+    titled = [(index, title, _level(lines[index])) for index, title in headings if title is not None]
+    levels = [level for _, _, level in titled]
+    usual = max(set(levels), key=levels.count) if levels else 0
+    for candidates in ([h for h in titled if h[2] == usual], titled):
+        chosen: list[int] = []
+        for index, title, _ in candidates:
+            if len(chosen) < len(SECTION_TITLES) and title == SECTION_TITLES[len(chosen)]:
+                chosen.append(index)
+        if len(chosen) == len(SECTION_TITLES):
+            return chosen
+    return None
+
+
+def _level(line: str) -> int:
+    stripped = line.strip()
+    return len(stripped) - len(stripped.lstrip("#"))
+
+
 def extract_summary(reply: str) -> str:
     """The inner text of the reply's ``<summary>`` block (outer whitespace stripped); raise
     SummaryInvalid when there is none.
@@ -347,49 +373,55 @@ def extract_summary(reply: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate (a "\ud800" escape in the reply's JSON): no log can hold it
         raise SummaryInvalid(f"the summary is not valid Unicode: {e.reason} at character {e.start}") from None
-    headings = _headings(text)
-    validate_summary_text(text, headings)
-    return _canonical_headings(text, headings)
+    return _canonical_headings(text, validate_summary_text(text))
 
 
-def _canonical_headings(text: str, headings: list[tuple[int, str | None]]) -> str:
-    """``text`` (``headings``: its ``_headings``) with each section's heading line written
+def _canonical_headings(text: str, sections: list[int]) -> str:
+    """``text`` with each section's heading line (``sections``: ``_section_lines``) written
     ``### Title``: a summary is stored with the headings the prompt asked for, however the
-    model wrote them."""
+    model wrote them (a quoted heading in a body is left as written)."""
     lines = text.split("\n")
-    seen: set[str] = set()
     changed = False
-    for index, title in headings:
-        if title is not None and title not in seen:
-            seen.add(title)
-            if lines[index] != f"### {title}":
-                lines[index], changed = f"### {title}", True
+    for index, title in zip(sections, SECTION_TITLES):
+        if lines[index] != f"### {title}":
+            lines[index], changed = f"### {title}", True
     return "\n".join(lines) if changed else text
 
 
-def validate_summary_text(text: str, headings: list[tuple[int, str | None]] | None = None) -> None:
-    """Raise SummaryInvalid unless ``text`` has the 10 section headings, in order (a heading
-    repeated later is body text; headings inside fenced code blocks do not count);
-    ``headings``: its ``_headings`` when known."""
-    order = _first_headings(_headings(text) if headings is None else headings)
+def validate_summary_text(text: str) -> list[int]:
+    """The line of each section's heading (``_section_lines``); raise SummaryInvalid unless
+    ``text`` has the 10 section headings in order (a heading line that is not the next section's
+    is body text; headings inside fenced code blocks do not count)."""
+    headings = _headings(text)
+    sections = _section_lines(text, headings)
+    if sections is not None:
+        return sections
+    order = _first_headings(headings)
     missing = [title for title in SECTION_TITLES if title not in order]
     if missing:
         raise SummaryInvalid(f"summary lacks section headings: {', '.join(missing)}")
-    if order != list(SECTION_TITLES):
-        wrong = next(i for i, (got, want) in enumerate(zip(order, SECTION_TITLES)) if got != want)
-        raise SummaryInvalid(f"summary sections out of order: {order[wrong]!r} where {SECTION_TITLES[wrong]!r} "
-                             "belongs (the 10 sections go in the order the prompt lists)")
+    wrong = next(i for i, (got, want) in enumerate(zip(order, SECTION_TITLES)) if got != want)
+    raise SummaryInvalid(f"summary sections out of order: {order[wrong]!r} where {SECTION_TITLES[wrong]!r} "
+                         "belongs (the 10 sections go in the order the prompt lists)")
 
 
 def split_sections(text: str) -> dict[str, str]:
     """The body of each section of ``text`` by title, in the sections' order (SPEC §1); a heading
     repeated later, or inside a fenced code block, is part of the body it is in. Only ``\n``
     ends a line (a heading line's trailing ``\r`` is ignored): ``splitlines`` also split on
-    ``\r``, ``\u2028`` and the like, and dropped them from the user messages a body quotes."""
+    ``\r``, ``\u2028`` and the like, and dropped them from the user messages a body quotes.
+    The sections of a valid summary are ``_section_lines``'s; of another text, each title's first
+    heading's."""
     lines = text.split("\n")
+    headings = _headings(text)
+    sections = _section_lines(text, headings)
+    if sections is not None:
+        ends = [*sections[1:], len(lines)]
+        return {title: "\n".join(lines[start + 1:end]).strip()
+                for title, start, end in zip(SECTION_TITLES, sections, ends)}
     bodies: dict[str, list[str]] = {}
     current: str | None = None
-    for index, title in _headings(text):
+    for index, title in headings:
         if title is not None and title not in bodies:
             current = title
             bodies[current] = []

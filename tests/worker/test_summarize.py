@@ -189,6 +189,21 @@ def test_a_heading_repeated_later_or_inside_a_code_fence_is_body_text() -> None:
         validate_summary_text(text.replace("### Key Technical Concepts", "~~~\n### Key Technical Concepts\n~~~"))
 
 
+@pytest.mark.parametrize("quoted", ["## Current Work", "### Current Work", "## Pending Tasks", "#### Optional Next Step"])
+def test_a_user_message_quoting_a_later_sections_heading_is_body_text(quoted: str) -> None:
+    """*All User Messages* quotes every user message; one holding ``## Current Work`` (a template
+    the user pasted) made the first "Current Work" heading come before "Pending Tasks": the reply
+    was invalid, a failure was counted, and the message stayed in every later job's targets, so
+    the breaker opened for good. A heading line that is not the next section's is body text."""
+    bodies = {title: f"about {title.lower()}" for title in SECTION_TITLES}
+    bodies["All User Messages"] = f"- please fill in:\n{quoted}\n- x"
+    body = "\n".join(f"### {title}\n{bodies[title]}" for title in SECTION_TITLES)
+    text = extract_summary(f"<analysis>x</analysis>\n<summary>\n{body}\n</summary>")
+    assert text == body  # the quote is stored as the user wrote it
+    if not quoted.startswith("### "):  # (at the model's own level a quote is ambiguous: it may be taken)
+        assert split_sections(text) == bodies
+
+
 @pytest.mark.parametrize("heading", [
     "### {n}. {title}", "### {title} ###", "## {title}", "#### {title}:", "### **{title}**", "### **{n}. {title}**",
     "###  {title_spaced}", "### {upper}",
