@@ -198,12 +198,19 @@ _VARIANT_DIGIT = {f"{n:x}": f"{n & 0x3 | 0x8:x}" for n in range(16)}
 
 
 def entry_timestamp(entry_id: str) -> str:
-    """The time Redis stamped on the entry id, as ISO-8601 UTC with milliseconds."""
+    """The time Redis stamped on the entry id, as ISO-8601 UTC with milliseconds; the time of
+    reading when the id's time is no date (past the year 9999: an id a producer chose, and every
+    ``XADD *`` after it on that stream, which Redis numbers above it). That raised, and the watcher
+    retried the round forever, every shard it owns stopped."""
     ms = entry_id.partition("-")[0]
     if ms != _last_timestamp[0]:  # entries of one millisecond share it: format once
         seconds, millis = divmod(int(ms), 1000)
         if seconds != _last_second[0]:  # and those of one second share all but the milliseconds
-            moment = datetime.fromtimestamp(seconds, tz=UTC)
+            try:
+                moment = datetime.fromtimestamp(seconds, tz=UTC)
+            except (ValueError, OverflowError, OSError):
+                now = datetime.now(UTC)
+                return now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z"
             _last_second[:] = [seconds, moment.strftime("%Y-%m-%dT%H:%M:%S")]
         _last_timestamp[:] = [ms, f"{_last_second[1]}.{millis:03d}Z"]
     return _last_timestamp[1]  # type: ignore[return-value]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -298,6 +299,24 @@ def test_entry_timestamp_is_the_entry_ids_millisecond_in_iso_utc() -> None:
         expected = datetime.fromtimestamp(ms / 1000, tz=UTC).isoformat(timespec="milliseconds")
         assert entry_timestamp(f"{ms}-{rng.randint(0, 9)}") == expected.replace("+00:00", "Z"), ms
     assert entry_timestamp("1764460800005-0") == "2025-11-30T00:00:00.005Z"
+
+
+def test_an_entry_id_past_the_year_9999_does_not_stop_the_watcher(r: redis.Redis, fast: Settings) -> None:
+    """``XADD ... 253402300800000-0`` (a producer's own id): formatting its time raised, the round
+    was retried forever and every shard of the watcher stopped; each ``XADD *`` after it on that
+    stream is numbered above it. The time of reading stands in for such an id's time."""
+    keys = Keys(fast.redis.prefix, fast.redis.shards)
+    [far, other] = sessions_on_shard(fast, 0, 1) + sessions_on_shard(fast, 1, 1)
+    r.xadd(keys.stream_for(far), {"session": far, "cwd": CWD, "event": '{"type":"user","turnId":1,"content":"x"}'},
+           id="253402300800000-0")
+    r.xadd(keys.stream_for(far), {"session": far, "cwd": CWD, "event": json.dumps(turn_end(1))})  # above it too
+    Publisher(r, fast).publish(other, CWD, [user(1), turn_end(1)])
+    before = time.time()
+    drain(Watcher(r, fast, name="w"), r, fast)
+    lines = log_lines(fast, far)
+    assert [e["type"] for e in lines] == ["user", "turn_end"]
+    assert all(e["timestamp"].startswith(time.strftime("%Y-%m-%dT", time.gmtime(before))) for e in lines)
+    assert [e["type"] for e in log_lines(fast, other)] == ["user", "turn_end"]
 
 
 def test_unknown_fields_set_to_null_reach_the_log(r: redis.Redis, fast: Settings) -> None:
