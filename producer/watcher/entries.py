@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import logging
 import uuid as uuidlib
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -38,6 +39,8 @@ from events.models import (
     validate_session_id,
     wire_of,
 )
+
+logger = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = (b"session", b"cwd", b"event")
 IDENTITY_FIELDS = {"sessionId": "session", "cwd": "cwd"}
@@ -81,6 +84,9 @@ def decode_entry(entry_id: bytes | str, fields: list[bytes] | None, max_event_by
         return _decode(eid, raw, max_event_bytes)
     except _Reject as e:
         return Rejected(eid, str(e), raw)
+    except Exception as e:  # a bug here must cost one entry (kept as a letter), not stop the watcher's shards
+        logger.exception("decoding entry %s failed", eid)
+        return Rejected(eid, f"event: could not be decoded ({type(e).__name__}: {e})", raw)
 
 
 def _decode(eid: str, raw: list[bytes], max_event_bytes: int) -> Entry:

@@ -86,6 +86,31 @@ def test_an_event_nested_too_deeply_to_write_is_refused_alone(r: redis.Redis, sm
     assert [line["streamId"] for line in log_lines(small, "s1")] == before + after
 
 
+def test_an_entry_decoding_fails_on_is_dead_lettered_alone(r: redis.Redis, small: Settings,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder that raised anything but a refusal (an entry id past the year 9999 did) stopped
+    the round, retried forever: every shard of the watcher stalled. Now such an entry is a letter."""
+    from producer.watcher import entries
+
+    real = entries._json_object
+
+    def failing(event_bytes: bytes) -> Any:
+        if b"poison" in event_bytes:
+            raise RuntimeError("a bug")
+        return real(event_bytes)
+
+    monkeypatch.setattr(entries, "_json_object", failing)
+    publisher = Publisher(r, small)
+    before = publisher.publish("s1", CWD, [user(1, "before")])
+    bad_id = raw(r, {"session": "s1", "cwd": CWD, "event": orjson.dumps(user(1, "poison"))})
+    after = publisher.publish("s1", CWD, [user(1, "after"), turn_end(1)])
+    drain(Watcher(r, small, name="w"), r, small)
+    [dead] = dead_letters(r)
+    assert dead[b"id"].decode() == bad_id
+    assert dead[b"reason"] == b"event: could not be decoded (RuntimeError: a bug)"
+    assert [line["streamId"] for line in log_lines(small, "s1")] == before + after
+
+
 def test_an_entry_with_thousands_of_fields_is_dead_lettered_without_wedging_its_shard(
     r: redis.Redis, small: Settings
 ) -> None:
