@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 from collections.abc import Iterable
 from functools import lru_cache
@@ -149,24 +150,30 @@ def _running(pid: int) -> bool:
 
 
 def reason_kind(reason: str) -> str:
-    """A dead-letter reason (free text) as one of ``REASON_KINDS``."""
+    """A dead-letter reason (free text) as one of ``REASON_KINDS``, by the fixed words each reason
+    starts (or, for a duplicate uuid, ends) with: the rest may quote the producer's data (a uuid
+    holding "goes backwards" was counted as ``turn_order``)."""
     text = reason.lower()
-    if "goes backwards" in text:
+    if text.startswith("turnid: goes backwards"):
         return "turn_order"
-    if "duplicates an event already" in text:
+    if text.startswith("uuid: ") and text.endswith("duplicates an event already in this session"):
         return "duplicate_uuid"
-    if "is bound to cwd" in text:
+    if _BOUND_ELSEWHERE.match(text):
         return "cwd_conflict"
-    if "maxeventbytes" in text:
+    if _TOO_LARGE.match(text):
         return "too_large"
     if text.startswith("session: belongs to shard"):  # ``producer.watcher.entries.misrouted``
         return "wrong_shard"
-    if text.startswith(("sessionid:", "cwd:")) or "differs from the entry" in text:
+    if text.startswith(("sessionid:", "cwd:")):  # a bad one, or one differing from the entry's
         return "identity"
-    if any(m in text for m in ("missing field", "invalid utf-8", "invalid json", "no fields",
-                               "must be a json object")):
+    if text.startswith(("missing field", "invalid utf-8", "invalid json", "entry has no fields",
+                        "event: must be a json object")):
         return "malformed"
     return "invalid_event"
+
+
+_BOUND_ELSEWHERE = re.compile(r"cwd: session [a-z0-9_-]+ is bound to cwd ")  # (a session id has no space)
+_TOO_LARGE = re.compile(r"event is \d+ bytes, more than limits\.maxeventbytes ")
 
 
 def count_ingested(events: Iterable[dict[str, Any]]) -> None:

@@ -294,6 +294,13 @@ def test_a_scrape_waits_for_a_hung_redis_once_not_once_per_gauge(
     ("session: belongs to shard 3 (crc32(utf8(sessionId)) % 8), which differs from the entry's shard 4 "
      "(read from compaction:events:4)", "wrong_shard"),
     ("turnId: Input should be a valid integer", "invalid_event"),
+    # the producer's data quoted in a reason never decides its kind
+    ("uuid: 'this goes backwards' duplicates an event already in this session", "duplicate_uuid"),
+    ("uuid: 'u' duplicates events[0] (see maxEventBytes, missing field)", "invalid_event"),
+    ("type: must be one of user, assistant, ..., not 'missing field'", "invalid_event"),
+    ("cwd: session s is bound to cwd '/goes backwards/maxEventBytes'", "cwd_conflict"),
+    ("event: must be a JSON object", "malformed"),
+    ("entry has no fields (deleted from the stream before it was applied)", "malformed"),
 ])
 def test_dead_letter_reasons_fall_into_few_kinds(reason: str, kind: str) -> None:
     assert reason_kind(reason) == kind
