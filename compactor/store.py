@@ -422,6 +422,8 @@ class SessionStore:
             except InvalidEvent as e:
                 result.rejected.append((event, e))
                 continue
+            if isinstance(uuid := event.get("uuid"), str):  # taken once admitted: a refused one's is free
+                taken.add(uuid)
             line = stamp(event, state.encoding)  # a producer's stamp is never trusted: replaced
             result.appended.append(line)
             if order is not None and not fold(order, line, ctx):
@@ -453,12 +455,10 @@ def _fold_all(state: SessionState, events: Iterable[dict[str, Any]], settings: S
 
 
 def _check_unique(event: dict[str, Any], taken: set[str]) -> None:
-    """Refuse a uuid the session already has (``taken`` grows with the batch)."""
+    """Refuse a uuid the session already has (``taken``: grown by the caller with each event admitted)."""
     uuid = event.get("uuid")
-    if isinstance(uuid, str):
-        if uuid in taken:
-            raise InvalidEvent("uuid", f"{uuid!r} duplicates an event already in this session")
-        taken.add(uuid)
+    if isinstance(uuid, str) and uuid in taken:
+        raise InvalidEvent("uuid", f"{uuid!r} duplicates an event already in this session")
 
 
 def _check_cwd(session_id: str, cwd: str, state: SessionState | None) -> None:

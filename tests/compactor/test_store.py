@@ -119,6 +119,21 @@ def test_turn_order_after_a_rollback_does_not_depend_on_the_batching(store: Sess
     assert store.load(SID) == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
 
 
+@pytest.mark.parametrize("batched", [True, False], ids=["one batch", "two batches"])
+def test_a_refused_events_uuid_stays_free(store: SessionStore, batched: bool) -> None:
+    """An event refused for going backwards had its uuid taken all the same: a later event of the
+    batch with that uuid was refused as a duplicate of an event never written, and the outcome
+    depended on the batching."""
+    store.apply(SID, CWD, [user(1, "a"), turn_end(1), user(2, "b"), turn_end(2)])
+    late, fixed = user(1, "late", uuid="X"), user(3, "now", uuid="X")
+    if batched:
+        rejected = store.apply(SID, CWD, [late, fixed]).rejected
+    else:
+        rejected = store.apply(SID, CWD, [late]).rejected + store.apply(SID, CWD, [fixed]).rejected
+    assert [(e["content"], err.field) for e, err in rejected] == [("late", "turnId")]
+    assert [e.get("content") for e in store.log(SID, CWD).read() if e["type"] == "user"] == ["a", "b", "now"]
+
+
 def test_lost_redis_state_is_rebuilt_from_the_log(store: SessionStore, r: redis.Redis) -> None:
     store.apply(SID, CWD, [user(1, "hello world", "1-0"), turn_end(1, "2-0")])
     before = store.load(SID)
