@@ -41,6 +41,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -377,7 +378,7 @@ class Watcher:
 
         result = self.store.apply(
             session_id, cwd, [e.event for e in run], log=log, pipeline=saves, taken=found.taken[session_id],
-            guard=guard, cached=self._cached(session_id), stored=stored,
+            guard=guard, cached=self._cached(session_id), stored=stored, progress=self._keep_alive(shard),
         )
         self._remember(session_id, result.state, log)
         self._appended.extend(result.appended)
@@ -391,6 +392,23 @@ class Watcher:
             self._check_thresholds(session_id, cwd, result.state)
         logger.debug("applied session=%s shard=%d entries=%d appended=%d duplicates=%d",
                      session_id, shard, len(run), len(result.appended), result.duplicates)
+
+    def _keep_alive(self, shard: int) -> Callable[[], None]:
+        """Called after each event of a run is stamped: a run of large events (their tokens counted,
+        ~1 s per 4 MiB) outlived the lease, the write was refused, and the same run was read again,
+        forever: the shard stopped, and the watcher's other leases lapsed meanwhile. Every so often
+        (a sixth of the lease) the leases due are renewed; LeaseLost when ``shard``'s is gone."""
+        every = self.settings.watcher.lease_ms * RENEW_FRACTION / 2000
+        next_at = time.monotonic() + every
+
+        def keep_alive() -> None:
+            nonlocal next_at
+            if time.monotonic() >= next_at:
+                self.leases.renew_due()
+                self.leases.check(shard)
+                next_at = time.monotonic() + every
+
+        return keep_alive
 
     def _check_thresholds(self, session_id: str, cwd: str, state: SessionState) -> None:
         """SPEC §5 after a turn_end: note an LLM or micro trigger when due (``_fire`` claims it).

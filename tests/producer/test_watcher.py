@@ -124,6 +124,31 @@ def test_a_lease_that_expires_while_the_batch_is_in_hand_stops_the_write(
     assert_applied_once_in_order(fast, published)
 
 
+def test_a_run_longer_than_the_lease_is_applied_and_the_other_leases_kept(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A turn of many large outputs (their tokens counted, ~1 s per 4 MiB) outlived the lease
+    before its write: the write was refused, the run read again, forever; the watcher's other
+    leases lapsed meanwhile. Here each event takes 0.3 s against a 1 s lease."""
+    from compactor import store as store_module
+
+    real = store_module.stamp
+
+    def slow(event: dict[str, Any], encoding: str) -> dict[str, Any]:
+        time.sleep(0.3)
+        return real(event, encoding)
+
+    watcher = Watcher(r, fast, name="slow")
+    watcher.run_once()
+    owned = set(watcher.leases.owned)
+    assert len(owned) == fast.redis.shards
+    monkeypatch.setattr(store_module, "stamp", slow)
+    published = {"a1": Publisher(r, fast).publish("a1", CWD, [user(1, f"part {n}") for n in range(8)] + [turn_end(1)])}
+    drain(watcher, r, fast, timeout_s=30)  # one run of 9 events: 2.7 s
+    assert_applied_once_in_order(fast, published)
+    assert set(watcher.leases.owned) == owned  # no lease lapsed, none changed hands
+
+
 def test_lost_stream_and_group_are_recreated(r: redis.Redis, fast: Settings) -> None:
     publisher = Publisher(r, fast)
     watcher = Watcher(r, fast, name="w")
