@@ -102,7 +102,10 @@ class ApplyResult:
     ``view`` is the view (built without messages) of the whole log after the
     append, when the state was rebuilt from the caller's ``known`` events; else None.
     ``before`` is the prompt estimate of the log right before the append (the lines
-    another writer added since the caller last looked included).
+    another writer added since the caller last looked included). ``saved_at`` is the
+    position of the state's save in the caller's ``pipeline`` (its reply: 1 stored, 0 a
+    later state is there, -1 the session's hash is gone, so a state not rebuilt from the
+    whole log was not stored: Redis lost it, or an operator deleted it).
     """
 
     state: SessionState
@@ -111,6 +114,7 @@ class ApplyResult:
     duplicates: int = 0
     rejected: list[tuple[dict[str, Any], InvalidEvent]] = field(default_factory=list)
     view: ContextView | None = None
+    saved_at: int | None = None
 
 
 def stream_id_key(stream_id: str) -> tuple[int, int]:
@@ -399,6 +403,8 @@ class SessionStore:
                       uuids=_uuids(result.appended), create=log_uuids is not None)
             if pipeline is None:
                 pipe.execute()
+            else:
+                result.saved_at = len(pipe) - 1
         return result
 
     def _admit(

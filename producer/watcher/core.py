@@ -91,6 +91,7 @@ class Watcher:
         self._sessions: OrderedDict[str, tuple[SessionState, SessionLogRef]] = OrderedDict()
         self._triggers: list[tuple[Trigger, SessionState]] = []  # this round's, in stream order
         self._appended: list[dict[str, Any]] = []  # this round's lines, counted once per round
+        self._saves: dict[int, str] = {}  # this round: the position of each state save in its pipeline -> session
         self._stop = threading.Event()
         self._started = False
         self._next_tick = 0.0
@@ -242,6 +243,7 @@ class Watcher:
         for shard, raw in batches.items():
             outcomes[shard], by_session[shard] = self._decode(shard, raw)
         saves = self.redis.pipeline(transaction=False)
+        self._saves = {}
         # A uuid the watcher derived from the entry id is new unless the entry is a redelivery,
         # which the session's last applied stream id catches: only producers' uuids are looked up.
         wanted = {sid: [e.event for e in entries if not e.derived_uuid] for shard, sessions in by_session.items()
@@ -279,7 +281,8 @@ class Watcher:
             raise
         metrics.count_ingested(self._appended)
         self._appended.clear()
-        acked = self.streams.ack_many({n: (o.acks, o.dead) for n, o in outcomes.items() if n not in lost}, saves)
+        acked = self.streams.ack_many({n: (o.acks, o.dead) for n, o in outcomes.items() if n not in lost}, saves,
+                                      saved=self._forget_unsaved)
         for shard in lost:
             self._lose(shard, "lease expired before the write")
         for shard, ok in acked.items():
@@ -381,6 +384,8 @@ class Watcher:
             guard=guard, cached=self._cached(session_id), stored=stored, progress=self._keep_alive(shard),
         )
         self._remember(session_id, result.state, log)
+        if result.saved_at is not None:
+            self._saves[result.saved_at] = session_id
         self._appended.extend(result.appended)
         refused = _by_stream_id(result.rejected)
         for entry in run:
@@ -446,6 +451,17 @@ class Watcher:
             return
         for (trigger, state), job_id in zip(noted, job_ids):
             _log_trigger(trigger, state, job_id)
+
+    def _forget_unsaved(self, replies: list[Any]) -> None:
+        """Drop the cached state of each session whose save found its hash gone (-1): deleted by
+        an operator (README's remedy for a repaired log) or lost. The cache matched the log, so
+        it was used as is, and a save that may not create the hash never stored it again: the
+        session was missing from ``status`` until an event with a producer's uuid. Now the next
+        event of the session rebuilds it from the log (the uuid index with it)."""
+        saves, self._saves = self._saves, {}
+        for position, session_id in saves.items():
+            if position < len(replies) and replies[position] == -1 and self._sessions.pop(session_id, None):
+                logger.info("session state gone from Redis session=%s: rebuilt at its next event", session_id)
 
     def _lose(self, shard: int, reason: str) -> None:
         self.leases.forget(shard, reason)

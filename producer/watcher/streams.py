@@ -32,6 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,9 +207,11 @@ class ShardStreams:
 
     def ack_many(
         self, batches: dict[int, tuple[list[str], list[list[bytes]]]], pipeline: Any | None = None,
+        *, saved: Callable[[list[Any]], None] | None = None,
     ) -> dict[int, bool]:
         """``ack`` for several shards in one round trip (after what ``pipeline`` holds);
-        per shard, False when it is not our lease."""
+        per shard, False when it is not our lease. ``saved`` gets the replies of what
+        ``pipeline`` held (the state saves), in order."""
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
         shards = [n for n, (ids, dead) in batches.items() if ids or dead]
         calls = []
@@ -224,6 +227,8 @@ class ShardStreams:
         for reply in replies[:len(replies) - len(shards)]:
             if isinstance(reply, Exception):  # a state save failed: the next writer catches up
                 logger.warning("state save failed before ack error=%s", reply)
+        if saved is not None:
+            saved(replies[:len(replies) - len(shards)])
         result = {n: True for n in batches}
         for n, reply in zip(shards, acks):
             if isinstance(reply, redis.ResponseError) and "NOGROUP" in str(reply):

@@ -11,9 +11,11 @@ import pytest
 import redis
 
 from compactor.keys import Keys
+from compactor.store import SessionStore
 from events.config import Settings
 from events.errors import LogWriteFailed
 from events.log import SessionLog
+from events.state import rebuild
 from events.tokens import count_tokens
 from producer.publisher import Publisher
 from producer.watcher import Watcher
@@ -147,6 +149,27 @@ def test_a_run_longer_than_the_lease_is_applied_and_the_other_leases_kept(
     drain(watcher, r, fast, timeout_s=30)  # one run of 9 events: 2.7 s
     assert_applied_once_in_order(fast, published)
     assert set(watcher.leases.owned) == owned  # no lease lapsed, none changed hands
+
+
+def test_a_session_state_deleted_while_the_watcher_runs_is_stored_again_at_its_next_event(
+    r: redis.Redis, fast: Settings
+) -> None:
+    """README's remedy for a repaired log is ``DEL {p}:session:ID``. The running watcher's cached
+    state still matched the log, and a save that may not create the hash stored nothing: the
+    session stayed missing (``status``, the status page) while its events kept coming."""
+    keys = Keys(fast.redis.prefix, fast.redis.shards)
+    publisher = Publisher(r, fast)
+    watcher = Watcher(r, fast, name="w")
+    published = publisher.publish("a1", CWD, [user(1), turn_end(1)])
+    drain(watcher, r, fast)
+    r.delete(keys.session("a1"))
+    published += publisher.publish("a1", CWD, [user(2), turn_end(2)])  # no uuids: no lookup of the session
+    drain(watcher, r, fast)
+    published += publisher.publish("a1", CWD, [user(3), turn_end(3)])
+    drain(watcher, r, fast)
+    assert_applied_once_in_order(fast, {"a1": published})
+    log = SessionLog(fast.data_dir, CWD, "a1")
+    assert SessionStore(r, fast).load("a1") == rebuild("a1", CWD, log.read(), fast.context, log.size())
 
 
 def test_lost_stream_and_group_are_recreated(r: redis.Redis, fast: Settings) -> None:

@@ -151,9 +151,9 @@ def test_a_refused_entry_keeps_its_dead_letter_when_the_round_dies_after_the_app
     back, end = publisher.publish("s1", CWD, [user(1, "late"), turn_end(2)])  # one run: refused, then written
     real_ack = watcher.streams.ack_many
 
-    def dies(batches: dict[int, Any], pipeline: Any = None) -> Any:
+    def dies(batches: dict[int, Any], pipeline: Any = None, **kwargs: Any) -> Any:
         if not any(ids for ids, _ in batches.values()):
-            return real_ack(batches, pipeline)
+            return real_ack(batches, pipeline, **kwargs)
         monkeypatch.setattr(watcher.streams, "ack_many", real_ack)
         raise redis.ConnectionError("died before the ack")
 
