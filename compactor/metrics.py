@@ -53,7 +53,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 EVENT_TYPES = frozenset({"session_meta", "user", "assistant", "tool_result", "turn_end",
                          "rollback", "compact", "summary"})
 REASON_KINDS = ("malformed", "too_large", "invalid_event", "identity", "wrong_shard", "cwd_conflict",
-                "turn_order", "duplicate_uuid")
+                "turn_order", "duplicate_uuid", "out_of_order")
 JOB_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 LLM_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 
@@ -156,6 +156,8 @@ def reason_kind(reason: str) -> str:
     text = reason.lower()
     if text.startswith("turnid: goes backwards"):
         return "turn_order"
+    if text.startswith("streamid: ") and text.endswith("out of order, not written"):
+        return "out_of_order"
     if text.startswith("uuid: ") and text.endswith("duplicates an event already in this session"):
         return "duplicate_uuid"
     if _BOUND_ELSEWHERE.match(text):

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -318,6 +318,7 @@ class SessionStore:
         taken: set[str] | None = None,
         stored: Stored = UNREAD,
         progress: Callable[[], None] | None = None,
+        claimed: Collection[str] = (),
     ) -> ApplyResult:
         """Append ``events`` to the session's log exactly once and advance its state.
 
@@ -355,6 +356,9 @@ class SessionStore:
         (see ``current``). ``progress`` (optional) is called after each event is stamped
         (its tokens counted: ~1 s for a 4 MiB output), before the lock's write: the watcher
         renews its shard leases there, so a long run does not outlive them.
+        ``claimed``: the stream ids of entries the watcher claimed from another consumer of its
+        group; one at or below the last applied id is refused unless its line is in the log
+        (``_refuse_unwritten``).
         """
         log = log or self.log(session_id, cwd)
         if not log.exists():  # the lock would create it: refuse another cwd's session before that
@@ -370,6 +374,8 @@ class SessionStore:
             batch = list(events)
             fresh = _not_applied(batch, state.last_stream_id)
             result = ApplyResult(state, before=state.prompt_estimate, duplicates=len(batch) - len(fresh))
+            if result.duplicates and claimed:
+                self._refuse_unwritten(session_id, batch, fresh, claimed, log_uuids, result)
             if log_uuids is not None:  # the index was rebuilt from the log: it, not the lookup, is right
                 uuids = {e["uuid"] for e in fresh if isinstance(e.get("uuid"), str)}
                 if taken is None:
@@ -406,6 +412,35 @@ class SessionStore:
             else:
                 result.saved_at = len(pipe) - 1
         return result
+
+    def _refuse_unwritten(
+        self, session_id: str, batch: list[dict[str, Any]], fresh: list[dict[str, Any]],
+        claimed: Collection[str], log_uuids: set[str] | None, result: ApplyResult,
+    ) -> None:
+        """Of the ``claimed`` events at or before the last applied stream id (counted as
+        ``duplicates``), refuse those whose line is not in the log (their uuid is not in the
+        index; call under the lock): an entry a hand-run reader took from the watchers' group,
+        claimed by a later owner after later entries of its session were applied. Acked as a
+        duplicate it was lost without a trace; refused, it is a dead letter. (Only claimed ones:
+        one the watcher itself refused, dead-lettered and then redelivered after a crash is a
+        duplicate, its letter written.)"""
+        kept = {id(event) for event in fresh}
+        stale = [event for event in batch if id(event) not in kept and event.get("streamId") in claimed
+                 and isinstance(event.get("uuid"), str)]
+        if not stale:
+            return
+        present: list[Any]
+        if log_uuids is not None:  # just rebuilt from the log (queued, not yet stored)
+            present = [event["uuid"] in log_uuids for event in stale]
+        else:
+            present = self.redis.smismember(self.keys.uuids(session_id), [event["uuid"] for event in stale])
+        for event, there in zip(stale, present):
+            if not there:
+                result.duplicates -= 1
+                result.rejected.append((event, InvalidEvent(
+                    "streamId", f"{event.get('streamId')} is not in the log, and later entries of the session "
+                                "were applied (taken from the watchers' group by another reader?): out of order, "
+                                "not written")))
 
     def _admit(
         self, state: SessionState, events: list[dict[str, Any]], result: ApplyResult, taken: set[str],

@@ -38,6 +38,7 @@ class ShardCursor:
     held: set[str] = field(default_factory=set)  # sessions with entries left pending
     retry_at: float = 0.0
     trimmed_at: float = field(default_factory=time.monotonic)
+    claimed: set[str] = field(default_factory=set)  # ids claimed from another consumer, not yet applied
 
     @property
     def sweeping(self) -> bool:

@@ -179,8 +179,8 @@ class Watcher:
         for sid in [sid for sid in self._sessions if shard_of(sid) == shard]:
             del self._sessions[sid]
         self.streams.ensure_group(shard)
-        self.streams.claim_foreign(shard, self.settings.watcher.claim_idle_ms)
-        self.cursors[shard] = ShardCursor()
+        claimed = self.streams.claim_foreign(shard, self.settings.watcher.claim_idle_ms)
+        self.cursors[shard] = ShardCursor(claimed=claimed)
 
     def _trim_due(self) -> None:
         """Trim the owned stream trimmed longest ago, if due: one per tick, so the loop never
@@ -379,10 +379,14 @@ class Watcher:
                     raise LeaseLost(shard)
                 written.update(letters)
 
+        pending_claimed = self.cursors[shard].claimed
+        claimed = {entry.id for entry in run if entry.id in pending_claimed} if pending_claimed else set()
         result = self.store.apply(
             session_id, cwd, [e.event for e in run], log=log, pipeline=saves, taken=found.taken[session_id],
             guard=guard, cached=self._cached(session_id), stored=stored, progress=self._keep_alive(shard),
+            claimed=claimed,
         )
+        pending_claimed -= claimed
         self._remember(session_id, result.state, log)
         if result.saved_at is not None:
             self._saves[result.saved_at] = session_id

@@ -252,8 +252,9 @@ class ShardStreams:
         streams: dict[Any, Any] = {self.keys.stream(n): top for n, top in tops.items()}
         return bool(self.redis.xread(streams, count=1, block=block_ms))
 
-    def claim_foreign(self, shard: int, min_idle_ms: int) -> int:
-        """Move every entry pending under another consumer name into ``shard-{n}``; the number moved.
+    def claim_foreign(self, shard: int, min_idle_ms: int) -> set[str]:
+        """Move every entry pending under another consumer name into ``shard-{n}``; the ids of
+        those that were another's (``SessionStore.apply``'s ``claimed``).
 
         Such consumers left with nothing pending and idle ``min_idle_ms`` are deleted.
         """
@@ -261,17 +262,22 @@ class ShardStreams:
         try:
             consumers = self.redis.xinfo_consumers(stream, group)
         except redis.ResponseError:
-            return 0
+            return set()
         foreign = [c for c in consumers if as_text(c["name"]) != mine]
-        moved = 0
+        moved, theirs = 0, set[str]()
         if any(int(c["pending"]) for c in foreign):
+            for c in foreign:
+                if int(c["pending"]):
+                    pending = self.redis.xpending_range(stream, group, min="-", max="+", count=int(c["pending"]),
+                                                        consumername=c["name"])
+                    theirs.update(as_text(entry["message_id"]) for entry in pending)  # type: ignore[arg-type]
             moved = self._autoclaim_all(stream, group, mine)
         for c in self.redis.xinfo_consumers(stream, group) if foreign else []:
             if as_text(c["name"]) != mine and int(c["pending"]) == 0 and int(c["idle"]) >= min_idle_ms:
                 self.redis.xgroup_delconsumer(stream, group, c["name"])
         if moved:
             logger.warning("claimed foreign entries shard=%d entries=%d", shard, moved)
-        return moved
+        return theirs
 
     def _autoclaim_all(self, stream: str, group: str, consumer: str) -> int:
         """XAUTOCLAIM the whole pending list, page by page (redis-py's ``justid=True`` drops the

@@ -301,6 +301,8 @@ def test_a_scrape_waits_for_a_hung_redis_once_not_once_per_gauge(
     ("cwd: session s is bound to cwd '/goes backwards/maxEventBytes'", "cwd_conflict"),
     ("event: must be a JSON object", "malformed"),
     ("entry has no fields (deleted from the stream before it was applied)", "malformed"),
+    ("streamId: 1-0 is not in the log, and later entries of the session were applied (taken from the "
+     "watchers' group by another reader?): out of order, not written", "out_of_order"),
 ])
 def test_dead_letter_reasons_fall_into_few_kinds(reason: str, kind: str) -> None:
     assert reason_kind(reason) == kind

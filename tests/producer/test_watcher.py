@@ -393,6 +393,34 @@ def test_entries_pending_under_a_foreign_consumer_are_applied_first_and_in_order
     assert r.xpending(stream, keys.group)["pending"] == 0
 
 
+def test_an_entry_a_hand_run_reader_took_while_the_shard_was_owned_is_dead_lettered_not_lost(
+    r: redis.Redis, fast: Settings,
+) -> None:
+    """The reader takes an entry from the watchers' group while a watcher owns its shard; later
+    entries of the session are applied; the next owner claims the entry, whose id is now below
+    the last applied one: it was acked as a duplicate, in neither the log nor the dead letters."""
+    keys = Keys(fast.redis.prefix, fast.redis.shards)
+    publisher = Publisher(r, fast)
+    first = Watcher(r, fast, name="first")
+    applied = publisher.publish("s1", CWD, [user(1, "one"), turn_end(1)])
+    drain(first, r, fast)
+    stream = keys.stream_for("s1")
+    [taken] = publisher.publish("s1", CWD, [user(2, "taken by a hand-run reader")])
+    assert r.xreadgroup(keys.group, "debug", {stream: ">"}, count=1)
+    applied += publisher.publish("s1", CWD, [user(2, "after it"), turn_end(2)])
+    deadline = time.monotonic() + 20
+    while len(log_lines(fast, "s1")) < 4:  # (not ``drain``: the reader's entry stays pending meanwhile)
+        assert time.monotonic() < deadline
+        first.run_once()
+    first.close()  # its shards change hands: the next owner claims the entry
+    drain(Watcher(r, fast, name="next"), r, fast)
+    assert [line["streamId"] for line in log_lines(fast, "s1")] == applied
+    [letter] = [fields for _, fields in r.xrange(keys.dead)]
+    assert letter[b"id"].decode() == taken
+    assert letter[b"reason"].decode().startswith(f"streamId: {taken} is not in the log, and later entries")
+    assert r.xpending(stream, keys.group)["pending"] == 0
+
+
 def test_a_shard_whose_take_failed_is_taken_again_on_the_next_tick(
     r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -401,7 +429,7 @@ def test_a_shard_whose_take_failed_is_taken_again_on_the_next_tick(
     watcher = Watcher(r, fast, name="w")
     real, failed = watcher.streams.claim_foreign, []
 
-    def flaky(shard: int, min_idle_ms: int) -> int:
+    def flaky(shard: int, min_idle_ms: int) -> set[str]:
         if not failed:
             failed.append(shard)
             raise redis.ConnectionError("lost for a moment")
