@@ -117,7 +117,10 @@ def decode_json_body(raw: bytes) -> Any:
         raise BadBody(f"body: is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}; "
                       "send JSON as UTF-8") from e
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique_keys)
+    except DuplicateKey as e:
+        raise BadBody(f"body: the key {e.key!r} appears twice in one object (one of its values would be "
+                      "dropped)") from None
     except json.JSONDecodeError as e:
         raise BadBody(f"body: is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from e
     except RecursionError as e:
@@ -126,6 +129,25 @@ def decode_json_body(raw: bytes) -> Any:
         check_json(value)
     except InvalidInput as e:
         raise BadBody(str(e)) from e
+    return value
+
+
+class DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object of the body (``json.loads``'s hook): JSON lets a key repeat, and the last value
+    silently won (``{"cwd": "/a", "cwd": "/b"}``)."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
     return value
 
 

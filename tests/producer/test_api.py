@@ -630,6 +630,19 @@ def test_a_number_json_cannot_hold_is_400_naming_the_field_not_stored_as_null(
     assert r.xlen(Keys().stream_for(SID)) == 0
 
 
+@pytest.mark.parametrize(("body", "key"), [
+    ('{"cwd": "/a", "cwd": "/b", "events": [{"type": "user", "turnId": 1, "content": "x"}]}', "cwd"),
+    ('{"cwd": "/uni", "events": [{"type": "user", "turnId": 1, "content": "x", "content": "y"}]}', "content"),
+])
+def test_a_key_repeated_in_one_object_is_400(client: TestClient, r: redis.Redis, body: str, key: str) -> None:
+    """JSON lets a key repeat; the last value won, the other was dropped without a word."""
+    response = post_raw(client, f"/api/sessions/{SID}/events", body)
+    assert response.status_code == 400
+    assert error_of(response)["message"] == (f"body: the key {key!r} appears twice in one object (one of its "
+                                             "values would be dropped)")
+    assert r.xlen(Keys().stream_for(SID)) == 0
+
+
 def test_an_integer_beyond_64_bits_is_400_naming_its_field(client: TestClient, r: redis.Redis) -> None:
     events = [{"type": "turn_end", "turnId": 1, "model": "m", "contextWindow": 10**20}]
     response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
