@@ -10,7 +10,7 @@ Invariants:
   private (0600) config file passed with ``--config``, and the environment
   overrides are removed from the children's environment so nothing differs.
 - Children run in their own sessions, so Ctrl-C reaches only the supervisor,
-  which stops them in order (API, watcher, workers; then Redis). Children exit
+  which stops them (SIGTERM to all at once; then Redis, last). Children exit
   by themselves when the supervisor dies (``COMPACTOR_PARENT_PID``; ``exit_with_parent``:
   SIGTERM within ``PARENT_POLL_INTERVAL_S``, SIGKILL ``STOP_TIMEOUT_S`` later, as on a stop).
 - A child that dies is restarted after a short delay; one that dies
@@ -394,7 +394,8 @@ def running_stack(settings: Settings, specs: list[ChildSpec], *,
 
 
 class _StopRequested:
-    """SIGINT/SIGTERM handler: records the signal and lets the loop wind down."""
+    """SIGINT/SIGTERM/SIGHUP handler: records the signal and lets the loop wind down (a closed
+    terminal's SIGHUP killed serve at once, its embedded Redis and private dir left behind)."""
 
     def __init__(self) -> None:
         self.signal: int | None = None
@@ -404,7 +405,7 @@ class _StopRequested:
 
     @contextmanager
     def installed(self) -> Iterator[_StopRequested]:
-        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             yield self
         finally:

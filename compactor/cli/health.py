@@ -56,7 +56,8 @@ def check_redis(client: redis.Redis) -> str:
 def check_api(url: str, token: str) -> str:
     import httpx
 
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    # (its UTF-8 bytes: httpx encodes a str header as ASCII, and a non-ASCII token failed every check)
+    headers = {b"Authorization": b"Bearer " + token.encode()} if token else {}
     response = httpx.get(url.rstrip("/") + "/healthz", headers=headers, timeout=CHECK_TIMEOUT_S)
     if response.status_code != 200:
         raise RuntimeError(f"HTTP {response.status_code}")

@@ -158,6 +158,18 @@ def test_an_orphaned_redis_that_does_not_stop_is_left_alone_and_serve_refused(
         orphan.stop()
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_serve_winds_down_on_a_terminal_hang_up_as_on_sigterm(signum: int) -> None:
+    """A closed terminal's SIGHUP killed serve at once: its embedded Redis and its private dir
+    (the effective config, API token included) were left behind."""
+    script = ("import os, signal\nfrom compactor.serve import _StopRequested\n"
+              "with _StopRequested().installed() as stop:\n"
+              f"    os.kill(os.getpid(), {int(signum)})\n"
+              "    print(stop.signal)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert (done.returncode, done.stdout.strip()) == (0, str(int(signum))), done.stderr
+
+
 def test_supervisor_restarts_a_dying_child_then_gives_up(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(serve, "RESTART_DELAY_S", 0.0)
