@@ -89,13 +89,25 @@ def elide(output: str, keep_chars: int) -> str:
     length = len(output)
     if length >= 2 * keep_chars + _ROOM:  # the usual case: both halves kept whole (the marker inlined)
         return f"{output[:keep_chars]}\n…[{length - 2 * keep_chars} characters elided]…\n{output[length - keep_chars:]}"
-    keep = min(keep_chars, (length - _MARKER_CHARS - len(str(length)) - 1) // 2)
-    if keep < 0:
-        keep = 0
+    keep = _kept(length, keep_chars)
     shown = output[:keep] + elision_marker(length - 2 * keep) + output[length - keep:]
     if len(shown) < length:
         return shown
     return output
+
+
+def omitted_chars(output: str, shown: str, keep_chars: int) -> int:
+    """How many characters of ``output`` its ``shown`` form (``elide``'s) leaves out, as its marker
+    says; 0 when it is shown whole."""
+    if shown == output:
+        return 0
+    length = len(output)
+    return length - 2 * (keep_chars if length >= 2 * keep_chars + _ROOM else _kept(length, keep_chars))
+
+
+def _kept(length: int, keep_chars: int) -> int:
+    """The head (and tail) ``elide`` keeps of a ``length``-character output too short for ``keep_chars``."""
+    return max(0, min(keep_chars, (length - _MARKER_CHARS - len(str(length)) - 1) // 2))
 
 
 _MARKER_CHARS = len(elision_marker(0)) - 1  # the marker's length but the number's digits

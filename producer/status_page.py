@@ -42,7 +42,7 @@ from compactor.keys import Keys
 from compactor.queue import check_bound_cwd, compaction_queue
 from compactor.store import SessionStore
 from events.config import ContextSettings, Settings
-from events.view import build_view, undone_by_rollback
+from events.view import build_view, omitted_chars, undone_by_rollback
 from producer.api import CwdQuery, RedisDep, SettingsDep, _checked, errors
 from producer.api_metrics import BreakerCollector, ProcessMetrics, StreamLagCollector
 from producer.api_models import SessionBody
@@ -119,9 +119,11 @@ class Compaction(Savings):
 
 
 class Elided(_Body):
+    message_index: int = Field(description="the tool message's position in ``messages``")
     tool_call_id: str
     original_chars: int
     shown_chars: int
+    hidden_chars: int = Field(description="the characters left out, as the elision marker says")
 
 
 class HistoryContext(_Body):
@@ -194,16 +196,27 @@ def compaction_history(events: list[dict[str, Any]], ctx: ContextSettings,
 def context_with_elisions(events: list[dict[str, Any]], ctx: ContextSettings) -> HistoryContext:
     """The context view, with the tool outputs shown shorter than logged listed in ``elided``."""
     view = build_view(events, ctx)
-    originals = {e["toolCallId"]: e.get("output") for e in view.visible
-                 if e.get("type") == "tool_result" and type(e.get("toolCallId")) is str}  # (the view pairs no other)
-    elided = []
-    for message in view.messages:
-        original = originals.get(message.get("tool_call_id"))
-        if message.get("role") == "tool" and isinstance(original, str) \
-                and message.get("content") != original:
-            elided.append(Elided(tool_call_id=message["tool_call_id"],
-                                 original_chars=len(original),
-                                 shown_chars=len(message.get("content") or "")))
+    # Each tool message is the next visible tool result with its call id and its content (pairing
+    # drops messages, never reorders them): a call id reused by later turns labelled every one
+    # of them with the last output's lengths when they were looked up by id.
+    results = [e for e in view.visible if e.get("type") == "tool_result"]
+    shown = {id(e): view.elided[i][0] for i, e in enumerate(view.visible) if i in view.elided}
+    elided, next_result = [], 0
+    for index, message in enumerate(view.messages):
+        if message.get("role") != "tool":
+            continue
+        for position in range(next_result, len(results)):
+            event = results[position]
+            output = event.get("output")
+            if event.get("toolCallId") == message.get("tool_call_id") and \
+                    shown.get(id(event), output if isinstance(output, str) else "") == message.get("content"):
+                next_result = position + 1
+                if id(event) in shown and isinstance(output, str):
+                    elided.append(Elided(
+                        message_index=index, tool_call_id=message["tool_call_id"], original_chars=len(output),
+                        shown_chars=len(shown[id(event)]),
+                        hidden_chars=omitted_chars(output, shown[id(event)], ctx.micro_compact_keep_chars)))
+                break
     return HistoryContext(messages=list(view.messages), prompt_estimate=view.prompt_estimate,
                           current_turn_id=view.current_turn_id, elided=elided)
 

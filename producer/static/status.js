@@ -146,16 +146,16 @@ function renderSession(state, history) {
   $("history").tBodies[0].replaceChildren(...rows);
   $("no-history").hidden = rows.length > 0;
   const ctx = history.context;
-  const elided = new Map(ctx.elided.map((e) => [e.toolCallId, e]));
+  const elided = new Map(ctx.elided.map((e) => [e.messageIndex, e]));
   $("context-summary").textContent =
     `${ctx.messages.length} messages · ${fmt(ctx.promptEstimate)} tokens · ${ctx.elided.length} outputs elided`;
-  $("messages").replaceChildren(...ctx.messages.map((m) => {
-    const cut = m.role === "tool" ? elided.get(m.tool_call_id) : undefined;
+  $("messages").replaceChildren(...ctx.messages.map((m, index) => {
+    const cut = elided.get(index);
     const li = el("li", { class: m.role + (cut ? " elided" : "") });
     li.append(el("span", { class: "role", text: m.role + (m.name ? `:${m.name}` : "") }));
     if (cut) {
       li.append(" ", el("span", { class: "badge elided",
-        text: `elided: ${fmt(cut.originalChars - cut.shownChars)} of ${fmt(cut.originalChars)} characters hidden` }));
+        text: `elided: ${fmt(cut.hiddenChars)} of ${fmt(cut.originalChars)} characters hidden` }));
     }
     li.append(el("pre", { text: m.content || "" }));
     for (const call of m.tool_calls || []) {

@@ -124,6 +124,29 @@ def test_sessions_route_lists_state_and_last_savings(sessions: Settings, r: redi
     assert rows[BROKEN]["breakerOpen"] is True and rows[BROKEN]["lastSavings"] is None
 
 
+def test_elisions_are_matched_to_their_messages_when_turns_reuse_a_call_id() -> None:
+    """Agents that number calls per turn reuse ``call_0``: looked up by call id, every tool message
+    got the last output's lengths (75 characters, "-33 hidden"), the short one not elided too."""
+    from events.config import ContextSettings
+    from producer.status_page import context_with_elisions
+    from tests.events.builders import assistant, call, compact, result, turn_end, user
+
+    ctx = ContextSettings()
+    events: list[dict[str, Any]] = []
+    for turn in range(1, 5):
+        output = f"turn {turn} " + "x" * (5_000 + turn)
+        events += [user(turn, f"q{turn}"), assistant(turn, "", [call("call_0")]), result(turn, "call_0", output),
+                   turn_end(turn)]
+    events += [user(5, "q5"), assistant(5, "", [call("call_0")]), result(5, "call_0", "short " * 12), turn_end(5),
+               compact(1, 4)]
+    context = context_with_elisions(events, ctx)
+    tools = [i for i, m in enumerate(context.messages) if m["role"] == "tool"]
+    assert [cut.message_index for cut in context.elided] == tools[:4]
+    assert [cut.original_chars for cut in context.elided] == [5_007 + t for t in range(1, 5)]
+    for cut in context.elided:
+        assert f"[{cut.hidden_chars} characters elided]" in context.messages[cut.message_index]["content"]
+
+
 def test_history_route_has_tokens_before_after_and_elisions(sessions: Settings,
                                                            r: redis.Redis) -> None:
     with TestClient(create_app(sessions, r)) as client:
@@ -137,6 +160,10 @@ def test_history_route_has_tokens_before_after_and_elisions(sessions: Settings,
     context = body["context"]
     assert {e["toolCallId"] for e in context["elided"]} == {"call-1", "call-2"}
     assert all(e["shownChars"] < e["originalChars"] for e in context["elided"])
+    for cut in context["elided"]:  # the badge's count is the marker's
+        message = context["messages"][cut["messageIndex"]]
+        assert message["tool_call_id"] == cut["toolCallId"]
+        assert f"[{cut['hiddenChars']} characters elided]" in message["content"]
     assert context["promptEstimate"] == compaction["tokensAfter"]
     assert missing.status_code == 404 and bad.status_code == 400
 
