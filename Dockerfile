@@ -1,5 +1,5 @@
 # compactor: one image for every process (watch, work, api, serve).
-# Build: docker build -t compactor .    Run all-in-one: docker run -p 127.0.0.1:8080:8080 compactor
+# Build: docker build -t compactor .    Run all-in-one: docker run --stop-timeout 30 -p 127.0.0.1:8080:8080 compactor
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
