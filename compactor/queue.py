@@ -274,9 +274,15 @@ def check_bound_cwd(client: redis.Redis, settings: Settings, session_id: str, cw
     another spelling of it (``/app/``, ``/APP`` for ``/app``) finds the same log."""
     bound = client.hget(Keys(settings.redis.prefix, settings.redis.shards).session(session_id), "cwd")
     if not bound:  # Redis lost it (or never had it): the log's session_meta keeps it
-        check_logged_cwd(session_id, cwd, SessionLog(settings.data_dir, cwd, session_id).read())
+        check_logged_cwd(session_id, cwd, logged_session_meta(settings, session_id, cwd))
     elif as_text(bound) != cwd:
         raise InvalidInput("cwd", f"session {session_id} is bound to cwd {as_text(bound)!r}, not {cwd!r}")
+
+
+def logged_session_meta(settings: Settings, session_id: str, cwd: str) -> list[dict[str, Any]]:
+    """The log's first ``session_meta`` (as a list of one, or none): read up to it, not the whole log."""
+    meta = SessionLog(settings.data_dir, cwd, session_id).first_of_type("session_meta")
+    return [meta] if meta is not None else []
 
 
 def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> str:

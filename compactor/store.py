@@ -8,9 +8,10 @@ Invariants, for every writer (watcher or worker):
   brought up to date with any lines past ``logSize`` (a crashed writer's), and
   saved with the new ``logSize`` — inside the same lock, or, when the watcher
   defers it into its batch pipeline, only if no state that has seen more of
-  the log was stored meanwhile (``SAVE_STATE``). So a stored state never
-  goes backwards, two writers never interleave, and any state that lags the
-  log is caught up by the next writer before it is used.
+  the log was stored meanwhile (``SAVE_STATE``), unless it was rebuilt from the
+  whole log (the log shrank, or Redis lost the state): that one is the log's.
+  Two writers never interleave, and any state that lags the log is caught up by
+  the next writer before it is used.
 - An entry whose ``streamId`` is at or below the session's last applied one is
   already in the log: it is reported as a duplicate and not written again.
 - An event that fails a check (a turn id going backwards, a uuid the session
@@ -165,7 +166,7 @@ class SessionStore:
         active, in one command (``SAVE_STATE``; executed here unless ``pipeline`` is given).
 
         ``if_newer`` stores the state only when the stored one has not seen more of the
-        log (a deferred save must never overwrite a worker's later one). ``create``: the
+        log (a deferred save must not overwrite a worker's later one). ``create``: the
         state and the uuid index were rebuilt from the whole log, so the state may create
         the hash; any other state is stored only over one that is there.
         """
@@ -178,13 +179,17 @@ class SessionStore:
         if pipeline is None:
             pipe.execute()
 
-    def rebuild(self, session_id: str, cwd: str, log: SessionLog | None = None) -> SessionState:
-        """Fold the whole log from scratch (does not save)."""
+    def rebuild(self, session_id: str, cwd: str, log: SessionLog | None = None, *,
+                check_cwd: bool = False) -> SessionState:
+        """Fold the whole log from scratch (does not save); ``check_cwd``: refuse a ``cwd`` other
+        than the one the log's ``session_meta`` records (``check_logged_cwd``), for a caller that
+        has no stored state to compare with. (Not after an append: what is written stays.)"""
         log = log or self.log(session_id, cwd)
         with log.lock():
             size = log.complete_size()
             events = log.read() if size else []
-        check_logged_cwd(session_id, cwd, events)
+        if check_cwd:
+            check_logged_cwd(session_id, cwd, events)
         return rebuild(session_id, cwd, events, self.settings.context, size)
 
     def refresh(self, session_id: str, cwd: str, log: SessionLog | None = None) -> SessionState:

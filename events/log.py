@@ -201,6 +201,29 @@ class SessionLog:
         except FileNotFoundError:
             return b""
 
+    def first_of_type(self, kind: str) -> dict[str, Any] | None:
+        """The first complete line whose ``type`` is ``kind``, read from the start and no further
+        (lock-free; a line that is not a JSON object is passed over: this finds, it does not
+        check). A session's ``session_meta`` is usually its first line."""
+        needle = orjson.dumps(kind)
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return None
+        with f:
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break  # a torn tail
+                if needle not in line:
+                    continue
+                try:
+                    event = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue
+                if type(event) is dict and event.get("type") == kind:
+                    return event
+        return None
+
     def read(self, start: int = 0) -> list[dict[str, Any]]:
         """The events of the complete lines from byte ``start`` on; a torn last line is ignored."""
         lines = self._read_bytes(start).split(b"\n")
@@ -209,7 +232,8 @@ class SessionLog:
             events = [orjson.loads(line) for line in lines if line]
         except orjson.JSONDecodeError:
             events = []  # locate the bad line below
-        if len(events) != len(lines) or not all(type(e) is dict and type(e.get("type")) is str for e in events):
+        if len(events) != len(lines) or not all(
+                type(e) is dict and (type(e.get("type")) is str or e.get("type") is None) for e in events):
             return [event for _, event in self._parse_records(start, lines)]
         return events
 

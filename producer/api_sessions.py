@@ -63,7 +63,7 @@ def current_state(client: redis.Redis, settings: Settings, session_id: str,
     if state is not None and state.cwd != cwd:  # (another spelling of its cwd found its log)
         raise InvalidInput("cwd", f"session {session_id} is bound to cwd {state.cwd!r}, not {cwd!r}")
     if state is None or state.log_size != log.complete_size():
-        state = store.rebuild(session_id, cwd, log)
+        state = store.rebuild(session_id, cwd, log, check_cwd=state is None)
     return state
 
 

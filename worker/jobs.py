@@ -160,7 +160,7 @@ def recheck(context: WorkerContext, session_id: str) -> str | None:
     state = store.load(session_id)
     if state is None:
         return None
-    log = store.log(session_id, state.cwd)
+    log = store.log(session_id, state.cwd, create=False)  # (deleted meanwhile: SessionNotFound, not an empty log)
     if log.exists():  # (caught up with the log and stored; no second read of the state)
         state = store.apply(session_id, state.cwd, [], log=log, cached=state, stored=state).state
     breaker_open = context.compactor.failures.is_open(session_id)

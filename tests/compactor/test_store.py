@@ -134,6 +134,19 @@ def test_a_refused_events_uuid_stays_free(store: SessionStore, batched: bool) ->
     assert [e.get("content") for e in store.log(SID, CWD).read() if e["type"] == "user"] == ["a", "b", "now"]
 
 
+def test_a_rebuild_after_an_append_never_refuses_what_it_wrote(store: SessionStore, r: redis.Redis) -> None:
+    """A session an earlier bug bound to another spelling of its cwd (its session_meta says the
+    first one): a rollback under that spelling was appended, then its rebuild refused the cwd,
+    and the watcher dead-lettered lines that were in the log."""
+    meta = {"type": "session_meta", "uuid": "m", "timestamp": "2026-01-01T00:00:00Z", "cwd": CWD}
+    store.apply(SID, CWD, [meta, user(1, "a"), turn_end(1), user(2, "b"), turn_end(2)])
+    other = CWD + "/"
+    r.hset(store.keys.session(SID), "cwd", other)
+    result = store.apply(SID, other, [rollback(2)])
+    assert [e["type"] for e in result.appended] == ["rollback"] and result.rejected == []
+    assert store.log(SID, CWD).read()[-1]["type"] == "rollback"
+
+
 def test_lost_redis_state_is_rebuilt_from_the_log(store: SessionStore, r: redis.Redis) -> None:
     store.apply(SID, CWD, [user(1, "hello world", "1-0"), turn_end(1, "2-0")])
     before = store.load(SID)

@@ -159,6 +159,18 @@ def test_a_line_inserted_before_a_readers_offset_is_named_not_the_line_the_offse
             read(offset)
 
 
+def test_first_of_type_reads_up_to_the_line_it_finds(tmp_path: Path) -> None:
+    """The API finds a session's cwd in its session_meta when Redis lost the state: reading and
+    parsing the whole log for it cost every request the size of the log."""
+    log = _log(tmp_path)
+    assert log.first_of_type("session_meta") is None  # no log
+    log.append([_event(1), {"type": "session_meta", "cwd": "/a", "n": 1}, {"type": "session_meta", "cwd": "/b"}])
+    with open(log.path, "ab") as f:
+        f.write(b'not json, never read\n{"type":"session_meta"')  # a corrupt line after it, a torn tail
+    assert log.first_of_type("session_meta") == {"type": "session_meta", "cwd": "/a", "n": 1}
+    assert log.first_of_type("summary") is None
+
+
 def test_a_line_that_is_not_utf8_is_named_so(tmp_path: Path) -> None:
     """orjson's wording, "str is not valid UTF-8: surrogates not allowed", sent the operator
     looking for surrogates in a line holding a Latin-1 byte."""
