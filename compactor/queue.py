@@ -48,9 +48,8 @@ from rq.utils import as_text
 
 from compactor import metrics
 from compactor.keys import Keys
-from compactor.store import check_logged_cwd
+from compactor.store import bound_elsewhere, check_logged_cwd
 from events.config import Settings
-from events.errors import InvalidInput
 from events.log import SessionLog
 
 logger = logging.getLogger(__name__)
@@ -274,15 +273,9 @@ def check_bound_cwd(client: redis.Redis, settings: Settings, session_id: str, cw
     another spelling of it (``/app/``, ``/APP`` for ``/app``) finds the same log."""
     bound = client.hget(Keys(settings.redis.prefix, settings.redis.shards).session(session_id), "cwd")
     if not bound:  # Redis lost it (or never had it): the log's session_meta keeps it
-        check_logged_cwd(session_id, cwd, logged_session_meta(settings, session_id, cwd))
+        check_logged_cwd(session_id, cwd, SessionLog(settings.data_dir, cwd, session_id).first_of_type("session_meta"))
     elif as_text(bound) != cwd:
-        raise InvalidInput("cwd", f"session {session_id} is bound to cwd {as_text(bound)!r}, not {cwd!r}")
-
-
-def logged_session_meta(settings: Settings, session_id: str, cwd: str) -> list[dict[str, Any]]:
-    """The log's first ``session_meta`` (as a list of one, or none): read up to it, not the whole log."""
-    meta = SessionLog(settings.data_dir, cwd, session_id).first_of_type("session_meta")
-    return [meta] if meta is not None else []
+        raise bound_elsewhere(session_id, as_text(bound), cwd)
 
 
 def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> str:

@@ -41,7 +41,7 @@ from events.config import Settings
 from events.errors import InvalidEvent
 from events.log import SessionLog
 from events.models import TURN_SCOPED_TYPES
-from events.state import SessionState, fold, logged_cwd, rebuild, rebuild_with_view
+from events.state import SessionState, fold, rebuild, rebuild_with_view
 from events.tokens import stamp
 from events.view import ContextView, extend_view
 
@@ -189,7 +189,7 @@ class SessionStore:
             size = log.complete_size()
             events = log.read() if size else []
         if check_cwd:
-            check_logged_cwd(session_id, cwd, events)
+            check_logged_cwd(session_id, cwd, _first_session_meta(events))
         return rebuild(session_id, cwd, events, self.settings.context, size)
 
     def refresh(self, session_id: str, cwd: str, log: SessionLog | None = None) -> SessionState:
@@ -255,7 +255,7 @@ class SessionStore:
         caller saves the state, with ``create``), else the index and the state are stored here."""
         size = log.complete_size()
         events = log.read() if size else []
-        check_logged_cwd(session_id, cwd, events)
+        check_logged_cwd(session_id, cwd, _first_session_meta(events))
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.uuids(session_id))
         self._index_uuids(session_id, events, pipe)
@@ -518,13 +518,23 @@ def _check_cwd(session_id: str, cwd: str, state: SessionState | None) -> None:
         raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}")
 
 
-def check_logged_cwd(session_id: str, cwd: str, events: Iterable[dict[str, Any]]) -> None:
-    """Refuse ``cwd`` when the log's ``session_meta`` records another (``logged_cwd``): another
-    spelling of it (``/app/``, ``/APP`` for ``/app``) finds the same log, and a state rebuilt
-    under it after Redis lost the session's hash bound the session to that spelling for good."""
-    logged = logged_cwd(events)
-    if logged is not None and logged != cwd:
-        raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {logged!r}, not {cwd!r}")
+def check_logged_cwd(session_id: str, cwd: str, meta: dict[str, Any] | None) -> None:
+    """Refuse ``cwd`` when the log's first ``session_meta`` (``meta``; None: the log has none)
+    records another: another spelling of it (``/app/``, ``/APP`` for ``/app``) finds the same
+    log, and a state rebuilt under it after Redis lost the session's hash bound the session to
+    that spelling for good. (``SessionLog.first_of_type`` reads a log only up to it.)"""
+    logged = meta.get("cwd") if meta is not None else None
+    if isinstance(logged, str) and logged != cwd:
+        raise bound_elsewhere(session_id, logged, cwd)
+
+
+def bound_elsewhere(session_id: str, bound: str, cwd: str) -> InvalidEvent:
+    """The refusal of ``cwd`` for a session bound to ``bound`` (a 400 from the API)."""
+    return InvalidEvent("cwd", f"session {session_id} is bound to cwd {bound!r}, not {cwd!r}")
+
+
+def _first_session_meta(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    return next((event for event in events if event.get("type") == "session_meta"), None)
 
 
 def _check_turn_order(state: SessionState, event: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Literal, Mapping
 
 import orjson
 
@@ -230,16 +230,6 @@ def state_from_view(
         compacted_through=view.compacted[-1][1] if view.compacted else 0,
         settings=ctx.state_fingerprint,
     )
-
-
-def logged_cwd(events: Iterable[dict[str, Any]]) -> str | None:
-    """The cwd the log's first ``session_meta`` records, if it records one: the session's
-    binding as its log keeps it (Redis's copy, the state's ``cwd``, can be lost)."""
-    for event in events:
-        if event.get("type") == "session_meta":
-            cwd = event.get("cwd")
-            return cwd if isinstance(cwd, str) else None
-    return None
 
 
 def rebuild(

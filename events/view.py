@@ -168,6 +168,13 @@ def _int(value: Any) -> int:
     return value if type(value) is int else 0
 
 
+def _through(rollback: Event) -> float:
+    """The turn a rollback undoes from; ``_NO_ROLLBACK`` (none) when its ``throughTurnId`` is not an
+    integer (a hand-edited ``"2"`` or ``2.0``: read as 0, it hid every turn)."""
+    value = rollback.get("throughTurnId")
+    return value if type(value) is int else _NO_ROLLBACK
+
+
 def _scan(events: list[Event]) -> _Scan:
     """One reverse pass: rollback and summary hiding, the model, the turn counters.
 
@@ -194,9 +201,7 @@ def _scan(events: list[Event]) -> _Scan:
             if kind == "turn_end":
                 _note_turn_end(scan, event, turn)
         elif kind == "rollback":
-            value = event.get("throughTurnId")
-            if type(value) is int:  # (a hand-edited "2" or 2.0 is ignored: read as 0, it hid every turn)
-                through = min(through, value)
+            through = min(through, _through(event))
             continue
         elif kind == "summary":
             if _int(event.get("lastSummarizedTurnId")) >= through:
@@ -240,9 +245,7 @@ def undone_by_rollback(events: list[Event]) -> set[int]:
         event = events[i]
         kind = event.get("type")
         if kind == "rollback":
-            value = event.get("throughTurnId")
-            if type(value) is int:  # as in ``_scan``
-                through = min(through, value)
+            through = min(through, _through(event))
         elif kind == "compact" and _int(event.get("endTurnId")) >= through:
             undone.add(i)
         elif kind == "summary" and _int(event.get("lastSummarizedTurnId")) >= through:

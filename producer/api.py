@@ -47,9 +47,9 @@ from starlette.routing import Mount, Route
 
 from compactor import __version__
 from compactor.keys import Keys
-from compactor.queue import enqueue_forced_compaction, logged_session_meta
+from compactor.queue import enqueue_forced_compaction
 from compactor.serve import client_redis_url
-from compactor.store import SessionStore, check_logged_cwd
+from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd
 from events.config import Settings
 from events.errors import InvalidEvent, SessionNotFound
 from events.log import SessionLog
@@ -157,9 +157,9 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
     found = store.lookup({session_id: list(wires)}, load=[session_id])
     state = found.stored.get(session_id)
     if state is None:  # Redis lost it (or never had it): the log's session_meta keeps the binding
-        check_logged_cwd(session_id, cwd, logged_session_meta(settings, session_id, cwd))
+        check_logged_cwd(session_id, cwd, store.log(session_id, cwd).first_of_type("session_meta"))
     elif state.cwd != cwd:
-        raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}, not {cwd!r}")
+        raise bound_elsewhere(session_id, state.cwd, cwd)
     taken = found.taken.get(session_id, set())
     for index, event in enumerate(wires):
         if event.get("uuid") in taken:

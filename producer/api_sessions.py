@@ -21,9 +21,9 @@ from rq.job import Job
 
 from compactor.keys import Keys
 from compactor.queue import pending_job_id
-from compactor.store import SessionStore
+from compactor.store import SessionStore, bound_elsewhere
 from events.config import Settings
-from events.errors import InvalidInput, SessionNotFound
+from events.errors import SessionNotFound
 from events.log import SessionLog
 from events.models import validate_cwd, validate_session_id
 from events.state import SessionState
@@ -61,7 +61,7 @@ def current_state(client: redis.Redis, settings: Settings, session_id: str,
         raise SessionNotFound(f"no session {session_id} under cwd {cwd}")
     state = store.load(session_id)
     if state is not None and state.cwd != cwd:  # (another spelling of its cwd found its log)
-        raise InvalidInput("cwd", f"session {session_id} is bound to cwd {state.cwd!r}, not {cwd!r}")
+        raise bound_elsewhere(session_id, state.cwd, cwd)
     if state is None or state.log_size != log.complete_size():
         state = store.rebuild(session_id, cwd, log, check_cwd=state is None)
     return state
