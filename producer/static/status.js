@@ -119,6 +119,17 @@ function renderOverview(o, sessions) {
   });
   $("sessions").tBodies[0].replaceChildren(...rows);
   $("no-sessions").hidden = sessions.length > 0;
+  const more = o.sessions > sessions.length;  // the list holds the most recently active only
+  $("sessions-shown").hidden = !more;
+  $("sessions-shown").textContent = more
+    ? `Showing the ${fmt(sessions.length)} most recently active of ${fmt(o.sessions)} sessions ` +
+      "(open the page with ?limit=N, up to 1000, to list more)."
+    : "";
+}
+
+function sessionsPath() {
+  const limit = new URLSearchParams(window.location.search).get("limit");
+  return limit ? `/api/sessions?limit=${encodeURIComponent(limit)}` : "/api/sessions";
 }
 
 function renderSession(state, history) {
@@ -180,7 +191,7 @@ async function refresh() {
                                                   api(`/api/sessions/${id}/history${q}`)]);
       renderSession(state, history);
     } else {
-      const [o, sessions] = await Promise.all([api("/api/overview"), api("/api/sessions")]);
+      const [o, sessions] = await Promise.all([api("/api/overview"), api(sessionsPath())]);
       renderOverview(o, sessions);
     }
     $("overview-page").hidden = !!session;

@@ -339,6 +339,29 @@ def test_page_refreshes_by_itself(sessions: Settings, serve_api: Any, browser: A
 
 
 @pytest.mark.slow
+def test_page_says_when_it_lists_only_the_most_recent_sessions(sessions: Settings, serve_api: Any,
+                                                               browser: Any, r: redis.Redis) -> None:
+    write_session(r, sessions, "sess-new", 1)  # the most recently active of three
+    base = serve_api(sessions)
+    page = browser.new_page()
+    page.goto(base + "/")
+    page.wait_for_selector("#sessions tbody tr")
+    assert page.locator("#sessions tbody tr").count() == 3
+    assert page.locator("#sessions-shown").is_hidden()
+
+    page.goto(base + "/?limit=2")
+    page.wait_for_selector("#sessions-shown:not([hidden])")
+    rows = page.locator("#sessions tbody tr")
+    assert rows.count() == 2 and rows.first.get_attribute("data-session") == "sess-new"
+    assert page.locator("#sessions-shown").inner_text().startswith(
+        "Showing the 2 most recently active of 3 sessions")
+
+    page.goto(base + "/?limit=0")  # the API's bound, said on the page
+    page.wait_for_selector("#error:not([hidden])")
+    assert page.locator("#error").inner_text().startswith("400:")
+
+
+@pytest.mark.slow
 def test_browser_logs_in_with_basic_and_its_fetches_carry_it(sessions: Settings, serve_api: Any,
                                                             browser: Any) -> None:
     base = serve_api(with_token(sessions))
