@@ -132,10 +132,16 @@ def _lower_names(names: tuple[str, ...]) -> frozenset[str]:
     return frozenset(name.lower() for name in names)
 
 
+# How a state is derived from a log and its settings: bumped when that changes (an elided
+# output's shown text, say), so that states stored by an earlier version are rebuilt once.
+# 2: an output too short for both halves keeps all it can of them (the marker's count sized exactly).
+STATE_DERIVATION = 2
+
+
 @functools.lru_cache(maxsize=64)
 def _fingerprint(min_chars: int, keep_chars: int, default_window: int, tools: frozenset[str]) -> str:
     digest = hashlib.sha256("\0".join(sorted(tools)).encode()).hexdigest()[:12]
-    return f"{min_chars}/{keep_chars}/{default_window}/{digest}"
+    return f"{STATE_DERIVATION}/{min_chars}/{keep_chars}/{default_window}/{digest}"
 
 
 class LimitSettings(_Section):

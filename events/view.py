@@ -106,8 +106,15 @@ def omitted_chars(output: str, shown: str, keep_chars: int) -> int:
 
 
 def _kept(length: int, keep_chars: int) -> int:
-    """The head (and tail) ``elide`` keeps of a ``length``-character output too short for ``keep_chars``."""
-    return max(0, min(keep_chars, (length - _MARKER_CHARS - len(str(length)) - 1) // 2))
+    """The head (and tail) ``elide`` keeps of a ``length``-character output too short for
+    ``keep_chars``: the most, up to ``keep_chars``, that leaves the result shorter than the output
+    (SPEC §8: "less when needed to stay shorter"; 0 when even the bare marker does not fit)."""
+    # the marker's number has at most as many digits as ``length``: start from that bound, then
+    # take back what the count's fewer digits leave room for (a step or two)
+    keep = max(0, min(keep_chars, (length - _MARKER_CHARS - len(str(length)) - 1) // 2))
+    while keep < keep_chars and 2 * (keep + 1) + _MARKER_CHARS + len(str(length - 2 * (keep + 1))) < length:
+        keep += 1
+    return keep
 
 
 _MARKER_CHARS = len(elision_marker(0)) - 1  # the marker's length but the number's digits

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from events import config
 from events.config import ContextSettings
 from events.state import SessionState, decide, fold, rebuild, rebuild_with_view, state_after_summary
 from events.tokens import event_tokens, stamp, stamped_tokens
@@ -356,6 +357,16 @@ def test_the_state_fingerprint_names_the_settings_a_state_depends_on_and_only_th
         assert ContextSettings(**change).state_fingerprint == fingerprint, change  # type: ignore[arg-type]
     narrowed = base.model_copy(update={"compactable_tools": ("grep",)})
     assert narrowed.is_compactable("GREP") and not narrowed.is_compactable("read_file")
+
+
+def test_a_state_derived_by_an_earlier_version_is_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    current = ContextSettings().state_fingerprint
+    monkeypatch.setattr(config, "STATE_DERIVATION", config.STATE_DERIVATION - 1)
+    config._fingerprint.cache_clear()
+    try:
+        assert ContextSettings().state_fingerprint != current
+    finally:
+        config._fingerprint.cache_clear()
 
 
 def test_every_state_records_the_settings_it_was_derived_under() -> None:

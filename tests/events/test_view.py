@@ -176,11 +176,25 @@ def test_elided_text_is_always_strictly_shorter(output: str, keep: int) -> None:
 
 
 def _elide_by_definition(output: str, keep_chars: int) -> str:
-    """``elide`` as first written: the marker built twice, no shortcut."""
+    """``elide`` by its definition, by search: head and tail of the most characters, up to
+    ``keep_chars``, that leave the result strictly shorter (SPEC §8), else the output whole."""
     length = len(output)
-    keep = max(0, min(keep_chars, (length - len(elision_marker(length)) - 1) // 2))
-    shown = output[:keep] + elision_marker(length - 2 * keep) + output[length - keep:]
-    return shown if len(shown) < length else output
+    for keep in range(min(keep_chars, length // 2), -1, -1):
+        shown = output[:keep] + elision_marker(length - 2 * keep) + output[length - keep:]
+        if len(shown) < length:
+            return shown
+    return output
+
+
+def test_an_output_too_short_for_both_halves_keeps_all_it_can() -> None:
+    # 40 + 40 kept of 107 characters leaves 27 elided: a 26-character marker, 106 in all (< 107)
+    output = "".join(chr(97 + i % 26) for i in range(107))
+    shown = elide(output, 40)
+    assert shown == output[:40] + elision_marker(27) + output[-40:]
+    assert len(shown) == 106
+    for length in range(1, 700):  # every length, against the search, for keeps around the switch-over
+        for keep in (0, 1, 40, 46, 47, 100, 330):
+            assert elide("q" * length, keep) == _elide_by_definition("q" * length, keep), (length, keep)
 
 
 @given(output=st.text(max_size=300) | st.integers(0, 20_000).map(lambda n: "y" * n), keep=st.integers(0, 400))
