@@ -212,6 +212,16 @@ class ApiSettings(_Section):
     token: str = ""  # set: Bearer auth required on every route but /healthz
     job_wait_seconds: float = Field(300.0, gt=0, le=DAY_S, allow_inf_nan=False)  # a forced compaction waits this long, then 202
 
+    @field_validator("host")
+    @classmethod
+    def _an_address(cls, host: str) -> str:
+        # bind("") listens on every interface: an empty value in the file, where an empty
+        # COMPACTION_API_HOST or --host "" means the default, opened the API to the network
+        if not host.strip():
+            raise ValueError("must not be empty (it would listen on every interface): 127.0.0.1 for this "
+                             "machine only (the default: leave it out), 0.0.0.0 for every interface")
+        return host
+
     @field_validator("token")
     @classmethod
     def _no_whitespace_at_the_ends(cls, token: str) -> str:

@@ -240,7 +240,8 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
     logger.info("forced compaction queued session=%s job=%s", sid, job_id)
     if not wait:
         return _accepted(job_id)
-    job = await wait_for_job_async(client, job_id, timeout, stop=request.app.state.stopping)
+    queue = Keys(settings.redis.prefix, settings.redis.shards).queue
+    job = await wait_for_job_async(client, job_id, queue, timeout, stop=request.app.state.stopping)
     if job.status == "finished" and job.result is not None:
         response.headers[JOB_ID_HEADER] = job_id
         if job.llm_error is not None:
@@ -312,9 +313,9 @@ jobs = APIRouter(prefix="/api/jobs", tags=["jobs"], responses=ERRORS, route_clas
 
 @jobs.get("/{job_id}", response_model=JobBody, response_model_exclude_none=True,
           responses=errors(404, 503, described={404: "no such job"}))
-def get_job(job_id: str, client: RedisDep) -> JobBody:
+def get_job(job_id: str, settings: SettingsDep, client: RedisDep) -> JobBody:
     """A compaction job's status, with its CompressResult or error when it has ended."""
-    return job_body(client, job_id)
+    return job_body(client, job_id, Keys(settings.redis.prefix, settings.redis.shards).queue)
 
 
 ops = APIRouter(tags=["operations"], route_class=JsonBodyRoute)

@@ -26,14 +26,17 @@ from typing import Any
 
 import anyio.to_thread
 import redis
-from rq.exceptions import NoSuchJobError
+from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.job import Job, JobStatus
 
+from compactor.queue import JOB_FUNCTIONS
 from events.models import LLM_ERROR_FIELD, CompressResult
 from producer.api_errors import ApiError
 from producer.api_models import JobBody, LlmError
 
 logger = logging.getLogger(__name__)
+
+_JOB_FUNCTIONS = frozenset(JOB_FUNCTIONS.values())
 
 # The service's ids are ``{20 digits}-{micro|llm}-{sessionId}``: up to 155 characters for a 128-character session id.
 JOB_ID_MAX = 160
@@ -58,13 +61,23 @@ def _error_line(job: Job) -> str:
     return lines[-1].strip() if lines else "job failed"
 
 
-def job_body(client: redis.Redis, job_id: str) -> JobBody:
-    """The job's status, with its result when finished and its error when failed."""
+def job_body(client: redis.Redis, job_id: str, queue: str) -> JobBody:
+    """The job's status, with its result when finished and its error when failed.
+
+    Only a compaction job of this deployment (its RQ queue ``queue``) is answered: RQ's job
+    keys are shared by every queue and application on the Redis, and another's job would
+    show its error, or a result that is no ``CompressResult``; any other job is a 404.
+    """
     validate_job_id(job_id)
     try:
         job = Job.fetch(job_id, connection=client)
+        ours = job.origin == queue and job.func_name in _JOB_FUNCTIONS
     except NoSuchJobError as e:
         raise ApiError(404, f"no job {job_id}") from e
+    except DeserializationError:  # a job hash no RQ of ours wrote
+        ours = False
+    if not ours:
+        raise ApiError(404, f"no job {job_id} (RQ holds one, but it is no compaction job of this deployment)")
     status = job.get_status(refresh=False)
     value = status.value if isinstance(status, JobStatus) else str(status or "unknown")
     body = JobBody(job_id=job_id, status=value)
@@ -87,23 +100,23 @@ def _as_result(value: Any) -> CompressResult | None:
     return CompressResult.model_validate(value)
 
 
-def wait_for_job(client: redis.Redis, job_id: str, timeout_s: float) -> JobBody:
+def wait_for_job(client: redis.Redis, job_id: str, queue: str, timeout_s: float) -> JobBody:
     """Poll until the job ends or ``timeout_s`` passes; the last status seen."""
     deadline = time.monotonic() + timeout_s
     while True:
-        body = job_body(client, job_id)
+        body = job_body(client, job_id, queue)
         if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline:
             return body
         time.sleep(POLL_INTERVAL_S)
 
 
-async def wait_for_job_async(client: redis.Redis, job_id: str, timeout_s: float,
+async def wait_for_job_async(client: redis.Redis, job_id: str, queue: str, timeout_s: float,
                              stop: threading.Event | None = None) -> JobBody:
     """``wait_for_job`` without blocking the event loop; it ends early once ``stop`` is set (the
     API is stopping: the caller answers as for a wait that timed out, the job runs on)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        body = await anyio.to_thread.run_sync(job_body, client, job_id)
+        body = await anyio.to_thread.run_sync(job_body, client, job_id, queue)
         if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline or (stop is not None and stop.is_set()):
             return body
         await asyncio.sleep(POLL_INTERVAL_S)

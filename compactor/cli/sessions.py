@@ -78,6 +78,7 @@ def compact(
 
     Needs running workers (`compactor serve` or `compactor work`).
     """
+    from compactor.keys import Keys
     from compactor.queue import enqueue_forced_compaction
     from producer.api_jobs import wait_for_job
 
@@ -89,7 +90,7 @@ def compact(
         wait_s = timeout or settings.api.job_wait_seconds
         job_id = enqueue_forced_compaction(client, settings, sid, cwd)
         err_console.print(f"compaction job {job_id} queued; waiting (up to {wait_s:.0f}s)")
-        job = wait_for_job(client, job_id, wait_s)
+        job = wait_for_job(client, job_id, Keys(settings.redis.prefix, settings.redis.shards).queue, wait_s)
     if job.status == "finished" and job.result is not None:
         result = job.result
         if job.llm_error is not None:

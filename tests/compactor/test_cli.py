@@ -371,6 +371,24 @@ def test_an_api_token_with_a_line_break_or_a_nul_inside_is_refused(runner: CliRu
             "can carry one)"]
 
 
+@pytest.mark.parametrize("host", ["", " "])
+def test_an_empty_api_host_in_the_file_is_refused_not_every_interface(runner: CliRunner, tmp_path: Path,
+                                                                      host: str) -> None:
+    """``bind("")`` listens on every interface: the file's empty ``api.host`` opened the API to the
+    network, where an empty ``COMPACTION_API_HOST`` or ``--host ""`` means the default."""
+    from events.config import load_settings
+
+    config, empty = tmp_path / "c.yaml", tmp_path / "empty.yaml"
+    config.write_text(json.dumps({"api": {"host": host}}))
+    empty.write_text("")
+    result = runner.invoke(app, ["api", "--config", str(config)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        "compactor: invalid configuration: api.host: must not be empty (it would listen on every interface): "
+        "127.0.0.1 for this machine only (the default: leave it out), 0.0.0.0 for every interface"]
+    assert load_settings(empty, {"COMPACTION_API_HOST": ""}).api.host == "127.0.0.1"
+
+
 def test_demo_reads_its_data_dir_as_data_dir_is_read(runner: CliRunner, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """``--data-dir '~nosuchuser/x'`` made a directory named ``~nosuchuser`` where the demo ran."""

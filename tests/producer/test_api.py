@@ -486,6 +486,27 @@ def test_compact_without_wait_is_202_then_job_finishes(client: TestClient, r: re
     assert "error" not in job
 
 
+def test_a_job_of_another_queue_or_function_is_no_job_of_ours(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """RQ's job keys are shared by every queue and application on the Redis: a job of another
+    deployment (its error shown) or another application (a result that is no CompressResult:
+    a 500) was answered as if it were a compaction job."""
+    from rq import Queue, SimpleWorker
+
+    other = Queue("some-other-app", connection=r)
+    other.enqueue(len, "abc", job_id="foreign-len")
+    ours = Queue(api_settings.redis.prefix, connection=r)  # our queue, another function
+    ours.enqueue(len, "abcd", job_id="ours-len")
+    SimpleWorker([other, ours], connection=r).work(burst=True)
+    for job_id in ("foreign-len", "ours-len"):
+        response = client.get(f"/api/jobs/{job_id}")
+        assert response.status_code == 404, response.text
+        assert "no compaction job of this deployment" in error_of(response)["message"]
+    write_session(r, api_settings, 3)  # while our own job is answered
+    job_id = client.post(f"/api/sessions/{SID}/compact?wait=false", json={"cwd": CWD}).json()["jobId"]
+    assert client.get(f"/api/jobs/{job_id}").json()["status"] == "queued"
+
+
 def test_compact_waits_for_the_job_and_returns_compress_result(
         client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
     write_session(r, api_settings, 3)
