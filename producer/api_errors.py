@@ -166,9 +166,14 @@ class JsonBodyRoute(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
         if self.body_field is None:
-            return handler
+            async def checked(request: Request) -> Response:
+                _refuse_repeated_query(request)
+                return await handler(request)
+
+            return checked
 
         async def read_json(request: Request) -> Response:
+            _refuse_repeated_query(request)
             strict = JsonRequest(request.scope, request.receive)
             content_type = strict.headers.get("content-type")
             if await strict.body() and not is_json_type(content_type):
@@ -177,6 +182,15 @@ class JsonBodyRoute(APIRoute):
             return await handler(strict)
 
         return read_json
+
+
+def _refuse_repeated_query(request: Request) -> None:
+    """A parameter given twice in the query string is a 400: no route takes a list, and one
+    value would be dropped (``?cwd=/a&cwd=/b`` read the last, silently)."""
+    names = [name for name, _ in request.query_params.multi_items()]
+    if len(names) != len(set(names)):
+        name = next(name for name in names if names.count(name) > 1)
+        raise BadBody(f"{name}: given {names.count(name)} times in the query string; give it once")
 
 
 def error_body(code: str, message: str) -> dict[str, Any]:
@@ -197,6 +211,8 @@ def _validation_message(exc: RequestValidationError) -> str:
     located = list(first.get("loc", ()))
     where = json_path([p for p in located if p not in ("body", "query", "path")])
     msg = str(first.get("msg", "invalid"))
+    if first.get("type") == "extra_forbidden":  # a request body's unknown field
+        msg = "unknown field" + (" (wait goes in the query string: ?wait=false)" if where == "wait" else "")
     if first.get("type") == "json_invalid":
         return f"body: is not valid JSON: {first.get('ctx', {}).get('error', msg)}"  # a route not a JsonBodyRoute
     where = where or (str(located[0]) if located else "")  # the whole body (or query) is what is wrong

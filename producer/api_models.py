@@ -47,11 +47,18 @@ class ErrorBody(_Body):
     error: ErrorDetail
 
 
-class CompactRequest(_Body):
+class _Request(_Body):
+    """A request body: an unknown field is a 400 naming it (``wait`` sent in the body was
+    ignored, and the call waited)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class CompactRequest(_Request):
     cwd: str = Field(description="absolute working directory of the session")
 
 
-class EventsRequest(_Body):
+class EventsRequest(_Request):
     cwd: str = Field(description="absolute working directory of the session")
     events: list[dict[str, Any]] = Field(description="SPEC §3 events, validated all-or-none")
 

@@ -44,6 +44,7 @@ from compactor.store import SessionStore
 from events.config import ContextSettings, Settings
 from events.view import build_view, omitted_chars, undone_by_rollback
 from producer.api import CwdQuery, RedisDep, SettingsDep, _checked, errors
+from producer.api_errors import JsonBodyRoute
 from producer.api_metrics import BreakerCollector, ProcessMetrics, StreamLagCollector
 from producer.api_models import SessionBody
 from producer.api_sessions import known_sessions, read_log, session_body
@@ -301,7 +302,7 @@ def history(request: Request, settings: Settings, session_id: str, cwd: str) -> 
 
 # -- routes ------------------------------------------------------------------------------
 
-status_api = APIRouter(prefix="/api", tags=["status page"])
+status_api = APIRouter(prefix="/api", tags=["status page"], route_class=JsonBodyRoute)
 LimitQuery = Annotated[int, Query(ge=1, le=MAX_SESSIONS_LISTED,
                                   description="most recently active sessions listed")]
 

@@ -486,6 +486,31 @@ def test_compact_without_wait_is_202_then_job_finishes(client: TestClient, r: re
     assert "error" not in job
 
 
+def test_an_unknown_body_field_or_a_repeated_query_parameter_is_a_400_naming_it(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """``wait`` sent in the body was ignored (the call waited), a body's ``sessionId`` that
+    contradicted the path too, and ``?cwd=/a&cwd=/b`` read the last value silently."""
+    write_session(r, api_settings, 3)
+    for path, body, message in (
+        (f"/api/sessions/{SID}/compact", {"cwd": CWD, "wait": False},
+         "wait: unknown field (wait goes in the query string: ?wait=false)"),
+        (f"/api/sessions/{SID}/events", {"cwd": CWD, "events": [], "sessionId": "other"},
+         "sessionId: unknown field"),
+    ):
+        response = client.post(path, json=body)
+        assert response.status_code == 400, response.text
+        assert error_of(response) == {"code": "bad_request", "message": message}
+    for path in (f"/api/sessions/{SID}?cwd=/elsewhere&cwd={CWD}", f"/api/sessions/{SID}/context?cwd={CWD}&cwd={CWD}",
+                 "/api/sessions?limit=1&limit=2", f"/api/jobs/abc?x=1&x=2",
+                 f"/api/sessions/{SID}/compact?wait=false&wait=true"):
+        method = client.post if path.startswith(f"/api/sessions/{SID}/compact") else client.get
+        response = method(path, json={"cwd": CWD}) if method is client.post else method(path)
+        assert response.status_code == 400, (path, response.text)
+        assert error_of(response)["message"].endswith("times in the query string; give it once"), path
+    assert not r.exists(Keys(api_settings.redis.prefix, api_settings.redis.shards).job(SID))  # nothing queued
+    assert client.get(f"/api/sessions/{SID}", params={"cwd": CWD}).status_code == 200
+
+
 def test_a_job_of_another_queue_or_function_is_no_job_of_ours(
         client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
     """RQ's job keys are shared by every queue and application on the Redis: a job of another
