@@ -389,7 +389,24 @@ def _reason(detail: ErrorDetails) -> str:
     value = detail["input"]
     if detail["type"] == "int_parsing" and isinstance(value, str) and _is_a_number(value):
         return f"must be a whole number written in digits, not {value!r}"
+    if detail["type"] == "extra_forbidden":
+        key = str(detail["loc"][-1]) if detail["loc"] else ""
+        spelt = to_camel(key)
+        return "unknown key" + (f" (the file spells it {spelt})" if spelt != key and spelt in _all_keys() else "")
     return detail["msg"].removeprefix("Value error, ")
+
+
+@functools.cache
+def _all_keys() -> frozenset[str]:
+    """Every key of every section, as the file spells it (camelCase)."""
+    models: list[type[BaseModel]] = [Settings]
+    keys: set[str] = set()
+    while models:
+        for name, field in models.pop().model_fields.items():
+            keys.add(field.alias or name)
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                models.append(field.annotation)
+    return frozenset(keys)
 
 
 def _is_a_number(text: str) -> bool:
@@ -406,7 +423,7 @@ MISSPELT_CUTOFF = 0.75  # difflib's ratio from which an unknown top-level key re
 def misspelt_sections(data: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``(key, section)`` for each unknown top-level key that reads like a section of ours."""
     ours = {field.alias or name: name for name, field in Settings.model_fields.items()}
-    known = set(ours) | set(ours.values())
+    known = set(ours)  # (``data_dir`` is not ours: the file spells it ``dataDir``)
     by_lower = {name.lower(): name for name in ours}
     found = []
     for key in data:
@@ -436,7 +453,9 @@ def load_settings(
     applied = _apply_env(data, os.environ if environ is None else environ)
     try:
         # Environment values are strings; lax mode converts "8081" to 8081 for them.
-        settings = Settings.model_validate(data)
+        # only the file's spelling (camelCase): the field names' would be a second one, and the
+        # two together in one section are one dropped value or a clash
+        settings = Settings.model_validate(data, by_alias=True, by_name=False)
     except ValidationError as e:
         raise _as_invalid(e, _sources(applied, origins)) from e
     socket = settings.data_dir / EMBEDDED_SOCKET

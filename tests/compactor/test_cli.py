@@ -139,6 +139,33 @@ def test_a_misspelt_section_is_warned_of_and_the_agents_own_keys_are_not(
     ]
 
 
+def test_the_file_takes_its_keys_only_as_spelt_in_camel_case(
+    runner: CliRunner, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The field names were a second, undocumented spelling: ``data_dir`` alone was used, beside
+    ``dataDir`` silently dropped, and ``compaction_model`` beside ``compactionModel`` an error
+    on a spelling that worked alone."""
+    from events.config import Settings, load_settings
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data_dir: {tmp_path / 'elsewhere'}\n")  # (before the CLI sets its own logging up)
+    with caplog.at_level(logging.WARNING, logger="events.config"):
+        settings = load_settings(config, environ={})
+    assert settings.data_dir == Settings().data_dir  # not taken
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{config}: unknown top-level key 'data_dir' ignored; did you mean 'dataDir'?"]
+    config.write_text("context:\n  compaction_model: x\n  keepRecentTurns: 3\n")
+    result = runner.invoke(app, ["api", "--config", str(config)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        "compactor: invalid configuration: context.compaction_model: unknown key (the file spells it "
+        "compactionModel)"]
+    config.write_text("context:\n  keepRecnetTurns: 3\n")
+    result = runner.invoke(app, ["api", "--config", str(config)])
+    assert result.stderr.strip().splitlines() == [
+        "compactor: invalid configuration: context.keepRecnetTurns: unknown key"]
+
+
 def test_a_job_timeout_not_above_the_llm_timeout_is_warned_of(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
