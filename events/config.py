@@ -389,11 +389,25 @@ def _reason(detail: ErrorDetails) -> str:
     value = detail["input"]
     if detail["type"] == "int_parsing" and isinstance(value, str) and _is_a_number(value):
         return f"must be a whole number written in digits, not {value!r}"
+    if detail["type"] in ("tuple_type", "list_type"):  # (YAML words, not Python's)
+        return f"must be a list, not {_yaml_kind(value)}"
+    if detail["type"] in ("model_type", "dict_type"):
+        return f"must be a section (keys and values), not {_yaml_kind(value)}"
     if detail["type"] == "extra_forbidden":
         key = str(detail["loc"][-1]) if detail["loc"] else ""
         spelt = to_camel(key)
         return "unknown key" + (f" (the file spells it {spelt})" if spelt != key and spelt in _all_keys() else "")
     return detail["msg"].removeprefix("Value error, ")
+
+
+def _yaml_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true/false"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return f"the text {value!r}"
+    return "a list" if isinstance(value, list) else "a section" if isinstance(value, dict) else type(value).__name__
 
 
 @functools.cache

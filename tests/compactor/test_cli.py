@@ -166,6 +166,21 @@ def test_the_file_takes_its_keys_only_as_spelt_in_camel_case(
         "compactor: invalid configuration: context.keepRecnetTurns: unknown key"]
 
 
+def test_a_value_of_the_wrong_shape_is_named_in_yaml_words(runner: CliRunner, tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    for text, line in (
+        ("context:\n  compactableTools: read_file\n",
+         "context.compactableTools: must be a list, not the text 'read_file'"),
+        ("context: 3\nredis: [a]\n",
+         "context: must be a section (keys and values), not a number; redis: must be a section (keys and "
+         "values), not a list"),
+    ):
+        config.write_text(text)
+        result = runner.invoke(app, ["api", "--config", str(config)])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip().splitlines() == [f"compactor: invalid configuration: {line}"]
+
+
 def test_a_job_timeout_not_above_the_llm_timeout_is_warned_of(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
