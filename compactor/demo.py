@@ -37,6 +37,7 @@ from compactor.keys import Keys
 from compactor.queue import compaction_queue, parse_job_id
 from compactor.serve import Output, running_stack, stack_specs
 from compactor.store import SessionStore
+from compactor.urls import redacted
 from events.config import Settings
 from events.log import SessionLog
 from events.view import build_view
@@ -226,16 +227,18 @@ def run_demo(settings: Settings, options: DemoOptions, *, on_tick: Snapshot | No
     with _data_dir(options) as data_dir:
         demo = demo_settings(settings, data_dir)
         specs = stack_specs(workers=options.workers, api=False)
-        with running_stack(demo, specs, output=output) as stack:
-            client = redis.Redis.from_url(stack.redis_url)
-            client.ping()  # a configured Redis that does not answer: one error, before any agent starts
-            agents = _agents(options)
-            try:
-                return _drive(client, demo, agents, options, on_tick)
-            finally:
-                if settings.redis.url:
-                    _cleanup(client, demo.redis.prefix, agents[0].session_id.rsplit("-", 1)[0])
-                client.close()
+        agents = _agents(options)
+        try:
+            with running_stack(demo, specs, output=output) as stack:
+                client = redis.Redis.from_url(stack.redis_url)
+                try:
+                    client.ping()  # a configured Redis that does not answer: one error, before any agent starts
+                    return _drive(client, demo, agents, options, on_tick)
+                finally:
+                    client.close()
+        finally:  # once the workers have stopped: a job still running wrote its keys after a cleanup before
+            if settings.redis.url:
+                _cleanup(settings.redis.url, demo.redis.prefix, agents[0].session_id.rsplit("-", 1)[0])
 
 
 def _drive(client: redis.Redis, settings: Settings, agents: list[Agent], options: DemoOptions,
@@ -331,12 +334,19 @@ def summary(client: redis.Redis, settings: Settings, agents: list[Agent], stats:
     return numbers
 
 
-def _cleanup(client: redis.Redis, prefix: str, session_tag: str) -> None:
+def _cleanup(url: str, prefix: str, session_tag: str) -> None:
     """Remove the demo's keys from a shared Redis: its own prefix, its RQ queue,
-    registries and rate limits, and its jobs (their ids end with the session id)."""
+    registries and rate limits, and its jobs (their ids end with the session id).
+    A Redis that does not answer is logged, not raised (the demo's own error, if any, stands)."""
     patterns = (f"{prefix}:*", f"{prefix}-*", f"rq:*:{prefix}", f"rq:*:{prefix}:*",
                 f"rq:*-{session_tag}-*")
-    for pattern in patterns:
-        for key in client.scan_iter(match=pattern, count=1000):
-            client.delete(key)
-    client.srem("rq:queues", f"rq:queue:{prefix}")
+    client = redis.Redis.from_url(url)
+    try:
+        for pattern in patterns:
+            for key in client.scan_iter(match=pattern, count=1000):
+                client.delete(key)
+        client.srem("rq:queues", f"rq:queue:{prefix}")
+    except redis.RedisError as e:
+        logger.warning("demo: could not delete its keys (prefix %s) from %s: %s", prefix, redacted(url), e)
+    finally:
+        client.close()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import signal
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import IO, TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console, Group
@@ -24,6 +27,10 @@ from compactor.cli.common import (
     user_errors,
 )
 
+if TYPE_CHECKING:
+    from compactor.demo import DemoOptions
+    from events.config import Settings
+
 logger = logging.getLogger(__name__)
 
 
@@ -32,7 +39,7 @@ def demo(
                                           help="Concurrent simulated sessions.")] = 20,
     turns: Annotated[int, typer.Option("--turns", "-t", min=1, max=200,
                                        help="Turns per session.")] = 12,
-    window: Annotated[int, typer.Option("--context-window", min=1000,
+    window: Annotated[int, typer.Option("--context-window", min=1000, max=10_000_000,
                                         help="contextWindow the agents report (tokens).")] = 8000,
     workers: Annotated[int, typer.Option("--workers", "-w", min=1, max=16,
                                          help="Worker processes.")] = 2,
@@ -50,7 +57,7 @@ def demo(
     is set (then its own key prefix there, deleted afterwards); the offline
     `extractive` summarizer unless context.compactionModel is set.
     """
-    from compactor.demo import DemoOptions, run_demo
+    from compactor.demo import DemoOptions
 
     settings = load(config, redis_url=redis_url)
     if data_dir is not None:  # read as dataDir is: ~ expanded, made absolute, a NUL refused
@@ -58,21 +65,53 @@ def demo(
         usable_dir(data_dir, "--data-dir")
     options = DemoOptions(sessions=sessions, turns=turns, context_window=window,
                           workers=workers, data_dir=data_dir)
-    with tempfile.TemporaryFile() as child_output, user_errors():
-        if json_out:
-            result = run_demo(settings, options, output=child_output)
-        elif err_console.is_terminal:
-            with Live(live_view({}), console=err_console, refresh_per_second=4) as live:
-                result = run_demo(settings, options, output=child_output,
-                                  on_tick=lambda n: live.update(live_view(n)))
-        else:  # a file or a pipe (CI): the last numbers once, ended (rich's Live leaves the
-            last: dict[str, Any] = {}  # line open there, and the table's title joined it)
-            result = run_demo(settings, options, output=child_output, on_tick=last.update)
-            err_console.print(live_view(last))
+    with _interrupted_by_signals() as received, tempfile.TemporaryFile() as child_output, user_errors():
+        try:
+            result = _run(settings, options, json_out, child_output)
+        except KeyboardInterrupt:
+            if received and received[0] != signal.SIGINT:  # stopped, and cleaned up: the signal's exit code
+                raise typer.Exit(128 + received[0]) from None
+            raise
     if json_out:
         print_json(result)
         return
     Console().print(summary_table(result))
+
+
+@contextmanager
+def _interrupted_by_signals() -> Iterator[list[int]]:
+    """SIGINT, SIGTERM and SIGHUP each interrupt the demo as Ctrl-C does, so its clean-up runs
+    (SIGTERM or a closed terminal killed it at once: its Redis, temp dirs and keys left behind);
+    a second signal does not interrupt that clean-up. Yields the signals received."""
+    received: list[int] = []
+
+    def interrupt(signum: int, _frame: object) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _run(settings: Settings, options: DemoOptions, json_out: bool, child_output: IO[bytes]) -> dict[str, Any]:
+    """The demo, its live numbers on a terminal, else once at the end (a file or a pipe, CI:
+    rich's Live leaves the line open there, and the table's title joined it); none with --json."""
+    from compactor.demo import run_demo
+
+    if json_out:
+        return run_demo(settings, options, output=child_output)
+    if err_console.is_terminal:
+        with Live(live_view({}), console=err_console, refresh_per_second=4) as live:
+            return run_demo(settings, options, output=child_output, on_tick=lambda n: live.update(live_view(n)))
+    last: dict[str, Any] = {}
+    result = run_demo(settings, options, output=child_output, on_tick=last.update)
+    err_console.print(live_view(last))
+    return result
 
 
 def live_view(numbers: dict[str, Any]) -> Group:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -107,3 +109,53 @@ def test_demo_on_a_shared_redis_cleans_up_after_itself(settings: Settings, r: An
     assert "unrelated" in left
     assert not [k for k in left if "demo" in k and not k.startswith("rq:worker")], left
     assert (tmp_path / "d").is_dir()  # --data-dir given: the logs are kept
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("shared", "signum", "code"), [(False, signal.SIGTERM, 143), (True, signal.SIGINT, 130),
+                                                         (True, signal.SIGHUP, 129)])
+def test_a_stopped_demo_leaves_no_process_no_temp_dir_and_no_key(redis_url: str, r: Any, shared: bool,
+                                                                 signum: int, code: int) -> None:
+    """SIGTERM or SIGHUP killed the demo at once: its embedded Redis ran on, its temp dirs and its
+    keys on a shared Redis stayed. Ctrl-C cleaned the keys up while a worker still ran a job,
+    which wrote its keys after that."""
+    tmp = Path(tempfile.mkdtemp(prefix="cd-", dir="/tmp"))  # short: the embedded Redis's socket is under it
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", TMPDIR=str(tmp))
+    command = [sys.executable, "-m", "compactor", "demo", "-s", "5", "-t", "200", "--json"]
+    demo = subprocess.Popen(command + (["--redis-url", redis_url] if shared else []), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(r.scan_iter(match="rq:finished:compaction-demo*")) if shared else not _children_under(tmp):
+            assert demo.poll() is None and time.monotonic() < deadline, demo.stderr.read() if demo.stderr else ""
+            time.sleep(0.1)
+        time.sleep(1.5)  # jobs running
+        demo.send_signal(signum)
+        _, stderr = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == code, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    deadline = time.monotonic() + 10
+    while _children_under(tmp) and time.monotonic() < deadline:  # (children exit on their own)
+        time.sleep(0.1)
+    assert not _children_under(tmp), [p.cmdline() for p in _children_under(tmp)]
+    assert not list(tmp.iterdir()), list(tmp.iterdir())
+    left = [k.decode() for k in r.scan_iter(count=1000)]
+    assert not [k for k in left if "demo" in k and not k.startswith("rq:worker")], left
+    tmp.rmdir()
+
+
+def _children_under(tmp: Path) -> list[Any]:
+    """The live processes whose command line names ``tmp`` (the demo's Redis, watcher and workers)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        cmdline = process.info["cmdline"] or []
+        if process.info["status"] != psutil.STATUS_ZOMBIE and any(str(tmp) in part for part in cmdline):
+            found.append(process)
+    return found
