@@ -33,6 +33,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,7 @@ MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 RESTART_DELAY_S = 1.0
 STOP_TIMEOUT_S = 15.0
+API_READY_TIMEOUT_S = 60.0  # the banner waits this long at most for the API to accept connections
 PARENT_POLL_INTERVAL_S = 1.0  # how often a child checks that its parent is still there
 POLL_INTERVAL_S = 0.2
 REDIS_CHECK_INTERVAL_S = 2.0
@@ -473,12 +475,30 @@ def serve(settings: Settings, *, workers: int, host: str | None = None,
     specs = stack_specs(workers=workers, host=host, port=port)
     with _StopRequested().installed() as stop:
         with running_stack(settings, specs) as stack:
-            where = "http://" + host_port(host or settings.api.host, settings.api.port if port is None else port)
+            api_host, api_port = host or settings.api.host, settings.api.port if port is None else port
+            where = "http://" + host_port(api_host, api_port)
+            _wait_for_api(stack, stop, api_host, api_port)  # a script reading the banner connects at once
             announce(f"API {where}, watcher, {workers} worker(s); "
                      f"Redis {redacted(stack.redis_url)}; Ctrl-C to stop")
             code = supervise(stack, stop)
         announce("stopped")
     return code
+
+
+def _wait_for_api(stack: Stack, stop: _StopRequested, host: str, port: int) -> None:
+    """Until the API child accepts connections on ``host:port``, at most ``API_READY_TIMEOUT_S``;
+    no wait once it exited or a stop is asked for (``supervise`` takes over: restart, report)."""
+    api = next((c for c in stack.supervisor.children if c.spec.name == "api"), None)
+    connect_to = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    deadline = time.monotonic() + API_READY_TIMEOUT_S
+    while api is not None and stop.signal is None and time.monotonic() < deadline:
+        if api.process is None or api.process.poll() is not None:
+            return
+        try:
+            socket.create_connection((connect_to, port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.05)
 
 
 def announce(message: str, level: int = logging.INFO) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 from types import FrameType
 from typing import Annotated
 
@@ -164,11 +165,20 @@ def api(
     server = Server(uvicorn.Config(application, host=settings.api.host, port=settings.api.port,
                                    log_level=log_level.lower(), log_config=None,
                                    timeout_graceful_shutdown=API_STOP_GRACE_S))
+    sock.listen(2048)  # (uvicorn's backlog) before the line that says so: a script reading it connects at once
     logger.info("API listening on http://%s", host_port(settings.api.host, sock.getsockname()[1]))
+    # uvicorn re-raises the signal it stopped on once it is done: exit 0 then, as watch, work and serve
+    # do (a SIGTERM killed the process by the signal); a SIGHUP (the terminal closed) stops it the same way
+    signal.signal(signal.SIGTERM, _stopped)
+    signal.signal(signal.SIGHUP, lambda _signum, frame: server.handle_exit(signal.SIGTERM, frame))
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it stopped on (uvicorn.run swallows it too)
+    except KeyboardInterrupt:  # (likewise for the Ctrl-C it stopped on; uvicorn.run swallows it too)
         pass
+
+
+def _stopped(_signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(0)
 
 
 def _with_redis(settings: Settings) -> Settings:

@@ -166,7 +166,7 @@ def _message_panel(message: dict[str, Any], full: bool) -> Panel:
 
 def status(
     json_out: JsonOpt = False,
-    limit: Annotated[int, typer.Option("--limit", min=1, help="Most recent sessions shown.")] = 50,
+    limit: Annotated[int, typer.Option("--limit", min=1, max=1_000_000, help="Most recent sessions shown.")] = 50,
     config: ConfigOpt = None,
     redis_url: RedisUrlOpt = None,
     data_dir: DataDirOpt = None,

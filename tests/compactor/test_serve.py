@@ -361,3 +361,61 @@ def test_a_killed_serves_private_dir_is_removed_by_the_next_one(tmp_path: Path) 
         (path / "codingcode.yaml").write_text("api: {token: secret}\n")
     assert serve.remove_stale_private_dirs(tmp_path) == [gone]
     assert not gone.exists() and alive.exists() and other.exists()
+
+
+def _line_with(process: subprocess.Popen[str], text: str) -> str:
+    """The first line of ``process``'s stderr holding ``text`` (what was read before it, on failure)."""
+    assert process.stderr is not None
+    seen = []
+    for line in process.stderr:
+        if text in line:
+            return line
+        seen.append(line)
+    raise AssertionError(f"no line with {text!r}: {''.join(seen)[-3000:]}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_serve_names_the_api_once_it_answers(tmp_path: Path) -> None:
+    """The banner came ~2 s before the API accepted a connection: a script that waited for it
+    and then connected was refused."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_DATA_DIR=str(tmp_path / "data"))
+    process = subprocess.Popen([sys.executable, "-m", "compactor", "serve", "--workers", "1", "--port", str(port)],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _line_with(process, f"API http://127.0.0.1:{port}")
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200  # at once, no retry
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_api_names_its_port_once_it_listens_and_exits_0_when_stopped(redis_url: str, tmp_path: Path,
+                                                                     signum: int) -> None:
+    """``API listening on`` came before uvicorn listened (a connection refused right after it);
+    a SIGTERM ended the API by the signal (uvicorn re-raises it), where watch, work and serve
+    exit 0; a SIGHUP killed it without its graceful stop."""
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_DATA_DIR=str(tmp_path / "data"))
+    process = subprocess.Popen([sys.executable, "-m", "compactor", "api", "--port", "0", "--redis-url", redis_url],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        line = _line_with(process, "API listening on http://127.0.0.1:")
+        port = int(line.rsplit(":", 1)[1].split()[0])
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).status_code == 200  # at once, no retry
+        process.send_signal(signum)
+        assert process.wait(timeout=60) == 0
+        _, stderr = process.communicate(timeout=30)
+        assert "Traceback" not in stderr, stderr
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate(timeout=30)
