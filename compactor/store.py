@@ -28,6 +28,7 @@ Invariants, for every writer (watcher or worker):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -42,13 +43,15 @@ from events.errors import InvalidEvent
 from events.log import SessionLog
 from events.models import TURN_SCOPED_TYPES
 from events.state import SessionState, fold, rebuild, rebuild_with_view
-from events.tokens import stamp
+from events.tokens import arguments_json, stamp
 from events.view import ContextView, extend_view
 
 logger = logging.getLogger(__name__)
 
 Guard = Callable[[list[tuple[dict[str, Any], InvalidEvent]]], None]  # called with the events refused so far
 
+BIG_TEXT_CHARS = 256 * 1024  # an event with this much text is counted while the caller's progress is kept
+KEEP_ALIVE_POLL_S = 0.05  # how often ``progress`` is called while such an event is counted
 UUID_INDEX_CHUNK = 10_000  # uuids per SADD when indexing a whole log
 
 # KEYS: the session hash, its uuid index, the active sessions. ARGV: the new logSize, the
@@ -474,7 +477,7 @@ class SessionStore:
                 continue
             if isinstance(uuid := event.get("uuid"), str):  # taken once admitted: a refused one's is free
                 taken.add(uuid)
-            line = stamp(event, state.encoding)  # a producer's stamp is never trusted: replaced
+            line = _stamped(event, state.encoding, progress)  # a producer's stamp is never trusted: replaced
             if progress is not None:
                 progress()
             result.appended.append(line)
@@ -495,6 +498,48 @@ class SessionStore:
         created: a refusal leaves nothing on disk (SPEC §3)."""
         _check_cwd(session_id, cwd, cached if cached is not None else
                    self.load(session_id) if isinstance(stored, _Unread) else stored)
+
+
+def _stamped(event: dict[str, Any], encoding: str, progress: Callable[[], None] | None) -> dict[str, Any]:
+    """``stamp(event, encoding)``; with ``progress``, an event of ``BIG_TEXT_CHARS`` or more is
+    counted in a thread of its own while ``progress`` is called every ``KEEP_ALIVE_POLL_S``
+    (tiktoken lets go of the GIL): one output of a single character repeated (``"." * 4_000_000``)
+    took ~7 s to count, longer than a watcher's lease, so the write was refused and the entry read
+    again, forever, every shard of the watcher stalled. What ``progress`` raises (the lease lost)
+    is raised here; the count then ends on its own, unused."""
+    if progress is None or _text_chars(event) < BIG_TEXT_CHARS:
+        return stamp(event, encoding)
+    done: list[dict[str, Any]] = []
+    failed: list[BaseException] = []
+
+    def count() -> None:
+        try:
+            done.append(stamp(event, encoding))
+        except BaseException as e:  # raised in the caller's thread below
+            failed.append(e)
+
+    counting = threading.Thread(target=count, name="token-count", daemon=True)
+    counting.start()
+    counting.join(KEEP_ALIVE_POLL_S)
+    while counting.is_alive():
+        progress()
+        counting.join(KEEP_ALIVE_POLL_S)
+    if failed:
+        raise failed[0]
+    return done[0]
+
+
+def _text_chars(event: dict[str, Any]) -> int:
+    """The characters of what ``stamp`` counts in ``event`` (its tool calls' arguments as JSON)."""
+    chars = 0
+    for key in ("content", "output", "summaryText"):
+        if isinstance(value := event.get(key), str):
+            chars += len(value)
+    if isinstance(calls := event.get("toolCalls"), list):
+        for call in calls:
+            if isinstance(call, dict):
+                chars += len(arguments_json(call.get("arguments", "")))
+    return chars
 
 
 def _uuids(events: Iterable[dict[str, Any]]) -> list[str]:

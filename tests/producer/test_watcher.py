@@ -151,6 +151,31 @@ def test_a_run_longer_than_the_lease_is_applied_and_the_other_leases_kept(
     assert set(watcher.leases.owned) == owned  # no lease lapsed, none changed hands
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_one_event_whose_count_outlasts_the_lease_is_applied_and_the_leases_kept(
+    r: redis.Redis, fast: Settings
+) -> None:
+    """An output of one character repeated takes tiktoken seconds to count (here ~2 s against a
+    1 s lease): the write was refused, the entry read again, forever, and every shard of the
+    watcher stalled (renewals came between events only)."""
+    big = "." * 2_500_000
+    started = time.monotonic()
+    assert count_tokens(big, "cl100k_base") > 0
+    assert time.monotonic() - started > fast.watcher.lease_ms / 1000  # (the case: longer than the lease)
+    watcher = Watcher(r, fast, name="slow")
+    watcher.run_once()
+    owned = set(watcher.leases.owned)
+    assert len(owned) == fast.redis.shards
+    publisher = Publisher(r, fast)
+    published = {"big": publisher.publish("big", CWD, [user(1, big), turn_end(1)])}
+    for n in range(6):  # on the other shards too
+        published[f"s{n}"] = publisher.publish(f"s{n}", CWD, [user(1), turn_end(1)])
+    drain(watcher, r, fast, timeout_s=60)
+    assert_applied_once_in_order(fast, published)
+    assert set(watcher.leases.owned) == owned  # no lease lapsed, none changed hands
+
+
 def test_a_session_state_deleted_while_the_watcher_runs_is_stored_again_at_its_next_event(
     r: redis.Redis, fast: Settings
 ) -> None:
