@@ -154,7 +154,8 @@ def reason_kind(reason: str) -> str:
     starts (or, for a duplicate uuid, ends) with: the rest may quote the producer's data (a uuid
     holding "goes backwards" was counted as ``turn_order``)."""
     text = reason.lower()
-    if text.startswith("turnid: goes backwards"):
+    if text.startswith(("turnid: goes backwards", "lastsummarizedturnid: is past the session's turns",
+                        "endturnid: is past the session's turns")):
         return "turn_order"
     if text.startswith("streamid: ") and text.endswith("out of order, not written"):
         return "out_of_order"

@@ -39,6 +39,7 @@ from rq.utils import as_text
 
 from compactor.keys import Keys
 from events.config import Settings
+from events.checks import COVERING, check_covered_turns
 from events.errors import InvalidEvent
 from events.log import SessionLog
 from events.models import TURN_SCOPED_TYPES
@@ -464,17 +465,28 @@ class SessionStore:
         """
         needs_rebuild = False
         order: SessionState | None = state  # the turn order's reference; None: replay it when needed
+        highest: int | None = state.max_turn  # the highest visible turn so far; None: replay it when needed
         ctx = self.settings.context
         for event in events:
             try:
                 _check_unique(event, taken)
-                if order is None and event.get("type") in TURN_SCOPED_TYPES:
-                    order = replayed()
-                if order is not None:
+                kind = event.get("type")
+                if kind in TURN_SCOPED_TYPES:
+                    if order is None:
+                        order = replayed()
                     _check_turn_order(order, event)
+                elif kind in COVERING:  # (a compact or summary leaves the highest turn as it was: no replay)
+                    if highest is None:
+                        order = order if order is not None else replayed()
+                        highest = order.max_turn
+                    check_covered_turns(highest, event)
             except InvalidEvent as e:
                 result.rejected.append((event, e))
                 continue
+            if kind == "rollback":
+                highest = None
+            elif highest is not None and isinstance(turn := event.get("turnId"), int) and turn > highest:
+                highest = turn
             if isinstance(uuid := event.get("uuid"), str):  # taken once admitted: a refused one's is free
                 taken.add(uuid)
             line = _stamped(event, state.encoding, progress)  # a producer's stamp is never trusted: replaced
@@ -583,9 +595,10 @@ def _first_session_meta(events: Iterable[dict[str, Any]]) -> dict[str, Any] | No
 
 
 def _check_turn_order(state: SessionState, event: dict[str, Any]) -> None:
-    if event.get("type") in TURN_SCOPED_TYPES:
-        turn = event.get("turnId")
-        if isinstance(turn, int) and turn < state.current_turn_id:
-            raise InvalidEvent(
-                "turnId", f"goes backwards: {turn} < currentTurnId {state.current_turn_id}"
-            )
+    turn = event.get("turnId")
+    if isinstance(turn, int) and turn < state.current_turn_id:
+        raise InvalidEvent(
+            "turnId", f"goes backwards: {turn} < currentTurnId {state.current_turn_id}"
+        )
+
+

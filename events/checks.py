@@ -6,6 +6,8 @@
 - ``check_batch``: the uuid / turn order of a batch, as ``compactor.store``
   refuses it, seen from the batch alone (so a refusal is certain; what the
   batch cannot see, the store still checks).
+- ``check_covered_turns``: a summary / compact covers turns that happened (the
+  store's rule; ``first_past_turns`` applies it to a batch on a known session).
 """
 
 from __future__ import annotations
@@ -83,17 +85,21 @@ def _value_problem(value: object) -> str | None:
     return None
 
 
-def check_batch(events: Sequence[Mapping[str, Any]]) -> None:
+def check_batch(events: Sequence[Mapping[str, Any]], *, new_session: bool = False) -> None:
     """Raise InvalidEvent (located at the event's index) for an event the log would refuse after
     the ones before it in ``events`` (each valid alone, as written): a ``uuid`` seen before
     (SPEC §3: unique within the session) or a turn-scoped event whose ``turnId`` is below the
     ``currentTurnId`` the events before it reached (a ``rollback`` hides the turns it undoes
     from it, SPEC §4). Events before the batch are not known here: the current turn of the
-    log is never below this one, so what is refused here the log refuses too."""
+    log is never below this one, so what is refused here the log refuses too. With
+    ``new_session`` (nothing before the batch), also a summary or compact past the turns
+    before it (``check_covered_turns``)."""
     seen: dict[str, int] = {}
     turns: list[tuple[int, bool, int]] = []  # (turnId, is a turn_end, index) of the visible events
     current, reached_at = 1, -1
     for index, event in enumerate(events):
+        if new_session and event.get("type") in COVERING:
+            check_covered_turns(max((t[0] for t in turns), default=0), event, index)
         uuid = event.get("uuid")
         if isinstance(uuid, str):
             if uuid in seen:
@@ -111,6 +117,37 @@ def check_batch(events: Sequence[Mapping[str, Any]]) -> None:
             turns.append((turn, kind == "turn_end", index))
             if (now := max(current, turn + 1 if kind == "turn_end" else turn)) > current:
                 current, reached_at = now, index
+
+
+COVERING = {"summary": "lastSummarizedTurnId", "compact": "endTurnId"}  # the last turn each event covers
+
+
+def check_covered_turns(highest: int, event: Mapping[str, Any], index: int | None = None) -> None:
+    """A summary or compact covers turns that happened: raise InvalidEvent for one past
+    ``highest``, the session's highest visible turn before it. A producer's
+    ``lastSummarizedTurnId: 1000000`` left every later turn out of the LLM's targets for good
+    (SPEC §5: the targets are the turns after it); a compact ahead of its turns elided their
+    outputs as they came."""
+    field = COVERING.get(event.get("type"))  # type: ignore[arg-type]
+    covered = event.get(field) if field else None
+    if field and isinstance(covered, int) and covered > highest:
+        raise InvalidEvent(field, f"is past the session's turns: {covered} > {highest}, its highest turn so far "
+                                  f"(a {event['type']} covers turns that happened)", index)
+
+
+def first_past_turns(events: Sequence[Mapping[str, Any]], highest_before: int) -> None:
+    """``check_covered_turns`` for each summary/compact of ``events`` appended to a session whose
+    highest visible turn is ``highest_before`` (a rollback among them ends the check: what it
+    hides is the store's to see)."""
+    highest = highest_before
+    for index, event in enumerate(events):
+        kind, turn = event.get("type"), event.get("turnId")
+        if kind == "rollback":
+            return
+        if kind in TURN_SCOPED_TYPES and isinstance(turn, int):
+            highest = max(highest, turn)
+        else:
+            check_covered_turns(highest, event, index)
 
 
 def _current_turn(turns: Sequence[tuple[int, bool, int]]) -> tuple[int, int]:

@@ -50,6 +50,7 @@ from compactor.keys import Keys
 from compactor.queue import enqueue_forced_compaction
 from compactor.serve import client_redis_url
 from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd
+from events.checks import first_past_turns
 from events.config import Settings
 from events.errors import InvalidEvent, SessionNotFound
 from events.log import SessionLog
@@ -180,18 +181,24 @@ def _refuse_backwards(client: redis.Redis, settings: Settings, store: SessionSto
     earlier may still lower the turn: the event is published, and the watcher decides (it
     dead-letters it if it does go backwards). The usual batch costs nothing here."""
     current = state.current_turn_id
+    problem: InvalidEvent | None = None
     for index, event in enumerate(wires):
         kind, turn = event.get("type"), event.get("turnId")
         if kind == "rollback":
-            return
-        if kind in TURN_SCOPED_TYPES and isinstance(turn, int) and turn < current:
             break
-    else:
+        if kind in TURN_SCOPED_TYPES and isinstance(turn, int) and turn < current:
+            problem = InvalidEvent("turnId", f"goes backwards: {turn} < currentTurnId {current}", index)
+            break
+    try:  # a summary or compact past the session's turns, likewise
+        first_past_turns(wires, state.max_turn)
+    except InvalidEvent as e:
+        problem = e if problem is None or (e.index or 0) < (problem.index or 0) else problem
+    if problem is None:
         return
     if store.log(state.session_id, state.cwd).complete_size() != state.log_size or _waiting_in_shard(
             client, settings, state.session_id):
         return
-    raise InvalidEvent("turnId", f"goes backwards: {turn} < currentTurnId {current}", index)
+    raise problem
 
 
 def _waiting_in_shard(client: redis.Redis, settings: Settings, session_id: str) -> bool:

@@ -119,6 +119,39 @@ def test_turn_order_after_a_rollback_does_not_depend_on_the_batching(store: Sess
     assert store.load(SID) == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
 
 
+def summary(through: int, uuid: str) -> dict[str, Any]:
+    return {"type": "summary", "uuid": uuid, "timestamp": "2026-01-01T00:00:00Z", "replaces": [],
+            "summaryText": "### Primary Request\nx", "lastSummarizedTurnId": through}
+
+
+def compact(end: int, uuid: str) -> dict[str, Any]:
+    return {"type": "compact", "uuid": uuid, "timestamp": "2026-01-01T00:00:00Z", "startTurnId": 1, "endTurnId": end}
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["one batch", "one by one"])
+def test_a_summary_or_compact_past_the_sessions_turns_is_refused(store: SessionStore, batched: bool) -> None:
+    """A producer's summary with ``lastSummarizedTurnId: 1000000`` was written: every later turn
+    fell at or below it, so no LLM job ever had a target again (a forced one answered
+    ``didCompress: false``), the session over its window for good."""
+    store.apply(SID, CWD, [user(1, "a"), turn_end(1), user(2, "b"), turn_end(2), user(3, "c"), turn_end(3)])
+    events = [summary(1_000_000, "s-far"), compact(9, "c-far"), summary(3, "s-ok"), rollback(2),
+              compact(3, "c-undone"), compact(1, "c-ok")]  # after the rollback turn 1 is the highest
+    if batched:
+        rejected = store.apply(SID, CWD, events).rejected
+    else:
+        rejected = [refusal for event in events for refusal in store.apply(SID, CWD, [event]).rejected]
+    assert [(e["uuid"], str(err)) for e, err in rejected] == [
+        ("s-far", "lastSummarizedTurnId: is past the session's turns: 1000000 > 3, its highest turn so far "
+                  "(a summary covers turns that happened)"),
+        ("c-far", "endTurnId: is past the session's turns: 9 > 3, its highest turn so far (a compact covers "
+                  "turns that happened)"),
+        ("c-undone", "endTurnId: is past the session's turns: 3 > 1, its highest turn so far (a compact covers "
+                     "turns that happened)")]
+    log = store.log(SID, CWD)
+    assert [e["uuid"] for e in log.read() if e["type"] in ("summary", "compact")] == ["s-ok", "c-ok"]
+    assert store.load(SID) == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
+
+
 @pytest.mark.parametrize("batched", [True, False], ids=["one batch", "two batches"])
 def test_a_refused_events_uuid_stays_free(store: SessionStore, batched: bool) -> None:
     """An event refused for going backwards had its uuid taken all the same: a later event of the

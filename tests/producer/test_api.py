@@ -766,16 +766,18 @@ def test_a_batch_the_watcher_would_apply_whole_is_accepted(client: TestClient, r
 
 @st.composite
 def batches(draw: st.DrawFn) -> list[dict[str, Any]]:
-    """Turn-scoped events, rollbacks and compacts in any order; uuids from a small pool."""
+    """Turn-scoped events, rollbacks, compacts and summaries in any order; uuids from a small pool."""
     batch = []
     for _ in range(draw(st.integers(1, 12))):
-        kind = draw(st.sampled_from(["user", "assistant", "tool_result", "turn_end", "rollback", "compact"]))
+        kind = draw(st.sampled_from(["user", "assistant", "tool_result", "turn_end", "rollback", "compact", "summary"]))
         turn = draw(st.integers(1, 5))
         event: dict[str, Any] = {"type": kind, "uuid": draw(st.sampled_from(["a", "b", "c", "d", "e", "f", "g"]))}
         if kind == "rollback":
             event.update(throughTurnId=turn, reason="undo")
         elif kind == "compact":
             event.update(startTurnId=1, endTurnId=turn)
+        elif kind == "summary":
+            event.update(replaces=[], summaryText="s", lastSummarizedTurnId=turn)
         elif kind == "tool_result":
             event.update(turnId=turn, toolCallId="c", toolName="t", output="o")
         elif kind == "turn_end":
@@ -796,7 +798,7 @@ def test_the_batch_check_refuses_what_the_store_would_first_refuse(r: redis.Redi
     @given(batches())
     def check(batch: list[dict[str, Any]]) -> None:
         try:
-            check_batch(batch)
+            check_batch(batch, new_session=True)
             refused = None
         except InvalidEvent as e:
             refused = e.index
@@ -808,6 +810,19 @@ def test_the_batch_check_refuses_what_the_store_would_first_refuse(r: redis.Redi
         assert refused == first, batch
 
     check()
+
+
+def test_a_summary_past_the_sessions_turns_is_400(client: TestClient, r: redis.Redis,
+                                                   api_settings: Settings) -> None:
+    write_session(r, api_settings, 3)
+    far = {"type": "summary", "replaces": [], "summaryText": "x", "lastSummarizedTurnId": 1_000_000}
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": [far]})
+    assert response.status_code == 400, response.text
+    assert error_of(response)["message"] == (
+        "events[0].lastSummarizedTurnId: is past the session's turns: 1000000 > 3, its highest turn so far "
+        "(a summary covers turns that happened)")
+    batch = [{"type": "user", "turnId": 4, "content": "more"}, {**far, "lastSummarizedTurnId": 4}]
+    assert client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": batch}).status_code == 202
 
 
 def test_a_uuid_the_session_already_has_and_another_cwd_are_400(

@@ -288,6 +288,10 @@ def test_a_scrape_waits_for_a_hung_redis_once_not_once_per_gauge(
     ("missing field 'cwd'", "malformed"),
     ("event is 5000000 bytes, more than limits.maxEventBytes (4194304)", "too_large"),
     ("turnId: goes backwards: 1 < currentTurnId 3", "turn_order"),
+    ("lastSummarizedTurnId: is past the session's turns: 1000000 > 1, its highest turn so far (a summary "
+     "covers turns that happened)", "turn_order"),
+    ("endTurnId: is past the session's turns: 9 > 3, its highest turn so far (a compact covers turns that "
+     "happened)", "turn_order"),
     ("cwd: session s is bound to cwd '/a'", "cwd_conflict"),
     ("uuid: 'u-1' duplicates an event already in this session", "duplicate_uuid"),
     ("sessionId: must match ^[A-Za-z0-9]...", "identity"),
