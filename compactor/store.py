@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from rq.utils import as_text
@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 
 Guard = Callable[[list[tuple[dict[str, Any], InvalidEvent]]], None]  # called with the events refused so far
 
+_T = TypeVar("_T")
 BIG_TEXT_CHARS = 256 * 1024  # an event with this much text is counted while the caller's progress is kept
 KEEP_ALIVE_POLL_S = 0.05  # how often ``progress`` is called while such an event is counted
 UUID_INDEX_CHUNK = 10_000  # uuids per SADD when indexing a whole log
@@ -472,12 +473,12 @@ class SessionStore:
                 _check_unique(event, taken)
                 kind = event.get("type")
                 if kind in TURN_SCOPED_TYPES:
-                    if order is None:
-                        order = replayed()
+                    if order is None:  # (a whole log recounted, when the model's encoding changed)
+                        order = _keeping_progress(replayed, progress)
                     _check_turn_order(order, event)
                 elif kind in COVERING:  # (a compact or summary leaves the highest turn as it was: no replay)
                     if highest is None:
-                        order = order if order is not None else replayed()
+                        order = order if order is not None else _keeping_progress(replayed, progress)
                         highest = order.max_turn
                     check_covered_turns(highest, event)
             except InvalidEvent as e:
@@ -514,28 +515,36 @@ class SessionStore:
 
 def _stamped(event: dict[str, Any], encoding: str, progress: Callable[[], None] | None) -> dict[str, Any]:
     """``stamp(event, encoding)``; with ``progress``, an event of ``BIG_TEXT_CHARS`` or more is
-    counted in a thread of its own while ``progress`` is called every ``KEEP_ALIVE_POLL_S``
-    (tiktoken lets go of the GIL): one output of a single character repeated (``"." * 4_000_000``)
-    took ~7 s to count, longer than a watcher's lease, so the write was refused and the entry read
-    again, forever, every shard of the watcher stalled. What ``progress`` raises (the lease lost)
-    is raised here; the count then ends on its own, unused."""
+    counted while ``progress`` is kept (``_keeping_progress``): one output of a single character
+    repeated (``"." * 4_000_000``) took tiktoken ~7 s to count, longer than a watcher's lease, so
+    the write was refused and the entry read again, forever, every shard of the watcher stalled."""
     if progress is None or _text_chars(event) < BIG_TEXT_CHARS:
         return stamp(event, encoding)
-    done: list[dict[str, Any]] = []
+    return _keeping_progress(lambda: stamp(event, encoding), progress)
+
+
+def _keeping_progress(work: Callable[[], _T], progress: Callable[[], None] | None) -> _T:
+    """``work()``, run in a thread of its own while ``progress`` is called every
+    ``KEEP_ALIVE_POLL_S`` in this one (tiktoken lets go of the GIL while it counts, and Python
+    code gives it up every few ms); without ``progress``, here. What ``progress`` raises (the
+    lease lost) is raised here; ``work`` then ends on its own, its result unused."""
+    if progress is None:
+        return work()
+    done: list[_T] = []
     failed: list[BaseException] = []
 
-    def count() -> None:
+    def run() -> None:
         try:
-            done.append(stamp(event, encoding))
+            done.append(work())
         except BaseException as e:  # raised in the caller's thread below
             failed.append(e)
 
-    counting = threading.Thread(target=count, name="token-count", daemon=True)
-    counting.start()
-    counting.join(KEEP_ALIVE_POLL_S)
-    while counting.is_alive():
+    worker = threading.Thread(target=run, name="keeping-progress", daemon=True)
+    worker.start()
+    worker.join(KEEP_ALIVE_POLL_S)
+    while worker.is_alive():
         progress()
-        counting.join(KEEP_ALIVE_POLL_S)
+        worker.join(KEEP_ALIVE_POLL_S)
     if failed:
         raise failed[0]
     return done[0]

@@ -176,6 +176,30 @@ def test_one_event_whose_count_outlasts_the_lease_is_applied_and_the_leases_kept
     assert set(watcher.leases.owned) == owned  # no lease lapsed, none changed hands
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_recount_of_the_log_longer_than_the_lease_keeps_the_leases(r: redis.Redis, fast: Settings) -> None:
+    """Events after a rollback are checked against the log replayed; once the session's model
+    changed encoding, every line is recounted there: with such an output in the log that took
+    longer than the lease, before the write, so the entries were read again, forever."""
+    big = "." * 2_500_000
+    publisher = Publisher(r, fast)
+    watcher = Watcher(r, fast, name="slow")
+    published = {"big": publisher.publish("big", CWD, [user(1, big), turn_end(1), user(2),
+                                                       turn_end(2, model="gpt-4o")])}  # cl100k, then o200k
+    drain(watcher, r, fast, timeout_s=60)
+    owned = set(watcher.leases.owned)
+    assert len(owned) == fast.redis.shards
+    started = time.monotonic()
+    assert count_tokens(big, "o200k_base") > 0
+    assert time.monotonic() - started > fast.watcher.lease_ms / 1000  # (the case: longer than the lease)
+    rollback = {"type": "rollback", "throughTurnId": 3, "reason": "nothing to undo"}
+    published["big"] += publisher.publish("big", CWD, [rollback, user(3)])  # user(3): checked against a replay
+    drain(watcher, r, fast, timeout_s=60)
+    assert_applied_once_in_order(fast, published)
+    assert set(watcher.leases.owned) == owned  # no lease lapsed, none changed hands
+
+
 def test_a_session_state_deleted_while_the_watcher_runs_is_stored_again_at_its_next_event(
     r: redis.Redis, fast: Settings
 ) -> None:
