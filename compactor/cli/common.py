@@ -95,10 +95,16 @@ def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | 
         fail(f"invalid configuration: {e}", EXIT_CONFIG)
 
 
-def usable_data_dir(settings: Settings) -> Settings:
+def usable_data_dir(settings: Settings, option: Path | None = None) -> Settings:
     """``settings`` once their ``dataDir`` exists and takes a file (created when missing); else
-    exit 2 naming it, before a process starts (logs, the embedded Redis and its socket live there)."""
-    usable_dir(settings.data_dir, "dataDir")
+    exit 2 naming it, and where it came from (``option``: the command's ``--data-dir``), before a
+    process starts (logs, the embedded Redis and its socket live there)."""
+    from_env = os.environ.get("COMPACTION_DATA_DIR")
+    if option is not None and str(option) != from_env:
+        name = f"dataDir (from {OPTION_OF_ENV['COMPACTION_DATA_DIR']})"
+    else:
+        name = "dataDir (from COMPACTION_DATA_DIR)" if from_env else "dataDir"
+    usable_dir(settings.data_dir, name)
     return settings
 
 
@@ -108,10 +114,14 @@ def usable_dir(path: Path, name: str) -> None:
         fail(f"invalid configuration: {name}: {path} is not a directory", EXIT_CONFIG)
     try:
         path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"invalid configuration: {name}: {path} cannot be created: {e.strerror or e}", EXIT_CONFIG)
+    try:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        fail(f"invalid configuration: {name}: {path} cannot be used: {e.strerror or e}", EXIT_CONFIG)
+        fail(f"invalid configuration: {name}: {path} cannot be used: no file can be created in it "
+             f"({e.strerror or e})", EXIT_CONFIG)
 
 
 def api_socket(host: str, port: int) -> socket.socket:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit
 
 import redis
 import typer
@@ -93,11 +94,24 @@ def check_watcher(client: redis.Redis, settings: Settings) -> str:
     return f"ok ({held}/{keys.shards} shards leased)"
 
 
+def _api_url(value: str) -> str:
+    """``--api``: an http(s) URL with a host and, if given, a port from 1 to 65535 (a bad one was
+    reported as a refused connection: unhealthy, exit 1, where the command line is wrong)."""
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError as e:
+        raise typer.BadParameter(f"{value!r} is not a URL: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
+        raise typer.BadParameter(f"{value!r} is not an http(s) URL of the API (e.g. http://127.0.0.1:8080)")
+    return value
+
+
 def health(
     check: Annotated[bool, typer.Option(
         "--check", help="Print nothing; exit 0 when healthy, 1 otherwise.")] = False,
     api_url: Annotated[str | None, typer.Option(
-        "--api", help="Also GET this API's /healthz (e.g. http://127.0.0.1:8080).")] = None,
+        "--api", parser=_api_url, help="Also GET this API's /healthz (e.g. http://127.0.0.1:8080).")] = None,
     workers: Annotated[bool, typer.Option(
         "--workers",
         help=f"Also require a live RQ worker on the queue (a heartbeat in the last {WORKER_ALIVE_S:.0f} s).")] = False,
@@ -112,6 +126,8 @@ def health(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Check Redis (and --api / --workers / --watcher); exit 0 healthy, 1 not."""
+    if this_host and not workers:  # (it was ignored: a healthcheck believed it counted its own workers)
+        raise typer.BadParameter("only with --workers (it narrows the workers counted)", param_hint="--this-host")
     settings = _quiet_load(config, redis_url, data_dir) if check else load(
         config, redis_url=redis_url, data_dir=data_dir)
     report = run_checks(settings, api_url=api_url, workers=workers, watcher=watcher,

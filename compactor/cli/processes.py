@@ -78,7 +78,7 @@ def serve(
     setup_logging(log_level, log_format)
     os.environ["COMPACTION_LOG_LEVEL"] = log_level  # the children log at the same level
     settings = usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir, COMPACTION_API_HOST=host,
-                                    COMPACTION_API_PORT=port, COMPACTION_WORKERS=workers))
+                                    COMPACTION_API_PORT=port, COMPACTION_WORKERS=workers), data_dir)
     # The API child binds it in a moment: a port in use is said now, before Redis and the banner;
     # port 0 becomes the port the OS picked here, so the banner names it (and restarts keep it).
     with api_socket(settings.api.host, settings.api.port) as sock:
@@ -100,7 +100,7 @@ def watch(
     from producer.watcher import main as watcher_main
 
     setup_logging(log_level, log_format)
-    settings = usable_data_dir(_with_redis(load(config, redis_url=redis_url, data_dir=data_dir)))
+    settings = usable_data_dir(_with_redis(load(config, redis_url=redis_url, data_dir=data_dir)), data_dir)
     connect(settings).close()  # unreachable now: exit 1, as `work`; an outage later is waited out
     exit_with_parent()
     with user_errors():
@@ -125,7 +125,7 @@ def work(
     from worker.runner import main as runner_main
 
     setup_logging(log_level, log_format)
-    settings = usable_data_dir(_with_redis(load(config, redis_url=redis_url, data_dir=data_dir)))
+    settings = usable_data_dir(_with_redis(load(config, redis_url=redis_url, data_dir=data_dir)), data_dir)
     exit_with_parent()
     connect(settings).close()  # one line naming the (redacted) URL when Redis does not answer, as watch says
     with user_errors():

@@ -214,7 +214,17 @@ def test_a_data_dir_that_cannot_be_used_is_one_line_and_exit_2(runner: CliRunner
     result = runner.invoke(app, [command, "--data-dir", str(a_file / "data"), "--redis-url", "redis://127.0.0.1:1"])
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines() == [
-        f"compactor: invalid configuration: dataDir: {a_file / 'data'} cannot be used: Not a directory"]
+        f"compactor: invalid configuration: dataDir (from --data-dir): {a_file / 'data'} cannot be created: "
+        "Not a directory"]
+    # where it came from is named, as for any other bad value (it was "dataDir" alone)
+    result = runner.invoke(app, [command, "--redis-url", "redis://127.0.0.1:1"], env={"COMPACTION_DATA_DIR": str(a_file)})
+    assert result.stderr.strip().splitlines() == [
+        f"compactor: invalid configuration: dataDir (from COMPACTION_DATA_DIR): {a_file} is not a directory"]
+    config = tmp_path / "c.yaml"
+    config.write_text(f"dataDir: {a_file}\n")
+    result = runner.invoke(app, [command, "--redis-url", "redis://127.0.0.1:1", "--config", str(config)],
+                           env={"COMPACTION_DATA_DIR": ""})
+    assert result.stderr.strip().splitlines() == [f"compactor: invalid configuration: dataDir: {a_file} is not a directory"]
 
 
 def test_a_demo_data_dir_that_cannot_be_used_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path) -> None:
@@ -875,6 +885,17 @@ def test_health_check_without_a_redis_to_use_is_unhealthy_and_silent(
     bad.write_text("context: {compactionThreshold: 7}\n")
     broken = runner.invoke(app, ["health", "--check", "--config", str(bad), *empty])
     assert (broken.exit_code, broken.stdout, broken.stderr) == (1, "", "")
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--api", "http://127.0.0.1:99999"], "Port out of range"),  # it was a refused connection: unhealthy
+    (["--api", "127.0.0.1:8080"], "is not an http(s) URL of the API"),
+    (["--this-host"], "only with --workers"),  # it was ignored
+])
+def test_health_refuses_a_wrong_command_line_as_such(runner: CliRunner, args: list[str], said: str) -> None:
+    result = runner.invoke(app, ["health", *args, "--redis-url", "redis://127.0.0.1:1"])
+    assert result.exit_code == 2, result.output
+    assert said in " ".join(result.output.replace("│", " ").split())
 
 
 def test_health_checks_a_live_api(runner: CliRunner, settings: Settings, config: Path,

@@ -113,8 +113,7 @@ def test_demo_on_a_shared_redis_cleans_up_after_itself(settings: Settings, r: An
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("shared", "signum", "code"), [(False, signal.SIGTERM, 143), (True, signal.SIGINT, 130),
-                                                         (True, signal.SIGHUP, 129)])
+@pytest.mark.parametrize(("shared", "signum", "code"), [(False, signal.SIGTERM, 143), (True, signal.SIGHUP, 129)])
 def test_a_stopped_demo_leaves_no_process_no_temp_dir_and_no_key(redis_url: str, r: Any, shared: bool,
                                                                  signum: int, code: int) -> None:
     """SIGTERM or SIGHUP killed the demo at once: its embedded Redis ran on, its temp dirs and its
