@@ -609,5 +609,3 @@ def _check_turn_order(state: SessionState, event: dict[str, Any]) -> None:
         raise InvalidEvent(
             "turnId", f"goes backwards: {turn} < currentTurnId {state.current_turn_id}"
         )
-
-
