@@ -175,7 +175,8 @@ UNAPPLIED_SCAN = 200  # entries of a shard looked through for the session's own;
 def _refuse_backwards(client: redis.Redis, settings: Settings, store: SessionStore, state: SessionState,
                       wires: Sequence[dict[str, Any]]) -> None:
     """Refuse (400 ``events[i].turnId``) a turn-scoped event, before the batch's first rollback,
-    below the session's ``currentTurnId``, when the stored state is certainly the session's
+    below the session's ``currentTurnId`` (or, ``events[i].lastSummarizedTurnId`` /
+    ``endTurnId``, a summary or compact past its highest turn), when the stored state is certainly the session's
     as the watcher will see it: it matches the log's size, and no entry of the session waits
     in its shard (undelivered, or delivered and not acked). Otherwise a rollback published
     earlier may still lower the turn: the event is published, and the watcher decides (it
