@@ -333,7 +333,8 @@ class SessionStore:
         """Append ``events`` to the session's log exactly once and advance its state.
 
         An event carrying a ``streamId`` at or below the session's last applied
-        one is counted as a duplicate and skipped; an event whose turn id goes
+        one is counted as a duplicate and skipped when its line is in the log
+        (else see ``_unwritten``); an event whose turn id goes
         backwards is returned in ``rejected`` and not written. ``guard`` runs
         inside the lock right before the write, with ``rejected`` (the watcher
         checks its shard lease there and dead-letters the refused entries: a
@@ -368,7 +369,7 @@ class SessionStore:
         renews its shard leases there, so a long run does not outlive them.
         ``claimed``: the stream ids of entries the watcher claimed from another consumer of its
         group; one at or below the last applied id is refused unless its line is in the log
-        (``_refuse_unwritten``).
+        (``_unwritten``).
         """
         log = log or self.log(session_id, cwd)
         if not log.exists():  # the lock would create it: refuse another cwd's session before that
@@ -384,8 +385,8 @@ class SessionStore:
             batch = list(events)
             fresh = _not_applied(batch, state.last_stream_id)
             result = ApplyResult(state, before=state.prompt_estimate, duplicates=len(batch) - len(fresh))
-            if result.duplicates and claimed:
-                self._refuse_unwritten(session_id, batch, fresh, claimed, log_uuids, result)
+            if result.duplicates:
+                fresh = self._unwritten(session_id, batch, fresh, claimed, log_uuids, caught_up, result)
             if log_uuids is not None:  # the index was rebuilt from the log: it, not the lookup, is right
                 uuids = {e["uuid"] for e in fresh if isinstance(e.get("uuid"), str)}
                 if taken is None:
@@ -423,34 +424,63 @@ class SessionStore:
                 result.saved_at = len(pipe) - 1
         return result
 
-    def _refuse_unwritten(
+    def _unwritten(
         self, session_id: str, batch: list[dict[str, Any]], fresh: list[dict[str, Any]],
-        claimed: Collection[str], log_uuids: set[str] | None, result: ApplyResult,
-    ) -> None:
-        """Of the ``claimed`` events at or before the last applied stream id (counted as
-        ``duplicates``), refuse those whose line is not in the log (their uuid is not in the
-        index; call under the lock): an entry a hand-run reader took from the watchers' group,
-        claimed by a later owner after later entries of its session were applied. Acked as a
-        duplicate it was lost without a trace; refused, it is a dead letter. (Only claimed ones:
-        one the watcher itself refused, dead-lettered and then redelivered after a crash is a
-        duplicate, its letter written.)"""
+        claimed: Collection[str], log_uuids: set[str] | None, caught_up: set[str], result: ApplyResult,
+    ) -> list[dict[str, Any]]:
+        """``fresh`` and the events at or before the last applied stream id (counted as
+        ``duplicates``) whose line is not in the log (their uuid is not in the index; call
+        under the lock), in batch order, but for the ``claimed`` ones among them, refused.
+
+        A ``claimed`` one is an entry a hand-run reader took from the watchers' group, claimed
+        by a later owner after later entries of its session were applied: out of order,
+        refused (a dead letter; acked as a duplicate it was lost without a trace). Any other is
+        an entry of a stream Redis lost and that numbers its entries from a lower id than the
+        log's last (a producer had chosen ids in the future; a Redis restored on a host whose
+        clock is behind): acked as duplicates, every new event of the session was dropped,
+        unsaid, until the clock passed the old id. It is applied, when the stream's newest entry
+        is below that last id (``_renumbered``): else it is an entry the watcher refused,
+        dead-lettered and then had redelivered after a crash, a duplicate, its letter written."""
         kept = {id(event) for event in fresh}
-        stale = [event for event in batch if id(event) not in kept and event.get("streamId") in claimed
-                 and isinstance(event.get("uuid"), str)]
+        stale = [event for event in batch if id(event) not in kept and isinstance(event.get("uuid"), str)]
         if not stale:
-            return
+            return fresh
         present: list[Any]
         if log_uuids is not None:  # just rebuilt from the log (queued, not yet stored)
             present = [event["uuid"] in log_uuids for event in stale]
         else:
             present = self.redis.smismember(self.keys.uuids(session_id), [event["uuid"] for event in stale])
+        revived: set[int] = set()
+        renumbered: bool | None = None  # looked up once, when needed
         for event, there in zip(stale, present):
-            if not there:
+            if there or event["uuid"] in caught_up:  # (caught up: written by a writer that crashed before its save)
+                continue
+            if event.get("streamId") in claimed:
                 result.duplicates -= 1
                 result.rejected.append((event, InvalidEvent(
                     "streamId", f"{event.get('streamId')} is not in the log, and later entries of the session "
                                 "were applied (taken from the watchers' group by another reader?): out of order, "
                                 "not written")))
+                continue
+            if renumbered is None:
+                renumbered = self._renumbered(session_id, result.state.last_stream_id)
+            if renumbered:
+                result.duplicates -= 1
+                revived.add(id(event))
+        if not revived:
+            return fresh
+        logger.warning("session=%s: %d entries below the last applied stream id %s are not in the log: applied "
+                       "(the stream was lost, and its ids start lower now)", session_id, len(revived),
+                       result.state.last_stream_id)
+        return [event for event in batch if id(event) in kept or id(event) in revived]
+
+    def _renumbered(self, session_id: str, last_applied: str | None) -> bool:
+        """Whether the session's stream no longer holds entries up to ``last_applied``: its newest
+        is below it, so the stream was lost (or trimmed whole) and numbers its entries lower now."""
+        if not last_applied:
+            return False
+        newest = self.redis.xrevrange(self.keys.stream_for(session_id), count=1)
+        return not newest or stream_id_key(as_text(newest[0][0])) < stream_id_key(last_applied)
 
     def _admit(
         self, state: SessionState, events: list[dict[str, Any]], result: ApplyResult, taken: set[str],

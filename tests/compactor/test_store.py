@@ -61,6 +61,29 @@ def test_redelivered_entry_is_skipped_not_written_twice(store: SessionStore) -> 
     assert [e["content"] for e in store.log(SID, CWD).read()] == ["a", "b"]
 
 
+@pytest.mark.parametrize("redis_lost", [False, True], ids=["index kept", "Redis lost"])
+def test_entries_of_a_stream_renumbered_below_the_last_applied_id_are_applied(
+    store: SessionStore, r: redis.Redis, redis_lost: bool
+) -> None:
+    """A producer chose an id in the future (or Redis came back on a host whose clock is behind),
+    then Redis lost the stream: its new entries are numbered below the log's last streamId, and
+    were acked as duplicates, every new event of the session dropped without a word."""
+    store.apply(SID, CWD, [user(1, "a", "4102444800000-0"), {**turn_end(1), "streamId": "4102444800000-1"}])
+    if redis_lost:
+        r.flushall()
+    result = store.apply(SID, CWD, [
+        user(1, "a", "4102444800000-0"),  # a redelivery: in the log
+        user(2, "after", "1800000000000-0"), {**turn_end(2), "streamId": "1800000000000-1"},
+    ])
+    assert (result.duplicates, result.rejected) == (1, [])
+    log = store.log(SID, CWD)
+    assert [(e["type"], e.get("content")) for e in log.read()] == [
+        ("user", "a"), ("turn_end", None), ("user", "after"), ("turn_end", None)]
+    again = store.apply(SID, CWD, [user(2, "after", "1800000000000-0")])  # and a redelivery of those
+    assert again.duplicates == 1 and len(log.read()) == 4
+    assert store.load(SID) == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
+
+
 def test_crash_between_append_and_state_save_does_not_duplicate(store: SessionStore) -> None:
     store.apply(SID, CWD, [user(1, "a", "5-0")])
     stale = store.load(SID)
@@ -184,8 +207,8 @@ def test_lost_redis_state_is_rebuilt_from_the_log(store: SessionStore, r: redis.
     store.apply(SID, CWD, [user(1, "hello world", "1-0"), turn_end(1, "2-0")])
     before = store.load(SID)
     r.flushall()
-    result = store.apply(SID, CWD, [user(2, "x", "2-0"), user(2, "y", "3-0")])
-    assert result.duplicates == 1  # 2-0 is in the log already
+    result = store.apply(SID, CWD, [turn_end(1, "2-0"), user(2, "y", "3-0")])
+    assert result.duplicates == 1  # 2-0 is in the log already (a redelivery: the same event, its uuid)
     assert before is not None and result.state.prompt_estimate > before.prompt_estimate
     assert [e.get("content") for e in store.log(SID, CWD).read() if e["type"] == "user"] == [
         "hello world", "y",
@@ -276,7 +299,7 @@ def test_torn_tail_of_a_crashed_writer_is_not_counted_as_read(store: SessionStor
     with open(log.path, "ab") as f:
         f.write(b'{"type":"user","turnId":1,"cont')  # a writer died mid-line
     assert log.complete_size() == complete
-    state = store.apply(SID, CWD, [user(1, "dup", "1-0")]).state  # a duplicate: nothing appended
+    state = store.apply(SID, CWD, [user(1, "a", "1-0")]).state  # a redelivery: nothing appended
     assert state.log_size == complete
     store.apply(SID, CWD, [user(1, "b", "2-0")])  # the append cuts the fragment
     store.apply(SID, CWD, [user(1, "c", "3-0")])

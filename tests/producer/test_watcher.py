@@ -235,6 +235,23 @@ def test_lost_stream_and_group_are_recreated(r: redis.Redis, fast: Settings) -> 
     assert r.xinfo_groups(Keys().stream_for("a1"))[0]["name"] == Keys().group.encode()
 
 
+def test_a_lost_stream_that_numbers_its_entries_lower_than_the_log_loses_none(r: redis.Redis, fast: Settings) -> None:
+    """A producer had chosen an id in the future (or Redis came back on a host whose clock is
+    behind), then Redis lost the stream: the new entries sort below the log's last streamId,
+    and were acked as duplicates, every new event of the session dropped without a word."""
+    stream = Keys().stream_for("a1")
+    watcher = Watcher(r, fast, name="w")
+    future = [r.xadd(stream, {"session": "a1", "cwd": CWD, "event": json.dumps(event)}, id=entry_id).decode()
+              for event, entry_id in ((user(1), "4102444800000-0"), (turn_end(1), "4102444800000-1"))]
+    drain(watcher, r, fast)
+    r.delete(stream)  # Redis lost the stream (and its group); it numbers from the clock again
+    watcher.run_once()
+    later = Publisher(r, fast).publish("a1", CWD, [user(2), turn_end(2)])
+    drain(watcher, r, fast)
+    assert [line["streamId"] for line in log_lines(fast, "a1")] == future + later
+    assert r.xlen(Keys().dead) == 0
+
+
 def test_a_round_reads_every_shard_in_one_script_call(r: redis.Redis, fast: Settings) -> None:
     """All owned shards are read by one fenced script call (8 before), also when one shard's
     group is missing: that shard is recreated, the others are read in the same call."""
