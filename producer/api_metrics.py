@@ -310,8 +310,14 @@ class HttpMetrics:
             await self.app(scope, receive, tracked_send)
         finally:
             route = route_label(scope, self.routes)
-            self.requests.labels(scope["method"], route, str(status)).inc()
-            self.latency.labels(scope["method"], route).observe(time.perf_counter() - started)
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
+            self.requests.labels(method, route, str(status)).inc()
+            self.latency.labels(method, route).observe(time.perf_counter() - started)
+
+
+# The ``method`` label's values: a request's method is whatever the client sent (the server takes
+# any token), and each new one made series of its own, without the token (a 401 counts too).
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})  # else "other"
 
 
 def route_label(scope: Scope, routes: Sequence[BaseRoute] = ()) -> str:

@@ -216,6 +216,8 @@ def test_requests_refused_before_routing_count_under_their_route(msettings: Sett
         client.post("/api/sessions/s1/events", content=b"[]")
         client.put("/api/sessions/s1/events")  # the path's route, for another method
         client.get("/nowhere")
+        for n in range(3):  # any method the client makes up: one label value, not a series each
+            client.request(f"X{n}", "/api/sessions/s1")
         client.post("/api/sessions/s1/events", headers={**auth, "Content-Length": str(10**9)})
         for docs in ("/openapi.json", "/docs", "/redoc"):  # FastAPI's own routes (they answer 200)
             client.get(docs, headers=auth)
@@ -225,6 +227,9 @@ def test_requests_refused_before_routing_count_under_their_route(msettings: Sett
     assert counted(method="POST", route="/api/sessions/{session_id}/events", status="401") == 1
     assert counted(method="PUT", route="/api/sessions/{session_id}/events", status="401") == 1
     assert counted(method="GET", route="unmatched", status="401") == 1
+    assert counted(method="other", route="/api/sessions/{session_id}", status="401") == 3
+    assert not [labels for (name, labels) in after if name == "compactor_http_requests_total"
+                and dict(labels)["method"].startswith("X")]
     assert counted(method="POST", route="/api/sessions/{session_id}/events", status="413") == 1
     for docs in ("/openapi.json", "/docs", "/redoc"):
         assert counted(method="GET", route=docs, status="200") == 1, docs
