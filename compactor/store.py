@@ -480,7 +480,8 @@ class SessionStore:
         if not last_applied:
             return False
         newest = self.redis.xrevrange(self.keys.stream_for(session_id), count=1)
-        return not newest or stream_id_key(as_text(newest[0][0])) < stream_id_key(last_applied)
+        newest_id = newest[0][0] if newest else None
+        return newest_id is None or stream_id_key(as_text(newest_id)) < stream_id_key(last_applied)
 
     def _admit(
         self, state: SessionState, events: list[dict[str, Any]], result: ApplyResult, taken: set[str],

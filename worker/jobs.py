@@ -60,6 +60,7 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
     started = time.monotonic()
     outcome = "error"
     result: CompressResult | None = None
+    llm_failed = False
     run = JobRun(job_id)
     try:
         if kind == "micro":
@@ -72,10 +73,10 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
             value[LLM_ERROR_FIELD] = run.llm_failure.to_wire()
         return value
     except LLMUnavailable as e:
-        outcome = "llm_transient" if e.transient else "llm_permanent"
+        outcome, llm_failed = "llm_transient" if e.transient else "llm_permanent", True
         raise
     except SummaryInvalid:
-        outcome = "summary_invalid"
+        outcome, llm_failed = "summary_invalid", True
         raise
     except SessionNotFound:
         outcome = "session_not_found"
@@ -91,8 +92,11 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
             seconds * 1000, f" llm_error={failure.kind} fallback={failure.fallback}" if failure else "",
             extra=_job_fields(session_id, job_id, kind, forced, outcome, seconds, result, failure),
         )
+        # (a forced job the LLM failed took its micro step; re-checked, it queued the same LLM call at
+        # once: two calls and two failures counted for one request. The next turn_end re-triggers.)
+        compressed = result is not None and result.did_compress
         finish(context, session_id, job_id, released=run,
-               forced_without_compaction=forced and not (result is not None and result.did_compress))
+               forced_without_compaction=forced and not compressed and not llm_failed)
 
 
 def _job_fields(session_id: str, job_id: str, kind: str, forced: bool, outcome: str,
@@ -117,7 +121,8 @@ def finish(
     ``released``: the job freed its claim already, with its last writes (an LLM
     job that appended a summary); its reply is used instead of a round trip.
     ``forced_without_compaction``: a forced job that compacted nothing (nothing
-    to summarize, SPEC §5, or it failed). The triggers that came while it
+    to summarize, SPEC §5, or it failed, but for the LLM: then it took its micro step, and
+    the next turn_end re-triggers the LLM; re-checked at once, it called the LLM again). The triggers that came while it
     waited for the claim were not recorded (it was to answer them), so the
     session is re-checked as after an abandoned job. A forced job that
     compacted answered them: it took the micro step and summarized all it could.
@@ -161,8 +166,9 @@ def recheck(context: WorkerContext, session_id: str) -> str | None:
     if state is None:
         return None
     log = store.log(session_id, state.cwd, create=False)  # (deleted meanwhile: SessionNotFound, not an empty log)
-    if log.exists():  # (caught up with the log and stored; no second read of the state)
-        state = store.apply(session_id, state.cwd, [], log=log, cached=state, stored=state).state
+    if not log.exists():  # deleted: a job would only end session_not_found
+        return None
+    state = store.apply(session_id, state.cwd, [], log=log, cached=state, stored=state).state  # (caught up, stored)
     breaker_open = context.compactor.failures.is_open(session_id)
     kind = decide(state, context.settings.context, breaker_open=breaker_open)
     if kind is None:

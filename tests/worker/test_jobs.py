@@ -280,6 +280,22 @@ def test_failed_forced_job_is_failed_in_rq_with_the_llm_error(
     assert "permanent LLM failure" in str(result.exc_string)
 
 
+def test_a_forced_job_the_llm_failed_calls_it_once_and_counts_one_failure(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """Its end re-checked the session (over its LLM threshold: outputs no micro step elides)
+    and queued an automatic LLM job at once: one request, two LLM calls, two failures counted,
+    the breaker nearly open after two requests."""
+    write_session(r, wsettings, "s1", 4, tool="list_dir", window=300)
+    assert SessionStore(r, wsettings).load("s1").prompt_estimate > 0.9 * 300  # type: ignore[union-attr]
+    stub.status = 401
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FAILED
+    assert len(stub.requests) == 1
+    assert r.get(Keys().failures("s1")) == b"1"
+    assert pending_job_id(r, wsettings, "s1") is None
+
+
 def test_success_deletes_the_failure_counter(r: redis.Redis, wsettings: Settings, stub: LLMStub) -> None:
     write_session(r, wsettings, "s1", 3)
     r.set(Keys().failures("s1"), 2)
