@@ -47,7 +47,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, values
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, values
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 EVENT_TYPES = frozenset({"session_meta", "user", "assistant", "tool_result", "turn_end",
@@ -86,6 +86,10 @@ def _usable_multiprocess_dir() -> bool:
 if _usable_multiprocess_dir():  # before any metric (here or in the API) has a value
     values.ValueClass = values.MultiProcessValue(  # type: ignore[no-untyped-call]
         process_identifier)
+
+# No ``*_created`` series (prometheus_client's default, outside the multiprocess mode): they are
+# not in OPERATIONS.md's table, and a scrape of a lone API showed them beside the documented ones.
+disable_created_metrics()  # (process-wide: the API's own counters too)
 
 REGISTRY = CollectorRegistry()
 

@@ -190,6 +190,15 @@ def test_overview_reports_counters_and_backlog(api: TestClient, msettings: Setti
     assert body["counters"]["eventsIngested"] - first["counters"]["eventsIngested"] == 4
 
 
+def test_a_scrape_serves_only_the_documented_families(api: TestClient) -> None:
+    """Outside the multiprocess mode prometheus_client added a ``*_created`` gauge per counter
+    and histogram, series OPERATIONS.md does not list."""
+    api.get("/healthz")
+    text = api.get("/metrics").text
+    assert "compactor_http_requests_total" in text
+    assert "_created" not in text
+
+
 def test_static_files_count_under_one_route_template(api: TestClient) -> None:
     """The status page's script and style sheet (and a file that is not there) count under
     their mount's template, not as unmatched, nor one label per file."""
