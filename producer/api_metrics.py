@@ -133,7 +133,7 @@ class StreamLagCollector(Collector):
             "compactor_stream_oldest_unapplied_seconds",
             "age of the oldest entry not applied yet (0 when none)", labels=["shard"])
         try:
-            now_ms = _server_ms(self.client)
+            now_ms = server_ms(self.client)
             rows = [(n, *self.shard_lag(n, now_ms)) for n in range(self.keys.shards)]
         except redis.RedisError as e:
             logger.warning("metrics scrape: stream lag unavailable: %s", e)
@@ -257,7 +257,7 @@ def scrape_registry(process: ProcessMetrics, client: redis.Redis,
     return registry
 
 
-def _server_ms(client: redis.Redis) -> int:
+def server_ms(client: redis.Redis) -> int:
     seconds, micros = client.time()
     return int(seconds) * 1000 + int(micros) // 1000
 

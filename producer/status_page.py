@@ -45,7 +45,7 @@ from events.config import ContextSettings, Settings
 from events.view import build_view, omitted_chars, undone_by_rollback
 from producer.api import CwdQuery, RedisDep, SettingsDep, _checked, errors
 from producer.api_errors import JsonBodyRoute
-from producer.api_metrics import BreakerCollector, ProcessMetrics, StreamLagCollector
+from producer.api_metrics import BreakerCollector, ProcessMetrics, StreamLagCollector, server_ms
 from producer.api_models import SessionBody
 from producer.api_sessions import known_sessions, read_log, session_body
 
@@ -264,7 +264,7 @@ def overview(request: Request, client: redis.Redis, settings: Settings) -> Overv
     """Totals for the top of the page."""
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     lag = StreamLagCollector(client, settings)
-    now_ms = int(time.time() * 1000)
+    now_ms = server_ms(client)  # Redis's clock, which stamped the entry ids (as the lag gauge does)
     shards = [lag.shard_lag(n, now_ms) for n in range(keys.shards)]
     breakers, failing, _ = BreakerCollector(client, settings).count()
     queue = compaction_queue(client, settings)

@@ -190,6 +190,18 @@ def test_overview_reports_counters_and_backlog(api: TestClient, msettings: Setti
     assert body["counters"]["eventsIngested"] - first["counters"]["eventsIngested"] == 4
 
 
+def test_the_overview_ages_the_backlog_by_redis_clock(api: TestClient, msettings: Settings, r: redis.Redis,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The entry ids carry Redis's time; the page aged them by the API host's clock, so a host
+    an hour ahead showed an hour-old backlog (the lag gauge already used Redis's TIME)."""
+    import producer.status_page as status_page
+
+    Publisher(r, msettings).publish(SID, CWD, turn(1))
+    real = time.time
+    monkeypatch.setattr(status_page.time, "time", lambda: real() + 3600)  # this host's clock an hour ahead
+    assert api.get("/api/overview").json()["oldestUnappliedSeconds"] < 60
+
+
 def test_a_scrape_serves_only_the_documented_families(api: TestClient) -> None:
     """Outside the multiprocess mode prometheus_client added a ``*_created`` gauge per counter
     and histogram, series OPERATIONS.md does not list."""
