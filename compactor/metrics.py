@@ -89,7 +89,7 @@ if _usable_multiprocess_dir():  # before any metric (here or in the API) has a v
 
 # No ``*_created`` series (prometheus_client's default, outside the multiprocess mode): they are
 # not in OPERATIONS.md's table, and a scrape of a lone API showed them beside the documented ones.
-disable_created_metrics()  # (process-wide: the API's own counters too)
+disable_created_metrics()  # type: ignore[no-untyped-call]  # (process-wide: the API's own counters too)
 
 REGISTRY = CollectorRegistry()
 

@@ -39,6 +39,7 @@ from typing import Any
 import redis
 from rq.utils import as_text
 
+from compactor import metrics
 from compactor.keys import Keys
 
 logger = logging.getLogger(__name__)
@@ -271,7 +272,9 @@ class ShardStreams:
                     pending = self.redis.xpending_range(stream, group, min="-", max="+", count=int(c["pending"]),
                                                         consumername=c["name"])
                     theirs.update(as_text(entry["message_id"]) for entry in pending)  # type: ignore[arg-type]
-            moved = self._autoclaim_all(stream, group, mine)
+            moved, deleted = self._autoclaim_all(stream, group, mine)
+            if deleted:
+                self._letter_deleted(shard, deleted)
         for c in self.redis.xinfo_consumers(stream, group) if foreign else []:
             if as_text(c["name"]) != mine and int(c["pending"]) == 0 and int(c["idle"]) >= min_idle_ms:
                 self.redis.xgroup_delconsumer(stream, group, c["name"])
@@ -279,13 +282,28 @@ class ShardStreams:
             logger.warning("claimed foreign entries shard=%d entries=%d", shard, moved)
         return theirs
 
-    def _autoclaim_all(self, stream: str, group: str, consumer: str) -> int:
+    def _autoclaim_all(self, stream: str, group: str, consumer: str) -> tuple[int, list[str]]:
         """XAUTOCLAIM the whole pending list, page by page (redis-py's ``justid=True`` drops the
-        next start id from the reply, so the entries are claimed whole)."""
-        start, moved = PEL_START, 0
+        next start id from the reply, so the entries are claimed whole): how many were moved,
+        and the ids of those deleted from the stream, which XAUTOCLAIM drops from the list."""
+        start, moved, deleted = PEL_START, 0, list[str]()
         while True:
             reply = self.redis.xautoclaim(stream, group, consumer, min_idle_time=0, start_id=start, count=1000)
             start = as_text(reply[0])
             moved += len(reply[1])
+            if len(reply) > 2:  # Redis 7: the ids it dropped
+                deleted += [as_text(entry_id) for entry_id in reply[2]]
             if start == PEL_START:
-                return moved
+                return moved, deleted
+
+    def _letter_deleted(self, shard: int, ids: list[str]) -> None:
+        """Dead-letter the entries another consumer held that were deleted from the stream before
+        they were applied (XAUTOCLAIM dropped them from the pending list: they were lost without a
+        word), as one of the watcher's own is (``producer.watcher.entries``)."""
+        reason, stream = "entry has no fields (deleted from the stream before it was applied)", self.keys.stream(shard)
+        letters = [[b"reason", reason.encode(), b"id", entry_id.encode(), b"stream", stream.encode()]
+                   for entry_id in ids]
+        if self.ack(shard, [], letters):
+            for entry_id in ids:
+                logger.warning("dead-lettered stream=%s id=%s reason=%s", stream, entry_id, reason)
+            metrics.count_dead_letters([reason] * len(ids))

@@ -459,6 +459,28 @@ def test_entries_pending_under_a_foreign_consumer_are_applied_first_and_in_order
     assert r.xpending(stream, keys.group)["pending"] == 0
 
 
+def test_an_entry_a_foreign_consumer_held_then_deleted_from_the_stream_is_dead_lettered(
+    r: redis.Redis, fast: Settings,
+) -> None:
+    """XAUTOCLAIM drops an entry deleted from the stream from the pending list and names it in
+    its reply's third part, which was ignored: the entry was gone without a letter (one pending
+    under the watcher's own consumer is dead-lettered)."""
+    keys = Keys(fast.redis.prefix, fast.redis.shards)
+    publisher = Publisher(r, fast)
+    [gone] = publisher.publish("s1", CWD, [user(1, "read by the old reader, then deleted")])
+    stream = keys.stream_for("s1")
+    r.xgroup_create(stream, keys.group, id="0", mkstream=True)
+    assert r.xreadgroup(keys.group, "old-reader", {stream: ">"})  # it dies here, the entry pending
+    r.xdel(stream, gone)
+    later = publisher.publish("s1", CWD, [user(1, "second"), turn_end(1)])
+    drain(Watcher(r, fast, name="w"), r, fast)
+    assert [line["streamId"] for line in log_lines(fast, "s1")] == later
+    letters = [fields for _, fields in r.xrange(keys.dead)]
+    assert [(f[b"id"].decode(), f[b"reason"].decode()) for f in letters] == [
+        (gone, "entry has no fields (deleted from the stream before it was applied)")]
+    assert r.xpending(stream, keys.group)["pending"] == 0
+
+
 def test_an_entry_a_hand_run_reader_took_while_the_shard_was_owned_is_dead_lettered_not_lost(
     r: redis.Redis, fast: Settings,
 ) -> None:
