@@ -173,7 +173,8 @@ def reason_kind(reason: str) -> str:
         return "wrong_shard"
     if text.startswith(("sessionid:", "cwd:")):  # a bad one, or one differing from the entry's
         return "identity"
-    if text.startswith(("missing field", "invalid utf-8", "invalid json", "entry has no fields",
+    if text.startswith(("missing field", "field 'session' given", "field 'cwd' given", "field 'event' given",
+                        "invalid utf-8", "invalid json", "entry has no fields",
                         "event: must be a json object")):
         return "malformed"
     return "invalid_event"

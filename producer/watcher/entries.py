@@ -109,6 +109,10 @@ def _field_map(raw: list[bytes]) -> dict[bytes, bytes]:
     for name in REQUIRED_FIELDS:
         if name not in values:
             raise _Reject(f"missing field {name.decode()!r}")
+    if 2 * len(values) < len(raw) - 1:  # a name given twice: one of ours would be one value dropped
+        for name in REQUIRED_FIELDS:
+            if (times := raw[::2].count(name)) > 1:
+                raise _Reject(f"field {name.decode()!r} given {times} times (one value would be dropped)")
     return values
 
 

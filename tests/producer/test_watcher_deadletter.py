@@ -10,8 +10,9 @@ import pytest
 import redis
 
 from compactor.keys import Keys
-from compactor.metrics import REGISTRY
+from compactor.metrics import REGISTRY, reason_kind
 from events.config import Settings
+from events.log import SessionLog
 from producer.publisher import Publisher
 from producer.watcher import Watcher
 from producer.watcher.entries import Rejected, decode_entry
@@ -70,6 +71,22 @@ def test_bad_entry_is_dead_lettered_with_its_reason_and_acked(
         assert dead[name.encode()] == (value.encode() if isinstance(value, str) else value)
     assert [line["streamId"] for line in log_lines(small, "s1")] == good
     assert backlog(r, small) == 0
+
+
+def test_an_entry_naming_one_of_its_fields_twice_is_dead_lettered(r: redis.Redis, small: Settings) -> None:
+    """``cwd`` given twice: the last was taken silently, the session bound to it; ``event`` twice:
+    the first event dropped."""
+    stream = Keys().stream_for("s1")
+    bad_id = r.execute_command("XADD", stream, "*", "session", "s1", "cwd", CWD, "cwd", "/other/project",
+                               "event", GOOD).decode()
+    good = Publisher(r, small).publish("s1", CWD, [user(1), turn_end(1)])
+    drain(Watcher(r, small, name="w"), r, small)
+    [dead] = dead_letters(r)
+    assert dead[b"id"].decode() == bad_id
+    assert dead[b"reason"].decode() == "field 'cwd' given 2 times (one value would be dropped)"
+    assert reason_kind(dead[b"reason"].decode()) == "malformed"
+    assert [line["streamId"] for line in log_lines(small, "s1")] == good
+    assert not SessionLog(small.data_dir, "/other/project", "s1").exists()
 
 
 def test_an_event_nested_too_deeply_to_write_is_refused_alone(r: redis.Redis, small: Settings) -> None:
