@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compactor.metrics import reason_kind
-from producer.watcher.entries import Entry
+from producer.watcher.entries import REQUIRED_FIELDS, Entry
 from producer.watcher.streams import NEW_ENTRIES, PEL_START
 
 logger = logging.getLogger(__name__)
@@ -73,11 +73,23 @@ class BatchOutcome:
         self.acks.append(entry_id)
 
     def letter(self, entry_id: str, reason: str, fields: list[bytes]) -> list[bytes]:
-        """The dead letter's flat fields: the entry's (at most ``MAX_DEAD_LETTER_FIELDS``), reason, id, stream."""
-        kept = fields[:2 * MAX_DEAD_LETTER_FIELDS]
-        if len(kept) < len(fields):  # how many were left out, so the letter says it is partial
-            kept = [*kept, b"fieldsDropped", str((len(fields) - len(kept)) // 2).encode()]
+        """The dead letter's flat fields: the entry's (at most ``MAX_DEAD_LETTER_FIELDS``; its
+        ``session``, ``cwd`` and ``event`` first, so a letter can always be replayed), reason,
+        id, stream. An entry's own field of a name the letter adds (those three and
+        ``fieldsDropped``) is kept as ``entry.<name>`` (a letter naming one twice read as the
+        service's or the producer's value, depending on the client)."""
+        names, values = fields[::2], fields[1::2]  # (an odd last name, with no value, is left out)
+        first = [i for i, name in enumerate(names[:len(values)]) if name in REQUIRED_FIELDS]
+        order = [*first, *(i for i in range(len(values)) if i not in first)][:MAX_DEAD_LETTER_FIELDS]
+        kept: list[bytes] = []
+        for i in order:
+            kept += [b"entry." + names[i] if names[i] in _LETTER_FIELDS else names[i], values[i]]
+        if len(values) > len(order):  # how many were left out, so the letter says it is partial
+            kept += [b"fieldsDropped", str(len(values) - len(order)).encode()]
         return [*kept, b"reason", reason.encode(), b"id", entry_id.encode(), b"stream", self.stream.encode()]
+
+
+_LETTER_FIELDS = (b"reason", b"id", b"stream", b"fieldsDropped")  # what the letter itself adds
 
 
 def dead_letter_fields(stream: str, entry_id: str, reason: str,

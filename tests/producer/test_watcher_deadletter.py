@@ -133,14 +133,20 @@ def test_an_entry_with_thousands_of_fields_is_dead_lettered_without_wedging_its_
 ) -> None:
     """The ack script's XADD of the letter would pass every field through Lua's unpack, which fails
     past ~8 000 values: the shard would retry the same batch for ever. The letter keeps 1 000."""
-    fields: dict[str, bytes | str] = {"session": "s1", "cwd": CWD, "event": b"{not json"}
-    fields.update({f"x{i}": "y" for i in range(5_000)})
+    fields: dict[str, bytes | str] = {"reason": "the producer's own"}  # a name the letter adds
+    fields.update({f"x{i}": "y" for i in range(5_000)})  # before ours: they are kept all the same, first
+    fields.update({"session": "s1", "cwd": CWD, "event": b"{not json"})
     bad_id = raw(r, fields)
     good = Publisher(r, small).publish("s1", CWD, [user(1), turn_end(1)])
     drain(Watcher(r, small, name="w"), r, small)
     [dead] = dead_letters(r)
     assert dead[b"id"].decode() == bad_id and b"invalid JSON" in dead[b"reason"]
-    assert dead[b"event"] == b"{not json" and dead[b"fieldsDropped"] == b"4003"
+    assert dead[b"event"] == b"{not json" and dead[b"fieldsDropped"] == b"4004"
+    assert (dead[b"session"], dead[b"cwd"]) == (b"s1", CWD.encode())  # a letter can be replayed
+    [letter] = r.xrange(Keys().dead)
+    names = letter[1].keys() if isinstance(letter[1], dict) else []
+    assert list(names)[:3] == [b"session", b"cwd", b"event"]
+    assert dead[b"entry.reason"] == b"the producer's own" and b"invalid JSON" in dead[b"reason"]
     assert [line["streamId"] for line in log_lines(small, "s1")] == good
 
 
