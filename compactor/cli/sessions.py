@@ -102,10 +102,26 @@ def compact(
                    f"{result.prompt_estimate}" if result.did_compress else "nothing to compact", err=json_out)
         print_json(result.model_dump(by_alias=True))
         return
+    # SPEC §7: the CompressResult JSON is always the last line: none compacted (yet), the estimate now
+    print_json(_nothing_compacted(client, settings, sid))
     if job.error is not None:
         fail(f"compaction job {job_id} {job.status}: {_message_of(job.error)}")
     fail(f"compaction job {job_id} still {WAIT_WORDS.get(job.status, job.status)} after {wait_s:.0f}s; "
          f"see GET /api/jobs/{job_id}")
+
+
+def _nothing_compacted(client: Any, settings: Settings, session_id: str) -> dict[str, Any]:
+    """``{didCompress: false, released: 0, promptEstimate}``, the estimate as stored (0 when Redis has
+    no state of the session, or does not answer: the reason of the failure is said after it)."""
+    from compactor.store import SessionStore
+    from events.models import CompressResult
+
+    try:
+        state = SessionStore(client, settings).load(session_id)
+    except Exception:  # (the failure's own line, after this one, is what matters)
+        state = None
+    estimate = state.prompt_estimate if state is not None else 0
+    return CompressResult(did_compress=False, released=0, prompt_estimate=estimate).model_dump(by_alias=True)
 
 
 def _message_of(error: str) -> str:

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from compactor.cli import app
 from compactor.keys import Keys
 from compactor.queue import compaction_queue, enqueue_compaction
+from compactor.store import SessionStore
 from events.config import Settings
 from events.log import SessionLog
 from compactor.llm_stub import STUB_MODEL, LLMStub
@@ -787,20 +788,25 @@ def test_compact_waiting_behind_a_queued_job_says_still_queued(runner: CliRunner
     write_session(r, settings, 3)
     args = ["compact", SID, "--cwd", CWD, "--timeout", "0.3", *base_args(settings, config)]
     first, second = runner.invoke(app, args), runner.invoke(app, args)
+    estimate = SessionStore(r, settings).load(SID).prompt_estimate  # type: ignore[union-attr]
     for result in (first, second):
         assert result.exit_code == 1
         assert re.search(r"compaction job \S+ still queued after 0s; see GET /api/jobs/", result.stderr), result.stderr
+        assert json.loads(result.stdout.splitlines()[-1]) == {  # SPEC §7: always the last line
+            "didCompress": False, "released": 0, "promptEstimate": estimate}
 
 
 def test_compact_of_failed_job_names_the_error_without_its_module_path(
         r: redis.Redis, settings: Settings, config: Path) -> None:
     """The failure line said "failed: events.errors.SessionNotFound: no session ..."."""
     write_session(r, settings, 3)
+    estimate = SessionStore(r, settings).load(SID).prompt_estimate  # type: ignore[union-attr]
     process = queued_compact_process(r, settings, config)
     SessionLog(settings.data_dir, CWD, SID).path.unlink()  # the job finds no log
     run_jobs(r, settings)
     out, err = process.communicate(timeout=30)
-    assert process.returncode == 1 and out == ""
+    assert process.returncode == 1
+    assert json.loads(out.splitlines()[-1]) == {"didCompress": False, "released": 0, "promptEstimate": estimate}
     [line] = [line for line in err.splitlines() if line.startswith("compactor: ")]
     assert re.fullmatch(rf"compactor: compaction job \S+ failed: no log for session {SID} in {CWD}", line), line
 
@@ -819,7 +825,10 @@ def test_compact_of_failed_job_exits_1_with_the_error(r: redis.Redis, settings: 
         run_jobs(r, stubbed)
     out, err = process.communicate(timeout=30)
     assert process.returncode == 1
-    assert "failed" in err and "summary" in err.lower() and out == ""
+    assert "failed" in err and "summary" in err.lower()
+    # SPEC §7: the CompressResult JSON is always the last line (nothing compacted)
+    result = json.loads(out.splitlines()[-1])
+    assert result["didCompress"] is False and result["released"] == 0 and result["promptEstimate"] > 0
 
 
 def test_compact_answered_by_the_fallback_warns_of_the_llm_failure(
