@@ -95,6 +95,14 @@ def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | 
         fail(f"invalid configuration: {e}", EXIT_CONFIG)
 
 
+def outside_the_stack() -> None:
+    """For a command that is no process of the stack (``compact``, ``status``): its metrics are
+    its own, not written into the stack's shared directory (``docker compose exec api compactor
+    compact`` counted its enqueue there, and each run left a file of its own behind). Call
+    before ``compactor.metrics`` is imported."""
+    os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+
 def usable_data_dir(settings: Settings, option: Path | None = None) -> Settings:
     """``settings`` once their ``dataDir`` exists and takes a file (created when missing); else
     exit 2 naming it, and where it came from (``option``: the command's ``--data-dir``), before a

@@ -32,6 +32,7 @@ from compactor.cli.common import (
     err_console,
     fail,
     load,
+    outside_the_stack,
     print_json,
     user_errors,
 )
@@ -78,6 +79,7 @@ def compact(
 
     Needs running workers (`compactor serve` or `compactor work`).
     """
+    outside_the_stack()  # (before compactor.queue imports compactor.metrics)
     from compactor.keys import Keys
     from compactor.queue import enqueue_forced_compaction
     from producer.api_jobs import wait_for_job
@@ -190,6 +192,7 @@ def status(
     """Sessions by last activity: context fill against both thresholds, breaker, jobs."""
     from compactor.keys import Keys
 
+    outside_the_stack()
     settings = load(config, redis_url=redis_url, data_dir=data_dir)
     client = connect(settings)
     with user_errors():

@@ -741,6 +741,22 @@ def queued_compact_process(r: redis.Redis, settings: Settings, config: Path) -> 
     return process
 
 
+def test_compact_and_status_keep_out_of_the_stacks_shared_metrics(r: redis.Redis, settings: Settings,
+                                                                    config: Path, tmp_path: Path) -> None:
+    """``docker compose exec api compactor compact`` (PROMETHEUS_MULTIPROC_DIR set, as in every
+    container) counted its enqueue into the stack's metrics, and each run left a file there."""
+    write_session(r, settings, 3)
+    shared = tmp_path / "metrics"
+    shared.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    for command in (["compact", SID, "--cwd", CWD, "--timeout", "0.3"], ["status"]):
+        done = subprocess.run([sys.executable, "-m", "compactor", *command, *base_args(settings, config)],
+                              env=env, capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode in (0, 1), done.stderr
+    assert compaction_queue(r, settings).count == 1  # (the compact did enqueue)
+    assert list(shared.iterdir()) == []
+
+
 @pytest.mark.parametrize("json_out", [False, True])
 def test_compact_prints_compress_result_json_last(r: redis.Redis, settings: Settings,
                                                   config: Path, json_out: bool) -> None:
