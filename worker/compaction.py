@@ -499,6 +499,7 @@ class Compactor:
         if model == EXTRACTIVE_MODEL:
             return extractive_summary(targets.events, previous_text, view.encoding, limit_tokens=limit)
         window = plan.window if plan else self.model_window(model)
+        previous_text = self._previous_that_fits(previous_text, window, view.encoding)
         running = previous_text
         chunks = self.chunks(targets.events, previous_text, window, view.encoding, reading.target_tokens,
                              running=lambda: running)
@@ -514,6 +515,21 @@ class Compactor:
                                      f"{MIN_SUMMARY_LIMIT_TOKENS})")
         assert running is not None  # targets are never empty here
         return running
+
+    def _previous_that_fits(self, previous_text: str | None, window: int, encoding: str) -> str | None:
+        """The previous summary, cut to its head and tail when it leaves no room in ``window`` for
+        the prompt's frame, the reply and a chunk (``MIN_CHUNK_BUDGET_TOKENS``): one written under a
+        larger window (the agent moved to a smaller model, or a producer wrote it) was sent whole
+        with every chunk, a request far over the window that a provider refuses: every job failed."""
+        if not previous_text:
+            return previous_text
+        reply = min(self.ctx.summary_reserve_tokens, window // 4)
+        room = window - _system_tokens(encoding) - PROMPT_FRAME_TOKENS - reply - MIN_CHUNK_BUDGET_TOKENS
+        if count_tokens(previous_text, encoding) <= room:
+            return previous_text
+        cut = _clipped({"type": "summary", "summaryText": previous_text}, max(room, BLOCK_HEADER_TOKENS + 1), encoding)
+        logger.warning("previous summary cut to fit a %d-token window (%d tokens left for it)", window, room)
+        return str(cut["summaryText"])
 
     def summary_limit(self, window: int) -> int:
         """The most tokens a summary may take in a session of ``window`` tokens: a quarter of the

@@ -454,6 +454,27 @@ def test_a_chunk_is_budgeted_once_for_the_reply_and_at_the_running_summarys_real
     assert request in "".join(req.user_text for req in stub.requests)  # whole, not elided
 
 
+def test_a_previous_summary_too_large_for_the_window_is_cut_to_fit_it(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    """A summary written under a 128k window (~20k tokens), then the agent moves to an 8k-window
+    model: the previous summary went whole with every chunk, 20 905 tokens into 8 000, which a
+    provider refuses (a permanent failure: every job failed, the session stuck over its window)."""
+    wsettings = make_settings(settings, compaction_model="openai/stub-model", llm_timeout_seconds=5.0)
+    write_session(r, wsettings, "s1", 1, window=8_000, tool="ask_human")
+    big = summary_text("old") + "\n" + " ".join(f"fact{i}" for i in range(10_000))
+    SessionStore(r, wsettings).apply("s1", CWD, [{"type": "summary", "uuid": "s-old", "replaces": ["u1", "a1", "t1"],
+                                                  "summaryText": big, "lastSummarizedTurnId": 1}])
+    write_session(r, wsettings, "s1", 6, first=2, output="y " * 600, window=8_000, tool="ask_human")
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FINISHED, job.latest_result()
+    reply = min(wsettings.context.summary_reserve_tokens, 8_000 // 4)
+    for request in stub.requests:
+        sent = sum(count_tokens(str(m["content"]), "cl100k_base") + MESSAGE_OVERHEAD_TOKENS for m in request.messages)
+        assert sent <= 8_000 - reply, sent
+    assert "fact0 " in stub.requests[0].user_text and "characters elided" in stub.requests[0].user_text
+
+
 @pytest.mark.parametrize("event", [
     {"type": "user", "turnId": 1, "uuid": "u", "content": "中文字符测试内容" * 5_000},  # ~1 token a character
     {"type": "tool_result", "turnId": 1, "uuid": "t", "toolName": "read_file", "toolCallId": "c",
