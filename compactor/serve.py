@@ -40,7 +40,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -407,12 +407,22 @@ class _StopRequested:
 
     @contextmanager
     def installed(self) -> Iterator[_StopRequested]:
-        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        try:
+        with stop_signals_handled(self):
             yield self
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a stop, a closed terminal
+
+
+@contextmanager
+def stop_signals_handled(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` for each of ``STOP_SIGNALS`` while in the block; the previous ones restored after."""
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
 
 
 def supervise(stack: Stack, stop: _StopRequested) -> int:

@@ -83,6 +83,8 @@ def _interrupted_by_signals() -> Iterator[list[int]]:
     """SIGINT, SIGTERM and SIGHUP each interrupt the demo as Ctrl-C does, so its clean-up runs
     (SIGTERM or a closed terminal killed it at once: its Redis, temp dirs and keys left behind);
     a second signal does not interrupt that clean-up. Yields the signals received."""
+    from compactor.serve import stop_signals_handled
+
     received: list[int] = []
 
     def interrupt(signum: int, _frame: object) -> None:
@@ -90,12 +92,8 @@ def _interrupted_by_signals() -> Iterator[list[int]]:
         if len(received) == 1:
             raise KeyboardInterrupt
 
-    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with stop_signals_handled(interrupt):
         yield received
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def _run(settings: Settings, options: DemoOptions, json_out: bool, child_output: IO[bytes]) -> dict[str, Any]:
