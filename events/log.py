@@ -201,6 +201,20 @@ class SessionLog:
         except FileNotFoundError:
             return b""
 
+    def bytes_before(self, end: int, length: int) -> bytes:
+        """The (at most) ``length`` bytes of the log before byte ``end`` (fewer at its start;
+        through the lock's descriptor when held)."""
+        start = max(0, end - length)
+        fd = self._lock_fd
+        if fd is not None:
+            return _pread_all(fd, end - start, start)
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(start)
+                return f.read(end - start)
+        except FileNotFoundError:
+            return b""
+
     def first_of_type(self, kind: str) -> dict[str, Any] | None:
         """The first complete line whose ``type`` is ``kind``, read from the start and no further
         (lock-free; a line that is not a JSON object is passed over: this finds, it does not

@@ -133,6 +133,7 @@ PROMPT_FRAME_TOKENS = 200  # delimiters, the request lines and chat framing arou
 BLOCK_HEADER_TOKENS = 6  # "[tool:name]\n" and the blank line, per transcript block
 MIN_CHUNK_BUDGET_TOKENS = 1_000  # below this a window is hopeless; chunk at this size anyway
 CLIP_TRIES = 6  # counted cuts of an event larger than a chunk, to fill ~85-100 % of its budget
+SNAPSHOT_TAIL_BYTES = 4_096  # of the log an LLM job checks is still there before it appends its summary
 MIN_SUMMARY_LIMIT_TOKENS = 1_000  # the limit on a summary's size in a small window (see ``summary_limit``)
 
 
@@ -334,7 +335,8 @@ class Compactor:
                 view = build_view(events, self.ctx, messages=False, estimate=before)  # the state is current
                 applied = self._micro_locked(session_id, cwd, log, events, view, cached=state, event=compact)
                 return _result(True, before, applied.state.prompt_estimate)
-            snapshot = _Snapshot(state.log_size, events, reading, state, compact)
+            snapshot = _Snapshot(state.log_size, events, reading, state, compact,
+                                 log.bytes_before(state.log_size, SNAPSHOT_TAIL_BYTES))
         session = _Session(state.model, state.window, state.encoding)
         try:
             summary_text, reset = self._summary_text(session_id, reading, session, breaker_open=breaker_open,
@@ -371,10 +373,10 @@ class Compactor:
                           lastSummarizedTurnId=reading.targets.end_turn)
         lines = [event] if snapshot.compact is None else [snapshot.compact, event]
         with log.lock():
-            since = _lines_since(log, snapshot.size)
+            since = _lines_since(log, snapshot.size, snapshot.tail)
             if since is None or any(e.get("type") in ("summary", "rollback") for e in since):
                 logger.warning("summary dropped session=%s: the log %s meanwhile", session_id,
-                               "shrank" if since is None else "got a summary/rollback")
+                               "shrank or was rewritten" if since is None else "got a summary/rollback")
                 if reset:
                     self.failures.reset(session_id)
                 if snapshot.compact is not None:
@@ -651,6 +653,7 @@ class _Snapshot:
     reading: LlmPass  # of ``events``
     state: SessionState
     compact: dict[str, Any] | None
+    tail: bytes  # the log's last bytes before ``size``: the same log still, when the summary is appended?
 
 
 def _compact_event(events: list[dict[str, Any]], ctx: ContextSettings, view: ContextView) -> dict[str, Any] | None:
@@ -669,10 +672,13 @@ def _new_line(kind: str, **fields: Any) -> dict[str, Any]:
     return {"uuid": str(uuid.uuid4()), "timestamp": now_iso(), "type": kind, **fields}
 
 
-def _lines_since(log: SessionLog, snapshot: int) -> list[dict[str, Any]] | None:
-    """The events written since byte ``snapshot``; None when the log shrank (call under the lock)."""
+def _lines_since(log: SessionLog, snapshot: int, tail: bytes = b"") -> list[dict[str, Any]] | None:
+    """The events written since byte ``snapshot``; None when the log shrank, or its bytes before
+    ``snapshot`` are no longer ``tail`` (call under the lock): an older copy restored meanwhile,
+    then appended to past that size, was read from the middle of a line, or, when a line ended
+    there, given a summary of turns it no longer had."""
     size = log.complete_size()
-    if size < snapshot:
+    if size < snapshot or (tail and log.bytes_before(snapshot, len(tail)) != tail):
         return None
     return log.read(snapshot) if size > snapshot else []
 

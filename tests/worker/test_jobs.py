@@ -9,6 +9,7 @@ import re
 import time
 from typing import Any
 
+import orjson
 import pytest
 import redis
 from rq.job import Job, JobStatus
@@ -294,6 +295,33 @@ def test_a_forced_job_the_llm_failed_calls_it_once_and_counts_one_failure(
     assert len(stub.requests) == 1
     assert r.get(Keys().failures("s1")) == b"1"
     assert pending_job_id(r, wsettings, "s1") is None
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["a line ends at the snapshot", "mid-line"])
+def test_a_log_restored_from_an_older_copy_during_the_llm_call_gets_no_summary(
+    r: redis.Redis, wsettings: Settings, aligned: bool
+) -> None:
+    """An operator restores an older copy of the log while the LLM answers, and the agent goes on
+    past the snapshot's size: the job read on from the middle of a line (LogCorrupted, a forced
+    request's 500), or, where a line ended there, appended a summary of turns the log no longer had
+    (its new turn 2 then at or below lastSummarizedTurnId: never summarized)."""
+    write_session(r, wsettings, "s1", 6, tool="ask_human")
+    log = SessionLog(wsettings.data_dir, CWD, "s1")
+    original = log.path.read_bytes()
+    kept = b"".join(original.splitlines(keepends=True)[:5])  # session_meta and turn 1
+
+    class Restoring:
+        def complete(self, model: str, messages: list[dict[str, str]]) -> str:
+            new = {"type": "user", "turnId": 2, "uuid": "u2-new", "content": ""}
+            room = len(original) - len(kept) - len(orjson.dumps(new)) - 1  # the new line ends at the snapshot
+            log.path.write_bytes(kept + orjson.dumps({**new, "content": "x" * (room + (0 if aligned else 7))}) + b"\n")
+            return valid_summary_reply({"messages": messages})
+
+    context = WorkerContext.build(wsettings, r, summarizer=Restoring)
+    context.compactor.llm("s1", CWD, forced=True)
+    lines = read_log(wsettings, "s1")
+    assert not [e for e in lines if e["type"] == "summary"]
+    assert [e["uuid"] for e in lines if e["type"] == "user"] == ["u1", "u2-new"]
 
 
 def test_success_deletes_the_failure_counter(r: redis.Redis, wsettings: Settings, stub: LLMStub) -> None:
