@@ -92,6 +92,15 @@ def test_worker_scales_and_dashboard_is_optional(compose: dict[str, Any]) -> Non
     assert dashboard["environment"]["RQ_DASHBOARD_REDIS_URL"] == "redis://redis:6379/0"
 
 
+def test_a_stopped_worker_is_given_time_to_end_its_llm_call(compose: dict[str, Any]) -> None:
+    """60 s against the default 120 s LLM timeout: a stop during a long call SIGKILLed the worker,
+    and its job ran again as abandoned."""
+    from events.config import ContextSettings
+
+    grace = compose["services"]["worker"]["stop_grace_period"]
+    assert grace.endswith("s") and int(grace[:-1]) > ContextSettings().llm_timeout_seconds
+
+
 def volume_at(service: dict[str, Any], container_path: str) -> tuple[str, str]:
     """The named volume of ``service`` that holds ``container_path``, and the path inside it."""
     for mount in service["volumes"]:
