@@ -37,8 +37,19 @@ EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 LOG_FORMAT_ENV = "COMPACTION_LOG_FORMAT"
 
+def config_path_option(value: str | Path) -> Path:
+    """``--config``'s value: an empty one is refused (``Path("")`` is the current directory: the
+    error named ``.``, "cannot be read: Is a directory")."""
+    if isinstance(value, Path):
+        return value
+    if not value:
+        fail("invalid configuration: --config: must not be empty (name a codingcode.yaml, or leave the option "
+             "out for ./codingcode.yaml)", EXIT_CONFIG)
+    return Path(value)
+
+
 ConfigOpt = Annotated[Path | None, typer.Option(
-    "--config", "-c", envvar="CODINGCODE_CONFIG", show_envvar=True,
+    "--config", "-c", envvar="CODINGCODE_CONFIG", show_envvar=True, parser=config_path_option,
     help="codingcode.yaml to read (default ./codingcode.yaml).")]
 RedisUrlOpt = Annotated[str | None, typer.Option(
     "--redis-url", envvar="REDIS_URL", show_envvar=True,

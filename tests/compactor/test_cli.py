@@ -249,6 +249,18 @@ def test_an_empty_data_dir_option_is_refused_not_taken_for_the_current_directory
         "current directory: pass . for that)"]
 
 
+@pytest.mark.parametrize("command", [["status"], ["api"], ["context", "s1", "--cwd", "/p"]])
+def test_an_empty_config_option_is_refused_not_read_as_the_current_directory(
+    runner: CliRunner, command: list[str],
+) -> None:
+    """``Path("")`` is ``.``: the error said ``.: cannot be read: Is a directory``."""
+    result = runner.invoke(app, [*command, "--config", ""])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        "compactor: invalid configuration: --config: must not be empty (name a codingcode.yaml, or leave the "
+        "option out for ./codingcode.yaml)"]
+
+
 @pytest.mark.parametrize("source", ["file", "COMPACTION_DATA_DIR", "--data-dir"])
 def test_a_data_dir_in_an_unknown_users_home_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path,
                                                                      source: str) -> None:
