@@ -77,6 +77,7 @@ breaker open does nothing, and a failed call fails the job (forced or not).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -178,6 +179,8 @@ class JobRun:
     trigger: str | None = None
     llm_failure: LlmFailure | None = None
     sent: Deferred | None = None
+    deadline: float | None = None  # time.monotonic() the job's timeout ends at (RQ's), when known
+    covered: int | None = None  # the targets summarized, when the chunks stopped short of the deadline
 
     def collect(self) -> None:
         """Read the replies of the last writes sent (the state save, the claim's release).
@@ -347,7 +350,8 @@ class Compactor:
             raise
         # (jobs of one session never run at once: only this job could have counted a failure since)
         reset = reset and stored.failures > 0
-        return self._append_summary(session_id, cwd, log, summary_text, reset, snapshot, run)
+        return self._append_summary(session_id, cwd, log, summary_text, reset, snapshot, run,
+                                    covered=run.covered if run is not None else None)
 
     def _micro_after_failure(self, session_id: str, cwd: str, log: SessionLog) -> None:
         """Apply the micro step of an LLM job that failed (its error is what the job reports)."""
@@ -358,7 +362,7 @@ class Compactor:
 
     def _append_summary(
         self, session_id: str, cwd: str, log: SessionLog, text: str, reset: bool,
-        snapshot: _Snapshot, run: JobRun | None = None,
+        snapshot: _Snapshot, run: JobRun | None = None, covered: int | None = None,
     ) -> CompressResult:
         """Append the micro step's compact (if any) and the summary, unless a summary/rollback
         landed since the snapshot: then only the micro step, re-derived from the log as it is.
@@ -369,8 +373,10 @@ class Compactor:
         reply is left to ``run.collect`` (``worker.jobs.finish``).
         """
         reading = snapshot.reading
-        event = _new_line("summary", replaces=reading.replaces, summaryText=text,
-                          lastSummarizedTurnId=reading.targets.end_turn)
+        replaces, end_turn = reading.replaces, reading.targets.end_turn
+        if covered is not None:  # the turns before the first target not summarized
+            replaces, end_turn = _covered(reading, covered)
+        event = _new_line("summary", replaces=replaces, summaryText=text, lastSummarizedTurnId=end_turn)
         lines = [event] if snapshot.compact is None else [snapshot.compact, event]
         with log.lock():
             since = _lines_since(log, snapshot.size, snapshot.tail)
@@ -388,7 +394,7 @@ class Compactor:
             if pipe is not None and reset:
                 self.failures.reset(session_id, pipe)
             derive = None
-            if not since and reading.exact:  # the state after is known from the pass: no rebuild
+            if not since and reading.exact and covered is None:  # the state after is known from the pass
                 def derive(appended: list[dict[str, Any]], log_size: int) -> SessionState:
                     return state_after_summary(snapshot.state, reading, appended, self.ctx, log_size)
             try:
@@ -430,7 +436,7 @@ class Compactor:
             return self._summarize_with(fallback, reading, view), False
         plan = self.plan(reading.targets, view, reading.target_tokens)
         try:
-            text = self._summarize_with(plan.model, reading, view, plan)
+            text = self._summarize_with(plan.model, reading, view, plan, run=run)
         except (LLMUnavailable, SummaryInvalid) as error:
             kind = self._count_failure(session_id, plan.model, error)
             if not fallback or fallback == plan.model:
@@ -492,7 +498,13 @@ class Compactor:
     def _event_tokens(self, event: dict[str, Any], encoding: str) -> int:
         return stamped_tokens(event, encoding) + BLOCK_HEADER_TOKENS
 
-    def _summarize_with(self, model: str, reading: LlmPass, view: _Session, plan: Plan | None = None) -> str:
+    def _summarize_with(self, model: str, reading: LlmPass, view: _Session, plan: Plan | None = None,
+                        run: JobRun | None = None) -> str:
+        """The summary of ``reading``'s targets (in chunks when they do not fit the window). With
+        ``run``'s deadline, the chunks stop once another LLM call might outlast it, after a turn
+        boundary past the previous summary's: ``run.covered`` says how many targets the summary
+        covers (a backlog needing more calls than fit in one job was never summarized: each job
+        timed out, its chunks lost, and the next began again)."""
         targets = reading.targets
         previous = targets.previous_summary
         previous_text = previous.get("summaryText") if previous else None
@@ -505,6 +517,7 @@ class Compactor:
         running = previous_text
         chunks = self.chunks(targets.events, previous_text, window, view.encoding, reading.target_tokens,
                              running=lambda: running)
+        done = 0
         for chunk in chunks:
             # the whole targets in one call: the pass rendered them already
             transcript = "\n\n".join(reading.blocks) if chunk is targets.events else render_transcript(chunk)
@@ -515,6 +528,14 @@ class Compactor:
                 raise SummaryInvalid(f"the summary is {size} tokens, over the {limit} a summary may take "
                                      f"(a quarter of the session's {view.window}-token window, at least "
                                      f"{MIN_SUMMARY_LIMIT_TOKENS})")
+            done += len(chunk)
+            if (run is not None and run.deadline is not None and done < len(targets.events)
+                    and time.monotonic() + self.ctx.llm_timeout_seconds > run.deadline
+                    and _turn(targets.events[done]) - 1 > targets.start_after):
+                logger.warning("summarizing stopped after %d of %d targets: another LLM call might outlast the "
+                               "job's timeout; the next job goes on", done, len(targets.events))
+                run.covered = done
+                break
         assert running is not None  # targets are never empty here
         return running
 
@@ -670,6 +691,24 @@ def _new_line(kind: str, **fields: Any) -> dict[str, Any]:
     uuid, the time, then the fields), without the pydantic round trip: the worker's values
     (turn ids and uuids read from the log, the checked summary text) need no validation."""
     return {"uuid": str(uuid.uuid4()), "timestamp": now_iso(), "type": kind, **fields}
+
+
+def _turn(event: dict[str, Any]) -> int:
+    turn = event.get("turnId")
+    return turn if type(turn) is int else 0
+
+
+def _covered(reading: LlmPass, covered: int) -> tuple[list[str], int]:
+    """A summary of the first ``covered`` targets: its ``replaces`` and ``lastSummarizedTurnId``,
+    the turn before the first target left out (its turn's targets summarized already stay
+    visible, and are summarized again by the next job)."""
+    targets = reading.targets
+    end_turn = _turn(targets.events[covered]) - 1
+    replaces = [e["uuid"] for e in targets.events[:covered] if isinstance(e.get("uuid"), str) and _turn(e) <= end_turn]
+    previous = targets.previous_summary
+    if previous is not None and isinstance(previous.get("uuid"), str):
+        replaces.append(previous["uuid"])
+    return replaces, end_turn
 
 
 def _lines_since(log: SessionLog, snapshot: int, tail: bytes = b"") -> list[dict[str, Any]] | None:

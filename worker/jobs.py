@@ -62,6 +62,8 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
     result: CompressResult | None = None
     llm_failed = False
     run = JobRun(job_id)
+    if job is not None and isinstance(job.timeout, (int, float)) and job.timeout > 0:
+        run.deadline = started + job.timeout  # (a chunked summary stops short of it: JobRun.covered)
     try:
         if kind == "micro":
             result = context.compactor.micro(session_id, cwd, run=run)

@@ -465,6 +465,37 @@ def test_targets_too_large_for_the_window_are_summarized_in_chunks(
     assert summary["lastSummarizedTurnId"] == 11 and len(summary["replaces"]) == 33
 
 
+@pytest.mark.slow
+def test_a_backlog_of_more_chunks_than_one_job_has_time_for_is_summarized_over_several_jobs(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    """Each job timed out during its chunks, the running summary was lost and the next job began
+    from the first chunk again: a healthy but slow LLM never summarized the backlog. A job now
+    stops at a turn boundary once another call might outlast its timeout, and appends what it has."""
+    small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=100,
+                          default_context_window=2_000, llm_timeout_seconds=1.5)
+    small = small.model_copy(update={"worker": small.worker.model_copy(update={"job_timeout_seconds": 2})})
+    write_session(r, small, "s1", 7, output="y " * 900, window=2_000, tool="ask_human")  # a turn or two a chunk
+    replies = iter(f"<summary>\n{summary_text(f'call{i}')}\n</summary>" for i in range(1, 100))
+    stub.reply = lambda body: next(replies)
+    stub.latency_s = 0.6  # a chunk at a time: 0.6 s + 1.5 s of LLM timeout is past the 2 s job
+    ends = []
+    for _ in range(10):
+        job = _run(r, small, "s1", forced=True)
+        assert job.get_status() == JobStatus.FINISHED, job.latest_result()
+        summaries = _summaries(small, "s1")
+        ends.append(summaries[-1]["lastSummarizedTurnId"])
+        if ends[-1] == 6:
+            break
+    assert len(ends) > 1 and ends == sorted(set(ends)) and ends[-1] == 6  # progress every job, to the end
+    log = read_log(small, "s1")
+    view = build_view(log, small.context)
+    [visible] = [m for m in view.messages if m.get("name") == "compacted_history"]  # one summary, the last
+    sent = "".join(req.user_text for req in stub.requests)
+    assert all(f"please do step {n}\n" in sent for n in range(1, 7)) and "step 7\n" not in sent
+    _assert_state_is_a_rebuild(r, small, "s1")
+
+
 def test_a_chunk_is_budgeted_once_for_the_reply_and_at_the_running_summarys_real_size(
     r: redis.Redis, settings: Settings, stub: LLMStub
 ) -> None:
