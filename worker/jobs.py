@@ -97,8 +97,10 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
         # (a forced job the LLM failed took its micro step; re-checked, it queued the same LLM call at
         # once: two calls and two failures counted for one request. The next turn_end re-triggers.)
         compressed = result is not None and result.did_compress
+        # a summary of part of the targets (its chunks stopped short of the timeout): re-checked
+        # now, the next job goes on at once rather than at the agent's next turn_end
         finish(context, session_id, job_id, released=run,
-               forced_without_compaction=forced and not compressed and not llm_failed)
+               forced_without_compaction=(forced and not compressed and not llm_failed) or run.covered is not None)
 
 
 def _job_fields(session_id: str, job_id: str, kind: str, forced: bool, outcome: str,
@@ -122,7 +124,8 @@ def finish(
 
     ``released``: the job freed its claim already, with its last writes (an LLM
     job that appended a summary); its reply is used instead of a round trip.
-    ``forced_without_compaction``: a forced job that compacted nothing (nothing
+    ``forced_without_compaction`` (also passed for a job whose summary covers only part of its
+    targets: the rest is re-checked at once): a forced job that compacted nothing (nothing
     to summarize, SPEC §5, or it failed, but for the LLM: then it took its micro step, and
     the next turn_end re-triggers the LLM; re-checked at once, it called the LLM again). The triggers that came while it
     waited for the claim were not recorded (it was to answer them), so the
