@@ -7,7 +7,7 @@
   refuses it, seen from the batch alone (so a refusal is certain; what the
   batch cannot see, the store still checks).
 - ``check_covered_turns``: a summary / compact covers turns that happened (the
-  store's rule; ``first_past_turns`` applies it to a batch on a known session).
+  store's rule; ``check_past_turns`` applies it to a batch on a known session).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def check_covered_turns(highest: int, event: Mapping[str, Any], index: int | Non
                                   f"(a {event['type']} covers turns that happened)", index)
 
 
-def first_past_turns(events: Sequence[Mapping[str, Any]], highest_before: int) -> None:
+def check_past_turns(events: Sequence[Mapping[str, Any]], highest_before: int) -> None:
     """``check_covered_turns`` for each summary/compact of ``events`` appended to a session whose
     highest visible turn is ``highest_before`` (a rollback among them ends the check: what it
     hides is the store's to see)."""

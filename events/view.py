@@ -175,6 +175,11 @@ def _int(value: Any) -> int:
     return value if type(value) is int else 0
 
 
+def turn_of(event: Event) -> int:
+    """The event's ``turnId``; 0 when it has none (or one that is not an integer)."""
+    return _int(event.get("turnId"))
+
+
 def _through(rollback: Event) -> float:
     """The turn a rollback undoes from; ``_NO_ROLLBACK`` (none) when its ``throughTurnId`` is not an
     integer (a hand-edited ``"2"`` or ``2.0``: read as 0, it hid every turn)."""
@@ -372,7 +377,7 @@ class _Builder:
 
     def _compacted(self, event: Event) -> bool:
         """Whether a visible compact covers the event's turn."""
-        return bool(self.compacted) and _in_ranges(_int(event.get("turnId")), self.starts, self.compacted)
+        return bool(self.compacted) and _in_ranges(turn_of(event), self.starts, self.compacted)
 
     def add(self, event: Event) -> None:
         self.visible.append(event)
@@ -567,7 +572,7 @@ def _with_compact(view: ContextView, event: Event, ctx: ContextSettings) -> Cont
     estimate = view.prompt_estimate
     elided = dict(view.elided)
     candidates: list[Event] = []
-    newly = [c for c in view.candidates if _in_ranges(_int(c.get("turnId")), starts, compacted)]
+    newly = [c for c in view.candidates if _in_ranges(turn_of(c), starts, compacted)]
     if newly:
         positions = {id(e): i for i, e in enumerate(view.visible)}
         newly_ids = {id(c) for c in newly}

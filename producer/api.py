@@ -50,7 +50,7 @@ from compactor.keys import Keys
 from compactor.queue import enqueue_forced_compaction
 from compactor.serve import client_redis_url
 from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd
-from events.checks import first_past_turns
+from events.checks import check_past_turns
 from events.config import Settings
 from events.errors import InvalidEvent, SessionNotFound
 from events.log import SessionLog
@@ -191,7 +191,7 @@ def _refuse_backwards(client: redis.Redis, settings: Settings, store: SessionSto
             problem = InvalidEvent("turnId", f"goes backwards: {turn} < currentTurnId {current}", index)
             break
     try:  # a summary or compact past the session's turns, likewise
-        first_past_turns(wires, state.max_turn)
+        check_past_turns(wires, state.max_turn)
     except InvalidEvent as e:
         problem = e if problem is None or (e.index or 0) < (problem.index or 0) else problem
     if problem is None:

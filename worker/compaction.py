@@ -116,6 +116,7 @@ from events.view import (
     llm_pass,
     micro_candidates,
     str_or_empty,
+    turn_of,
 )
 from worker.extractive import EXTRACTIVE_MODEL, extractive_summary
 from worker.failures import FailureCounter
@@ -531,13 +532,19 @@ class Compactor:
             done += len(chunk)
             if (run is not None and run.deadline is not None and done < len(targets.events)
                     and time.monotonic() + self.ctx.llm_timeout_seconds > run.deadline
-                    and _turn(targets.events[done]) - 1 > targets.start_after):
+                    and turn_of(targets.events[done]) - 1 > targets.start_after):
                 logger.warning("summarizing stopped after %d of %d targets: another LLM call might outlast the "
                                "job's timeout; the next job goes on", done, len(targets.events))
                 run.covered = done
                 break
         assert running is not None  # targets are never empty here
         return running
+
+    def _beside_frame_and_reply(self, window: int, encoding: str) -> int:
+        """What a request in ``window`` has for the running summary and a chunk: the window less
+        the prompt's frame and room for the reply (the reserve, at most a quarter of the window)."""
+        return (window - _system_tokens(encoding) - PROMPT_FRAME_TOKENS
+                - min(self.ctx.summary_reserve_tokens, window // 4))
 
     def _previous_that_fits(self, previous_text: str | None, window: int, encoding: str) -> str | None:
         """The previous summary, cut to its head and tail when it leaves no room in ``window`` for
@@ -546,8 +553,7 @@ class Compactor:
         with every chunk, a request far over the window that a provider refuses: every job failed."""
         if not previous_text:
             return previous_text
-        reply = min(self.ctx.summary_reserve_tokens, window // 4)
-        room = window - _system_tokens(encoding) - PROMPT_FRAME_TOKENS - reply - MIN_CHUNK_BUDGET_TOKENS
+        room = self._beside_frame_and_reply(window, encoding) - MIN_CHUNK_BUDGET_TOKENS
         if count_tokens(previous_text, encoding) <= room:
             return previous_text
         cut = _clipped({"type": "summary", "summaryText": previous_text}, max(room, BLOCK_HEADER_TOKENS + 1), encoding)
@@ -583,10 +589,10 @@ class Compactor:
             yield events
             return
         current = running or (lambda: previous_text)
-        reply = min(self.ctx.summary_reserve_tokens, window // 4)
+        room = self._beside_frame_and_reply(window, encoding)
         position, count = 0, 0
         while position < len(events):
-            budget = max(window - fixed - reply - count_tokens(current() or "", encoding), MIN_CHUNK_BUDGET_TOKENS)
+            budget = max(room - count_tokens(current() or "", encoding), MIN_CHUNK_BUDGET_TOKENS)
             chunk: list[dict[str, Any]] = []
             used = 0
             while position < len(events):
@@ -693,18 +699,13 @@ def _new_line(kind: str, **fields: Any) -> dict[str, Any]:
     return {"uuid": str(uuid.uuid4()), "timestamp": now_iso(), "type": kind, **fields}
 
 
-def _turn(event: dict[str, Any]) -> int:
-    turn = event.get("turnId")
-    return turn if type(turn) is int else 0
-
-
 def _covered(reading: LlmPass, covered: int) -> tuple[list[str], int]:
     """A summary of the first ``covered`` targets: its ``replaces`` and ``lastSummarizedTurnId``,
     the turn before the first target left out (its turn's targets summarized already stay
     visible, and are summarized again by the next job)."""
     targets = reading.targets
-    end_turn = _turn(targets.events[covered]) - 1
-    replaces = [e["uuid"] for e in targets.events[:covered] if isinstance(e.get("uuid"), str) and _turn(e) <= end_turn]
+    end_turn = turn_of(targets.events[covered]) - 1
+    replaces = [e["uuid"] for e in targets.events[:covered] if isinstance(e.get("uuid"), str) and turn_of(e) <= end_turn]
     previous = targets.previous_summary
     if previous is not None and isinstance(previous.get("uuid"), str):
         replaces.append(previous["uuid"])
