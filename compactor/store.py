@@ -517,7 +517,8 @@ class SessionStore:
                 continue
             if kind == "rollback":
                 highest = None
-            elif highest is not None and isinstance(turn := event.get("turnId"), int) and turn > highest:
+            elif (highest is not None and kind in TURN_SCOPED_TYPES and isinstance(turn := event.get("turnId"), int)
+                  and turn > highest):  # (a turnId on another kind is an unknown extra field: SPEC §3)
                 highest = turn
             if isinstance(uuid := event.get("uuid"), str):  # taken once admitted: a refused one's is free
                 taken.add(uuid)

@@ -175,6 +175,24 @@ def test_a_summary_or_compact_past_the_sessions_turns_is_refused(store: SessionS
     assert store.load(SID) == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
 
 
+@pytest.mark.parametrize("batched", [True, False], ids=["one batch", "one by one"])
+def test_a_turn_id_on_an_event_outside_the_turns_does_not_raise_the_highest_turn(
+        store: SessionStore, batched: bool) -> None:
+    """``turnId`` is an unknown extra field on a session_meta (SPEC §3 keeps it as it is): in one
+    batch it raised the highest turn a summary may cover, so a summary of turn 50 of a session
+    at turn 1 was written (and left turns 2..50 out of every LLM job's targets), while sent
+    alone it was refused."""
+    store.apply(SID, CWD, [user(1, "a")])
+    meta = {"type": "session_meta", "uuid": "m", "timestamp": "2026-01-01T00:00:00Z", "turnId": 50}
+    events = [compact(1, "c-ok"), meta, summary(50, "s-far")]
+    if batched:
+        rejected = store.apply(SID, CWD, events).rejected
+    else:
+        rejected = [refusal for event in events for refusal in store.apply(SID, CWD, [event]).rejected]
+    assert [(e["uuid"], err.field) for e, err in rejected] == [("s-far", "lastSummarizedTurnId")]
+    assert [e["uuid"] for e in store.log(SID, CWD).read()][-2:] == ["c-ok", "m"]
+
+
 @pytest.mark.parametrize("batched", [True, False], ids=["one batch", "two batches"])
 def test_a_refused_events_uuid_stays_free(store: SessionStore, batched: bool) -> None:
     """An event refused for going backwards had its uuid taken all the same: a later event of the
