@@ -175,7 +175,7 @@ def reason_kind(reason: str) -> str:
         return "identity"
     if text.startswith(("missing field", "field 'session' given", "field 'cwd' given", "field 'event' given",
                         "invalid utf-8", "invalid json", "entry has no fields",
-                        "event: must be a json object")):
+                        "event: must be a json object", "event: the key ")):
         return "malformed"
     return "invalid_event"
 

@@ -8,16 +8,52 @@
   batch cannot see, the store still checks).
 - ``check_covered_turns``: a summary / compact covers turns that happened (the
   store's rule; ``check_past_turns`` applies it to a batch on a known session).
+- ``unique_keys`` / ``repeated_key``: no key given twice in one JSON object (JSON
+  allows it, and a decoder silently keeps the last value).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from events.errors import InvalidEvent
 from events.models import MAX_JSON_INT, MIN_JSON_INT, TURN_SCOPED_TYPES, escaped, json_path, text_problem
+
+
+class DuplicateKey(ValueError):
+    """Raised by ``unique_keys``: ``key`` appears twice in one object."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object of a JSON text (``json.loads``'s ``object_pairs_hook``): JSON lets a key repeat,
+    and the last value silently won (``{"cwd": "/a", "cwd": "/b"}``); DuplicateKey instead."""
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
+    return value
+
+
+def repeated_key(text: str | bytes) -> str | None:
+    """The first key given twice in one object of the JSON ``text``, else None (None too for a
+    text that is not JSON: that is for the caller's decoder to refuse)."""
+    try:
+        json.loads(text, object_pairs_hook=unique_keys)
+    except DuplicateKey as e:
+        return e.key
+    except (ValueError, RecursionError):
+        return None
+    return None
 
 
 def check_json(value: object, where: Sequence[str | int] = ()) -> None:

@@ -56,7 +56,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from compactor.redis_errors import is_refusal
 from events.errors import InvalidInput, LogCorrupted, LogWriteFailed, SessionNotFound
-from events.checks import check_json
+from events.checks import DuplicateKey, check_json, unique_keys
 from events.models import json_path
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def decode_json_body(raw: bytes) -> Any:
         raise BadBody(f"body: is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}; "
                       "send JSON as UTF-8") from e
     try:
-        value = json.loads(text, object_pairs_hook=_unique_keys)
+        value = json.loads(text, object_pairs_hook=unique_keys)
     except DuplicateKey as e:
         raise BadBody(f"body: the key {e.key!r} appears twice in one object (one of its values would be "
                       "dropped)") from None
@@ -130,25 +130,6 @@ def decode_json_body(raw: bytes) -> Any:
         check_json(value)
     except InvalidInput as e:
         raise BadBody(str(e)) from e
-    return value
-
-
-class DuplicateKey(ValueError):
-    def __init__(self, key: str) -> None:
-        super().__init__(key)
-        self.key = key
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """An object of the body (``json.loads``'s hook): JSON lets a key repeat, and the last value
-    silently won (``{"cwd": "/a", "cwd": "/b"}``)."""
-    value = dict(pairs)
-    if len(value) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise DuplicateKey(key)
-            seen.add(key)
     return value
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import orjson
 
 from compactor.keys import Keys
+from events.checks import repeated_key
 from events.errors import InvalidInput
 from events.models import (
     parse_event,
@@ -153,6 +154,11 @@ def _json_object(event_bytes: bytes) -> Any:
             orjson.dumps(data)
         except TypeError as e:  # orjson.JSONEncodeError
             raise _Reject(f"event: cannot be written as a log line: {e} (nested too deeply)") from e
+    # a key given twice in one object: orjson keeps the last value, silently (the API refuses the
+    # same body). Written as orjson writes it (the publisher's form) it has none: one encode, not
+    # a second, slower decode
+    if orjson.dumps(data) != event_bytes and (key := repeated_key(event_bytes)) is not None:
+        raise _Reject(f"event: the key {key!r} appears twice in one object (one of its values would be dropped)")
     return data
 
 

@@ -312,6 +312,7 @@ def test_a_scrape_waits_for_a_hung_redis_once_not_once_per_gauge(
 @pytest.mark.parametrize(("reason", "kind"), [
     ("invalid JSON in field 'event': unexpected character", "malformed"),
     ("missing field 'cwd'", "malformed"),
+    ("event: the key 'type' appears twice in one object (one of its values would be dropped)", "malformed"),
     ("event is 5000000 bytes, more than limits.maxEventBytes (4194304)", "too_large"),
     ("turnId: goes backwards: 1 < currentTurnId 3", "turn_order"),
     ("lastSummarizedTurnId: is past the session's turns: 1000000 > 1, its highest turn so far (a summary "

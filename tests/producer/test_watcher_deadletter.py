@@ -57,6 +57,13 @@ def small(tmp_path: Path, redis_url: str) -> Settings:
     ({"session": b"s\xff1", "cwd": CWD, "event": GOOD}, "invalid UTF-8 in field 'session'"),
     ({"session": "s1", "cwd": CWD, "event": orjson.dumps(user(1, "x" * 2000))}, "more than limits.maxEventBytes"),
     ({"session": "s1", "cwd": CWD, "event": orjson.dumps({**user(1), "sessionId": "s2"})}, "sessionId: differs"),
+    ({"session": "s1", "cwd": CWD, "event": b'{"type":"user","type":"assistant","turnId":1,"content":"x"}'},
+     "event: the key 'type' appears twice in one object (one of its values would be dropped)"),
+    ({"session": "s1", "cwd": CWD, "event": b'{"type": "user", "turnId": 1, "content": "a", "con\\u0074ent": "b"}'},
+     "event: the key 'content' appears twice"),
+    ({"session": "s1", "cwd": CWD, "event": b'{"type":"assistant","turnId":1,"content":"","toolCalls":[{"id":"c",'
+                                            b'"name":"read_file","arguments":{"path":"/a","path":"/b"}}]}'},
+     "event: the key 'path' appears twice"),
 ])
 def test_bad_entry_is_dead_lettered_with_its_reason_and_acked(
     r: redis.Redis, small: Settings, fields: dict[str, bytes | str], reason: str
@@ -87,6 +94,17 @@ def test_an_entry_naming_one_of_its_fields_twice_is_dead_lettered(r: redis.Redis
     assert reason_kind(dead[b"reason"].decode()) == "malformed"
     assert [line["streamId"] for line in log_lines(small, "s1")] == good
     assert not SessionLog(small.data_dir, "/other/project", "s1").exists()
+
+
+def test_an_event_written_otherwise_than_orjson_writes_it_is_applied(r: redis.Redis, small: Settings) -> None:
+    """The check for a key given twice reads again only an event orjson would write otherwise
+    (spaces, escapes, another number form): one with none is applied as sent."""
+    event = b'{ "type" : "user", "turnId" : 1, "content" : "caf\\u00e9 \\"x\\"", "n": 1E2, "x": {"a": 1, "b": [{"a": 2}]} }'
+    raw(r, {"session": "s1", "cwd": CWD, "event": event})
+    drain(Watcher(r, small, name="w"), r, small)
+    assert dead_letters(r) == []
+    [line] = log_lines(small, "s1")
+    assert (line["content"], line["n"], line["x"]) == ('caf\u00e9 "x"', 100.0, {"a": 1, "b": [{"a": 2}]})
 
 
 def test_an_event_nested_too_deeply_to_write_is_refused_alone(r: redis.Redis, small: Settings) -> None:
