@@ -137,9 +137,11 @@ def _check_identity(wire: dict[str, Any], session_id: str, cwd: str) -> None:
 
 
 def _as_data(event: object) -> object:
-    """A plain dict for a model or a mapping; anything else as it is (parse_event rejects it)."""
+    """A plain dict for a model or a mapping; anything else as it is (parse_event rejects it).
+    A model gives the fields it was given, a null one too (as a dict does: SPEC §3 keeps unknown
+    fields as they are; ``exclude_none`` dropped ``extra=None`` and sent ``content=None`` as "")."""
     if isinstance(event, BaseModel):
-        return event.model_dump(by_alias=True, exclude_none=True)
+        return event.model_dump(by_alias=True, exclude_unset=True)
     if isinstance(event, Mapping):
         return dict(event)
     return event

@@ -10,7 +10,7 @@ from compactor.keys import Keys
 from compactor.queue import parse_job_id, pending_job_id
 from events.config import Settings
 from events.errors import InvalidEvent
-from events.models import UserEvent
+from events.models import AssistantEvent, UserEvent
 from producer.publisher import Publisher
 from tests.producer.conftest import CWD, turn_end, user
 
@@ -156,3 +156,17 @@ def test_publish_keeps_unknown_fields_whose_value_is_null(r: redis.Redis, settin
     assert second["content"] is None and second["note"] is None and "note" in second
     assert second["toolCalls"] == [{"id": "c1", "name": "read_file", "arguments": {"path": None}, "hint": None}]
     assert "contextWindow" not in third and "usage" not in second
+
+
+def test_a_model_is_published_as_the_same_event_as_a_dict(r: redis.Redis, settings: Settings) -> None:
+    """A model's null fields were dropped (``exclude_none``): an extra ``None`` vanished and
+    ``content=None`` was sent as "", where the same event as a dict kept both."""
+    as_dict = {"type": "assistant", "turnId": 1, "content": None, "note": None,
+               "toolCalls": [{"id": "c1", "name": "read_file", "arguments": {"path": "/a"}, "hint": None}]}
+    publisher = Publisher(r, settings)
+    publisher.publish("s1", CWD, as_dict)
+    publisher.publish("s1", CWD, AssistantEvent.model_validate(as_dict))
+    publisher.publish("s1", CWD, UserEvent(type="user", turn_id=1, content="x", extra=None))
+    from_dict, from_model, user_model = [orjson.loads(e[b"event"]) for e in entries(r, settings, "s1")]
+    assert from_model == from_dict and from_model["content"] is None and from_model["note"] is None
+    assert user_model == {"type": "user", "turnId": 1, "content": "x", "extra": None}
