@@ -37,6 +37,7 @@ from pydantic_core import ErrorDetails
 from redis import ConnectionPool, RedisError
 
 from events.errors import InvalidConfig
+from events.models import MAX_CONTEXT_WINDOW
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ class ContextSettings(_Section):
     failure_ttl_seconds: int = Field(86_400, ge=1, le=TEN_YEARS_S)  # (Redis's EXPIRE refuses past ~2^53)
     compactable_tools: tuple[str, ...] = DEFAULT_COMPACTABLE_TOOLS
     micro_compact_keep_chars: int = Field(40, ge=0)  # head and tail kept of an elided output
-    default_context_window: int = Field(128_000, ge=1)
+    default_context_window: int = Field(128_000, ge=1, le=MAX_CONTEXT_WINDOW)
     llm_timeout_seconds: float = Field(120.0, gt=0, le=DAY_S, allow_inf_nan=False)
     summary_reserve_tokens: int = Field(25_000, ge=0)  # SPEC §5: window must hold prompt + this
 

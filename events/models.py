@@ -46,6 +46,9 @@ from events.errors import InvalidEvent
 
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 MAX_TURN_ID = 1_000_000_000  # far above any real session; rejects absurd ids
+# far above any model's window: one larger (2**64 - 1 was accepted) can never trigger a compaction,
+# and its thresholds came out of a float rounded in the session's API answer
+MAX_CONTEXT_WINDOW = 1_000_000_000
 MAX_CWD_CHARS = 4096
 # SPEC §3's "ISO-8601 UTC" as docs/STREAM_PROTOCOL.md spells it (the date and time are checked too)
 UTC_TIMESTAMP_RE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]{1,9})?(?:Z|\+00:00)")
@@ -157,7 +160,7 @@ class TurnEndEvent(_Event):
     type: Literal["turn_end"]
     turn_id: TurnId
     model: str = Field(min_length=1)
-    context_window: int | None = Field(default=None, ge=1)
+    context_window: int | None = Field(default=None, ge=1, le=MAX_CONTEXT_WINDOW)
 
 
 class RollbackEvent(_Event):

@@ -211,3 +211,13 @@ def test_check_batch_follows_the_current_turn_as_the_log_would() -> None:
     check_batch([{"type": "user", "turnId": 4}, {"type": "assistant", "turnId": 4}, {"type": "turn_end", "turnId": 4},
                  {"type": "user", "turnId": 6}, {"type": "rollback", "throughTurnId": 1},
                  {"type": "user", "turnId": 1}, {"type": "compact", "startTurnId": 1, "endTurnId": 1}])
+
+
+def test_a_context_window_past_any_models_is_refused() -> None:
+    """``2**64 - 1`` was accepted: the session could never trigger a compaction, and its thresholds
+    came out of a rounded float in the session's API answer."""
+    with pytest.raises(InvalidEvent) as caught:
+        parse_event({"type": "turn_end", "turnId": 1, "model": "m", "contextWindow": 2**64 - 1})
+    assert str(caught.value) == "contextWindow: Input should be less than or equal to 1000000000"
+    assert to_wire(parse_event({"type": "turn_end", "turnId": 1, "model": "m", "contextWindow": 10**9}))[
+        "contextWindow"] == 10**9
