@@ -84,15 +84,23 @@ def compact(
     from compactor.queue import enqueue_forced_compaction
     from producer.api_jobs import wait_for_job
 
-    settings = load(config, redis_url=redis_url, data_dir=data_dir)
-    with user_errors():
-        sid, cwd = validate_session_id(session), validate_cwd(cwd)
-        _require_log(settings, sid, cwd)
-        client = connect(settings)
-        wait_s = timeout or settings.api.job_wait_seconds
-        job_id = enqueue_forced_compaction(client, settings, sid, cwd)
-        err_console.print(f"compaction job {job_id} queued; waiting (up to {wait_s:.0f}s)")
-        job = wait_for_job(client, job_id, Keys(settings.redis.prefix, settings.redis.shards).queue, wait_s)
+    settings: Settings | None = None
+    client: Any = None
+    try:
+        settings = load(config, redis_url=redis_url, data_dir=data_dir)
+        with user_errors():
+            sid, cwd = validate_session_id(session), validate_cwd(cwd)
+            _require_log(settings, sid, cwd)
+            client = connect(settings)
+            wait_s = timeout or settings.api.job_wait_seconds
+            job_id = enqueue_forced_compaction(client, settings, sid, cwd)
+            err_console.print(f"compaction job {job_id} queued; waiting (up to {wait_s:.0f}s)")
+            job = wait_for_job(client, job_id, Keys(settings.redis.prefix, settings.redis.shards).queue, wait_s)
+    except typer.Exit:
+        # SPEC §7: the CompressResult JSON is always the last line, when no job could run too (a bad
+        # session id, no such session, Redis unreachable, a bad config: the reason is on stderr)
+        print_json(_nothing_compacted(client, settings, session, cwd))
+        raise
     if job.status == "finished" and job.result is not None:
         result = job.result
         if job.llm_error is not None:
@@ -105,25 +113,39 @@ def compact(
         print_json(result.model_dump(by_alias=True))
         return
     # SPEC §7: the CompressResult JSON is always the last line: none compacted (yet), the estimate now
-    print_json(_nothing_compacted(client, settings, sid))
+    print_json(_nothing_compacted(client, settings, sid, cwd))
     if job.error is not None:
         fail(f"compaction job {job_id} {job.status}: {_message_of(job.error)}")
     fail(f"compaction job {job_id} still {WAIT_WORDS.get(job.status, job.status)} after {wait_s:.0f}s; "
          f"see GET /api/jobs/{job_id}")
 
 
-def _nothing_compacted(client: Any, settings: Settings, session_id: str) -> dict[str, Any]:
-    """``{didCompress: false, released: 0, promptEstimate}``, the estimate as stored (0 when Redis has
-    no state of the session, or does not answer: the reason of the failure is said after it)."""
-    from compactor.store import SessionStore
+def _nothing_compacted(client: Any, settings: Settings | None, session_id: str, cwd: str) -> dict[str, Any]:
+    """``{didCompress: false, released: 0, promptEstimate}``: the estimate as stored, else (Redis has
+    no state of the session, or does not answer) as the log gives it, else 0 (no settings, no valid
+    session, no log, or one that cannot be read: the reason of the failure is said on stderr)."""
     from events.models import CompressResult
 
-    try:
-        state = SessionStore(client, settings).load(session_id)
-    except Exception:  # (the failure's own line, after this one, is what matters)
+    return CompressResult(did_compress=False, released=0,
+                          prompt_estimate=_estimate_now(client, settings, session_id, cwd)).model_dump(by_alias=True)
+
+
+def _estimate_now(client: Any, settings: Settings | None, session_id: str, cwd: str) -> int:
+    from compactor.store import SessionStore
+    from producer.api_sessions import context_body
+
+    if settings is None:
+        return 0
+    try:  # (the failure's own line, after this one, is what matters)
+        state = SessionStore(client, settings).load(session_id) if client is not None else None
+    except Exception:
         state = None
-    estimate = state.prompt_estimate if state is not None else 0
-    return CompressResult(did_compress=False, released=0, prompt_estimate=estimate).model_dump(by_alias=True)
+    if state is not None:
+        return state.prompt_estimate
+    try:
+        return context_body(settings, session_id, cwd).prompt_estimate
+    except Exception:
+        return 0
 
 
 def _message_of(error: str) -> str:

@@ -885,6 +885,29 @@ def test_compact_of_unknown_session_exits_1(runner: CliRunner, settings: Setting
     result = runner.invoke(app, ["compact", SID, "--cwd", CWD, *base_args(settings, config)])
     assert result.exit_code == 1 and "no session" in result.stderr
     assert compaction_queue(r, settings).count == 0
+    # SPEC §7: the CompressResult JSON is always the last line (nothing printed on stdout before)
+    assert json.loads(result.stdout.splitlines()[-1]) == {"didCompress": False, "released": 0, "promptEstimate": 0}
+
+
+def test_compact_that_cannot_queue_a_job_still_ends_with_a_compress_result(
+        runner: CliRunner, settings: Settings, config: Path, r: redis.Redis, tmp_path: Path) -> None:
+    """SPEC §7: ``compact`` always prints the CompressResult JSON as its last line: a bad session
+    id, Redis unreachable or a bad config printed nothing on stdout. The estimate is the log's when
+    Redis cannot say it."""
+    write_session(r, settings, 3)
+    estimate = SessionStore(r, settings).load(SID).prompt_estimate  # type: ignore[union-attr]
+    down = runner.invoke(app, ["compact", SID, "--cwd", CWD, "--config", str(config), "--data-dir",
+                               str(settings.data_dir), "--redis-url", f"unix://{tmp_path}/none.sock"])
+    bad_id = runner.invoke(app, ["compact", "bad..id", "--cwd", CWD, *base_args(settings, config)])
+    bad_config = tmp_path / "bad.yaml"
+    bad_config.write_text("context: {keepRecentTurns: -1}\n")
+    unconfigured = runner.invoke(app, ["compact", SID, "--cwd", CWD, "--config", str(bad_config)])
+    assert (down.exit_code, bad_id.exit_code, unconfigured.exit_code) == (1, 2, 2)
+    assert "Redis unreachable" in down.stderr and "sessionId" in bad_id.stderr and "keepRecentTurns" in unconfigured.stderr
+    assert [json.loads(result.stdout.splitlines()[-1])["promptEstimate"] for result in (down, bad_id, unconfigured)] \
+        == [estimate, 0, 0]
+    assert estimate > 0 and all(json.loads(result.stdout.splitlines()[-1])["didCompress"] is False
+                                for result in (down, bad_id, unconfigured))
 
 
 # -- health ------------------------------------------------------------------------------
