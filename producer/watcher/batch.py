@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compactor.metrics import reason_kind
+from events.models import SESSION_ID_RE
 from producer.watcher.entries import REQUIRED_FIELDS, Entry
 from producer.watcher.streams import NEW_ENTRIES, PEL_START
 
@@ -65,8 +66,9 @@ class BatchOutcome:
     def reject(self, entry_id: str, reason: str, fields: list[bytes], *, written: bool = False) -> None:
         """Dead-letter an entry with the batch's ack, and ack it; ``written``: its letter was
         written already (before its run's append), so only the ack and the count are left."""
-        logger.warning("dead-lettered stream=%s id=%s reason=%s", self.stream, entry_id, reason,
-                       extra=dead_letter_fields(self.stream, entry_id, reason, fields))
+        extra = dead_letter_fields(self.stream, entry_id, reason, fields)
+        logger.warning("dead-lettered session=%s stream=%s id=%s reason=%s", _shown(extra["session_id"]),
+                       self.stream, entry_id, reason, extra=extra)
         self.reasons.append(reason)
         if not written:
             self.dead.append(self.letter(entry_id, reason, fields))
@@ -101,6 +103,14 @@ def dead_letter_fields(stream: str, entry_id: str, reason: str,
     return {"session_id": session_id[:128] or None, "job_id": None, "kind": reason_kind(reason),
             "outcome": "dead_lettered", "duration_ms": None, "stream": stream,
             "entry_id": entry_id, "reason": reason}
+
+
+def _shown(session_id: str | None) -> str:
+    """An entry's session as a text log line shows it: a valid id as it is, anything else quoted
+    (a producer's bad one may hold a line break), ``-`` when the entry has none."""
+    if session_id is None:
+        return "-"
+    return session_id if SESSION_ID_RE.fullmatch(session_id) else repr(session_id)
 
 
 def runs(entries: list[Entry]) -> Iterator[list[Entry]]:

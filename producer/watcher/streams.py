@@ -305,5 +305,5 @@ class ShardStreams:
                    for entry_id in ids]
         if self.ack(shard, [], letters):
             for entry_id in ids:
-                logger.warning("dead-lettered stream=%s id=%s reason=%s", stream, entry_id, reason)
+                logger.warning("dead-lettered session=- stream=%s id=%s reason=%s", stream, entry_id, reason)
             metrics.count_dead_letters([reason] * len(ids))

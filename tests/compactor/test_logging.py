@@ -113,3 +113,17 @@ def test_every_dead_letter_logs_session_kind_outcome_and_reason(
     assert data["session_id"] == "s-9" and data["outcome"] == "dead_lettered"
     assert data["kind"] == "turn_order" and data["entry_id"] == "1-0"
     assert {"job_id", "duration_ms", "reason", "stream"} <= set(data)
+
+
+def test_a_dead_letters_text_line_names_its_session(caplog: pytest.LogCaptureFixture) -> None:
+    """README: every dead-lettered entry logs its session and reason; the text line had no session
+    (only the JSON one did). A bad id is quoted: it may hold a line break."""
+    outcome = BatchOutcome("compaction:events:3")
+    caplog.set_level(logging.WARNING, logger="producer.watcher.batch")
+    outcome.reject("1-0", "turnId: goes backwards", [b"session", b"s-9", b"cwd", b"/x", b"event", b"{}"])
+    outcome.reject("2-0", "sessionId: must match", [b"session", b"bad\nid", b"cwd", b"/x", b"event", b"{}"])
+    outcome.reject("3-0", "missing field 'session'", [b"cwd", b"/x", b"event", b"{}"])
+    assert [rec.getMessage() for rec in caplog.records[-3:]] == [
+        "dead-lettered session=s-9 stream=compaction:events:3 id=1-0 reason=turnId: goes backwards",
+        "dead-lettered session='bad\\nid' stream=compaction:events:3 id=2-0 reason=sessionId: must match",
+        "dead-lettered session=- stream=compaction:events:3 id=3-0 reason=missing field 'session'"]
