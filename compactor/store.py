@@ -121,6 +121,7 @@ class ApplyResult:
     rejected: list[tuple[dict[str, Any], InvalidEvent]] = field(default_factory=list)
     view: ContextView | None = None
     saved_at: int | None = None
+    discarded: bool = False  # the log this call created held nothing once the batch was refused: removed
 
 
 def stream_id_key(stream_id: str) -> tuple[int, int]:
@@ -372,7 +373,8 @@ class SessionStore:
         (``_unwritten``).
         """
         log = log or self.log(session_id, cwd)
-        if not log.exists():  # the lock would create it: refuse another cwd's session before that
+        new = not log.exists()
+        if new:  # the lock would create it: refuse another cwd's session before that
             self._refuse_other_cwd(session_id, cwd, cached, stored)
         with log.lock():
             pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
@@ -412,6 +414,9 @@ class SessionStore:
                         session_id, cwd, known + result.appended, ctx, state.log_size, view)
                 elif needs_rebuild:
                     state = self.rebuild(session_id, cwd, log)
+            elif new and log.discard_if_empty():  # a refused batch leaves no session behind
+                result.discarded = True
+                return result
             result.state = state
             # a state rebuilt from the whole log under its lock is the log's: it replaces even one that
             # saw more bytes (the log shrank: truncated, or restored from an older copy); one stored

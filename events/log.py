@@ -155,22 +155,51 @@ class SessionLog:
 
     def _acquire(self) -> None:
         """Open the log for appending (creating it, and its directory, when missing, unless
-        ``create`` is False: SessionNotFound) and flock it."""
+        ``create`` is False: SessionNotFound) and flock it; again when the file was removed (or
+        replaced) while this waited for the lock (``discard_if_empty``): lines appended through
+        that descriptor would be lost with the file."""
         flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC
-        try:
-            fd = os.open(self.path, flags)
-        except FileNotFoundError:  # a new session (the directory too, perhaps): not on every lock
-            if not self.create:
-                raise SessionNotFound(f"{self.path}: no such log (deleted?)") from None
-            fd = self._create()
-        except OSError as e:
-            raise LogWriteFailed(f"{self.path}: cannot open: {e}") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except BaseException:
+        while True:
+            try:
+                fd = os.open(self.path, flags)
+            except FileNotFoundError:  # a new session (the directory too, perhaps): not on every lock
+                if not self.create:
+                    raise SessionNotFound(f"{self.path}: no such log (deleted?)") from None
+                fd = self._create()
+            except OSError as e:
+                raise LogWriteFailed(f"{self.path}: cannot open: {e}") from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if self._still_the_path(fd):
+                    break
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)
-            raise
         self._lock_fd = fd
+
+    def _still_the_path(self, fd: int) -> bool:
+        """Whether ``fd`` is still the file at ``path`` (not removed or replaced meanwhile)."""
+        held = os.fstat(fd)
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        return (held.st_ino, held.st_dev) == (now.st_ino, now.st_dev)
+
+    def discard_if_empty(self) -> bool:
+        """Remove the log when it holds nothing (call under the lock): one a writer created for a
+        batch it then refused whole. Left there, the session was known (SPEC §7's 404 is for no
+        log file) though nothing of it was ever written. A writer waiting for the lock meanwhile
+        opens the path again (``_acquire``)."""
+        fd = self._lock_fd
+        if fd is None or os.fstat(fd).st_size != 0:
+            return False
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            return False
+        return True
 
     def _create(self) -> int:
         try:

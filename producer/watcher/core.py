@@ -387,7 +387,10 @@ class Watcher:
             claimed=claimed,
         )
         pending_claimed -= claimed
-        self._remember(session_id, result.state, log)
+        if result.discarded:  # (its whole first batch refused: no log, no stored state)
+            self._sessions.pop(session_id, None)
+        else:
+            self._remember(session_id, result.state, log)
         if result.saved_at is not None:
             self._saves[result.saved_at] = session_id
         self._appended.extend(result.appended)

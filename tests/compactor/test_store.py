@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -494,3 +497,43 @@ def test_a_state_derived_under_other_settings_is_rebuilt_under_these(
     assert stale is not None and state.prompt_estimate > stale.prompt_estimate  # 2 outputs shown longer
     if lagging:
         assert [err.field for _, err in store.apply(SID, CWD, [user(4, "again", uuid="u-late")]).rejected] == ["uuid"]
+
+
+def test_a_new_sessions_batch_refused_whole_leaves_no_log_and_no_state(store: SessionStore) -> None:
+    """The log was created by the lock before the batch was refused: an empty file made the
+    session known (the API's 200 instead of SPEC §7's 404, a row in ``status``) though nothing of
+    it was ever written."""
+    far = summary(1, "s-far")  # past the turns of a session that has none
+    result = store.apply(SID, CWD, [far])
+    assert [err.field for _, err in result.rejected] == ["lastSummarizedTurnId"] and result.discarded
+    log = store.log(SID, CWD)
+    assert not log.exists() and store.load(SID) is None
+    store.apply(SID, CWD, [user(1, "a")])  # the session's first accepted event creates it
+    assert [e["content"] for e in log.read()] == ["a"] and store.load(SID) is not None
+    assert not store.apply(SID, CWD, [far]).discarded and log.exists()  # a log with lines stays
+
+
+def test_a_writer_waiting_for_the_lock_of_a_removed_log_opens_it_again(
+        store: SessionStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second writer opened the log, then waited for the lock while the first removed it
+    (``discard_if_empty``): its lines went into the removed file, lost. It opens the path again."""
+    first, second = store.log(SID, CWD), store.log(SID, CWD)
+    opened = threading.Event()
+    real_open = os.open
+
+    def spying_open(path: Any, *args: Any, **kwargs: Any) -> int:
+        fd = real_open(path, *args, **kwargs)
+        if threading.current_thread() is not threading.main_thread():
+            opened.set()
+        return fd
+
+    with first.lock():
+        monkeypatch.setattr(os, "open", spying_open)
+        writer = threading.Thread(target=lambda: second.append([user(1, "kept")]))
+        writer.start()
+        assert opened.wait(5)
+        time.sleep(0.2)  # the writer now waits in flock on the file it opened
+        assert first.discard_if_empty()
+    writer.join(5)
+    monkeypatch.undo()
+    assert [e["content"] for e in first.read()] == ["kept"]

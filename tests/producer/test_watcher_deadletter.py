@@ -269,3 +269,17 @@ def test_decoding_is_deterministic_and_fills_identity() -> None:
 def test_a_deleted_pending_entry_is_dead_lettered() -> None:
     decoded = decode_entry(b"1-0", None, 1024)
     assert isinstance(decoded, Rejected) and "deleted" in decoded.reason
+
+
+def test_a_new_sessions_refused_first_entry_leaves_no_log(r: redis.Redis, small: Settings) -> None:
+    """An empty log was left by the refusal, and the session was known (GET /api/sessions: 200,
+    a row in ``status``) with nothing of it ever written; its next good entry still applies."""
+    far = {"type": "summary", "replaces": [], "summaryText": "s", "lastSummarizedTurnId": 1}  # the store refuses it
+    raw(r, {"session": "s1", "cwd": CWD, "event": orjson.dumps(far)})
+    watcher = Watcher(r, small, name="w")
+    drain(watcher, r, small)
+    assert len(dead_letters(r)) == 1
+    assert not SessionLog(small.data_dir, CWD, "s1").exists() and not r.exists(Keys().session("s1"))
+    good = Publisher(r, small).publish("s1", CWD, [user(1), turn_end(1)])
+    drain(watcher, r, small)
+    assert [line["streamId"] for line in log_lines(small, "s1")] == good and r.exists(Keys().session("s1"))
