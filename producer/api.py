@@ -167,6 +167,8 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
             raise InvalidEvent("uuid", f"{event['uuid']!r} duplicates an event already in this session", index)
     if state is not None:
         _refuse_backwards(client, settings, store, state, wires)
+    else:
+        _refuse_past_a_new_sessions_turns(client, settings, store, session_id, cwd, wires)
 
 
 UNAPPLIED_SCAN = 200  # entries of a shard looked through for the session's own; past that: not certain
@@ -200,6 +202,21 @@ def _refuse_backwards(client: redis.Redis, settings: Settings, store: SessionSto
             client, settings, state.session_id):
         return
     raise problem
+
+
+def _refuse_past_a_new_sessions_turns(client: redis.Redis, settings: Settings, store: SessionStore,
+                                      session_id: str, cwd: str, wires: Sequence[dict[str, Any]]) -> None:
+    """``_refuse_backwards``' summary / compact check for a session with no state and no log,
+    when that is certain: no entry of it waits in its shard, and still no log once that is known
+    (the watcher writes the log before it acks). A summary sent as a new session's first event
+    was a 202, then the watcher's dead letter."""
+    try:
+        check_past_turns(wires, 0)
+    except InvalidEvent:
+        if store.log(session_id, cwd).exists() or _waiting_in_shard(client, settings, session_id) \
+                or store.log(session_id, cwd).exists():
+            return
+        raise
 
 
 def _waiting_in_shard(client: redis.Redis, settings: Settings, session_id: str) -> bool:

@@ -825,6 +825,22 @@ def test_a_summary_past_the_sessions_turns_is_400(client: TestClient, r: redis.R
     assert client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": batch}).status_code == 202
 
 
+def test_a_summary_as_a_new_sessions_first_event_is_400_unless_its_entries_wait(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """It was a 202, then the watcher's dead letter: nothing came before it, certainly, when the
+    session has no log and none of its entries waits in its shard."""
+    far = {"type": "summary", "replaces": [], "summaryText": "x", "lastSummarizedTurnId": 1}
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": [far]})
+    assert response.status_code == 400, response.text
+    assert error_of(response)["message"] == (
+        "events[0].lastSummarizedTurnId: is past the session's turns: 1 > 0, its highest turn so far "
+        "(a summary covers turns that happened)")
+    assert r.xlen(Keys().stream_for(SID)) == 0
+    first = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": turn(1)})
+    assert first.status_code == 202  # published, not yet applied (no watcher runs here): not certain
+    assert client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": [far]}).status_code == 202
+
+
 def test_a_uuid_the_session_already_has_and_another_cwd_are_400(
         client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
     write_session(r, api_settings, 1)  # uuids sess-1-0 .. sess-1-4, bound to CWD
