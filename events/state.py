@@ -29,7 +29,7 @@ import orjson
 
 from events.config import ContextSettings
 from events.tokens import DEFAULT_ENCODING, encoding_for_model, model_max_input_tokens, stamped_tokens
-from events.view import ContextView, LlmPass, build_view
+from events.view import ContextView, LlmPass, build_view, candidate_min_chars
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def _is_candidate(event: dict[str, Any], ctx: ContextSettings) -> bool:
     output = event.get("output")
     name = event.get("toolName")
     return (
-        isinstance(output, str) and len(output) > ctx.micro_compact_min_chars
+        isinstance(output, str) and len(output) > candidate_min_chars(ctx)
         and isinstance(name, str) and ctx.is_compactable(name)
     )
 

@@ -119,6 +119,14 @@ def _kept(length: int, keep_chars: int) -> int:
 
 _MARKER_CHARS = len(elision_marker(0)) - 1  # the marker's length but the number's digits
 _ROOM = _MARKER_CHARS + 21  # a length at least 2 * keep + this leaves room for the marker (< 20 digits)
+SHORTEST_ELIDABLE = next(n for n in range(1, 100) if len(elide("x" * n, 0)) < n)  # 27: shorter ones shown whole
+
+
+def candidate_min_chars(ctx: ContextSettings) -> int:
+    """A micro candidate's output is longer than this: ``microCompactMinChars``, but never one too
+    short to elide (DESIGN: such an output is shown whole and is no candidate; below 27 a
+    candidate that could not be elided made a job append a compact that changed nothing)."""
+    return max(ctx.micro_compact_min_chars, SHORTEST_ELIDABLE - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,7 +321,7 @@ class _Builder:
         self.encoding = encoding
         self.compacted = compacted
         self.starts = [start for start, _ in compacted]
-        self.min_chars = ctx.micro_compact_min_chars
+        self.min_chars = candidate_min_chars(ctx)
         self.build_messages = messages
         self.compactable: dict[str, bool] = {}
         self.name_tokens: dict[str, int] = {}
@@ -685,7 +693,7 @@ def llm_pass(
     start_after = _int(previous.get("lastSummarizedTurnId")) if previous else 0
     summarize = end_turn > start_after
     outputs = _Outputs(ctx, _merge_ranges(scan.compacts), micro=micro, before_turn=current - 1)
-    min_chars = ctx.micro_compact_min_chars
+    min_chars = candidate_min_chars(ctx)
     tokens_of = _ElidedTokens(encoding)
     targets: list[Event] = []
     blocks: list[str] = []

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from compactor.bench.view import run as run_bench
 from events.config import ContextSettings
+from events.state import rebuild
 from events.tokens import count_tokens, event_tokens, stamp
 from events.view import (
     LlmPass,
@@ -212,6 +213,19 @@ def test_an_elided_tool_result_in_a_view_is_never_longer(min_chars: int, keep: i
     output = "x" * size
     view = build_view([*_tool_turn(1, output, "read_file"), compact(1, 1)], ctx)
     assert len(_tool_contents(view.messages)[0]) <= size
+
+
+@pytest.mark.parametrize("size", [20, 26, 27, 40])
+def test_an_output_too_short_to_elide_is_no_candidate_whatever_the_minimum(size: int) -> None:
+    """DESIGN: an output of 26 characters or fewer is shown whole and is no candidate. Under
+    ``microCompactMinChars: 10`` one of 20 was a candidate: the state's trigger fired and the micro
+    job appended a compact that changed nothing, reported as a compaction."""
+    ctx = ContextSettings(micro_compact_min_chars=10)
+    events = [*_tool_turn(1, "x" * size, "read_file"), *simple_turn(2)]
+    elidable = size >= 27
+    assert bool(micro_candidates(events, ctx)) is elidable
+    assert (rebuild("s", "/p", events, ctx, 0).min_candidate_turn == 1) is elidable
+    assert (llm_pass(events, ctx, micro=True, render=str).compact_turns is not None) is elidable
 
 
 def test_prompt_estimate_counts_the_elided_output_as_shown() -> None:
