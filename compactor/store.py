@@ -224,17 +224,18 @@ class SessionStore:
     def _current(
         self, session_id: str, cwd: str, log: SessionLog, cached: SessionState | None,
         stored: Stored, pipeline: Any | None = None,
-    ) -> tuple[SessionState, set[str] | None, set[str]]:
+    ) -> tuple[SessionState, set[str] | None, set[str], bool]:
         """``current``; the log's uuids when the state was rebuilt from the whole log (the uuid
-        index was rebuilt with it, on ``pipeline`` when given), else None; and the uuids of the
-        lines past the stored ``logSize`` that were caught up (a crashed writer's; indexed now)."""
+        index was rebuilt with it, on ``pipeline`` when given), else None; the uuids of the
+        lines past the stored ``logSize`` that were caught up (a crashed writer's; indexed now);
+        and whether the stored state had seen more of the log than it holds (it shrank)."""
         size = log.complete_size()  # a crashed writer's torn tail is not part of the log
         state = cached if cached is not None and cached.log_size == size else None
         if state is None:
             state = self.load(session_id) if isinstance(stored, _Unread) else stored
         _check_cwd(session_id, cwd, state)
         if state is None or size < state.log_size:
-            return (*self._reindex(session_id, cwd, log, pipeline), set())
+            return (*self._reindex(session_id, cwd, log, pipeline), set(), state is not None)
         fresh = state.settings == self.settings.context.state_fingerprint
         if not fresh:
             logger.info("state rebuilt session=%s: derived under other settings (%s)", session_id,
@@ -250,8 +251,8 @@ class SessionStore:
                 fresh = _fold_all(state, tail, self.settings)  # False: the tail changes the past
                 state.log_size = size
         if not fresh:
-            return self.rebuild(session_id, cwd, log), None, caught_up
-        return state, None, caught_up
+            return self.rebuild(session_id, cwd, log), None, caught_up, False
+        return state, None, caught_up, False
 
     def _reindex(
         self, session_id: str, cwd: str, log: SessionLog, pipeline: Any | None = None,
@@ -378,7 +379,7 @@ class SessionStore:
             self._refuse_other_cwd(session_id, cwd, cached, stored)
         with log.lock():
             pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
-            current, log_uuids, caught_up = self._current(session_id, cwd, log, cached, stored, pipe)
+            current, log_uuids, caught_up, shrunk = self._current(session_id, cwd, log, cached, stored, pipe)
             state = current.copy()
             if known is not None and len(known) != state.events:
                 logger.warning("known events ignored session=%s: %d lines known, state has seen %d",
@@ -418,10 +419,13 @@ class SessionStore:
                 result.discarded = True
                 return result
             result.state = state
-            # a state rebuilt from the whole log under its lock is the log's: it replaces even one that
-            # saw more bytes (the log shrank: truncated, or restored from an older copy); one stored
-            # over a later writer's is harmless, that writer's lines are past its logSize and folded
-            self.save(state, pipe, if_newer=pipeline is not None and log_uuids is None,
+            # a state rebuilt because the log shrank (truncated, or restored from an older copy) is the
+            # log's: it replaces the one that saw more bytes. Any other deferred save (the watcher's,
+            # sent at the end of its round) yields to a later one: a state rebuilt for a session Redis
+            # had no state of was stored over the micro job's that ran meanwhile (a backlog after a
+            # watcher restart), and status showed the session over its threshold, uncompacted, until
+            # its next event
+            self.save(state, pipe, if_newer=pipeline is not None and not shrunk,
                       uuids=_uuids(result.appended), create=log_uuids is not None)
             if pipeline is None:
                 pipe.execute()

@@ -537,3 +537,15 @@ def test_a_writer_waiting_for_the_lock_of_a_removed_log_opens_it_again(
     writer.join(5)
     monkeypatch.undo()
     assert [e["content"] for e in first.read()] == ["kept"]
+
+
+def test_a_deferred_save_of_a_rebuilt_state_yields_to_a_later_writers(store: SessionStore, r: redis.Redis) -> None:
+    """The watcher's save (sent at the end of its round) of a state it rebuilt for a session Redis
+    had no state of was stored over the state a micro job saved meanwhile: status showed the
+    session over its threshold, uncompacted, until its next event (a backlog after a restart)."""
+    pipe = r.pipeline(transaction=False)
+    store.apply(SID, CWD, [user(1, "a"), turn_end(1)], pipeline=pipe)  # the watcher's round
+    store.apply(SID, CWD, [user(2, "b")])  # a worker's append, stored at once
+    pipe.execute()  # the round's saves
+    log = store.log(SID, CWD)
+    assert store.load(SID) == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
