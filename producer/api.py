@@ -290,8 +290,17 @@ _JOB_FAILURES = {
 }
 
 
+# RQ's words for a job whose worker died: mid-job (the janitor's cleanup of the started registry)
+# or after taking it from the queue, before it started
+_ABANDONED = ("due to AbandonedJobError", "Job was stuck in intermediate queue")
+
+
 def _job_failure_status(error: str) -> tuple[int, str | None]:
-    """The status and code of a forced compaction whose job failed with ``error`` (its last line)."""
+    """The status and code of a forced compaction whose job failed with ``error`` (its last line).
+    A job whose worker died is a 500 ``job_abandoned``, not SPEC §7's 502 (no LLM call failed; the
+    janitor re-checks the session, so a retry of the request finds it compacted or compacts it)."""
+    if any(words in error for words in _ABANDONED):
+        return 500, "job_abandoned"
     return _JOB_FAILURES.get(error.partition(":")[0], (502, None))
 
 

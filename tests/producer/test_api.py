@@ -574,6 +574,34 @@ def test_compact_whose_llm_fails_is_502(r: redis.Redis, api_settings: Settings,
     assert int(r.get(Keys().failures(SID)) or 0) == 1
 
 
+def test_compact_whose_worker_died_is_500_job_abandoned(client: TestClient, r: redis.Redis,
+                                                        api_settings: Settings) -> None:
+    """A forced compaction whose worker was killed answered 502 ``compaction_failed``, SPEC §7's
+    status for an LLM call that failed, though no LLM call had failed."""
+    from rq.job import Job
+    from rq.job_lifecycle import record_job_failure
+
+    write_session(r, api_settings, 3)
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(
+        response=client.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD})))
+    thread.start()
+    queue = compaction_queue(r, api_settings)
+    deadline = time.monotonic() + 10
+    while queue.count == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [job_id] = queue.job_ids
+    job = Job.fetch(job_id, connection=r)
+    queue.remove(job)
+    with r.pipeline() as pipe:  # as RQ's cleanup of the started registry records a dead worker's job
+        record_job_failure(job, "Moved to FailedJobRegistry, due to AbandonedJobError, at 2026-12-02", pipe)
+        pipe.execute()
+    thread.join(30)
+    response = box["response"]
+    assert response.status_code == 500 and error_of(response)["code"] == "job_abandoned"
+    assert response.headers["X-Compactor-Job-Id"] == job_id and "AbandonedJobError" in error_of(response)["message"]
+
+
 def test_compact_answered_by_the_fallback_says_which_llm_failure_it_answered_for(
         r: redis.Redis, api_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     settings = with_context(api_settings, compaction_model=STUB_MODEL, llm_timeout_seconds=5.0,
