@@ -553,7 +553,10 @@ class Compactor:
         with every chunk, a request far over the window that a provider refuses: every job failed."""
         if not previous_text:
             return previous_text
-        room = self._beside_frame_and_reply(window, encoding) - MIN_CHUNK_BUDGET_TOKENS
+        beside = self._beside_frame_and_reply(window, encoding)
+        # (in a window too small for the frame, the reply and a whole chunk, half of what is left:
+        # cut to a few tokens, the previous summary was all but lost, and the new one replaced it)
+        room = max(beside - MIN_CHUNK_BUDGET_TOKENS, beside // 2)
         if count_tokens(previous_text, encoding) <= room:
             return previous_text
         cut = _clipped({"type": "summary", "summaryText": previous_text}, max(room, BLOCK_HEADER_TOKENS + 1), encoding)

@@ -1025,3 +1025,16 @@ def test_a_forced_job_waiting_for_a_job_whose_worker_died_is_queued_by_the_janit
     assert pending_job_id(r, wsettings, "s1") == forced and r.exists(Keys().retrigger("s1")) == 0
     assert forced in compaction_queue(r, wsettings).job_ids or \
         Job.fetch(forced, connection=r).get_status() == JobStatus.RATE_LIMITED
+
+
+def test_in_a_small_window_the_previous_summary_keeps_half_of_what_the_frame_leaves(settings: Settings) -> None:
+    """In a 2 000-token window the frame and the reply leave ~740 tokens, less than a chunk's
+    minimum: the previous summary was cut to 7 tokens, its facts lost once the new summary
+    replaced it."""
+    compactor = worker_compaction.Compactor(None, settings, lambda: None)  # type: ignore[arg-type]
+    previous = summary_text("old") + "\n" + " ".join(f"fact{i}" for i in range(2_000))
+    beside = compactor._beside_frame_and_reply(2_000, "cl100k_base")
+    cut = compactor._previous_that_fits(previous, 2_000, "cl100k_base")
+    assert cut is not None and 0.8 * (beside // 2) <= count_tokens(cut, "cl100k_base") <= beside // 2
+    assert cut.startswith(previous[:200])
+    assert compactor._previous_that_fits(previous, 128_000, "cl100k_base") == previous  # fits: whole
