@@ -146,7 +146,10 @@ def usable_dir(path: Path, name: str) -> None:
 def api_socket(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` for the API, not yet listening; else exit 2 naming the
     address and why (the port in use or privileged, not an address of this machine, not a host)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY on the connections it accepts only when the
+    # listening socket says so; with protocol 0 every response on a kept-alive connection waited
+    # ~40 ms (its headers and body two sends, the second held by Nagle until the client's delayed ACK)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
     try:
         sock.bind((host, port))
