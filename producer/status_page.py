@@ -42,6 +42,7 @@ from compactor.keys import Keys
 from compactor.queue import check_bound_cwd, compaction_queue
 from compactor.store import SessionStore
 from events.config import ContextSettings, Settings
+from events.errors import SessionNotFound
 from events.view import build_view, omitted_chars, undone_by_rollback
 from producer.api import CwdQuery, RedisDep, SettingsDep, _checked, errors
 from producer.api_errors import JsonBodyRoute
@@ -56,6 +57,9 @@ DEFAULT_SESSIONS_LISTED = 100
 MAX_SESSIONS_LISTED = 1_000
 MAX_HISTORY_ENTRIES = 50  # most recent compactions shown on a session page
 CACHE_ENTRIES = 1_024
+# sessions whose history is kept (one body each, that of the log's current size): a body of a
+# ~1M-token session is ~2 MB, and one kept per size the log had grew the API by that per turn
+HISTORY_CACHE_SESSIONS = 32
 COUNTERS = {  # Overview.counters key -> compactor.metrics family
     "eventsIngested": "compactor_events_ingested",
     "deadLettered": "compactor_entries_dead_lettered",
@@ -282,13 +286,16 @@ def overview(request: Request, client: redis.Redis, settings: Settings) -> Overv
 
 
 def history(request: Request, settings: Settings, session_id: str, cwd: str) -> History:
-    """A session's compaction history and current context (cached by log size)."""
-    cache: _Lru = request.app.state.status_cache
+    """A session's compaction history and current context (cached while the log keeps its size:
+    one body per session, of the ``HISTORY_CACHE_SESSIONS`` last asked for)."""
+    cache: _Lru = request.app.state.history_cache
     log = SessionStore(request.app.state.redis, settings).log(session_id, cwd)
-    key = ("history", session_id, cwd, log.size() if log.exists() else -1)
+    if not log.exists():  # (a 404 as on the other session routes, before the cwd's binding is told)
+        raise SessionNotFound(f"no session {session_id} under cwd {cwd}")
+    key, size = (session_id, cwd), log.size()
     cached = cache.get(key)
-    if cached is not None:
-        return cached  # type: ignore[no-any-return]
+    if cached is not None and cached[0] == size:
+        return cached[1]  # type: ignore[no-any-return]
     try:  # (not another spelling of the cwd; the log alone answers while Redis does not)
         check_bound_cwd(request.app.state.redis, settings, session_id, cwd)
     except redis.RedisError as e:
@@ -297,7 +304,8 @@ def history(request: Request, settings: Settings, session_id: str, cwd: str) -> 
     body = History(session_id=session_id, cwd=cwd,
                    compactions=compaction_history(events, settings.context),
                    context=context_with_elisions(events, settings.context))
-    return cache.put(key, body)  # type: ignore[no-any-return]
+    cache.put(key, (size, body))
+    return body
 
 
 # -- routes ------------------------------------------------------------------------------
@@ -345,6 +353,7 @@ STATUS_ROUTERS = (status_api, pages)  # in the order ``install_status_page`` inc
 def install_status_page(app: FastAPI) -> None:
     """Mount the page, its static files and its JSON routes on ``app``."""
     app.state.status_cache = _Lru()
+    app.state.history_cache = _Lru(HISTORY_CACHE_SESSIONS)
     app.include_router(status_api)
     app.include_router(pages)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")

@@ -168,6 +168,23 @@ def test_history_route_has_tokens_before_after_and_elisions(sessions: Settings,
     assert missing.status_code == 404 and bad.status_code == 400
 
 
+def test_history_keeps_one_body_per_session_and_is_404_under_another_cwd(settings: Settings,
+                                                                         r: redis.Redis) -> None:
+    """A body was kept per size the log ever had (~2 MB each for a 1M-token session: the API grew
+    by that every turn); and another cwd was a 400 naming the session's own, where the other
+    session routes answer 404."""
+    write_session(r, settings, "sess-grow", 2)
+    with TestClient(create_app(settings, r)) as client:
+        first = client.get("/api/sessions/sess-grow/history", params={"cwd": CWD}).json()
+        write_lines(r, settings, "sess-grow", [{"uuid": f"t3-{i}", **e} for i, e in enumerate(turn(3))])
+        second = client.get("/api/sessions/sess-grow/history", params={"cwd": CWD}).json()
+        elsewhere = client.get("/api/sessions/sess-grow/history", params={"cwd": "/somewhere/else"})
+        kept = list(client.app.state.history_cache.items.values())  # type: ignore[attr-defined]
+    assert second["context"]["currentTurnId"] == first["context"]["currentTurnId"] + 1
+    assert len(kept) == 1 and kept[0][1].model_dump(by_alias=True) == second
+    assert elsewhere.status_code == 404 and CWD not in elsewhere.text
+
+
 def test_history_says_a_summary_a_later_summary_replaced_was_replaced(settings: Settings,
                                                                       r: redis.Redis) -> None:
     """No rollback was ever sent: the first summary is out of the view because the second
