@@ -262,6 +262,11 @@ def test_a_worker_rides_out_a_redis_that_refuses_writes_and_takes_jobs_again(
         assert sum(json.loads(line)["type"] == "summary" for line in log_lines(wsettings, "s2")) == 1
 
 
+def _refusals(client: redis.Redis) -> int:
+    """Writes Redis refused for want of replicas (``min-replicas-to-write``) so far."""
+    return int(client.info("errorstats").get("errorstat_NOREPLICAS", {}).get("count", 0))
+
+
 def test_a_worker_started_while_redis_refuses_writes_waits_and_then_takes_jobs(
     stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
 ) -> None:
@@ -280,9 +285,12 @@ def test_a_worker_started_while_redis_refuses_writes_waits_and_then_takes_jobs(
         client.config_set("min-replicas-to-write", 1)
         worker = _start_worker(config, env, count=2)
         try:
-            try:
-                time.sleep(8)  # preload, then the workers' registration is refused, again and again
-                assert worker.poll() is None
+            try:  # preload, then the workers' registration is refused, again and again (a slow preload
+                # on a loaded machine took longer than a fixed 8 s: the refusal had not begun)
+                deadline = time.monotonic() + 90
+                while _refusals(client) < 4 and time.monotonic() < deadline and worker.poll() is None:
+                    time.sleep(0.2)
+                assert _refusals(client) >= 4 and worker.poll() is None
             finally:
                 client.config_set("min-replicas-to-write", 0)
             assert _wait_job(client, job, 30).get_status() == JobStatus.FINISHED
@@ -450,11 +458,13 @@ def test_the_keepers_subscription_waits_for_rqs_own_in_flight(
             time.sleep(slow.pop())
         return real_subscribe(self, *args, **kwargs)
 
-    def listeners() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if type(t).__name__ == "PubSubWorkerThread" and t.is_alive()]
+    before = {t for t in threading.enumerate() if type(t).__name__ == "PubSubWorkerThread"}
+
+    def listeners() -> list[threading.Thread]:  # this worker's (an earlier test's may still be ending)
+        return [t for t in threading.enumerate()
+                if type(t).__name__ == "PubSubWorkerThread" and t.is_alive() and t not in before]
 
     monkeypatch.setattr(PubSub, "subscribe", subscribe)
-    before = len(listeners())
     worker.register_birth()
     rq_own = threading.Thread(target=worker.subscribe)  # RQ's, in the worker's loop
     rq_own.start()
@@ -462,10 +472,10 @@ def test_the_keepers_subscription_waits_for_rqs_own_in_flight(
         time.sleep(0.2)
         worker._keeper._listen()  # the keeper's beat, in the middle of it
         rq_own.join(timeout=10)
-        assert worker.listening() and len(listeners()) == before + 1
+        assert worker.listening() and len(listeners()) == 1
     finally:
         worker.teardown()
     deadline = time.monotonic() + 5
-    while len(listeners()) > before and time.monotonic() < deadline:
+    while listeners() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert len(listeners()) == before
+    assert listeners() == []
