@@ -16,6 +16,8 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
     {p}:claims                  zset: sessionId -> when its claim/trigger needs a look (unix s);
                                 the worker janitor frees claims whose job never came or died
     {p}:janitor                 string: lock held by the one worker janitor running now
+    {p}:orphans                 string: lock held by the watcher dead-lettering the entries of
+                                streams past redis.shards (producer.watcher.orphans)
 
 Consumer group on every shard: ``{p}-watchers``, with one consumer per shard,
 ``shard-{n}``, read only by the watcher holding the shard's lease (stable
@@ -91,6 +93,10 @@ class Keys:
     @property
     def janitor(self) -> str:
         return f"{self.prefix}:janitor"
+
+    @property
+    def orphans(self) -> str:
+        return f"{self.prefix}:orphans"
 
     @property
     def group(self) -> str:

@@ -62,6 +62,7 @@ from events.tokens import get_encoding, model_max_input_tokens
 from producer.watcher.batch import BatchOutcome, ShardCursor, runs
 from producer.watcher.entries import Entry, Rejected, decode_entry, misrouted
 from producer.watcher.leases import RENEW_FRACTION, LeaseLost, ShardLeases
+from producer.watcher.orphans import ORPHAN_SWEEP_INTERVAL_S, letter_orphans
 from producer.watcher.streams import NEW_ENTRIES, RawEntry, ReadResult, ShardStreams
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class Watcher:
         self._stop = threading.Event()
         self._started = False
         self._next_tick = 0.0
+        self._next_orphan_sweep = 0.0  # (at the first tick: entries left past a lowered redis.shards)
 
     # -- the loop ---------------------------------------------------------------
 
@@ -166,6 +168,9 @@ class Watcher:
         for n in [n for n in self.cursors if n not in self.leases.owned]:
             del self.cursors[n]
         self._trim_due()
+        if time.monotonic() >= self._next_orphan_sweep:
+            self._next_orphan_sweep = time.monotonic() + ORPHAN_SWEEP_INTERVAL_S
+            letter_orphans(self.redis, self.keys, self.id)
         under_quota = len(self.leases.owned) < self.leases.quota(live)
         interval = UNDER_QUOTA_TICK_S if under_quota else self.settings.watcher.lease_ms * RENEW_FRACTION / 1000
         self._next_tick = time.monotonic() + interval

@@ -283,3 +283,31 @@ def test_a_new_sessions_refused_first_entry_leaves_no_log(r: redis.Redis, small:
     good = Publisher(r, small).publish("s1", CWD, [user(1), turn_end(1)])
     drain(watcher, r, small)
     assert [line["streamId"] for line in log_lines(small, "s1")] == good and r.exists(Keys().session("s1"))
+
+
+def test_entries_left_past_a_lowered_shard_count_are_dead_lettered(r: redis.Redis, tmp_path: Path,
+                                                                    redis_url: str) -> None:
+    """``redis.shards`` 8 -> 4 with a backlog: the entries on ``{p}:events:4..7`` were never read,
+    neither applied nor dead-lettered, and no gauge counted them (OPERATIONS says an entry queued
+    under the old count is dead-lettered). The watcher now letters them (``wrong_shard``), those an
+    agent still publishing under the old count adds too, once each."""
+    from producer.watcher.orphans import letter_orphans
+
+    eight = fast_settings(tmp_path / "data", redis_url, shards=8)
+    four = fast_settings(tmp_path / "data", redis_url, shards=4)
+    sid = next(f"s{i}" for i in range(100) if Keys(shards=8).shard_of(f"s{i}") >= 4)
+    old = Publisher(r, eight).publish(sid, CWD, [user(1), turn_end(1)])  # no watcher ran
+    new = Publisher(r, four).publish(sid, CWD, [user(2), turn_end(2)])
+    before = REGISTRY.get_sample_value("compactor_entries_dead_lettered_total", {"reason": "wrong_shard"}) or 0
+    watcher = Watcher(r, four, name="w")
+    drain(watcher, r, four)
+    assert [line["streamId"] for line in log_lines(four, sid)] == new
+    letters = dead_letters(r)
+    assert [d[b"id"].decode() for d in letters] == old
+    assert all(d[b"reason"].decode().startswith(f"session: belongs to shard {Keys(shards=4).shard_of(sid)} ")
+               and d[b"stream"].decode() == Keys(shards=8).stream_for(sid) for d in letters)
+    assert REGISTRY.get_sample_value("compactor_entries_dead_lettered_total", {"reason": "wrong_shard"}) == before + 2
+    late = Publisher(r, eight).publish(sid, CWD, [user(3)])  # an agent still on the old count
+    assert letter_orphans(r, Keys(shards=4), "w2") == 1
+    assert letter_orphans(r, Keys(shards=4), "w2") == 0  # once each
+    assert [d[b"id"].decode() for d in dead_letters(r)] == [*old, *late]

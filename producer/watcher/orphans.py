@@ -1,0 +1,125 @@
+"""Entries left on streams past ``redis.shards``: the shard count was lowered with a backlog.
+
+A watcher reads shards ``0 .. shards - 1`` only. After ``redis.shards`` went down
+(8 to 4, say), the entries still unapplied on ``{p}:events:4`` .. ``:7`` (and
+those an agent still publishing under the old count adds there) were never read:
+neither applied nor dead-lettered, and no gauge counted them. ``letter_orphans``
+(run by the watcher at its start and every ``ORPHAN_SWEEP_INTERVAL_S``) moves
+each such entry to ``{p}:dead`` with a ``wrong_shard`` reason, as an entry read
+from the wrong shard is (OPERATIONS: replay them from there), then marks it
+delivered in the stream's group and trims the stream up to it.
+
+What counts as unapplied: the entries past the group's last-delivered id and
+those pending in it (a pending one may have been applied before its watcher
+died: its letter is then one too many, and a replay of it is refused as a
+duplicate uuid). One watcher at a time sweeps (``{p}:orphans``, a lock). A crash
+between the letters and the group's update letters those entries again on the
+next sweep.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from typing import Any
+
+import redis
+from rq.utils import as_text
+
+from compactor import metrics
+from compactor.keys import Keys
+from producer.watcher.batch import BatchOutcome
+from producer.watcher.streams import DEAD_LETTER_MAXLEN
+
+logger = logging.getLogger(__name__)
+
+ORPHAN_SWEEP_INTERVAL_S = 60.0
+ORPHAN_LOCK_MS = 60_000
+ORPHAN_BATCH = 500  # entries read and lettered per transaction
+
+
+def orphan_streams(client: redis.Redis, keys: Keys) -> list[str]:
+    """The streams ``{p}:events:{n}`` with ``n >= shards``, by ``n``."""
+    prefix = f"{keys.prefix}:events:"
+    found = []
+    for name in client.scan_iter(match=prefix.replace("[", "\\[") + "*", count=1_000, _type="stream"):
+        suffix = as_text(name)[len(prefix):]
+        if suffix.isdigit() and int(suffix) >= keys.shards:
+            found.append((int(suffix), as_text(name)))
+    return [name for _, name in sorted(found)]
+
+
+def letter_orphans(client: redis.Redis, keys: Keys, owner: str) -> int:
+    """Dead-letter the unapplied entries of every stream past the shard count; how many (0
+    when another watcher holds the sweep's lock)."""
+    if not client.set(keys.orphans, owner, nx=True, px=ORPHAN_LOCK_MS):
+        return 0
+    try:
+        return sum(_letter_stream(client, keys, stream) for stream in orphan_streams(client, keys))
+    finally:
+        if as_text(client.get(keys.orphans) or b"") == owner:
+            client.delete(keys.orphans)
+
+
+def _letter_stream(client: redis.Redis, keys: Keys, stream: str) -> int:
+    group = keys.group
+    groups: dict[str, Any] = {as_text(g["name"]): g for g in client.xinfo_groups(stream)}
+    if group not in groups:
+        client.xgroup_create(stream, group, id="0-0", mkstream=True)  # never read: every entry is unapplied
+        last = "0-0"
+    else:
+        last = as_text(groups[group]["last-delivered-id"])
+    total = 0
+    pending = _pending(client, stream, group)
+    while pending:
+        entries = [entry for pid in pending for entry in _range(client, stream, pid, pid)]
+        total += _letter(client, keys, stream, entries, acks=pending, delivered=None)
+        pending = _pending(client, stream, group)
+    while True:
+        entries = _range(client, stream, f"({last}", "+", ORPHAN_BATCH)
+        if not entries:
+            return total
+        last = as_text(entries[-1][0])
+        total += _letter(client, keys, stream, entries, acks=[], delivered=last)
+
+
+def _pending(client: Any, stream: str, group: str) -> list[str]:
+    return [as_text(p["message_id"]) for p in client.xpending_range(stream, group, "-", "+", ORPHAN_BATCH)]
+
+
+def _range(client: Any, stream: str, start: str, end: str, count: int | None = None) -> list[Any]:
+    return client.xrange(stream, start, end, count=count) or []
+
+
+def _letter(client: redis.Redis, keys: Keys, stream: str, entries: list[Any], *, acks: list[str],
+            delivered: str | None) -> int:
+    """Write the entries' letters, ack ``acks``, move the group past ``delivered``, trim: one
+    transaction."""
+    outcome = BatchOutcome(stream)
+    for entry_id, fields in entries:
+        flat = [item for pair in (fields or {}).items() for item in pair]
+        outcome.reject(as_text(entry_id), _reason(keys, stream, fields or {}), flat)
+    pipe = client.pipeline(transaction=True)
+    for letter in outcome.dead:
+        pipe.execute_command("XADD", keys.dead, "MAXLEN", "~", DEAD_LETTER_MAXLEN, "*", *letter)  # type: ignore[no-untyped-call]
+    if acks:
+        pipe.xack(stream, keys.group, *acks)
+    if delivered is not None:
+        pipe.xgroup_setid(stream, keys.group, delivered)
+        pipe.xtrim(stream, minid=delivered, approximate=False)  # (the last one stays: the group's position)
+    pipe.execute()
+    metrics.count_dead_letters(outcome.reasons)
+    if outcome.dead:
+        logger.warning("dead-lettered %d entries of %s, a stream past redis.shards (%d)", len(outcome.dead),
+                       stream, keys.shards)
+    return len(outcome.dead)
+
+
+def _reason(keys: Keys, stream: str, fields: dict[bytes, bytes]) -> str:
+    """As ``producer.watcher.entries.misrouted`` words it (a ``wrong_shard`` letter)."""
+    session = fields.get(b"session")
+    if not isinstance(session, bytes):
+        return f"missing field 'session' (an entry of {stream}, a stream past redis.shards ({keys.shards}))"
+    return (f"session: belongs to shard {zlib.crc32(session) % keys.shards} (crc32(utf8(sessionId)) % "
+            f"{keys.shards}), which differs from the entry's stream {stream}, past redis.shards: published "
+            "under another shard count")
