@@ -40,7 +40,7 @@ from rq.utils import as_text
 from compactor.keys import Keys
 from events.config import Settings
 from events.checks import COVERING, check_covered_turns
-from events.errors import InvalidEvent
+from events.errors import InvalidEvent, InvalidInput, LogCorrupted, SessionNotFound
 from events.log import SessionLog
 from events.models import TURN_SCOPED_TYPES
 from events.state import SessionState, fold, rebuild, rebuild_with_view
@@ -156,6 +156,20 @@ class SessionStore:
     def log(self, session_id: str, cwd: str, *, create: bool = True) -> SessionLog:
         """The session's log; ``create=False``: one its lock never creates (SessionNotFound)."""
         return SessionLog(self.settings.data_dir, cwd, session_id, fsync=self.settings.log.fsync, create=create)
+
+    def load_current(self, session_id: str) -> SessionState | None:
+        """``load``, but a state derived under other context settings (the operator changed them
+        since) is rebuilt from its log and stored: the status list, ``compactor status`` and
+        ``GET /api/sessions/{id}`` showed the old estimate and window until the session's next
+        event, an idle one for good. As stored when its log is gone or unreadable."""
+        state = self.load(session_id)
+        if state is None or state.settings == self.settings.context.state_fingerprint:
+            return state
+        try:
+            return self.refresh(session_id, state.cwd, self.log(session_id, state.cwd, create=False))
+        except (SessionNotFound, LogCorrupted, InvalidInput) as e:
+            logger.info("state of session=%s kept as stored (derived under other settings): %s", session_id, e)
+            return state
 
     def load(self, session_id: str) -> SessionState | None:
         """The stored state, or None when Redis has none."""

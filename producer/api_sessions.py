@@ -59,7 +59,7 @@ def current_state(client: redis.Redis, settings: Settings, session_id: str,
     log = store.log(session_id, cwd)
     if not log.exists():
         raise SessionNotFound(f"no session {session_id} under cwd {cwd}")
-    state = store.load(session_id)
+    state = store.load_current(session_id)
     if state is not None and state.cwd != cwd:  # (another spelling of its cwd found its log)
         raise bound_elsewhere(session_id, state.cwd, cwd)
     if state is None or state.log_size != log.complete_size():

@@ -250,7 +250,7 @@ def session_rows(request: Request, client: redis.Redis, settings: Settings,
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     rows = []
     for sid in known_sessions(client, settings, limit):
-        state = store.load(sid)
+        state = store.load_current(sid)
         if state is None:
             continue
         body = session_body(client, settings, state)

@@ -247,7 +247,7 @@ def session_bodies(client: Any, settings: Settings, limit: int) -> list[SessionB
     store = SessionStore(client, settings)
     bodies = []
     for sid in known_sessions(client, settings, limit):
-        state = store.load(sid)
+        state = store.load_current(sid)
         if state is not None:
             bodies.append(session_body(client, settings, state))
     return bodies

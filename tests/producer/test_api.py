@@ -959,3 +959,23 @@ def test_openapi_declares_the_errors_the_routes_return_and_no_422(client: TestCl
     assert {"200", "400", "401", "404"} <= set(context) and "503" not in context  # works with Redis down
     assert {"200", "401"} <= set(paths["/metrics"]["get"]["responses"])
     assert set(paths["/healthz"]["get"]["responses"]) == {"200", "503"}
+
+
+def test_a_state_derived_under_other_settings_is_reported_as_the_new_ones_derive_it(
+        api_settings: Settings, r: redis.Redis) -> None:
+    """The operator made ``run_tests`` compactable and restarted: ``GET /api/sessions/{id}`` and the
+    status list kept the old estimate (the outputs of the compacted turns not elided) until the
+    session's next event, an idle session for good, while ``/context`` showed the new one."""
+    write_session(r, api_settings, 3)
+    SessionStore(r, api_settings).apply(SID, CWD, [{"type": "compact", "uuid": "c", "startTurnId": 1, "endTurnId": 2,
+                                                    "timestamp": "2025-01-01T00:00:00.000Z"}])
+    old = SessionStore(r, api_settings).load(SID).prompt_estimate  # type: ignore[union-attr]
+    r.zadd(Keys().sessions, {SID: time.time()})
+    changed = with_context(api_settings, compactable_tools=(*api_settings.context.compactable_tools, "run_tests"))
+    with TestClient(create_app(changed, redis=r)) as client:
+        context = client.get(f"/api/sessions/{SID}/context", params={"cwd": CWD}).json()["promptEstimate"]
+        rows = client.get("/api/sessions").json()
+        one = client.get(f"/api/sessions/{SID}", params={"cwd": CWD}).json()["promptEstimate"]
+    assert context < old
+    assert [row["promptEstimate"] for row in rows if row["sessionId"] == SID] == [context] and one == context
+    assert SessionStore(r, changed).load(SID).prompt_estimate == context  # type: ignore[union-attr]  # stored
