@@ -165,6 +165,16 @@ class RedisSettings(_Section):
             _check_redis_url(url)
         return url
 
+    @field_validator("prefix")
+    @classmethod
+    def _not_rqs_default_queue(cls, prefix: str) -> str:
+        # the RQ queue is named after the prefix: ``default`` is the queue of every RQ app that
+        # names none, so their workers took the compaction jobs and ours theirs (and ran their code)
+        if prefix == "default":
+            raise ValueError("must not be 'default': the RQ queue is named after the prefix, and 'default' is "
+                             "the queue of any RQ application on the same Redis that names none")
+        return prefix
+
 
 def _check_redis_url(url: str) -> None:
     """ValueError, in words and without the URL's password, when redis-py would refuse ``url``

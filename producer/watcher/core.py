@@ -141,7 +141,19 @@ class Watcher:
             warm_up()
             for n in range(self.keys.shards):
                 self.streams.ensure_group(n)
+            self._warn_of_eviction()
             self._started = True
+
+    def _warn_of_eviction(self) -> None:
+        """Warn when Redis may evict any key: a session's uuid index evicted while its state
+        survived let a re-sent event into the log twice (the state vouches for the index)."""
+        try:
+            policy = as_text(self.redis.config_get("maxmemory-policy").get("maxmemory-policy") or "")
+        except redis.RedisError:  # (CONFIG refused: a managed Redis, an ACL user)
+            return
+        if policy.startswith("allkeys-"):
+            logger.warning("Redis evicts any key (maxmemory-policy %s): an evicted uuid index lets a re-sent "
+                           "event into a log twice; run it with noeviction (see OPERATIONS)", policy)
 
     def _after_error(self, error: Exception, attempt: int) -> None:
         """Entries in hand may be half-done: re-sweep every PEL, tick at once when back."""

@@ -82,6 +82,9 @@ def test_python_dash_m_runs_the_cli() -> None:
 @pytest.mark.parametrize("yaml_text,fragment", [
     ("context:\n  microCompactThreshold: 2\n", "context.microCompactThreshold"),
     ("redis:\n  shard: 3\n", "redis.shard"),
+    # the RQ queue is named after the prefix: other RQ apps' workers took the jobs, ours theirs
+    ("redis:\n  prefix: default\n", "redis.prefix: must not be 'default'"),
+    ("context:\n  defaultContextWindow: 99999999999\n", "context.defaultContextWindow: Input should be less"),
     ("- a list\n", "mapping"),
     ("api:\n  port: true\n", "api.port: must be a number, not true/false"),  # lax mode would read 1
     ("context:\n  microCompactMinChars: yes\n", "context.microCompactMinChars: must be a number"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -574,3 +575,21 @@ def test_a_redis_restarted_without_its_data_still_refuses_a_re_sent_uuid(tmp_pat
         assert sum(line["uuid"] == "u-1" for line in log_lines(fast, "rr")) == 1
     finally:
         server.stop()
+
+
+def test_a_watcher_warns_when_redis_may_evict_any_key(r: redis.Redis, fast: Settings,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A session's uuid index evicted while its state survived let a re-sent event into the log
+    twice: the watcher says so at its start when Redis runs with an allkeys-* policy."""
+    policy = r.config_get("maxmemory-policy")["maxmemory-policy"]
+    r.config_set("maxmemory-policy", "allkeys-lru")
+    try:
+        with caplog.at_level(logging.WARNING, logger="producer.watcher.core"):
+            Watcher(r, fast, name="w").run_once()
+    finally:
+        r.config_set("maxmemory-policy", policy)
+    assert any("maxmemory-policy allkeys-lru" in rec.getMessage() for rec in caplog.records)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="producer.watcher.core"):
+        Watcher(r, fast, name="w2").run_once()
+    assert not any("maxmemory-policy" in rec.getMessage() for rec in caplog.records)
