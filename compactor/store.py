@@ -44,7 +44,7 @@ from events.errors import InvalidEvent, InvalidInput, LogCorrupted, SessionNotFo
 from events.log import SessionLog
 from events.models import TURN_SCOPED_TYPES
 from events.state import SessionState, fold, rebuild, rebuild_with_view
-from events.tokens import arguments_json, stamp
+from events.tokens import arguments_json, encoding_for_model, stamp
 from events.view import ContextView, extend_view
 
 logger = logging.getLogger(__name__)
@@ -522,6 +522,10 @@ class SessionStore:
         order: SessionState | None = state  # the turn order's reference; None: replay it when needed
         highest: int | None = state.max_turn  # the highest visible turn so far; None: replay it when needed
         ctx = self.settings.context
+        # the session's encoding as each event comes (``events.state.fold``'s rule: a turn_end's model,
+        # a session_meta's before any turn ended): a session_meta naming gpt-4o in the batch of turn 1
+        # had turn 1 stamped with the state's cl100k_base before it, so every reader recounted it
+        encoding, ended = state.encoding, state.last_ended_turn > 0
         for event in events:
             try:
                 _check_unique(event, taken)
@@ -545,7 +549,12 @@ class SessionStore:
                 highest = turn
             if isinstance(uuid := event.get("uuid"), str):  # taken once admitted: a refused one's is free
                 taken.add(uuid)
-            line = _stamped(event, state.encoding, progress)  # a producer's stamp is never trusted: replaced
+            model = event.get("model")
+            if kind == "turn_end":
+                encoding, ended = (encoding_for_model(model) if isinstance(model, str) and model else encoding), True
+            elif kind == "session_meta" and not ended and isinstance(model, str) and model:
+                encoding = encoding_for_model(model)
+            line = _stamped(event, encoding, progress)  # a producer's stamp is never trusted: replaced
             if progress is not None:
                 progress()
             result.appended.append(line)

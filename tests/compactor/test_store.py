@@ -549,3 +549,16 @@ def test_a_deferred_save_of_a_rebuilt_state_yields_to_a_later_writers(store: Ses
     pipe.execute()  # the round's saves
     log = store.log(SID, CWD)
     assert store.load(SID) == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
+
+
+def test_lines_are_stamped_with_the_encoding_of_the_model_known_as_they_come(store: SessionStore) -> None:
+    """A session_meta naming gpt-4o in the batch of turn 1 (the usual first batch of an agent):
+    turn 1 was stamped with cl100k_base, the state's encoding before the batch, so every reader
+    recounted those lines with o200k_base."""
+    meta = {"type": "session_meta", "uuid": "m", "timestamp": "2026-01-01T00:00:00Z", "model": "gpt-4o"}
+    store.apply(SID, CWD, [meta, user(1, "hello there"), {**turn_end(1), "model": "gpt-4o"}, user(2, "and gpt-4?"),
+                           {**turn_end(2), "model": "gpt-4"}, user(3, "back to cl100k")])
+    stamps = {e.get("content"): e.get("tokenEncoding") for e in store.log(SID, CWD).read() if e["type"] == "user"}
+    assert stamps == {"hello there": "o200k_base", "and gpt-4?": "o200k_base", "back to cl100k": "cl100k_base"}
+    log = store.log(SID, CWD)
+    assert store.load(SID) == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
