@@ -16,6 +16,7 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
     {p}:claims                  zset: sessionId -> when its claim/trigger needs a look (unix s);
                                 the worker janitor frees claims whose job never came or died
     {p}:janitor                 string: lock held by the one worker janitor running now
+    {p}:health                  string: written by each health check (Redis must take writes)
     {p}:orphans                 string: lock held by the watcher dead-lettering the entries of
                                 streams past redis.shards (producer.watcher.orphans)
 
@@ -93,6 +94,10 @@ class Keys:
     @property
     def janitor(self) -> str:
         return f"{self.prefix}:janitor"
+
+    @property
+    def health(self) -> str:
+        return f"{self.prefix}:health"
 
     @property
     def orphans(self) -> str:

@@ -19,6 +19,15 @@ import redis
 _REFUSAL = re.compile(r"(?:^|error: )(?:MISCONF|NOREPLICAS|READONLY|OOM|LOADING|BUSY|MASTERDOWN|TRYAGAIN)\b")
 
 
+HEALTH_PROBE_MS = 60_000
+
+
+def probe_writes(client: redis.Redis, key: str) -> None:
+    """A write Redis must take for the service to work: PING alone answered under ``noeviction``
+    OOM (and with the disk full, MISCONF aside), while every write was refused (the refusal raises)."""
+    client.set(key, "1", px=HEALTH_PROBE_MS)
+
+
 def is_refusal(error: BaseException) -> bool:
     """Whether ``error`` is Redis refusing to serve for now (see the module docstring)."""
     if isinstance(error, (redis.ReadOnlyError, redis.OutOfMemoryError)):

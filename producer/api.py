@@ -47,6 +47,7 @@ from starlette.routing import Mount, Route
 
 from compactor import __version__
 from compactor.keys import Keys
+from compactor.redis_errors import probe_writes
 from compactor.queue import enqueue_forced_compaction
 from compactor.serve import client_redis_url
 from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd
@@ -357,9 +358,10 @@ ops = APIRouter(tags=["operations"], route_class=JsonBodyRoute)
 
 @ops.head("/healthz", include_in_schema=False)  # what GET says, without the body (RFC 9110)
 @ops.get("/healthz", response_model=Health, responses=errors(503))
-def healthz(client: RedisDep) -> Health:
-    """Liveness: 200 when Redis answers PING (no token needed; HEAD too, for probes that send it)."""
-    client.ping()
+def healthz(client: RedisDep, settings: SettingsDep) -> Health:
+    """Liveness: 200 when Redis takes a write (no token needed; HEAD too, for probes that send it):
+    PING alone answered while Redis refused every write (OOM under noeviction), and the API 503'd."""
+    probe_writes(client, Keys(settings.redis.prefix, settings.redis.shards).health)
     return Health(status="ok", redis="ok")
 
 

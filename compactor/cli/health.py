@@ -38,6 +38,7 @@ from compactor.cli.common import (
     print_json,
 )
 from compactor.keys import Keys
+from compactor.redis_errors import probe_writes
 from events.config import Settings
 from events.errors import InvalidConfig
 
@@ -49,8 +50,8 @@ CHECK_TIMEOUT_S = 3.0
 WORKER_ALIVE_S = 20.0
 
 
-def check_redis(client: redis.Redis) -> str:
-    client.ping()
+def check_redis(client: redis.Redis, keys: Keys) -> str:
+    probe_writes(client, keys.health)  # (PING answered while Redis refused every write: OOM)
     return "ok"
 
 
@@ -170,7 +171,8 @@ def run_checks(settings: Settings, *, api_url: str | None, workers: bool,
             raise RuntimeError(no_redis)
         return client
 
-    checks: dict[str, Callable[[], str]] = {"redis": lambda: check_redis(redis_client())}
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    checks: dict[str, Callable[[], str]] = {"redis": lambda: check_redis(redis_client(), keys)}
     if api_url:
         checks["api"] = lambda: check_api(api_url, settings.api.token)
     if workers:

@@ -183,6 +183,29 @@ def test_a_redis_that_refuses_writes_is_a_json_503(api_settings: Settings, r: re
     assert error["code"] == "redis_unavailable" and "NOREPLICAS" in error["message"], error
 
 
+def test_healthz_and_health_are_unhealthy_while_redis_refuses_writes(api_settings: Settings, r: redis.Redis,
+                                                                     tmp_path: Any) -> None:
+    """PING answered while Redis refused every write (OOM under noeviction; here, for want of
+    replicas): /healthz said 200 and ``compactor health --check`` 0 while every POST was a 503."""
+    from typer.testing import CliRunner
+
+    from compactor.cli import app as cli
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"redis: {{url: {api_settings.redis.url!r}}}\n")
+    with TestClient(create_app(api_settings, redis=r), raise_server_exceptions=False) as test_client:
+        assert test_client.get("/healthz").status_code == 200
+        assert CliRunner().invoke(cli, ["health", "--check", "--config", str(config)]).exit_code == 0
+        r.config_set("min-replicas-to-write", 1)
+        try:
+            refused = test_client.get("/healthz")
+            checked = CliRunner().invoke(cli, ["health", "--check", "--config", str(config)])
+        finally:
+            r.config_set("min-replicas-to-write", 0)
+    assert refused.status_code == 503 and error_of(refused)["code"] == "redis_unavailable"
+    assert checked.exit_code == 1
+
+
 def test_a_redis_error_that_is_no_refusal_to_serve_is_a_500_not_a_503(api_settings: Settings, r: redis.Redis) -> None:
     """WRONGTYPE (a key of ours holding something else) is a bug to look into, not an outage to retry."""
     r.set(f"compaction:session:{SID}", "not a hash")
