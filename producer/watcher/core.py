@@ -175,8 +175,8 @@ class Watcher:
             if n not in self.cursors:
                 try:
                     self._take(n)
-                except redis.RedisError:
-                    logger.exception("taking shard %d failed; retried next tick id=%s", n, self.id)
+                except redis.RedisError as e:  # (one line: a traceback each tick buried the reason, an ACL's)
+                    logger.error("taking shard %d failed; retried next tick id=%s error=%s", n, self.id, e)
         for n in [n for n in self.cursors if n not in self.leases.owned]:
             del self.cursors[n]
         self._trim_due()
