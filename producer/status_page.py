@@ -48,7 +48,7 @@ from producer.api import CwdQuery, RedisDep, SettingsDep, _checked, errors
 from producer.api_errors import JsonBodyRoute
 from producer.api_metrics import BreakerCollector, ProcessMetrics, StreamLagCollector, server_ms
 from producer.api_models import SessionBody
-from producer.api_sessions import known_sessions, read_log, session_body
+from producer.api_sessions import read_log, recent_session_bodies
 
 logger = logging.getLogger(__name__)
 
@@ -246,21 +246,14 @@ def session_rows(request: Request, client: redis.Redis, settings: Settings,
                  limit: int) -> list[SessionRow]:
     """The ``limit`` most recently active sessions with their stored state and savings."""
     cache = request.app.state.status_cache
-    store = SessionStore(client, settings)
-    keys = Keys(settings.redis.prefix, settings.redis.shards)
     rows = []
-    for sid in known_sessions(client, settings, limit):
-        state = store.load_current(sid)
-        if state is None:
-            continue
-        body = session_body(client, settings, state)
+    for body, activity in recent_session_bodies(client, settings, limit):
         try:
             savings = last_savings(cache, settings, body)
         except Exception:  # a missing or unreadable log must not hide the other sessions
-            logger.warning("savings unavailable session=%s", sid, exc_info=True)
+            logger.warning("savings unavailable session=%s", body.session_id, exc_info=True)
             savings = None
-        rows.append(SessionRow(**body.model_dump(), last_activity=client.zscore(keys.sessions, sid),
-                               last_savings=savings))
+        rows.append(SessionRow(**body.model_dump(), last_activity=activity, last_savings=savings))
     return rows
 
 

@@ -241,16 +241,9 @@ def _table_console() -> Console:
 
 def session_bodies(client: Any, settings: Settings, limit: int) -> list[SessionBody]:
     """The status of the ``limit`` most recently active sessions (stored state)."""
-    from compactor.store import SessionStore
-    from producer.api_sessions import known_sessions, session_body
+    from producer.api_sessions import recent_session_bodies
 
-    store = SessionStore(client, settings)
-    bodies = []
-    for sid in known_sessions(client, settings, limit):
-        state = store.load_current(sid)
-        if state is not None:
-            bodies.append(session_body(client, settings, state))
-    return bodies
+    return [body for body, _ in recent_session_bodies(client, settings, limit)]
 
 
 def fill_bar(estimate: int, micro: int, llm: int, window: int, width: int = BAR_WIDTH) -> Text:

@@ -124,6 +124,25 @@ def test_sessions_route_lists_state_and_last_savings(sessions: Settings, r: redi
     assert rows[BROKEN]["breakerOpen"] is True and rows[BROKEN]["lastSavings"] is None
 
 
+def test_the_sessions_route_reads_redis_in_a_few_round_trips_whatever_the_sessions(
+        sessions: Settings, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four round trips per session (state, failures, claim, activity): ``?limit=1000`` took ~0.5 s
+    of the API on each refresh of the page."""
+    from redis.connection import AbstractConnection as Connection
+
+    for n in range(20):
+        write_session(r, sessions, f"many-{n}", 1)
+    with TestClient(create_app(sessions, r)) as client:
+        client.get("/api/sessions")  # the savings cached, as on every refresh after the first
+        sent = []
+        real = Connection.send_packed_command
+        monkeypatch.setattr(Connection, "send_packed_command",
+                            lambda self, *args, **kwargs: (sent.append(1), real(self, *args, **kwargs))[1])
+        rows = client.get("/api/sessions").json()
+    assert len(rows) == 22 and len(sent) <= 4, len(sent)
+    assert {row["sessionId"]: row["breakerOpen"] for row in rows}[BROKEN] is True
+
+
 def test_elisions_are_matched_to_their_messages_when_turns_reuse_a_call_id() -> None:
     """Agents that number calls per turn reuse ``call_0``: looked up by call id, every tool message
     got the last output's lengths (75 characters, "-33 hidden"), the short one not elided too."""
