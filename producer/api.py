@@ -47,8 +47,8 @@ from starlette.routing import Mount, Route
 
 from compactor import __version__
 from compactor.keys import Keys
-from compactor.redis_errors import probe_writes
 from compactor.queue import enqueue_forced_compaction
+from compactor.redis_errors import probe_writes
 from compactor.serve import client_redis_url
 from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd
 from events.checks import check_past_turns

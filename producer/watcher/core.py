@@ -182,7 +182,11 @@ class Watcher:
         self._trim_due()
         if time.monotonic() >= self._next_orphan_sweep:
             self._next_orphan_sweep = time.monotonic() + ORPHAN_SWEEP_INTERVAL_S
-            letter_orphans(self.redis, self.keys, self.id)
+            try:
+                letter_orphans(self.redis, self.keys, self.id)
+            except redis.RedisError as e:  # (never the shards' work: a Redis that refuses SCAN, say)
+                logger.warning("entries of streams past redis.shards not swept; again in %.0f s error=%s",
+                               ORPHAN_SWEEP_INTERVAL_S, e)
         under_quota = len(self.leases.owned) < self.leases.quota(live)
         interval = UNDER_QUOTA_TICK_S if under_quota else self.settings.watcher.lease_ms * RENEW_FRACTION / 1000
         self._next_tick = time.monotonic() + interval

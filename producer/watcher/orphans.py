@@ -42,7 +42,7 @@ def orphan_streams(client: redis.Redis, keys: Keys) -> list[str]:
     """The streams ``{p}:events:{n}`` with ``n >= shards``, by ``n``."""
     prefix = f"{keys.prefix}:events:"
     found = []
-    for name in client.scan_iter(match=prefix.replace("[", "\\[") + "*", count=1_000, _type="stream"):
+    for name in client.scan_iter(match=prefix + "*", count=1_000, _type="stream"):  # (a prefix has no glob character)
         suffix = as_text(name)[len(prefix):]
         if suffix.isdigit() and int(suffix) >= keys.shards:
             found.append((int(suffix), as_text(name)))
