@@ -122,8 +122,8 @@ def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -
     bodies = []
     for index, (sid, activity) in enumerate(recent):
         state = stored.get(sid)
-        if state is None:
-            continue
+        if state is None or not store.log(sid, state.cwd).exists():  # (no log: unknown, SPEC §7's 404; the
+            continue  # dataDir changed, or the log was deleted: it was listed, with its old numbers)
         if state.settings != settings.context.state_fingerprint:
             state = store.load_current(sid) or state
         failures = _count(replies[2 * index])

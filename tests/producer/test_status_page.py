@@ -143,6 +143,16 @@ def test_the_sessions_route_reads_redis_in_a_few_round_trips_whatever_the_sessio
     assert {row["sessionId"]: row["breakerOpen"] for row in rows}[BROKEN] is True
 
 
+def test_a_session_whose_log_is_gone_is_not_listed(sessions: Settings, r: redis.Redis) -> None:
+    """Its log deleted (or ``dataDir`` changed): it was listed with its old numbers, while
+    ``GET /api/sessions/{id}`` answered 404 (SPEC §7: no log file, unknown)."""
+    SessionStore(r, sessions).log(BROKEN, CWD).path.unlink()
+    with TestClient(create_app(sessions, r)) as client:
+        rows = client.get("/api/sessions").json()
+        alone = client.get(f"/api/sessions/{BROKEN}", params={"cwd": CWD})
+    assert [row["sessionId"] for row in rows] == [BUSY] and alone.status_code == 404
+
+
 def test_elisions_are_matched_to_their_messages_when_turns_reuse_a_call_id() -> None:
     """Agents that number calls per turn reuse ``call_0``: looked up by call id, every tool message
     got the last output's lengths (75 characters, "-33 hidden"), the short one not elided too."""
