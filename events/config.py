@@ -153,10 +153,13 @@ class LimitSettings(_Section):
 REDIS_URL_SCHEMES = ("redis://", "rediss://", "unix://")  # what redis-py's from_url accepts
 
 
+MAX_SHARDS = 1_024  # (the orphan sweep looks past the configured count up to this: producer.watcher.orphans)
+
+
 class RedisSettings(_Section):
     url: str = ""  # empty: an embedded server started under dataDir
     prefix: str = Field("compaction", pattern=r"^[A-Za-z0-9_.-]+$")
-    shards: int = Field(8, ge=1, le=1024)
+    shards: int = Field(8, ge=1, le=MAX_SHARDS)
 
     @field_validator("url")
     @classmethod

@@ -28,6 +28,7 @@ from rq.utils import as_text
 
 from compactor import metrics
 from compactor.keys import Keys
+from events.config import MAX_SHARDS
 from producer.watcher.batch import BatchOutcome
 from producer.watcher.streams import DEAD_LETTER_MAXLEN
 
@@ -39,14 +40,15 @@ ORPHAN_BATCH = 500  # entries read and lettered per transaction
 
 
 def orphan_streams(client: redis.Redis, keys: Keys) -> list[str]:
-    """The streams ``{p}:events:{n}`` with ``n >= shards``, by ``n``."""
-    prefix = f"{keys.prefix}:events:"
-    found = []
-    for name in client.scan_iter(match=prefix + "*", count=1_000, _type="stream"):  # (a prefix has no glob character)
-        suffix = as_text(name)[len(prefix):]
-        if suffix.isdigit() and int(suffix) >= keys.shards:
-            found.append((int(suffix), as_text(name)))
-    return [name for _, name in sorted(found)]
+    """The streams ``{p}:events:{n}`` with ``shards <= n < MAX_SHARDS``, by ``n``: one round trip
+    of EXISTS (a SCAN of the keyspace would stall the watcher's loop with every session's keys)."""
+    names = [keys.stream(n) for n in range(keys.shards, MAX_SHARDS)]
+    if not names:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(name)
+    return [name for name, there in zip(names, pipe.execute()) if there]
 
 
 def letter_orphans(client: redis.Redis, keys: Keys, owner: str) -> int:
