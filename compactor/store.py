@@ -163,8 +163,13 @@ class SessionStore:
         ``GET /api/sessions/{id}`` showed the old estimate and window until the session's next
         event, an idle one for good. As stored when its log is gone or unreadable."""
         state = self.load(session_id)
-        if state is None or state.settings == self.settings.context.state_fingerprint:
+        return self.up_to_date(state) if state is not None else None
+
+    def up_to_date(self, state: SessionState) -> SessionState:
+        """``load_current`` of a state already loaded."""
+        if state.settings == self.settings.context.state_fingerprint:
             return state
+        session_id = state.session_id
         try:
             return self.refresh(session_id, state.cwd, self.log(session_id, state.cwd, create=False))
         except (SessionNotFound, LogCorrupted, InvalidInput) as e:

@@ -124,8 +124,7 @@ def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -
         state = stored.get(sid)
         if state is None or not store.log(sid, state.cwd).exists():  # (no log: unknown, SPEC §7's 404; the
             continue  # dataDir changed, or the log was deleted: it was listed, with its old numbers)
-        if state.settings != settings.context.state_fingerprint:
-            state = store.load_current(sid) or state
+        state = store.up_to_date(state)
         failures = _count(replies[2 * index])
         job_id = as_text(replies[2 * index + 1]) if replies[2 * index + 1] else None
         bodies.append((_body(settings, state, failures, _job_status(client, job_id)), activity))

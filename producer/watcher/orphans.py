@@ -20,7 +20,6 @@ next sweep.
 from __future__ import annotations
 
 import logging
-import zlib
 from typing import Any
 
 import redis
@@ -30,6 +29,7 @@ from compactor import metrics
 from compactor.keys import Keys
 from events.config import MAX_SHARDS
 from producer.watcher.batch import BatchOutcome
+from producer.watcher.entries import misrouted
 from producer.watcher.streams import DEAD_LETTER_MAXLEN
 
 logger = logging.getLogger(__name__)
@@ -39,16 +39,16 @@ ORPHAN_LOCK_MS = 60_000
 ORPHAN_BATCH = 500  # entries read and lettered per transaction
 
 
-def orphan_streams(client: redis.Redis, keys: Keys) -> list[str]:
-    """The streams ``{p}:events:{n}`` with ``shards <= n < MAX_SHARDS``, by ``n``: one round trip
+def orphan_streams(client: redis.Redis, keys: Keys) -> list[int]:
+    """The ``n`` of the streams ``{p}:events:{n}`` with ``shards <= n < MAX_SHARDS``: one round trip
     of EXISTS (a SCAN of the keyspace would stall the watcher's loop with every session's keys)."""
-    names = [keys.stream(n) for n in range(keys.shards, MAX_SHARDS)]
-    if not names:
+    shards = range(keys.shards, MAX_SHARDS)
+    if not shards:
         return []
     pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.exists(name)
-    return [name for name, there in zip(names, pipe.execute()) if there]
+    for n in shards:
+        pipe.exists(keys.stream(n))
+    return [n for n, there in zip(shards, pipe.execute()) if there]
 
 
 def letter_orphans(client: redis.Redis, keys: Keys, owner: str) -> int:
@@ -57,14 +57,14 @@ def letter_orphans(client: redis.Redis, keys: Keys, owner: str) -> int:
     if not client.set(keys.orphans, owner, nx=True, px=ORPHAN_LOCK_MS):
         return 0
     try:
-        return sum(_letter_stream(client, keys, stream) for stream in orphan_streams(client, keys))
+        return sum(_letter_stream(client, keys, n) for n in orphan_streams(client, keys))
     finally:
         if as_text(client.get(keys.orphans) or b"") == owner:
             client.delete(keys.orphans)
 
 
-def _letter_stream(client: redis.Redis, keys: Keys, stream: str) -> int:
-    group = keys.group
+def _letter_stream(client: redis.Redis, keys: Keys, shard: int) -> int:
+    stream, group = keys.stream(shard), keys.group
     groups: dict[str, Any] = {as_text(g["name"]): g for g in client.xinfo_groups(stream)}
     if group not in groups:
         client.xgroup_create(stream, group, id="0-0", mkstream=True)  # never read: every entry is unapplied
@@ -75,14 +75,14 @@ def _letter_stream(client: redis.Redis, keys: Keys, stream: str) -> int:
     pending = _pending(client, stream, group)
     while pending:
         entries = [entry for pid in pending for entry in _range(client, stream, pid, pid)]
-        total += _letter(client, keys, stream, entries, acks=pending, delivered=None)
+        total += _letter(client, keys, shard, entries, acks=pending, delivered=None)
         pending = _pending(client, stream, group)
     while True:
         entries = _range(client, stream, f"({last}", "+", ORPHAN_BATCH)
         if not entries:
             return total
         last = as_text(entries[-1][0])
-        total += _letter(client, keys, stream, entries, acks=[], delivered=last)
+        total += _letter(client, keys, shard, entries, acks=[], delivered=last)
 
 
 def _pending(client: Any, stream: str, group: str) -> list[str]:
@@ -93,14 +93,15 @@ def _range(client: Any, stream: str, start: str, end: str, count: int | None = N
     return client.xrange(stream, start, end, count=count) or []
 
 
-def _letter(client: redis.Redis, keys: Keys, stream: str, entries: list[Any], *, acks: list[str],
+def _letter(client: redis.Redis, keys: Keys, shard: int, entries: list[Any], *, acks: list[str],
             delivered: str | None) -> int:
     """Write the entries' letters, ack ``acks``, move the group past ``delivered``, trim: one
     transaction."""
+    stream = keys.stream(shard)
     outcome = BatchOutcome(stream)
     for entry_id, fields in entries:
         flat = [item for pair in (fields or {}).items() for item in pair]
-        outcome.reject(as_text(entry_id), _reason(keys, stream, fields or {}), flat)
+        outcome.reject(as_text(entry_id), _reason(keys, shard, fields or {}), flat)
     pipe = client.pipeline(transaction=True)
     for letter in outcome.dead:
         pipe.execute_command("XADD", keys.dead, "MAXLEN", "~", DEAD_LETTER_MAXLEN, "*", *letter)  # type: ignore[no-untyped-call]
@@ -117,11 +118,9 @@ def _letter(client: redis.Redis, keys: Keys, stream: str, entries: list[Any], *,
     return len(outcome.dead)
 
 
-def _reason(keys: Keys, stream: str, fields: dict[bytes, bytes]) -> str:
-    """As ``producer.watcher.entries.misrouted`` words it (a ``wrong_shard`` letter)."""
+def _reason(keys: Keys, shard: int, fields: dict[bytes, bytes]) -> str:
+    """``misrouted``'s (a ``wrong_shard`` letter): no session hashes past the shard count."""
     session = fields.get(b"session")
     if not isinstance(session, bytes):
-        return f"missing field 'session' (an entry of {stream}, a stream past redis.shards ({keys.shards}))"
-    return (f"session: belongs to shard {zlib.crc32(session) % keys.shards} (crc32(utf8(sessionId)) % "
-            f"{keys.shards}), which differs from the entry's stream {stream}, past redis.shards: published "
-            "under another shard count")
+        return f"missing field 'session' (an entry of {keys.stream(shard)}, a stream past redis.shards ({keys.shards}))"
+    return misrouted(keys, session.decode("utf-8", "replace"), shard) or ""
