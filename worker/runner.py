@@ -304,6 +304,14 @@ class CompactionWorker(SimpleWorker):
             finally:
                 self.subscribe_tried = True
 
+    def unsubscribe(self) -> None:
+        """RQ's, with the listener told to stop first: RQ stops it after sending UNSUBSCRIBE, and a
+        listener that read the reply in between waited for the next message again (up to RQ's 60 s),
+        outliving the worker. Told first, the reply wakes it and it ends."""
+        if self.pubsub_thread is not None:
+            self.pubsub_thread.stop()
+        super().unsubscribe()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
+
     def handle_payload(self, message: dict[str, Any]) -> None:
         """RQ's handling of a command, but a malformed one is logged and ignored: RQ's error
         ended the channel's thread (the worker was deaf to commands until the keeper noticed)."""
@@ -442,7 +450,7 @@ class CompactionWorker(SimpleWorker):
             logger.warning("worker %s ended without recording it: %s (its key expires within %d s)",
                            self.name, error, WORKER_TTL_S)
             with contextlib.suppress(redis.RedisError):
-                self.unsubscribe()  # type: ignore[no-untyped-call]  # (RQ's teardown does it after recording the end)
+                self.unsubscribe()  # (RQ's teardown does it after recording the end)
 
 
 class WorkerLoopEnded(RuntimeError):
