@@ -13,6 +13,10 @@ from __future__ import annotations
 import re
 
 import redis
+from rq.defaults import RQ_KEY_PREFIX
+
+from compactor.keys import Keys
+from events.errors import CompactorError
 
 # The first word of the reply starts the message, or follows "Command # 1 (...) of pipeline
 # caused error: " when a pipeline's command was refused.
@@ -33,3 +37,57 @@ def is_refusal(error: BaseException) -> bool:
     if isinstance(error, (redis.ReadOnlyError, redis.OutOfMemoryError)):
         return True
     return isinstance(error, redis.ResponseError) and _REFUSAL.search(str(error)) is not None
+
+
+def is_permission_error(error: BaseException) -> bool:
+    """Whether ``error`` is Redis's ACL refusing a command, a key or a channel (in a script too)."""
+    if isinstance(error, redis.exceptions.NoPermissionError):
+        return True
+    return isinstance(error, redis.ResponseError) and (
+        "NOPERM" in str(error) or "The user executing the script can't" in str(error))
+
+
+def acl_needs(prefix: str) -> str:
+    """What the service's Redis user needs, in ACL words."""
+    return (f"the service's Redis user needs the keys ~{prefix}:* ~{RQ_KEY_PREFIX}:*, the channels "
+            f"&{RQ_KEY_PREFIX}:* and +@all, or the command categories docs/OPERATIONS.md lists under "
+            f"'An external Redis'")
+
+
+class AccessDenied(CompactorError):
+    """Redis's ACL refuses this client something the service needs (its message says what)."""
+
+
+def check_access(client: redis.Redis, prefix: str) -> None:
+    """Raise ``AccessDenied`` naming what Redis's ACL refuses of what the service needs.
+
+    Two round trips of harmless commands, one per kind of permission (each is refused with
+    ``NOPERM`` when missing): a write and a stream read on the prefix's keys, a write on RQ's keys,
+    a publish on RQ's channels (a worker's command channel), a Lua script (RQ's rate limits),
+    ``TIME`` (the watcher's lease scripts), ``INFO`` (RQ's server version), then a transaction. A
+    user without them failed later, mid-start or on the first job, with a traceback."""
+    keys = Keys(prefix)
+    probes: list[tuple[str, tuple[object, ...]]] = [
+        (f"write the keys {prefix}:*", ("SET", keys.health, "1", "PX", HEALTH_PROBE_MS)),
+        (f"read the streams {prefix}:events:*", ("XLEN", keys.stream(0))),
+        (f"write RQ's keys {RQ_KEY_PREFIX}:*", ("DEL", f"{RQ_KEY_PREFIX}:compactor:access-probe")),
+        (f"publish on RQ's channels {RQ_KEY_PREFIX}:*",
+         ("PUBLISH", f"{RQ_KEY_PREFIX}:pubsub:compactor-access-probe", "")),
+        ("run Lua scripts", ("EVAL", "return 1", 0)),
+        ("run TIME", ("TIME",)),
+        ("run INFO", ("INFO", "server")),
+    ]
+    pipe = client.pipeline(transaction=False)
+    for _, command in probes:
+        pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+    replies = pipe.execute(raise_on_error=False)
+    refused = [f"{what} ({reply})" for (what, _), reply in zip(probes, replies, strict=True)
+               if isinstance(reply, redis.exceptions.NoPermissionError)]
+    try:
+        with client.pipeline(transaction=True) as transaction:
+            transaction.exists(keys.health)
+            transaction.execute()
+    except (redis.exceptions.NoPermissionError, redis.exceptions.ExecAbortError) as error:
+        refused.append(f"run transactions, MULTI/EXEC ({error})")
+    if refused:
+        raise AccessDenied(f"Redis's ACL refuses to let this user {'; '.join(refused)}: {acl_needs(prefix)}")

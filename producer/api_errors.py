@@ -54,7 +54,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from compactor.redis_errors import is_refusal
+from compactor.redis_errors import acl_needs, is_permission_error, is_refusal
 from events.errors import InvalidInput, LogCorrupted, LogWriteFailed, SessionNotFound
 from events.checks import DuplicateKey, check_json, unique_keys
 from events.models import json_path
@@ -228,6 +228,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(503, f"Redis is unreachable: {exc}")
 
     async def redis_refused(request: Request, exc: Exception) -> JSONResponse:
+        if is_permission_error(exc):  # the ACL changed since the start's check
+            logger.error("redis refused a permission path=%s error=%s", request.url.path, exc)
+            return error_response(500, f"Redis's ACL refuses the API's user: {exc}; "
+                                  f"{acl_needs(request.app.state.settings.redis.prefix)}", "redis_permission")
         if not is_refusal(exc):  # WRONGTYPE, a script's error: a bug, not an outage
             logger.error("redis error path=%s", request.url.path, exc_info=exc)
             return await internal(request, exc)

@@ -27,6 +27,7 @@ import redis
 import typer
 from rich.console import Console
 
+from compactor.redis_errors import AccessDenied, check_access
 from compactor.urls import host_port, redacted
 from events.config import Settings, load_settings
 from events.errors import CompactorError, InvalidConfig, InvalidInput
@@ -189,15 +190,38 @@ def redis_url_of(settings: Settings) -> str:
         fail(f"invalid configuration: {e}", EXIT_CONFIG)
 
 
-def connect(settings: Settings) -> redis.Redis:
-    """A Redis client that has answered PING (exit 1 when it does not)."""
+def connect(settings: Settings, *, service: bool = False) -> redis.Redis:
+    """A Redis client that has answered PING (exit 1 when it does not); for a ``service``
+    process (watch, work, api), one whose ACL lets it do what the service does (else exit 1
+    naming what is refused)."""
     url = redis_url_of(settings)
     client = redis.Redis.from_url(url, socket_timeout=10, socket_connect_timeout=5)
     try:
         client.ping()
+        if service:
+            check_access(client, settings.redis.prefix)
+    except AccessDenied as e:
+        fail(f"Redis at {redacted(url)}: {e}")
     except (redis.RedisError, OSError) as e:
         fail(f"Redis unreachable at {redacted(url)}: {e}")
     return client
+
+
+def check_access_if_up(settings: Settings) -> None:
+    """Exit 1 naming what Redis's ACL refuses the service, when ``redis.url``'s Redis answers
+    (one that does not is waited for later, by the caller's processes)."""
+    if not settings.redis.url:
+        return  # the embedded Redis, no ACL
+    client = redis.Redis.from_url(settings.redis.url, socket_timeout=5, socket_connect_timeout=2)
+    try:
+        client.ping()
+        check_access(client, settings.redis.prefix)
+    except AccessDenied as e:
+        fail(f"Redis at {redacted(settings.redis.url)}: {e}")
+    except (redis.RedisError, OSError):
+        pass
+    finally:
+        client.close()
 
 
 @contextmanager

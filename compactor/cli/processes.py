@@ -28,6 +28,7 @@ from compactor.cli.common import (
     LogLevelOpt,
     RedisUrlOpt,
     api_socket,
+    check_access_if_up,
     connect,
     fail,
     load,
@@ -83,6 +84,7 @@ def serve(
     # port 0 becomes the port the OS picked here, so the banner names it (and restarts keep it).
     with api_socket(settings.api.host, settings.api.port) as sock:
         bound = int(sock.getsockname()[1])
+    check_access_if_up(settings)  # each child would fail on it, and be restarted, over and over
     with user_errors():
         code = run_serve(settings, workers=settings.worker.count, host=host, port=bound)
     raise typer.Exit(code)
@@ -101,7 +103,7 @@ def watch(
 
     setup_logging(log_level, log_format)
     settings = usable_data_dir(_with_redis(load(config, redis_url=redis_url, data_dir=data_dir)), data_dir)
-    connect(settings).close()  # unreachable now: exit 1, as `work`; an outage later is waited out
+    connect(settings, service=True).close()  # unreachable now: exit 1, as `work`; an outage later is waited out
     exit_with_parent()
     with user_errors():
         watcher_main(settings)
@@ -127,7 +129,7 @@ def work(
     setup_logging(log_level, log_format)
     settings = usable_data_dir(_with_redis(load(config, redis_url=redis_url, data_dir=data_dir)), data_dir)
     exit_with_parent()
-    connect(settings).close()  # one line naming the (redacted) URL when Redis does not answer, as watch says
+    connect(settings, service=True).close()  # one line naming the (redacted) URL when Redis does not answer, as watch says
     with user_errors():
         try:
             runner_main(settings, count=count, burst=burst)
@@ -154,6 +156,7 @@ def api(
     settings = _with_redis(load(config, redis_url=redis_url, data_dir=data_dir,
                                 COMPACTION_API_HOST=host, COMPACTION_API_PORT=port))
     sock = api_socket(settings.api.host, settings.api.port)  # before uvicorn, which exits 3 on a bind error
+    check_access_if_up(settings)  # (a Redis down now is answered 503 meanwhile)
     exit_with_parent()
     application = create_app(settings)
 

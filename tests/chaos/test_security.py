@@ -158,17 +158,32 @@ def password_redis(tmp_path: Path) -> Iterator[PasswordRedis]:
     server.stop()
 
 
+# The least a service user needs, as docs/OPERATIONS.md ("An external Redis") lists it.
+DOCUMENTED_ACL = ["~compaction:*", "~rq:*", "&rq:*", "+@read", "+@write", "+@stream", "+@scripting",
+                  "+@pubsub", "+@connection", "+@keyspace", "+@transaction", "+time", "+info"]
+ACL_USER, ACL_PASSWORD = "svc", "acl-" + "Sw0rdf1sh" * 3
+
+
+@pytest.mark.parametrize("user", ["default", ACL_USER])
 def test_password_redis_end_to_end_and_no_secret_in_any_log(
-    password_redis: PasswordRedis, make_stack: Callable[..., Stack], tmp_path: Path,
+    password_redis: PasswordRedis, make_stack: Callable[..., Stack], tmp_path: Path, user: str,
 ) -> None:
     """Invariant: with ``redis://:PASSWORD@host`` and an API token, the watcher, a worker and the API
     (real processes) work end to end: events posted over HTTP reach the log, a forced compaction
     returns its CompressResult, an over-limit body is 413; a client without the password is
-    refused by Redis; neither the password nor the token appears in any process output."""
+    refused by Redis; neither the password nor the token appears in any process output. The same
+    with an ACL user that has only the permissions docs/OPERATIONS.md says the service needs."""
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(host="127.0.0.1", port=password_redis.port).get("x")
+    url, password = password_redis.url, PASSWORD
+    if user == ACL_USER:
+        admin = redis.Redis.from_url(password_redis.url)
+        admin.acl_setuser(ACL_USER, enabled=True, reset=True, passwords=[f"+{ACL_PASSWORD}"])
+        admin.execute_command("ACL", "SETUSER", ACL_USER, *DOCUMENTED_ACL)
+        admin.close()
+        url, password = f"redis://{ACL_USER}:{ACL_PASSWORD}@127.0.0.1:{password_redis.port}/0", ACL_PASSWORD
     with LLMStub() as llm:
-        stack = make_stack(password_redis.url, llm, api={"token": TOKEN}, limits={"maxBodyBytes": 65536},
+        stack = make_stack(url, llm, api={"token": TOKEN}, limits={"maxBodyBytes": 65536},
                            env={"COMPACTION_LOG_LEVEL": "DEBUG"})
         stack.watcher()
         stack.workers(1)
@@ -185,6 +200,7 @@ def test_password_redis_end_to_end_and_no_secret_in_any_log(
         compact = httpx.post(f"{base}/api/sessions/pw-1/compact", json={"cwd": CWD}, headers=auth, timeout=120)
         assert compact.status_code == 200, compact.text
         assert set(compact.json()) == {"didCompress", "released", "promptEstimate"}
+        assert compact.json()["didCompress"] is True
         big = httpx.post(f"{base}/api/sessions/pw-1/events", headers={**auth, "content-type": "application/json"},
                          content=b'{"cwd": "/a", "events": [], "pad": "' + b"x" * 70_000 + b'"}', timeout=10)
         assert big.status_code == 413
@@ -193,8 +209,42 @@ def test_password_redis_end_to_end_and_no_secret_in_any_log(
         assert cli.returncode == 0, cli.stderr.decode()[-2000:]
         output = stack.output() + cli.stdout.decode() + cli.stderr.decode()
     assert "pw-1" in output  # the logs were captured
-    assert PASSWORD not in output, _around(output, PASSWORD)
+    if user == ACL_USER:  # nothing refused, even where the refusal is swallowed (RQ's INFO)
+        denied = redis.Redis.from_url(password_redis.url).acl_log()
+        assert {entry["object"] for entry in denied} <= {"config|get"}, denied
+    assert "Traceback" not in output and "NOPERM" not in output and "no permissions" not in output, output[-3000:]
+    assert password not in output, _around(output, password)
     assert TOKEN not in output, _around(output, TOKEN)
+
+
+@pytest.mark.parametrize(("rules", "refused"), [
+    (["~compaction:*", "&*", "+@all"], ["write RQ's keys rq:*"]),
+    (["~*", "resetchannels", "+@all", "-@scripting"], ["publish on RQ's channels rq:*", "run Lua scripts"]),
+    (["%R~*", "&*", "+@all"], ["write the keys compaction:*", "write RQ's keys rq:*"]),
+])
+def test_each_process_refuses_to_start_with_a_redis_user_short_of_a_permission(
+    password_redis: PasswordRedis, stack_env: dict[str, str], tmp_path: Path, rules: list[str], refused: list[str],
+) -> None:
+    """Invariant: ``work``, ``watch``, ``api`` and ``serve`` on a Redis whose ACL refuses the user a
+    permission the service needs exit 1 at start with one line naming each permission refused
+    and what the user needs (not a traceback, nor, for serve, children restarted over and over)."""
+    admin = redis.Redis.from_url(password_redis.url)
+    admin.acl_setuser(ACL_USER, enabled=True, reset=True, passwords=[f"+{ACL_PASSWORD}"])
+    admin.execute_command("ACL", "SETUSER", ACL_USER, *rules)
+    admin.close()
+    url = f"redis://{ACL_USER}:{ACL_PASSWORD}@127.0.0.1:{password_redis.port}/0"
+    config = tmp_path / "codingcode.yaml"
+    config.write_text(f"redis:\n  url: {url}\ndataDir: {tmp_path / 'data'}\napi:\n  port: {free_port()}\n")
+    for command in ("work", "watch", "api", "serve"):
+        done = subprocess.run([sys.executable, "-m", "compactor", command, "--config", str(config)],
+                              capture_output=True, env=stack_env, cwd=str(REPO), timeout=120)
+        stderr = done.stderr.decode()
+        assert done.returncode == 1, (command, stderr[-2000:])
+        assert "Traceback" not in stderr, (command, stderr[-2000:])
+        assert len(stderr.strip().splitlines()) == 1, (command, stderr)
+        for what in refused:
+            assert what in stderr, (command, what, stderr)
+        assert "~compaction:* ~rq:*" in stderr and ACL_PASSWORD not in stderr, (command, stderr)
 
 
 def _healthy(base: str) -> bool:

@@ -215,6 +215,30 @@ def test_a_redis_error_that_is_no_refusal_to_serve_is_a_500_not_a_503(api_settin
     assert error_of(response)["code"] == "internal_error"
 
 
+@pytest.mark.parametrize("taken", ["-@transaction", "~compaction:*"])
+def test_a_permission_the_acl_takes_away_is_a_500_naming_it(api_settings: Settings, r: redis.Redis,
+                                                             taken: str) -> None:
+    """A Redis ACL changed under a running API (a command or RQ's keys refused): the answer was
+    "internal error (NoPermissionError)"; it names the refusal and what the user needs."""
+    write_session(r, api_settings, 1)
+    rules = ["~*", "&*", "+@all", taken] if taken.startswith("-") else [taken, "&*", "+@all"]
+    r.acl_setuser("apiuser", enabled=True, reset=True, passwords=["+pw"])
+    r.execute_command("ACL", "SETUSER", "apiuser", *rules)
+    limited = redis.Redis.from_url(api_settings.redis.url, username="apiuser", password="pw")
+    try:
+        with TestClient(create_app(api_settings, redis=limited), raise_server_exceptions=False) as test_client:
+            posted = test_client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": turn(2)})
+            forced = test_client.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD})
+    finally:
+        limited.close()
+        r.acl_deluser("apiuser")
+    for response in (posted, forced) if taken.startswith("-") else (forced,):
+        assert response.status_code == 500, response.text
+        error = error_of(response)
+        assert error["code"] == "redis_permission", error
+        assert "permission" in error["message"] and "~compaction:* ~rq:*" in error["message"], error
+
+
 def test_a_failed_append_is_its_own_500(api_settings: Settings, r: redis.Redis,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from events.errors import LogWriteFailed
