@@ -8,8 +8,11 @@
   batch cannot see, the store still checks).
 - ``check_covered_turns``: a summary / compact covers turns that happened (the
   store's rule; ``check_past_turns`` applies it to a batch on a known session).
-- ``unique_keys`` / ``repeated_key``: no key given twice in one JSON object (JSON
-  allows it, and a decoder silently keeps the last value).
+- ``unique_keys`` / ``json_float``: ``json.loads`` hooks that keep what a decoder
+  passes over silently for ``check_json`` to refuse: a key given twice in one JSON
+  object (JSON allows it, and a decoder keeps the last value), a nonzero number a
+  double holds only as 0 (``1e-400``); ``json_problem`` reads a text with them
+  (the watcher's slow path, where orjson also made an integer past 64 bits a float).
 """
 
 from __future__ import annotations
@@ -44,15 +47,39 @@ def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return value
 
 
-def repeated_key(text: str | bytes) -> str | None:
-    """The first key given twice in one object of the JSON ``text``, else None (None too for a
-    text that is not JSON: that is for the caller's decoder to refuse)."""
+class Underflow:
+    """A number the JSON text wrote as nonzero that a double holds only as 0 (``json_float``)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def json_float(text: str) -> float | Underflow:
+    """``json.loads``'s ``parse_float``: the double, or an ``Underflow`` for ``check_json`` to name
+    (``1e-400`` read as 0.0 silently, as orjson reads it)."""
+    value = float(text)
+    if value == 0.0 and any(c in "123456789" for c in text.partition("e")[0].partition("E")[0]):
+        return Underflow(text)
+    return value
+
+
+def json_problem(text: str | bytes, where: str) -> str | None:
+    """What a strict reading of the JSON ``text`` (at ``where``) refuses, as an error message:
+    a key given twice in one object, an integer past 64 bits, a nonzero number a double holds only
+    as 0, a lone surrogate; None when there is none, or when ``text`` is not JSON (for the
+    caller's decoder to refuse)."""
     try:
-        json.loads(text, object_pairs_hook=unique_keys)
+        value = json.loads(text, object_pairs_hook=unique_keys, parse_float=json_float)
     except DuplicateKey as e:
-        return e.key
+        return f"{where}: the key {e.key!r} appears twice in one object (one of its values would be dropped)"
     except (ValueError, RecursionError):
         return None
+    try:
+        check_json(value, (where,))
+    except InvalidEvent as e:
+        return str(e)
     return None
 
 
@@ -101,7 +128,7 @@ def _plainly_holdable(value: object) -> bool:
         elif kind is int:
             if not MIN_JSON_INT <= item <= MAX_JSON_INT:
                 return False
-        elif item is not None and kind is not bool:
+        elif item is not None and kind is not bool:  # (an Underflow too)
             return False
     return True
 
@@ -114,6 +141,8 @@ def _value_problem(value: object) -> str | None:
                 "not valid JSON, and the log cannot hold it")
     if isinstance(value, int) and not isinstance(value, bool) and not MIN_JSON_INT <= value <= MAX_JSON_INT:
         return "is an integer outside the 64-bit range (-2^63 .. 2^64-1) the log can store"
+    if isinstance(value, Underflow):
+        return f"is the number {value.text}, too small for a double: it would be stored as 0"
     if isinstance(value, dict):
         for key in value:
             if isinstance(key, str) and (problem := text_problem(key)) is not None:

@@ -56,7 +56,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from compactor.redis_errors import acl_needs, is_permission_error, is_refusal
 from events.errors import InvalidInput, LogCorrupted, LogWriteFailed, SessionNotFound
-from events.checks import DuplicateKey, check_json, unique_keys
+from events.checks import DuplicateKey, check_json, json_float, unique_keys
 from events.models import json_path
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def decode_json_body(raw: bytes) -> Any:
         raise BadBody(f"body: is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start}; "
                       "send JSON as UTF-8") from e
     try:
-        value = json.loads(text, object_pairs_hook=unique_keys)
+        value = json.loads(text, object_pairs_hook=unique_keys, parse_float=json_float)
     except DuplicateKey as e:
         raise BadBody(f"body: the key {e.key!r} appears twice in one object (one of its values would be "
                       "dropped)") from None

@@ -32,7 +32,7 @@ from typing import Any
 import orjson
 
 from compactor.keys import Keys
-from events.checks import repeated_key
+from events.checks import json_problem
 from events.errors import InvalidInput
 from events.models import (
     parse_event,
@@ -154,11 +154,12 @@ def _json_object(event_bytes: bytes) -> Any:
             orjson.dumps(data)
         except TypeError as e:  # orjson.JSONEncodeError
             raise _Reject(f"event: cannot be written as a log line: {e} (nested too deeply)") from e
-    # a key given twice in one object: orjson keeps the last value, silently (the API refuses the
-    # same body). Written as orjson writes it (the publisher's form) it has none: one encode, not
-    # a second, slower decode
-    if orjson.dumps(data) != event_bytes and (key := repeated_key(event_bytes)) is not None:
-        raise _Reject(f"event: the key {key!r} appears twice in one object (one of its values would be dropped)")
+    # what orjson passes over silently (the API refuses the same body): a key given twice in one
+    # object (it keeps the last value), an integer past 64 bits (read as a float), a nonzero number
+    # read as 0 (1e-400). Written as orjson writes it (the publisher's form) it has none: one
+    # encode, not a second, slower decode
+    if orjson.dumps(data) != event_bytes and (problem := json_problem(event_bytes, "event")) is not None:
+        raise _Reject(problem)
     return data
 
 

@@ -751,6 +751,18 @@ def test_a_number_json_cannot_hold_is_400_naming_the_field_not_stored_as_null(
     assert r.xlen(Keys().stream_for(SID)) == 0
 
 
+@pytest.mark.parametrize(("value", "path"), [("1e-400", "events[0].x"), ("[0.5, -7.2E-999]", "events[0].x[1]")])
+def test_a_nonzero_number_a_double_holds_only_as_0_is_400_naming_the_field(
+        client: TestClient, r: redis.Redis, value: str, path: str) -> None:
+    """JSON's 1e-400 was read as 0.0 and stored so, silently."""
+    body = '{"cwd": "/uni", "events": [{"type": "user", "turnId": 1, "content": "ok", "x": %s}]}' % value
+    response = post_raw(client, f"/api/sessions/{SID}/events", body)
+    assert response.status_code == 400
+    message = error_of(response)["message"]
+    assert message.startswith(f"{path}: is the number ") and "too small for a double" in message, message
+    assert r.xlen(Keys().stream_for(SID)) == 0
+
+
 @pytest.mark.parametrize(("body", "key"), [
     ('{"cwd": "/a", "cwd": "/b", "events": [{"type": "user", "turnId": 1, "content": "x"}]}', "cwd"),
     ('{"cwd": "/uni", "events": [{"type": "user", "turnId": 1, "content": "x", "content": "y"}]}', "content"),

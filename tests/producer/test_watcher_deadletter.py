@@ -64,6 +64,12 @@ def small(tmp_path: Path, redis_url: str) -> Settings:
     ({"session": "s1", "cwd": CWD, "event": b'{"type":"assistant","turnId":1,"content":"","toolCalls":[{"id":"c",'
                                             b'"name":"read_file","arguments":{"path":"/a","path":"/b"}}]}'},
      "event: the key 'path' appears twice"),
+    # orjson read these as a float and as 0.0, silently
+    ({"session": "s1", "cwd": CWD, "event": b'{"type":"user","turnId":1,"content":"x","n":123456789012345678901234567890}'},
+     "event.n: is an integer outside the 64-bit range"),
+    ({"session": "s1", "cwd": CWD, "event": b'{"type":"assistant","turnId":1,"content":"","toolCalls":[{"id":"c",'
+                                            b'"name":"calc","arguments":{"eps":[1, 2.5E-400]}}]}'},
+     "event.toolCalls[0].arguments.eps[1]: is the number 2.5E-400, too small for a double: it would be stored as 0"),
 ])
 def test_bad_entry_is_dead_lettered_with_its_reason_and_acked(
     r: redis.Redis, small: Settings, fields: dict[str, bytes | str], reason: str
@@ -99,12 +105,14 @@ def test_an_entry_naming_one_of_its_fields_twice_is_dead_lettered(r: redis.Redis
 def test_an_event_written_otherwise_than_orjson_writes_it_is_applied(r: redis.Redis, small: Settings) -> None:
     """The check for a key given twice reads again only an event orjson would write otherwise
     (spaces, escapes, another number form): one with none is applied as sent."""
-    event = b'{ "type" : "user", "turnId" : 1, "content" : "caf\\u00e9 \\"x\\"", "n": 1E2, "x": {"a": 1, "b": [{"a": 2}]} }'
+    event = (b'{ "type" : "user", "turnId" : 1, "content" : "caf\\u00e9 \\"x\\"", "n": 1E2, "x": {"a": 1, "b": [{"a": 2}]},'
+             b' "small": [1e-300, 4.9e-324, 0e-400, -0.0, 0.000e5, 18446744073709551615, -9223372036854775808] }')
     raw(r, {"session": "s1", "cwd": CWD, "event": event})
     drain(Watcher(r, small, name="w"), r, small)
     assert dead_letters(r) == []
     [line] = log_lines(small, "s1")
     assert (line["content"], line["n"], line["x"]) == ('caf\u00e9 "x"', 100.0, {"a": 1, "b": [{"a": 2}]})
+    assert line["small"] == [1e-300, 5e-324, 0.0, 0.0, 0.0, 2**64 - 1, -(2**63)]
 
 
 def test_an_event_nested_too_deeply_to_write_is_refused_alone(r: redis.Redis, small: Settings) -> None:
