@@ -64,11 +64,14 @@ def valid_summary_reply(body: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class StubResponse:
-    """One scripted answer: ``text`` with ``status`` after ``delay_s`` (None text: the default reply)."""
+    """One scripted answer: ``text`` with ``status`` after ``delay_s`` (None text: the default reply;
+    with an error status, ``text`` is the error's message);
+    with ``trickle_s``, the headers at once and the body 64 bytes at a time, ``trickle_s`` apart."""
 
     status: int = 200
     text: str | None = None
     delay_s: float = 0.0
+    trickle_s: float = 0.0
 
 
 @dataclass
@@ -188,10 +191,10 @@ def completion_body(text: str, model: str) -> dict[str, Any]:
     }
 
 
-def error_body(status: int) -> dict[str, Any]:
-    """An OpenAI-style error object for ``status``."""
+def error_body(status: int, message: str | None = None) -> dict[str, Any]:
+    """An OpenAI-style error object for ``status`` (``message``: its text, else a stub's)."""
     kind = _ERROR_TYPES.get(status, "server_error")
-    return {"error": {"message": f"stub error {status}", "type": kind, "param": None, "code": kind}}
+    return {"error": {"message": message or f"stub error {status}", "type": kind, "param": None, "code": kind}}
 
 
 def _handler_for(stub: LLMStub) -> type[BaseHTTPRequestHandler]:
@@ -220,18 +223,25 @@ def _handler_for(stub: LLMStub) -> type[BaseHTTPRequestHandler]:
                 time.sleep(response.delay_s)
             if response.status == 200:
                 text = stub._reply_text(response, body)
-                self._send(200, completion_body(text, str(body.get("model", "stub-model"))))
+                self._send(200, completion_body(text, str(body.get("model", "stub-model"))), response.trickle_s)
             else:
-                self._send(response.status, error_body(response.status))
+                self._send(response.status, error_body(response.status, response.text), response.trickle_s)
 
-        def _send(self, status: int, payload: dict[str, Any]) -> None:
+        def _send(self, status: int, payload: dict[str, Any], trickle_s: float = 0.0) -> None:
             data = json.dumps(payload).encode()
             try:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                if not trickle_s:
+                    self.wfile.write(data)
+                    return
+                self.wfile.flush()
+                for start in range(0, len(data), 64):
+                    time.sleep(trickle_s)
+                    self.wfile.write(data[start:start + 64])
+                    self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the client (a killed worker, a timed-out call) hung up
 

@@ -148,6 +148,10 @@ class _Session:
     encoding: str
 
 
+# A failed LLM call's kind (``LlmFailure.kind``) -> the outcome a job failing on it logs (``worker.jobs``).
+FAILURE_OUTCOMES = {"transient": "llm_transient", "permanent": "llm_permanent", "invalid": "summary_invalid"}
+
+
 @dataclass(frozen=True)
 class LlmFailure:
     """A failed LLM call that the fallback summarizer answered for: ``kind`` is
@@ -439,7 +443,7 @@ class Compactor:
         try:
             text = self._summarize_with(plan.model, reading, view, plan, run=run)
         except (LLMUnavailable, SummaryInvalid) as error:
-            kind = self._count_failure(session_id, plan.model, error)
+            kind = self._count_failure(session_id, plan.model, error, run.job_id if run is not None else None)
             if not fallback or fallback == plan.model:
                 raise
             logger.warning("llm failed session=%s: using fallback %s", session_id, fallback)
@@ -449,10 +453,10 @@ class Compactor:
             return text, False
         return text, plan.model != EXTRACTIVE_MODEL
 
-    def _count_failure(self, session_id: str, model: str, error: CompactorError) -> str:
+    def _count_failure(self, session_id: str, model: str, error: CompactorError, job_id: str | None) -> str:
         """Count a failed LLM call and log it; its kind (see ``LlmFailure``)."""
-        count = self.failures.record_failure(session_id)
         kind = ("transient" if error.transient else "permanent") if isinstance(error, LLMUnavailable) else "invalid"
+        count = self.failures.record_failure(session_id, job_id=job_id, outcome=FAILURE_OUTCOMES[kind])
         logger.warning("llm compaction failed session=%s model=%s kind=%s failures=%d error=%s",
                        session_id, model, kind, count, error)
         return kind

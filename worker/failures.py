@@ -37,13 +37,15 @@ class FailureCounter:
         self.max_failures = settings.context.max_failures
         self.ttl_s = settings.context.failure_ttl_seconds
 
-    def record_failure(self, session_id: str) -> int:
-        """Count one failure; the count now."""
+    def record_failure(self, session_id: str, *, job_id: str | None = None, outcome: str | None = None) -> int:
+        """Count one failure (of job ``job_id``, whose outcome it is: ``llm_transient``,
+        ``llm_permanent`` or ``summary_invalid``); the count now."""
         count = int(self.redis.eval(_RECORD_FAILURE, 1, self.keys.failures(session_id), self.ttl_s))
         if count == self.max_failures:
             metrics.BREAKER_OPENS.inc()
         logger.info("llm failure counted session=%s failures=%d", session_id, count,
-                    extra={"session_id": session_id, "failures": count})
+                    extra={"session_id": session_id, "job_id": job_id, "kind": "llm", "outcome": outcome,
+                           "failures": count})
         return count
 
     def reset(self, session_id: str, pipeline: redis.client.Pipeline | None = None) -> None:

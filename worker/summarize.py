@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import sys
 import threading
@@ -492,15 +493,20 @@ class LiteLLMSummarizer:
         warm_up_litellm()
 
     def complete(self, model: str, messages: list[dict[str, str]]) -> str:
-        """One ``litellm.completion`` call (no retries: failures are counted, SPEC §5)."""
+        """One ``litellm.completion`` call (no retries: failures are counted, SPEC §5), bounded as a
+        whole by ``timeout_s``: the HTTP client's timeout bounds each read, and a server trickling
+        its reply a few bytes at a time held a call (and the job, past SIGTERM's grace) for as long
+        as it liked. The call runs in a thread of its own; one past the deadline is left to end
+        there (its reads are bounded) and the job gets a transient timeout."""
         kwargs: dict[str, Any] = {"timeout": self.timeout_s, "max_retries": 0, "num_retries": 0}
         kwargs.update(self.completion_kwargs)
+        call = _Call(self._litellm.completion, model=model, messages=messages, **kwargs)
         started = time.monotonic()
         try:
-            response = self._litellm.completion(model=model, messages=messages, **kwargs)
-        except Exception as e:
+            response = call.result(self.timeout_s)
+        except Exception as e:  # (RQ's JobTimeoutException too: raised in this thread, while it waits)
             metrics.LLM_CALL_SECONDS.labels("error").observe(time.monotonic() - started)
-            raise classify_llm_error(e, model) from e
+            raise classify_llm_error(e, model) from None  # (the cause may quote a key: see without_secrets)
         metrics.LLM_CALL_SECONDS.labels("ok").observe(time.monotonic() - started)
         try:
             content = response.choices[0].message.content
@@ -511,6 +517,35 @@ class LiteLLMSummarizer:
         return content
 
 
+class CallTimedOut(TimeoutError):
+    """An LLM call that gave no complete reply within ``context.llmTimeoutSeconds`` as a whole."""
+
+
+class _Call:
+    """``fn(**kwargs)`` run in a daemon thread, its result waited for with a deadline."""
+
+    def __init__(self, fn: Any, **kwargs: Any) -> None:
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(fn, kwargs), name="llm-call", daemon=True).start()
+
+    def _run(self, fn: Any, kwargs: dict[str, Any]) -> None:
+        try:
+            self._result = fn(**kwargs)
+        except BaseException as e:  # handed to the waiting thread, if it still waits
+            self._error = e
+        finally:
+            self._done.set()
+
+    def result(self, timeout_s: float) -> Any:
+        if not self._done.wait(timeout_s):
+            raise CallTimedOut(f"no complete reply within context.llmTimeoutSeconds ({timeout_s:g} s)")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
 def classify_llm_error(error: BaseException, model: str) -> LLMUnavailable:
     """Wrap a litellm/HTTP error as LLMUnavailable, deciding whether it is transient."""
     name = type(error).__name__
@@ -518,7 +553,7 @@ def classify_llm_error(error: BaseException, model: str) -> LLMUnavailable:
     status = status if isinstance(status, int) else None
     if _before_any_request(error):
         transient = False
-    elif name in _TRANSIENT_ERRORS:
+    elif name in _TRANSIENT_ERRORS or isinstance(error, CallTimedOut):
         transient = True
     elif status is not None:
         transient = status in TRANSIENT_STATUS or status >= 500
@@ -527,11 +562,27 @@ def classify_llm_error(error: BaseException, model: str) -> LLMUnavailable:
     else:
         transient = True  # unknown: assume the network, let the breaker bound the retries
     kind = "transient" if transient else "permanent"
-    detail = str(error).strip().splitlines()[0][:300] if str(error).strip() else name
+    detail = without_secrets(str(error).strip().splitlines()[0][:300]) if str(error).strip() else name
     if any(type(cause).__name__ == "JobTimeoutException" for cause in _causes(error)):  # RQ's, wrapped as a 500
         return LLMUnavailable(f"transient LLM failure (the job's worker.jobTimeoutSeconds ran out during the call, "
                               f"model {model}): {detail}", transient=True)
     return LLMUnavailable(f"{kind} LLM failure ({name}, model {model}): {detail}", transient=transient)
+
+
+# A key as providers word them in an error (OpenAI's sk-..., Anthropic's sk-ant-..., bearer tokens).
+_KEY_LIKE = re.compile(r"\b(sk-[A-Za-z0-9_-]{4})[A-Za-z0-9_-]{8,}|(Bearer\s+)[^\s\"',]{8,}")
+_SECRET_ENV = re.compile(r"(?:KEY|TOKEN|SECRET|PASSWORD)$")
+
+
+def without_secrets(text: str) -> str:
+    """``text`` (a provider's error message) with API keys masked: the values of the environment's
+    ``*_KEY`` / ``*_TOKEN`` / ``*_SECRET`` / ``*_PASSWORD`` variables and anything shaped like a
+    key (``sk-...``, ``Bearer ...``). A gateway may quote the key it refused ("Incorrect API key
+    provided: sk-..."), and the message goes to logs, job results and API answers."""
+    for name, value in os.environ.items():
+        if len(value) >= 8 and _SECRET_ENV.search(name.upper()) and value in text:
+            text = text.replace(value, "***")
+    return _KEY_LIKE.sub(lambda m: (m.group(1) or m.group(2)) + "***", text)
 
 
 def _causes(error: BaseException) -> list[BaseException]:

@@ -217,10 +217,35 @@ def test_llm_failures_count_with_the_ttl_and_fail_the_job(
     messages = [record.getMessage() for record in caplog.records]
     assert any("llm compaction failed session=s1" in m and f"kind={kind}" in m for m in messages), messages
     assert any("compaction job session=s1" in m and f"outcome={outcome}" in m for m in messages), messages
+    [counted] = [record for record in caplog.records if record.name == "worker.failures"]
+    fields = {name: getattr(counted, name, "?") for name in ("session_id", "job_id", "kind", "outcome", "failures")}
+    assert fields == {"session_id": "s1", "job_id": job.id, "kind": "llm", "outcome": outcome, "failures": 1}
     assert r.get(Keys().failures("s1")) == b"1"
     assert 86_390 < r.ttl(Keys().failures("s1")) <= 86_400
     assert _summaries(wsettings, "s1") == []
     assert pending_job_id(r, wsettings, "s1") is None
+
+
+def test_a_key_the_provider_quotes_is_in_no_job_result_and_no_log_line(
+    r: redis.Redis, settings: Settings, stub: LLMStub, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A gateway answering 401 "Incorrect API key provided: sk-..." had the key in the job's
+    stored traceback (its chained litellm error), the job's error and the worker's log lines."""
+    key = "sk-" + "Canary0Secret" * 3
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    wsettings = make_settings(settings, compaction_model="openai/stub-model")
+    write_session(r, wsettings, "s1", 3)
+    stub.script(StubResponse(status=401, text=f"Incorrect API key provided: {key}"))
+    with caplog.at_level(logging.DEBUG):
+        job = _run(r, wsettings, "s1")
+    assert job.get_status() == JobStatus.FAILED
+    stored = str(job.latest_result().exc_string)  # type: ignore[union-attr]
+    assert "permanent LLM failure" in stored and "Incorrect API key provided: ***" in stored, stored
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert "permanent LLM failure" in logged
+    assert key not in stored and key[8:] not in stored, stored
+    assert key not in logged and key[8:] not in logged
 
 
 def test_a_classified_failure_is_one_log_line_and_the_job_keeps_its_traceback(

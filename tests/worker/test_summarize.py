@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -250,6 +251,39 @@ def test_timeout_is_a_transient_failure(stub: LLMStub) -> None:
     with pytest.raises(LLMUnavailable) as caught:
         LiteLLMSummarizer(timeout_s=0.5).complete(STUB_MODEL, build_messages("x", None))
     assert caught.value.transient is True
+
+
+def test_a_reply_trickled_past_the_timeout_is_a_transient_failure_at_the_timeout(stub: LLMStub) -> None:
+    """The HTTP client's timeout bounds each read: a server sending its reply a few bytes at a time
+    held the call ~10 s past a 1 s llmTimeoutSeconds (and a job past its stop grace)."""
+    stub.script(StubResponse(trickle_s=0.25))  # ~1.4 kB in 64-byte pieces: ~6 s in all
+    started = time.monotonic()
+    with pytest.raises(LLMUnavailable) as caught:
+        LiteLLMSummarizer(timeout_s=1).complete(STUB_MODEL, build_messages("x", None))
+    took = time.monotonic() - started
+    assert 1 <= took < 2, took
+    assert caught.value.transient is True
+    assert "llmTimeoutSeconds (1 s)" in str(caught.value), caught.value
+    stub.script(StubResponse(trickle_s=0.02))  # the same trickle, quicker than the timeout: a reply
+    assert "<summary>" in LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, build_messages("x", None))
+
+
+@pytest.mark.parametrize("status", [401, 429, 500])
+def test_a_key_a_provider_quotes_in_its_error_is_masked(stub: LLMStub, monkeypatch: pytest.MonkeyPatch,
+                                                        status: int) -> None:
+    """A gateway quoting the key it refused ("Incorrect API key provided: sk-...") had the key go
+    verbatim into the job's error, its log lines and the API's 502."""
+    key, other = "sk-" + "Canary0Secret" * 3, "tok" + "Z9" * 10
+    monkeypatch.setenv("OPENAI_API_KEY", key)
+    monkeypatch.setenv("GATEWAY_TOKEN", other)
+    stub.script(StubResponse(status=status, text=f"Incorrect API key provided: {key}; gateway {other}; "
+                                                 f"header Bearer {key}x; sk-proj-{'ab12' * 8}"))
+    with pytest.raises(LLMUnavailable) as caught:
+        LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, build_messages("x", None))
+    message = str(caught.value)
+    assert "Incorrect API key provided" in message, message
+    for secret in (key, key[8:], other, "ab12ab12ab12"):
+        assert secret not in message, message
 
 
 def test_connection_refused_is_a_transient_failure(monkeypatch: pytest.MonkeyPatch) -> None:
