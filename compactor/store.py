@@ -502,6 +502,17 @@ class SessionStore:
                        result.state.last_stream_id)
         return [event for event in batch if id(event) in kept or id(event) in revived]
 
+    def refusals(self, state: SessionState, events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], InvalidEvent]]:
+        """What ``apply`` would refuse of ``events`` (none of them applied yet) on the session whose
+        state is ``state``, when that is the log's (the caller made sure): checked as ``apply``
+        checks them, the log replayed past a rollback; nothing is written or locked. For a batch
+        holding a rollback: the turns after it are relative to what it leaves visible."""
+        log = self.log(state.session_id, state.cwd)
+        result = ApplyResult(state.copy(), before=state.prompt_estimate)
+        taken = self.taken_uuids({state.session_id: events})[state.session_id]
+        self._admit(result.state, list(events), result, taken, lambda: self._replayed(log, None, result))
+        return result.rejected
+
     def _renumbered(self, session_id: str, last_applied: str | None) -> bool:
         """Whether the session's stream no longer holds entries up to ``last_applied``: its newest
         is below it, so the stream was lost (or trimmed whole) and numbers its entries lower now."""

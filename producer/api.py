@@ -177,19 +177,21 @@ UNAPPLIED_SCAN = 200  # entries of a shard looked through for the session's own;
 
 def _refuse_backwards(client: redis.Redis, settings: Settings, store: SessionStore, state: SessionState,
                       wires: Sequence[dict[str, Any]]) -> None:
-    """Refuse (400 ``events[i].turnId``) a turn-scoped event, before the batch's first rollback,
-    below the session's ``currentTurnId`` (or, ``events[i].lastSummarizedTurnId`` /
-    ``endTurnId``, a summary or compact past its highest turn), when the stored state is certainly the session's
-    as the watcher will see it: it matches the log's size, and no entry of the session waits
-    in its shard (undelivered, or delivered and not acked). Otherwise a rollback published
+    """Refuse (400 ``events[i].turnId``) a turn-scoped event below the session's
+    ``currentTurnId`` (or, ``events[i].lastSummarizedTurnId`` / ``endTurnId``, a summary or
+    compact past its highest turn), when the stored state is certainly the session's as the
+    watcher will see it (``_settled``: it matches the log's size, and no entry of the session
+    waits in its shard, undelivered, or delivered and not acked). Otherwise a rollback published
     earlier may still lower the turn: the event is published, and the watcher decides (it
-    dead-letters it if it does go backwards). The usual batch costs nothing here."""
+    dead-letters it if it does go backwards). The usual batch costs nothing here; one holding a
+    rollback is checked past it (``_refuse_around_a_rollback``)."""
+    if any(event.get("type") == "rollback" for event in wires):
+        _refuse_around_a_rollback(client, settings, store, state, wires)
+        return
     current = state.current_turn_id
     problem: InvalidEvent | None = None
     for index, event in enumerate(wires):
         kind, turn = event.get("type"), event.get("turnId")
-        if kind == "rollback":
-            break
         if kind in TURN_SCOPED_TYPES and isinstance(turn, int) and turn < current:
             problem = InvalidEvent("turnId", f"goes backwards: {turn} < currentTurnId {current}", index)
             break
@@ -197,12 +199,30 @@ def _refuse_backwards(client: redis.Redis, settings: Settings, store: SessionSto
         check_past_turns(wires, state.max_turn)
     except InvalidEvent as e:
         problem = e if problem is None or (e.index or 0) < (problem.index or 0) else problem
-    if problem is None:
-        return
-    if store.log(state.session_id, state.cwd).complete_size() != state.log_size or _waiting_in_shard(
-            client, settings, state.session_id):
+    if problem is None or not _settled(client, settings, store, state):
         return
     raise problem
+
+
+def _settled(client: redis.Redis, settings: Settings, store: SessionStore, state: SessionState) -> bool:
+    """Whether ``state`` is certainly the session's as the watcher will see it: it matches the
+    log's size, and no entry of the session waits in its shard."""
+    return (store.log(state.session_id, state.cwd).complete_size() == state.log_size
+            and not _waiting_in_shard(client, settings, state.session_id))
+
+
+def _refuse_around_a_rollback(client: redis.Redis, settings: Settings, store: SessionStore, state: SessionState,
+                              wires: Sequence[dict[str, Any]]) -> None:
+    """``_refuse_backwards`` for a batch holding a rollback: what comes after it is checked
+    against what the rollback leaves (the log replayed, as the watcher will), when the state is
+    settled. A batch ``[rollback 4, user 2]`` was a 202: the rollback applied, the user event
+    dead-lettered (goes backwards: 2 < 4), the client told "accepted"."""
+    if not _settled(client, settings, store, state):
+        return
+    refused = store.refusals(state, list(wires))
+    if refused:
+        event, error = refused[0]
+        raise error.at(next(i for i, wire in enumerate(wires) if wire is event))
 
 
 def _refuse_past_a_new_sessions_turns(client: redis.Redis, settings: Settings, store: SessionStore,

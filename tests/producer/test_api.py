@@ -820,6 +820,61 @@ def test_a_turn_going_backwards_against_the_session_is_400_when_nothing_can_chan
     assert client.post(path, json={"cwd": CWD, "events": back}).status_code == 202  # the state lags its log
 
 
+@pytest.mark.parametrize(("events", "message"), [
+    ([{"type": "rollback", "throughTurnId": 3, "reason": "undo"}, {"type": "user", "turnId": 2, "content": "x"}],
+     "events[1].turnId: goes backwards: 2 < currentTurnId 3"),
+    ([{"type": "rollback", "throughTurnId": 3, "reason": "undo"},
+      {"type": "summary", "replaces": [], "summaryText": "s", "lastSummarizedTurnId": 3}],
+     "events[1].lastSummarizedTurnId: is past the session's turns: 3 > 2"),
+    ([{"type": "rollback", "throughTurnId": 3, "reason": "undo"}, {"type": "user", "turnId": 3, "content": "x"}],
+     None),
+])
+def test_a_batch_holding_a_rollback_is_checked_past_it(
+        client: TestClient, r: redis.Redis, api_settings: Settings, events: list[dict[str, Any]],
+        message: str | None) -> None:
+    """``[rollback 3, user 2]`` on a settled session was a 202: the rollback applied (it cannot be
+    undone), the user event dead-lettered, the client told "accepted"."""
+    write_session(r, api_settings, 4)  # currentTurnId 5
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
+    if message is None:
+        assert response.status_code == 202, response.text
+        return
+    assert response.status_code == 400, response.text
+    assert error_of(response)["message"].startswith(message), error_of(response)
+    assert r.xlen(Keys().stream_for(SID)) == 0
+
+
+def test_on_a_settled_session_the_api_refuses_a_batch_iff_the_watcher_would_refuse_part_of_it(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """On a session whose state is its log's, the API's 400 and the watcher's dead letters agree,
+    rollbacks, compacts and summaries in the batch included: a 400 naming an event the watcher
+    would refuse, or a 202 when it would refuse none."""
+    store = SessionStore(r, api_settings)
+    sessions = iter(range(10**6))
+
+    @hsettings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(batches())
+    def check(batch: list[dict[str, Any]]) -> None:
+        n = next(sessions)
+        batch = [dict(event, uuid=f"u{index}") for index, event in enumerate(batch)]  # (a uuid twice: its own test)
+        posted, applied = f"api-{n}", f"store-{n}"
+        write_session(r, api_settings, 3, posted)
+        write_session(r, api_settings, 3, applied)
+        response = client.post(f"/api/sessions/{posted}/events", json={"cwd": CWD, "events": batch})
+        r.delete(*Keys().all_streams())  # nothing of the session waits in its shard for the next example
+        stamped = [dict(event, timestamp="2025-01-01T00:00:00Z") for event in batch]
+        rejected = {id(event) for event, _ in store.apply(applied, CWD, stamped).rejected}
+        refused = [index for index, event in enumerate(stamped) if id(event) in rejected]
+        if not refused:
+            assert response.status_code == 202, (batch, response.text)
+        else:  # (the batch's own faults are looked for first: the API may name a later one)
+            assert response.status_code == 400, (batch, refused)
+            named = int(error_of(response)["message"].partition("]")[0].removeprefix("events["))
+            assert named in refused, (batch, refused, response.text)
+
+    check()
+
+
 def test_a_uuid_twice_in_one_batch_is_400_naming_both_and_publishes_nothing(
         client: TestClient, r: redis.Redis) -> None:
     events = [{"type": "user", "turnId": 1, "content": "a", "uuid": "u-1"},
