@@ -38,6 +38,7 @@ from compactor.queue import compaction_queue, parse_job_id
 from compactor.serve import Output, running_stack, stack_specs
 from compactor.store import SessionStore
 from compactor.urls import redacted
+from events.config import EXTRACTIVE as EXTRACTIVE_MODEL
 from events.config import Settings
 from events.log import SessionLog
 from events.view import build_view
@@ -52,7 +53,6 @@ DEFAULT_WORKERS = 2
 SETTLE_TIMEOUT_S = 30.0  # after the agents finish, wait this long for the last jobs
 TURN_PAUSE_S = (0.05, 0.25)  # an agent "thinks" this long between turns
 AGENT_MODEL = "demo-agent"  # unknown to tiktoken: cl100k_base, works offline
-EXTRACTIVE_MODEL = "extractive"
 DEMO_CWD_ROOT = "/home/demo/projects"
 
 _WORDS = ["the", "config", "loader", "reads", "values", "from", "the", "yaml", "file", "and", "merges", "environment", "overrides", "before", "validating", "every", "section", "with", "pydantic", "so", "that", "a", "typo", "fails", "early", "while", "the", "watcher", "applies", "each", "event", "to", "the", "session", "log", "exactly", "once", "under", "the", "lock", "and", "the", "worker", "summarizes", "old", "turns"]

@@ -89,6 +89,9 @@ class _Section(BaseModel):
         return value
 
 
+EXTRACTIVE = "extractive"  # the built-in summarizer's model name (``worker.extractive``)
+
+
 class ContextSettings(_Section):
     compaction_model: str = ""  # empty: the session's own model
     fallback_model: str = ""  # used when the LLM breaker is open; "extractive" needs no LLM
@@ -103,6 +106,19 @@ class ContextSettings(_Section):
     default_context_window: int = Field(128_000, ge=1, le=MAX_CONTEXT_WINDOW)
     llm_timeout_seconds: float = Field(120.0, gt=0, le=DAY_S, allow_inf_nan=False)
     summary_reserve_tokens: int = Field(25_000, ge=0)  # SPEC §5: window must hold prompt + this
+
+    @field_validator("compaction_model", "fallback_model")
+    @classmethod
+    def _a_model_name(cls, name: str) -> str:
+        """A name litellm would refuse on every call (or, for ``Extractive``, send to a provider
+        instead of the built-in summarizer) is refused at load, not on the first job."""
+        if name != name.strip():
+            raise ValueError(f"{name!r} has spaces around it: write {name.strip()!r}")
+        if any(c.isspace() for c in name):
+            raise ValueError(f"{name!r} holds a space: a model name has none")
+        if name.lower() == EXTRACTIVE and name != EXTRACTIVE:
+            raise ValueError(f"{name!r}: the built-in summarizer is written {EXTRACTIVE!r}")
+        return name
 
     @model_validator(mode="after")
     def _thresholds_ordered(self) -> ContextSettings:

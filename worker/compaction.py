@@ -447,7 +447,13 @@ class Compactor:
             if not fallback or fallback == plan.model:
                 raise
             logger.warning("llm failed session=%s: using fallback %s", session_id, fallback)
-            text = self._summarize_with(fallback, reading, view)
+            try:
+                text = self._summarize_with(fallback, reading, view)
+            except LLMUnavailable as failed:  # the job's error names both: the fallback's alone hid the first
+                raise LLMUnavailable(f"{failed}; the fallback was called after: {error}",
+                                     transient=failed.transient) from None
+            except SummaryInvalid as failed:
+                raise SummaryInvalid(f"{failed}; the fallback {fallback} was called after: {error}") from None
             if run is not None:
                 run.llm_failure = LlmFailure(kind, str(error), plan.model, fallback)
             return text, False

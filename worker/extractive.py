@@ -53,11 +53,12 @@ from typing import Any
 
 import orjson
 
+from events.config import EXTRACTIVE
 from events.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD_TOKENS, arguments_json, count_tokens, event_tokens
 from events.view import str_or_empty as _str
 from worker.summarize import SECTION_TITLES, split_sections
 
-EXTRACTIVE_MODEL = "extractive"
+EXTRACTIVE_MODEL = EXTRACTIVE  # (named in events.config, which refuses a misspelling)
 MAX_FILES = 60
 MAX_ERROR_LINES = 30
 MAX_LINE_CHARS = 300

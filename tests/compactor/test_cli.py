@@ -103,6 +103,13 @@ def test_python_dash_m_runs_the_cli() -> None:
     # YAML reads 1e100 as a string: pydantic's "unable to parse string as an integer" puzzled
     ("context:\n  keepRecentTurns: 1e100\n", "context.keepRecentTurns: must be a whole number written in digits, "
                                              "not '1e100'"),
+    # loaded, then every LLM call failed ("LLM Provider NOT provided"), or went to a provider for
+    # a model named "Extractive" instead of the built-in summarizer
+    ("context:\n  compactionModel: ' openai/gpt-4o-mini'\n",
+     "context.compactionModel: ' openai/gpt-4o-mini' has spaces around it"),
+    ("context:\n  fallbackModel: Extractive\n",
+     "context.fallbackModel: 'Extractive': the built-in summarizer is written 'extractive'"),
+    ("context:\n  fallbackModel: gpt 4o\n", "context.fallbackModel: 'gpt 4o' holds a space"),
 ])
 def test_bad_config_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path, yaml_text: str,
                                            fragment: str) -> None:

@@ -426,6 +426,23 @@ def test_extractive_fallback_summarizes_when_the_llm_fails(
     assert r.get(Keys().failures("s1")) == b"1"  # the LLM failure is still counted
 
 
+def test_a_fallback_that_fails_too_fails_the_job_naming_both_failures(
+    r: redis.Redis, settings: Settings, stub: LLMStub,
+) -> None:
+    """The job's error named the fallback's failure alone: the operator saw "model openai/backup"
+    and no sign of the compaction model's 401 that sent the job there."""
+    wsettings = make_settings(settings, llm_timeout_seconds=5.0, compaction_model="openai/stub-model",
+                              fallback_model="openai/backup")
+    write_session(r, wsettings, "s1", 3, output="short")
+    stub.script(StubResponse(status=401), StubResponse(status=503))
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FAILED
+    error = (job.latest_result().exc_string or "").strip().splitlines()[-1]  # type: ignore[union-attr]
+    assert "transient LLM failure" in error and "model openai/backup" in error, error
+    assert "the fallback was called after: permanent LLM failure" in error and "model openai/stub-model" in error
+    assert [request.body["model"] for request in stub.requests] == ["stub-model", "backup"]
+
+
 @pytest.mark.parametrize("fallback", ["", "extractive"])
 def test_a_summary_over_a_quarter_of_the_window_is_an_invalid_reply(
     r: redis.Redis, settings: Settings, stub: LLMStub, fallback: str,
