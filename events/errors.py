@@ -55,6 +55,11 @@ class LogWriteFailed(CompactorError):
     """Appending to a session log failed; the log was left as it was before."""
 
 
+class JobAbandoned(CompactorError):
+    """A job that went on after the worker janitor declared it abandoned (its worker stopped
+    heartbeating: paused, frozen) and handed its session on: it writes nothing more."""
+
+
 class SummaryInvalid(CompactorError):
     """The model's reply has no ``<summary>`` block with the 10 section headings in order."""
 

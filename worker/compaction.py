@@ -80,17 +80,18 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
 from compactor.deferred import Deferred
-from compactor.queue import queue_release, released_trigger
+from compactor.queue import pending_job_id, queue_release, released_trigger
 from compactor.store import UNREAD, ApplyResult, SessionStore, Stored
 from events.config import ContextSettings, Settings
 from events.errors import (
     CompactorError,
+    JobAbandoned,
     LLMUnavailable,
     SessionNotFound,
     SummaryInvalid,
@@ -148,6 +149,12 @@ class _Session:
     encoding: str
 
 
+# A job running this long checks it still holds its session's claim before it appends a summary:
+# below ``worker.runner.EXECUTION_TTL_S`` (20 s), the least a job can be silent before the janitor
+# hands its session on (a worker paused 25 s, then resumed, appended a summary while the job that
+# replaced it made its own LLM call).
+ABANDON_CHECK_AFTER_S = 10.0
+
 # A failed LLM call's kind (``LlmFailure.kind``) -> the outcome a job failing on it logs (``worker.jobs``).
 FAILURE_OUTCOMES = {"transient": "llm_transient", "permanent": "llm_permanent", "invalid": "summary_invalid"}
 
@@ -186,6 +193,15 @@ class JobRun:
     sent: Deferred | None = None
     deadline: float | None = None  # time.monotonic() the job's timeout ends at (RQ's), when known
     covered: int | None = None  # the targets summarized, when the chunks stopped short of the deadline
+    started: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=time.time)  # (the wall clock: a suspended VM stops the other)
+
+    def may_have_been_abandoned(self) -> bool:
+        """Whether the job has run long enough that the worker janitor may have declared it
+        abandoned (its heartbeats missed for ``worker.runner.EXECUTION_TTL_S``: its process was
+        paused or frozen) and handed its session to another job."""
+        return bool(self.job_id) and max(time.monotonic() - self.started,
+                                         time.time() - self.started_at) >= ABANDON_CHECK_AFTER_S
 
     def collect(self) -> None:
         """Read the replies of the last writes sent (the state save, the claim's release).
@@ -384,6 +400,11 @@ class Compactor:
         event = _new_line("summary", replaces=replaces, summaryText=text, lastSummarizedTurnId=end_turn)
         lines = [event] if snapshot.compact is None else [snapshot.compact, event]
         with log.lock():
+            if run is not None and run.may_have_been_abandoned() and \
+                    pending_job_id(self.store.redis, self.settings, session_id) != run.job_id:
+                raise JobAbandoned(f"job {run.job_id} was declared abandoned while it ran (its worker sent no "
+                                   "heartbeat for 20 s: paused or frozen?) and its session handed on: its summary "
+                                   "is not appended")
             since = _lines_since(log, snapshot.size, snapshot.tail)
             if since is None or any(e.get("type") in ("summary", "rollback") for e in since):
                 logger.warning("summary dropped session=%s: the log %s meanwhile", session_id,

@@ -34,7 +34,7 @@ from rq import get_current_job
 
 from compactor import metrics
 from compactor.queue import FORCED_TRIGGER, enqueue_compaction, promote_forced, release_pending, settle_trigger
-from events.errors import LLMUnavailable, SessionNotFound, SummaryInvalid
+from events.errors import JobAbandoned, LLMUnavailable, SessionNotFound, SummaryInvalid
 from events.models import LLM_ERROR_FIELD, CompressResult
 from events.state import decide
 from worker.compaction import JobRun, LlmFailure
@@ -83,9 +83,13 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
     except SessionNotFound:
         outcome = "session_not_found"
         raise
+    except JobAbandoned:
+        outcome = "abandoned"  # (counted by the janitor that declared it so)
+        raise
     finally:
         seconds = time.monotonic() - started
-        metrics.observe_job(kind, outcome, seconds, result.released if result else None)
+        if outcome != "abandoned":
+            metrics.observe_job(kind, outcome, seconds, result.released if result else None)
         failure = run.llm_failure
         logger.info(
             "compaction job session=%s job=%s kind=%s forced=%s outcome=%s released=%s estimate=%s duration_ms=%.1f%s",

@@ -248,6 +248,37 @@ def test_a_key_the_provider_quotes_is_in_no_job_result_and_no_log_line(
     assert key not in logged and key[8:] not in logged
 
 
+@pytest.mark.parametrize("handed_on", [True, False])
+def test_a_job_declared_abandoned_while_it_ran_appends_no_summary(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch, handed_on: bool,
+) -> None:
+    """A worker paused past the janitor's 20 s (docker pause, a frozen VM) had its job declared
+    abandoned and the session handed to a new job; resumed, the old job appended its summary
+    while the new one made its own LLM call (two jobs of one session at once). A long job now
+    checks it still holds the claim before it appends; one that does appends as before."""
+    monkeypatch.setattr(worker_compaction, "ABANDON_CHECK_AFTER_S", 0.2)
+    write_session(r, wsettings, "s1", 3)
+    successor = "99999999999999999999-llm-s1"
+
+    def slow_reply(body: dict[str, Any]) -> str:
+        if handed_on:  # what the janitor's re-check does meanwhile
+            r.set(Keys().job("s1"), successor)
+        time.sleep(0.4)
+        return valid_summary_reply(body)
+
+    stub.reply = slow_reply
+    job = _run(r, wsettings, "s1", forced=True)
+    if not handed_on:
+        assert job.get_status() == JobStatus.FINISHED and job.return_value()["didCompress"] is True
+        assert len(_summaries(wsettings, "s1")) == 1
+        return
+    assert job.get_status() == JobStatus.FAILED
+    error = (job.latest_result().exc_string or "").strip().splitlines()[-1]  # type: ignore[union-attr]
+    assert "JobAbandoned" in error and "declared abandoned" in error, error
+    assert _summaries(wsettings, "s1") == []
+    assert pending_job_id(r, wsettings, "s1") == successor  # the successor's claim is left alone
+
+
 def test_a_classified_failure_is_one_log_line_and_the_job_keeps_its_traceback(
     r: redis.Redis, settings: Settings, stub: LLMStub, caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
