@@ -147,15 +147,19 @@ class JsonBodyRoute(APIRoute):
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        # a POST's query holds only the parameters it takes: ``?timeout=1`` on a forced compaction
+        # was dropped silently (the call still waited jobWaitSeconds). (A GET may carry a client's
+        # cache-buster.)
+        known = _query_names(self.dependant) if "POST" in (self.methods or ()) else None
         if self.body_field is None:
             async def checked(request: Request) -> Response:
-                _refuse_repeated_query(request)
+                _refuse_repeated_query(request, known)
                 return await handler(request)
 
             return checked
 
         async def read_json(request: Request) -> Response:
-            _refuse_repeated_query(request)
+            _refuse_repeated_query(request, known)
             strict = JsonRequest(request.scope, request.receive)
             content_type = strict.headers.get("content-type")
             if await strict.body() and not is_json_type(content_type):
@@ -166,10 +170,25 @@ class JsonBodyRoute(APIRoute):
         return read_json
 
 
-def _refuse_repeated_query(request: Request) -> None:
+def _query_names(dependant: Any) -> set[str]:
+    """The query parameters a route takes, its dependencies' included."""
+    names: set[str] = set()
+    stack = [dependant]
+    while stack:
+        current = stack.pop()
+        names.update(param.alias for param in current.query_params)
+        stack.extend(current.dependencies)
+    return names
+
+
+def _refuse_repeated_query(request: Request, known: set[str] | None = None) -> None:
     """A parameter given twice in the query string is a 400: no route takes a list, and one
-    value would be dropped (``?cwd=/a&cwd=/b`` read the last, silently)."""
+    value would be dropped (``?cwd=/a&cwd=/b`` read the last, silently); so is one not in
+    ``known`` (the route's, when given)."""
     names = [name for name, _ in request.query_params.multi_items()]
+    if known is not None and (unknown := next((name for name in names if name not in known), None)) is not None:
+        takes = f"it takes {', '.join(sorted(known))}" if known else "it takes none"
+        raise BadBody(f"{unknown}: unknown query parameter ({takes})")
     if len(names) != len(set(names)):
         counts = collections.Counter(names)  # (not names.count per name: a long query would cost its square)
         name = next(name for name in names if counts[name] > 1)

@@ -875,6 +875,23 @@ def test_on_a_settled_session_the_api_refuses_a_batch_iff_the_watcher_would_refu
     check()
 
 
+@pytest.mark.parametrize(("path", "query", "takes"), [
+    (f"/api/sessions/{SID}/compact", "timeout=1", "it takes wait"),
+    (f"/api/sessions/{SID}/events", "wait=false", "it takes none"),
+])
+def test_a_post_with_a_query_parameter_it_does_not_take_is_400(
+        client: TestClient, r: redis.Redis, api_settings: Settings, path: str, query: str, takes: str) -> None:
+    """``?timeout=1`` on a forced compaction was dropped silently: the call waited jobWaitSeconds."""
+    write_session(r, api_settings, 2)
+    body = {"cwd": CWD} if path.endswith("compact") else {"cwd": CWD, "events": turn(3)}
+    response = client.post(f"{path}?{query}", json=body)
+    assert response.status_code == 400, response.text
+    name = query.partition("=")[0]
+    assert error_of(response)["message"] == f"{name}: unknown query parameter ({takes})"
+    assert r.xlen(Keys().stream_for(SID)) == 0 and compaction_queue(r, api_settings).count == 0
+    assert client.get(f"/api/sessions/{SID}?cwd={CWD}&_=12345").status_code == 200  # (a GET's cache-buster)
+
+
 def test_a_uuid_twice_in_one_batch_is_400_naming_both_and_publishes_nothing(
         client: TestClient, r: redis.Redis) -> None:
     events = [{"type": "user", "turnId": 1, "content": "a", "uuid": "u-1"},
