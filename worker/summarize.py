@@ -374,7 +374,26 @@ def extract_summary(reply: str) -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate (a "\ud800" escape in the reply's JSON): no log can hold it
         raise SummaryInvalid(f"the summary is not valid Unicode: {e.reason} at character {e.start}") from None
-    return _canonical_headings(text, validate_summary_text(text))
+    try:
+        return _canonical_headings(text, validate_summary_text(text))
+    except SummaryInvalid:
+        inner = _unfenced(text)  # the block's body in one ```markdown fence: models do that
+        if inner is None:
+            raise
+        return _canonical_headings(inner, validate_summary_text(inner))
+
+
+def _unfenced(text: str) -> str | None:
+    """The inside of ``text`` when it is one fenced code block (its first line opens the fence,
+    its last closes it), else None."""
+    lines = text.split("\n")
+    opening = _FENCE.match(lines[0]) if len(lines) >= 3 else None
+    if opening is None:
+        return None
+    fence, closing = opening.group(1), lines[-1].strip()
+    if not (closing == fence[0] * len(closing) and len(closing) >= len(fence)):
+        return None
+    return "\n".join(lines[1:-1]).strip()
 
 
 def _canonical_headings(text: str, sections: list[int]) -> str:

@@ -175,6 +175,17 @@ def test_the_ten_sections_in_another_order_are_invalid() -> None:
         validate_summary_text("\n".join(f"### {title}\nx" for title in swapped))
 
 
+@pytest.mark.parametrize("fence", ["```", "```markdown", "~~~~"])
+def test_a_summary_block_whose_body_is_one_code_fence_is_read_inside_it(fence: str) -> None:
+    """``<summary>\n```markdown\n### Primary Request ...\n```\n</summary>``: the headings were all
+    inside a fence, so none counted, and the reply was invalid (a failure for the breaker)."""
+    body = summary_text("fenced")
+    closing = fence[0] * 4 if fence.startswith("~") else "```"
+    assert extract_summary(f"<summary>\n{fence}\n{body}\n{closing}\n</summary>") == body
+    with pytest.raises(SummaryInvalid, match="lacks section headings"):  # a fence left open is not one block
+        extract_summary(f"<summary>\n{fence}\n{body}\n</summary>")
+
+
 def test_a_heading_repeated_later_or_inside_a_code_fence_is_body_text() -> None:
     lines = []
     for title in SECTION_TITLES:
