@@ -97,7 +97,7 @@ from events.errors import (
     SummaryInvalid,
 )
 from events.log import SessionLog
-from events.models import CompressResult, now_iso
+from events.models import TURN_SCOPED_TYPES, CompressResult, now_iso
 from events.state import SessionState, state_after_summary
 from events.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
@@ -406,7 +406,7 @@ class Compactor:
                                    "heartbeat for 20 s: paused or frozen?) and its session handed on: its summary "
                                    "is not appended")
             since = _lines_since(log, snapshot.size, snapshot.tail)
-            if since is None or any(e.get("type") in ("summary", "rollback") for e in since):
+            if since is None or _overtaken(since, end_turn, snapshot.compact):
                 logger.warning("summary dropped session=%s: the log %s meanwhile", session_id,
                                "shrank or was rewritten" if since is None else "got a summary/rollback")
                 if reset:
@@ -724,6 +724,30 @@ def _compact_event(events: list[dict[str, Any]], ctx: ContextSettings, view: Con
         return None
     turns = [e["turnId"] for e in candidates]
     return _new_line("compact", startTurnId=min(turns), endTurnId=max(turns))
+
+
+def _overtaken(since: list[dict[str, Any]], end_turn: int, compact: dict[str, Any] | None) -> bool:
+    """Whether the lines appended during the LLM call make the summary (of turns up to
+    ``end_turn``) and the micro step's ``compact`` wrong to append: another summary, or a rollback
+    hiding one of the turns they cover. A rollback of later turns only (an agent undoing its last
+    step while an old part of the session was summarized) leaves both right: appended after it,
+    they cover turns it did not hide; the summary was dropped all the same, and a forced
+    compaction answered ``didCompress: false`` after a successful LLM call."""
+    covers = max(end_turn, compact["endTurnId"] if compact is not None else 0)
+    rolled = False
+    for event in since:
+        kind = event.get("type")
+        if kind == "summary":
+            return True
+        if kind == "rollback":
+            through = event.get("throughTurnId")
+            if not isinstance(through, int) or through <= covers:
+                return True
+        elif kind in TURN_SCOPED_TYPES and rolled and not (isinstance(turn := event.get("turnId"), int)
+                                                          and turn > covers):
+            return True  # (after a rollback, an event in a covered turn: the plan is not the log's any more)
+        rolled = rolled or kind == "rollback"
+    return False
 
 
 def _new_line(kind: str, **fields: Any) -> dict[str, Any]:

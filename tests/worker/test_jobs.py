@@ -989,6 +989,46 @@ def test_a_rollback_during_the_llm_call_leaves_no_stale_compact(
     assert result["didCompress"] is True and result["promptEstimate"] == _assert_state_is_a_rebuild(r, wsettings, "s1")
 
 
+def test_a_rollback_of_later_turns_during_the_llm_call_keeps_the_summary(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """An agent undoing its last turn while turns 1-4 were summarized: the summary was dropped
+    (and the forced call answered didCompress false after a successful LLM call), though the
+    rollback hid none of the turns it and the micro step cover."""
+    write_session(r, wsettings, "s1", 5, window=1000)
+    store = SessionStore(r, wsettings)
+
+    def reply_after_rollback(body: dict[str, Any]) -> str:
+        store.apply("s1", CWD, [{"type": "rollback", "throughTurnId": 5, "reason": "undo", "uuid": "rb"}])
+        return f"<summary>\n{summary_text('kept')}\n</summary>"
+
+    stub.reply = reply_after_rollback
+    install(WorkerContext.build(wsettings, r))
+    result = llm_compact("s1", CWD, forced=True)
+    events = read_log(wsettings, "s1")
+    rolled = next(i for i, e in enumerate(events) if e["type"] == "rollback")
+    kinds = [e["type"] for e in events[rolled + 1:]]
+    assert kinds in (["summary"], ["compact", "summary"]), kinds
+    assert events[-1]["lastSummarizedTurnId"] == 4
+    assert result["didCompress"] is True and result["promptEstimate"] == _assert_state_is_a_rebuild(r, wsettings, "s1")
+    view = build_view(events, wsettings.context)
+    assert view.current_turn_id == 5 and "kept" in view.messages[0]["content"]
+
+
+@pytest.mark.parametrize(("since", "overtaken"), [
+    ([{"type": "user", "turnId": 6}], False),
+    ([{"type": "compact", "startTurnId": 1, "endTurnId": 2}], False),
+    ([{"type": "summary", "lastSummarizedTurnId": 1}], True),
+    ([{"type": "rollback", "throughTurnId": 5}], False),  # hides turns 5.. only: the plan covers 1-4
+    ([{"type": "rollback", "throughTurnId": 4}], True),
+    ([{"type": "rollback", "throughTurnId": 5}, {"type": "user", "turnId": 5}], False),
+    ([{"type": "rollback", "throughTurnId": 5}, {"type": "user", "turnId": 4}], True),  # a covered turn again
+    ([{"type": "rollback", "throughTurnId": "5"}], True),  # (not the log's to judge: drop)
+])
+def test_what_lands_during_the_llm_call_drops_the_summary(since: list[dict[str, Any]], overtaken: bool) -> None:
+    assert worker_compaction._overtaken(since, 3, {"type": "compact", "startTurnId": 1, "endTurnId": 4}) is overtaken
+
+
 def test_a_failed_llm_call_still_applies_the_micro_step_with_the_exact_estimate(
     r: redis.Redis, settings: Settings, stub: LLMStub
 ) -> None:
