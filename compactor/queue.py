@@ -333,7 +333,7 @@ def _enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, jo
         _, retrigger, claims = _session_keys(settings, session_id)
         release_pending(client, settings, session_id, job_id)
         client.set(retrigger, FORCED_TRIGGER + job_id)
-        client.zadd(claims, {session_id: time.time()})
+        client.zadd(claims, {session_id: redis_now(client)})
         raise
     _enqueued(session_id, job_id, True)
 
@@ -449,11 +449,23 @@ def settle_trigger(client: redis.Redis, settings: Settings, session_id: str) -> 
     client.eval(_SETTLE, 3, *_session_keys(settings, session_id), session_id)
 
 
-def sessions_to_look_at(client: redis.Redis, settings: Settings, older_than_s: float) -> list[str]:
-    """Sessions whose claim or trigger has waited longer than ``older_than_s`` (oldest first)."""
+def redis_now(client: redis.Redis) -> float:
+    """Redis's clock (``TIME``), in seconds: the claims are scored by it, in the scripts."""
+    seconds, micros = client.time()
+    return float(seconds) + micros / 1e6
+
+
+def sessions_to_look_at(client: redis.Redis, settings: Settings, older_than_s: float,
+                        now: float | None = None) -> list[str]:
+    """Sessions whose claim or trigger has waited longer than ``older_than_s`` (oldest first).
+
+    ``now``: Redis's clock (``redis_now``; asked for when not given). The claims are scored by
+    it: a worker whose own clock lagged Redis's by a minute freed a dead job's claim a minute late.
+    """
     keys = Keys(settings.redis.prefix, settings.redis.shards)
+    now = redis_now(client) if now is None else now
     found: list[bytes] = client.zrangebyscore(  # type: ignore[assignment]
-        keys.claims, "-inf", time.time() - older_than_s, start=0, num=JANITOR_BATCH)
+        keys.claims, "-inf", now - older_than_s, start=0, num=JANITOR_BATCH)
     return [as_text(sid) for sid in found]
 
 
@@ -508,13 +520,15 @@ def _rename(job_id: str, kind: str, new_kind: str) -> str:
     return f"{stamp}-{new_kind}-{rest[len(kind) + 1:]}"
 
 
-def claim_is_stale(client: redis.Redis, job_id: str) -> bool:
-    """Whether a claimed job has ended, or never came to exist within the grace period."""
+def claim_is_stale(client: redis.Redis, job_id: str, now: float | None = None) -> bool:
+    """Whether a claimed job has ended, or never came to exist within the grace period (its age
+    by ``now``, Redis's clock, as the claim scripts' ``is_stale`` has it; asked for when not given)."""
     status = client.hget(Job.key_for(job_id), "status")
     if status is not None:
         return as_text(status) in ENDED_STATUSES
     parsed = parse_job_id(job_id)
-    age_s = (time.time_ns() - parsed[0]) / 1e9 if parsed else STALE_CLAIM_GRACE_S + 1
+    now = redis_now(client) if now is None and parsed else now
+    age_s = (now or 0.0) - parsed[0] / 1e9 if parsed else STALE_CLAIM_GRACE_S + 1
     return age_s > STALE_CLAIM_GRACE_S
 
 
@@ -538,5 +552,5 @@ __all__ = [
     "FORCED_TRIGGER", "JOB_FUNCTIONS", "UNCHECKED", "Kind", "Trigger", "trigger_compactions", "claim_is_stale",
     "compaction_queue", "enqueue_compaction", "enqueue_forced_compaction", "new_job_id",
     "parse_job_id", "pending_job_id", "promote_forced", "rate_limit_for", "release_pending",
-    "sessions_to_look_at", "settle_trigger",
+    "sessions_to_look_at", "settle_trigger", "redis_now",
 ]

@@ -77,6 +77,7 @@ from compactor.queue import (
     compaction_queue,
     parse_job_id,
     pending_job_id,
+    redis_now,
     sessions_to_look_at,
 )
 from compactor.serve import exit_with_parent
@@ -510,9 +511,10 @@ def _free_stale_claims(context: WorkerContext) -> list[str]:
     """Claims whose job never came or ended unnoticed, and triggers left unsettled: handle them."""
     client, settings = context.redis, context.settings
     freed = []
-    for session_id in sessions_to_look_at(client, settings, STALE_CLAIM_GRACE_S):
+    now = redis_now(client)  # (the claims' clock: a worker's own may be off)
+    for session_id in sessions_to_look_at(client, settings, STALE_CLAIM_GRACE_S, now):
         claim = pending_job_id(client, settings, session_id)
-        if claim is not None and not claim_is_stale(client, claim):
+        if claim is not None and not claim_is_stale(client, claim, now):
             continue  # a live job still owns the session
         logger.warning("stale claim freed session=%s job=%s", session_id, claim,
                        extra={"session_id": session_id, "job_id": claim, "outcome": "stale_claim"})

@@ -11,7 +11,9 @@ from rq.job import Job, JobStatus
 from compactor.keys import Keys
 from compactor.queue import (
     FORCED_TRIGGER,
+    STALE_CLAIM_GRACE_S,
     Trigger,
+    claim_is_stale,
     compaction_queue,
     enqueue_compaction,
     new_job_id,
@@ -20,6 +22,7 @@ from compactor.queue import (
     promote_forced,
     rate_limit_for,
     release_pending,
+    sessions_to_look_at,
     settle_trigger,
     trigger_compactions,
 )
@@ -170,6 +173,20 @@ def test_claim_without_a_job_is_kept_during_the_grace_period(r: redis.Redis, set
     assert enqueue_compaction(r, settings, "s1", CWD, "llm") is None
     r.set(Keys().job("s1"), "00000000000000000001-llm-s1")  # long ago: it crashed
     assert enqueue_compaction(r, settings, "s1", CWD, "llm") is not None
+
+
+@pytest.mark.parametrize("skew_s", [-3600.0, 3600.0])
+def test_the_janitor_ages_claims_by_redis_s_clock_not_the_worker_s(
+        r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch, skew_s: float) -> None:
+    """The claims are scored by Redis's TIME; the janitor compared them with the worker's clock: a
+    worker an hour behind Redis found no dead claim for an hour (one ahead freed live ones)."""
+    r.set(Keys().job("old"), "00000000000000000001-llm-old")  # a claim whose job never came, long ago
+    r.zadd(Keys().claims, {"old": float(r.time()[0]) - 120, "new": float(r.time()[0])})
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + skew_s)
+    monkeypatch.setattr(time, "time_ns", lambda: int((real() + skew_s) * 1e9))
+    assert sessions_to_look_at(r, settings, STALE_CLAIM_GRACE_S) == ["old"]
+    assert claim_is_stale(r, "00000000000000000001-llm-old") is True
 
 
 def test_failed_enqueue_releases_the_claim(r: redis.Redis, settings: Settings) -> None:
