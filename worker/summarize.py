@@ -581,7 +581,7 @@ def classify_llm_error(error: BaseException, model: str) -> LLMUnavailable:
     else:
         transient = True  # unknown: assume the network, let the breaker bound the retries
     kind = "transient" if transient else "permanent"
-    detail = without_secrets(str(error).strip().splitlines()[0][:300]) if str(error).strip() else name
+    detail = without_secrets(str(error).strip()).splitlines()[0][:300] if str(error).strip() else name  # (masked whole)
     if any(type(cause).__name__ == "JobTimeoutException" for cause in _causes(error)):  # RQ's, wrapped as a 500
         return LLMUnavailable(f"transient LLM failure (the job's worker.jobTimeoutSeconds ran out during the call, "
                               f"model {model}): {detail}", transient=True)
