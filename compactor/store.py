@@ -44,7 +44,7 @@ from events.errors import InvalidEvent, InvalidInput, LogCorrupted, SessionNotFo
 from events.log import SessionLog
 from events.models import TURN_SCOPED_TYPES
 from events.state import SessionState, fold, rebuild, rebuild_with_view
-from events.tokens import arguments_json, encoding_for_model, stamp
+from events.tokens import TOKEN_COUNT_FIELD, TOKEN_ENCODING_FIELD, arguments_json, encoding_for_model, stamp
 from events.view import ContextView, extend_view
 
 logger = logging.getLogger(__name__)
@@ -502,15 +502,18 @@ class SessionStore:
                        result.state.last_stream_id)
         return [event for event in batch if id(event) in kept or id(event) in revived]
 
-    def refusals(self, state: SessionState, events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], InvalidEvent]]:
+    def refusals(self, state: SessionState, events: list[dict[str, Any]],
+                 taken: set[str]) -> list[tuple[dict[str, Any], InvalidEvent]]:
         """What ``apply`` would refuse of ``events`` (none of them applied yet) on the session whose
-        state is ``state``, when that is the log's (the caller made sure): checked as ``apply``
-        checks them, the log replayed past a rollback; nothing is written or locked. For a batch
-        holding a rollback: the turns after it are relative to what it leaves visible."""
+        state is ``state``, when that is the log's (the caller made sure), ``taken`` being the
+        uuids of ``events`` its log has (``taken_uuids``): checked as ``apply`` checks them, the
+        log replayed past a rollback; nothing is written, locked or counted (no refusal depends on
+        a token count: a 4 MB output took tiktoken seconds). For a batch holding a rollback: the
+        turns after it are relative to what it leaves visible."""
         log = self.log(state.session_id, state.cwd)
         result = ApplyResult(state.copy(), before=state.prompt_estimate)
-        taken = self.taken_uuids({state.session_id: events})[state.session_id]
-        self._admit(result.state, list(events), result, taken, lambda: self._replayed(log, None, result))
+        self._admit(result.state, list(events), result, set(taken), lambda: self._replayed(log, None, result),
+                    counted=False)
         return result.rejected
 
     def _renumbered(self, session_id: str, last_applied: str | None) -> bool:
@@ -524,7 +527,7 @@ class SessionStore:
 
     def _admit(
         self, state: SessionState, events: list[dict[str, Any]], result: ApplyResult, taken: set[str],
-        replayed: Callable[[], SessionState], progress: Callable[[], None] | None = None,
+        replayed: Callable[[], SessionState], progress: Callable[[], None] | None = None, *, counted: bool = True,
     ) -> bool:
         """Stamp and fold each acceptable event into ``state``; True when a rebuild is due.
 
@@ -570,7 +573,9 @@ class SessionStore:
                 encoding, ended = (encoding_for_model(model) if isinstance(model, str) and model else encoding), True
             elif kind == "session_meta" and not ended and isinstance(model, str) and model:
                 encoding = encoding_for_model(model)
-            line = _stamped(event, encoding, progress)  # a producer's stamp is never trusted: replaced
+            # a producer's stamp is never trusted: replaced (not ``counted``, a dry run: a stamp of 0 tokens)
+            line = _stamped(event, encoding, progress) if counted else {
+                **event, TOKEN_COUNT_FIELD: 0, TOKEN_ENCODING_FIELD: encoding}
             if progress is not None:
                 progress()
             result.appended.append(line)

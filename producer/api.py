@@ -167,7 +167,7 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
         if event.get("uuid") in taken:
             raise InvalidEvent("uuid", f"{event['uuid']!r} duplicates an event already in this session", index)
     if state is not None:
-        _refuse_backwards(client, settings, store, state, wires)
+        _refuse_backwards(client, settings, store, state, wires, taken)
     else:
         _refuse_past_a_new_sessions_turns(client, settings, store, session_id, cwd, wires)
 
@@ -176,7 +176,7 @@ UNAPPLIED_SCAN = 200  # entries of a shard looked through for the session's own;
 
 
 def _refuse_backwards(client: redis.Redis, settings: Settings, store: SessionStore, state: SessionState,
-                      wires: Sequence[dict[str, Any]]) -> None:
+                      wires: Sequence[dict[str, Any]], taken: set[str]) -> None:
     """Refuse (400 ``events[i].turnId``) a turn-scoped event below the session's
     ``currentTurnId`` (or, ``events[i].lastSummarizedTurnId`` / ``endTurnId``, a summary or
     compact past its highest turn), when the stored state is certainly the session's as the
@@ -186,7 +186,7 @@ def _refuse_backwards(client: redis.Redis, settings: Settings, store: SessionSto
     dead-letters it if it does go backwards). The usual batch costs nothing here; one holding a
     rollback is checked past it (``_refuse_around_a_rollback``)."""
     if any(event.get("type") == "rollback" for event in wires):
-        _refuse_around_a_rollback(client, settings, store, state, wires)
+        _refuse_around_a_rollback(client, settings, store, state, wires, taken)
         return
     current = state.current_turn_id
     problem: InvalidEvent | None = None
@@ -212,14 +212,14 @@ def _settled(client: redis.Redis, settings: Settings, store: SessionStore, state
 
 
 def _refuse_around_a_rollback(client: redis.Redis, settings: Settings, store: SessionStore, state: SessionState,
-                              wires: Sequence[dict[str, Any]]) -> None:
+                              wires: Sequence[dict[str, Any]], taken: set[str]) -> None:
     """``_refuse_backwards`` for a batch holding a rollback: what comes after it is checked
     against what the rollback leaves (the log replayed, as the watcher will), when the state is
     settled. A batch ``[rollback 4, user 2]`` was a 202: the rollback applied, the user event
     dead-lettered (goes backwards: 2 < 4), the client told "accepted"."""
     if not _settled(client, settings, store, state):
         return
-    refused = store.refusals(state, list(wires))
+    refused = store.refusals(state, list(wires), taken)
     if refused:
         event, error = refused[0]
         raise error.at(next(i for i, wire in enumerate(wires) if wire is event))
@@ -308,6 +308,7 @@ _JOB_FAILURES = {
     "events.errors.SessionNotFound": (404, None),
     "events.errors.InvalidEvent": (400, None),
     "events.errors.InvalidInput": (400, None),
+    "events.errors.JobAbandoned": (500, "job_abandoned"),  # (taken for dead, then went on: worker.compaction)
 }
 
 

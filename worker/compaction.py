@@ -401,7 +401,7 @@ class Compactor:
         lines = [event] if snapshot.compact is None else [snapshot.compact, event]
         with log.lock():
             if run is not None and run.may_have_been_abandoned() and \
-                    pending_job_id(self.store.redis, self.settings, session_id) != run.job_id:
+                    pending_job_id(self.store.redis, self.settings, session_id) not in (None, run.job_id):
                 raise JobAbandoned(f"job {run.job_id} was declared abandoned while it ran (its worker sent no "
                                    "heartbeat for 20 s: paused or frozen?) and its session handed on: its summary "
                                    "is not appended")

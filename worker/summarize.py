@@ -519,6 +519,10 @@ class LiteLLMSummarizer:
         there (its reads are bounded) and the job gets a transient timeout."""
         kwargs: dict[str, Any] = {"timeout": self.timeout_s, "max_retries": 0, "num_retries": 0}
         kwargs.update(self.completion_kwargs)
+        if (still_open := _Call.open_calls()) >= MAX_OPEN_CALLS:
+            raise LLMUnavailable(f"transient LLM failure (model {model}): {still_open} earlier calls are still open past "
+                                 "context.llmTimeoutSeconds (the provider answers too slowly); no call made",
+                                 transient=True)
         call = _Call(self._litellm.completion, model=model, messages=messages, **kwargs)
         started = time.monotonic()
         try:
@@ -540,14 +544,39 @@ class CallTimedOut(TimeoutError):
     """An LLM call that gave no complete reply within ``context.llmTimeoutSeconds`` as a whole."""
 
 
+# LLM calls of a worker process left running past their deadline (a provider trickling its reply
+# keeps each read alive) before a new call is refused: each holds a thread, a socket and a slot of
+# the HTTP client's pool, and a worker runs one job at a time.
+MAX_OPEN_CALLS = 4
+
+
 class _Call:
     """``fn(**kwargs)`` run in a daemon thread, its result waited for with a deadline."""
+
+    _open = 0  # calls whose thread runs, in this process
+    _open_lock = threading.Lock()
 
     def __init__(self, fn: Any, **kwargs: Any) -> None:
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
-        threading.Thread(target=self._run, args=(fn, kwargs), name="llm-call", daemon=True).start()
+        with _Call._open_lock:
+            _Call._open += 1
+        try:
+            threading.Thread(target=self._run, args=(fn, kwargs), name="llm-call", daemon=True).start()
+        except BaseException:
+            self._ended()
+            raise
+
+    @classmethod
+    def open_calls(cls) -> int:
+        with cls._open_lock:
+            return cls._open
+
+    @staticmethod
+    def _ended() -> None:
+        with _Call._open_lock:
+            _Call._open -= 1
 
     def _run(self, fn: Any, kwargs: dict[str, Any]) -> None:
         try:
@@ -555,6 +584,7 @@ class _Call:
         except BaseException as e:  # handed to the waiting thread, if it still waits
             self._error = e
         finally:
+            self._ended()
             self._done.set()
 
     def result(self, timeout_s: float) -> Any:

@@ -844,6 +844,26 @@ def test_a_batch_holding_a_rollback_is_checked_past_it(
     assert r.xlen(Keys().stream_for(SID)) == 0
 
 
+def test_the_check_past_a_rollback_counts_no_token(
+        client: TestClient, r: redis.Redis, api_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dry run stamped every event of the batch: a 4 MB output cost seconds of tiktoken on a
+    request, though no refusal depends on a token count."""
+    import compactor.store
+
+    write_session(r, api_settings, 4)
+
+    def counted(*_: Any) -> None:
+        raise AssertionError("tokens counted")
+
+    monkeypatch.setattr(compactor.store, "_stamped", counted)
+    big = {"type": "tool_result", "turnId": 3, "toolCallId": "c", "toolName": "read_file", "output": "." * 100_000}
+    events = [{"type": "rollback", "throughTurnId": 3, "reason": "undo"}, big,
+              {"type": "user", "turnId": 2, "content": "x"}]
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
+    assert response.status_code == 400, response.text
+    assert error_of(response)["message"].startswith("events[2].turnId: goes backwards: 2 < currentTurnId 3")
+
+
 def test_on_a_settled_session_the_api_refuses_a_batch_iff_the_watcher_would_refuse_part_of_it(
         client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
     """On a session whose state is its log's, the API's 400 and the watcher's dead letters agree,

@@ -248,33 +248,39 @@ def test_a_key_the_provider_quotes_is_in_no_job_result_and_no_log_line(
     assert key not in logged and key[8:] not in logged
 
 
-@pytest.mark.parametrize("handed_on", [True, False])
+@pytest.mark.parametrize("handed_on", ["to a successor", "freed", "kept"])
 def test_a_job_declared_abandoned_while_it_ran_appends_no_summary(
-    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch, handed_on: bool,
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch, handed_on: str,
 ) -> None:
     """A worker paused past the janitor's 20 s (docker pause, a frozen VM) had its job declared
     abandoned and the session handed to a new job; resumed, the old job appended its summary
     while the new one made its own LLM call (two jobs of one session at once). A long job now
-    checks it still holds the claim before it appends; one that does appends as before."""
+    checks no other job holds the claim before it appends; one that does not appends as before
+    (a claim freed and not taken yet included: the append is under the log's lock)."""
+    from producer.api import _job_failure_status
+
     monkeypatch.setattr(worker_compaction, "ABANDON_CHECK_AFTER_S", 0.2)
     write_session(r, wsettings, "s1", 3)
     successor = "99999999999999999999-llm-s1"
 
     def slow_reply(body: dict[str, Any]) -> str:
-        if handed_on:  # what the janitor's re-check does meanwhile
+        if handed_on == "to a successor":  # what the janitor's re-check does meanwhile
             r.set(Keys().job("s1"), successor)
+        elif handed_on == "freed":
+            r.delete(Keys().job("s1"))
         time.sleep(0.4)
         return valid_summary_reply(body)
 
     stub.reply = slow_reply
     job = _run(r, wsettings, "s1", forced=True)
-    if not handed_on:
+    if handed_on != "to a successor":
         assert job.get_status() == JobStatus.FINISHED and job.return_value()["didCompress"] is True
         assert len(_summaries(wsettings, "s1")) == 1
         return
     assert job.get_status() == JobStatus.FAILED
     error = (job.latest_result().exc_string or "").strip().splitlines()[-1]  # type: ignore[union-attr]
     assert "JobAbandoned" in error and "declared abandoned" in error, error
+    assert _job_failure_status(error) == (500, "job_abandoned")  # a forced caller's answer, not an LLM's 502
     assert _summaries(wsettings, "s1") == []
     assert pending_job_id(r, wsettings, "s1") == successor  # the successor's claim is left alone
 

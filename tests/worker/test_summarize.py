@@ -267,7 +267,7 @@ def test_timeout_is_a_transient_failure(stub: LLMStub) -> None:
 def test_a_reply_trickled_past_the_timeout_is_a_transient_failure_at_the_timeout(stub: LLMStub) -> None:
     """The HTTP client's timeout bounds each read: a server sending its reply a few bytes at a time
     held the call ~10 s past a 1 s llmTimeoutSeconds (and a job past its stop grace)."""
-    stub.script(StubResponse(trickle_s=0.25))  # ~1.4 kB in 64-byte pieces: ~6 s in all
+    stub.script(StubResponse(trickle_s=0.1))  # ~1.4 kB in 64-byte pieces: ~2.3 s in all
     started = time.monotonic()
     with pytest.raises(LLMUnavailable) as caught:
         LiteLLMSummarizer(timeout_s=1).complete(STUB_MODEL, build_messages("x", None))
@@ -277,6 +277,26 @@ def test_a_reply_trickled_past_the_timeout_is_a_transient_failure_at_the_timeout
     assert "llmTimeoutSeconds (1 s)" in str(caught.value), caught.value
     stub.script(StubResponse(trickle_s=0.02))  # the same trickle, quicker than the timeout: a reply
     assert "<summary>" in LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, build_messages("x", None))
+
+
+def test_calls_left_open_past_their_deadline_are_bounded(stub: LLMStub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call past its deadline is left to end in its thread; a provider trickling every reply kept
+    them all open (a thread, a socket and a pool slot each, in a worker that lives for days)."""
+    from worker import summarize
+
+    from tests.support import wait_for
+
+    wait_for(lambda: summarize._Call.open_calls() == 0, 30, "the calls other tests left open to end")
+    monkeypatch.setattr(summarize, "MAX_OPEN_CALLS", 2)
+    stub.script(*[StubResponse(trickle_s=0.1)] * 3)  # each reply ~2 s long, a few bytes every 0.1 s
+    summarizer = LiteLLMSummarizer(timeout_s=0.3)
+    for _ in range(2):
+        with pytest.raises(LLMUnavailable, match="llmTimeoutSeconds"):
+            summarizer.complete(STUB_MODEL, build_messages("x", None))
+    with pytest.raises(LLMUnavailable, match="2 earlier calls are still open") as caught:
+        summarizer.complete(STUB_MODEL, build_messages("x", None))
+    assert caught.value.transient is True
+    assert len(stub.requests) == 2  # the third call was not made
 
 
 @pytest.mark.parametrize("status", [401, 429, 500])
