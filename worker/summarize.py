@@ -618,18 +618,24 @@ def classify_llm_error(error: BaseException, model: str) -> LLMUnavailable:
     return LLMUnavailable(f"{kind} LLM failure ({name}, model {model}): {detail}", transient=transient)
 
 
-# A key as providers word them in an error (OpenAI's sk-..., Anthropic's sk-ant-..., bearer tokens).
-_KEY_LIKE = re.compile(r"\b(sk-[A-Za-z0-9_-]{4})[A-Za-z0-9_-]{8,}|(Bearer\s+)[^\s\"',]{8,}")
-_SECRET_ENV = re.compile(r"(?:KEY|TOKEN|SECRET|PASSWORD)$")
+# A key as providers word them in an error: OpenAI's and Anthropic's sk-..., Groq's gsk_...,
+# Hugging Face's hf_..., Google's AIza..., xAI's xai-...; a bearer token.
+_KEY_LIKE = re.compile(r"\b((?:sk-|gsk_|hf_|AIza|xai-)[A-Za-z0-9_-]{4})[A-Za-z0-9_-]{8,}"
+                       r"|((?i:bearer)\s+)[^\s\"',]{8,}")
+# The environment variables holding credentials (OPENAI_API_KEY, AWS_SECRET_ACCESS_KEY, HF_TOKEN, ...);
+# a value shorter than MIN_SECRET_CHARS is no key (SORT_KEY=timestamp masked a field's name).
+_SECRET_ENV = re.compile(r"(?:API_KEY|ACCESS_KEY|SECRET_KEY|_TOKEN|_SECRET|PASSWORD)$")
+MIN_SECRET_CHARS = 12
 
 
 def without_secrets(text: str) -> str:
     """``text`` (a provider's error message) with API keys masked: the values of the environment's
-    ``*_KEY`` / ``*_TOKEN`` / ``*_SECRET`` / ``*_PASSWORD`` variables and anything shaped like a
-    key (``sk-...``, ``Bearer ...``). A gateway may quote the key it refused ("Incorrect API key
-    provided: sk-..."), and the message goes to logs, job results and API answers."""
+    credential variables (``*_API_KEY``, ``*_ACCESS_KEY``, ``*_SECRET_KEY``, ``*_TOKEN``,
+    ``*_SECRET``, ``*PASSWORD``) and anything shaped like a provider's key or a bearer token. A
+    gateway may quote the key it refused ("Incorrect API key provided: sk-..."), and the message
+    goes to logs, job results and API answers."""
     for name, value in os.environ.items():
-        if len(value) >= 8 and _SECRET_ENV.search(name.upper()) and value in text:
+        if len(value) >= MIN_SECRET_CHARS and _SECRET_ENV.search(name.upper()) and value in text:
             text = text.replace(value, "***")
     return _KEY_LIKE.sub(lambda m: (m.group(1) or m.group(2)) + "***", text)
 

@@ -279,6 +279,23 @@ def test_a_reply_trickled_past_the_timeout_is_a_transient_failure_at_the_timeout
     assert "<summary>" in LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, build_messages("x", None))
 
 
+@pytest.mark.parametrize(("text", "masked"), [
+    ("bad key gsk_" + "a1B2" * 8, "bad key gsk_a1B2***"),
+    ("bad key hf_" + "Zz09" * 8, "bad key hf_Zz09***"),
+    ("key=AIza" + "Sy-_" * 8 + " invalid", "key=AIzaSy-_*** invalid"),
+    ("authorization: bearer " + "t0k3n" * 4, "authorization: bearer ***"),
+    ("'timestamp' field is required", "'timestamp' field is required"),  # SORT_KEY=timestamp: no key
+])
+def test_without_secrets_masks_key_shapes_and_credential_variables_only(
+        text: str, masked: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.summarize import without_secrets
+
+    monkeypatch.setenv("SORT_KEY", "timestamp")
+    monkeypatch.setenv("MY_GATEWAY_TOKEN", "plain-words-secret")
+    assert without_secrets(text) == masked
+    assert without_secrets("refused plain-words-secret here") == "refused *** here"
+
+
 def test_calls_left_open_past_their_deadline_are_bounded(stub: LLMStub, monkeypatch: pytest.MonkeyPatch) -> None:
     """A call past its deadline is left to end in its thread; a provider trickling every reply kept
     them all open (a thread, a socket and a pool slot each, in a worker that lives for days)."""
