@@ -39,7 +39,11 @@ Invariants:
   bounds, so nothing is lost across incremental compactions but what the
   bounds drop; its *Primary Request* is kept (quoted and elided when longer
   than the bound). Messages this module wrote are parsed back, so a rolling
-  summary quotes each message once and can cut a carried one further.
+  summary quotes each message once and can cut a carried one further (not
+  one inside a fenced block of other text: that is the other text's quote).
+  A previous summary in none of the 10 sections (a producer's free text) is
+  carried whole as one message; so is any previous summary whose sections,
+  carried, would make the output fail validation.
 """
 
 from __future__ import annotations
@@ -54,9 +58,10 @@ from typing import Any
 import orjson
 
 from events.config import EXTRACTIVE
+from events.errors import SummaryInvalid
 from events.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD_TOKENS, arguments_json, count_tokens, event_tokens
 from events.view import str_or_empty as _str
-from worker.summarize import SECTION_TITLES, split_sections
+from worker.summarize import SECTION_TITLES, leaves_a_fence_open, split_sections, validate_summary_text
 
 EXTRACTIVE_MODEL = EXTRACTIVE  # (named in events.config, which refuses a misspelling)
 MAX_FILES = 60
@@ -111,8 +116,23 @@ def extractive_summary(events: Sequence[dict[str, Any]], previous_summary: str |
     no more tokens in ``encoding`` than they are, nor than ``limit_tokens`` (see the module's
     invariants for the floor)."""
     previous = split_sections(previous_summary) if previous_summary else {}
+    # a previous summary in no section (a producer's free text) is carried whole, as one item
+    carried: list[str | _Message] = _carried_messages(previous.get("All User Messages")) \
+        if previous or not previous_summary else [_Message(previous_summary)]
+    text = _summary(events, previous_summary, previous, carried, encoding, limit_tokens)
+    try:
+        validate_summary_text(text)
+    except SummaryInvalid:  # a previous summary this module did not write split where it should not be
+        text = _summary(events, previous_summary, {}, [_Message(previous_summary or "")], encoding, limit_tokens)
+    return text
+
+
+def _summary(events: Sequence[dict[str, Any]], previous_summary: str | None, previous: dict[str, str],
+             carried: list[str | _Message], encoding: str, limit_tokens: int | None) -> str:
+    """``extractive_summary`` with the previous summary's sections (``previous``) and user
+    messages (``carried``) read already."""
     users = [_str(e.get("content")) for e in events if e.get("type") == "user"]
-    messages = _carried_messages(previous.get("All User Messages")) + [_Message(text) for text in users]
+    messages = carried + [_Message(text) for text in users]
     text = _render(_sections(events, previous, users, BOUNDS), messages)
     tokens = count_tokens(text, encoding) + MESSAGE_OVERHEAD_TOKENS
     cap = tokens if limit_tokens is None else min(tokens, limit_tokens + MESSAGE_OVERHEAD_TOKENS)
@@ -192,30 +212,36 @@ def _within_limit(sections: dict[str, str], messages: list[str | _Message], limi
     """
     messages = [m.cut(MIN_KEPT_CHARS) if isinstance(m, _Message) else m for m in messages]
 
-    def fits(dropped: int) -> bool:
+    def fits(sections: dict[str, str], dropped: int) -> bool:
         return count_tokens(_render(sections, _folded(messages, dropped)), encoding) <= limit
 
-    if fits(0):
-        return _render(sections, messages)
-    low, high = 0, len(messages)  # the fewest dropped that fits: in (low, high] (all, if none does)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (low, middle) if fits(middle) else (middle, high)
-    text = _render(sections, _folded(messages, high))
-    if count_tokens(text, encoding) <= limit:
-        return text
+    def fewest_folded(sections: dict[str, str]) -> int | None:
+        """The fewest oldest messages folded for ``sections`` to fit, None when even all do not."""
+        if fits(sections, 0):
+            return 0
+        if not fits(sections, len(messages)):
+            return None
+        low, high = 0, len(messages)  # in (low, high]
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if fits(sections, middle) else (middle, high)
+        return high
+
+    dropped = fewest_folded(sections)
+    if dropped is not None:
+        return _render(sections, _folded(messages, dropped))
     # (a previous summary's long lines, carried): every line cut but fence lines, which keep the
-    # sections' structure; then the least useful sections emptied, one by one, until it fits
-    folded = _folded(messages, len(messages))
+    # sections' structure; then the least useful sections emptied, one by one, until it fits, with
+    # the fewest messages folded then (all were folded, the newest too, with room to spare)
     sections = {title: "\n".join(line if _FENCE.match(line) else _clip(line, 60) for line in body.split("\n"))
                 for title, body in sections.items()}
     for title in (None, *_EMPTIED_FIRST):
         if title is not None:
             sections = {**sections, title: ""}
-        text = _render(sections, folded)
-        if count_tokens(text, encoding) <= limit:
-            break
-    return text
+        dropped = fewest_folded(sections)
+        if dropped is not None:
+            return _render(sections, _folded(messages, dropped))
+    return _render(sections, _folded(messages, len(messages)))
 
 
 _FENCE = re.compile(r"[ \t]*(`{3,}|~{3,})")  # a line that opens or closes a fenced block
@@ -306,6 +332,8 @@ def _carried_messages(body: str | None) -> list[str | _Message]:
     parts: list[str | _Message] = []
     end = 0
     for match in _MESSAGE_ITEM.finditer(body):
+        if leaves_a_fence_open(body[end:match.start()]):
+            continue  # a look-alike inside the other text's fenced block: part of that text
         if match.group("length") is None:
             item = _Message(match.group("text"))
         else:

@@ -311,6 +311,22 @@ def _headings(text: str) -> list[tuple[int, str | None]]:
     return lines
 
 
+def leaves_a_fence_open(text: str) -> bool:
+    """Whether ``text`` opens a fenced code block it does not close (the rules of ``_headings``):
+    what follows it is inside that block."""
+    fence = ""
+    for line in text.split("\n"):
+        stripped = line.strip()
+        if fence:
+            if stripped == fence[0] * len(stripped) and len(stripped) >= len(fence):
+                fence = ""
+            continue
+        opening = _FENCE.match(line)
+        if opening:
+            fence = opening.group(1)
+    return bool(fence)
+
+
 def _first_headings(headings: list[tuple[int, str | None]]) -> list[str]:
     """The section titles of a text's ``_headings``, each at its first heading, in text order."""
     return list(dict.fromkeys(title for _, title in headings if title is not None))

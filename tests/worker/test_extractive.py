@@ -313,3 +313,48 @@ def test_a_tool_name_or_arguments_with_line_breaks_cannot_write_a_heading() -> N
     summary = extractive_summary(events, None)
     validate_summary_text(summary)  # (a forged heading: "sections out of order")
     assert split_sections(summary)["Optional Next Step"] == "Continue with the most recent user request:\n> hi"
+
+
+def test_a_look_alike_item_inside_a_previous_summary_s_fence_is_part_of_its_text() -> None:
+    """An LLM's All User Messages quoting, in a ```` fence, items of this module's form: they were
+    parsed out as items, and folding the oldest dropped the fence's opener and kept its closer,
+    which then hid the next three headings: an invalid summary, stored all the same."""
+    items = "\n".join(f"- message:\n```\nhello {i} " + "word " * 40 + "\n```" for i in range(30))
+    sections = {title: "None." for title in SECTION_TITLES}
+    sections["All User Messages"] = "1. The user pasted this:\n````\n" + items + "\n````\n2. Then asked to go on."
+    previous = "\n\n".join(f"### {title}\n{body}" for title, body in sections.items())
+    validate_summary_text(previous)
+    events = [{"type": "user", "turnId": 100, "content": "word " * 100}, {"type": "assistant", "turnId": 100,
+                                                                         "content": "ok"}]
+    text = extractive_summary(events, previous, limit_tokens=1000)
+    validate_summary_text(text)
+    assert count_tokens(text, DEFAULT_ENCODING) <= 1000
+
+
+def test_a_previous_summary_in_no_section_is_carried_whole() -> None:
+    """A producer's summary of free text: split into no section, nothing of it survived the roll."""
+    previous = "Earlier: the user asked to migrate /srv/app/db.py to Postgres 16 and said 'never touch prod'."
+    events = [{"type": "user", "turnId": 7, "content": "continue"}, {"type": "assistant", "turnId": 7, "content": "ok"}]
+    text = extractive_summary(events, previous, limit_tokens=4000)
+    validate_summary_text(text)
+    messages = split_sections(text)["All User Messages"]
+    assert previous in messages and messages.index(previous) < messages.index("continue")
+
+
+def test_at_the_last_resort_only_the_fewest_oldest_messages_are_folded() -> None:
+    """A previous summary of long lines under a small limit: once its lines were cut, every user
+    message was folded, the two newest too, with 750 of 1 000 tokens free."""
+    long_item = "- " + "the agent examined the retry logic in the scheduler and found that " * 10
+    sections = {title: "\n".join([long_item] * 5) for title in SECTION_TITLES}
+    sections["Primary Request"] = "Fix the scheduler."
+    sections["All User Messages"] = '1. "fix the scheduler"\n2. "also the retries"'
+    previous = "\n\n".join(f"### {title}\n{body}" for title, body in sections.items())
+    events = [{"type": "user", "turnId": 9, "content": "now run the tests"},
+              {"type": "assistant", "turnId": 9, "content": "ok"},
+              {"type": "user", "turnId": 10, "content": "and commit"},
+              {"type": "assistant", "turnId": 10, "content": "done"}]
+    text = extractive_summary(events, previous, limit_tokens=1000)
+    validate_summary_text(text)
+    assert count_tokens(text, DEFAULT_ENCODING) <= 1000
+    messages = split_sections(text)["All User Messages"]
+    assert "now run the tests" in messages and "and commit" in messages, messages
