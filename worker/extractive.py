@@ -61,7 +61,7 @@ from events.config import EXTRACTIVE
 from events.errors import SummaryInvalid
 from events.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD_TOKENS, arguments_json, count_tokens, event_tokens
 from events.view import str_or_empty as _str
-from worker.summarize import SECTION_TITLES, leaves_a_fence_open, split_sections, validate_summary_text
+from worker.summarize import SECTION_TITLES, canonical_summary, leaves_a_fence_open, split_sections
 
 EXTRACTIVE_MODEL = EXTRACTIVE  # (named in events.config, which refuses a misspelling)
 MAX_FILES = 60
@@ -121,10 +121,10 @@ def extractive_summary(events: Sequence[dict[str, Any]], previous_summary: str |
         if previous or not previous_summary else [_Message(previous_summary)]
     text = _summary(events, previous_summary, previous, carried, encoding, limit_tokens)
     try:
-        validate_summary_text(text)
+        return canonical_summary(text)  # (a heading another summary's text quotes, carried, escaped)
     except SummaryInvalid:  # a previous summary this module did not write split where it should not be
         text = _summary(events, previous_summary, {}, [_Message(previous_summary or "")], encoding, limit_tokens)
-    return text
+    return canonical_summary(text)
 
 
 def _summary(events: Sequence[dict[str, Any]], previous_summary: str | None, previous: dict[str, str],

@@ -391,12 +391,18 @@ def extract_summary(reply: str) -> str:
     except UnicodeEncodeError as e:  # a lone surrogate (a "\ud800" escape in the reply's JSON): no log can hold it
         raise SummaryInvalid(f"the summary is not valid Unicode: {e.reason} at character {e.start}") from None
     try:
-        return _canonical_headings(text, validate_summary_text(text))
+        return canonical_summary(text)
     except SummaryInvalid:
         inner = _unfenced(text)  # the block's body in one ```markdown fence: models do that
         if inner is None:
             raise
-        return _canonical_headings(inner, validate_summary_text(inner))
+        return canonical_summary(inner)
+
+
+def canonical_summary(text: str) -> str:
+    """``text`` in the form a summary is stored in (``_canonical_headings``); SummaryInvalid
+    unless it has the 10 section headings in order (``validate_summary_text``)."""
+    return _canonical_headings(text, validate_summary_text(text))
 
 
 def _unfenced(text: str) -> str | None:
@@ -415,9 +421,18 @@ def _unfenced(text: str) -> str | None:
 def _canonical_headings(text: str, sections: list[int]) -> str:
     """``text`` with each section's heading line (``sections``: ``_section_lines``) written
     ``### Title``: a summary is stored with the headings the prompt asked for, however the
-    model wrote them (a quoted heading in a body is left as written)."""
+    model wrote them. A heading line in a body that names a section (a quoted ``## Current
+    Work``, outside a fenced block) is escaped, ``\\## Current Work``: the sections found at
+    the model's level, once all at ``###``, could not be told from such a quote at that level,
+    and every later reader split the summary at the quote (the rest of the section lost)."""
     lines = text.split("\n")
     changed = False
+    chosen = set(sections)
+    for index, title in _headings(text):
+        if title is not None and index not in chosen:
+            line = lines[index]
+            at = line.index("#")
+            lines[index], changed = f"{line[:at]}\\{line[at:]}", True
     for index, title in zip(sections, SECTION_TITLES):
         if lines[index] != f"### {title}":
             lines[index], changed = f"### {title}", True

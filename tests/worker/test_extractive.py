@@ -358,3 +358,23 @@ def test_at_the_last_resort_only_the_fewest_oldest_messages_are_folded() -> None
     assert count_tokens(text, DEFAULT_ENCODING) <= 1000
     messages = split_sections(text)["All User Messages"]
     assert "now run the tests" in messages and "and commit" in messages, messages
+
+
+def test_headings_a_previous_summary_quotes_stay_quotes_through_rolls() -> None:
+    """An LLM reply at ``##`` quoting a user's ``### Pending Tasks`` template: stored with its headings
+    at ``###``, the quote could no longer be told from them; every reader cut All User Messages
+    there, and the extractive roll lost what followed (its later messages, then the next roll's)."""
+    from worker.summarize import extract_summary
+
+    sections = {title: f"body of {title}" for title in SECTION_TITLES}
+    sections["All User Messages"] = ('- "please fix it"\n- the user pasted a template:\n'
+                                     '### Pending Tasks\n### Current Work\n### Optional Next Step\n- "thanks"')
+    stored = extract_summary("<summary>\n" + "\n\n".join(f"## {t}\n{b}" for t, b in sections.items()) + "\n</summary>")
+    assert '- "thanks"' in split_sections(stored)["All User Messages"]
+    assert split_sections(stored)["Pending Tasks"] == "body of Pending Tasks"
+    rolled = extractive_summary([{"type": "user", "turnId": 5, "content": "NEW MESSAGE 5"},
+                                 {"type": "assistant", "turnId": 5, "content": "ok"}], stored, limit_tokens=1000)
+    again = extractive_summary([{"type": "user", "turnId": 6, "content": "NEW MESSAGE 6"},
+                                {"type": "assistant", "turnId": 6, "content": "ok"}], rolled, limit_tokens=1000)
+    messages = split_sections(again)["All User Messages"]
+    assert all(text in messages for text in ('- "thanks"', "NEW MESSAGE 5", "NEW MESSAGE 6")), messages

@@ -206,14 +206,16 @@ def test_a_user_message_quoting_a_later_sections_heading_is_body_text(quoted: st
     """*All User Messages* quotes every user message; one holding ``## Current Work`` (a template
     the user pasted) made the first "Current Work" heading come before "Pending Tasks": the reply
     was invalid, a failure was counted, and the message stayed in every later job's targets, so
-    the breaker opened for good. A heading line that is not the next section's is body text."""
+    the breaker opened for good. A heading line that is not the next section's is body text; it is
+    stored escaped (``\\## Current Work``), so no later reader takes it for the section's heading
+    once the real headings are all ``###``."""
     bodies = {title: f"about {title.lower()}" for title in SECTION_TITLES}
     bodies["All User Messages"] = f"- please fill in:\n{quoted}\n- x"
     body = "\n".join(f"### {title}\n{bodies[title]}" for title in SECTION_TITLES)
     text = extract_summary(f"<analysis>x</analysis>\n<summary>\n{body}\n</summary>")
-    assert text == body  # the quote is stored as the user wrote it
-    if not quoted.startswith("### "):  # (at the model's own level a quote is ambiguous: it may be taken)
-        assert split_sections(text) == bodies
+    escaped = {**bodies, "All User Messages": f"- please fill in:\n\\{quoted}\n- x"}
+    assert text == body.replace(f"\n{quoted}\n", f"\n\\{quoted}\n", 1)  # (the quote, not the heading)
+    assert split_sections(text) == escaped
 
 
 @pytest.mark.parametrize("heading", [
