@@ -385,7 +385,10 @@ def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: B
         for text in _texts(event):
             found.extend(match.group(1) for match in _PATH.finditer(text))
         found.extend(_path_arguments(event))
-    return "\n".join(f"- {path}" for path in _unique(found)[:bounds.files])
+    # the most recently named, each at its last mention: the first ones kept froze the list (a
+    # rolling summary still listed turn 1's files after a hundred turns on other ones)
+    recent = list(dict.fromkeys(reversed(found)))[:bounds.files]
+    return "\n".join(f"- {path}" for path in reversed(recent))
 
 
 def _errors(previous: dict[str, str], results: list[dict[str, Any]], bounds: Bounds) -> str:

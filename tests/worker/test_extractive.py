@@ -378,3 +378,18 @@ def test_headings_a_previous_summary_quotes_stay_quotes_through_rolls() -> None:
                                 {"type": "assistant", "turnId": 6, "content": "ok"}], rolled, limit_tokens=1000)
     messages = split_sections(again)["All User Messages"]
     assert all(text in messages for text in ('- "thanks"', "NEW MESSAGE 5", "NEW MESSAGE 6")), messages
+
+
+def test_files_keep_the_most_recently_named_through_rolls() -> None:
+    """The first 60 paths ever named were kept: a rolling summary still listed turn 1's files after
+    79 turns on others, and never the file being edited now."""
+    import json
+
+    previous = None
+    for turn in range(1, 80):
+        events = [{"type": "user", "turnId": turn, "content": f"now edit src/mod{turn}.py"},
+                  {"type": "assistant", "turnId": turn, "content": "editing", "toolCalls": [
+                      {"id": "c", "name": "edit_file", "arguments": json.dumps({"path": f"src/mod{turn}.py"})}]}]
+        previous = extractive_summary(events, previous, limit_tokens=8000)
+    files = split_sections(previous)["Files and Code Sections"].splitlines()
+    assert files[-1] == "- src/mod79.py" and "- src/mod1.py" not in files, files[-3:]
