@@ -63,6 +63,7 @@ from rq.job import Job
 from compactor.embedded import EmbeddedRedis
 from compactor.keys import Keys
 from compactor.queue import parse_job_id
+from compactor.serve import PARENT_PID_ENV
 from events.config import Settings
 from events.tokens import count_tokens, encoding_for_model
 from producer.publisher import Publisher
@@ -89,10 +90,12 @@ TURN_EVENTS = 5  # events per benchmark turn (_turn)
 TRIGGER_TURNS = (2, 8)  # cold start: a session's window is this many turns' worth (triggers in its first two turns)
 WATCHER_START_TIMEOUT_S = 60.0
 _WORDS = ["def", "return", "self", "import", "value", "token", "event", "log", "session", "turn", "output", "error", "test", "file", "line", "path", "cache", "config", "async", "await", "class"]
-WATCHER_SCRIPT = (
+WATCHER_SCRIPT = (  # (it stops when the bench is gone, killed: COMPACTOR_PARENT_PID)
     "import sys\n"
+    "from compactor.serve import exit_with_parent\n"
     "from events.config import load_settings\n"
     "from producer.watcher import main\n"
+    "exit_with_parent()\n"
     "main(load_settings(sys.argv[1]), name='bench')\n"
 )
 
@@ -403,7 +406,7 @@ def _watcher_process(client: redis.Redis, settings: Settings, tmp: Path) -> Iter
         "redis": {"url": settings.redis.url, "prefix": settings.redis.prefix},
         "watcher": {"batchSize": BATCH, "blockMs": 100, "leaseMs": 10_000},
     }))
-    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", PARENT_PID_ENV: str(os.getpid())}
     process = subprocess.Popen([sys.executable, "-c", WATCHER_SCRIPT, str(config)], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import signal
 from enum import Enum
 from typing import Annotated, Any
 
@@ -24,7 +25,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from compactor.cli.common import ConfigOpt, JsonOpt, err_console, load, print_json
+from compactor.cli.common import ConfigOpt, JsonOpt, err_console, interrupted_by_signals, load, print_json
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,13 @@ def bench(
     """Benchmark the context view, event ingestion and compaction jobs."""
     load(config)  # a bad config file fails here with exit 2, like every command
     names = [s.value for s in (SCENARIOS if scenario is Scenario.all else (scenario,))]
-    results = _run_with_progress(names, quick)
+    with interrupted_by_signals() as received:  # (its Redis, watcher and temp dirs stopped and removed)
+        try:
+            results = _run_with_progress(names, quick)
+        except KeyboardInterrupt:
+            if received and received[0] != signal.SIGINT:  # the signal's exit code, as demo
+                raise typer.Exit(128 + received[0]) from None
+            raise
     if json_out:
         print_json(results if scenario is Scenario.all else results[scenario.value])
         return

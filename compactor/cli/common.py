@@ -225,6 +225,25 @@ def check_access_if_up(settings: Settings) -> None:
 
 
 @contextmanager
+def interrupted_by_signals() -> Iterator[list[int]]:
+    """SIGINT, SIGTERM and SIGHUP each interrupt the command as Ctrl-C does, so its clean-up runs
+    (SIGTERM or a closed terminal killed ``demo`` and ``bench`` at once: their Redis, temp dirs,
+    child processes and keys left behind); a second signal does not interrupt that clean-up.
+    Yields the signals received (``stopped_by``: the exit code the first one calls for)."""
+    from compactor.serve import stop_signals_handled
+
+    received: list[int] = []
+
+    def interrupt(signum: int, _frame: object) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            raise KeyboardInterrupt
+
+    with stop_signals_handled(interrupt):
+        yield received
+
+
+@contextmanager
 def user_errors() -> Iterator[None]:
     """Turn expected errors into one line on stderr (exit 2 for bad input or config, else 1)."""
     try:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import logging
 import signal
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated, Any
 
@@ -21,6 +19,7 @@ from compactor.cli.common import (
     RedisUrlOpt,
     data_dir_path,
     err_console,
+    interrupted_by_signals,
     load,
     print_json,
     usable_dir,
@@ -65,7 +64,7 @@ def demo(
         usable_dir(data_dir, "--data-dir")
     options = DemoOptions(sessions=sessions, turns=turns, context_window=window,
                           workers=workers, data_dir=data_dir)
-    with _interrupted_by_signals() as received, tempfile.TemporaryFile() as child_output, user_errors():
+    with interrupted_by_signals() as received, tempfile.TemporaryFile() as child_output, user_errors():
         try:
             result = _run(settings, options, json_out, child_output)
         except KeyboardInterrupt:
@@ -76,24 +75,6 @@ def demo(
         print_json(result)
         return
     Console().print(summary_table(result))
-
-
-@contextmanager
-def _interrupted_by_signals() -> Iterator[list[int]]:
-    """SIGINT, SIGTERM and SIGHUP each interrupt the demo as Ctrl-C does, so its clean-up runs
-    (SIGTERM or a closed terminal killed it at once: its Redis, temp dirs and keys left behind);
-    a second signal does not interrupt that clean-up. Yields the signals received."""
-    from compactor.serve import stop_signals_handled
-
-    received: list[int] = []
-
-    def interrupt(signum: int, _frame: object) -> None:
-        received.append(signum)
-        if len(received) == 1:
-            raise KeyboardInterrupt
-
-    with stop_signals_handled(interrupt):
-        yield received
 
 
 def _run(settings: Settings, options: DemoOptions, json_out: bool, child_output: IO[bytes]) -> dict[str, Any]:

@@ -148,6 +148,36 @@ def test_a_stopped_demo_leaves_no_process_no_temp_dir_and_no_key(redis_url: str,
     tmp.rmdir()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_a_stopped_bench_leaves_no_process_and_no_temp_dir(signum: int, code: int) -> None:
+    """SIGTERM or SIGHUP killed ``bench`` at once: its embedded Redis ran on, its watcher process
+    too (busy, for good), and its temp dirs stayed. It stops as Ctrl-C stops it."""
+    tmp = Path(tempfile.mkdtemp(prefix="cb-", dir="/tmp"))
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", TMPDIR=str(tmp))
+    bench = subprocess.Popen([sys.executable, "-m", "compactor", "bench", "ingest", "--quick", "--json"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any("producer.watcher" in " ".join(p.info["cmdline"] or []) for p in _children_under(tmp)):
+            assert bench.poll() is None and time.monotonic() < deadline, bench.stderr.read() if bench.stderr else ""
+            time.sleep(0.1)
+        bench.send_signal(signum)
+        _, stderr = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == code, stderr[-3000:]
+    deadline = time.monotonic() + 10
+    while _children_under(tmp) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _children_under(tmp), [p.cmdline() for p in _children_under(tmp)]
+    assert not list(tmp.iterdir()), list(tmp.iterdir())
+    tmp.rmdir()
+
+
 def _children_under(tmp: Path) -> list[Any]:
     """The live processes whose command line names ``tmp`` (the demo's Redis, watcher and workers)."""
     import psutil
