@@ -39,7 +39,8 @@ from compactor.serve import Output, running_stack, stack_specs
 from compactor.store import SessionStore
 from compactor.urls import redacted
 from events.config import EXTRACTIVE as EXTRACTIVE_MODEL
-from events.config import Settings
+from events.config import EMBEDDED_SOCKET, MAX_SOCKET_PATH_BYTES, Settings
+from events.errors import InvalidConfig
 from events.log import SessionLog
 from events.view import build_view
 from producer.publisher import Publisher
@@ -196,11 +197,17 @@ def demo_settings(settings: Settings, data_dir: Path) -> Settings:
 
 
 @contextmanager
-def _data_dir(options: DemoOptions) -> Iterator[Path]:
+def _data_dir(options: DemoOptions, *, embedded: bool) -> Iterator[Path]:
     if options.data_dir is not None:
         yield options.data_dir
         return
     path = Path(tempfile.mkdtemp(prefix="compactor-demo-"))
+    socket = path / EMBEDDED_SOCKET
+    if embedded and len(os.fsencode(socket)) > MAX_SOCKET_PATH_BYTES:  # (as a dataDir that long is refused)
+        path.rmdir()
+        raise InvalidConfig("TMPDIR", f"too long for the embedded Redis: its socket {socket} would be "
+                            f"{len(os.fsencode(socket))} bytes, and a unix socket's path takes at most "
+                            f"{MAX_SOCKET_PATH_BYTES} (set a shorter TMPDIR, or pass --data-dir)")
     try:
         yield path
     finally:
@@ -224,7 +231,7 @@ Snapshot = Callable[[dict[str, Any]], None]
 def run_demo(settings: Settings, options: DemoOptions, *, on_tick: Snapshot | None = None,
              output: Output = None) -> dict[str, Any]:
     """Run the demo; the summary dict (see ``summary``). ``on_tick`` gets live numbers."""
-    with _data_dir(options) as data_dir:
+    with _data_dir(options, embedded=not settings.redis.url) as data_dir:
         demo = demo_settings(settings, data_dir)
         specs = stack_specs(workers=options.workers, api=False)
         agents = _agents(options)

@@ -27,7 +27,7 @@ import redis
 import typer
 from rich.console import Console
 
-from compactor.redis_errors import AccessDenied, check_access
+from compactor.redis_errors import AccessDenied, check_access, is_permission_error, is_refusal
 from compactor.urls import host_port, redacted
 from events.config import Settings, load_settings
 from events.errors import CompactorError, InvalidConfig, InvalidInput
@@ -254,6 +254,10 @@ def user_errors() -> Iterator[None]:
         fail(str(e) or type(e).__name__)
     except (redis.ConnectionError, redis.TimeoutError) as e:
         fail(f"Redis unreachable: {e}")
+    except redis.ResponseError as e:  # (MISCONF: its disk full; a permission: its ACL) - any other: a bug, traced
+        if not (is_refusal(e) or is_permission_error(e)):
+            raise
+        fail(f"Redis refused: {e}")
 
 
 def print_json(data: Any) -> None:

@@ -1041,3 +1041,25 @@ def test_the_api_socket_gives_its_connections_tcp_nodelay() -> None:
         return value
 
     assert asyncio.run(accepted_nodelay()) != 0
+
+
+@pytest.mark.parametrize(("error", "one_line"), [
+    (redis.ResponseError("MISCONF Errors writing to the AOF file: No space left on device"), True),
+    (redis.exceptions.NoPermissionError("this user has no permissions to run the 'xadd' command"), True),
+    (redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"), False),
+])
+def test_a_redis_refusal_is_one_line_a_redis_bug_a_traceback(capsys: pytest.CaptureFixture[str],
+                                                             error: Exception, one_line: bool) -> None:
+    """A full disk under the demo's Redis (MISCONF) ended ``demo`` on a 79-line traceback."""
+    import typer
+
+    from compactor.cli.common import user_errors
+
+    if not one_line:
+        with pytest.raises(redis.ResponseError), user_errors():
+            raise error
+        return
+    with pytest.raises(typer.Exit) as exited, user_errors():
+        raise error
+    assert exited.value.exit_code == 1
+    assert capsys.readouterr().err == f"compactor: Redis refused: {error}\n"

@@ -178,6 +178,21 @@ def test_a_stopped_bench_leaves_no_process_and_no_temp_dir(signum: int, code: in
     tmp.rmdir()
 
 
+def test_a_tmpdir_too_long_for_the_embedded_redis_socket_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A TMPDIR of ~60 characters or more: the demo's embedded Redis failed at start, and the demo
+    ended on a traceback holding the server's whole log."""
+    long_dir = tmp_path / ("x" * 90)
+    long_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", TMPDIR=str(long_dir))
+    done = subprocess.run([sys.executable, "-m", "compactor", "demo", "-s", "1", "-t", "1"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "TMPDIR: too long for the embedded Redis" in lines[0], done.stderr[-3000:]
+    assert not list(long_dir.iterdir())
+
+
 def _children_under(tmp: Path) -> list[Any]:
     """The live processes whose command line names ``tmp`` (the demo's Redis, watcher and workers)."""
     import psutil
