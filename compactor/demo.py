@@ -32,6 +32,7 @@ from typing import Any
 
 import redis
 from rq.job import Job
+from rq.rate_limit import RateLimitRegistry
 
 from compactor.keys import Keys
 from compactor.queue import compaction_queue, parse_job_id
@@ -155,16 +156,23 @@ class Agent:
 
 @dataclass
 class JobStats:
-    """Finished/failed compaction jobs of the demo's queue, read from RQ's registries."""
+    """Finished/failed compaction jobs of this run's sessions (their ids start ``session_prefix``)
+    in the demo's queue, read from RQ's registries (which keep a run's jobs for a day, failed ones
+    for a week: a second run on the same --data-dir counted the first run's too)."""
 
+    session_prefix: str = ""
     finished: dict[str, int] = field(default_factory=lambda: {"micro": 0, "llm": 0})
     failed: int = 0
     released: int = 0
     seen: set[str] = field(default_factory=set)
 
+    def ours(self, job_id: str) -> bool:
+        parsed = parse_job_id(job_id)
+        return parsed is not None and parsed[2].startswith(self.session_prefix)
+
     def refresh(self, client: redis.Redis, settings: Settings) -> None:
         queue = compaction_queue(client, settings)
-        new = [j for j in queue.finished_job_registry.get_job_ids() if j not in self.seen]
+        new = [j for j in queue.finished_job_registry.get_job_ids() if j not in self.seen and self.ours(j)]
         for job in Job.fetch_many(new, connection=client):
             if job is None:
                 continue
@@ -174,7 +182,7 @@ class JobStats:
                 self.finished[parsed[1]] = self.finished.get(parsed[1], 0) + 1
             value = job.return_value() or {}
             self.released += int(value.get("released", 0)) if isinstance(value, dict) else 0
-        self.failed = queue.failed_job_registry.count
+        self.failed = sum(1 for j in queue.failed_job_registry.get_job_ids() if self.ours(j))
 
     def pending(self, client: redis.Redis, settings: Settings) -> int:
         queue = compaction_queue(client, settings)
@@ -251,7 +259,7 @@ def run_demo(settings: Settings, options: DemoOptions, *, on_tick: Snapshot | No
 def _drive(client: redis.Redis, settings: Settings, agents: list[Agent], options: DemoOptions,
            on_tick: Snapshot | None) -> dict[str, Any]:
     publisher = Publisher(client, settings)
-    stop, stats, started = threading.Event(), JobStats(), time.monotonic()
+    stop, stats, started = threading.Event(), JobStats(agents[0].session_id.rsplit("-", 1)[0] + "-"), time.monotonic()
     errors: list[Exception] = []
 
     def run(agent: Agent) -> None:  # an agent's error stops them all and is raised here, not dumped
@@ -353,6 +361,12 @@ def _cleanup(url: str, prefix: str, session_tag: str) -> None:
             for key in client.scan_iter(match=pattern, count=1000):
                 client.delete(key)
         client.srem("rq:queues", f"rq:queue:{prefix}")
+        # RQ's index of rate limits names them without a key of their own: only a worker's
+        # maintenance pruned them, and every demo on a shared Redis left its sessions' there
+        limits = RateLimitRegistry.rl_keys_key
+        members = list(client.sscan_iter(limits, match=f"{prefix}:*", count=1000))
+        if members:
+            client.srem(limits, *members)
     except redis.RedisError as e:
         logger.warning("demo: could not delete its keys (prefix %s) from %s: %s", prefix, redacted(url), e)
     finally:

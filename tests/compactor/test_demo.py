@@ -108,6 +108,7 @@ def test_demo_on_a_shared_redis_cleans_up_after_itself(settings: Settings, r: An
     left = sorted(k.decode() for k in r.scan_iter(count=1000))
     assert "unrelated" in left
     assert not [k for k in left if "demo" in k and not k.startswith("rq:worker")], left
+    assert not [m for m in r.smembers("rq:rl-keys") if b"demo" in m]  # (RQ's index of rate limits)
     assert (tmp_path / "d").is_dir()  # --data-dir given: the logs are kept
 
 
@@ -203,3 +204,19 @@ def _children_under(tmp: Path) -> list[Any]:
         if process.info["status"] != psutil.STATUS_ZOMBIE and any(str(tmp) in part for part in cmdline):
             found.append(process)
     return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_second_demo_on_the_same_data_dir_reports_its_own_jobs(settings: Settings, tmp_path: Path) -> None:
+    """The embedded Redis kept under --data-dir keeps RQ's registries (a day; failed jobs a week):
+    the second run counted the first run's jobs and released tokens with its own (about twice)."""
+    from compactor.demo import run_demo
+
+    embedded = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": ""})})
+    options = DemoOptions(sessions=3, turns=8, data_dir=tmp_path / "d")
+    first = run_demo(embedded, options, output=subprocess.DEVNULL)
+    second = run_demo(embedded, options, output=subprocess.DEVNULL)
+    jobs = [sum(run["jobs"].values()) for run in (first, second)]
+    assert jobs[0] > 0 and jobs[1] < 1.6 * jobs[0], (first["jobs"], second["jobs"])
+    assert second["tokensReleased"] < 1.6 * first["tokensReleased"], (first, second)
