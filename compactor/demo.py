@@ -36,12 +36,12 @@ from rq.rate_limit import RateLimitRegistry
 
 from compactor.keys import Keys
 from compactor.queue import compaction_queue, parse_job_id
-from compactor.serve import Output, running_stack, stack_specs
+from compactor.serve import ChildFailed, Output, running_stack, stack_specs
 from compactor.store import SessionStore
 from compactor.urls import redacted
 from events.config import EXTRACTIVE as EXTRACTIVE_MODEL
 from events.config import EMBEDDED_SOCKET, MAX_SOCKET_PATH_BYTES, Settings
-from events.errors import InvalidConfig
+from events.errors import CompactorError, InvalidConfig
 from events.log import SessionLog
 from events.view import build_view
 from producer.publisher import Publisher
@@ -154,6 +154,10 @@ class Agent:
             stop.wait(self.rng.uniform(*TURN_PAUSE_S))
 
 
+class DemoFailed(CompactorError):
+    """A process of the demo's stack kept dying."""
+
+
 @dataclass
 class JobStats:
     """Finished/failed compaction jobs of this run's sessions (their ids start ``session_prefix``)
@@ -248,7 +252,9 @@ def run_demo(settings: Settings, options: DemoOptions, *, on_tick: Snapshot | No
                 client = redis.Redis.from_url(stack.redis_url)
                 try:
                     client.ping()  # a configured Redis that does not answer: one error, before any agent starts
-                    return _drive(client, demo, agents, options, on_tick)
+                    return _drive(client, demo, agents, options, on_tick, stack.supervisor.check)
+                except ChildFailed as e:  # (serve's words: "worker-1 exited 5 times within 60s ...")
+                    raise DemoFailed(f"demo stopped: {e}") from None
                 finally:
                     client.close()
         finally:  # once the workers have stopped: a job still running wrote its keys after a cleanup before
@@ -257,7 +263,10 @@ def run_demo(settings: Settings, options: DemoOptions, *, on_tick: Snapshot | No
 
 
 def _drive(client: redis.Redis, settings: Settings, agents: list[Agent], options: DemoOptions,
-           on_tick: Snapshot | None) -> dict[str, Any]:
+           on_tick: Snapshot | None, keep_up: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Run the agents until done and the jobs settle; ``keep_up`` (the stack's ``Supervisor.check``)
+    restarts a child that died meanwhile, as ``serve`` does (a watcher killed mid-run left the
+    demo waiting 30 s, then reporting all zeros, exit 0)."""
     publisher = Publisher(client, settings)
     stop, stats, started = threading.Event(), JobStats(agents[0].session_id.rsplit("-", 1)[0] + "-"), time.monotonic()
     errors: list[Exception] = []
@@ -274,11 +283,11 @@ def _drive(client: redis.Redis, settings: Settings, agents: list[Agent], options
         t.start()
     try:
         _wait(lambda: not any(t.is_alive() for t in threads), client, settings, agents, stats,
-              started, on_tick, timeout_s=None)
+              started, on_tick, timeout_s=None, keep_up=keep_up)
         if errors:
             raise errors[0]
         _wait(lambda: _settled(client, settings, agents, stats, options.turns), client, settings,
-              agents, stats, started, on_tick, timeout_s=SETTLE_TIMEOUT_S)
+              agents, stats, started, on_tick, timeout_s=SETTLE_TIMEOUT_S, keep_up=keep_up)
     finally:
         stop.set()
     result = summary(client, settings, agents, stats, time.monotonic() - started)
@@ -289,9 +298,10 @@ def _drive(client: redis.Redis, settings: Settings, agents: list[Agent], options
 
 def _wait(done: Callable[[], bool], client: redis.Redis, settings: Settings, agents: list[Agent],
           stats: JobStats, started: float, on_tick: Snapshot | None,
-          timeout_s: float | None) -> None:
+          timeout_s: float | None, keep_up: Callable[[], None] = lambda: None) -> None:
     deadline = time.monotonic() + timeout_s if timeout_s else None
     while not done():
+        keep_up()
         if deadline is not None and time.monotonic() > deadline:
             logger.warning("demo: jobs still pending after %.0fs; summarizing anyway", timeout_s)
             return

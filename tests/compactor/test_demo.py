@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -220,3 +221,35 @@ def test_a_second_demo_on_the_same_data_dir_reports_its_own_jobs(settings: Setti
     jobs = [sum(run["jobs"].values()) for run in (first, second)]
     assert jobs[0] > 0 and jobs[1] < 1.6 * jobs[0], (first["jobs"], second["jobs"])
     assert second["tokensReleased"] < 1.6 * first["tokensReleased"], (first, second)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_demo_child_killed_mid_run_is_restarted_and_the_demo_finishes(settings: Settings, tmp_path: Path) -> None:
+    """The demo never looked at its processes: a watcher killed mid-run left it waiting 30 s, then
+    reporting all zeros and exiting 0. It restarts a child that died, as serve does."""
+    import psutil
+
+    from compactor.demo import run_demo
+
+    embedded = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": ""})})
+    killed: list[int] = []
+
+    def kill_the_watcher() -> None:
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline:
+            for child in psutil.Process().children(recursive=True):
+                if "watch" in child.cmdline():
+                    time.sleep(2)  # mid-run
+                    child.kill()
+                    killed.append(child.pid)
+                    return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_the_watcher, daemon=True)
+    killer.start()
+    result = run_demo(embedded, DemoOptions(sessions=2, turns=12, data_dir=tmp_path / "d"), output=subprocess.DEVNULL)
+    killer.join()
+    assert killed
+    assert all(row["turns"] == 12 for row in result["perSession"]), result["perSession"]
+    assert result["compactions"]["micro"] + result["compactions"]["llm"] >= 1, result
