@@ -75,9 +75,10 @@ def _run_with_progress(names: list[str], quick: bool) -> dict[str, dict[str, Any
     columns = (SpinnerColumn(), TextColumn("[bold]{task.fields[name]:8}"), BarColumn(),
                TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, console=err_console, transient=False) as progress:
-        tasks = {n: progress.add_task("waiting", total=1, name=n) for n in names}
+        tasks = {n: progress.add_task("waiting", total=1, name=n, start=False) for n in names}
         for name in names:
             task = tasks[name]
+            progress.start_task(task)  # (its elapsed time counts from here, not from when it was listed)
 
             def say(message: str, task: Any = task) -> None:
                 progress.update(task, description=str(message)[:80])

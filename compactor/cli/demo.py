@@ -16,7 +16,6 @@ from rich.table import Table
 from compactor.cli.common import (
     ConfigOpt,
     JsonOpt,
-    RedisUrlOpt,
     data_dir_path,
     err_console,
     interrupted_by_signals,
@@ -47,7 +46,10 @@ def demo(
         help="Keep the logs here (default: a temp dir removed afterwards).")] = None,
     json_out: JsonOpt = False,
     config: ConfigOpt = None,
-    redis_url: RedisUrlOpt = None,
+    redis_url: Annotated[str | None, typer.Option(
+        "--redis-url", envvar="REDIS_URL", show_envvar=True,
+        help="A Redis to share (the demo uses its own key prefix there, and deletes its keys after); "
+             "empty: its own embedded server, in its temporary dir.")] = None,
 ) -> None:
     """Run simulated agents against watcher + workers and show the compactions live.
 

@@ -1003,6 +1003,7 @@ def test_bench_view_quick_json(runner: CliRunner) -> None:
     body: dict[str, Any] = json.loads(result.stdout)
     assert {"view_s", "baseline_s", "ratio"} <= set(body) and body["view_s"] > 0
     assert body["ratio"] == pytest.approx(body["view_s"] / body["baseline_s"], rel=0.01)
+    assert type(body["events"]) is int and type(body["bytes"]) is int  # counts (the table printed 1.995e+06)
 
 
 def test_bench_rejects_unknown_scenario(runner: CliRunner) -> None:
