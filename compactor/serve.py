@@ -375,12 +375,16 @@ class RedisProblem:
 @contextmanager
 def running_stack(settings: Settings, specs: list[ChildSpec], *,
                   output: Output = None) -> Iterator[Stack]:
-    """Start Redis (embedded when not configured) and the children; stop all on exit."""
+    """Start Redis (embedded when not configured) and the children; stop all on exit. The stop
+    runs whole: a stop signal (a handler raising KeyboardInterrupt, as ``demo``'s) that comes
+    meanwhile is held until it is done (it cut ``Supervisor.stop`` short: a child left running,
+    the demo's keys deleted under it), and nothing lies between a start and its ``finally``."""
     embedded = start_embedded(settings) if not settings.redis.url else None
-    redis_url = embedded.url if embedded else settings.redis.url
-    remove_stale_private_dirs()
-    private = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-"))
+    private: Path | None = None
     try:
+        redis_url = embedded.url if embedded else settings.redis.url
+        remove_stale_private_dirs()
+        private = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-"))
         config = write_effective_config(settings, redis_url, private)
         supervisor = Supervisor(specs, config, output=output)
         supervisor.env[MULTIPROC_ENV] = str(metrics_dir(private))
@@ -388,11 +392,14 @@ def running_stack(settings: Settings, specs: list[ChildSpec], *,
             supervisor.start()
             yield Stack(redis_url, supervisor, config, embedded)
         finally:
-            supervisor.stop()
+            with stop_signals_held():
+                supervisor.stop()
     finally:
-        if embedded is not None:
-            embedded.stop()
-        shutil.rmtree(private, ignore_errors=True)
+        with stop_signals_held():
+            if embedded is not None:
+                embedded.stop()
+            if private is not None:
+                shutil.rmtree(private, ignore_errors=True)
 
 
 class _StopRequested:
@@ -412,6 +419,20 @@ class _StopRequested:
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a stop, a closed terminal
+
+
+@contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """``STOP_SIGNALS`` held back in the block and delivered after it (in the main thread; no
+    process may be started in it: a child inherits the mask, and would ignore them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextmanager

@@ -419,3 +419,29 @@ def test_api_names_its_port_once_it_listens_and_exits_0_when_stopped(redis_url: 
         if process.poll() is None:
             process.kill()
             process.communicate(timeout=30)
+
+
+def test_a_stop_signal_during_a_held_teardown_comes_after_it() -> None:
+    """A first Ctrl-C / SIGTERM to ``demo`` while its stack stopped raised in the middle of
+    ``Supervisor.stop``: a child left running and the demo's keys deleted under it. The teardown
+    holds the signals back and they come once it is done."""
+    import os
+    import signal as signals
+
+    from compactor.serve import stop_signals_handled, stop_signals_held
+
+    steps: list[str] = []
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    with stop_signals_handled(interrupt):
+        try:
+            with stop_signals_held():
+                os.kill(os.getpid(), signals.SIGTERM)
+                time.sleep(0.05)
+                steps.append("teardown done")
+            steps.append("not reached")
+        except KeyboardInterrupt:
+            steps.append("interrupted after")
+    assert steps == ["teardown done", "interrupted after"]
