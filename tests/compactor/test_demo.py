@@ -133,18 +133,11 @@ def test_a_stopped_demo_leaves_no_process_no_temp_dir_and_no_key(redis_url: str,
             assert demo.poll() is None and time.monotonic() < deadline, demo.stderr.read() if demo.stderr else ""
             time.sleep(0.1)
         time.sleep(1.5)  # jobs running
-        demo.send_signal(signum)
-        _, stderr = demo.communicate(timeout=60)
-    finally:
-        if demo.poll() is None:
-            demo.kill()
-    assert demo.returncode == code, stderr[-3000:]
+    except BaseException:
+        demo.kill()
+        raise
+    stderr = _stopped_leaving_nothing(demo, signum, code, tmp)
     assert "Traceback" not in stderr, stderr[-3000:]
-    deadline = time.monotonic() + 10
-    while _children_under(tmp) and time.monotonic() < deadline:  # (children exit on their own)
-        time.sleep(0.1)
-    assert not _children_under(tmp), [p.cmdline() for p in _children_under(tmp)]
-    assert not list(tmp.iterdir()), list(tmp.iterdir())
     left = [k.decode() for k in r.scan_iter(count=1000)]
     assert not [k for k in left if "demo" in k and not k.startswith("rq:worker")], left
     tmp.rmdir()
@@ -166,18 +159,29 @@ def test_a_stopped_bench_leaves_no_process_and_no_temp_dir(signum: int, code: in
         while not any("producer.watcher" in " ".join(p.info["cmdline"] or []) for p in _children_under(tmp)):
             assert bench.poll() is None and time.monotonic() < deadline, bench.stderr.read() if bench.stderr else ""
             time.sleep(0.1)
-        bench.send_signal(signum)
-        _, stderr = bench.communicate(timeout=60)
+    except BaseException:
+        bench.kill()
+        raise
+    _stopped_leaving_nothing(bench, signum, code, tmp)
+    tmp.rmdir()
+
+
+def _stopped_leaving_nothing(process: subprocess.Popen[str], signum: int, code: int, tmp: Path) -> str:
+    """Send ``signum`` to ``process`` (a demo or bench with TMPDIR ``tmp``); check it exits ``code``
+    and leaves no process and nothing under ``tmp``; its stderr."""
+    try:
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=60)
     finally:
-        if bench.poll() is None:
-            bench.kill()
-    assert bench.returncode == code, stderr[-3000:]
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == code, stderr[-3000:]
     deadline = time.monotonic() + 10
-    while _children_under(tmp) and time.monotonic() < deadline:
+    while _children_under(tmp) and time.monotonic() < deadline:  # (children exit on their own)
         time.sleep(0.1)
     assert not _children_under(tmp), [p.cmdline() for p in _children_under(tmp)]
     assert not list(tmp.iterdir()), list(tmp.iterdir())
-    tmp.rmdir()
+    return stderr
 
 
 def test_a_tmpdir_too_long_for_the_embedded_redis_socket_is_one_line_and_exit_2(tmp_path: Path) -> None:

@@ -973,20 +973,27 @@ def test_outputs_elided_in_the_kept_turns_are_counted_exactly(
     _assert_state_is_a_rebuild(r, keep2, "s1")
 
 
-def test_a_rollback_during_the_llm_call_leaves_no_stale_compact(
-    r: redis.Redis, wsettings: Settings, stub: LLMStub
-) -> None:
+def _forced_llm_job_with_a_rollback_during_the_call(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, *, through: int,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A forced LLM job on a 5-turn session during whose LLM call ``rollback {through}`` lands;
+    its result and the log after it (the summary's sections say ``kept``)."""
     write_session(r, wsettings, "s1", 5, window=1000)
     store = SessionStore(r, wsettings)
 
     def reply_after_rollback(body: dict[str, Any]) -> str:
-        store.apply("s1", CWD, [{"type": "rollback", "throughTurnId": 3, "reason": "undo", "uuid": "rb"}])
-        return f"<summary>\n{summary_text('late')}\n</summary>"
+        store.apply("s1", CWD, [{"type": "rollback", "throughTurnId": through, "reason": "undo", "uuid": "rb"}])
+        return f"<summary>\n{summary_text('kept')}\n</summary>"
 
     stub.reply = reply_after_rollback
     install(WorkerContext.build(wsettings, r))
-    result = llm_compact("s1", CWD, forced=True)
-    events = read_log(wsettings, "s1")
+    return llm_compact("s1", CWD, forced=True), read_log(wsettings, "s1")
+
+
+def test_a_rollback_during_the_llm_call_leaves_no_stale_compact(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    result, events = _forced_llm_job_with_a_rollback_during_the_call(r, wsettings, stub, through=3)
     rolled = [i for i, e in enumerate(events) if e["type"] == "rollback"]
     assert [e["type"] for e in events].count("summary") == 0
     # the micro step is taken again from the log after the rollback: turns 1-2 are left, turn 1 is old
@@ -1001,17 +1008,7 @@ def test_a_rollback_of_later_turns_during_the_llm_call_keeps_the_summary(
     """An agent undoing its last turn while turns 1-4 were summarized: the summary was dropped
     (and the forced call answered didCompress false after a successful LLM call), though the
     rollback hid none of the turns it and the micro step cover."""
-    write_session(r, wsettings, "s1", 5, window=1000)
-    store = SessionStore(r, wsettings)
-
-    def reply_after_rollback(body: dict[str, Any]) -> str:
-        store.apply("s1", CWD, [{"type": "rollback", "throughTurnId": 5, "reason": "undo", "uuid": "rb"}])
-        return f"<summary>\n{summary_text('kept')}\n</summary>"
-
-    stub.reply = reply_after_rollback
-    install(WorkerContext.build(wsettings, r))
-    result = llm_compact("s1", CWD, forced=True)
-    events = read_log(wsettings, "s1")
+    result, events = _forced_llm_job_with_a_rollback_during_the_call(r, wsettings, stub, through=5)
     rolled = next(i for i, e in enumerate(events) if e["type"] == "rollback")
     kinds = [e["type"] for e in events[rolled + 1:]]
     assert kinds in (["summary"], ["compact", "summary"]), kinds
