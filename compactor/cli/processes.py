@@ -102,7 +102,7 @@ def watch(
     from producer.watcher import main as watcher_main
 
     setup_logging(log_level, log_format)
-    settings = usable_data_dir(_with_redis(load(config, redis_url=redis_url, data_dir=data_dir)), data_dir)
+    settings = _with_redis(usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir))
     connect(settings, service=True).close()  # unreachable now: exit 1, as `work`; an outage later is waited out
     exit_with_parent()
     with user_errors():
@@ -127,7 +127,7 @@ def work(
     from worker.runner import main as runner_main
 
     setup_logging(log_level, log_format)
-    settings = usable_data_dir(_with_redis(load(config, redis_url=redis_url, data_dir=data_dir)), data_dir)
+    settings = _with_redis(usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir))
     exit_with_parent()
     connect(settings, service=True).close()  # one line naming the (redacted) URL when Redis does not answer, as watch says
     with user_errors():
