@@ -402,7 +402,8 @@ def extract_summary(reply: str) -> str:
 def canonical_summary(text: str) -> str:
     """``text`` in the form a summary is stored in (``_canonical_headings``); SummaryInvalid
     unless it has the 10 section headings in order (``validate_summary_text``)."""
-    return _canonical_headings(text, validate_summary_text(text))
+    headings = _headings(text)
+    return _canonical_headings(text, _sections_or_invalid(text, headings), headings)
 
 
 def _unfenced(text: str) -> str | None:
@@ -418,17 +419,17 @@ def _unfenced(text: str) -> str | None:
     return "\n".join(lines[1:-1]).strip()
 
 
-def _canonical_headings(text: str, sections: list[int]) -> str:
+def _canonical_headings(text: str, sections: list[int], headings: list[tuple[int, str | None]]) -> str:
     """``text`` with each section's heading line (``sections``: ``_section_lines``) written
-    ``### Title``: a summary is stored with the headings the prompt asked for, however the
-    model wrote them. A heading line in a body that names a section (a quoted ``## Current
+    ``### Title`` (``headings``: the text's ``_headings``): a summary is stored with the headings
+    the prompt asked for, however the model wrote them. A heading line in a body that names a section (a quoted ``## Current
     Work``, outside a fenced block) is escaped, ``\\## Current Work``: the sections found at
     the model's level, once all at ``###``, could not be told from such a quote at that level,
     and every later reader split the summary at the quote (the rest of the section lost)."""
     lines = text.split("\n")
     changed = False
     chosen = set(sections)
-    for index, title in _headings(text):
+    for index, title in headings:
         if title is not None and index not in chosen:
             line = lines[index]
             at = line.index("#")
@@ -443,7 +444,11 @@ def validate_summary_text(text: str) -> list[int]:
     """The line of each section's heading (``_section_lines``); raise SummaryInvalid unless
     ``text`` has the 10 section headings in order (a heading line that is not the next section's
     is body text; headings inside fenced code blocks do not count)."""
-    headings = _headings(text)
+    return _sections_or_invalid(text, _headings(text))
+
+
+def _sections_or_invalid(text: str, headings: list[tuple[int, str | None]]) -> list[int]:
+    """``validate_summary_text`` given the text's ``_headings``."""
     sections = _section_lines(text, headings)
     if sections is not None:
         return sections
