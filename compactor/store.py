@@ -54,6 +54,7 @@ Guard = Callable[[list[tuple[dict[str, Any], InvalidEvent]]], None]  # called wi
 _T = TypeVar("_T")
 BIG_TEXT_CHARS = 256 * 1024  # an event with this much text is counted while the caller's progress is kept
 KEEP_ALIVE_POLL_S = 0.05  # how often ``progress`` is called while such an event is counted
+BIG_LOG_BYTES = 4 * 1024 * 1024  # a log (or a tail) this long is read and folded while the caller's progress is kept
 UUID_INDEX_CHUNK = 10_000  # uuids per SADD when indexing a whole log
 
 # KEYS: the session hash, its uuid index, the active sessions. ARGV: the new logSize, the
@@ -242,19 +243,20 @@ class SessionStore:
 
     def _current(
         self, session_id: str, cwd: str, log: SessionLog, cached: SessionState | None,
-        stored: Stored, pipeline: Any | None = None,
+        stored: Stored, pipeline: Any | None = None, progress: Callable[[], None] | None = None,
     ) -> tuple[SessionState, set[str] | None, set[str], bool]:
         """``current``; the log's uuids when the state was rebuilt from the whole log (the uuid
         index was rebuilt with it, on ``pipeline`` when given), else None; the uuids of the
         lines past the stored ``logSize`` that were caught up (a crashed writer's; indexed now);
-        and whether the stored state had seen more of the log than it holds (it shrank)."""
+        and whether the stored state had seen more of the log than it holds (it shrank).
+        ``progress`` (the watcher's lease renewal) is kept while a big log is read and folded."""
         size = log.complete_size()  # a crashed writer's torn tail is not part of the log
         state = cached if cached is not None and cached.log_size == size else None
         if state is None:
             state = self.load(session_id) if isinstance(stored, _Unread) else stored
         _check_cwd(session_id, cwd, state)
         if state is None or size < state.log_size:
-            return (*self._reindex(session_id, cwd, log, pipeline), set(), state is not None)
+            return (*self._reindex(session_id, cwd, log, pipeline, progress), set(), state is not None)
         fresh = state.settings == self.settings.context.state_fingerprint
         if not fresh:
             logger.info("state rebuilt session=%s: derived under other settings (%s)", session_id,
@@ -267,26 +269,47 @@ class SessionStore:
             caught_up = set(_uuids(tail))
             if fresh:
                 state = state.copy()
-                fresh = _fold_all(state, tail, self.settings)  # False: the tail changes the past
+                folded = state  # False: the tail changes the past
+                fresh = _keeping_progress(lambda: _fold_all(folded, tail, self.settings),
+                                          progress if size - folded.log_size >= BIG_LOG_BYTES else None)
                 state.log_size = size
         if not fresh:
-            return self.rebuild(session_id, cwd, log), None, caught_up, False
+            return self._rebuilt(session_id, cwd, log, progress), None, caught_up, False
         return state, None, caught_up, False
+
+    def _rebuilt(self, session_id: str, cwd: str, log: SessionLog,
+                 progress: Callable[[], None] | None) -> SessionState:
+        """``rebuild`` for a caller holding the log's lock; a log of ``BIG_LOG_BYTES`` or more is
+        read and folded while ``progress`` is kept (``_keeping_progress``)."""
+        size = log.complete_size()
+
+        def work() -> SessionState:
+            return rebuild(session_id, cwd, log.read() if size else [], self.settings.context, size)
+
+        return _keeping_progress(work, progress if size >= BIG_LOG_BYTES else None)
 
     def _reindex(
         self, session_id: str, cwd: str, log: SessionLog, pipeline: Any | None = None,
+        progress: Callable[[], None] | None = None,
     ) -> tuple[SessionState, set[str]]:
         """Rebuild the state and the uuid index from the whole log (Redis lost them); the
         state and the log's uuids. With ``pipeline`` the index is rebuilt there (queued; the
-        caller saves the state, with ``create``), else the index and the state are stored here."""
+        caller saves the state, with ``create``), else the index and the state are stored here.
+        A log of ``BIG_LOG_BYTES`` or more is read and folded while ``progress`` is kept: a
+        watcher that rebuilt a 100 MB log without stamps (17 s) outlived its shard leases, lost
+        them all and rebuilt it again, every shard stalled, for good."""
         size = log.complete_size()
-        events = log.read() if size else []
+
+        def work() -> tuple[list[dict[str, Any]], SessionState]:
+            events = log.read() if size else []
+            return events, rebuild(session_id, cwd, events, self.settings.context, size)
+
+        events, state = _keeping_progress(work, progress if size >= BIG_LOG_BYTES else None)
         check_logged_cwd(session_id, cwd, _first_session_meta(events))
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.uuids(session_id))
         self._index_uuids(session_id, events, pipe)
         uuids = {e["uuid"] for e in events if isinstance(e.get("uuid"), str)}
-        state = rebuild(session_id, cwd, events, self.settings.context, size)
         if pipeline is None:
             self.save(state, pipe, create=True)  # the hash again, vouching for the index
             pipe.execute()
@@ -398,7 +421,8 @@ class SessionStore:
             self._refuse_other_cwd(session_id, cwd, cached, stored)
         with log.lock():
             pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
-            current, log_uuids, caught_up, shrunk = self._current(session_id, cwd, log, cached, stored, pipe)
+            current, log_uuids, caught_up, shrunk = self._current(session_id, cwd, log, cached, stored, pipe,
+                                                                  progress)
             state = current.copy()
             if known is not None and len(known) != state.events:
                 logger.warning("known events ignored session=%s: %d lines known, state has seen %d",
@@ -433,7 +457,7 @@ class SessionStore:
                     state, result.view = rebuild_with_view(
                         session_id, cwd, known + result.appended, ctx, state.log_size, view)
                 elif needs_rebuild:
-                    state = self.rebuild(session_id, cwd, log)
+                    state = self._rebuilt(session_id, cwd, log, progress)
             elif new and log.discard_if_empty():  # a refused batch leaves no session behind
                 result.discarded = True
                 return result

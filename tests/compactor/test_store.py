@@ -562,3 +562,33 @@ def test_lines_are_stamped_with_the_encoding_of_the_model_known_as_they_come(sto
     assert stamps == {"hello there": "o200k_base", "and gpt-4?": "o200k_base", "back to cl100k": "cl100k_base"}
     log = store.log(SID, CWD)
     assert store.load(SID) == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
+
+
+@pytest.mark.parametrize("how", ["redis lost the state", "settings changed", "rollback appended"])
+def test_a_long_rebuild_keeps_the_callers_progress(store: SessionStore, r: redis.Redis, settings: Settings,
+                                                   monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """A 100 MB log without stamps took 17 s to rebuild, in the watcher's apply, with no progress
+    kept: the watcher lost every shard lease, took them again, rebuilt again: every shard stalled
+    for good. The read and fold of a big log run while ``progress`` (the lease renewal) is called."""
+    import compactor.store as store_module
+
+    store.apply(SID, CWD, [user(1, "hello world", "1-0"), turn_end(1, "2-0")])
+    monkeypatch.setattr(store_module, "BIG_LOG_BYTES", 1, raising=False)  # every log is big
+    slow = store_module.rebuild
+
+    def slow_rebuild(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.5)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(store_module, "rebuild", slow_rebuild)
+    if how == "redis lost the state":
+        r.flushall()
+    elif how == "settings changed":
+        ctx = settings.context.model_copy(update={"micro_compact_min_chars": 50})
+        store = SessionStore(r, settings.model_copy(update={"context": ctx}))
+    calls: list[float] = []
+    events = [user(2, "y", "3-0")] if how != "rollback appended" else [
+        {"type": "rollback", "uuid": "rb", "timestamp": "2026-01-01T00:00:00Z", "throughTurnId": 1, "reason": "x",
+         "streamId": "3-0"}]
+    store.apply(SID, CWD, events, progress=lambda: calls.append(time.monotonic()))
+    assert len(calls) >= 5, len(calls)  # every ~50 ms through the 0.5 s rebuild, not once per event
