@@ -379,6 +379,13 @@ class SessionLog:
         if keep == size:
             return size
         fragment = os.pread(fd, size - keep, keep)
+        if _whole_event(fragment):  # its newline alone is missing (an editor dropped it): a line, kept
+            logger.warning("the last line of %s had no newline: one added", self.path)
+            try:
+                os.write(fd, b"\n")  # (the descriptor appends)
+            except OSError as e:
+                raise LogWriteFailed(f"{self.path}: cannot end its last line: {e}") from e
+            return size + 1
         logger.warning("torn tail of %d bytes moved from %s to %s", len(fragment), self.path, self.torn_path)
         try:
             with open(self.torn_path, "ab") as torn:
@@ -416,6 +423,17 @@ class SessionLog:
             logger.exception("could not truncate %s back to %d bytes after a failed append", self.path, size)
         else:
             logger.error("append to %s failed after %d bytes; truncated back to %d", self.path, written, size)
+
+
+def _whole_event(fragment: bytes) -> bool:
+    """Whether a log's unterminated last line is a whole event, not a crashed writer's fragment:
+    a JSON object whose ``type`` is a string (a fragment of one is never JSON: its closing brace
+    comes last; a writer that died right before the newline wrote the whole event)."""
+    try:
+        event = orjson.loads(fragment)
+    except orjson.JSONDecodeError:
+        return False
+    return type(event) is dict and type(event.get("type")) is str
 
 
 class _Held:

@@ -228,6 +228,18 @@ def test_torn_tail_is_moved_aside_before_an_append(tmp_path: Path) -> None:
     assert log.torn_path.read_bytes() == b'{"type":"user","uuid":"half\n'
 
 
+def test_a_whole_last_line_missing_only_its_newline_is_kept(tmp_path: Path) -> None:
+    """An editor that drops a file's final newline: the last event was moved to the .torn file by
+    the next append (its stream entry acked long before: the event lost)."""
+    log = _log(tmp_path)
+    log.append([_event(1), _event(2)])
+    os.truncate(log.path, log.path.stat().st_size - 1)
+    assert log.read() == [_event(1)]  # (readers wait for its newline: a writer may be mid-line)
+    log.append([_event(3)])
+    assert log.read() == [_event(1), _event(2), _event(3)]
+    assert not log.torn_path.exists()
+
+
 def test_a_file_that_is_all_fragment_is_emptied_into_the_torn_file(tmp_path: Path) -> None:
     log = _log(tmp_path)
     log.path.parent.mkdir(parents=True)
@@ -250,6 +262,8 @@ def test_torn_tail_repair_keeps_every_complete_line(tmp_path: Path, texts: list[
     keep = int(len(raw) * cut)
     os.truncate(log.path, keep)
     complete = raw[:keep].count(b"\n")
+    if raw[keep:keep + 1] == b"\n" and keep and raw[keep - 1:keep] != b"\n":
+        complete += 1  # cut right before a newline: the line is whole, and kept
     log.append([_event(99)])
     assert log.read() == events[:complete] + [_event(99)]
 
