@@ -229,7 +229,7 @@ def interrupted_by_signals() -> Iterator[list[int]]:
     """SIGINT, SIGTERM and SIGHUP each interrupt the command as Ctrl-C does, so its clean-up runs
     (SIGTERM or a closed terminal killed ``demo`` and ``bench`` at once: their Redis, temp dirs,
     child processes and keys left behind); a second signal does not interrupt that clean-up.
-    Yields the signals received (``stopped_by``: the exit code the first one calls for)."""
+    Yields the signals received (the first one's exit code is 128 + its number)."""
     from compactor.serve import stop_signals_handled
 
     received: list[int] = []
