@@ -61,7 +61,7 @@ from events.config import EXTRACTIVE
 from events.errors import SummaryInvalid
 from events.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD_TOKENS, arguments_json, count_tokens, event_tokens
 from events.view import str_or_empty as _str
-from worker.summarize import SECTION_TITLES, canonical_summary, leaves_a_fence_open, split_sections
+from worker.summarize import SECTION_TITLES, canonical_summary, fenced_line_starts, split_sections
 
 EXTRACTIVE_MODEL = EXTRACTIVE  # (named in events.config, which refuses a misspelling)
 MAX_FILES = 60
@@ -331,8 +331,9 @@ def _carried_messages(body: str | None) -> list[str | _Message]:
     body = "" if body is None or body == "None." else body
     parts: list[str | _Message] = []
     end = 0
+    fenced = fenced_line_starts(body)
     for match in _MESSAGE_ITEM.finditer(body):
-        if leaves_a_fence_open(body[end:match.start()]):
+        if match.start() in fenced:
             continue  # a look-alike inside the other text's fenced block: part of that text
         if match.group("length") is None:
             item = _Message(match.group("text"))

@@ -311,20 +311,21 @@ def _headings(text: str) -> list[tuple[int, str | None]]:
     return lines
 
 
-def leaves_a_fence_open(text: str) -> bool:
-    """Whether ``text`` opens a fenced code block it does not close (the rules of ``_headings``):
-    what follows it is inside that block."""
-    fence = ""
+def fenced_line_starts(text: str) -> set[int]:
+    """The offsets in ``text`` of the lines that start inside a fenced code block (the rules of
+    ``_headings``): one pass, whatever the number of lines asked about."""
+    inside: set[int] = set()
+    fence, offset = "", 0
     for line in text.split("\n"):
         stripped = line.strip()
         if fence:
+            inside.add(offset)
             if stripped == fence[0] * len(stripped) and len(stripped) >= len(fence):
                 fence = ""
-            continue
-        opening = _FENCE.match(line)
-        if opening:
+        elif opening := _FENCE.match(line):
             fence = opening.group(1)
-    return bool(fence)
+        offset += len(line) + 1
+    return inside
 
 
 def _first_headings(headings: list[tuple[int, str | None]]) -> list[str]:
