@@ -423,16 +423,27 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a stop,
 
 @contextmanager
 def stop_signals_held() -> Iterator[None]:
-    """``STOP_SIGNALS`` held back in the block and delivered after it (in the main thread; no
-    process may be started in it: a child inherits the mask, and would ignore them)."""
+    """``STOP_SIGNALS`` held back in the block (main thread only) and handed to their handlers
+    after it, in the order they came. (Not with a signal mask: a signal sent to the process goes
+    to any thread that does not block it, and its Python handler then runs in the main thread
+    all the same.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    pending: list[signal.Signals] = []
+    previous = {s: signal.signal(s, lambda signum, _frame: pending.append(signal.Signals(signum)))
+                for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for s, old in previous.items():
+            signal.signal(s, old)
+        for signum in pending:
+            handler = previous[signum]
+            if callable(handler):
+                handler(signum, None)  # (what it raises, KeyboardInterrupt say, goes on from here)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)  # its default action, now
 
 
 @contextmanager
