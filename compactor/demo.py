@@ -237,6 +237,11 @@ def _agents(options: DemoOptions) -> list[Agent]:
                   random.Random(rng.getrandbits(32))) for n in range(options.sessions)]
 
 
+def _session_tag(agents: list[Agent]) -> str:
+    """The run's part of its session ids (``demo-{tag}``): what names its jobs and keys."""
+    return agents[0].session_id.rsplit("-", 1)[0]
+
+
 Snapshot = Callable[[dict[str, Any]], None]
 
 
@@ -259,16 +264,16 @@ def run_demo(settings: Settings, options: DemoOptions, *, on_tick: Snapshot | No
                     client.close()
         finally:  # once the workers have stopped: a job still running wrote its keys after a cleanup before
             if settings.redis.url:
-                _cleanup(settings.redis.url, demo.redis.prefix, agents[0].session_id.rsplit("-", 1)[0])
+                _cleanup(settings.redis.url, demo.redis.prefix, _session_tag(agents))
 
 
 def _drive(client: redis.Redis, settings: Settings, agents: list[Agent], options: DemoOptions,
-           on_tick: Snapshot | None, keep_up: Callable[[], None] = lambda: None) -> dict[str, Any]:
+           on_tick: Snapshot | None, keep_up: Callable[[], None]) -> dict[str, Any]:
     """Run the agents until done and the jobs settle; ``keep_up`` (the stack's ``Supervisor.check``)
     restarts a child that died meanwhile, as ``serve`` does (a watcher killed mid-run left the
     demo waiting 30 s, then reporting all zeros, exit 0)."""
     publisher = Publisher(client, settings)
-    stop, stats, started = threading.Event(), JobStats(agents[0].session_id.rsplit("-", 1)[0] + "-"), time.monotonic()
+    stop, stats, started = threading.Event(), JobStats(_session_tag(agents) + "-"), time.monotonic()
     errors: list[Exception] = []
 
     def run(agent: Agent) -> None:  # an agent's error stops them all and is raised here, not dumped
@@ -298,7 +303,7 @@ def _drive(client: redis.Redis, settings: Settings, agents: list[Agent], options
 
 def _wait(done: Callable[[], bool], client: redis.Redis, settings: Settings, agents: list[Agent],
           stats: JobStats, started: float, on_tick: Snapshot | None,
-          timeout_s: float | None, keep_up: Callable[[], None] = lambda: None) -> None:
+          timeout_s: float | None, keep_up: Callable[[], None]) -> None:
     deadline = time.monotonic() + timeout_s if timeout_s else None
     while not done():
         keep_up()

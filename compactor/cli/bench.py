@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import signal
 from enum import Enum
 from typing import Annotated, Any
 
@@ -57,13 +56,8 @@ def bench(
     """Benchmark the context view, event ingestion and compaction jobs."""
     load(config)  # a bad config file fails here with exit 2, like every command
     names = [s.value for s in (SCENARIOS if scenario is Scenario.all else (scenario,))]
-    with interrupted_by_signals() as received:  # (its Redis, watcher and temp dirs stopped and removed)
-        try:
-            results = _run_with_progress(names, quick)
-        except KeyboardInterrupt:
-            if received and received[0] != signal.SIGINT:  # the signal's exit code, as demo
-                raise typer.Exit(128 + received[0]) from None
-            raise
+    with interrupted_by_signals():  # (its Redis, watcher and temp dirs stopped and removed)
+        results = _run_with_progress(names, quick)
     if json_out:
         print_json(results if scenario is Scenario.all else results[scenario.value])
         return

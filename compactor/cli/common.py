@@ -16,6 +16,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -199,12 +200,18 @@ def connect(settings: Settings, *, service: bool = False) -> redis.Redis:
     try:
         client.ping()
         if service:
-            check_access(client, settings.redis.prefix)
-    except AccessDenied as e:
-        fail(f"Redis at {redacted(url)}: {e}")
+            _access_or_exit(client, settings, url)
     except (redis.RedisError, OSError) as e:
         fail(f"Redis unreachable at {redacted(url)}: {e}")
     return client
+
+
+def _access_or_exit(client: redis.Redis, settings: Settings, url: str) -> None:
+    """``check_access``; exit 1 with its one line when Redis's ACL refuses the service something."""
+    try:
+        check_access(client, settings.redis.prefix)
+    except AccessDenied as e:
+        fail(f"Redis at {redacted(url)}: {e}")
 
 
 def check_access_if_up(settings: Settings) -> None:
@@ -215,9 +222,7 @@ def check_access_if_up(settings: Settings) -> None:
     client = redis.Redis.from_url(settings.redis.url, socket_timeout=5, socket_connect_timeout=2)
     try:
         client.ping()
-        check_access(client, settings.redis.prefix)
-    except AccessDenied as e:
-        fail(f"Redis at {redacted(settings.redis.url)}: {e}")
+        _access_or_exit(client, settings, settings.redis.url)
     except (redis.RedisError, OSError):
         pass
     finally:
@@ -225,11 +230,12 @@ def check_access_if_up(settings: Settings) -> None:
 
 
 @contextmanager
-def interrupted_by_signals() -> Iterator[list[int]]:
+def interrupted_by_signals() -> Iterator[None]:
     """SIGINT, SIGTERM and SIGHUP each interrupt the command as Ctrl-C does, so its clean-up runs
     (SIGTERM or a closed terminal killed ``demo`` and ``bench`` at once: their Redis, temp dirs,
     child processes and keys left behind); a second signal does not interrupt that clean-up.
-    Yields the signals received (the first one's exit code is 128 + its number)."""
+    Stopped by SIGTERM or SIGHUP, the command exits with that signal's code (128 + its number);
+    by Ctrl-C, as Ctrl-C does (130)."""
     from compactor.serve import stop_signals_handled
 
     received: list[int] = []
@@ -240,7 +246,12 @@ def interrupted_by_signals() -> Iterator[list[int]]:
             raise KeyboardInterrupt
 
     with stop_signals_handled(interrupt):
-        yield received
+        try:
+            yield
+        except KeyboardInterrupt:
+            if received and received[0] != signal.SIGINT:  # stopped, and cleaned up: the signal's exit code
+                raise typer.Exit(128 + received[0]) from None
+            raise
 
 
 @contextmanager

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 import tempfile
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated, Any
@@ -66,13 +65,8 @@ def demo(
         usable_dir(data_dir, "--data-dir")
     options = DemoOptions(sessions=sessions, turns=turns, context_window=window,
                           workers=workers, data_dir=data_dir)
-    with interrupted_by_signals() as received, tempfile.TemporaryFile() as child_output, user_errors():
-        try:
-            result = _run(settings, options, json_out, child_output)
-        except KeyboardInterrupt:
-            if received and received[0] != signal.SIGINT:  # stopped, and cleaned up: the signal's exit code
-                raise typer.Exit(128 + received[0]) from None
-            raise
+    with interrupted_by_signals(), tempfile.TemporaryFile() as child_output, user_errors():
+        result = _run(settings, options, json_out, child_output)
     if json_out:
         print_json(result)
         return
