@@ -79,6 +79,33 @@ def test_python_dash_m_runs_the_cli() -> None:
     assert all(command in done.stdout for command in COMMANDS)
 
 
+# Sends the child a SIGINT as it first imports pydantic (which the command line needs, the entry
+# point itself not), then runs the installed console script as pip's wrapper does.
+CTRL_C_WHILE_IMPORTING = """
+import importlib.abc, os, signal, sys
+from importlib.metadata import entry_points
+
+class CtrlC(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "pydantic":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+(script,) = [e for e in entry_points(group="console_scripts") if e.name == "compactor"]
+sys.argv = ["compactor", "status", "--json"]
+sys.exit(script.load()())
+"""
+
+
+def test_ctrl_c_while_the_command_line_loads_exits_130_without_a_traceback() -> None:
+    # (it printed a KeyboardInterrupt traceback of the imports: the first half second of every command)
+    done = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING], check=False, capture_output=True,
+                          text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (130, "")
+
+
 @pytest.mark.parametrize("yaml_text,fragment", [
     ("context:\n  microCompactThreshold: 2\n", "context.microCompactThreshold"),
     ("redis:\n  shard: 3\n", "redis.shard"),
