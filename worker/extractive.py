@@ -96,11 +96,15 @@ MINIMAL_BOUNDS = Bounds(files=5, error_lines=3, decisions=2, pending=3, concepts
                         request_chars=200, current_work_chars=300)
 
 _PATH = re.compile(
-    r"(?<![\w/.<-])((?:~|\.{1,2})?/?(?:[\w.-]+/)+[\w.-]+\.[A-Za-z0-9]{1,8}|[\w-]+\.(?:py|js|ts|tsx|jsx|"
+    r"(?<![\w/.<\\-])("
+    # Windows: from a drive (C:\src\app), or relative with an extension (src\app\main.py); its
+    # basename alone was listed
+    r"[A-Za-z]:\\(?:[\w.-]+\\)*[\w.-]*[\w-]\\?|(?:\.{1,2}\\)?(?:[\w.-]+\\)+[\w.-]+\.[A-Za-z0-9]{1,8}"
+    r"|(?:~|\.{1,2})?/?(?:[\w.-]+/)+[\w.-]+\.[A-Za-z0-9]{1,8}|[\w-]+\.(?:py|js|ts|tsx|jsx|"
     r"go|rs|java|rb|c|h|cpp|hpp|cs|md|json|ya?ml|toml|ini|cfg|sh|sql|html|css|txt|lock)"
     r"|(?:~|\.{1,2})?/(?:[\w.-]+/)*[\w.-]*[\w-]/?"  # absolute, home or dot-relative, no extension needed
     r"|(?:Makefile|Dockerfile|Containerfile|Procfile|Gemfile|Rakefile|Jenkinsfile|Vagrantfile|README|LICENSE))"
-    r"(?![\w/])"
+    r"(?![\w/\\])"
 )
 _PATH_ARGUMENT = re.compile(r"path|file|dir", re.IGNORECASE)  # a tool-call argument naming a path
 _ERROR = re.compile(r"(error|exception|traceback|failed|failure|fatal|panic|fault|denied|not found|abort)",

@@ -62,6 +62,15 @@ def test_paths_without_extensions_path_arguments_and_crash_lines_are_extracted()
     assert "localhost" not in sections["Errors and Fixes"]
 
 
+def test_windows_paths_are_listed_whole_not_as_their_basename() -> None:
+    events = [{"type": "user", "turnId": 1,
+               "content": "open C:\\Users\\me\\app\\main.py, then src\\utils\\io.py and ..\\lib\\y.ts; "
+                          "cd D:\\work\\proj\\ first; printf(\"a\\n\")"}]
+    listed = split_sections(extractive_summary(events, None))["Files and Code Sections"].splitlines()
+    assert listed == ["- C:\\Users\\me\\app\\main.py", "- src\\utils\\io.py", "- ..\\lib\\y.ts",
+                      "- D:\\work\\proj\\"]
+
+
 def test_files_errors_and_current_work_are_extracted() -> None:
     sections = split_sections(extractive_summary(EVENTS, None))
     for path in ("tests/test_app.py", "src/app/main.py", "README.md"):
