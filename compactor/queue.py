@@ -26,6 +26,8 @@ Invariants:
 - Job ids are ``{time_ns:020d}-{kind}-{sid}``: sortable, so jobs of a session
   enqueued within the same second are released in enqueue order, and each
   names its session (the worker's janitor relies on that for killed jobs).
+  The stamp is in Redis's time (``sync_clock``: each enqueuer measures its
+  clock's offset to Redis's once a minute), as the claims are aged by it.
 - A claim whose job is gone or already ended (a crashed enqueuer, a worker
   killed before it could release) is stale and replaced on the next trigger.
 
@@ -190,13 +192,33 @@ UNCHECKED = _Unchecked()
 
 _id_lock = threading.Lock()
 _last_ns = 0
+CLOCK_SYNC_EVERY_S = 60.0  # how often an enqueuer re-reads its clock's offset to Redis's
+_clock_offset_ns = 0  # Redis's clock minus this host's, as last measured
+_clock_synced_at: float | None = None  # time.monotonic() of that measure
+
+
+def sync_clock(client: redis.Redis) -> None:
+    """Measure this host's clock against Redis's (one ``TIME``, at most once a minute), so the
+    job ids it stamps are in Redis's time, as the claim scripts and the janitor age them: a host
+    whose clock was a minute behind Redis's minted claims that looked dead at once (any other
+    enqueuer replaced them before their job was queued), one ahead kept a dead claim for longer."""
+    global _clock_offset_ns, _clock_synced_at
+    now = time.monotonic()
+    if _clock_synced_at is not None and now - _clock_synced_at < CLOCK_SYNC_EVERY_S:
+        return
+    before = time.time_ns()
+    seconds, micros = client.time()
+    after = time.time_ns()
+    with _id_lock:
+        _clock_offset_ns = (int(seconds) * 1_000_000 + int(micros)) * 1000 - (before + after) // 2
+        _clock_synced_at = now
 
 
 def _next_ns() -> int:
-    """A wall-clock nanosecond stamp, strictly increasing within this process."""
+    """A nanosecond stamp in Redis's time (as last synced), strictly increasing within this process."""
     global _last_ns
     with _id_lock:
-        _last_ns = max(time.time_ns(), _last_ns + 1)
+        _last_ns = max(time.time_ns() + _clock_offset_ns, _last_ns + 1)
         return _last_ns
 
 
@@ -260,6 +282,7 @@ def enqueue_compaction(
         if kind != "llm":
             raise ValueError("a forced compaction is an llm one")
         return enqueue_forced_compaction(client, settings, session_id, cwd)
+    sync_clock(client)
     job_id = new_job_id(session_id, kind)
     reply = client.eval(*_claim_call(settings, Trigger(session_id, cwd, kind, breaker_open_kind), job_id))
     claimed = _claimed(session_id, reply)
@@ -288,6 +311,7 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     that fails: another spelling of the cwd (``/app/`` for ``/app``) finds the same log.
     """
     check_bound_cwd(client, settings, session_id, cwd)
+    sync_clock(client)
     queue = compaction_queue(client, settings)
     job = queue.create_job(**_job_spec(settings, session_id, cwd, new_job_id(session_id, "llm"), True),
                            status=JobStatus.CREATED)
@@ -346,6 +370,7 @@ def trigger_compactions(client: redis.Redis, settings: Settings, triggers: list[
     job yet are stale after the grace period: the janitor frees them and re-checks).
     The claimed jobs are enqueued together; an error frees their claims and is raised.
     """
+    sync_clock(client)
     pipe = client.pipeline(transaction=False)
     for trigger in triggers:
         if trigger.kind not in JOB_FUNCTIONS:
@@ -551,6 +576,6 @@ def _job_spec(settings: Settings, session_id: str, cwd: str, job_id: str, forced
 __all__ = [
     "FORCED_TRIGGER", "JOB_FUNCTIONS", "UNCHECKED", "Kind", "Trigger", "trigger_compactions", "claim_is_stale",
     "compaction_queue", "enqueue_compaction", "enqueue_forced_compaction", "new_job_id",
-    "parse_job_id", "pending_job_id", "promote_forced", "rate_limit_for", "release_pending",
+    "parse_job_id", "pending_job_id", "promote_forced", "rate_limit_for", "release_pending", "sync_clock",
     "sessions_to_look_at", "settle_trigger", "redis_now",
 ]

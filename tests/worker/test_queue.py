@@ -8,6 +8,7 @@ import pytest
 import redis
 from rq.job import Job, JobStatus
 
+import compactor.queue as queue_module
 from compactor.keys import Keys
 from compactor.queue import (
     FORCED_TRIGGER,
@@ -173,6 +174,24 @@ def test_claim_without_a_job_is_kept_during_the_grace_period(r: redis.Redis, set
     assert enqueue_compaction(r, settings, "s1", CWD, "llm") is None
     r.set(Keys().job("s1"), "00000000000000000001-llm-s1")  # long ago: it crashed
     assert enqueue_compaction(r, settings, "s1", CWD, "llm") is not None
+
+
+@pytest.mark.parametrize("skew_s", [-60.0, 3600.0])
+def test_job_ids_are_stamped_in_redis_s_time_whatever_the_host_s_clock(
+        r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch, skew_s: float) -> None:
+    """Claims are aged by Redis's clock against the stamp in their job id: a host a minute behind
+    Redis minted claims that looked dead at once (another trigger replaced one before its job was
+    queued: two jobs), one an hour ahead kept a dead claim for an hour."""
+    real = time.time_ns
+    monkeypatch.setattr(time, "time_ns", lambda: real() + int(skew_s * 1e9))
+    monkeypatch.setattr(queue_module, "_clock_synced_at", None)  # (a new process on that host)
+    monkeypatch.setattr(queue_module, "_clock_offset_ns", queue_module._clock_offset_ns)  # (restored after)
+    monkeypatch.setattr(queue_module, "_enqueue_claimed", lambda *args: args[-1])  # claimed, not queued yet
+    first = enqueue_compaction(r, settings, "s1", CWD, "llm")
+    assert first is not None
+    seconds, micros = r.time()
+    assert abs(parse_job_id(first)[0] / 1e9 - (int(seconds) + int(micros) / 1e6)) < 5  # type: ignore[index]
+    assert enqueue_compaction(r, settings, "s1", CWD, "llm") is None  # its claim holds: coalesced
 
 
 @pytest.mark.parametrize("skew_s", [-3600.0, 3600.0])
