@@ -33,6 +33,7 @@ import logging
 import os
 import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -211,7 +212,27 @@ def child_env(parent_pid: int) -> dict[str, str]:
     env.pop("CODINGCODE_CONFIG", None)
     env[PARENT_PID_ENV] = str(parent_pid)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
+    return our_code_env(env)
+
+
+def our_python(*args: str) -> list[str]:
+    """The command line of a child Python running this code: ``-P`` keeps the working directory
+    off its import path. A folder named ``events``, ``worker``, ``producer`` or ``compactor`` there
+    (an agent's own project, say) was imported instead of ours: serve's and demo's children died
+    at start (``No module named 'events.errors'``). Give it the environment of ``our_code_env``."""
+    return [sys.executable, "-P", *args]
+
+
+def our_code_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with the directory our packages were imported from first on ``PYTHONPATH``, unless
+    it is a site-packages directory (there already, and never put before the standard library):
+    a child run with ``-P`` from an uninstalled checkout found them by the working directory."""
+    root = Path(__file__).resolve().parent.parent
+    site_dirs = {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    if root in site_dirs:
+        return env
+    rest = env.get("PYTHONPATH", "")
+    return {**env, "PYTHONPATH": f"{root}{os.pathsep}{rest}" if rest else str(root)}
 
 
 def exit_with_parent(parent_pid: int | None = None) -> None:
@@ -267,7 +288,7 @@ class Supervisor:
         self.env = child_env(os.getpid())
 
     def _spawn(self, child: Child) -> None:
-        argv = [sys.executable, "-m", "compactor", *child.spec.args, "--config", str(self.config)]
+        argv = our_python("-m", "compactor", *child.spec.args, "--config", str(self.config))
         child.process = subprocess.Popen(
             argv, env=self.env, stdin=subprocess.DEVNULL, start_new_session=True,
             stdout=self.output, stderr=subprocess.STDOUT if self.output else None)

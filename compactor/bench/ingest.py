@@ -46,7 +46,6 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -63,7 +62,7 @@ from rq.job import Job
 from compactor.embedded import EmbeddedRedis
 from compactor.keys import Keys
 from compactor.queue import parse_job_id
-from compactor.serve import PARENT_PID_ENV
+from compactor.serve import PARENT_PID_ENV, our_code_env, our_python
 from events.config import Settings
 from events.tokens import count_tokens, encoding_for_model
 from producer.publisher import Publisher
@@ -406,8 +405,8 @@ def _watcher_process(client: redis.Redis, settings: Settings, tmp: Path) -> Iter
         "redis": {"url": settings.redis.url, "prefix": settings.redis.prefix},
         "watcher": {"batchSize": BATCH, "blockMs": 100, "leaseMs": 10_000},
     }))
-    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", PARENT_PID_ENV: str(os.getpid())}
-    process = subprocess.Popen([sys.executable, "-c", WATCHER_SCRIPT, str(config)], env=env,
+    env = our_code_env({**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", PARENT_PID_ENV: str(os.getpid())})
+    process = subprocess.Popen(our_python("-c", WATCHER_SCRIPT, str(config)), env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for_leases(client, settings, process)

@@ -200,7 +200,7 @@ def test_serve_on_a_port_in_use_says_so_before_starting_anything(tmp_path: Path)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "compactor", "serve", "--workers", "1", "--port", str(port)],
+        done = subprocess.run([sys.executable, "-P", "-m", "compactor", "serve", "--workers", "1", "--port", str(port)],
                               env=env, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
@@ -214,14 +214,18 @@ def test_serve_on_a_port_in_use_says_so_before_starting_anything(tmp_path: Path)
 def served(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """``compactor serve`` on a fresh data dir, the embedded Redis, one worker. The data dir is
     given relative to the working directory the commands run in (``cwd``): a relative one had
-    made the embedded Redis fail to start, and ``status`` miss its socket."""
+    made the embedded Redis fail to start, and ``status`` miss its socket. That directory holds
+    packages named as ours (an agent's own project): serve's children imported them and died."""
+    for name in ("events", "worker", "producer", "compactor"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('the working directory\\'s {name}/')\n")
     config = tmp_path / "codingcode.yaml"
     config.write_text("context:\n  compactionModel: extractive\n")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
     env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_DATA_DIR="data")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "compactor", "serve", "--config", str(config), "--workers", "1",
+    process = subprocess.Popen(  # (-P: as the console script, which does not put the directory on the path)
+        [sys.executable, "-P", "-m", "compactor", "serve", "--config", str(config), "--workers", "1",
          "--port", str(port), "--log-level", "WARNING"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     info = {"process": process, "port": port, "env": env, "config": config, "cwd": tmp_path,
@@ -276,13 +280,13 @@ def test_serve_runs_the_stack_on_embedded_redis_and_stops_cleanly(served: dict[s
              "an LLM (extractive) summary in the log")
 
     status = subprocess.run(  # finds the embedded Redis through its socket: no REDIS_URL
-        [sys.executable, "-m", "compactor", "status", "--json"], check=False, env=served["env"],
+        [sys.executable, "-P", "-m", "compactor", "status", "--json"], check=False, env=served["env"],
         capture_output=True, text=True, timeout=60, cwd=served["cwd"])
     assert status.returncode == 0, status.stderr
     assert [row["sessionId"] for row in json.loads(status.stdout)] == ["s1"]
 
     second = subprocess.run(
-        [sys.executable, "-m", "compactor", "serve", "--port", str(free_port())],
+        [sys.executable, "-P", "-m", "compactor", "serve", "--port", str(free_port())],
         check=False, env=served["env"], capture_output=True, text=True, timeout=60, cwd=served["cwd"])
     assert second.returncode == 2 and "already runs" in second.stderr
 
@@ -326,7 +330,7 @@ def test_serve_with_json_logs_writes_only_json_lines(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
     env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_DATA_DIR=str(tmp_path / "data"))
     process = subprocess.Popen(
-        [sys.executable, "-m", "compactor", "serve", "--workers", "1", "--port", str(port),
+        [sys.executable, "-P", "-m", "compactor", "serve", "--workers", "1", "--port", str(port),
          "--log-format", "json"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -383,7 +387,7 @@ def test_serve_names_the_api_once_it_answers(tmp_path: Path) -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
     env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_DATA_DIR=str(tmp_path / "data"))
-    process = subprocess.Popen([sys.executable, "-m", "compactor", "serve", "--workers", "1", "--port", str(port)],
+    process = subprocess.Popen([sys.executable, "-P", "-m", "compactor", "serve", "--workers", "1", "--port", str(port)],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         _line_with(process, f"API http://127.0.0.1:{port}")
@@ -406,7 +410,7 @@ def test_api_names_its_port_once_it_listens_and_exits_0_when_stopped(redis_url: 
     exit 0; a SIGHUP killed it without its graceful stop."""
     env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
     env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_DATA_DIR=str(tmp_path / "data"))
-    process = subprocess.Popen([sys.executable, "-m", "compactor", "api", "--port", "0", "--redis-url", redis_url],
+    process = subprocess.Popen([sys.executable, "-P", "-m", "compactor", "api", "--port", "0", "--redis-url", redis_url],
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         line = _line_with(process, "API listening on http://127.0.0.1:")
