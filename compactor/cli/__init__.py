@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import typer
 
+from compactor import __version__
 from compactor.cli import bench, demo, health, processes, sessions
 
 app = typer.Typer(
@@ -30,6 +31,20 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+def _version(shown: bool) -> None:
+    if shown:
+        typer.echo(f"compactor {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """Context compaction service for LLM coding agents."""
+
 
 PANELS = {
     "Processes": (processes.serve, processes.watch, processes.work, processes.api),

@@ -174,6 +174,7 @@ def context(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Show the context the model would see (SPEC §4), computed from the log alone."""
+    outside_the_stack()  # (before producer.api_sessions imports compactor.metrics)
     from producer.api_sessions import context_body
 
     settings = load(config, data_dir=data_dir)

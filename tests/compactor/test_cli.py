@@ -72,6 +72,14 @@ def test_demo_help_says_it_never_uses_the_configured_data_dir(runner: CliRunner)
             "COMPACTION_DATA_DIR)") in text
 
 
+def test_version_is_the_installed_distributions(runner: CliRunner) -> None:
+    from importlib.metadata import version
+
+    for flag in ("--version", "-V"):
+        result = runner.invoke(app, [flag])
+        assert (result.exit_code, result.output) == (0, f"compactor {version('compactor')}\n")
+
+
 def test_python_dash_m_runs_the_cli() -> None:
     done = subprocess.run([sys.executable, "-m", "compactor", "--help"], check=False, capture_output=True,
                           text=True, timeout=60)
@@ -796,7 +804,7 @@ def queued_compact_process(r: redis.Redis, settings: Settings, config: Path) -> 
     return process
 
 
-def test_compact_and_status_keep_out_of_the_stacks_shared_metrics(r: redis.Redis, settings: Settings,
+def test_compact_status_and_context_keep_out_of_the_stacks_shared_metrics(r: redis.Redis, settings: Settings,
                                                                     config: Path, tmp_path: Path) -> None:
     """``docker compose exec api compactor compact`` (PROMETHEUS_MULTIPROC_DIR set, as in every
     container) counted its enqueue into the stack's metrics, and each run left a file there."""
@@ -804,8 +812,10 @@ def test_compact_and_status_keep_out_of_the_stacks_shared_metrics(r: redis.Redis
     shared = tmp_path / "metrics"
     shared.mkdir()
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    for command in (["compact", SID, "--cwd", CWD, "--timeout", "0.3"], ["status"]):
-        done = subprocess.run([sys.executable, "-m", "compactor", *command, *base_args(settings, config)],
+    for command in (["compact", SID, "--cwd", CWD, "--timeout", "0.3", *base_args(settings, config)],
+                    ["status", *base_args(settings, config)],
+                    ["context", SID, "--cwd", CWD, "--config", str(config), "--data-dir", str(settings.data_dir)]):
+        done = subprocess.run([sys.executable, "-m", "compactor", *command],
                               env=env, capture_output=True, text=True, timeout=60, check=False)
         assert done.returncode in (0, 1), done.stderr
     assert compaction_queue(r, settings).count == 1  # (the compact did enqueue)
