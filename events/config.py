@@ -453,6 +453,12 @@ def _all_keys() -> frozenset[str]:
     return frozenset(keys)
 
 
+@functools.cache
+def _top_level_keys() -> frozenset[str]:
+    """The file's top-level keys (sections and ``dataDir``)."""
+    return frozenset(field.alias or name for name, field in Settings.model_fields.items())
+
+
 def _is_a_number(text: str) -> bool:
     try:
         float(text)
@@ -492,6 +498,10 @@ def load_settings(
     """
     file, required = config_path(path)
     data = _read_yaml(file, required)
+    for key in data:  # (other unknown top-level keys are the agent's own: left alone)
+        if isinstance(key, str) and "_" in key and to_camel(key) in _top_level_keys():
+            # the logs went elsewhere with only a warning (``data_dir`` was read until 2026-11-30)
+            raise InvalidConfig(key, f"unknown key (the file spells it {to_camel(key)})")
     for key, section in misspelt_sections(data):
         logger.warning("%s: unknown top-level key %r ignored; did you mean %r?", file, key, section)
     applied = _apply_env(data, os.environ if environ is None else environ)
