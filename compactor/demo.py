@@ -188,6 +188,17 @@ class JobStats:
             self.released += int(value.get("released", 0)) if isinstance(value, dict) else 0
         self.failed = sum(1 for j in queue.failed_job_registry.get_job_ids() if self.ours(j))
 
+    def first_error(self, client: redis.Redis, settings: Settings) -> str | None:
+        """The last line of the error of this run's first failed job (None: none failed)."""
+        queue = compaction_queue(client, settings)
+        failed = sorted(j for j in queue.failed_job_registry.get_job_ids() if self.ours(j))
+        for job in Job.fetch_many(failed[:1], connection=client):
+            result = job.latest_result() if job is not None else None
+            text = (result.exc_string if result is not None else None) or (job.exc_info if job else None) or ""
+            lines = [line for line in text.splitlines() if line.strip()]
+            return f"{failed[0]}: {lines[-1].strip() if lines else 'no error recorded'}"
+        return None
+
     def pending(self, client: redis.Redis, settings: Settings) -> int:
         queue = compaction_queue(client, settings)
         counts = (queue.count, queue.started_job_registry.count, queue.deferred_job_registry.count)
@@ -360,6 +371,7 @@ def summary(client: redis.Redis, settings: Settings, agents: list[Agent], stats:
     numbers["compactions"] = {"micro": sum(r["micro"] for r in rows),
                               "llm": sum(r["llm"] for r in rows)}
     numbers["compactionModel"] = settings.context.compaction_model
+    numbers["firstJobError"] = stats.first_error(client, settings) if stats.failed else None
     numbers["perSession"] = rows
     return numbers
 

@@ -17,6 +17,7 @@ from compactor.cli.common import (
     JsonOpt,
     data_dir_path,
     err_console,
+    fail,
     interrupted_by_signals,
     load,
     print_json,
@@ -69,8 +70,10 @@ def demo(
         result = _run(settings, options, json_out, child_output)
     if json_out:
         print_json(result)
-        return
-    Console().print(summary_table(result))
+    else:
+        Console().print(summary_table(result))
+    if result.get("failedJobs"):  # (it exited 0 with every LLM job failed, saying nothing of why)
+        fail(f"{result['failedJobs']} compaction job(s) failed; the first, {result.get('firstJobError')}")
 
 
 def _run(settings: Settings, options: DemoOptions, json_out: bool, child_output: IO[bytes]) -> dict[str, Any]:

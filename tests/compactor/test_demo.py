@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from compactor.demo import Agent, DemoOptions, _agents, demo_settings
+from compactor.llm_stub import STUB_MODEL, LLMStub
 from events.config import ENV_OVERRIDES, Settings
 from events.models import parse_event
 
@@ -74,6 +75,27 @@ def test_demo_with_defaults_finishes_under_a_minute_with_both_kinds(tmp_path: Pa
         assert row["turns"] == DemoOptions().turns
         assert row["estimateAfter"] < row["estimateBefore"]
     assert not list(tmp_path.iterdir())  # nothing left in the working directory
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_demo_whose_jobs_failed_exits_1_naming_the_first_error(tmp_path: Path) -> None:
+    """With every LLM job failing (a key the provider refuses) it printed 'failed jobs 2' among
+    its numbers and exited 0, saying nothing of why."""
+    config = tmp_path / "c.yaml"
+    config.write_text(f"context:\n  compactionModel: {STUB_MODEL}\n  llmTimeoutSeconds: 5\n")
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    with LLMStub(status=401) as stub:
+        env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", OPENAI_API_BASE=stub.base_url, OPENAI_API_KEY="sk-refused")
+        done = subprocess.run([sys.executable, "-m", "compactor", "demo", "-s", "2", "-t", "30", "--json",
+                               "--config", str(config)], check=False, cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=110)
+    assert done.returncode == 1, done.stderr[-3000:]
+    summary = json.loads(done.stdout)  # (still the numbers on stdout)
+    assert summary["failedJobs"] >= 1 and summary["jobs"]["llm"] == 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"compactor: {summary['failedJobs']} compaction job\(s\) failed; the first, "
+                        r"\d{20}-llm-demo-\w+-\d\d: .*permanent LLM failure.*", last), last
 
 
 @pytest.mark.slow
