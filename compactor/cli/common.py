@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -145,22 +146,33 @@ def usable_dir(path: Path, name: str) -> None:
              f"({e.strerror or e})", EXIT_CONFIG)
 
 
+PORT_WAIT_S = 5.0  # how long a port in use is waited for before the API's start is refused
+
+
 def api_socket(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` for the API, not yet listening; else exit 2 naming the
-    address and why (the port in use or privileged, not an address of this machine, not a host)."""
-    # IPPROTO_TCP named: asyncio sets TCP_NODELAY on the connections it accepts only when the
-    # listening socket says so; with protocol 0 every response on a kept-alive connection waited
-    # ~40 ms (its headers and body two sends, the second held by Nagle until the client's delayed ACK)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
-    try:
-        sock.bind((host, port))
-    except OSError as e:  # socket.gaierror for a name that does not resolve
-        sock.close()
-        key = "api.port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "api.host"
-        fail(f"invalid configuration: {key}: cannot listen on {host_port(host, port)}: {e.strerror or e}",
-             EXIT_CONFIG)
-    return sock
+    address and why (the port in use or privileged, not an address of this machine, not a host).
+    A port in use is waited for ``PORT_WAIT_S``: the API of a ``serve`` killed with SIGKILL holds
+    it for a second or so, until it sees its parent gone (a restart right after was refused)."""
+    deadline = time.monotonic() + PORT_WAIT_S
+    while True:
+        # IPPROTO_TCP named: asyncio sets TCP_NODELAY on the connections it accepts only when the
+        # listening socket says so; with protocol 0 every response on a kept-alive connection waited
+        # ~40 ms (its headers and body two sends, the second held by Nagle until the client's delayed ACK)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                             socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        try:
+            sock.bind((host, port))
+            return sock
+        except OSError as e:  # socket.gaierror for a name that does not resolve
+            sock.close()
+            if e.errno == errno.EADDRINUSE and time.monotonic() < deadline:
+                time.sleep(0.1)
+                continue
+            key = "api.port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "api.host"
+            fail(f"invalid configuration: {key}: cannot listen on {host_port(host, port)}: {e.strerror or e}",
+                 EXIT_CONFIG)
 
 
 def setup_logging(level: str, fmt: str | None = None) -> None:

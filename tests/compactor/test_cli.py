@@ -638,6 +638,22 @@ def test_api_on_an_address_it_cannot_listen_on_is_one_line_and_exit_2(
         f"compactor: invalid configuration: {key}: cannot listen on {host}:{port}: {reason}"]
 
 
+def test_a_port_freed_within_a_few_seconds_is_waited_for() -> None:
+    """The API of a serve killed with SIGKILL holds its port until it sees its parent gone (about
+    a second): a serve restarted right after was refused, 'Address already in use', exit 2."""
+    from compactor.cli.common import api_socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    threading.Timer(1.0, taken.close).start()
+    started = time.monotonic()
+    with api_socket("127.0.0.1", port) as sock:
+        assert sock.getsockname()[1] == port
+    assert 0.9 < time.monotonic() - started < 5
+
+
 # -- context -----------------------------------------------------------------------------
 
 def hand_written_log(data_dir: Path) -> None:
