@@ -32,6 +32,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
+
 def _version(shown: bool) -> None:
     if shown:
         typer.echo(f"compactor {__version__}")
