@@ -7,7 +7,11 @@ Invariants:
   ``events.checks.check_json``), then the batch as the watcher will apply it
   (no uuid twice, no turn going backwards: ``events.checks.check_batch``).
 - One call is one ``MULTI``/``EXEC``: its entries land contiguously, in the
-  order given, or not at all.
+  order given, or not at all; sent twice (redis-py resends a transaction whose
+  reply was lost, as after a dropped connection or a ``socket_timeout``; or the
+  caller ``send``s a batch again after an error), its events are applied once:
+  ``prepare`` gives each event without a ``uuid`` a random one, and the watcher
+  dead-letters an event whose uuid its session already has.
 - Each entry has exactly the fields of SPEC §6 — ``session``, ``cwd`` and
   ``event`` (compact JSON of the validated event without ``sessionId``/``cwd``);
   ``docs/STREAM_PROTOCOL.md`` describes them for agents in other languages.
@@ -17,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +112,10 @@ class Publisher:
         None when a job is already pending (the request is coalesced into it)."""
         session_id = validate_session_id(session_id)
         cwd = validate_cwd(cwd)
+        if self.redis.get_connection_kwargs().get("decode_responses"):  # (refused before anything is written:
+            # RQ's job hash fails to decode after the job was created and recorded as the session's trigger)
+            raise InvalidInput("redis_client", "request_compaction needs a Redis client made with "
+                               "decode_responses=False: RQ stores its jobs pickled (publish takes either)")
         return enqueue_compaction(self.redis, self.settings, session_id, cwd, "llm", forced=forced)
 
     def _encode(self, session_id: str, cwd: str, event: object, index: int) -> tuple[dict[str, Any], bytes]:
@@ -117,6 +126,9 @@ class Publisher:
             check_json(data)  # orjson would write NaN as null
             wire = to_wire(parse_event(data))
             _check_identity(wire, session_id, cwd)
+            # (the watcher would derive one from the entry id: a resent entry has another id, so the
+            # resent copy was applied as a second event)
+            wire.setdefault("uuid", str(uuid.uuid4()))
             payload = orjson.dumps(wire)
         except InvalidInput as e:
             raise e.at(index) from e

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 import orjson
@@ -9,15 +10,22 @@ import redis
 from compactor.keys import Keys
 from compactor.queue import parse_job_id, pending_job_id
 from events.config import Settings
-from events.errors import InvalidEvent
+from events.errors import InvalidEvent, InvalidInput
 from events.models import AssistantEvent, UserEvent
 from producer.publisher import Publisher
-from tests.producer.conftest import CWD, turn_end, user
+from producer.watcher import Watcher
+from tests.producer.conftest import CWD, drain, log_lines, turn_end, user
 
 
 def entries(r: redis.Redis, settings: Settings, session_id: str) -> list[dict[bytes, bytes]]:
     stream = Keys(settings.redis.prefix, settings.redis.shards).stream_for(session_id)
     return [fields for _, fields in r.xrange(stream)]
+
+
+def without_uuid(event: dict[str, Any]) -> dict[str, Any]:
+    """The event without the uuid ``prepare`` gave it (a random one: see test_a_batch_sent_twice...)."""
+    assert isinstance(event.pop("uuid"), str)
+    return event
 
 
 def test_publish_xadds_session_cwd_and_compact_event_json(r: redis.Redis, settings: Settings) -> None:
@@ -26,9 +34,39 @@ def test_publish_xadds_session_cwd_and_compact_event_json(r: redis.Redis, settin
     [first, second] = entries(r, settings, "s1")
     assert set(first) == {b"session", b"cwd", b"event"}
     assert first[b"session"] == b"s1" and first[b"cwd"] == CWD.encode()
-    assert first[b"event"] == b'{"type":"user","turnId":1,"content":"hello world"}'
-    assert orjson.loads(second[b"event"]) == {"type": "turn_end", "turnId": 1, "model": "gpt-4",
-                                              "contextWindow": 1000}
+    user_event, end_event = orjson.loads(first[b"event"]), orjson.loads(second[b"event"])
+    assert user_event == {"type": "user", "turnId": 1, "content": "hello world", "uuid": user_event["uuid"]}
+    assert first[b"event"] == orjson.dumps(user_event)  # compact JSON
+    assert end_event == {"type": "turn_end", "turnId": 1, "model": "gpt-4", "contextWindow": 1000,
+                         "uuid": end_event["uuid"]}
+    assert str(uuid.UUID(user_event["uuid"])) == user_event["uuid"] != end_event["uuid"]
+
+
+def test_a_batch_sent_twice_is_applied_once(r: redis.Redis, fast: Settings) -> None:
+    """redis-py resends a transaction whose reply was lost (a dropped connection, a socket
+    timeout), and publish returned normally: each event was applied twice, as the watcher derives
+    a missing uuid from the entry id and the copy's entries have other ids. Now the copy's events
+    carry the same uuids as the original's, and are dead-lettered."""
+    publisher = Publisher(r, fast)
+    batch = publisher.prepare("s1", CWD, [user(1), {"type": "assistant", "turnId": 1, "content": "on it"}])
+    publisher.send(batch)
+    publisher.send(batch)  # the resend (mid-turn: no turn_end refuses it as going backwards)
+    drain(Watcher(r, fast, name="w"), r, fast)
+    assert [line["type"] for line in log_lines(fast, "s1")] == ["user", "assistant"]
+    letters = [fields for _, fields in r.xrange(Keys().dead)]
+    assert len(letters) == 2 and all(b"duplicates an event already in this session" in f[b"reason"] for f in letters)
+
+
+def test_request_compaction_with_a_decoding_client_is_refused_before_anything_is_written(
+        redis_url: str, r: redis.Redis, settings: Settings) -> None:
+    """RQ's job hash failed to decode after the forced job was created and recorded as the
+    session's trigger (``forced:{id}``, with no expiry)."""
+    Publisher(r, settings).publish("s1", CWD, user(1))
+    decoding = redis.Redis.from_url(redis_url, decode_responses=True)
+    with pytest.raises(InvalidInput, match="^redis_client: request_compaction needs a Redis client made with "
+                                          "decode_responses=False"):
+        Publisher(decoding, settings).request_compaction("s1", CWD)
+    assert not [key for key in r.scan_iter() if b"retrigger" in key or key.startswith(b"rq:job:")]
 
 
 def test_publish_accepts_a_single_event_and_a_model(r: redis.Redis, settings: Settings) -> None:
@@ -88,7 +126,7 @@ def test_publish_refuses_what_the_log_would_change_or_the_watcher_half_apply(
 def test_publish_drops_matching_session_id_and_cwd_from_the_event(r: redis.Redis, settings: Settings) -> None:
     meta = {"type": "session_meta", "sessionId": "s1", "cwd": CWD, "model": "gpt-4"}
     Publisher(r, settings).publish("s1", CWD, meta)
-    assert orjson.loads(entries(r, settings, "s1")[0][b"event"]) == {"type": "session_meta", "model": "gpt-4"}
+    assert without_uuid(orjson.loads(entries(r, settings, "s1")[0][b"event"])) == {"type": "session_meta", "model": "gpt-4"}
 
 
 @pytest.mark.parametrize("session_id, cwd, field", [
@@ -118,7 +156,7 @@ def test_publish_rejects_an_event_over_max_event_bytes(r: redis.Redis, settings:
 def test_end_turn_publishes_a_turn_end(r: redis.Redis, settings: Settings) -> None:
     Publisher(r, settings).end_turn("s1", CWD, 3, "gpt-4o", context_window=5000)
     Publisher(r, settings).end_turn("s1", CWD, 4, "gpt-4o")
-    events = [orjson.loads(e[b"event"]) for e in entries(r, settings, "s1")]
+    events = [without_uuid(orjson.loads(e[b"event"])) for e in entries(r, settings, "s1")]
     assert events == [
         {"type": "turn_end", "turnId": 3, "model": "gpt-4o", "contextWindow": 5000},
         {"type": "turn_end", "turnId": 4, "model": "gpt-4o"},
@@ -167,6 +205,6 @@ def test_a_model_is_published_as_the_same_event_as_a_dict(r: redis.Redis, settin
     publisher.publish("s1", CWD, as_dict)
     publisher.publish("s1", CWD, AssistantEvent.model_validate(as_dict))
     publisher.publish("s1", CWD, UserEvent(type="user", turn_id=1, content="x", extra=None))
-    from_dict, from_model, user_model = [orjson.loads(e[b"event"]) for e in entries(r, settings, "s1")]
+    from_dict, from_model, user_model = [without_uuid(orjson.loads(e[b"event"])) for e in entries(r, settings, "s1")]
     assert from_model == from_dict and from_model["content"] is None and from_model["note"] is None
     assert user_model == {"type": "user", "turnId": 1, "content": "x", "extra": None}

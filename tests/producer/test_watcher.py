@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import redis
 
@@ -54,13 +55,18 @@ def test_two_sessions_per_shard_are_applied_in_order_exactly_once(
     settings = fast_settings(tmp_path / "data", redis_url, shards=2, batch_size=7)
     sessions = sessions_on_shard(settings, 0, 2) + sessions_on_shard(settings, 1, 2)
     published = publish_turns(Publisher(r, settings), sessions, turns=25)
+    # an agent in another language XADDs its events without a uuid: the watcher derives one
+    raw = r.xadd(Keys(settings.redis.prefix, 2).stream_for(sessions[0]),
+                 {"session": sessions[0], "cwd": CWD, "event": orjson.dumps(user(26, "raw"))}).decode()
+    published[sessions[0]].append(raw)
     watcher = Watcher(r, settings, name="w")
     drain(watcher, r, settings)
     assert_applied_once_in_order(settings, published)
-    line = log_lines(settings, sessions[0])[0]
-    assert line["uuid"] == entry_uuid(sessions[0], line["streamId"])
-    assert line["timestamp"].endswith("Z")
-    assert line["tokenCount"] == count_tokens(f"{sessions[0]} turn 1", "cl100k_base") + 4
+    first, last = log_lines(settings, sessions[0])[0], log_lines(settings, sessions[0])[-1]
+    assert first["uuid"] != entry_uuid(sessions[0], first["streamId"])  # the Publisher's own
+    assert last["uuid"] == entry_uuid(sessions[0], raw)
+    assert first["timestamp"].endswith("Z")
+    assert first["tokenCount"] == count_tokens(f"{sessions[0]} turn 1", "cl100k_base") + 4
     watcher.close()
 
 
