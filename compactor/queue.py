@@ -62,8 +62,13 @@ JOB_FUNCTIONS: dict[str, str] = {
     "micro": "worker.jobs.micro_compact",
     "llm": "worker.jobs.llm_compact",
 }
-JOB_RESULT_TTL_S = 86_400  # results readable by GET /api/jobs/{id} for a day
-JOB_FAILURE_TTL_S = 7 * 86_400  # failed jobs kept a week for inspection
+JOB_RESULT_TTL_S = 86_400  # a forced job's result readable by GET /api/jobs/{id} for a day
+JOB_FAILURE_TTL_S = 7 * 86_400  # a failed forced job kept a week for inspection
+# An automatic job's (nobody waits for it; ~0.8 per turn, 5.7 kB each in Redis: kept as long as a
+# forced one's, they were 80 % of Redis's memory after half an hour of a busy service, growing
+# ~100 MB/h for a day): its result an hour, a failed one a day (the breaker's counter's lifetime).
+AUTO_JOB_RESULT_TTL_S = 3_600
+AUTO_JOB_FAILURE_TTL_S = 86_400
 STALE_CLAIM_GRACE_S = 30.0  # a claim whose job hash is missing is stale after this
 JANITOR_BATCH = 200  # sessions the janitor looks at per run
 ENDED_STATUSES = frozenset({
@@ -566,8 +571,8 @@ def _job_spec(settings: Settings, session_id: str, cwd: str, job_id: str, forced
         "kwargs": {"forced": True} if forced and kind == "llm" else {},
         "job_id": job_id,
         "timeout": settings.worker.job_timeout_seconds,
-        "result_ttl": JOB_RESULT_TTL_S,
-        "failure_ttl": JOB_FAILURE_TTL_S,
+        "result_ttl": JOB_RESULT_TTL_S if forced else AUTO_JOB_RESULT_TTL_S,
+        "failure_ttl": JOB_FAILURE_TTL_S if forced else AUTO_JOB_FAILURE_TTL_S,
         "description": f"{kind} compaction of {session_id}{' (forced)' if forced else ''}",
         "rate_limit": rate_limit_for(settings, session_id),
     }

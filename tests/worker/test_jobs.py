@@ -44,6 +44,21 @@ def _run(r: redis.Redis, settings: Settings, sid: str, kind: str = "llm", forced
     return Job.fetch(job_id, connection=r)
 
 
+def test_an_automatic_job_is_kept_an_hour_a_forced_one_a_day(r: redis.Redis, wsettings: Settings,
+                                                              stub: LLMStub) -> None:
+    """Every job was kept a day (a week failed): automatic ones, which nobody waits for, were 80 %
+    of Redis's memory after half an hour of a busy service."""
+    write_session(r, wsettings, "s1", 4, window=1000)
+    write_session(r, wsettings, "s2", 3)
+    automatic, forced = _run(r, wsettings, "s1", kind="micro"), _run(r, wsettings, "s2", forced=True)
+    assert automatic.get_status() == forced.get_status() == JobStatus.FINISHED
+    assert 3_590 < r.ttl(automatic.key) <= 3_600 and 86_390 < r.ttl(forced.key) <= 86_400
+    stub.status = 500
+    write_session(r, wsettings, "s1", 3, first=5)
+    failed = _run(r, wsettings, "s1")
+    assert failed.get_status() == JobStatus.FAILED and 86_390 < r.ttl(failed.key) <= 86_400
+
+
 # -- LLM compaction --------------------------------------------------------------------------
 
 
