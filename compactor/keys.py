@@ -8,6 +8,8 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
     {p}:session:{sessionId}     hash: derived per-session state (see events.state)
     {p}:sessions                zset: sessionId -> last activity (unix seconds)
     {p}:uuids:{sessionId}       set: the uuids in the session's log (rejects duplicates)
+                                (these three forget a session idle for STATE_IDLE_TTL_S, 7 days:
+                                its next event or job rebuilds them from its log)
     {p}:lease:{n}               string: watcher id owning shard n (PX lease)
     {p}:fence:{n}               counter: fencing token of shard n, bumped per new lease
     {p}:watchers                zset: live watcher id -> last heartbeat (server ms)

@@ -57,29 +57,43 @@ KEEP_ALIVE_POLL_S = 0.05  # how often ``progress`` is called while such an event
 BIG_LOG_BYTES = 4 * 1024 * 1024  # a log (or a tail) this long is read and folded while the caller's progress is kept
 UUID_INDEX_CHUNK = 10_000  # uuids per SADD when indexing a whole log
 
+# A session's state and uuid index expire after this long without a write, and it leaves the
+# active sessions' index: they are derived from its log, so a session that comes back is
+# rebuilt from it (one read), as after Redis lost them. Without it every session ever seen kept
+# ~6 kB of Redis for good (the uuid index growing with its events).
+STATE_IDLE_TTL_S = 7 * 86_400
+
 # KEYS: the session hash, its uuid index, the active sessions. ARGV: the new logSize, the
 # activity score, the session id, "1" to store the state only if no state that has seen more of
 # the log is stored, "1" when the state may create the hash (it and the uuid index were rebuilt
-# from the whole log), the number n of hash fields, n field/value pairs, the uuids of the lines
-# appended (indexed even when the state is not stored: they are in the log). A state that may
-# not create the hash finds it gone when Redis lost it (a restart without persistence, an
-# eviction): nothing is written then (-1), so the next writer, finding no state, rebuilds the
-# state and the uuid index from the log. (Storing it would have left an index of the new uuids
-# only, under a state whose logSize matches the log: nobody would have rebuilt it, and a
-# producer's re-sent event would have been taken for a new one.)
+# from the whole log), the idle TTL (s), the number n of hash fields, n field/value pairs, the
+# uuids of the lines appended (indexed even when the state is not stored: they are in the log).
+# A state that may not create the hash finds it gone when Redis lost it (a restart without
+# persistence, an eviction, the idle TTL): nothing is written then (-1), so the next writer,
+# finding no state, rebuilds the state and the uuid index from the log. (Storing it would have
+# left an index of the new uuids only, under a state whose logSize matches the log: nobody would
+# have rebuilt it, and a producer's re-sent event would have been taken for a new one.) The hash
+# and the index get their TTL together, in this script alone, so neither outlives the other;
+# the sessions idle past it leave the index (scored by the writers' clocks, so not to the second).
 SAVE_STATE = """
 if ARGV[5] ~= '1' and redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-local n = tonumber(ARGV[6])
-local first, last = 7 + 2 * n, #ARGV
+local ttl = tonumber(ARGV[6])
+local n = tonumber(ARGV[7])
+local first, last = 8 + 2 * n, #ARGV
 for i = first, last, 1000 do
   redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, last)))
 end
 redis.call('ZADD', KEYS[3], ARGV[2], ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (tonumber(ARGV[2]) - ttl))
+local stored_newer = false
 if ARGV[4] == '1' then
   local stored = redis.call('HGET', KEYS[1], 'log_size')
-  if stored and stored ~= '' and tonumber(stored) > tonumber(ARGV[1]) then return 0 end
+  stored_newer = stored and stored ~= '' and tonumber(stored) > tonumber(ARGV[1])
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 7, 6 + 2 * n))
+if not stored_newer then redis.call('HSET', KEYS[1], unpack(ARGV, 8, 7 + 2 * n)) end
+redis.call('EXPIRE', KEYS[1], ttl)
+redis.call('EXPIRE', KEYS[2], ttl)
+if stored_newer then return 0 end
 return 1
 """
 
@@ -201,7 +215,7 @@ class SessionStore:
         flat = [item for pair in mapping.items() for item in pair]
         pipe.eval(SAVE_STATE, 3, self.keys.session(state.session_id), self.keys.uuids(state.session_id),
                   self.keys.sessions, state.log_size, time.time(), state.session_id, "1" if if_newer else "0",
-                  "1" if create else "0", len(mapping), *flat, *uuids)
+                  "1" if create else "0", STATE_IDLE_TTL_S, len(mapping), *flat, *uuids)
         if pipeline is None:
             pipe.execute()
 

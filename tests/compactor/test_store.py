@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import redis
 
+import compactor.store as store_module
 from compactor.store import SessionStore, is_applied
 from events.config import Settings
 from events.errors import InvalidEvent
@@ -459,6 +460,27 @@ def test_a_cached_state_does_not_recreate_a_state_redis_lost(store: SessionStore
     assert [str(e) for _, e in again.rejected] == ["uuid: 'u-a' duplicates an event already in this session"]
     assert r.smembers(store.keys.uuids(SID)) == {b"u-a", b"u-b"}
     assert store.load(SID) == again.state and again.state.events == 2
+
+
+def test_an_idle_sessions_state_expires_and_comes_back_from_its_log(
+        store: SessionStore, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every session ever seen kept its state, its uuid index (growing with its events) and its
+    place in the active sessions' index for good: ~6 kB of Redis each."""
+    store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a"), turn_end(1, "2-0")])
+    for key in (store.keys.session(SID), store.keys.uuids(SID)):
+        assert store_module.STATE_IDLE_TTL_S - 10 < r.ttl(key) <= store_module.STATE_IDLE_TTL_S, key
+    monkeypatch.setattr(store_module, "STATE_IDLE_TTL_S", 1)
+    store.apply(SID, CWD, [user(2, "b", "3-0", uuid="u-b")])  # a write sets it again
+    time.sleep(2.2)
+    assert not r.exists(store.keys.session(SID)) and not r.exists(store.keys.uuids(SID))
+    store.apply("other", CWD, [user(1, "o", "1-0", uuid="u-o")])  # a later write prunes the index
+    assert r.zrange(store.keys.sessions, 0, -1) == [b"other"]
+    # the watcher holds the state still, and asks Redis for it (a producer's uuid): gone, so not trusted
+    assert store.lookup({SID: [user(2, "c", uuid="u-a")]}, check=[SID]).gone == {SID}
+    again = store.apply(SID, CWD, [user(2, "c", "4-0", uuid="u-a")], stored=None)  # (dropped from its cache)
+    assert [str(e) for _, e in again.rejected] == ["uuid: 'u-a' duplicates an event already in this session"]
+    assert store.load(SID) == again.state == store.rebuild(SID, CWD) and again.state.events == 3
+    assert r.smembers(store.keys.uuids(SID)) == {b"u-a", b"te1", b"u-b"}
 
 
 def test_lookup_tells_which_held_sessions_redis_has_no_state_of(store: SessionStore, r: redis.Redis) -> None:
