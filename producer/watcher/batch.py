@@ -28,6 +28,11 @@ HOLD_RETRY_S = 1.0  # a held-back session is retried by a PEL sweep this often
 # A dead letter copies at most this many of the entry's fields (name, value pairs): Lua's unpack
 # in the ack script fails past ~8 000 values, which would wedge the shard on every retry.
 MAX_DEAD_LETTER_FIELDS = 1_000
+# A value of a letter past ``BatchOutcome.whole_up_to`` (the watcher: ``limits.maxEventBytes``, so
+# never a value a replay could apply) keeps only its first this many bytes: the letter says so in
+# ``truncated`` (``name:bytes``). Ten 5 MB events refused for their size took 58 MB of Redis, and
+# the dead-letter stream keeps 100 000 letters.
+TRUNCATED_LETTER_VALUE_BYTES = 64 * 1024
 
 
 @dataclass
@@ -59,6 +64,7 @@ class BatchOutcome:
     """What to do with a batch once it is applied: ids to ack, dead letters (flat fields)."""
 
     stream: str
+    whole_up_to: int | None = None  # a letter's values longer than this are cut (None: kept whole)
     acks: list[str] = field(default_factory=list)
     dead: list[list[bytes]] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)  # of ``dead``, for the metrics after the ack
@@ -84,14 +90,21 @@ class BatchOutcome:
         first = [i for i, name in enumerate(names[:len(values)]) if name in REQUIRED_FIELDS]
         order = [*first, *(i for i in range(len(values)) if i not in first)][:MAX_DEAD_LETTER_FIELDS]
         kept: list[bytes] = []
+        cut: list[bytes] = []
         for i in order:
-            kept += [b"entry." + names[i] if names[i] in _LETTER_FIELDS else names[i], values[i]]
+            name, value = b"entry." + names[i] if names[i] in _LETTER_FIELDS else names[i], values[i]
+            if self.whole_up_to is not None and len(value) > self.whole_up_to:
+                cut.append(name + b":" + str(len(value)).encode())
+                value = value[:TRUNCATED_LETTER_VALUE_BYTES]
+            kept += [name, value]
         if len(values) > len(order):  # how many were left out, so the letter says it is partial
             kept += [b"fieldsDropped", str(len(values) - len(order)).encode()]
+        if cut:
+            kept += [b"truncated", b",".join(cut)]
         return [*kept, b"reason", reason.encode(), b"id", entry_id.encode(), b"stream", self.stream.encode()]
 
 
-_LETTER_FIELDS = (b"reason", b"id", b"stream", b"fieldsDropped")  # what the letter itself adds
+_LETTER_FIELDS = (b"reason", b"id", b"stream", b"fieldsDropped", b"truncated")  # what the letter itself adds
 
 
 def dead_letter_fields(stream: str, entry_id: str, reason: str,

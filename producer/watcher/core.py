@@ -341,7 +341,7 @@ class Watcher:
     def _decode(self, shard: int, raw: list[RawEntry]) -> tuple[BatchOutcome, dict[str, list[Entry]]]:
         """A shard's entries by session, in stream order; the bad ones (and those of sessions of
         another shard) already rejected."""
-        outcome = BatchOutcome(self.keys.stream(shard))
+        outcome = BatchOutcome(self.keys.stream(shard), whole_up_to=self.settings.limits.max_event_bytes)
         by_session: dict[str, list[Entry]] = {}
         elsewhere: dict[str, str | None] = {}  # per session of the batch: why not this shard, if not
         for entry_id, fields in raw:

@@ -15,6 +15,7 @@ from events.config import Settings
 from events.log import SessionLog
 from producer.publisher import Publisher
 from producer.watcher import Watcher
+from producer.watcher.batch import TRUNCATED_LETTER_VALUE_BYTES
 from producer.watcher.entries import Rejected, decode_entry
 from tests.producer.conftest import (
     CWD,
@@ -84,6 +85,19 @@ def test_bad_entry_is_dead_lettered_with_its_reason_and_acked(
         assert dead[name.encode()] == (value.encode() if isinstance(value, str) else value)
     assert [line["streamId"] for line in log_lines(small, "s1")] == good
     assert backlog(r, small) == 0
+
+
+def test_an_entry_refused_for_its_size_is_lettered_with_its_head_only(r: redis.Redis, small: Settings) -> None:
+    """Ten 5 MB events over maxEventBytes took 58 MB of Redis in the dead-letter stream (kept
+    100 000 letters long): a value no replay could apply keeps its first 64 KiB, and says so."""
+    event = orjson.dumps(user(1, "x" * 200_000))
+    bad_id = raw(r, {"session": "s1", "cwd": CWD, "event": event})
+    ok_id = raw(r, {"session": "s1", "cwd": CWD, "event": b'{"type":"user","turnId":0,"content":"' + b"y" * 900 + b'"}'})
+    drain(Watcher(r, small, name="w"), r, small)
+    big, replayable = dead_letters(r)
+    assert big[b"id"].decode() == bad_id and big[b"event"] == event[:TRUNCATED_LETTER_VALUE_BYTES]
+    assert big[b"truncated"] == f"event:{len(event)}".encode() and big[b"session"] == b"s1"
+    assert replayable[b"id"].decode() == ok_id and len(replayable[b"event"]) > 900 and b"truncated" not in replayable
 
 
 def test_an_entry_naming_one_of_its_fields_twice_is_dead_lettered(r: redis.Redis, small: Settings) -> None:
