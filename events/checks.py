@@ -101,7 +101,7 @@ def check_json(value: object, where: Sequence[str | int] = ()) -> None:
             raise InvalidEvent(escaped(json_path(path)) or "body", problem)
         if isinstance(item, dict):
             stack.extend((v, (*path, k)) for k, v in reversed(item.items()))
-        elif isinstance(item, list):
+        elif isinstance(item, (list, tuple)):
             stack.extend((v, (*path, i)) for i, v in reversed(list(enumerate(item))))
 
 
@@ -145,9 +145,18 @@ def _value_problem(value: object) -> str | None:
         return f"is the number {value.text}, too small for a double: it would be stored as 0"
     if isinstance(value, dict):
         for key in value:
-            if isinstance(key, str) and (problem := text_problem(key)) is not None:
+            if not isinstance(key, str):  # (a Python caller's: decoded JSON has none)
+                return f"has a key {key!r} that is not a string"
+            if (problem := text_problem(key)) is not None:
                 return f"has a key {escaped(key)!r} that {problem}"
+    if not isinstance(value, _JSON_VALUES):  # a Python caller's datetime, Decimal, bytes, set, ...:
+        # the log's encoder refused some with no field named, and wrote others as strings silently
+        return (f"is a Python {type(value).__name__}, not a JSON value (text, a number, true/false, null, "
+                "a list or an object): convert it first")
     return None
+
+
+_JSON_VALUES = (str, int, float, type(None), dict, list, tuple, Underflow)  # (bool is an int)
 
 
 def check_batch(events: Sequence[Mapping[str, Any]], *, new_session: bool = False) -> None:

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import re
 import uuid
+from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 import orjson
@@ -121,6 +124,22 @@ def test_publish_refuses_what_the_log_would_change_or_the_watcher_half_apply(
         Publisher(r, settings).publish("s1", CWD, batch)
     assert (caught.value.index, caught.value.field) == (index, field) and fragment in str(caught.value)
     assert entries(r, settings, "s1") == []
+
+
+@pytest.mark.parametrize("extra, field, kind", [
+    ({"x": {"deep": [1, Decimal(1)]}}, "x.deep[1]", "Decimal"),  # "events[0].event: is not JSON-serialisable"
+    ({"when": datetime(2024, 1, 1)}, "when", "datetime"),  # written as a string, silently, its zone lost
+    ({"raw": b"x"}, "raw", "bytes"),
+    ({"tags": {"a"}}, "tags", "set"),
+])
+def test_a_python_value_json_cannot_hold_is_refused_naming_its_field(
+        r: redis.Redis, settings: Settings, extra: dict[str, Any], field: str, kind: str) -> None:
+    with pytest.raises(InvalidEvent, match=rf"^events\[0\]\.{re.escape(field)}: is a Python {kind}, not a JSON value"):
+        Publisher(r, settings).publish("s1", CWD, {**user(1), **extra})
+    with pytest.raises(InvalidEvent, match=r"^events\[0\]\.k: has a key 1 that is not a string$"):
+        Publisher(r, settings).publish("s1", CWD, {**user(1), "k": {1: "a"}})
+    Publisher(r, settings).publish("s1", CWD, {**user(1), "pair": (1, 2)})  # a tuple is a list
+    assert orjson.loads(entries(r, settings, "s1")[0][b"event"])["pair"] == [1, 2]
 
 
 def test_publish_drops_matching_session_id_and_cwd_from_the_event(r: redis.Redis, settings: Settings) -> None:
