@@ -40,7 +40,7 @@ from rq.utils import as_text
 from compactor.keys import Keys
 from events.config import Settings
 from events.checks import COVERING, check_covered_turns
-from events.errors import InvalidEvent, InvalidInput, LogCorrupted, SessionNotFound
+from events.errors import InvalidEvent, InvalidInput, LogCorrupted, LogWriteFailed, SessionNotFound
 from events.log import SessionLog
 from events.models import TURN_SCOPED_TYPES
 from events.state import SessionState, fold, rebuild, rebuild_with_view
@@ -462,7 +462,12 @@ class SessionStore:
             if result.appended:
                 if guard is not None:
                     guard(result.rejected)
-                state.log_size = log.append(result.appended)
+                try:
+                    state.log_size = log.append(result.appended)
+                except LogWriteFailed:  # (a disk full at a new session's first line: its empty log
+                    if new:             # read as an empty session, a 200 where no event had landed)
+                        log.discard_if_empty()
+                    raise
                 if needs_rebuild and known is not None and derive is not None:
                     state = derive(result.appended, state.log_size)
                 elif needs_rebuild and known is not None:

@@ -31,6 +31,7 @@ import functools
 import logging
 import os
 import re
+import stat
 import threading
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,18 @@ def _sessions_dir(root: str, cwd: str) -> Path:
 
 def _sibling(path: Path, suffix: str) -> Path:
     return path.with_name(path.name[: -len(LOG_SUFFIX)] + suffix)
+
+
+# The data dirs this process has held a log under. One of them gone is not created again (a data
+# dir moved or unmounted under a running watcher was: the events of that while went to the new,
+# empty one, acked, and were missing from the logs once it was put back).
+_ROOTS_SEEN: set[Path] = set()
+
+
+def keep_data_dir(data_dir: str | os.PathLike[str]) -> None:
+    """Never create ``data_dir`` again in this process: a service process calls it at start, once
+    the data dir is there (a log whose data dir went away is then refused, ``LogWriteFailed``)."""
+    _ROOTS_SEEN.add(Path(os.path.abspath(os.path.expanduser(data_dir))))
 
 
 class SessionLog:
@@ -169,6 +182,9 @@ class SessionLog:
             except OSError as e:
                 raise LogWriteFailed(f"{self.path}: cannot open: {e}") from e
             try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO took the appends and lost them (or
+                    # blocked the watcher on a full pipe, every shard with it)
+                    raise LogWriteFailed(f"{self.path}: is not a regular file")
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if self._still_the_path(fd):
                     break
@@ -177,6 +193,7 @@ class SessionLog:
                 raise
             os.close(fd)
         self._lock_fd = fd
+        _ROOTS_SEEN.add(self.path.parents[2])
 
     def _still_the_path(self, fd: int) -> bool:
         """Whether ``fd`` is still the file at ``path`` (not removed or replaced meanwhile)."""
@@ -202,6 +219,11 @@ class SessionLog:
         return True
 
     def _create(self) -> int:
+        root = self.path.parents[2]
+        if root in _ROOTS_SEEN and not root.is_dir():
+            raise LogWriteFailed(f"{self.path}: cannot create: the data dir {root} is gone (removed, moved or "
+                                 "unmounted while the service ran): it is not created again, so that no event "
+                                 "lands outside the logs; put it back, or restart the service to begin afresh")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)

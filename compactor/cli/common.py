@@ -121,12 +121,21 @@ def usable_data_dir(settings: Settings, option: Path | None = None) -> Settings:
     """``settings`` once their ``dataDir`` exists and takes a file (created when missing); else
     exit 2 naming it, and where it came from (``option``: the command's ``--data-dir``), before a
     process starts (logs, the embedded Redis and its socket live there)."""
+    from compactor.serve import PARENT_PID_ENV
+    from events.log import keep_data_dir
+
     from_env = os.environ.get("COMPACTION_DATA_DIR")
     if option is not None and str(option) != from_env:
         name = f"dataDir (from {OPTION_OF_ENV['COMPACTION_DATA_DIR']})"
     else:
         name = "dataDir (from COMPACTION_DATA_DIR)" if from_env else "dataDir"
-    usable_dir(settings.data_dir, name)
+    if not os.environ.get(PARENT_PID_ENV):
+        usable_dir(settings.data_dir, name)
+    # else a child of serve, which checked it at its start: one restarted while the disk is full or
+    # read-only exited 2 each time, and serve gave up and stopped the whole stack (the processes
+    # running meanwhile hold their sessions through it); one whose data dir went away does not
+    # begin a new one there
+    keep_data_dir(settings.data_dir)
     return settings
 
 

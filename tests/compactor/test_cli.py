@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis
+import typer
 from typer.testing import CliRunner
 
 from compactor.cli import app
@@ -638,6 +639,26 @@ def test_api_on_an_address_it_cannot_listen_on_is_one_line_and_exit_2(
         f"compactor: invalid configuration: {key}: cannot listen on {host}:{port}: {reason}"]
 
 
+def test_a_child_of_serve_restarted_on_a_read_only_data_dir_starts(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker restarted while the data dir was read-only (or full) exited 2 each time, and serve
+    gave up and stopped the whole stack, its API too; the processes still running held their
+    sessions through it. serve checks the data dir at its start; its children do not again."""
+    from compactor.cli.common import usable_data_dir
+    from compactor.serve import PARENT_PID_ENV
+
+    def read_only(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(30, "Read-only file system")
+
+    (tmp_path / "data").mkdir()
+    settings = Settings.model_validate({"dataDir": str(tmp_path / "data")})
+    monkeypatch.setattr("tempfile.TemporaryFile", read_only)
+    with pytest.raises(typer.Exit):  # serve itself, or watch/work run alone: exit 2 at start
+        usable_data_dir(settings)
+    monkeypatch.setenv(PARENT_PID_ENV, str(os.getpid()))
+    assert usable_data_dir(settings) is settings
+
+
 def test_a_port_freed_within_a_few_seconds_is_waited_for() -> None:
     """The API of a serve killed with SIGKILL holds its port until it sees its parent gone (about
     a second): a serve restarted right after was refused, 'Address already in use', exit 2."""
@@ -777,7 +798,7 @@ def test_status_piped_is_not_cropped_and_a_limited_list_says_of_how_many(
     long_sid = "a-session-id-long-enough-to-be-folded-in-80-columns"
     for n, sid in enumerate((SID, "other", "third", long_sid)):
         write_session(r, settings, n + 1, sid=sid)
-        r.zadd(Keys().sessions, {sid: 1000 + n})  # the long id is the most recent
+        r.zadd(Keys().sessions, {sid: time.time() - 1000 + n})  # the long id is the most recent
     settings = cli_settings(settings)
     enqueue_compaction(r, settings, long_sid, CWD, "llm", forced=True)
     run_jobs(r, settings)

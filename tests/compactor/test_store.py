@@ -13,7 +13,8 @@ import redis
 import compactor.store as store_module
 from compactor.store import SessionStore, is_applied
 from events.config import Settings
-from events.errors import InvalidEvent
+from events.errors import InvalidEvent, LogWriteFailed
+from events.log import SessionLog
 from events.state import rebuild
 from events.view import build_view
 
@@ -481,6 +482,19 @@ def test_an_idle_sessions_state_expires_and_comes_back_from_its_log(
     assert [str(e) for _, e in again.rejected] == ["uuid: 'u-a' duplicates an event already in this session"]
     assert store.load(SID) == again.state == store.rebuild(SID, CWD) and again.state.events == 3
     assert r.smembers(store.keys.uuids(SID)) == {b"u-a", b"te1", b"u-b"}
+
+
+def test_a_new_sessions_first_append_failing_leaves_no_log(store: SessionStore, r: redis.Redis,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk full at a new session's first line left its log empty: the API and ``compactor
+    context`` read it as an existing, empty session (200, estimate 0) where no event had landed."""
+    def full(self: SessionLog, events: Any) -> int:
+        raise LogWriteFailed(f"{self.path}: append failed: [Errno 28] No space left on device")
+
+    monkeypatch.setattr(SessionLog, "append", full)
+    with pytest.raises(LogWriteFailed):
+        store.apply(SID, CWD, [user(1, "a", "1-0")])
+    assert not store.log(SID, CWD).exists() and store.load(SID) is None
 
 
 def test_lookup_tells_which_held_sessions_redis_has_no_state_of(store: SessionStore, r: redis.Redis) -> None:

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from events.errors import InvalidEvent, LogCorrupted, LogWriteFailed
-from events.log import SessionLog, encode_project_path, session_log_path
+from events.log import SessionLog, encode_project_path, keep_data_dir, session_log_path
 
 CWD = "/Users/Foo/my app"
 
@@ -93,6 +93,36 @@ def test_append_writes_one_newline_terminated_json_line_per_event(tmp_path: Path
     assert raw.count(b"\n") == 2 and raw.endswith(b"\n")
     assert [orjson.loads(line) for line in raw.splitlines()] == events
     assert log.read() == events
+
+
+def test_a_data_dir_gone_under_a_running_service_is_not_created_again(tmp_path: Path) -> None:
+    """A data dir moved or unmounted under a running watcher was created again, empty: the
+    events of that while were appended there and acked, and were missing from the logs once the
+    data dir was put back."""
+    (tmp_path / "data").mkdir()
+    keep_data_dir(tmp_path / "data")  # (a service process, once the data dir is there)
+    _log(tmp_path).append([_event(1)])
+    (tmp_path / "data").rename(tmp_path / "away")
+    for log in (_log(tmp_path), SessionLog(tmp_path / "data", CWD, "s2")):  # its log, a new session's
+        with pytest.raises(LogWriteFailed, match=r"the data dir .*/data is gone \(removed, moved or unmounted"):
+            log.append([_event(2)])
+    assert not (tmp_path / "data").exists()
+    (tmp_path / "away").rename(tmp_path / "data")
+    _log(tmp_path).append([_event(2)])
+    assert [e["uuid"] for e in _log(tmp_path).read()] == ["u1", "u2"]
+    fresh = tmp_path / "elsewhere"  # a data dir no process kept is created as before
+    SessionLog(fresh, CWD, "s1").append([_event(1)])
+    assert SessionLog(fresh, CWD, "s1").read() == [_event(1)]
+
+
+def test_a_log_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None:
+    """A FIFO in a log's place took small appends and lost them, and blocked the writer (the
+    watcher, every shard with it) on a full pipe."""
+    log = _log(tmp_path)
+    log.path.parent.mkdir(parents=True)
+    os.mkfifo(log.path)
+    with pytest.raises(LogWriteFailed, match=r"s1\.jsonl: is not a regular file"):
+        log.append([_event(1, "x" * 100_000)])
 
 
 def test_read_from_an_offset_and_read_records_offsets(tmp_path: Path) -> None:
