@@ -45,6 +45,9 @@ class ShardCursor:
     retry_at: float = 0.0
     trimmed_at: float = field(default_factory=time.monotonic)
     claimed: set[str] = field(default_factory=set)  # ids claimed from another consumer, not yet applied
+    # ids whose dead letter was written before an append that failed, not yet acked: the retry does
+    # not write it again (a full disk had the one refused entry lettered once a second, each retry)
+    lettered: set[str] = field(default_factory=set)
 
     @property
     def sweeping(self) -> bool:

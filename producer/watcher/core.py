@@ -389,16 +389,20 @@ class Watcher:
         stored = found.stored.pop(session_id, UNREAD)  # read this round; only the first run's is current
         written: set[str] = set()  # entries dead-lettered before the append
 
+        lettered = self.cursors[shard].lettered
+
         def guard(rejected: list[tuple[dict[str, Any], InvalidEvent]]) -> None:
-            """Right before the append: our lease still, and the refused entries' letters written."""
+            """Right before the append: our lease still, and the refused entries' letters written
+            (once: a retry after a failed append finds them in ``lettered``)."""
             self.leases.check(shard)
             refused = _by_stream_id(rejected)
             letters = {entry.id: outcome.letter(entry.id, str(refused[entry.id]), entry.fields)
-                       for entry in run if entry.id in refused}
+                       for entry in run if entry.id in refused and entry.id not in lettered}
             if letters:
                 if not self.streams.ack(shard, [], list(letters.values())):
                     raise LeaseLost(shard)
-                written.update(letters)
+                lettered.update(letters)
+            written.update(entry.id for entry in run if entry.id in refused)
 
         pending_claimed = self.cursors[shard].claimed
         claimed = {entry.id for entry in run if entry.id in pending_claimed} if pending_claimed else set()
@@ -416,6 +420,7 @@ class Watcher:
             self._saves[result.saved_at] = session_id
         self._appended.extend(result.appended)
         refused = _by_stream_id(result.rejected)
+        lettered -= written  # (acked with this round)
         for entry in run:
             if entry.id in refused:
                 outcome.reject(entry.id, str(refused[entry.id]), entry.fields, written=entry.id in written)

@@ -306,6 +306,38 @@ def test_a_session_whose_append_fails_is_held_back_and_retried_in_order(
     assert [line["streamId"] for line in log_lines(fast, "full")] == published["full"] + more
 
 
+def test_an_entry_refused_beside_a_failing_append_is_lettered_once(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its letter is written before the append; the append failed (a full disk) and was retried
+    once a second, each retry writing the letter again: 9 copies in 10 s, pushing genuine letters
+    out of a stream kept 100 000 long."""
+    publisher = Publisher(r, fast)
+    publisher.publish("full", CWD, [user(1), turn_end(1), user(2)])
+    drain(Watcher(r, fast, name="first"), r, fast)
+    publisher.publish("full", CWD, user(2, "more"))
+    publisher.publish("full", CWD, user(1, "backwards"))  # refused by the watcher, in the same run
+    original = SessionLog.append
+    failures = {"left": 3}
+
+    def append(self: SessionLog, events: list[dict[str, Any]]) -> int:
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise LogWriteFailed("No space left on device")
+        return original(self, events)
+
+    monkeypatch.setattr(SessionLog, "append", append)
+    watcher = Watcher(r, fast, name="w")
+    monkeypatch.setattr("producer.watcher.batch.HOLD_RETRY_S", 0.0)
+    deadline = time.monotonic() + 20
+    while (failures["left"] or backlog(r, fast)) and time.monotonic() < deadline:
+        watcher.run_once()
+    assert failures["left"] == 0 and backlog(r, fast) == 0
+    letters = [fields for _, fields in r.xrange(Keys().dead)]
+    assert [f[b"reason"] for f in letters] == [b"turnId: goes backwards: 1 < currentTurnId 2"]
+    assert [line.get("content") for line in log_lines(fast, "full")][-1] == "more"
+
+
 def test_graceful_stop_releases_leases_and_leaves_the_registry(r: redis.Redis, fast: Settings) -> None:
     import threading
 
