@@ -269,6 +269,10 @@ class SessionStore:
         if state is None:
             state = self.load(session_id) if isinstance(stored, _Unread) else stored
         _check_cwd(session_id, cwd, state)
+        if state is not None and size < state.log_size:  # (it was silent: 47 lines gone, no word)
+            logger.warning("log shrank session=%s path=%s from=%d to=%d bytes (truncated, replaced or restored from an "
+                           "older copy): its state is rebuilt from what is left", session_id, log.path,
+                           state.log_size, size, extra={"session_id": session_id})
         if state is None or size < state.log_size:
             return (*self._reindex(session_id, cwd, log, pipeline, progress), set(), state is not None)
         fresh = state.settings == self.settings.context.state_fingerprint

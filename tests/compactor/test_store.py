@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -416,18 +417,20 @@ def test_a_deferred_save_overtaken_by_a_later_state_still_indexes_its_uuids(
 
 @pytest.mark.parametrize("deferred", [True, False])
 def test_a_log_that_shrank_gets_a_state_rebuilt_from_it(store: SessionStore, r: redis.Redis,
-                                                        deferred: bool) -> None:
+                                                        deferred: bool, caplog: pytest.LogCaptureFixture) -> None:
     """A log truncated or restored from an older copy: the rebuilt state was refused by the
     deferred save (the stored one had seen more bytes), so the stale state stayed in Redis
     (status and the status page showed it) and every apply rebuilt again, until the log grew
-    past its old size."""
+    past its old size. And nothing said that lines were gone."""
     store.apply(SID, CWD, [user(1, "a" * 200, "1-0", uuid="u-a"), turn_end(1, "2-0"),
                            user(2, "b" * 200, "3-0", uuid="u-b"), turn_end(2, "4-0")])
     log = store.log(SID, CWD)
     lines = log.path.read_bytes().splitlines(keepends=True)
     log.path.write_bytes(b"".join(lines[:2]))  # back to turn 1
     pipe = r.pipeline(transaction=False) if deferred else None
-    result = store.apply(SID, CWD, [user(2, "c", "5-0", uuid="u-c")], pipeline=pipe)
+    with caplog.at_level(logging.WARNING, logger="compactor.store"):
+        result = store.apply(SID, CWD, [user(2, "c", "5-0", uuid="u-c")], pipeline=pipe)
+    assert [rec.getMessage().split(" path=")[0] for rec in caplog.records] == [f"log shrank session={SID}"]
     if pipe is not None:
         pipe.execute()
     events = log.read()

@@ -338,6 +338,31 @@ def test_an_entry_refused_beside_a_failing_append_is_lettered_once(
     assert [line.get("content") for line in log_lines(fast, "full")][-1] == "more"
 
 
+def test_a_held_session_is_logged_once_while_held_and_once_when_applied_again(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each retry of a held session (once a second) logged two ERROR lines, and nothing said when
+    it was applied again."""
+    publish_turns(Publisher(r, fast), ["full"], turns=2)
+    original = SessionLog.append
+    failures = {"left": 5}
+
+    def append(self: SessionLog, events: list[dict[str, Any]]) -> int:
+        if failures["left"] > 0:
+            failures["left"] -= 1
+            raise LogWriteFailed("No space left on device")
+        return original(self, events)
+
+    monkeypatch.setattr(SessionLog, "append", append)
+    monkeypatch.setattr("producer.watcher.batch.HOLD_RETRY_S", 0.0)
+    watcher = Watcher(r, fast, name="w")
+    with caplog.at_level(logging.INFO, logger="producer.watcher.core"):
+        drain(watcher, r, fast)
+    messages = [rec.getMessage() for rec in caplog.records if "session=full" in rec.getMessage()]
+    assert failures["left"] == 0 and len(log_lines(fast, "full")) == 4
+    assert [m.split(" session=")[0] for m in messages] == ["append failed, session held back", "session applied again"]
+
+
 def test_graceful_stop_releases_leases_and_leaves_the_registry(r: redis.Redis, fast: Settings) -> None:
     import threading
 
