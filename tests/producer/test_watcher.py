@@ -281,20 +281,27 @@ def test_a_round_reads_every_shard_in_one_script_call(r: redis.Redis, fast: Sett
         assert [line["streamId"] for line in log_lines(fast, sid)] == published[sid]
 
 
-def test_a_session_whose_append_fails_is_held_back_and_retried_in_order(
-    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    published = publish_turns(Publisher(r, fast), ["full", "fine"], turns=3)
+def fail_appends(monkeypatch: pytest.MonkeyPatch, times: int, stem: str | None = None) -> dict[str, int]:
+    """``SessionLog.append`` fails as on a full disk ``times`` times (only the log named ``stem``'s,
+    when given); the count of failures left."""
     original = SessionLog.append
-    failures = {"left": 2}
+    failures = {"left": times}
 
     def append(self: SessionLog, events: list[dict[str, Any]]) -> int:
-        if self.path.stem == "full" and failures["left"] > 0:
+        if (stem is None or self.path.stem == stem) and failures["left"] > 0:
             failures["left"] -= 1
             raise LogWriteFailed("No space left on device")
         return original(self, events)
 
     monkeypatch.setattr(SessionLog, "append", append)
+    return failures
+
+
+def test_a_session_whose_append_fails_is_held_back_and_retried_in_order(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    published = publish_turns(Publisher(r, fast), ["full", "fine"], turns=3)
+    failures = fail_appends(monkeypatch, 2, stem="full")
     watcher = Watcher(r, fast, name="w")
     watcher.run_once()
     watcher.run_once()
@@ -317,16 +324,7 @@ def test_an_entry_refused_beside_a_failing_append_is_lettered_once(
     drain(Watcher(r, fast, name="first"), r, fast)
     publisher.publish("full", CWD, user(2, "more"))
     publisher.publish("full", CWD, user(1, "backwards"))  # refused by the watcher, in the same run
-    original = SessionLog.append
-    failures = {"left": 3}
-
-    def append(self: SessionLog, events: list[dict[str, Any]]) -> int:
-        if failures["left"] > 0:
-            failures["left"] -= 1
-            raise LogWriteFailed("No space left on device")
-        return original(self, events)
-
-    monkeypatch.setattr(SessionLog, "append", append)
+    failures = fail_appends(monkeypatch, 3)
     watcher = Watcher(r, fast, name="w")
     monkeypatch.setattr("producer.watcher.batch.HOLD_RETRY_S", 0.0)
     deadline = time.monotonic() + 20
@@ -344,16 +342,7 @@ def test_a_held_session_is_logged_once_while_held_and_once_when_applied_again(
     """Each retry of a held session (once a second) logged two ERROR lines, and nothing said when
     it was applied again."""
     publish_turns(Publisher(r, fast), ["full"], turns=2)
-    original = SessionLog.append
-    failures = {"left": 5}
-
-    def append(self: SessionLog, events: list[dict[str, Any]]) -> int:
-        if failures["left"] > 0:
-            failures["left"] -= 1
-            raise LogWriteFailed("No space left on device")
-        return original(self, events)
-
-    monkeypatch.setattr(SessionLog, "append", append)
+    failures = fail_appends(monkeypatch, 5)
     monkeypatch.setattr("producer.watcher.batch.HOLD_RETRY_S", 0.0)
     watcher = Watcher(r, fast, name="w")
     with caplog.at_level(logging.INFO, logger="producer.watcher.core"):
