@@ -410,9 +410,7 @@ class Watcher:
     ) -> None:
         log = self._log(session_id, cwd)
         stored = found.stored.pop(session_id, UNREAD)  # read this round; only the first run's is current
-        written: set[str] = set()  # entries dead-lettered before the append
-
-        lettered = self.cursors[shard].lettered
+        lettered = self.cursors[shard].lettered  # entries dead-lettered before the append (this try or one before)
 
         def guard(rejected: list[tuple[dict[str, Any], InvalidEvent]]) -> None:
             """Right before the append: our lease still, and the refused entries' letters written
@@ -425,7 +423,6 @@ class Watcher:
                 if not self.streams.ack(shard, [], list(letters.values())):
                     raise LeaseLost(shard)
                 lettered.update(letters)
-            written.update(entry.id for entry in run if entry.id in refused)
 
         pending_claimed = self.cursors[shard].claimed
         claimed = {entry.id for entry in run if entry.id in pending_claimed} if pending_claimed else set()
@@ -443,12 +440,12 @@ class Watcher:
             self._saves[result.saved_at] = session_id
         self._appended.extend(result.appended)
         refused = _by_stream_id(result.rejected)
-        lettered -= written  # (acked with this round)
         for entry in run:
             if entry.id in refused:
-                outcome.reject(entry.id, str(refused[entry.id]), entry.fields, written=entry.id in written)
+                outcome.reject(entry.id, str(refused[entry.id]), entry.fields, written=entry.id in lettered)
             else:
                 outcome.acks.append(entry.id)
+            lettered.discard(entry.id)  # (acked with this round)
         if run[-1].event["type"] == "turn_end" and run[-1].id not in refused:
             self._check_thresholds(session_id, cwd, result.state)
         logger.debug("applied session=%s shard=%d entries=%d appended=%d duplicates=%d",
