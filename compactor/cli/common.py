@@ -129,12 +129,11 @@ def usable_data_dir(settings: Settings, option: Path | None = None) -> Settings:
         name = f"dataDir (from {OPTION_OF_ENV['COMPACTION_DATA_DIR']})"
     else:
         name = "dataDir (from COMPACTION_DATA_DIR)" if from_env else "dataDir"
-    if not os.environ.get(PARENT_PID_ENV):
+    if not (os.environ.get(PARENT_PID_ENV) and settings.data_dir.is_dir()):
         usable_dir(settings.data_dir, name)
-    # else a child of serve, which checked it at its start: one restarted while the disk is full or
-    # read-only exited 2 each time, and serve gave up and stopped the whole stack (the processes
-    # running meanwhile hold their sessions through it); one whose data dir went away does not
-    # begin a new one there
+    # else a child of serve (or demo), which checked it at its start: one restarted while the disk
+    # is full or read-only exited 2 each time, and serve gave up and stopped the whole stack (the
+    # processes running meanwhile hold their sessions through it)
     keep_data_dir(settings.data_dir)
     return settings
 

@@ -253,11 +253,11 @@ def serve_children(process: subprocess.Popen[str]) -> dict[str, int]:
     found = {}
     for child in psutil.Process(process.pid).children():
         try:
-            argv = child.cmdline()  # python -m compactor {api,watch,work} ...
+            argv = child.cmdline()  # python -P -m compactor {api,watch,work} ...
         except psutil.Error:  # exited: a zombie until serve reaps it
             continue
-        if argv[1:3] == ["-m", "compactor"]:
-            found[argv[3]] = child.pid
+        if argv[1:4] == ["-P", "-m", "compactor"]:
+            found[argv[4]] = child.pid
     return found
 
 
