@@ -472,9 +472,8 @@ MISSPELT_CUTOFF = 0.75  # difflib's ratio from which an unknown top-level key re
 
 def misspelt_sections(data: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``(key, section)`` for each unknown top-level key that reads like a section of ours."""
-    ours = {field.alias or name: name for name, field in Settings.model_fields.items()}
-    known = set(ours)  # (``data_dir`` is not ours: the file spells it ``dataDir``)
-    by_lower = {name.lower(): name for name in ours}
+    known = _top_level_keys()  # (``data_dir`` is not ours: the file spells it ``dataDir``)
+    by_lower = {name.lower(): name for name in known}
     found = []
     for key in data:
         if not isinstance(key, str) or key in known:

@@ -116,6 +116,7 @@ class SessionLog:
         create: bool = True,
     ) -> None:
         self.path = session_log_path(data_dir, cwd, session_id)
+        self._root = self.path.parents[2]  # the data dir, as the path spells it
         self.torn_path = _sibling(self.path, TORN_SUFFIX)
         self.fsync = fsync
         self.create = create  # False: ``lock`` raises SessionNotFound for a missing log (a worker's)
@@ -193,7 +194,7 @@ class SessionLog:
                 raise
             os.close(fd)
         self._lock_fd = fd
-        _ROOTS_SEEN.add(self.path.parents[2])
+        _ROOTS_SEEN.add(self._root)
 
     def _still_the_path(self, fd: int) -> bool:
         """Whether ``fd`` is still the file at ``path`` (not removed or replaced meanwhile)."""
@@ -219,9 +220,8 @@ class SessionLog:
         return True
 
     def _create(self) -> int:
-        root = self.path.parents[2]
-        if root in _ROOTS_SEEN and not root.is_dir():
-            raise LogWriteFailed(f"{self.path}: cannot create: the data dir {root} is gone (removed, moved or "
+        if self._root in _ROOTS_SEEN and not self._root.is_dir():
+            raise LogWriteFailed(f"{self.path}: cannot create: the data dir {self._root} is gone (removed, moved or "
                                  "unmounted while the service ran): it is not created again, so that no event "
                                  "lands outside the logs; put it back, or restart the service to begin afresh")
         try:

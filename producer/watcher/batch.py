@@ -25,6 +25,7 @@ from producer.watcher.streams import NEW_ENTRIES, PEL_START
 logger = logging.getLogger(__name__)
 
 HOLD_RETRY_S = 1.0  # a held-back session is retried by a PEL sweep this often
+HELD_LOG_EVERY_S = 60.0  # a session held back (a full disk, say) is logged again this often
 # A dead letter copies at most this many of the entry's fields (name, value pairs): Lua's unpack
 # in the ack script fails past ~8 000 values, which would wedge the shard on every retry.
 MAX_DEAD_LETTER_FIELDS = 1_000
@@ -48,6 +49,9 @@ class ShardCursor:
     # ids whose dead letter was written before an append that failed, not yet acked: the retry does
     # not write it again (a full disk had the one refused entry lettered once a second, each retry)
     lettered: set[str] = field(default_factory=set)
+    # held sessions -> (held since, last logged), monotonic: logged when held, then every
+    # HELD_LOG_EVERY_S (each retry, once a second, logged it), and once when applied again
+    held_log: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def sweeping(self) -> bool:
@@ -56,6 +60,19 @@ class ShardCursor:
     def restart_sweep(self) -> None:
         self.start = PEL_START
         self.held.clear()
+
+    def held_log_due(self, session_id: str) -> bool:
+        """Whether a failure of the held session ``session_id`` is to be logged now."""
+        now = time.monotonic()
+        since, logged = self.held_log.get(session_id, (now, 0.0))
+        due = logged == 0.0 or now - logged >= HELD_LOG_EVERY_S
+        self.held_log[session_id] = (since, now if due else logged)
+        return due
+
+    def released(self, session_id: str) -> float | None:
+        """How long ``session_id`` was held back, now it is applied again (None: it was not)."""
+        held = self.held_log.pop(session_id, None)
+        return None if held is None else time.monotonic() - held[0]
 
     def hold(self, session_id: str) -> None:
         self.held.add(session_id)

@@ -72,7 +72,6 @@ TRIM_INTERVAL_S = 10.0  # trim an owned stream at most this often (one stream pe
 STATE_CACHE_SESSIONS = 10_000  # session states kept in memory (saves a Redis read per apply)
 MAX_BACKOFF_S = 5.0  # longest pause after repeated Redis errors
 FIRE_EVERY_S = 0.005  # within a long round, claim and enqueue the triggers noted so far this often
-HELD_LOG_EVERY_S = 60.0  # a session held back (a full disk, say) is logged again this often
 DEFAULT_ENCODING = "cl100k_base"
 WARM_UP_MODEL = "gpt-4"  # any model litellm knows: the first lookup imports litellm
 
@@ -91,7 +90,6 @@ class Watcher:
         self.store = SessionStore(self.redis, settings)
         self.cursors: dict[int, ShardCursor] = {}
         self._sessions: OrderedDict[str, tuple[SessionState, SessionLogRef]] = OrderedDict()
-        self._held: dict[str, tuple[float, float]] = {}  # held session -> (held since, last logged), monotonic
         self._triggers: list[tuple[Trigger, SessionState]] = []  # this round's, in stream order
         self._appended: list[dict[str, Any]] = []  # this round's lines, counted once per round
         self._saves: dict[int, str] = {}  # this round: the position of each state save in its pipeline -> session
@@ -201,8 +199,6 @@ class Watcher:
         shard_of = self.store.keys.shard_of
         for sid in [sid for sid in self._sessions if shard_of(sid) == shard]:
             del self._sessions[sid]
-        for sid in [sid for sid in self._held if shard_of(sid) == shard]:  # (held when it was last ours)
-            del self._held[sid]
         self.streams.ensure_group(shard)
         claimed = self.streams.claim_foreign(shard, self.settings.watcher.claim_idle_ms)
         self.cursors[shard] = ShardCursor(claimed=claimed)
@@ -380,29 +376,21 @@ class Watcher:
             except (LeaseLost, redis.RedisError):
                 raise
             except CompactorError as e:  # LogWriteFailed, LogCorrupted: the disk, not the entry
-                if self._held_log_due(session_id):
+                if cursor.held_log_due(session_id):
                     logger.error("append failed, session held back session=%s shard=%d error=%s", session_id,
                                  shard, e, extra={"session_id": session_id})
                 cursor.hold(session_id)
                 return
             except Exception:
-                if self._held_log_due(session_id):
+                if cursor.held_log_due(session_id):
                     logger.exception("apply crashed, session held back session=%s shard=%d", session_id, shard,
                                      extra={"session_id": session_id})
                 cursor.hold(session_id)
                 return
-        held = self._held.pop(session_id, None)
-        if held is not None:
+        held_s = cursor.released(session_id)
+        if held_s is not None:
             logger.warning("session applied again session=%s shard=%d after %.0fs held back", session_id, shard,
-                           time.monotonic() - held[0], extra={"session_id": session_id})
-
-    def _held_log_due(self, session_id: str) -> bool:
-        """Whether a failure of the held session ``session_id`` is to be logged now."""
-        now = time.monotonic()
-        since, logged = self._held.get(session_id, (now, 0.0))
-        due = logged == 0.0 or now - logged >= HELD_LOG_EVERY_S
-        self._held[session_id] = (since, now if due else logged)
-        return due
+                           held_s, extra={"session_id": session_id})
 
     def _apply_run(
         self, shard: int, session_id: str, cwd: str, run: list[Entry], outcome: BatchOutcome, saves: Any,
