@@ -4,6 +4,11 @@ Invariants:
 - A shard is read from its PEL (``start`` = an id) until the PEL is exhausted,
   then from ``>``; a PEL sweep clears the held-back sessions, so each is
   retried in stream order.
+- Once a full sweep is over, the PEL holds only the held sessions' entries. So
+  the sweep that retries them (``retry_held``) ends as soon as every one of them
+  was held again: the rest of the PEL is theirs, and re-reading it once a
+  second kept the shard's other sessions waiting (seconds with tens of
+  thousands of entries held).
 - A run (one ``SessionStore.apply``) never spans a ``turn_end`` or a cwd
   change, so thresholds are checked on the state exactly as it was after the
   turn, and a cwd refused for a session refuses only its own entries.
@@ -52,14 +57,38 @@ class ShardCursor:
     # held sessions -> (held since, last logged), monotonic: logged when held, then every
     # HELD_LOG_EVERY_S (each retry, once a second, logged it), and once when applied again
     held_log: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # the sessions this sweep retries, when it is a retry of held sessions only (None: a full sweep)
+    retrying: set[str] | None = None
 
     @property
     def sweeping(self) -> bool:
         return self.start != NEW_ENTRIES
 
     def restart_sweep(self) -> None:
+        """Sweep the whole PEL (an owner starts, a Redis error): every pending entry is retried."""
         self.start = PEL_START
         self.held.clear()
+        self.retrying = None
+
+    def retry_held(self) -> None:
+        """Sweep the PEL to retry the held sessions, the only ones it holds entries of."""
+        self.start = PEL_START
+        self.retrying = set(self.held)
+        self.held.clear()
+
+    def swept(self, last_id: str) -> None:
+        """A batch of the sweep is done, up to ``last_id``: read on past it, or from ``>`` when this
+        is a retry and every session it retries was held again (all the PEL has left is theirs)."""
+        if self.retrying is not None and self.retrying <= self.held:
+            self.start = NEW_ENTRIES
+            self.retrying = None
+        else:
+            self.start = last_id
+
+    def swept_all(self) -> None:
+        """The sweep found no more pending entries: read from ``>``."""
+        self.start = NEW_ENTRIES
+        self.retrying = None
 
     def held_log_due(self, session_id: str) -> bool:
         """Whether a failure of the held session ``session_id`` is to be logged now."""

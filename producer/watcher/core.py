@@ -14,7 +14,8 @@ Invariants:
 - Per session, entries are applied in stream order and exactly once. Order:
   one owner per shard reads the shard's single consumer in order; the PEL is
   swept from ``0`` before new entries are read whenever an owner starts, after
-  any Redis error and after a session was held back. Exactly once: an entry
+  any Redis error and after a session was held back (that sweep ends once
+  every held session was held again: see ``batch``). Exactly once: an entry
   is acked only after its append, and the store drops a redelivered entry
   whose ``streamId`` it already applied (the check and the write happen under
   the log lock, so even a paused former owner cannot write out of order).
@@ -63,7 +64,7 @@ from producer.watcher.batch import BatchOutcome, ShardCursor, runs
 from producer.watcher.entries import Entry, Rejected, decode_entry, misrouted
 from producer.watcher.leases import RENEW_FRACTION, LeaseLost, ShardLeases
 from producer.watcher.orphans import ORPHAN_SWEEP_INTERVAL_S, letter_orphans
-from producer.watcher.streams import NEW_ENTRIES, RawEntry, ReadResult, ShardStreams
+from producer.watcher.streams import RawEntry, ReadResult, ShardStreams
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class Watcher:
         now = time.monotonic()
         for cursor in self.cursors.values():
             if cursor.held and not cursor.sweeping and now >= cursor.retry_at:
-                cursor.restart_sweep()
+                cursor.retry_held()
         starts = {n: c.start for n, c in self.cursors.items() if self.leases.holds(n)}
         if not starts:
             return {}
@@ -313,7 +314,7 @@ class Watcher:
             metrics.count_dead_letters(outcomes[shard].reasons)
             swept = self.cursors.get(shard)
             if swept is not None and swept.sweeping:
-                swept.start = as_text(batches[shard][-1][0])
+                swept.swept(as_text(batches[shard][-1][0]))
         return sum(len(raw) for raw in batches.values())
 
     def _settle_read(self, shard: int, result: ReadResult) -> bool:
@@ -333,7 +334,7 @@ class Watcher:
             return False
         if not result.entries:
             if cursor.sweeping:
-                cursor.start = NEW_ENTRIES
+                cursor.swept_all()
             cursor.top = result.top
             return False
         return True

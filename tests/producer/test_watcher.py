@@ -336,6 +336,39 @@ def test_an_entry_refused_beside_a_failing_append_is_lettered_once(
     assert [line.get("content") for line in log_lines(fast, "full")][-1] == "more"
 
 
+def test_a_retry_of_held_sessions_reads_their_pending_entries_once_not_the_whole_pel(
+    r: redis.Redis, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each retry of a held session (once a second) re-read the shard's whole PEL before any new
+    entry: with tens of thousands of entries held, the shard's other sessions waited seconds. The
+    retry ends once every held session is held again; one that recovers is applied in order."""
+    settings = fast_settings(tmp_path / "data", redis_url, shards=1, batch_size=10)
+    full, other, fine = sessions_on_shard(settings, 0, 3)
+    publisher = Publisher(r, settings)
+    published = publish_turns(publisher, [full, other], turns=30)  # 60 entries of `full` held: 6 reads
+    failures = fail_appends(monkeypatch, 10_000, stem=full)
+    monkeypatch.setattr("producer.watcher.batch.HOLD_RETRY_S", 3600.0)  # retried below, by hand
+    watcher = Watcher(r, settings, name="w")
+    deadline = time.monotonic() + 20
+    while [line["streamId"] for line in log_lines(settings, other)] != published[other]:
+        assert time.monotonic() < deadline
+        watcher.run_once()
+    for retry in range(3):
+        watcher.cursors[0].retry_at = 0.0  # the retry is due
+        late = publisher.publish(fine, CWD, [user(retry + 1), turn_end(retry + 1)])
+        rounds = 0
+        while [line["streamId"] for line in log_lines(settings, fine)][-2:] != late:
+            assert rounds < 3, "the new entries waited behind a sweep of the whole PEL"
+            watcher.run_once()
+            rounds += 1
+    assert failures["left"] == 10_000 - 4  # held, then retried three times
+    failures["left"] = 0  # the disk recovers: the held session's 60 entries are applied in order
+    watcher.cursors[0].retry_at = 0.0
+    drain(watcher, r, settings)
+    assert [line["streamId"] for line in log_lines(settings, full)] == published[full]
+    watcher.close()
+
+
 def test_a_held_session_is_logged_once_while_held_and_once_when_applied_again(
     r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
