@@ -21,6 +21,8 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
     {p}:health                  string: written by each health check (Redis must take writes)
     {p}:orphans                 string: lock held by the watcher dead-lettering the entries of
                                 streams past redis.shards (producer.watcher.orphans)
+    {p}:held                    hash: sessionId -> why and since when a watcher holds it back
+                                (its log cannot be written: compactor.held)
 
 Consumer group on every shard: ``{p}-watchers``, with one consumer per shard,
 ``shard-{n}``, read only by the watcher holding the shard's lease (stable
@@ -72,6 +74,10 @@ class Keys:
     @property
     def sessions(self) -> str:
         return f"{self.prefix}:sessions"
+
+    @property
+    def held(self) -> str:
+        return f"{self.prefix}:held"
 
     def lease(self, shard: int) -> str:
         return f"{self.prefix}:lease:{shard}"

@@ -7,7 +7,7 @@ What ``/metrics`` serves (``scrape_registry``):
   serve``), aggregated over every process writing there (watcher, workers, API);
   unset, this process's own values.
 - Gauges read from Redis on each scrape: ``RedisCollector`` (queue, sessions,
-  dead letters, stream lengths), ``StreamLagCollector`` (per shard: entries not
+  dead letters, sessions held back, stream lengths), ``StreamLagCollector`` (per shard: entries not
   yet applied, pending, age of the oldest), ``BreakerCollector`` (sessions whose
   LLM breaker is open now; a bounded SCAN).
 
@@ -40,6 +40,7 @@ from starlette.routing import BaseRoute, Match, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from compactor import metrics as process_metrics
+from compactor.held import held_sessions
 from compactor.keys import Keys
 from compactor.queue import compaction_queue
 from events.config import Settings
@@ -96,6 +97,9 @@ class RedisCollector(Collector):
                                 value=self.client.zcard(self.keys.sessions))
         yield GaugeMetricFamily("compactor_dead_letters", "entries in the dead-letter stream",
                                 value=self.client.xlen(self.keys.dead))
+        yield GaugeMetricFamily("compactor_sessions_held_back",
+                                "sessions a watcher holds back: their log cannot be written (a full disk...)",
+                                value=len(held_sessions(self.client, self.keys, server_ms(self.client) / 1000)))
         streams = GaugeMetricFamily("compactor_stream_entries", "entries kept in each stream shard",
                                     labels=["shard"])
         pipe = self.client.pipeline(transaction=False)

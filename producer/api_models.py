@@ -105,6 +105,12 @@ class PendingJob(_Body):
     status: str | None = None
 
 
+class HeldBack(_Body):
+    since: float = Field(description="unix seconds (Redis's clock) since the watcher holding it first failed")
+    error: str = Field(description="why its log cannot be written (the last failure)")
+    watcher: str = Field(description="the id of the watcher holding it back")
+
+
 class SessionBody(_Body):
     session_id: str
     cwd: str
@@ -117,6 +123,9 @@ class SessionBody(_Body):
     breaker_open: bool = Field(description="failures >= maxFailures: no automatic LLM job")
     pending_job: PendingJob | None = None
     last_compaction: dict[str, Any] | None = None
+    held_back: HeldBack | None = Field(
+        None, description="set while a watcher holds the session back: its log cannot be written (a full "
+                          "disk...); its new events wait in the stream, applied in order once it can")
 
 
 class Health(_Body):

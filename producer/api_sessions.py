@@ -6,6 +6,8 @@ Invariants:
   and when the Redis state is missing, bound to another cwd or behind the log,
   the state reported is rebuilt from the log (and not saved: readers never write).
 - Thresholds are reported in tokens: fraction x the session's context window.
+- A session a watcher holds back says so (``heldBack``: since when, why), from the watcher's
+  fresh record only (``compactor.held``): a stale one is left out.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.utils import as_text
 
+from compactor.held import parse_held
 from compactor.keys import Keys
 from compactor.queue import pending_job_id
 from compactor.store import SessionStore, bound_elsewhere
@@ -29,7 +32,7 @@ from events.log import SessionLog
 from events.models import validate_cwd, validate_session_id
 from events.state import SessionState
 from events.view import build_view
-from producer.api_models import ContextBody, PendingJob, SessionBody
+from producer.api_models import ContextBody, HeldBack, PendingJob, SessionBody
 
 logger = logging.getLogger(__name__)
 
@@ -68,10 +71,6 @@ def current_state(client: redis.Redis, settings: Settings, session_id: str,
     return state
 
 
-def failures_of(client: redis.Redis, settings: Settings, session_id: str) -> int:
-    return _count(client.get(Keys(settings.redis.prefix, settings.redis.shards).failures(session_id)))
-
-
 def _pending(client: redis.Redis, settings: Settings, session_id: str) -> PendingJob | None:
     return _job_status(client, pending_job_id(client, settings, session_id))
 
@@ -99,8 +98,14 @@ def _last_compaction(value: Any) -> dict[str, Any] | None:
 
 def session_body(client: redis.Redis, settings: Settings, state: SessionState) -> SessionBody:
     """The ``GET /api/sessions/{id}`` body for a state."""
-    return _body(settings, state, failures_of(client, settings, state.session_id),
-                 _pending(client, settings, state.session_id))
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    pipe = client.pipeline(transaction=False)
+    pipe.get(keys.failures(state.session_id))
+    pipe.hget(keys.held, state.session_id)
+    pipe.time()
+    failures, held, now = pipe.execute()
+    return _body(settings, state, _count(failures), _pending(client, settings, state.session_id),
+                 _held(held, now))
 
 
 def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -> list[tuple[SessionBody, float]]:
@@ -118,7 +123,10 @@ def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -
     for sid in ids:
         pipe.get(keys.failures(sid))
         pipe.get(keys.job(sid))
+    pipe.hmget(keys.held, ids)
+    pipe.time()
     replies = pipe.execute() if ids else []
+    held = replies[-2] if ids else []
     bodies = []
     for index, (sid, activity) in enumerate(recent):
         state = stored.get(sid)
@@ -127,7 +135,8 @@ def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -
         state = store.up_to_date(state)
         failures = _count(replies[2 * index])
         job_id = as_text(replies[2 * index + 1]) if replies[2 * index + 1] else None
-        bodies.append((_body(settings, state, failures, _job_status(client, job_id)), activity))
+        bodies.append((_body(settings, state, failures, _job_status(client, job_id), _held(held[index], replies[-1])),
+                       activity))
     return bodies
 
 
@@ -138,7 +147,15 @@ def _count(raw: Any) -> int:
         return 0
 
 
-def _body(settings: Settings, state: SessionState, failures: int, pending: PendingJob | None) -> SessionBody:
+def _held(raw: Any, now: Any) -> HeldBack | None:
+    """A ``{p}:held`` record as the body shows it; ``now``: Redis's ``TIME`` reply."""
+    seconds, micros = now
+    held = parse_held(raw, int(seconds) + int(micros) / 1e6)
+    return None if held is None else HeldBack(since=held.since, error=held.error, watcher=held.watcher)
+
+
+def _body(settings: Settings, state: SessionState, failures: int, pending: PendingJob | None,
+          held: HeldBack | None = None) -> SessionBody:
     ctx = settings.context
     return SessionBody(
         session_id=state.session_id, cwd=state.cwd, prompt_estimate=state.prompt_estimate,
@@ -148,4 +165,5 @@ def _body(settings: Settings, state: SessionState, failures: int, pending: Pendi
         failures=failures, breaker_open=failures >= ctx.max_failures,
         pending_job=pending,
         last_compaction=_last_compaction(state.last_compaction),
+        held_back=held,
     )

@@ -38,6 +38,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from compactor.held import held_sessions
 from compactor.keys import Keys
 from compactor.queue import check_bound_cwd, compaction_queue
 from compactor.store import SessionStore
@@ -101,6 +102,7 @@ class Overview(_Body):
     queued_jobs: int
     failed_jobs: int
     dead_letters: int
+    sessions_held_back: int = Field(description="sessions a watcher holds back: their log cannot be written")
     stream_backlog: int
     oldest_unapplied_seconds: float
     counters: dict[str, float] = Field(
@@ -271,7 +273,8 @@ def overview(request: Request, client: redis.Redis, settings: Settings) -> Overv
     return Overview(
         sessions=client.zcard(keys.sessions), breakers_open=breakers, sessions_failing=failing,
         queued_jobs=queue.count, failed_jobs=queue.failed_job_registry.count,
-        dead_letters=client.xlen(keys.dead), stream_backlog=sum(s[0] for s in shards),
+        dead_letters=client.xlen(keys.dead), sessions_held_back=len(held_sessions(client, keys, now_ms / 1000)),
+        stream_backlog=sum(s[0] for s in shards),
         oldest_unapplied_seconds=max((s[2] for s in shards), default=0.0),
         counters={key: totals.get(name, 0.0) for key, name in COUNTERS.items()},
         thresholds=Thresholds(micro=settings.context.micro_compact_threshold,

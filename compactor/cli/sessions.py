@@ -47,6 +47,7 @@ BAR_WIDTH = 24  # characters of the context bar in a terminal of WIDE_COLUMNS or
 NARROW_BAR_WIDTH = 12
 WIDE_COLUMNS = 120
 SESSION_WIDTH = 8  # the session column's width at least (a longer id folds); other columns are left out first
+HELD_LABEL = " held back"  # after the id of a session a watcher holds back (its log cannot be written)
 STATUS_COLUMNS = ("turn", "context", "tokens", "failures", "job", "last compaction")
 NARROW_DROP_ORDER = ("last compaction", "context", "job", "turn", "tokens", "failures")  # to keep the session's
 UNCROPPED_COLUMNS = 10_000  # the table's width when stdout is no terminal: as wide as its content
@@ -269,7 +270,7 @@ def status_table(bodies: list[SessionBody], width: int = 200, now: datetime | No
     more than the rows."""
     now = now or datetime.now(UTC)
     title = f"{len(bodies)} of {total} sessions" if total and total > len(bodies) else f"{len(bodies)} session(s)"
-    longest = max((cell_len(b.session_id) for b in bodies), default=0)
+    longest = max((cell_len(b.session_id) + (len(HELD_LABEL) if b.held_back else 0) for b in bodies), default=0)
     hidden: list[str] = []
     table = _status_table(bodies, width, now, title, hidden)
     for header in NARROW_DROP_ORDER:
@@ -292,6 +293,8 @@ def _status_table(bodies: list[SessionBody], width: int, now: datetime, title: s
     bar_width = BAR_WIDTH if width >= WIDE_COLUMNS else NARROW_BAR_WIDTH
     notes = [] if "context" in hidden else ["┃ micro and LLM thresholds"]
     notes.append("open: LLM breaker open")
+    if any(b.held_back for b in bodies):
+        notes.append("held back: its log cannot be written, its events wait (compactor status --json: why)")
     if hidden:
         notes.append(f"hidden to fit: {', '.join(hidden)} (--json has all)")
     caption = " · ".join(notes)
@@ -308,7 +311,10 @@ def _status_table(bodies: list[SessionBody], width: int, now: datetime, title: s
         cells: dict[str, Text | str] = {
             "turn": str(b.current_turn_id), "context": fill, "tokens": f"{b.prompt_estimate}/{b.context_window}",
             "failures": f"{b.failures}{breaker}", "job": pending, "last compaction": _describe(b.last_compaction, now)}
-        table.add_row(b.session_id, *(cell for header, cell in cells.items() if header not in hidden))
+        session = Text(b.session_id)
+        if b.held_back:
+            session.append(HELD_LABEL, style="bold red")
+        table.add_row(session, *(cell for header, cell in cells.items() if header not in hidden))
     return table
 
 

@@ -87,6 +87,7 @@ function renderOverview(o, sessions) {
     card("stream backlog", `${fmt(o.streamBacklog)} (${o.oldestUnappliedSeconds.toFixed(1)} s)`,
          o.oldestUnappliedSeconds > 30, "backlog"),
     card("dead letters", fmt(o.deadLetters), o.deadLetters > 0, "dead"),
+    card("sessions held back", fmt(o.sessionsHeldBack), o.sessionsHeldBack > 0, "held"),
     card("events ingested", `${fmt(c.eventsIngested)} · ${perMinute(rate("eventsIngested", o))}`,
          false, "events"),
     card("jobs succeeded", `${fmt(c.jobsSucceeded)} · ${perMinute(rate("jobsSucceeded", o))}`,
@@ -106,8 +107,15 @@ function renderOverview(o, sessions) {
     const failures = el("td", { class: "num" }, String(s.failures));
     if (s.breakerOpen) failures.append(" ", el("span", { class: "badge open", text: "breaker open" }));
     const pending = s.pendingJob ? `${s.pendingJob.status || "pending"} · ${s.pendingJob.jobId}` : "";
+    const name = el("td", {}, el("a", { href, text: s.sessionId }));
+    if (s.heldBack) {
+      name.append(" ", el("span", { class: "badge open", "data-held": "",
+                                    title: `${s.heldBack.error} (first failed ${ago(s.heldBack.since)})`,
+                                    text: "held back" }));
+    }
+    name.append(el("div", { class: "muted", text: s.cwd }));
     return el("tr", { "data-session": s.sessionId },
-      el("td", {}, el("a", { href, text: s.sessionId }), el("div", { class: "muted", text: s.cwd })),
+      name,
       el("td", { class: "num", text: String(s.currentTurnId) }),
       el("td", {}, fillBar(s.promptEstimate, s.microThreshold, s.compactionThreshold, s.contextWindow)),
       el("td", { class: "num", text: `${fmt(s.promptEstimate)} / ${fmt(s.contextWindow)}` }),
@@ -145,6 +153,10 @@ function renderSession(state, history) {
          state.breakerOpen),
     card("pending job", state.pendingJob ? (state.pendingJob.status || "pending") : "none"),
   );
+  if (state.heldBack) {  // its log cannot be written: its new events wait in the stream
+    $("session-state").append(card(`held back: first failed ${ago(state.heldBack.since)}`,
+                                   state.heldBack.error, true, "held"));
+  }
   const rows = history.compactions.slice().reverse().map((h) => el("tr", { "data-kind": h.kind },
     el("td", { text: `${h.timestamp || ""} (${ago(h.timestamp)})` }),
     el("td", { text: h.kind === "llm" ? `summary (replaces ${h.replaced})` : "micro" }),

@@ -98,6 +98,11 @@ class ShardCursor:
         self.held_log[session_id] = (since, now if due else logged)
         return due
 
+    def held_for(self, session_id: str) -> float:
+        """How long ``session_id`` has been held back (0: it is not)."""
+        held = self.held_log.get(session_id)
+        return 0.0 if held is None else time.monotonic() - held[0]
+
     def released(self, session_id: str) -> float | None:
         """How long ``session_id`` was held back, now it is applied again (None: it was not)."""
         held = self.held_log.pop(session_id, None)

@@ -52,8 +52,9 @@ from rq.utils import as_text
 
 from compactor import metrics
 from compactor.heap import freeze_heap
+from compactor.held import held_record
 from compactor.keys import Keys
-from compactor.queue import UNCHECKED, Trigger, parse_job_id, trigger_compactions
+from compactor.queue import UNCHECKED, Trigger, parse_job_id, redis_clock_s, trigger_compactions
 from compactor.store import UNREAD, Lookup, SessionStore
 from events.config import Settings
 from events.errors import CompactorError, InvalidConfig, InvalidEvent, InvalidInput
@@ -380,18 +381,28 @@ class Watcher:
                 if cursor.held_log_due(session_id):
                     logger.error("append failed, session held back session=%s shard=%d error=%s", session_id,
                                  shard, e, extra={"session_id": session_id})
+                    self._record_held(shard, cursor, session_id, str(e), saves)
                 cursor.hold(session_id)
                 return
-            except Exception:
+            except Exception as e:
                 if cursor.held_log_due(session_id):
                     logger.exception("apply crashed, session held back session=%s shard=%d", session_id, shard,
                                      extra={"session_id": session_id})
+                    self._record_held(shard, cursor, session_id, f"{type(e).__name__}: {e}", saves)
                 cursor.hold(session_id)
                 return
         held_s = cursor.released(session_id)
         if held_s is not None:
             logger.warning("session applied again session=%s shard=%d after %.0fs held back", session_id, shard,
                            held_s, extra={"session_id": session_id})
+        if held_s is not None or cursor.sweeping:  # (a sweep: it may be a session a former owner held)
+            saves.hdel(self.keys.held, session_id)
+
+    def _record_held(self, shard: int, cursor: ShardCursor, session_id: str, error: str, saves: Any) -> None:
+        """Say in Redis that ``session_id`` is held back, and why (``compactor.held``): sent with the
+        round's state saves, when the hold is logged (then once a minute while it lasts)."""
+        since = redis_clock_s() - cursor.held_for(session_id)
+        saves.hset(self.keys.held, session_id, held_record(since, error, self.id, shard))
 
     def _apply_run(
         self, shard: int, session_id: str, cwd: str, run: list[Entry], outcome: BatchOutcome, saves: Any,

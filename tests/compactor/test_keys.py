@@ -16,6 +16,7 @@ def test_key_layout_literal_strings_are_pinned() -> None:
     assert k.watchers == "compaction:watchers"
     assert k.janitor == "compaction:janitor"
     assert k.claims == "compaction:claims"
+    assert k.held == "compaction:held"
     assert k.consumer(5) == "shard-5"
     assert k.group == "compaction-watchers"
     assert k.queue == "compaction"

@@ -363,6 +363,29 @@ def test_page_shows_sessions_bars_history_and_elisions(sessions: Settings, serve
 
 
 @pytest.mark.slow
+def test_page_shows_a_session_held_back_in_the_totals_its_row_and_its_page(
+        sessions: Settings, serve_api: Any, browser: Any, r: redis.Redis) -> None:
+    from compactor.held import held_record
+
+    keys = Keys(sessions.redis.prefix, sessions.redis.shards)
+    r.hset(keys.held, BUSY, held_record(time.time() - 120, "No space left on device", "w:1", 0))
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(serve_api(sessions) + "/")
+    page.wait_for_selector(f'#sessions tr[data-session="{BUSY}"]')
+    assert page.locator('[data-card="held"] .value').inner_text() == "1"
+    assert page.locator('[data-card="held"]').get_attribute("class") == "card alert"
+    badge = page.locator(f'#sessions tr[data-session="{BUSY}"] [data-held]')
+    assert badge.inner_text() == "held back"
+    assert badge.get_attribute("title") == "No space left on device (first failed 2 min ago)"
+    assert page.locator(f'#sessions tr[data-session="{BROKEN}"] [data-held]').count() == 0
+    page.locator(f'#sessions tr[data-session="{BUSY}"] a').first.click()
+    page.wait_for_selector('#session-state [data-card="held"]')
+    card = page.locator('#session-state [data-card="held"]')
+    assert card.locator(".value").inner_text() == "No space left on device"
+    assert card.locator(".label").inner_text() == "held back: first failed 2 min ago"
+
+
+@pytest.mark.slow
 def test_legend_gives_the_configured_thresholds_where_the_ticks_are(sessions: Settings,
                                                                      serve_api: Any,
                                                                      browser: Any) -> None:

@@ -385,6 +385,92 @@ def test_a_held_session_is_logged_once_while_held_and_once_when_applied_again(
     assert [m.split(" session=")[0] for m in messages] == ["append failed, session held back", "session applied again"]
 
 
+def _held_back(watcher: Watcher, r: redis.Redis, settings: Settings, session_id: str) -> None:
+    """Run the watcher until it holds ``session_id`` back (its appends failing)."""
+    deadline = time.monotonic() + 20
+    while not r.hexists(Keys().held, session_id):
+        assert time.monotonic() < deadline, "the session was never held back"
+        watcher.run_once()
+
+
+def test_a_held_session_is_shown_held_back_by_the_api_the_metrics_and_status_until_applied_again(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing but the ERROR line (once a minute) and the backlog gauges said a session was held
+    back: its state read as if all was well, its new events missing from its context."""
+    import io
+
+    from fastapi.testclient import TestClient
+    from rich.console import Console
+
+    from compactor.cli.sessions import session_bodies, status_table
+    from producer.api import create_app
+
+    publisher = Publisher(r, fast)
+    publisher.publish("full", CWD, [user(1), turn_end(1)])
+    publisher.publish("fine", CWD, [user(1), turn_end(1)])
+    watcher = Watcher(r, fast, name="w")
+    drain(watcher, r, fast)
+    publisher.publish("full", CWD, [user(2), turn_end(2)])
+    failures = fail_appends(monkeypatch, 1_000, stem="full")
+    monkeypatch.setattr("producer.watcher.batch.HOLD_RETRY_S", 3600.0)  # retried below, by hand
+    _held_back(watcher, r, fast, "full")
+    with TestClient(create_app(fast, r)) as client:
+        held = client.get("/api/sessions/full", params={"cwd": CWD}).json()["heldBack"]
+        assert held["error"] == "No space left on device" and held["watcher"] == watcher.id
+        assert abs(held["since"] - time.time()) < 10
+        assert client.get("/api/sessions/fine", params={"cwd": CWD}).json()["heldBack"] is None
+        rows = {row["sessionId"]: row["heldBack"] for row in client.get("/api/sessions").json()}
+        assert rows["full"] == held and rows["fine"] is None
+        assert client.get("/api/overview").json()["sessionsHeldBack"] == 1
+        assert "compactor_sessions_held_back 1.0" in client.get("/metrics").text
+        out = io.StringIO()
+        Console(file=out, width=200).print(status_table(session_bodies(r, fast, 10)))
+        assert [line.split()[:3] for line in out.getvalue().splitlines() if "full" in line] == [
+            ["full", "held", "back"]]
+        failures["left"] = 0  # the disk recovers
+        watcher.cursors[Keys(fast.redis.prefix, fast.redis.shards).shard_of("full")].retry_at = 0.0
+        drain(watcher, r, fast)
+        assert [line.get("turnId") for line in log_lines(fast, "full")] == [1, 1, 2, 2]
+        assert client.get("/api/sessions/full", params={"cwd": CWD}).json()["heldBack"] is None
+        assert client.get("/api/overview").json()["sessionsHeldBack"] == 0
+        assert "compactor_sessions_held_back 0.0" in client.get("/metrics").text
+    assert not r.exists(Keys().held)
+    watcher.close()
+
+
+def test_a_held_record_is_cleared_by_the_watcher_taking_over_and_a_stale_one_is_not_shown(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from compactor import held
+    from producer.api import create_app
+
+    publisher = Publisher(r, fast)
+    publisher.publish("full", CWD, [user(1), turn_end(1)])
+    first = Watcher(r, fast, name="first")
+    drain(first, r, fast)
+    publisher.publish("full", CWD, [user(2), turn_end(2)])
+    failures = fail_appends(monkeypatch, 1_000, stem="full")
+    _held_back(first, r, fast, "full")
+    record = r.hget(Keys().held, "full")
+    first.close()  # it stops while the session is held back (its record stays)
+    with TestClient(create_app(fast, r)) as client:
+        path = "/api/sessions/full"
+        assert client.get(path, params={"cwd": CWD}).json()["heldBack"]["watcher"] == first.id
+        monkeypatch.setattr(held, "HELD_RECORD_TTL_S", -1.0)  # a record written now is stale at once
+        r.hset(Keys().held, "full", held.held_record(time.time(), "old", "gone", 0))
+        assert client.get(path, params={"cwd": CWD}).json()["heldBack"] is None
+        assert client.get("/api/overview").json()["sessionsHeldBack"] == 0
+        r.hset(Keys().held, "full", record)
+        failures["left"] = 0
+        drain(Watcher(r, fast, name="second"), r, fast)  # it applies the session in its first sweep
+        assert [line.get("turnId") for line in log_lines(fast, "full")] == [1, 1, 2, 2]
+        assert client.get(path, params={"cwd": CWD}).json()["heldBack"] is None
+    assert not r.exists(Keys().held)
+
+
 def test_graceful_stop_releases_leases_and_leaves_the_registry(r: redis.Redis, fast: Settings) -> None:
     import threading
 
