@@ -3,7 +3,7 @@
 Routes:
 
     POST /api/sessions/{id}/compact   {cwd}           -> CompressResult | 202 {jobId}
-    POST /api/sessions/{id}/events    {cwd, events}   -> 202 {accepted, streamIds}
+    POST /api/sessions/{id}/events    {cwd, events}   -> 202 {accepted, streamIds, duplicates}
     GET  /api/sessions/{id}/context?cwd=               -> {messages, promptEstimate, currentTurnId}
     GET  /api/sessions/{id}?cwd=                       -> session state (see SessionBody)
     GET  /api/jobs/{jobId}                             -> {jobId, status, result?, error?}
@@ -19,9 +19,10 @@ Invariants:
   (all or none): each alone by the Publisher (one validation path for Python
   and HTTP clients), then the batch as the watcher will apply it (a uuid twice,
   a turn going backwards: ``events.checks.check_batch``), then against what
-  Redis already holds of the session (its bound cwd, its uuids, its turn when
-  nothing waiting in the stream can change it: ``_refuse_backwards``); a 400
-  names the index and field (``events[2].turnId: ...``).
+  Redis already holds of the session (its bound cwd, its turn when nothing
+  waiting in the stream can change it: ``_refuse_backwards``); a 400 names the
+  index and field (``events[2].turnId: ...``). An event whose uuid the session
+  has already is a retry's: left out of what is published (``duplicates``).
 - A forced compaction never hangs the request: past ``api.jobWaitSeconds`` it
   answers 202 with the job id.
 - Settings and the Redis client come from dependencies (``get_settings``,
@@ -39,7 +40,7 @@ from typing import Annotated, Any
 
 import anyio.to_thread
 import redis
-from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from rq.utils import as_text
@@ -53,7 +54,7 @@ from compactor.serve import client_redis_url
 from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd
 from events.checks import check_past_turns
 from events.config import Settings
-from events.errors import InvalidEvent, SessionNotFound
+from events.errors import InvalidEvent, InvalidInput, SessionNotFound
 from events.log import SessionLog
 from events.models import TURN_SCOPED_TYPES, validate_cwd, validate_session_id
 from events.state import SessionState
@@ -123,6 +124,9 @@ def get_redis(request: Request) -> redis.Redis:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 CwdQuery = Annotated[str, Query(description="absolute working directory of the session")]
+IdempotencyKey = Annotated[str | None, Header(
+    alias="Idempotency-Key", description="the events without a uuid get one derived from this key and their "
+    "index: the same batch sent again with the same key (a retry) is applied once")]
 
 
 def make_redis(settings: Settings) -> redis.Redis:
@@ -142,19 +146,22 @@ def _require_log(settings: Settings, session_id: str, cwd: str) -> None:
 
 
 def _publish(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
-             events: list[dict[str, Any]]) -> list[str]:
-    """Validate each event, the batch, and the batch against the session; then publish it all."""
+             events: list[dict[str, Any]], idempotency_key: str | None = None) -> tuple[list[str], list[int]]:
+    """Validate each event, the batch, and the batch against the session; then publish it all
+    but the events the session has already (a retry's): their stream ids, and those events' indexes."""
     publisher = Publisher(client, settings)
-    batch = publisher.prepare(session_id, cwd, events)  # each event, then the batch (check_batch)
-    _check_against_session(client, settings, session_id, cwd, batch.events)
-    return publisher.send(batch)
+    batch = publisher.prepare(session_id, cwd, events, idempotency_key=idempotency_key)  # each, then the batch
+    duplicates = _check_against_session(client, settings, session_id, cwd, batch.events)
+    return publisher.send(batch.without(duplicates)), sorted(duplicates)
 
 
 def _check_against_session(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
-                           wires: Sequence[dict[str, Any]]) -> None:
+                           wires: Sequence[dict[str, Any]]) -> set[int]:
     """Refuse what the watcher would refuse from the session's stored state (one round trip):
-    a session bound to another cwd, a uuid already in its log, and a turn going backwards when
-    that is certain (``_refuse_backwards``)."""
+    a session bound to another cwd, and a turn going backwards when that is certain
+    (``_refuse_backwards``). The indexes of the events whose uuid the session has already: a
+    retry's, published before (a uuid is the event's identity: the watcher would dead-letter
+    the copy); the others are checked without them."""
     store = SessionStore(client, settings)
     found = store.lookup({session_id: list(wires)}, load=[session_id])
     state = found.stored.get(session_id)
@@ -163,9 +170,21 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
     elif state.cwd != cwd:
         raise bound_elsewhere(session_id, state.cwd, cwd)
     taken = found.taken.get(session_id, set())
-    for index, event in enumerate(wires):
-        if event.get("uuid") in taken:
-            raise InvalidEvent("uuid", f"{event['uuid']!r} duplicates an event already in this session", index)
+    duplicates = {index for index, event in enumerate(wires) if event.get("uuid") in taken}
+    if len(duplicates) == len(wires):
+        return duplicates
+    wires = [event for index, event in enumerate(wires) if index not in duplicates]
+    try:
+        _check_new_events(client, settings, store, session_id, cwd, state, wires, taken)
+    except InvalidInput as e:  # (located in the batch as sent)
+        if e.index is None:
+            raise
+        raise e.at([i for i in range(len(wires) + len(duplicates)) if i not in duplicates][e.index]) from e
+    return duplicates
+
+
+def _check_new_events(client: redis.Redis, settings: Settings, store: SessionStore, session_id: str, cwd: str,
+                      state: SessionState | None, wires: Sequence[dict[str, Any]], taken: set[str]) -> None:
     if state is not None:
         _refuse_backwards(client, settings, store, state, wires, taken)
     else:
@@ -333,8 +352,8 @@ def _accepted(job_id: str) -> JSONResponse:
 @sessions.post(
     "/{session_id}/events", status_code=202, response_model=EventsAccepted, responses=errors(413, 503),
 )
-def push_events(session_id: str, body: EventsRequest, settings: SettingsDep,
-                client: RedisDep) -> EventsAccepted:
+def push_events(session_id: str, body: EventsRequest, settings: SettingsDep, client: RedisDep,
+                idempotency_key: IdempotencyKey = None) -> EventsAccepted:
     """Validate every event, then publish them all to the session's stream shard.
 
     The whole batch is validated before its one MULTI/EXEC, so a bad event (400
@@ -342,11 +361,17 @@ def push_events(session_id: str, body: EventsRequest, settings: SettingsDep,
     event too: ``events[i].event``; so is one the watcher would refuse after
     the others: ``events[1].uuid: 'u' duplicates events[0]``) means nothing
     was published.
+
+    Retries: an event whose ``uuid`` the session has already is not published
+    again (its index is in ``duplicates``). Send each event's ``uuid``, or an
+    ``Idempotency-Key`` header (the events without a uuid get one derived from
+    it and their index), and a batch sent again after a lost reply or a 503 is
+    applied once.
     """
     sid, cwd = _checked(session_id, body.cwd)
-    ids = _publish(client, settings, sid, cwd, body.events)
-    logger.info("events accepted session=%s count=%d", sid, len(ids))
-    return EventsAccepted(accepted=len(ids), stream_ids=ids)
+    ids, duplicates = _publish(client, settings, sid, cwd, body.events, idempotency_key)
+    logger.info("events accepted session=%s count=%d duplicates=%d", sid, len(ids), len(duplicates))
+    return EventsAccepted(accepted=len(ids), stream_ids=ids, duplicates=duplicates)
 
 
 @sessions.get("/{session_id}/context", response_model=ContextBody, responses=errors(404, 500))

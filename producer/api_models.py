@@ -64,8 +64,11 @@ class EventsRequest(_Request):
 
 
 class EventsAccepted(_Body):
-    accepted: int
-    stream_ids: list[str] = Field(default_factory=list)
+    accepted: int = Field(description="how many events were published (the batch less its duplicates)")
+    stream_ids: list[str] = Field(description="the published events' stream entry ids, in order")
+    duplicates: list[int] = Field(
+        description="indexes of the events not published because the session has their uuid already "
+                    "(a retry's: applied once)")
 
 
 class JobAccepted(_Body):

@@ -11,7 +11,9 @@ Invariants:
   reply was lost, as after a dropped connection or a ``socket_timeout``; or the
   caller ``send``s a batch again after an error), its events are applied once:
   ``prepare`` gives each event without a ``uuid`` a random one, and the watcher
-  dead-letters an event whose uuid its session already has.
+  dead-letters an event whose uuid its session already has. A call sent again
+  by the caller (a new call: after a lost reply, say) is applied once when its
+  events carry uuids, their own or derived from an ``idempotency_key``.
 - Each entry has exactly the fields of SPEC §6 — ``session``, ``cwd`` and
   ``event`` (compact JSON of the validated event without ``sessionId``/``cwd``);
   ``docs/STREAM_PROTOCOL.md`` describes them for agents in other languages.
@@ -56,6 +58,14 @@ class PreparedBatch:
     payloads: tuple[bytes, ...]
     events: tuple[dict[str, Any], ...] = ()  # the payloads' events, as the watcher will read them
 
+    def without(self, indexes: set[int]) -> PreparedBatch:
+        """The batch less the events at ``indexes`` (those a retry had published already)."""
+        if not indexes:
+            return self
+        kept = [i for i in range(len(self.payloads)) if i not in indexes]
+        return PreparedBatch(self.session_id, self.cwd, self.stream, tuple(self.payloads[i] for i in kept),
+                             tuple(self.events[i] for i in kept))
+
 
 class Publisher:
     """Validates events and XADDs them to ``Keys.stream_for(session_id)``.
@@ -69,17 +79,25 @@ class Publisher:
         self.settings = settings
         self.keys = Keys(settings.redis.prefix, settings.redis.shards)
 
-    def publish(self, session_id: str, cwd: str, events: EventLike | Sequence[EventLike]) -> list[str]:
-        """Validate all events, then XADD them in one transaction; return their stream ids."""
-        return self.send(self.prepare(session_id, cwd, events))
+    def publish(self, session_id: str, cwd: str, events: EventLike | Sequence[EventLike], *,
+                idempotency_key: str | None = None) -> list[str]:
+        """Validate all events, then XADD them in one transaction; return their stream ids.
+        ``idempotency_key``: see ``prepare``."""
+        return self.send(self.prepare(session_id, cwd, events, idempotency_key=idempotency_key))
 
-    def prepare(self, session_id: str, cwd: str, events: EventLike | Sequence[EventLike]) -> PreparedBatch:
-        """Validate and encode the events (nothing is sent); raises like ``publish``."""
+    def prepare(self, session_id: str, cwd: str, events: EventLike | Sequence[EventLike], *,
+                idempotency_key: str | None = None) -> PreparedBatch:
+        """Validate and encode the events (nothing is sent); raises like ``publish``. An event
+        without a ``uuid`` gets a random one; with an ``idempotency_key``, one derived from the key,
+        the session and its index in the batch, so the same batch sent again under the same key
+        (a retry after a lost reply) carries the same uuids and is applied once."""
         session_id = validate_session_id(session_id)
         cwd = validate_cwd(cwd)
         session_log_path(self.settings.data_dir, cwd, session_id)  # a cwd no log can live under: refused now
+        if idempotency_key is not None:
+            check_idempotency_key(idempotency_key)
         batch = [events] if isinstance(events, (Mapping, BaseModel)) else list(events)
-        encoded = [self._encode(session_id, cwd, event, index) for index, event in enumerate(batch)]
+        encoded = [self._encode(session_id, cwd, event, index, idempotency_key) for index, event in enumerate(batch)]
         wires = tuple(wire for wire, _ in encoded)
         check_batch(wires)
         return PreparedBatch(session_id, cwd, self.keys.stream_for(session_id),
@@ -118,7 +136,8 @@ class Publisher:
                                "decode_responses=False: RQ stores its jobs pickled (publish takes either)")
         return enqueue_compaction(self.redis, self.settings, session_id, cwd, "llm", forced=forced)
 
-    def _encode(self, session_id: str, cwd: str, event: object, index: int) -> tuple[dict[str, Any], bytes]:
+    def _encode(self, session_id: str, cwd: str, event: object, index: int,
+                idempotency_key: str | None) -> tuple[dict[str, Any], bytes]:
         """The event as sent and the entry's ``event`` field: validated, identity fields checked
         and dropped, size-limited."""
         try:
@@ -128,7 +147,9 @@ class Publisher:
             _check_identity(wire, session_id, cwd)
             # (the watcher would derive one from the entry id: a resent entry has another id, so the
             # resent copy was applied as a second event)
-            wire.setdefault("uuid", str(uuid.uuid4()))
+            if "uuid" not in wire:
+                wire["uuid"] = str(uuid.uuid4() if idempotency_key is None else
+                                   uuid.uuid5(uuid.NAMESPACE_URL, f"compactor:{session_id}:{idempotency_key}:{index}"))
             payload = orjson.dumps(wire)
         except InvalidInput as e:
             raise e.at(index) from e
@@ -138,6 +159,16 @@ class Publisher:
         if len(payload) > limit:
             raise InvalidEvent("event", f"is {len(payload)} bytes, more than limits.maxEventBytes ({limit})", index)
         return wire, payload
+
+
+IDEMPOTENCY_KEY_MAX = 255
+
+
+def check_idempotency_key(key: str) -> None:
+    """An idempotency key: 1 to 255 printable ASCII characters (an HTTP header's value)."""
+    if not 1 <= len(key) <= IDEMPOTENCY_KEY_MAX or not all("!" <= c <= "~" for c in key):
+        raise InvalidInput("Idempotency-Key", f"must be 1 to {IDEMPOTENCY_KEY_MAX} printable ASCII characters "
+                           "without spaces")
 
 
 def _check_identity(wire: dict[str, Any], session_id: str, cwd: str) -> None:

@@ -1020,18 +1020,59 @@ def test_a_summary_as_a_new_sessions_first_event_is_400_unless_its_entries_wait(
     assert client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": [far]}).status_code == 202
 
 
-def test_a_uuid_the_session_already_has_and_another_cwd_are_400(
+def test_an_event_the_session_has_already_is_not_published_again_and_another_cwd_is_400(
         client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """A retry (events whose uuids the session has) was a 400 'duplicates an event already in this
+    session': an agent that takes a 4xx for its own mistake dropped or alarmed on a write that had
+    succeeded. Now only the new events are published; the others' indexes are in duplicates."""
     write_session(r, api_settings, 1)  # uuids sess-1-0 .. sess-1-4, bound to CWD
-    again = [{"type": "user", "turnId": 2, "content": "a", "uuid": f"{SID}-2"}]
-    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": again})
-    assert response.status_code == 400
-    assert error_of(response)["message"].startswith("events[0].uuid: ")
-    elsewhere = client.post(f"/api/sessions/{SID}/events",
-                            json={"cwd": "/somewhere/else", "events": turn(2)})
+    path = f"/api/sessions/{SID}/events"
+    again = [{"type": "user", "turnId": 1, "content": "please do step 1", "uuid": f"{SID}-1"},
+             {"type": "user", "turnId": 2, "content": "a", "uuid": "new-1"}]
+    # the new events are checked as before, and a bad one is named at its index in the batch sent
+    backwards = [again[0], {"type": "user", "turnId": 1, "content": "b"}]
+    refused = client.post(path, json={"cwd": CWD, "events": backwards})
+    assert refused.status_code == 400 and error_of(refused)["message"].startswith("events[1].turnId: goes backwards")
+    response = client.post(path, json={"cwd": CWD, "events": again})
+    assert response.status_code == 202, response.text
+    body = response.json()
+    assert (body["accepted"], body["duplicates"], len(body["streamIds"])) == (1, [0], 1)
+    [(_, fields)] = r.xrange(Keys().stream_for(SID))
+    assert json.loads(fields[b"event"])["uuid"] == "new-1"
+    replay = client.post(path, json={"cwd": CWD, "events": again[:1]}).json()
+    assert replay == {"accepted": 0, "streamIds": [], "duplicates": [0]}
+    elsewhere = client.post(path, json={"cwd": "/somewhere/else", "events": turn(2)})
     assert elsewhere.status_code == 400
     assert error_of(elsewhere)["message"].startswith("cwd: ") and CWD in error_of(elsewhere)["message"]
-    assert r.xlen(Keys().stream_for(SID)) == 0
+    assert r.xlen(Keys().stream_for(SID)) == 1
+
+
+def test_a_batch_sent_again_under_its_idempotency_key_is_applied_once(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """Without uuids of its own an agent's retry (after a lost reply, or a 503 whose batch had been
+    written) was applied twice: each send got new random uuids."""
+    from producer.watcher import Watcher
+    from tests.producer.conftest import drain
+
+    path = f"/api/sessions/{SID}/events"
+    batch = {"cwd": CWD, "events": [{"type": "session_meta", "model": "gpt-4"}, *turn(1)]}
+    key = {"Idempotency-Key": "agent-7/req-1"}
+    assert client.post(path, json=batch, headers=key).json()["accepted"] == 5
+    in_flight = client.post(path, json=batch, headers=key).json()  # not applied yet: published, dead-lettered
+    assert in_flight["accepted"] == 5
+    drain(Watcher(r, api_settings, name="w"), r, api_settings)
+    after = client.post(path, json=batch, headers=key).json()  # applied: nothing published
+    assert (after["accepted"], after["duplicates"]) == (0, [0, 1, 2, 3, 4])
+    other = client.post(path, json={"cwd": CWD, "events": turn(2)}, headers={"Idempotency-Key": "agent-7/req-2"})
+    assert other.json()["accepted"] == 4  # another key: other uuids
+    drain(Watcher(r, api_settings, name="w2"), r, api_settings)
+    lines = SessionLog(api_settings.data_dir, CWD, SID).read()
+    assert [(line["type"], line.get("turnId")) for line in lines] == [
+        ("session_meta", None), *[(e["type"], 1) for e in turn(1)], *[(e["type"], 2) for e in turn(2)]]
+    for bad in (b"", b"has space", b"x" * 256, b"caf\xe9"):
+        response = client.post(path, json=batch, headers={"Idempotency-Key": bad})
+        assert response.status_code == 400, bad
+        assert error_of(response)["message"].startswith("Idempotency-Key: must be 1 to 255 printable ASCII")
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])

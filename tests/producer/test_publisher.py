@@ -227,3 +227,20 @@ def test_a_model_is_published_as_the_same_event_as_a_dict(r: redis.Redis, settin
     from_dict, from_model, user_model = [without_uuid(orjson.loads(e[b"event"])) for e in entries(r, settings, "s1")]
     assert from_model == from_dict and from_model["content"] is None and from_model["note"] is None
     assert user_model == {"type": "user", "turnId": 1, "content": "x", "extra": None}
+
+
+def test_a_call_repeated_under_its_idempotency_key_is_applied_once(r: redis.Redis, settings: Settings) -> None:
+    """Random uuids make a batch redis-py resends apply once, but not a call the agent makes again
+    after an error: its events got new uuids, and were applied twice."""
+    publisher = Publisher(r, settings)
+    batch = [user(1, "hello"), turn_end(1)]
+    publisher.publish("s1", CWD, batch, idempotency_key="req-1")
+    publisher.publish("s1", CWD, batch, idempotency_key="req-1")  # the retry
+    publisher.publish("s1", CWD, [user(2, "hello"), turn_end(2)], idempotency_key="req-2")
+    sent = [orjson.loads(e[b"event"])["uuid"] for e in entries(r, settings, "s1")]
+    assert sent[:2] == sent[2:4] and len(set(sent[2:])) == 4
+    drain(Watcher(r, settings, name="w"), r, settings)
+    assert [(line["type"], line["turnId"]) for line in log_lines(settings, "s1")] == [
+        ("user", 1), ("turn_end", 1), ("user", 2), ("turn_end", 2)]
+    with pytest.raises(InvalidInput, match="^Idempotency-Key: must be"):
+        publisher.publish("s1", CWD, batch, idempotency_key="two words")
