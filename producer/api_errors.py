@@ -161,6 +161,9 @@ class JsonBodyRoute(APIRoute):
         async def read_json(request: Request) -> Response:
             _refuse_repeated_query(request, known)
             strict = JsonRequest(request.scope, request.receive)
+            encoding = strict.headers.get("content-encoding", "identity").strip().lower()
+            if encoding != "identity":  # (gzip was read as the body itself: "not valid UTF-8: byte 0x8b")
+                raise BadBody(f"body: Content-Encoding {encoding!r} is not supported: send the JSON uncompressed")
             content_type = strict.headers.get("content-type")
             if await strict.body() and not is_json_type(content_type):
                 sent = f"not {content_type!r}" if content_type else "none was sent"
@@ -193,6 +196,9 @@ def _refuse_repeated_query(request: Request, known: set[str] | None = None) -> N
         counts = collections.Counter(names)  # (not names.count per name: a long query would cost its square)
         name = next(name for name in names if counts[name] > 1)
         raise BadBody(f"{name}: given {counts[name]} times in the query string; give it once")
+
+
+RETRY_AFTER = {"Retry-After": "1"}  # on a 503 (Redis unreachable or refusing): seconds before a retry
 
 
 def error_body(code: str, message: str) -> dict[str, Any]:
@@ -244,7 +250,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
         logger.warning("redis unavailable path=%s error=%s", request.url.path, exc)
-        return error_response(503, f"Redis is unreachable: {exc}")
+        return error_response(503, f"Redis is unreachable: {exc}", headers=RETRY_AFTER)
 
     async def redis_refused(request: Request, exc: Exception) -> JSONResponse:
         if is_permission_error(exc):  # the ACL changed since the start's check
@@ -255,7 +261,7 @@ def install_error_handlers(app: FastAPI) -> None:
             logger.error("redis error path=%s", request.url.path, exc_info=exc)
             return await internal(request, exc)
         logger.warning("redis refused path=%s error=%s", request.url.path, exc)
-        return error_response(503, f"Redis refused the request: {exc}")
+        return error_response(503, f"Redis refused the request: {exc}", headers=RETRY_AFTER)
 
     async def storage(request: Request, exc: Exception) -> JSONResponse:
         logger.error("session log unusable path=%s error=%s", request.url.path, exc)

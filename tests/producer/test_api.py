@@ -119,6 +119,7 @@ def test_healthz_is_503_when_redis_is_down(api_settings: Settings, tmp_path: Any
         response = test_client.get("/healthz")
     assert response.status_code == 503
     assert error_of(response)["code"] == "redis_unavailable"
+    assert response.headers["Retry-After"] == "1"  # (a client's backoff had nothing to go by)
 
 
 def test_metrics_exposes_http_and_queue_gauges(client: TestClient) -> None:
@@ -1171,3 +1172,20 @@ def test_a_state_derived_under_other_settings_is_reported_as_the_new_ones_derive
     assert context < old
     assert [row["promptEstimate"] for row in rows if row["sessionId"] == SID] == [context] and one == context
     assert SessionStore(r, changed).load(SID).prompt_estimate == context  # type: ignore[union-attr]  # stored
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate"])
+def test_a_compressed_body_is_400_saying_the_encoding_is_not_supported(client: TestClient, encoding: str) -> None:
+    """A gzip body was read as JSON text: 'body: is not valid UTF-8: byte 0x8b', which says nothing
+    of the cause."""
+    import gzip
+
+    body = gzip.compress(b'{"cwd": "/uni", "events": []}')
+    response = client.post(f"/api/sessions/{SID}/events", content=body,
+                           headers={"Content-Type": "application/json", "Content-Encoding": encoding})
+    assert response.status_code == 400
+    assert error_of(response)["message"] == (
+        f"body: Content-Encoding '{encoding}' is not supported: send the JSON uncompressed")
+    plain = client.post(f"/api/sessions/{SID}/events", json={"cwd": "/uni", "events": []},
+                        headers={"Content-Encoding": "identity"})
+    assert plain.status_code == 202
