@@ -7,6 +7,7 @@ Routes:
     GET  /api/sessions/{id}/context?cwd=               -> {messages, promptEstimate, currentTurnId}
     GET  /api/sessions/{id}?cwd=                       -> session state (see SessionBody)
     GET  /api/jobs/{jobId}                             -> {jobId, status, result?, error?}
+    GET  /api/dead-letters?session=&limit=            -> the refused entries, newest first, with reasons
     GET  /healthz (and HEAD)                           -> 200 when Redis answers, else 503
     GET  /metrics                                      -> Prometheus text (producer.api_metrics)
     GET  /, /api/overview, /api/sessions, .../history  -> the status page (producer.status_page)
@@ -72,6 +73,7 @@ from producer.api_models import (
     CompactRequest,
     CompressResult,
     ContextBody,
+    DeadLettersBody,
     ErrorBody,
     EventsAccepted,
     EventsRequest,
@@ -80,7 +82,7 @@ from producer.api_models import (
     JobBody,
     SessionBody,
 )
-from producer.api_sessions import context_body, current_state, session_body
+from producer.api_sessions import context_body, current_state, dead_letters_body, session_body
 from producer.publisher import Publisher
 
 logger = logging.getLogger(__name__)
@@ -400,6 +402,17 @@ def get_job(job_id: str, settings: SettingsDep, client: RedisDep) -> JobBody:
 
 
 ops = APIRouter(tags=["operations"], route_class=JsonBodyRoute)
+
+
+@ops.get("/api/dead-letters", response_model=DeadLettersBody, responses={**ERRORS, **errors(503)})
+def dead_letters(
+    settings: SettingsDep, client: RedisDep,
+    session: Annotated[str | None, Query(max_length=1_000, description="only this session's letters")] = None,
+    limit: Annotated[int, Query(ge=1, le=1_000, description="letters returned at most")] = 50,
+) -> DeadLettersBody:
+    """The entries the watcher refused (``{p}:dead``), newest first, with the reason of each: how
+    an agent finds out what became of events it was answered 202 for."""
+    return dead_letters_body(client, settings, session, limit)
 
 
 @ops.head("/healthz", include_in_schema=False)  # what GET says, without the body (RFC 9110)

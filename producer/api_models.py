@@ -134,3 +134,25 @@ class SessionBody(_Body):
 class Health(_Body):
     status: Literal["ok"]
     redis: Literal["ok"]
+
+
+class DeadLetterBody(_Body):
+    letter_id: str = Field(description="the letter's id in {p}:dead")
+    written_at: float = Field(description="unix seconds (Redis's clock) the letter was written")
+    session: str | None = Field(description="the refused entry's session field (as sent)")
+    cwd: str | None
+    reason: str = Field(description="why it was refused, naming the field")
+    entry_id: str | None = Field(description="the refused entry's id in its stream")
+    stream: str | None
+    event: str | None = Field(description="the entry's event field, its first eventPreviewChars characters")
+    event_chars: int = Field(description="the event field's length (characters) in the letter")
+    truncated: str | None = Field(None, description="fields the letter keeps only the start of (name:bytes)")
+    extra: dict[str, str] = Field(default_factory=dict, description="the entry's other fields")
+
+
+class DeadLettersBody(_Body):
+    letters: list[DeadLetterBody] = Field(description="newest first")
+    scanned: int = Field(description="letters looked through")
+    complete: bool = Field(description="false: the scan stopped at its bound (10 000 letters) before the "
+                                       "oldest letter, so older matching letters may exist")
+    total: int = Field(description="letters the dead-letter stream holds")

@@ -1,4 +1,4 @@
-"""What the API and ``compactor status`` / ``context`` report about one session.
+"""What the API and ``compactor status`` / ``context`` / ``dead-letters`` report about sessions.
 
 Invariants:
 - Session id and cwd are validated before any path is built.
@@ -22,6 +22,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.utils import as_text
 
+from compactor.dead_letters import read_dead_letters
 from compactor.held import parse_held
 from compactor.keys import Keys
 from compactor.queue import pending_job_id
@@ -32,7 +33,7 @@ from events.log import SessionLog
 from events.models import validate_cwd, validate_session_id
 from events.state import SessionState
 from events.view import build_view
-from producer.api_models import ContextBody, HeldBack, PendingJob, SessionBody
+from producer.api_models import ContextBody, DeadLetterBody, DeadLettersBody, HeldBack, PendingJob, SessionBody
 
 logger = logging.getLogger(__name__)
 
@@ -167,3 +168,19 @@ def _body(settings: Settings, state: SessionState, failures: int, pending: Pendi
         last_compaction=_last_compaction(state.last_compaction),
         held_back=held,
     )
+
+
+EVENT_PREVIEW_CHARS = 2_000  # of a dead letter's event, as GET /api/dead-letters shows it
+
+
+def dead_letters_body(client: redis.Redis, settings: Settings, session: str | None, limit: int) -> DeadLettersBody:
+    """The newest ``limit`` dead letters (of ``session`` only, when given): ``GET /api/dead-letters``
+    and ``compactor dead-letters --json``."""
+    found = read_dead_letters(client, Keys(settings.redis.prefix, settings.redis.shards), session=session,
+                              limit=limit)
+    return DeadLettersBody(
+        letters=[DeadLetterBody(
+            letter_id=d.letter_id, written_at=d.written_at, session=d.session, cwd=d.cwd, reason=d.reason,
+            entry_id=d.entry_id, stream=d.stream, event=None if d.event is None else d.event[:EVENT_PREVIEW_CHARS],
+            event_chars=len(d.event or ""), truncated=d.truncated, extra=d.extra) for d in found.letters],
+        scanned=found.scanned, complete=found.complete, total=found.total)

@@ -1,7 +1,7 @@
 """The ``compactor`` command line: one typer app, one module per command group.
 
     processes.py  serve, watch, work, api     (the long-running processes)
-    sessions.py   compact, context, status    (operator actions on sessions)
+    sessions.py   compact, context, status, dead-letters  (operator actions on sessions)
     health.py     health                      (container health checks)
     demo.py       demo                        (simulated agents on the whole stack)
     bench.py      bench                       (the benchmark scenarios)
@@ -17,6 +17,8 @@ every few seconds) start in about half a second.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import typer
 
@@ -47,9 +49,9 @@ def _options(
     """Context compaction service for LLM coding agents."""
 
 
-PANELS = {
+PANELS: dict[str, tuple[Callable[..., None], ...]] = {
     "Processes": (processes.serve, processes.watch, processes.work, processes.api),
-    "Sessions": (sessions.compact, sessions.context, sessions.status),
+    "Sessions": (sessions.compact, sessions.context, sessions.status, sessions.dead_letters),
     "Operations": (health.health, demo.demo, bench.bench),
 }
 for panel, commands in PANELS.items():

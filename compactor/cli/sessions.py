@@ -1,4 +1,4 @@
-"""Operator commands about sessions: ``compact``, ``context`` and ``status``.
+"""Operator commands about sessions: ``compact``, ``context``, ``status`` and ``dead-letters``.
 
 ``context`` reads the log only (no Redis needed); ``compact`` and ``status``
 talk to Redis. ``compact`` always ends its stdout with the ``CompressResult``
@@ -230,6 +230,43 @@ def status(
         return
     console = _table_console()
     console.print(status_table(bodies, console.width, total=total))
+
+
+def dead_letters(
+    session: Annotated[str | None, typer.Option("--session", help="Only this session's letters.",
+                                                show_default=False)] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, max=1_000, help="Newest letters shown.")] = 20,
+    json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+    redis_url: RedisUrlOpt = None,
+) -> None:
+    """Entries the watcher refused ({p}:dead), newest first: when, session, reason, entry id."""
+    from producer.api_sessions import dead_letters_body
+
+    outside_the_stack()
+    settings = load(config, redis_url=redis_url)
+    client = connect(settings)
+    with user_errors():
+        body = dead_letters_body(client, settings, session, limit)
+    if json_out:
+        print_json(body.model_dump(by_alias=True))
+        return
+    if not body.letters:
+        whose = f" of session {session}" if session else ""
+        looked = "" if body.complete else f" in the newest {body.scanned} of {body.total}"
+        err_console.print(f"no dead letters{whose}{looked}")
+        return
+    now = datetime.now(UTC)
+    table = Table(title=f"compactor: {len(body.letters)} of {body.total} dead letter(s), newest first",
+                  box=box.SIMPLE_HEAD, caption=None if body.complete else
+                  f"looked through the newest {body.scanned} letters only")
+    for header in ("written", "session", "reason", "entry"):
+        table.add_column(header, overflow="fold")
+    for letter in body.letters:
+        written = datetime.fromtimestamp(letter.written_at, UTC)
+        table.add_row(f"{_age(now - written)} ago", Text(letter.session or "-"), Text(letter.reason),
+                      Text(f"{letter.stream or '?'} {letter.entry_id or '?'}"))
+    _table_console().print(table)
 
 
 def _table_console() -> Console:

@@ -29,7 +29,7 @@ from events.log import SessionLog
 from compactor.llm_stub import STUB_MODEL, LLMStub
 from tests.producer.test_api import CWD, SID, run_jobs, write_session
 
-COMMANDS = ("serve", "watch", "work", "api", "compact", "context", "status", "demo", "bench",
+COMMANDS = ("serve", "watch", "work", "api", "compact", "context", "status", "dead-letters", "demo", "bench",
             "health")
 
 
@@ -1143,3 +1143,34 @@ def test_a_redis_refusal_is_one_line_a_redis_bug_a_traceback(capsys: pytest.Capt
         raise error
     assert exited.value.exit_code == 1
     assert capsys.readouterr().err == f"compactor: Redis refused: {error}\n"
+
+
+def test_dead_letters_lists_the_refused_entries_newest_first_with_their_reasons(
+        runner: CliRunner, r: redis.Redis, settings: Settings, config: Path) -> None:
+    """Operators read {p}:dead with redis-cli XRANGE: no command showed why an entry was refused."""
+    from producer.watcher import Watcher
+    from tests.producer.conftest import drain
+
+    keys = Keys()
+    r.xadd(keys.stream_for("s1"), {"session": "s1", "cwd": CWD, "event": b'{"type": "user"}'})
+    r.xadd(keys.stream_for("s2"), {"session": "s2", "cwd": "relative", "event": b'{"type": "user", "turnId": 1}'})
+    r.xadd(keys.stream_for("s1"), {"session": "s1", "cwd": CWD, "event": b"\xff not json"})
+    drain(Watcher(r, settings, name="w"), r, settings)
+    args = ["--config", str(config), "--redis-url", settings.redis.url]
+    result = runner.invoke(app, ["dead-letters", "--json", *args])
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert body["total"] == 3 and body["complete"] is True
+    assert sorted((d["session"], d["reason"], d["event"]) for d in body["letters"]) == [
+        ("s1", "invalid UTF-8 in field 'event' at byte 0", "\ufffd not json"),
+        ("s1", "turnId: Field required", '{"type": "user"}'),
+        ("s2", "cwd: must be an absolute path", '{"type": "user", "turnId": 1}')]
+    assert [d["letterId"] for d in body["letters"]] == sorted((d["letterId"] for d in body["letters"]), reverse=True)
+    only = json.loads(runner.invoke(app, ["dead-letters", "--json", "--session", "s2", *args]).stdout)
+    assert [d["session"] for d in only["letters"]] == ["s2"] and "cwd" in only["letters"][0]["reason"]
+    table = runner.invoke(app, ["dead-letters", "--limit", "2", *args], env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    rows = [line for line in table.stdout.splitlines() if " ago " in line]
+    assert len(rows) == 2 and "2 of 3 dead letter(s)" in table.stdout
+    none = runner.invoke(app, ["dead-letters", "--session", "s9", *args])
+    assert none.exit_code == 0 and "no dead letters of session s9" in none.output

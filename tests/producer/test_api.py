@@ -1189,3 +1189,29 @@ def test_a_compressed_body_is_400_saying_the_encoding_is_not_supported(client: T
     plain = client.post(f"/api/sessions/{SID}/events", json={"cwd": "/uni", "events": []},
                         headers={"Content-Encoding": "identity"})
     assert plain.status_code == 202
+
+
+def test_dead_letters_route_pages_filters_and_bounds_its_scan(client: TestClient, r: redis.Redis,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 202 said published, not applied: an agent had no way over HTTP to learn that the watcher
+    refused an event, or why (the letters were readable only with XRANGE {p}:dead)."""
+    from compactor import dead_letters
+
+    monkeypatch.setattr(dead_letters, "READ_CHUNK", 3)  # pages of 3 letters: the paging is exercised
+    dead = Keys().dead
+    for i in range(10):
+        sid = "mine" if i in (1, 7) else f"other-{i}"
+        r.xadd(dead, {"session": sid, "cwd": CWD, "event": "x" * (3_000 if i == 7 else 10), "reason": f"r{i}",
+                      "id": f"1-{i}", "stream": "compaction:events:0", "custom": "kept"})
+    body = client.get("/api/dead-letters", params={"limit": 4}).json()
+    assert [d["reason"] for d in body["letters"]] == ["r9", "r8", "r7", "r6"]
+    assert (body["total"], body["complete"]) == (10, True)
+    mine = client.get("/api/dead-letters", params={"session": "mine"}).json()
+    assert [(d["reason"], d["entryId"], d["eventChars"], len(d["event"])) for d in mine["letters"]] == [
+        ("r7", "1-7", 3_000, 2_000), ("r1", "1-1", 10, 10)]
+    assert mine["letters"][0]["extra"] == {"custom": "kept"} and mine["scanned"] == 10
+    monkeypatch.setattr(dead_letters, "MAX_SCANNED", 5)
+    bounded = client.get("/api/dead-letters", params={"session": "mine"}).json()
+    assert [d["reason"] for d in bounded["letters"]] == ["r7"]
+    assert (bounded["scanned"], bounded["complete"]) == (5, False)
+    assert client.get("/api/dead-letters", params={"limit": 0}).status_code == 400
