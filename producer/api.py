@@ -4,7 +4,7 @@ Routes:
 
     POST /api/sessions/{id}/compact   {cwd}           -> CompressResult | 202 {jobId}
     POST /api/sessions/{id}/events    {cwd, events}   -> 202 {accepted, streamIds, duplicates}
-    GET  /api/sessions/{id}/context?cwd=               -> {messages, promptEstimate, currentTurnId}
+    GET  /api/sessions/{id}/context?cwd=[&after=]     -> {messages, promptEstimate, currentTurnId, applied}
     GET  /api/sessions/{id}?cwd=                       -> session state (see SessionBody)
     GET  /api/jobs/{jobId}                             -> {jobId, status, result?, error?}
     GET  /api/dead-letters?session=&limit=            -> the refused entries, newest first, with reasons
@@ -82,7 +82,14 @@ from producer.api_models import (
     JobBody,
     SessionBody,
 )
-from producer.api_sessions import context_body, current_state, dead_letters_body, session_body
+from producer.api_sessions import (
+    context_body,
+    current_state,
+    dead_letters_body,
+    parse_stream_id,
+    session_body,
+    wait_settled,
+)
 from producer.publisher import Publisher
 
 logger = logging.getLogger(__name__)
@@ -376,11 +383,23 @@ def push_events(session_id: str, body: EventsRequest, settings: SettingsDep, cli
     return EventsAccepted(accepted=len(ids), stream_ids=ids, duplicates=duplicates)
 
 
-@sessions.get("/{session_id}/context", response_model=ContextBody, responses=errors(404, 500))
-def get_context(session_id: str, cwd: CwdQuery, settings: SettingsDep) -> ContextBody:
-    """The context view (SPEC §4) computed from the log."""
+@sessions.get("/{session_id}/context", response_model=ContextBody, response_model_exclude_unset=True,
+              responses=errors(404, 500, 503))
+def get_context(
+    session_id: str, cwd: CwdQuery, settings: SettingsDep, client: RedisDep,
+    after: Annotated[str | None, Query(description="a stream id POST .../events answered: first wait until "
+                                                   "the watcher applied the session's events up to it")] = None,
+    timeout: Annotated[float, Query(ge=0, le=60, allow_inf_nan=False,
+                                    description="seconds to wait for `after` at most")] = 5.0,
+) -> ContextBody:
+    """The context view (SPEC §4) computed from the log. A 202 from ``POST .../events`` means
+    published, not yet applied: with ``after`` (its last stream id) the view waits for them
+    (``applied`` says whether they were, within ``timeout``). Without it, Redis is not needed."""
     sid, cwd = _checked(session_id, cwd)
-    return context_body(settings, sid, cwd)
+    if after is None:
+        return context_body(settings, sid, cwd)
+    parse_stream_id(after, "after")
+    return context_body(settings, sid, cwd, applied=wait_settled(client, settings, sid, after, timeout))
 
 
 @sessions.get("/{session_id}", response_model=SessionBody, responses=errors(404, 500, 503))

@@ -101,6 +101,9 @@ class ContextBody(_Body):
     messages: list[dict[str, Any]] = Field(description="OpenAI chat messages (snake_case keys)")
     prompt_estimate: int
     current_turn_id: int
+    applied: bool | None = Field(
+        None, description="with ?after=<streamId>: whether the watcher had applied (or dead-lettered) the "
+                          "session's events up to that entry when the view was read (absent without after)")
 
 
 class PendingJob(_Body):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,7 @@ from compactor.keys import Keys
 from compactor.queue import pending_job_id
 from compactor.store import SessionStore, bound_elsewhere
 from events.config import Settings
-from events.errors import SessionNotFound
+from events.errors import InvalidInput, SessionNotFound
 from events.log import SessionLog
 from events.models import validate_cwd, validate_session_id
 from events.state import SessionState
@@ -48,11 +50,59 @@ def read_log(data_dir: Path, session_id: str, cwd: str) -> list[dict[str, Any]]:
     return log.read()
 
 
-def context_body(settings: Settings, session_id: str, cwd: str) -> ContextBody:
+def context_body(settings: Settings, session_id: str, cwd: str, applied: bool | None = None) -> ContextBody:
     """SPEC §4's view of the log: messages, promptEstimate and currentTurnId."""
     view = build_view(read_log(settings.data_dir, session_id, cwd), settings.context)
-    return ContextBody(messages=list(view.messages), prompt_estimate=view.prompt_estimate,
+    body = ContextBody(messages=list(view.messages), prompt_estimate=view.prompt_estimate,
                        current_turn_id=view.current_turn_id)
+    if applied is not None:  # (only then in the body: SPEC §7's three fields otherwise)
+        body.applied = applied
+    return body
+
+
+STREAM_ID_RE = re.compile(r"(\d{1,20})-(\d{1,20})")
+APPLIED_POLL_S = 0.005  # a read waiting for the watcher looks again after this, then 1.5x as long each time
+APPLIED_POLL_MAX_S = 0.1
+
+
+def parse_stream_id(value: str, field: str) -> tuple[int, int]:
+    """A stream entry id ``ms-seq`` as a pair; InvalidInput naming ``field`` otherwise."""
+    match = STREAM_ID_RE.fullmatch(value)
+    if match is None:
+        raise InvalidInput(field, f"{value!r} is not a stream entry id (ms-seq, as POST .../events answers)")
+    return int(match[1]), int(match[2])
+
+
+def settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: str) -> bool:
+    """Whether the watcher is done with entry ``entry_id`` of ``session_id``'s shard: delivered
+    and acked, so applied to the log or dead-lettered. A session's entries are acked in order
+    (a held session's later entries wait with it), so every one of its entries up to it is too."""
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    stream = keys.stream_for(session_id)
+    try:
+        groups: list[Any] = client.xinfo_groups(stream)
+    except redis.ResponseError:  # no such stream: nothing of it waits (Redis lost it, or no event was sent)
+        return True
+    group = next((g for g in groups if as_text(g["name"]) == keys.group), None)
+    if group is None:  # (the watchers recreate it and read the stream again)
+        return False
+    wanted = parse_stream_id(entry_id, "after")
+    if parse_stream_id(as_text(group["last-delivered-id"]), "last-delivered-id") < wanted:
+        return False
+    return not client.xpending_range(stream, keys.group, entry_id, entry_id, 1)
+
+
+def wait_settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: str, timeout_s: float) -> bool:
+    """``settled``, waiting for it up to ``timeout_s``; whether it is."""
+    deadline = time.monotonic() + timeout_s
+    pause = APPLIED_POLL_S
+    while not settled(client, settings, session_id, entry_id):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 1.5, APPLIED_POLL_MAX_S)
+    return True
 
 
 def current_state(client: redis.Redis, settings: Settings, session_id: str,

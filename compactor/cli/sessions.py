@@ -182,7 +182,7 @@ def context(
     with user_errors():
         body = context_body(settings, session, cwd)
     if json_out:
-        print_json(body.model_dump(by_alias=True))
+        print_json(body.model_dump(by_alias=True, exclude_unset=True))
         return
     console = Console()
     console.print(f"[bold]{session}[/]  promptEstimate [bold]{body.prompt_estimate}[/]  "

@@ -449,6 +449,9 @@ def test_redis_down_is_503_with_error_body(api_settings: Settings, tmp_path: Any
     dead = redis.Redis.from_url(f"unix://{tmp_path}/nothing.sock")
     with TestClient(create_app(api_settings, redis=dead)) as test_client:
         response = test_client.get(f"/api/sessions/{SID}", params={"cwd": CWD})
+        context = test_client.get(f"/api/sessions/{SID}/context", params={"cwd": CWD})
+        waited = test_client.get(f"/api/sessions/{SID}/context", params={"cwd": CWD, "after": "1-0"})
+    assert context.status_code == 200 and waited.status_code == 503  # the log alone, unless asked to wait
     assert response.status_code == 503
     assert error_of(response)["code"] == "redis_unavailable"
 
@@ -1149,7 +1152,7 @@ def test_openapi_declares_the_errors_the_routes_return_and_no_422(client: TestCl
     assert events["400"]["content"]["application/json"]["schema"] == error_ref
     assert "404" not in events
     context = paths["/api/sessions/{session_id}/context"]["get"]["responses"]
-    assert {"200", "400", "401", "404"} <= set(context) and "503" not in context  # works with Redis down
+    assert {"200", "400", "401", "404", "503"} <= set(context)  # 503 with ?after= only: works with Redis down
     assert {"200", "401"} <= set(paths["/metrics"]["get"]["responses"])
     assert set(paths["/healthz"]["get"]["responses"]) == {"200", "503"}
 
@@ -1215,3 +1218,40 @@ def test_dead_letters_route_pages_filters_and_bounds_its_scan(client: TestClient
     assert [d["reason"] for d in bounded["letters"]] == ["r7"]
     assert (bounded["scanned"], bounded["complete"]) == (5, False)
     assert client.get("/api/dead-letters", params={"limit": 0}).status_code == 400
+
+
+def test_context_after_a_stream_id_waits_for_the_watcher_to_apply_it(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """Read right after a 202, the context missed the events just posted (the watcher applies them
+    within milliseconds, but after the 202): the agent's next prompt lacked its own last turn."""
+    from producer.watcher import Watcher
+
+    path = f"/api/sessions/{SID}"
+    ids = client.post(f"{path}/events", json={"cwd": CWD, "events": turn(1)}).json()["streamIds"]
+    watcher = Watcher(r, api_settings, name="w")
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: (time.sleep(0.3), watcher.run(stop)))
+    thread.start()
+    try:
+        started = time.monotonic()
+        body = client.get(f"{path}/context", params={"cwd": CWD, "after": ids[-1]}).json()
+        assert body["applied"] is True and 0.3 <= time.monotonic() - started < 5
+        assert [m["role"] for m in body["messages"]] == ["user", "assistant", "tool"]
+        # an event the watcher refuses is settled too: the wait ends, the view is without it
+        late = client.post(f"{path}/events", json={"cwd": CWD, "events": [
+            {"type": "user", "turnId": 2, "content": "next"},
+            {"type": "turn_end", "turnId": 2, "model": "gpt-4"}]}).json()["streamIds"]
+        r.xadd(Keys().stream_for(SID), {"session": SID, "cwd": CWD, "event": b'{"type": "user", "turnId": 0}'})
+        refused = r.xrevrange(Keys().stream_for(SID), count=1)[0][0].decode()
+        body = client.get(f"{path}/context", params={"cwd": CWD, "after": refused}).json()
+        assert body["applied"] is True and body["messages"][-1]["content"] == "next"
+        assert late[-1] < refused
+    finally:
+        stop.set()
+        thread.join(10)
+    pending = client.post(f"{path}/events", json={"cwd": CWD, "events": turn(3)}).json()["streamIds"]
+    body = client.get(f"{path}/context", params={"cwd": CWD, "after": pending[-1], "timeout": 0.2}).json()
+    assert body["applied"] is False and body["messages"][-1]["content"] == "next"  # no watcher: not yet
+    assert "applied" not in client.get(f"{path}/context", params={"cwd": CWD}).json()  # SPEC §7's fields
+    bad = client.get(f"{path}/context", params={"cwd": CWD, "after": "12"})
+    assert bad.status_code == 400 and error_of(bad)["message"].startswith("after: '12' is not a stream entry id")
