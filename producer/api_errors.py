@@ -120,7 +120,8 @@ def decode_json_body(raw: bytes) -> Any:
     try:
         value = json.loads(text, object_pairs_hook=unique_keys, parse_float=json_float)
     except DuplicateKey as e:
-        raise BadBody(f"body: the key {e.key!r} appears twice in one object (one of its values would be "
+        where = _repeated_key_at(text) or "body"
+        raise BadBody(f"{where}: the key {e.key!r} appears twice in one object (one of its values would be "
                       "dropped)") from None
     except json.JSONDecodeError as e:
         raise BadBody(f"body: is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from e
@@ -131,6 +132,29 @@ def decode_json_body(raw: bytes) -> Any:
     except InvalidInput as e:
         raise BadBody(str(e)) from e
     return value
+
+
+class _Repeated(dict[str, Any]):
+    """An object of the body in which a key appears twice (``_repeated_key_at``)."""
+
+
+def _repeated_key_at(text: str) -> str | None:
+    """Where in the body (``events[2].arguments``) an object repeats a key: the request's field,
+    as every other 400 names it (it said ``body`` whatever the depth)."""
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        value = dict(pairs)
+        return _Repeated(value) if len(value) != len(pairs) else value
+
+    stack: list[tuple[Any, list[str | int]]] = [(json.loads(text, object_pairs_hook=hook), [])]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, _Repeated):
+            return json_path(path) if path else None
+        if isinstance(value, dict):
+            stack.extend((item, [*path, key]) for key, item in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((item, [*path, index]) for index, item in reversed(list(enumerate(value))))
+    return None
 
 
 class JsonRequest(Request):

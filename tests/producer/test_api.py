@@ -767,15 +767,20 @@ def test_a_nonzero_number_a_double_holds_only_as_0_is_400_naming_the_field(
     assert r.xlen(Keys().stream_for(SID)) == 0
 
 
-@pytest.mark.parametrize(("body", "key"), [
-    ('{"cwd": "/a", "cwd": "/b", "events": [{"type": "user", "turnId": 1, "content": "x"}]}', "cwd"),
-    ('{"cwd": "/uni", "events": [{"type": "user", "turnId": 1, "content": "x", "content": "y"}]}', "content"),
+@pytest.mark.parametrize(("body", "key", "where"), [
+    ('{"cwd": "/a", "cwd": "/b", "events": [{"type": "user", "turnId": 1, "content": "x"}]}', "cwd", "body"),
+    ('{"cwd": "/uni", "events": [{"type": "user", "turnId": 1, "content": "x"}, '
+     '{"type": "user", "turnId": 1, "content": "x", "content": "y"}]}', "content", "events[1]"),
+    ('{"cwd": "/uni", "events": [{"type": "assistant", "turnId": 1, "toolCalls": '
+     '[{"id": "c", "name": "n", "arguments": {"a": 1, "a": 2}}]}]}', "a", "events[0].toolCalls[0].arguments"),
 ])
-def test_a_key_repeated_in_one_object_is_400(client: TestClient, r: redis.Redis, body: str, key: str) -> None:
-    """JSON lets a key repeat; the last value won, the other was dropped without a word."""
+def test_a_key_repeated_in_one_object_is_400_naming_where(client: TestClient, r: redis.Redis, body: str, key: str,
+                                                         where: str) -> None:
+    """JSON lets a key repeat; the last value won, the other was dropped without a word. The 400
+    said ``body`` at any depth, where every other one names the event and field."""
     response = post_raw(client, f"/api/sessions/{SID}/events", body)
     assert response.status_code == 400
-    assert error_of(response)["message"] == (f"body: the key {key!r} appears twice in one object (one of its "
+    assert error_of(response)["message"] == (f"{where}: the key {key!r} appears twice in one object (one of its "
                                              "values would be dropped)")
     assert r.xlen(Keys().stream_for(SID)) == 0
 
