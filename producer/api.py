@@ -86,6 +86,7 @@ from producer.api_sessions import (
     context_body,
     current_state,
     dead_letters_body,
+    not_found,
     parse_stream_id,
     session_body,
     wait_settled,
@@ -149,9 +150,9 @@ def _checked(session_id: str, cwd: str) -> tuple[str, str]:
     return validate_session_id(session_id), validate_cwd(cwd)
 
 
-def _require_log(settings: Settings, session_id: str, cwd: str) -> None:
+def _require_log(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> None:
     if not SessionLog(settings.data_dir, cwd, session_id).exists():
-        raise SessionNotFound(f"no session {session_id} under cwd {cwd}")
+        raise not_found(SessionStore(client, settings), session_id, cwd)
 
 
 def _publish(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
@@ -308,7 +309,7 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
     ``X-Compactor-LLM-Error: <kind>; fallback=<model>`` (and ``GET /api/jobs/{id}`` in ``llmError``).
     """
     sid, cwd = _checked(session_id, body.cwd)
-    _require_log(settings, sid, cwd)
+    _require_log(client, settings, sid, cwd)
     timeout = settings.api.job_wait_seconds
     job_id = await anyio.to_thread.run_sync(enqueue_forced_compaction, client, settings, sid, cwd)
     logger.info("forced compaction queued session=%s job=%s", sid, job_id)

@@ -113,13 +113,23 @@ def current_state(client: redis.Redis, settings: Settings, session_id: str,
     store = SessionStore(client, settings)
     log = store.log(session_id, cwd)
     if not log.exists():
-        raise SessionNotFound(f"no session {session_id} under cwd {cwd}")
+        raise not_found(store, session_id, cwd)
     state = store.load_current(session_id)
     if state is not None and state.cwd != cwd:  # (another spelling of its cwd found its log)
         raise bound_elsewhere(session_id, state.cwd, cwd)
     if state is None or state.log_size != log.complete_size():
         state = store.rebuild(session_id, cwd, log, check_cwd=state is None)
     return state
+
+
+def not_found(store: SessionStore, session_id: str, cwd: str) -> Exception:
+    """What to answer for a session with no log under ``cwd``: a 400 naming the cwd it is bound to
+    when Redis holds it under another (POST .../events says so; these said 404 'no session'), else
+    SPEC §7's 404."""
+    state = store.load(session_id)
+    if state is not None and state.cwd != cwd:
+        return bound_elsewhere(session_id, state.cwd, cwd)
+    return SessionNotFound(f"no session {session_id} under cwd {cwd}")
 
 
 def _pending(client: redis.Redis, settings: Settings, session_id: str) -> PendingJob | None:

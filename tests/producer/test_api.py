@@ -1260,3 +1260,16 @@ def test_context_after_a_stream_id_waits_for_the_watcher_to_apply_it(
     assert "applied" not in client.get(f"{path}/context", params={"cwd": CWD}).json()  # SPEC §7's fields
     bad = client.get(f"{path}/context", params={"cwd": CWD, "after": "12"})
     assert bad.status_code == 400 and error_of(bad)["message"].startswith("after: '12' is not a stream entry id")
+
+
+def test_a_session_asked_for_under_another_cwd_is_400_naming_its_own(client: TestClient, r: redis.Redis,
+                                                                     api_settings: Settings) -> None:
+    """POST .../events said 'bound to cwd ...', while GET and compact said 404 'no session' for the
+    same mistake (the log is looked for under the cwd given)."""
+    write_session(r, api_settings, 1)
+    for response in (client.get(f"/api/sessions/{SID}", params={"cwd": "/elsewhere"}),
+                     client.post(f"/api/sessions/{SID}/compact", json={"cwd": "/elsewhere"})):
+        assert response.status_code == 400, response.text
+        assert error_of(response)["message"] == f"cwd: session {SID} is bound to cwd {CWD!r}, not '/elsewhere'"
+    assert client.get("/api/sessions/nobody", params={"cwd": "/elsewhere"}).status_code == 404
+    assert client.post("/api/sessions/nobody/compact", json={"cwd": "/elsewhere"}).status_code == 404
