@@ -57,7 +57,7 @@ from events.checks import check_past_turns
 from events.config import Settings
 from events.errors import InvalidEvent, InvalidInput, SessionNotFound
 from events.log import SessionLog
-from events.models import TURN_SCOPED_TYPES, validate_cwd, validate_session_id
+from events.models import EVENT_ADAPTER, TURN_SCOPED_TYPES, validate_cwd, validate_session_id
 from events.state import SessionState
 from producer.api_errors import (
     PUBLIC_PATHS,
@@ -462,6 +462,7 @@ def _install_openapi(app: FastAPI, bearer: bool) -> None:
         if app.openapi_schema is None:
             schema = build()
             _declare_errors(schema)
+            _declare_events(schema)
             if bearer:
                 schema.setdefault("components", {})["securitySchemes"] = {
                     "bearer": {"type": "http", "scheme": "bearer"}}
@@ -470,6 +471,19 @@ def _install_openapi(app: FastAPI, bearer: bool) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _declare_events(schema: dict[str, Any]) -> None:
+    """The events of ``POST .../events`` as SPEC §3's types, discriminated by ``type`` (the body
+    takes plain objects, so that a bad one is named ``events[i].field`` by the Publisher's own
+    validation: the schema said only "object", and a client generated from it knew no event)."""
+    event = EVENT_ADAPTER.json_schema(ref_template="#/components/schemas/{model}", by_alias=True)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for name, definition in event.pop("$defs", {}).items():
+        components.setdefault(name, definition)
+    events = components.get("EventsRequest", {}).get("properties", {}).get("events")
+    if events is not None:
+        events["items"] = event
 
 
 def _declare_errors(schema: dict[str, Any]) -> None:

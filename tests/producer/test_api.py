@@ -1273,3 +1273,20 @@ def test_a_session_asked_for_under_another_cwd_is_400_naming_its_own(client: Tes
         assert error_of(response)["message"] == f"cwd: session {SID} is bound to cwd {CWD!r}, not '/elsewhere'"
     assert client.get("/api/sessions/nobody", params={"cwd": "/elsewhere"}).status_code == 404
     assert client.post("/api/sessions/nobody/compact", json={"cwd": "/elsewhere"}).status_code == 404
+
+
+def test_openapi_describes_each_event_type_of_post_events(client: TestClient) -> None:
+    """The events were 'object' with any properties: a client generated from the schema knew none
+    of SPEC §3's types or their required fields."""
+    schema = client.get("/openapi.json").json()
+    items = schema["components"]["schemas"]["EventsRequest"]["properties"]["events"]["items"]
+    mapping = items["discriminator"]["mapping"]
+    assert items["discriminator"]["propertyName"] == "type"
+    assert set(mapping) == {"session_meta", "user", "assistant", "tool_result", "turn_end", "rollback", "compact",
+                            "summary"}
+    components = schema["components"]["schemas"]
+    for ref in mapping.values():
+        assert ref.removeprefix("#/components/schemas/") in components, ref
+    turn_end = components[mapping["turn_end"].removeprefix("#/components/schemas/")]
+    assert {"type", "turnId", "model"} <= set(turn_end["required"])
+    assert {"toolCallId", "toolName", "output"} <= set(components["ToolResultEvent"]["properties"])
