@@ -172,7 +172,9 @@ class Watcher:
     def _tick(self) -> None:
         live = self.leases.heartbeat()
         self.leases.renew_due()
-        self.leases.rebalance(live)
+        acquired, _ = self.leases.rebalance(live)
+        for n in acquired:  # (a lease lost and taken back in one tick: another owner may have left entries
+            self.cursors.pop(n, None)  # pending meanwhile, so the shard is taken afresh, its PEL swept from 0)
         for n in sorted(self.leases.owned):  # just acquired, or a take that failed: retried each tick
             if n not in self.cursors:
                 try:

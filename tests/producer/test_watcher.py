@@ -369,6 +369,60 @@ def test_a_retry_of_held_sessions_reads_their_pending_entries_once_not_the_whole
     watcher.close()
 
 
+def test_a_shard_lost_and_taken_again_in_one_tick_is_swept_from_its_start(
+    r: redis.Redis, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watcher whose lease lapsed (paused) and that took the shard back in the same tick kept its
+    cursor: no sweep, so entries another owner had left pending meanwhile were skipped, then acked
+    as duplicates once a later entry of their session was applied: lost without a word (found
+    when the early end of a held session's retry stopped hiding it)."""
+    settings = fast_settings(tmp_path / "data", redis_url, shards=1, batch_size=10)
+    full, other = sessions_on_shard(settings, 0, 2)
+    publisher = Publisher(r, settings)
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    publish_turns(publisher, [full, other], turns=1)
+    first = Watcher(r, settings, name="first")
+    drain(first, r, settings)
+    failures = fail_appends(monkeypatch, 10_000, stem=full)
+    monkeypatch.setattr("producer.watcher.batch.HOLD_RETRY_S", 3600.0)
+    for turn in range(2, 17):
+        publisher.publish(full, CWD, [user(turn), turn_end(turn)])
+    first.run_once()  # `full` held back, its entries pending
+    assert first.cursors[0].held == {full}
+    r.delete(keys.lease(0))  # `first` pauses past its lease
+    second = Watcher(r, settings, name="second")
+    missed = publisher.publish(other, CWD, [user(2, "read by second, never acked"), turn_end(2)])
+    original = SessionLog.append
+
+    def other_fails_once(self: SessionLog, events: list[dict[str, Any]]) -> int:
+        if self.path.stem == other and not getattr(other_fails_once, "done", False):
+            other_fails_once.done = True  # type: ignore[attr-defined]
+            raise LogWriteFailed("No space left on device")
+        return original(self, events)
+
+    monkeypatch.setattr(SessionLog, "append", other_fails_once)
+    for _ in range(20):  # it takes the shard, sweeps, holds `full`, reads `other`'s entries and holds it
+        second.run_once()
+        if getattr(other_fails_once, "done", False):
+            break
+    assert getattr(other_fails_once, "done", False)  # then it dies, `other`'s entries left pending
+    r.delete(keys.lease(0))
+    first.leases.owned[0].renewed_at = 0.0  # `first` wakes: its renewal fails, the rebalance takes it back
+    first._next_tick = 0.0
+    first.run_once()
+    later = publisher.publish(other, CWD, [user(3), turn_end(3)])
+    for i in range(12):  # `full` still held: its retries (every other round here) end early, new entries are read
+        first.cursors[0].retry_at = 0.0 if i % 2 else 3600.0
+        first.run_once()
+    assert [line["streamId"] for line in log_lines(settings, other)][-4:] == missed + later
+    failures["left"] = 0
+    first.cursors[0].retry_at = 0.0
+    drain(first, r, settings)
+    assert [line["turnId"] for line in log_lines(settings, full)] == [n for n in range(1, 17) for _ in (0, 1)]
+    assert r.xlen(keys.dead) == 0
+    first.close()
+
+
 def test_a_held_session_is_logged_once_while_held_and_once_when_applied_again(
     r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
