@@ -219,11 +219,6 @@ def sync_clock(client: redis.Redis) -> None:
         _clock_synced_at = now
 
 
-def redis_clock_s() -> float:
-    """Now in Redis's time as this process last measured it (``sync_clock``), unix seconds."""
-    return (time.time_ns() + _clock_offset_ns) / 1e9
-
-
 def _next_ns() -> int:
     """A nanosecond stamp in Redis's time (as last synced), strictly increasing within this process."""
     global _last_ns

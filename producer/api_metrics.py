@@ -99,7 +99,7 @@ class RedisCollector(Collector):
                                 value=self.client.xlen(self.keys.dead))
         yield GaugeMetricFamily("compactor_sessions_held_back",
                                 "sessions a watcher holds back: their log cannot be written (a full disk...)",
-                                value=len(held_sessions(self.client, self.keys, server_ms(self.client) / 1000)))
+                                value=len(held_sessions(self.client, self.keys)))
         streams = GaugeMetricFamily("compactor_stream_entries", "entries kept in each stream shard",
                                     labels=["shard"])
         pipe = self.client.pipeline(transaction=False)

@@ -6,8 +6,8 @@ Invariants:
   and when the Redis state is missing, bound to another cwd or behind the log,
   the state reported is rebuilt from the log (and not saved: readers never write).
 - Thresholds are reported in tokens: fraction x the session's context window.
-- A session a watcher holds back says so (``heldBack``: since when, why), from the watcher's
-  fresh record only (``compactor.held``): a stale one is left out.
+- A session a watcher holds back says so (``heldBack``: since when, why), from a fresh record of
+  the watcher holding its shard only (``compactor.held``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from rq.job import Job
 from rq.utils import as_text
 
 from compactor.dead_letters import read_dead_letters
-from compactor.held import parse_held
+from compactor.held import lease_holders, parse_held
 from compactor.keys import Keys
 from compactor.queue import pending_job_id
 from compactor.store import SessionStore, bound_elsewhere
@@ -163,10 +163,11 @@ def session_body(client: redis.Redis, settings: Settings, state: SessionState) -
     pipe = client.pipeline(transaction=False)
     pipe.get(keys.failures(state.session_id))
     pipe.hget(keys.held, state.session_id)
+    pipe.mget([keys.lease(n) for n in range(keys.shards)])
     pipe.time()
-    failures, held, now = pipe.execute()
+    failures, held, leases, now = pipe.execute()
     return _body(settings, state, _count(failures), _pending(client, settings, state.session_id),
-                 _held(held, now))
+                 _held(held, now, lease_holders(leases)))
 
 
 def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -> list[tuple[SessionBody, float]]:
@@ -185,9 +186,10 @@ def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -
         pipe.get(keys.failures(sid))
         pipe.get(keys.job(sid))
     pipe.hmget(keys.held, ids)
+    pipe.mget([keys.lease(n) for n in range(keys.shards)])
     pipe.time()
     replies = pipe.execute() if ids else []
-    held = replies[-2] if ids else []
+    held, holders = (replies[-3], lease_holders(replies[-2])) if ids else ([], {})
     bodies = []
     for index, (sid, activity) in enumerate(recent):
         state = stored.get(sid)
@@ -196,7 +198,7 @@ def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -
         state = store.up_to_date(state)
         failures = _count(replies[2 * index])
         job_id = as_text(replies[2 * index + 1]) if replies[2 * index + 1] else None
-        bodies.append((_body(settings, state, failures, _job_status(client, job_id), _held(held[index], replies[-1])),
+        bodies.append((_body(settings, state, failures, _job_status(client, job_id), _held(held[index], replies[-1], holders)),
                        activity))
     return bodies
 
@@ -208,10 +210,11 @@ def _count(raw: Any) -> int:
         return 0
 
 
-def _held(raw: Any, now: Any) -> HeldBack | None:
-    """A ``{p}:held`` record as the body shows it; ``now``: Redis's ``TIME`` reply."""
+def _held(raw: Any, now: Any, holders: dict[int, str | None]) -> HeldBack | None:
+    """A ``{p}:held`` record as the body shows it; ``now``: Redis's ``TIME`` reply; ``holders``:
+    the shards' lease holders."""
     seconds, micros = now
-    held = parse_held(raw, int(seconds) + int(micros) / 1e6)
+    held = parse_held(raw, int(seconds) + int(micros) / 1e6, holders)
     return None if held is None else HeldBack(since=held.since, error=held.error, watcher=held.watcher)
 
 

@@ -273,7 +273,7 @@ def overview(request: Request, client: redis.Redis, settings: Settings) -> Overv
     return Overview(
         sessions=client.zcard(keys.sessions), breakers_open=breakers, sessions_failing=failing,
         queued_jobs=queue.count, failed_jobs=queue.failed_job_registry.count,
-        dead_letters=client.xlen(keys.dead), sessions_held_back=len(held_sessions(client, keys, now_ms / 1000)),
+        dead_letters=client.xlen(keys.dead), sessions_held_back=len(held_sessions(client, keys)),
         stream_backlog=sum(s[0] for s in shards),
         oldest_unapplied_seconds=max((s[2] for s in shards), default=0.0),
         counters={key: totals.get(name, 0.0) for key, name in COUNTERS.items()},

@@ -52,16 +52,16 @@ from rq.utils import as_text
 
 from compactor import metrics
 from compactor.heap import freeze_heap
-from compactor.held import held_record
+from compactor.held import HELD_RECORD_TTL_S, HOLD, PRUNE
 from compactor.keys import Keys
-from compactor.queue import UNCHECKED, Trigger, parse_job_id, redis_clock_s, trigger_compactions
+from compactor.queue import UNCHECKED, Trigger, parse_job_id, trigger_compactions
 from compactor.store import UNREAD, Lookup, SessionStore
 from events.config import Settings
 from events.errors import CompactorError, InvalidConfig, InvalidEvent, InvalidInput
 from events.log import SessionLog
 from events.state import SessionState, decide
 from events.tokens import get_encoding, model_max_input_tokens
-from producer.watcher.batch import BatchOutcome, ShardCursor, runs
+from producer.watcher.batch import HELD_LOG_EVERY_S, BatchOutcome, ShardCursor, runs
 from producer.watcher.entries import Entry, Rejected, decode_entry, misrouted
 from producer.watcher.leases import RENEW_FRACTION, LeaseLost, ShardLeases
 from producer.watcher.orphans import ORPHAN_SWEEP_INTERVAL_S, letter_orphans
@@ -99,6 +99,9 @@ class Watcher:
         self._started = False
         self._next_tick = 0.0
         self._next_orphan_sweep = 0.0  # (at the first tick: entries left past a lowered redis.shards)
+        self._next_held_prune = 0.0
+        self._hold_record = self.redis.register_script(HOLD)
+        self._prune_held = self.redis.register_script(PRUNE)
 
     # -- the loop ---------------------------------------------------------------
 
@@ -191,6 +194,12 @@ class Watcher:
             except redis.RedisError as e:  # (never the shards' work: a Redis that refuses SCAN, say)
                 logger.warning("entries of streams past redis.shards not swept; again in %.0f s error=%s",
                                ORPHAN_SWEEP_INTERVAL_S, e)
+        if time.monotonic() >= self._next_held_prune:  # (records of a watcher that stopped, or of a session
+            self._next_held_prune = time.monotonic() + HELD_LOG_EVERY_S  # whose entries left otherwise)
+            try:
+                self._prune_held(keys=[self.keys.held])
+            except redis.RedisError as e:
+                logger.warning("stale held-back records not pruned; again in %.0f s error=%s", HELD_LOG_EVERY_S, e)
         under_quota = len(self.leases.owned) < self.leases.quota(live)
         interval = UNDER_QUOTA_TICK_S if under_quota else self.settings.watcher.lease_ms * RENEW_FRACTION / 1000
         self._next_tick = time.monotonic() + interval
@@ -403,8 +412,8 @@ class Watcher:
     def _record_held(self, shard: int, cursor: ShardCursor, session_id: str, error: str, saves: Any) -> None:
         """Say in Redis that ``session_id`` is held back, and why (``compactor.held``): sent with the
         round's state saves, when the hold is logged (then once a minute while it lasts)."""
-        since = redis_clock_s() - cursor.held_for(session_id)
-        saves.hset(self.keys.held, session_id, held_record(since, error, self.id, shard))
+        self._hold_record(keys=[self.keys.held], client=saves,
+                          args=[session_id, cursor.held_for(session_id), HELD_RECORD_TTL_S, error, self.id, shard])
 
     def _apply_run(
         self, shard: int, session_id: str, cwd: str, run: list[Entry], outcome: BatchOutcome, saves: Any,

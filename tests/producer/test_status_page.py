@@ -365,10 +365,12 @@ def test_page_shows_sessions_bars_history_and_elisions(sessions: Settings, serve
 @pytest.mark.slow
 def test_page_shows_a_session_held_back_in_the_totals_its_row_and_its_page(
         sessions: Settings, serve_api: Any, browser: Any, r: redis.Redis) -> None:
-    from compactor.held import held_record
+    from compactor.held import HOLD
 
     keys = Keys(sessions.redis.prefix, sessions.redis.shards)
-    r.hset(keys.held, BUSY, held_record(time.time() - 120, "No space left on device", "w:1", 0))
+    r.set(keys.lease(keys.shard_of(BUSY)), "w:1")  # the watcher holding the session's shard
+    r.register_script(HOLD)(keys=[keys.held], args=[BUSY, 120, 150, "No space left on device", "w:1",
+                                                    keys.shard_of(BUSY)])
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     page.goto(serve_api(sessions) + "/")
     page.wait_for_selector(f'#sessions tr[data-session="{BUSY}"]')

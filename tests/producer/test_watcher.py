@@ -493,14 +493,16 @@ def test_a_held_session_is_shown_held_back_by_the_api_the_metrics_and_status_unt
     watcher.close()
 
 
-def test_a_held_record_is_cleared_by_the_watcher_taking_over_and_a_stale_one_is_not_shown(
+def test_a_held_record_outlives_a_takeover_and_only_the_holders_fresh_one_is_shown(
     r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A paused former owner's write landed after the new owner had applied the session: shown as
+    held back, and never deleted; a takeover reset `since`; records of stopped watchers stayed."""
     from fastapi.testclient import TestClient
 
-    from compactor import held
     from producer.api import create_app
 
+    keys = Keys(fast.redis.prefix, fast.redis.shards)
     publisher = Publisher(r, fast)
     publisher.publish("full", CWD, [user(1), turn_end(1)])
     first = Watcher(r, fast, name="first")
@@ -508,21 +510,39 @@ def test_a_held_record_is_cleared_by_the_watcher_taking_over_and_a_stale_one_is_
     publisher.publish("full", CWD, [user(2), turn_end(2)])
     failures = fail_appends(monkeypatch, 1_000, stem="full")
     _held_back(first, r, fast, "full")
-    record = r.hget(Keys().held, "full")
-    first.close()  # it stops while the session is held back (its record stays)
     with TestClient(create_app(fast, r)) as client:
         path = "/api/sessions/full"
-        assert client.get(path, params={"cwd": CWD}).json()["heldBack"]["watcher"] == first.id
-        monkeypatch.setattr(held, "HELD_RECORD_TTL_S", -1.0)  # a record written now is stale at once
-        r.hset(Keys().held, "full", held.held_record(time.time(), "old", "gone", 0))
-        assert client.get(path, params={"cwd": CWD}).json()["heldBack"] is None
-        assert client.get("/api/overview").json()["sessionsHeldBack"] == 0
-        r.hset(Keys().held, "full", record)
+        held = client.get(path, params={"cwd": CWD}).json()["heldBack"]
+        assert held["watcher"] == first.id
+        r.delete(keys.lease(keys.shard_of("full")))  # `first` dies (its lease lapses)
+        assert client.get(path, params={"cwd": CWD}).json()["heldBack"] is None  # its watcher is gone
+        second = Watcher(r, fast, name="second")
+        time.sleep(0.05)
+        _held_back_by(second, r, "full")
+        again = client.get(path, params={"cwd": CWD}).json()["heldBack"]
+        assert again["watcher"] == second.id and again["since"] == held["since"]  # held since the first failure
+        late = json.dumps({"since": 1.0, "until": time.time() + 100, "error": "late", "watcher": first.id,
+                           "shard": keys.shard_of("full")})
+        r.hset(keys.held, "other", late)  # a paused former owner's write, landing now
+        r.hset(keys.held, "stale", json.dumps({**json.loads(late), "watcher": second.id, "until": 1.0}))
+        assert client.get("/api/overview").json()["sessionsHeldBack"] == 1
         failures["left"] = 0
-        drain(Watcher(r, fast, name="second"), r, fast)  # it applies the session in its first sweep
+        second.cursors[keys.shard_of("full")].retry_at = 0.0
+        second._next_held_prune = second._next_tick = 0.0
+        drain(second, r, fast)
         assert [line.get("turnId") for line in log_lines(fast, "full")] == [1, 1, 2, 2]
         assert client.get(path, params={"cwd": CWD}).json()["heldBack"] is None
-    assert not r.exists(Keys().held)
+        assert client.get("/api/overview").json()["sessionsHeldBack"] == 0
+    assert set(r.hkeys(keys.held)) == {b"other"}  # pruned once its `until` passes
+    second.close()
+
+
+def _held_back_by(watcher: Watcher, r: redis.Redis, session_id: str) -> None:
+    """Run ``watcher`` until the held record of ``session_id`` is its own."""
+    deadline = time.monotonic() + 20
+    while json.loads(r.hget(Keys().held, session_id) or b'{"watcher": null}')["watcher"] != watcher.id:
+        assert time.monotonic() < deadline, "the session was never held back by this watcher"
+        watcher.run_once()
 
 
 def test_graceful_stop_releases_leases_and_leaves_the_registry(r: redis.Redis, fast: Settings) -> None:
