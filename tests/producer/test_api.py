@@ -1069,12 +1069,14 @@ def test_a_batch_sent_again_under_its_idempotency_key_is_applied_once(
     assert client.post(path, json=batch, headers=key).json()["accepted"] == 5
     in_flight = client.post(path, json=batch, headers=key).json()  # not applied yet: published, dead-lettered
     assert in_flight["accepted"] == 5
-    drain(Watcher(r, api_settings, name="w"), r, api_settings)
+    watcher = Watcher(r, api_settings, name="w")
+    drain(watcher, r, api_settings)
     after = client.post(path, json=batch, headers=key).json()  # applied: nothing published
     assert (after["accepted"], after["duplicates"]) == (0, [0, 1, 2, 3, 4])
     other = client.post(path, json={"cwd": CWD, "events": turn(2)}, headers={"Idempotency-Key": "agent-7/req-2"})
     assert other.json()["accepted"] == 4  # another key: other uuids
-    drain(Watcher(r, api_settings, name="w2"), r, api_settings)
+    drain(watcher, r, api_settings)
+    watcher.close()
     lines = SessionLog(api_settings.data_dir, CWD, SID).read()
     assert [(line["type"], line.get("turnId")) for line in lines] == [
         ("session_meta", None), *[(e["type"], 1) for e in turn(1)], *[(e["type"], 2) for e in turn(2)]]
