@@ -120,7 +120,11 @@ def decode_json_body(raw: bytes) -> Any:
     try:
         value = json.loads(text, object_pairs_hook=unique_keys, parse_float=json_float)
     except DuplicateKey as e:
-        where = _repeated_key_at(text) or "body"
+        try:
+            where = _repeated_key_at(text, e.key) or "body"
+        except json.JSONDecodeError as invalid:  # (invalid after the repeated key: that is what to say)
+            raise BadBody(f"body: is not valid JSON: {invalid.msg} at line {invalid.lineno}, "
+                          f"column {invalid.colno}") from invalid
         raise BadBody(f"{where}: the key {e.key!r} appears twice in one object (one of its values would be "
                       "dropped)") from None
     except json.JSONDecodeError as e:
@@ -137,24 +141,37 @@ def decode_json_body(raw: bytes) -> Any:
 class _Repeated(dict[str, Any]):
     """An object of the body in which a key appears twice (``_repeated_key_at``)."""
 
+    keys_repeated: frozenset[str] = frozenset()
 
-def _repeated_key_at(text: str) -> str | None:
-    """Where in the body (``events[2].arguments``) an object repeats a key: the request's field,
-    as every other 400 names it (it said ``body`` whatever the depth)."""
+
+def _repeated_key_at(text: str, key: str) -> str | None:
+    """Where in the body (``events[2].arguments``) the object repeating ``key`` is, the first to
+    close as the parser met it (so the one its error named): the request's field, as every other
+    400 names it (it said ``body`` whatever the depth). None: the body's top object."""
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         value = dict(pairs)
-        return _Repeated(value) if len(value) != len(pairs) else value
+        if len(value) == len(pairs):
+            return value
+        repeated = _Repeated(value)
+        names = [name for name, _ in pairs]
+        repeated.keys_repeated = frozenset(name for name in value if names.count(name) > 1)
+        return repeated
 
-    stack: list[tuple[Any, list[str | int]]] = [(json.loads(text, object_pairs_hook=hook), [])]
-    while stack:
-        value, path = stack.pop()
-        if isinstance(value, _Repeated):
-            return json_path(path) if path else None
-        if isinstance(value, dict):
-            stack.extend((item, [*path, key]) for key, item in reversed(value.items()))
-        elif isinstance(value, list):
-            stack.extend((item, [*path, index]) for index, item in reversed(list(enumerate(value))))
-    return None
+    def first(value: Any, path: list[str | int]) -> list[str | int] | None:  # children before their parent
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for name, item in items:
+            found = first(item, [*path, name])
+            if found is not None:
+                return found
+        if isinstance(value, _Repeated) and key in value.keys_repeated:
+            return path
+        return None
+
+    try:
+        found = first(json.loads(text, object_pairs_hook=hook), [])
+    except RecursionError:
+        return None
+    return json_path(found) if found else None
 
 
 class JsonRequest(Request):

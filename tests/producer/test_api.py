@@ -773,6 +773,8 @@ def test_a_nonzero_number_a_double_holds_only_as_0_is_400_naming_the_field(
      '{"type": "user", "turnId": 1, "content": "x", "content": "y"}]}', "content", "events[1]"),
     ('{"cwd": "/uni", "events": [{"type": "assistant", "turnId": 1, "toolCalls": '
      '[{"id": "c", "name": "n", "arguments": {"a": 1, "a": 2}}]}]}', "a", "events[0].toolCalls[0].arguments"),
+    ('{"cwd": "/uni", "events": [{"type": "assistant", "turnId": 1, "turnId": 1, "toolCalls": '  # the first met
+     '[{"id": "c", "name": "n", "arguments": {"a": 1, "a": 2}}]}]}', "a", "events[0].toolCalls[0].arguments"),
 ])
 def test_a_key_repeated_in_one_object_is_400_naming_where(client: TestClient, r: redis.Redis, body: str, key: str,
                                                          where: str) -> None:
@@ -1292,3 +1294,9 @@ def test_openapi_describes_each_event_type_of_post_events(client: TestClient) ->
     turn_end = components[mapping["turn_end"].removeprefix("#/components/schemas/")]
     assert {"type", "turnId", "model"} <= set(turn_end["required"])
     assert {"toolCallId", "toolName", "output"} <= set(components["ToolResultEvent"]["properties"])
+
+
+def test_a_body_invalid_after_a_repeated_key_says_where_it_is_invalid(client: TestClient) -> None:
+    response = post_raw(client, f"/api/sessions/{SID}/events", '{"cwd": "/a", "cwd": "/b", "events": [}')
+    assert response.status_code == 400
+    assert error_of(response)["message"].startswith("body: is not valid JSON: Expecting value at line 1, column")

@@ -412,7 +412,7 @@ def test_a_shard_lost_and_taken_again_in_one_tick_is_swept_from_its_start(
     first.run_once()
     later = publisher.publish(other, CWD, [user(3), turn_end(3)])
     for i in range(12):  # `full` still held: its retries (every other round here) end early, new entries are read
-        first.cursors[0].retry_at = 0.0 if i % 2 else 3600.0
+        first.cursors[0].retry_at = 0.0 if i % 2 else time.monotonic() + 3600.0
         first.run_once()
     assert [line["streamId"] for line in log_lines(settings, other)][-4:] == missed + later
     failures["left"] = 0
