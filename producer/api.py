@@ -386,8 +386,8 @@ def push_events(session_id: str, body: EventsRequest, settings: SettingsDep, cli
 
 @sessions.get("/{session_id}/context", response_model=ContextBody, response_model_exclude_unset=True,
               responses=errors(404, 500, 503))
-def get_context(
-    session_id: str, cwd: CwdQuery, settings: SettingsDep, client: RedisDep,
+async def get_context(
+    request: Request, session_id: str, cwd: CwdQuery, settings: SettingsDep, client: RedisDep,
     after: Annotated[str | None, Query(description="a stream id POST .../events answered: first wait until "
                                                    "the watcher applied the session's events up to it")] = None,
     timeout: Annotated[float, Query(ge=0, le=60, allow_inf_nan=False,
@@ -397,10 +397,11 @@ def get_context(
     published, not yet applied: with ``after`` (its last stream id) the view waits for them
     (``applied`` says whether they were, within ``timeout``). Without it, Redis is not needed."""
     sid, cwd = _checked(session_id, cwd)
-    if after is None:
-        return context_body(settings, sid, cwd)
-    parse_stream_id(after, "after")
-    return context_body(settings, sid, cwd, applied=wait_settled(client, settings, sid, after, timeout))
+    applied = None
+    if after is not None:
+        parse_stream_id(after, "after")
+        applied = await wait_settled(client, settings, sid, after, timeout, stop=request.app.state.stopping)
+    return await anyio.to_thread.run_sync(context_body, settings, sid, cwd, applied)
 
 
 @sessions.get("/{session_id}", response_model=SessionBody, responses=errors(404, 500, 503))

@@ -15,10 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import redis
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
@@ -92,15 +95,18 @@ def settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: 
     return not client.xpending_range(stream, keys.group, entry_id, entry_id, 1)
 
 
-def wait_settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: str, timeout_s: float) -> bool:
-    """``settled``, waiting for it up to ``timeout_s``; whether it is."""
+async def wait_settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: str, timeout_s: float,
+                       stop: threading.Event | None = None) -> bool:
+    """``settled``, waiting for it up to ``timeout_s`` without holding a thread (each look is a
+    short call in one; 40 blocked waits took every thread of the API, /healthz's included);
+    whether it is. Ends early, False, once ``stop`` is set (the API is stopping)."""
     deadline = time.monotonic() + timeout_s
     pause = APPLIED_POLL_S
-    while not settled(client, settings, session_id, entry_id):
+    while not await anyio.to_thread.run_sync(settled, client, settings, session_id, entry_id):
         left = deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 or (stop is not None and stop.is_set()):
             return False
-        time.sleep(min(pause, left))
+        await anyio.sleep(min(pause, left))
         pause = min(pause * 1.5, APPLIED_POLL_MAX_S)
     return True
 

@@ -1300,3 +1300,23 @@ def test_a_body_invalid_after_a_repeated_key_says_where_it_is_invalid(client: Te
     response = post_raw(client, f"/api/sessions/{SID}/events", '{"cwd": "/a", "cwd": "/b", "events": [}')
     assert response.status_code == 400
     assert error_of(response)["message"].startswith("body: is not valid JSON: Expecting value at line 1, column")
+
+
+def test_waits_for_the_watcher_hold_no_thread_of_the_api(client: TestClient, r: redis.Redis,
+                                                          api_settings: Settings) -> None:
+    """Each wait slept in one of the API's 40 threads: 40 waits (a held-back session makes each run
+    its whole timeout) left /healthz and every other route waiting with them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    write_session(r, api_settings, 1)
+    [waited] = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": [
+        {"type": "user", "turnId": 2, "content": "x"}]}).json()["streamIds"]  # no watcher: never applied
+    params = {"cwd": CWD, "after": waited, "timeout": 3}
+    with ThreadPoolExecutor(45) as pool:
+        waits = [pool.submit(client.get, f"/api/sessions/{SID}/context", params=params) for _ in range(45)]
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert client.get("/healthz").status_code == 200
+        assert client.get(f"/api/sessions/{SID}", params={"cwd": CWD}).status_code == 200
+        assert time.monotonic() - started < 1.5
+        assert all(w.result().json()["applied"] is False for w in waits)
