@@ -156,6 +156,6 @@ class DeadLetterBody(_Body):
 class DeadLettersBody(_Body):
     letters: list[DeadLetterBody] = Field(description="newest first")
     scanned: int = Field(description="letters looked through")
-    complete: bool = Field(description="false: the scan stopped at its bound (10 000 letters) before the "
-                                       "oldest letter, so older matching letters may exist")
+    complete: bool = Field(description="false: the scan stopped at its bound (10 000 letters or 16 MiB) "
+                                       "before the oldest letter, so older matching letters may exist")
     total: int = Field(description="letters the dead-letter stream holds")

@@ -1226,6 +1226,11 @@ def test_dead_letters_route_pages_filters_and_bounds_its_scan(client: TestClient
     bounded = client.get("/api/dead-letters", params={"session": "mine"}).json()
     assert [d["reason"] for d in bounded["letters"]] == ["r7"]
     assert (bounded["scanned"], bounded["complete"]) == (5, False)
+    monkeypatch.setattr(dead_letters, "MAX_SCANNED", 10_000)
+    monkeypatch.setattr(dead_letters, "MAX_SCANNED_BYTES", 3_000)  # letters keep events up to maxEventBytes
+    by_bytes = client.get("/api/dead-letters", params={"session": "mine"}).json()
+    assert [d["reason"] for d in by_bytes["letters"]] == ["r7"]  # its 3 000-byte event ends the scan
+    assert (by_bytes["scanned"], by_bytes["complete"]) == (3, False)
     assert client.get("/api/dead-letters", params={"limit": 0}).status_code == 400
 
 
