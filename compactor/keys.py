@@ -23,6 +23,8 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
                                 streams past redis.shards (producer.watcher.orphans)
     {p}:held                    hash: sessionId -> why and since when a watcher holds it back
                                 (its log cannot be written: compactor.held)
+    {p}:sent:{sessionId}        zset: uuid -> when the HTTP API published it (last 10 minutes):
+                                a retry sent before the first copy is applied is not published again
 
 Consumer group on every shard: ``{p}-watchers``, with one consumer per shard,
 ``shard-{n}``, read only by the watcher holding the shard's lease (stable
@@ -78,6 +80,9 @@ class Keys:
     @property
     def held(self) -> str:
         return f"{self.prefix}:held"
+
+    def sent(self, session_id: str) -> str:
+        return f"{self.prefix}:sent:{session_id}"
 
     def lease(self, shard: int) -> str:
         return f"{self.prefix}:lease:{shard}"

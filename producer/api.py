@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set as AbstractSet
 from typing import Annotated, Any
 
 import anyio.to_thread
@@ -155,23 +155,29 @@ def _require_log(client: redis.Redis, settings: Settings, session_id: str, cwd: 
         raise not_found(SessionStore(client, settings), session_id, cwd)
 
 
+SENT_WINDOW_S = 600.0  # the uuids POST .../events published are remembered this long (Keys.sent)
+
+
 def _publish(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
              events: list[dict[str, Any]], idempotency_key: str | None = None) -> tuple[list[str], list[int]]:
     """Validate each event, the batch, and the batch against the session; then publish it all
     but the events the session has already (a retry's): their stream ids, and those events' indexes."""
     publisher = Publisher(client, settings)
     batch = publisher.prepare(session_id, cwd, events, idempotency_key=idempotency_key)  # each, then the batch
-    duplicates = _check_against_session(client, settings, session_id, cwd, batch.events)
-    return publisher.send(batch.without(duplicates)), sorted(duplicates)
+    sent = publisher.sent_recently(session_id, [e["uuid"] for e in batch.events], SENT_WINDOW_S)
+    duplicates = _check_against_session(client, settings, session_id, cwd, batch.events,
+                                        {i for i, was in enumerate(sent) if was})
+    return publisher.send(batch.without(duplicates), remember_s=SENT_WINDOW_S), sorted(duplicates)
 
 
 def _check_against_session(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
-                           wires: Sequence[dict[str, Any]]) -> set[int]:
+                           wires: Sequence[dict[str, Any]], sent: AbstractSet[int] = frozenset()) -> set[int]:
     """Refuse what the watcher would refuse from the session's stored state (one round trip):
     a session bound to another cwd, and a turn going backwards when that is certain
-    (``_refuse_backwards``). The indexes of the events whose uuid the session has already: a
-    retry's, published before (a uuid is the event's identity: the watcher would dead-letter
-    the copy); the others are checked without them."""
+    (``_refuse_backwards``). The indexes of the events whose uuid the session has already, or
+    that this API published in the last ``SENT_WINDOW_S`` (``sent``: not applied yet): a
+    retry's (a uuid is the event's identity: the watcher would dead-letter the copy); the others
+    are checked without them."""
     store = SessionStore(client, settings)
     found = store.lookup({session_id: list(wires)}, load=[session_id])
     state = found.stored.get(session_id)
@@ -180,7 +186,7 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
     elif state.cwd != cwd:
         raise bound_elsewhere(session_id, state.cwd, cwd)
     taken = found.taken.get(session_id, set())
-    duplicates = {index for index, event in enumerate(wires) if event.get("uuid") in taken}
+    duplicates = set(sent) | {index for index, event in enumerate(wires) if event.get("uuid") in taken}
     if len(duplicates) == len(wires):
         return duplicates
     wires = [event for index, event in enumerate(wires) if index not in duplicates]

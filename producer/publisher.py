@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -103,17 +104,31 @@ class Publisher:
         return PreparedBatch(session_id, cwd, self.keys.stream_for(session_id),
                              tuple(payload for _, payload in encoded), wires)
 
-    def send(self, batch: PreparedBatch) -> list[str]:
-        """XADD a prepared batch in one transaction; its stream ids."""
+    def send(self, batch: PreparedBatch, *, remember_s: float | None = None) -> list[str]:
+        """XADD a prepared batch in one transaction; its stream ids. ``remember_s``: also note
+        the events' uuids in ``{p}:sent:{session}`` for that long (``sent_recently``), in the
+        same transaction."""
         if not batch.payloads:
             return []
         pipe = self.redis.pipeline(transaction=True)
         for payload in batch.payloads:
             pipe.xadd(batch.stream, {"session": batch.session_id, "cwd": batch.cwd, "event": payload})
-        ids = [_as_str(entry_id) for entry_id in pipe.execute()]
+        if remember_s is not None:
+            key, now = self.keys.sent(batch.session_id), time.time()
+            pipe.zadd(key, {event["uuid"]: now for event in batch.events})
+            pipe.zremrangebyscore(key, "-inf", f"({now - remember_s}")
+            pipe.expire(key, int(remember_s) + 1)
+        ids = [_as_str(entry_id) for entry_id in pipe.execute()[:len(batch.payloads)]]
         logger.debug("published session=%s events=%d stream=%s last=%s",
                      batch.session_id, len(ids), batch.stream, ids[-1])
         return ids
+
+    def sent_recently(self, session_id: str, uuids: Sequence[str], within_s: float) -> list[bool]:
+        """Per uuid, whether a ``send(..., remember_s=)`` published it in the last ``within_s``."""
+        if not uuids:
+            return []
+        scores = self.redis.zmscore(self.keys.sent(session_id), list(uuids))
+        return [score is not None and float(score) > time.time() - within_s for score in scores]
 
     def end_turn(
         self, session_id: str, cwd: str, turn_id: int, model: str, context_window: int | None = None

@@ -17,6 +17,7 @@ def test_key_layout_literal_strings_are_pinned() -> None:
     assert k.janitor == "compaction:janitor"
     assert k.claims == "compaction:claims"
     assert k.held == "compaction:held"
+    assert k.sent("s1") == "compaction:sent:s1"
     assert k.consumer(5) == "shard-5"
     assert k.group == "compaction-watchers"
     assert k.queue == "compaction"
