@@ -5,10 +5,13 @@ Invariants:
   then from ``>``; a PEL sweep clears the held-back sessions, so each is
   retried in stream order.
 - Once a full sweep is over, the PEL holds only the held sessions' entries. So
-  the sweep that retries them (``retry_held``) ends as soon as every one of them
-  was held again: the rest of the PEL is theirs, and re-reading it once a
-  second kept the shard's other sessions waiting (seconds with tens of
-  thousands of entries held).
+  the sweep that retries them (``retry_held``) starts at the first pending
+  entry of the first of them, jumps from one held session's first pending
+  entry to the next's once the sessions before were held again, and ends as soon
+  as every one of them was: the rest of the PEL is theirs, and re-reading it
+  once a second kept the shard's other sessions waiting (seconds with tens of
+  thousands of entries held). Once one of them is applied again, the sweep reads
+  on in order to the PEL's end (its later entries are there).
 - A run (one ``SessionStore.apply``) never spans a ``turn_end`` or a cwd
   change, so thresholds are checked on the state exactly as it was after the
   turn, and a cwd refused for a session refuses only its own entries.
@@ -59,6 +62,8 @@ class ShardCursor:
     held_log: dict[str, tuple[float, float]] = field(default_factory=dict)
     # the sessions this sweep retries, when it is a retry of held sessions only (None: a full sweep)
     retrying: set[str] | None = None
+    retry_seen: set[str] = field(default_factory=set)  # those of them the retry has read entries of
+    held_first: dict[str, str] = field(default_factory=dict)  # held session -> its first pending entry's id
 
     @property
     def sweeping(self) -> bool:
@@ -68,22 +73,40 @@ class ShardCursor:
         """Sweep the whole PEL (an owner starts, a Redis error): every pending entry is retried."""
         self.start = PEL_START
         self.held.clear()
+        self.held_first.clear()
         self.retrying = None
 
     def retry_held(self) -> None:
-        """Sweep the PEL to retry the held sessions, the only ones it holds entries of."""
-        self.start = PEL_START
-        self.retrying = set(self.held)
+        """Sweep the PEL to retry the held sessions, the only ones it holds entries of: from the
+        first pending entry of the first of them."""
+        self.retrying, self.retry_seen = set(self.held), set()
         self.held.clear()
+        self.start = self._next_first(PEL_START)
 
-    def swept(self, last_id: str) -> None:
-        """A batch of the sweep is done, up to ``last_id``: read on past it, or from ``>`` when this
-        is a retry and every session it retries was held again (all the PEL has left is theirs)."""
-        if self.retrying is not None and self.retrying <= self.held:
-            self.start = NEW_ENTRIES
-            self.retrying = None
-        else:
+    def swept(self, last_id: str, sessions: set[str]) -> None:
+        """A batch of the sweep is done, up to ``last_id``, holding entries of ``sessions``: read on
+        past it; in a retry, from the next held session's first pending entry when every one read
+        so far was held again, or from ``>`` when every one was (all the PEL has left is theirs)."""
+        if self.retrying is None:
             self.start = last_id
+            return
+        self.retry_seen |= sessions & self.retrying
+        if self.retry_seen - self.held:  # one was applied again: its later entries are further on
+            self.retrying, self.start = None, last_id
+        elif self.retrying <= self.retry_seen:
+            self.retrying, self.start = None, NEW_ENTRIES
+        else:
+            self.start = self._next_first(last_id)
+
+    def _next_first(self, last_id: str) -> str:
+        """Where a retry reads next, from ``last_id`` on: right before the first pending entry of the
+        held sessions it has not read yet, when that is further (each one's is known)."""
+        unseen = (self.retrying or set()) - self.retry_seen
+        if not unseen or any(sid not in self.held_first for sid in unseen):
+            return last_id
+        first = min((self.held_first[sid] for sid in unseen), key=stream_id_key)
+        before = id_before(first)
+        return before if last_id == PEL_START or stream_id_key(before) > stream_id_key(last_id) else last_id
 
     def swept_all(self) -> None:
         """The sweep found no more pending entries: read from ``>``."""
@@ -105,12 +128,31 @@ class ShardCursor:
 
     def released(self, session_id: str) -> float | None:
         """How long ``session_id`` was held back, now it is applied again (None: it was not)."""
+        self.held_first.pop(session_id, None)
         held = self.held_log.pop(session_id, None)
         return None if held is None else time.monotonic() - held[0]
 
-    def hold(self, session_id: str) -> None:
+    def hold(self, session_id: str, first_id: str) -> None:
+        """Hold ``session_id`` back: ``first_id`` is the entry whose apply failed, its first pending."""
         self.held.add(session_id)
+        known = self.held_first.get(session_id)
+        if known is None or stream_id_key(first_id) < stream_id_key(known):
+            self.held_first[session_id] = first_id
         self.retry_at = time.monotonic() + HOLD_RETRY_S
+
+
+def stream_id_key(entry_id: str) -> tuple[int, int]:
+    """A stream entry id (``ms-seq``) as a pair that sorts as Redis orders ids."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def id_before(entry_id: str) -> str:
+    """The id right before ``entry_id`` (a read from it starts at ``entry_id``)."""
+    ms, seq = stream_id_key(entry_id)
+    if seq:
+        return f"{ms}-{seq - 1}"
+    return f"{ms - 1}-{2 ** 64 - 1}" if ms else PEL_START
 
 
 @dataclass

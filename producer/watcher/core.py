@@ -326,7 +326,7 @@ class Watcher:
             metrics.count_dead_letters(outcomes[shard].reasons)
             swept = self.cursors.get(shard)
             if swept is not None and swept.sweeping:
-                swept.swept(as_text(batches[shard][-1][0]))
+                swept.swept(as_text(batches[shard][-1][0]), set(by_session.get(shard, {})))
         return sum(len(raw) for raw in batches.values())
 
     def _settle_read(self, shard: int, result: ReadResult) -> bool:
@@ -393,14 +393,14 @@ class Watcher:
                     logger.error("append failed, session held back session=%s shard=%d error=%s", session_id,
                                  shard, e, extra={"session_id": session_id})
                     self._record_held(shard, cursor, session_id, str(e), saves)
-                cursor.hold(session_id)
+                cursor.hold(session_id, run[0].id)
                 return
             except Exception as e:
                 if cursor.held_log_due(session_id):
                     logger.exception("apply crashed, session held back session=%s shard=%d", session_id, shard,
                                      extra={"session_id": session_id})
                     self._record_held(shard, cursor, session_id, f"{type(e).__name__}: {e}", saves)
-                cursor.hold(session_id)
+                cursor.hold(session_id, run[0].id)
                 return
         held_s = cursor.released(session_id)
         if held_s is not None:

@@ -369,6 +369,59 @@ def test_a_retry_of_held_sessions_reads_their_pending_entries_once_not_the_whole
     watcher.close()
 
 
+def test_a_retry_of_held_sessions_far_apart_jumps_from_one_to_the_next(
+    r: redis.Redis, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a second session held behind a thousand entries of the first, each retry read all of
+    them to reach the second (102 reads at batchSize 10) before any new entry of the shard."""
+    settings = fast_settings(tmp_path / "data", redis_url, shards=1, batch_size=10)
+    a, b, fine = sessions_on_shard(settings, 0, 3)
+    publisher = Publisher(r, settings)
+    publish_turns(publisher, [a, b], turns=1)
+    watcher = Watcher(r, settings, name="w")
+    drain(watcher, r, settings)
+    broken = {a}
+    original = SessionLog.append
+
+    def append(self: SessionLog, events: list[dict[str, Any]]) -> int:
+        if self.path.stem in broken:
+            raise LogWriteFailed("Permission denied")
+        return original(self, events)
+
+    monkeypatch.setattr(SessionLog, "append", append)
+    monkeypatch.setattr("producer.watcher.batch.HOLD_RETRY_S", 3600.0)  # retried below, by hand
+    published = {a: [], b: []}
+    for turn in range(2, 102):  # 200 entries of `a` held
+        published[a] += publisher.publish(a, CWD, [user(turn), turn_end(turn)])
+    while watcher.run_once():
+        pass
+    broken.add(b)
+    published[b] += publisher.publish(b, CWD, [user(2), turn_end(2)])
+    while watcher.run_once():
+        pass
+    assert watcher.cursors[0].held == {a, b}
+    for retry in range(2):
+        watcher.cursors[0].retry_at = 0.0
+        late = publisher.publish(fine, CWD, [user(retry + 1), turn_end(retry + 1)])
+        rounds = 0
+        while [line["streamId"] for line in log_lines(settings, fine)][-2:] != late:
+            assert rounds < 4, "the new entries waited behind a read of every held entry"
+            watcher.run_once()
+            rounds += 1
+    broken.discard(b)  # `b` recovers first: applied in order, `a` still held
+    watcher.cursors[0].retry_at = 0.0
+    for _ in range(6):
+        watcher.run_once()
+    assert [line["streamId"] for line in log_lines(settings, b)][-2:] == published[b]
+    assert watcher.cursors[0].held == {a}
+    broken.clear()
+    watcher.cursors[0].retry_at = 0.0
+    drain(watcher, r, settings)
+    assert [line["streamId"] for line in log_lines(settings, a)][2:] == published[a]
+    assert r.xlen(Keys().dead) == 0
+    watcher.close()
+
+
 def test_a_shard_lost_and_taken_again_in_one_tick_is_swept_from_its_start(
     r: redis.Redis, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
