@@ -336,6 +336,19 @@ def test_an_entry_refused_beside_a_failing_append_is_lettered_once(
     assert [line.get("content") for line in log_lines(fast, "full")][-1] == "more"
 
 
+def _retry_then_apply_new_turn(watcher: Watcher, publisher: Publisher, settings: Settings, session_id: str,
+                               turn: int, within_rounds: int) -> None:
+    """Make shard 0's retry of its held sessions due, publish a turn of ``session_id``, and assert
+    the watcher applies it within ``within_rounds`` rounds (not behind a read of every held entry)."""
+    watcher.cursors[0].retry_at = 0.0
+    late = publisher.publish(session_id, CWD, [user(turn), turn_end(turn)])
+    rounds = 0
+    while [line["streamId"] for line in log_lines(settings, session_id)][-2:] != late:
+        assert rounds < within_rounds, "the new entries waited behind a read of every held entry"
+        watcher.run_once()
+        rounds += 1
+
+
 def test_a_retry_of_held_sessions_reads_their_pending_entries_once_not_the_whole_pel(
     r: redis.Redis, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -354,13 +367,7 @@ def test_a_retry_of_held_sessions_reads_their_pending_entries_once_not_the_whole
         assert time.monotonic() < deadline
         watcher.run_once()
     for retry in range(3):
-        watcher.cursors[0].retry_at = 0.0  # the retry is due
-        late = publisher.publish(fine, CWD, [user(retry + 1), turn_end(retry + 1)])
-        rounds = 0
-        while [line["streamId"] for line in log_lines(settings, fine)][-2:] != late:
-            assert rounds < 3, "the new entries waited behind a sweep of the whole PEL"
-            watcher.run_once()
-            rounds += 1
+        _retry_then_apply_new_turn(watcher, publisher, settings, fine, retry + 1, within_rounds=3)
     assert failures["left"] == 10_000 - 4  # held, then retried three times
     failures["left"] = 0  # the disk recovers: the held session's 60 entries are applied in order
     watcher.cursors[0].retry_at = 0.0
@@ -401,13 +408,7 @@ def test_a_retry_of_held_sessions_far_apart_jumps_from_one_to_the_next(
         pass
     assert watcher.cursors[0].held == {a, b}
     for retry in range(2):
-        watcher.cursors[0].retry_at = 0.0
-        late = publisher.publish(fine, CWD, [user(retry + 1), turn_end(retry + 1)])
-        rounds = 0
-        while [line["streamId"] for line in log_lines(settings, fine)][-2:] != late:
-            assert rounds < 4, "the new entries waited behind a read of every held entry"
-            watcher.run_once()
-            rounds += 1
+        _retry_then_apply_new_turn(watcher, publisher, settings, fine, retry + 1, within_rounds=4)
     broken.discard(b)  # `b` recovers first: applied in order, `a` still held
     watcher.cursors[0].retry_at = 0.0
     for _ in range(6):
