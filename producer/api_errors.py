@@ -142,6 +142,7 @@ class _Repeated(dict[str, Any]):
     """An object of the body in which a key appears twice (``_repeated_key_at``)."""
 
     keys_repeated: frozenset[str] = frozenset()
+    pairs: list[tuple[str, Any]] = []  # as parsed, with the values the dict dropped
 
 
 def _repeated_key_at(text: str, key: str) -> str | None:
@@ -155,10 +156,12 @@ def _repeated_key_at(text: str, key: str) -> str | None:
         repeated = _Repeated(value)
         names = [name for name, _ in pairs]
         repeated.keys_repeated = frozenset(name for name in value if names.count(name) > 1)
+        repeated.pairs = pairs
         return repeated
 
     def first(value: Any, path: list[str | int]) -> list[str | int] | None:  # children before their parent
-        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        items: Any = (value.pairs if isinstance(value, _Repeated) else value.items() if isinstance(value, dict)
+                      else enumerate(value) if isinstance(value, list) else ())
         for name, item in items:
             found = first(item, [*path, name])
             if found is not None:

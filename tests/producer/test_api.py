@@ -775,6 +775,8 @@ def test_a_nonzero_number_a_double_holds_only_as_0_is_400_naming_the_field(
      '[{"id": "c", "name": "n", "arguments": {"a": 1, "a": 2}}]}]}', "a", "events[0].toolCalls[0].arguments"),
     ('{"cwd": "/uni", "events": [{"type": "assistant", "turnId": 1, "turnId": 1, "toolCalls": '  # the first met
      '[{"id": "c", "name": "n", "arguments": {"a": 1, "a": 2}}]}]}', "a", "events[0].toolCalls[0].arguments"),
+    ('{"cwd": "/uni", "events": [{"x": {"k": 1, "k": 2}, "x": 3}, {"k": 1, "k": 2}]}', "k",  # in a dropped value
+     "events[0].x"),
 ])
 def test_a_key_repeated_in_one_object_is_400_naming_where(client: TestClient, r: redis.Redis, body: str, key: str,
                                                          where: str) -> None:
