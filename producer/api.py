@@ -167,7 +167,9 @@ def _publish(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
     sent = publisher.sent_recently(session_id, [e["uuid"] for e in batch.events], SENT_WINDOW_S)
     duplicates = _check_against_session(client, settings, session_id, cwd, batch.events,
                                         {i for i, was in enumerate(sent) if was})
-    return publisher.send(batch.without(duplicates), remember_s=SENT_WINDOW_S), sorted(duplicates)
+    ids, sent_meanwhile = publisher.send_unsent(batch.without(duplicates), SENT_WINDOW_S)
+    kept = [i for i in range(len(batch.events)) if i not in duplicates]  # (send_unsent's indexes are of these)
+    return ids, sorted(duplicates | {kept[i] for i in sent_meanwhile})
 
 
 def _check_against_session(client: redis.Redis, settings: Settings, session_id: str, cwd: str,

@@ -104,27 +104,48 @@ class Publisher:
         return PreparedBatch(session_id, cwd, self.keys.stream_for(session_id),
                              tuple(payload for _, payload in encoded), wires)
 
-    def send(self, batch: PreparedBatch, *, remember_s: float | None = None) -> list[str]:
-        """XADD a prepared batch in one transaction; its stream ids. ``remember_s``: also note
-        the events' uuids in ``{p}:sent:{session}`` for that long (``sent_recently``), in the
-        same transaction."""
+    def send(self, batch: PreparedBatch) -> list[str]:
+        """XADD a prepared batch in one transaction; its stream ids."""
         if not batch.payloads:
             return []
         pipe = self.redis.pipeline(transaction=True)
         for payload in batch.payloads:
             pipe.xadd(batch.stream, {"session": batch.session_id, "cwd": batch.cwd, "event": payload})
-        if remember_s is not None:
-            key, now = self.keys.sent(batch.session_id), time.time()
-            pipe.zadd(key, {event["uuid"]: now for event in batch.events})
-            pipe.zremrangebyscore(key, "-inf", f"({now - remember_s}")
-            pipe.expire(key, int(remember_s) + 1)
-        ids = [_as_str(entry_id) for entry_id in pipe.execute()[:len(batch.payloads)]]
+        ids = [_as_str(entry_id) for entry_id in pipe.execute()]
         logger.debug("published session=%s events=%d stream=%s last=%s",
                      batch.session_id, len(ids), batch.stream, ids[-1])
         return ids
 
+    def send_unsent(self, batch: PreparedBatch, window_s: float) -> tuple[list[str], set[int]]:
+        """``send`` the events of ``batch`` whose uuids no ``send_unsent`` published in the last
+        ``window_s`` (a retry's, perhaps not applied yet), noting theirs in ``{p}:sent:{session}``
+        (the newest ``SENT_KEPT`` per session) in the same transaction, which WATCHes that key: two
+        identical batches sent at once publish one. The stream ids, and the indexes left out."""
+        key = self.keys.sent(batch.session_id)
+        uuids = [event["uuid"] for event in batch.events]
+        with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)  # type: ignore[no-untyped-call]
+                    now = time.time()
+                    scores = pipe.zmscore(key, uuids) if uuids else []
+                    sent = {i for i, score in enumerate(scores) if score is not None and float(score) > now - window_s}
+                    fresh = batch.without(sent)
+                    pipe.multi()
+                    for payload in fresh.payloads:
+                        pipe.xadd(batch.stream, {"session": batch.session_id, "cwd": batch.cwd, "event": payload})
+                    if fresh.payloads:
+                        pipe.zadd(key, {event["uuid"]: now for event in fresh.events})
+                        pipe.zremrangebyscore(key, "-inf", f"({now - window_s}")
+                        pipe.zremrangebyrank(key, 0, -SENT_KEPT - 1)
+                        pipe.expire(key, int(window_s) + 1)
+                    replies = pipe.execute()
+                    return [_as_str(entry_id) for entry_id in replies[:len(fresh.payloads)]], sent
+                except redis.WatchError:  # (another send to the session meanwhile: look again)
+                    continue
+
     def sent_recently(self, session_id: str, uuids: Sequence[str], within_s: float) -> list[bool]:
-        """Per uuid, whether a ``send(..., remember_s=)`` published it in the last ``within_s``."""
+        """Per uuid, whether a ``send_unsent`` published it in the last ``within_s``."""
         if not uuids:
             return []
         scores = self.redis.zmscore(self.keys.sent(session_id), list(uuids))
@@ -177,6 +198,7 @@ class Publisher:
 
 
 IDEMPOTENCY_KEY_MAX = 255
+SENT_KEPT = 10_000  # uuids send_unsent remembers per session, at most (the newest)
 
 
 def check_idempotency_key(key: str) -> None:

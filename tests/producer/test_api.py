@@ -1329,3 +1329,20 @@ def test_waits_for_the_watcher_hold_no_thread_of_the_api(client: TestClient, r: 
         assert client.get(f"/api/sessions/{SID}", params={"cwd": CWD}).status_code == 200
         assert time.monotonic() - started < 1.5
         assert all(w.result().json()["applied"] is False for w in waits)
+
+
+def test_two_sends_of_one_batch_at_once_publish_it_once(client: TestClient, r: redis.Redis,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The look for uuids sent before came before the transaction: two identical requests that both
+    looked before either published both published (the watcher then dead-lettered one copy)."""
+    from producer import publisher as publisher_module
+
+    monkeypatch.setattr(publisher_module.Publisher, "sent_recently",
+                        lambda self, sid, uuids, within_s: [False] * len(uuids))  # both looked: nothing sent
+    monkeypatch.setattr(publisher_module, "SENT_KEPT", 3)
+    path = f"/api/sessions/{SID}/events"
+    batch = {"cwd": CWD, "events": [{"type": "user", "turnId": 1, "content": f"m{i}"} for i in range(5)]}
+    first = client.post(path, json=batch, headers={"Idempotency-Key": "k1"}).json()
+    second = client.post(path, json=batch, headers={"Idempotency-Key": "k1"}).json()
+    assert (first["accepted"], second["accepted"], len(second["duplicates"])) == (5, 2, 3)  # 3 uuids kept
+    assert r.xlen(Keys().stream_for(SID)) == 7 and r.zcard(Keys().sent(SID)) == 3
