@@ -54,16 +54,19 @@ class DeadLetters:
 
 
 def read_dead_letters(client: redis.Redis, keys: Keys, *, session: str | None = None, limit: int = 50,
-                      max_scanned: int | None = None) -> DeadLetters:
+                      max_scanned: int | None = None, letter_bytes: int = 0) -> DeadLetters:
     """The newest ``limit`` letters (of ``session`` only, when given), newest first, looking
-    through ``max_scanned`` letters at most (``MAX_SCANNED``)."""
+    through ``max_scanned`` letters at most (``MAX_SCANNED``). ``letter_bytes``: how large a
+    letter may be (``limits.maxEventBytes``): each read takes no more letters than that many
+    bytes' worth fit in what is left of ``MAX_SCANNED_BYTES`` (one at least)."""
     max_scanned = MAX_SCANNED if max_scanned is None else max_scanned
     letters: list[DeadLetter] = []
     scanned = read = 0
     end = "+"
     oldest_reached = False
     while len(letters) < limit and scanned < max_scanned and read < MAX_SCANNED_BYTES:
-        count = min(READ_CHUNK, max_scanned - scanned)
+        fit = (MAX_SCANNED_BYTES - read) // letter_bytes if letter_bytes else READ_CHUNK
+        count = max(1, min(READ_CHUNK, max_scanned - scanned, fit))
         chunk: list[Any] = client.xrevrange(keys.dead, max=end, min="-", count=count) or []
         for letter_id, fields in chunk:
             fields = fields or {}

@@ -246,7 +246,7 @@ def dead_letters_body(client: redis.Redis, settings: Settings, session: str | No
     """The newest ``limit`` dead letters (of ``session`` only, when given): ``GET /api/dead-letters``
     and ``compactor dead-letters --json``."""
     found = read_dead_letters(client, Keys(settings.redis.prefix, settings.redis.shards), session=session,
-                              limit=limit)
+                              limit=limit, letter_bytes=settings.limits.max_event_bytes)
     return DeadLettersBody(
         letters=[DeadLetterBody(
             letter_id=d.letter_id, written_at=d.written_at, session=d.session, cwd=d.cwd, reason=d.reason,

@@ -1346,3 +1346,24 @@ def test_two_sends_of_one_batch_at_once_publish_it_once(client: TestClient, r: r
     second = client.post(path, json=batch, headers={"Idempotency-Key": "k1"}).json()
     assert (first["accepted"], second["accepted"], len(second["duplicates"])) == (5, 2, 3)  # 3 uuids kept
     assert r.xlen(Keys().stream_for(SID)) == 7 and r.zcard(Keys().sent(SID)) == 3
+
+
+def test_dead_letters_are_read_no_more_at_once_than_the_byte_bound_allows(r: redis.Redis,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """20 letters at a time, each keeping an event up to maxEventBytes (4 MiB): one reply of 80 MB
+    was five times the 16 MiB the scan was bounded by."""
+    from compactor import dead_letters
+
+    for i in range(10):
+        r.xadd(Keys().dead, {"session": "s", "event": "x" * 10, "reason": f"r{i}"})
+    counts: list[int] = []
+    xrevrange = r.xrevrange
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        counts.append(kwargs["count"])
+        return xrevrange(*args, **kwargs)
+
+    monkeypatch.setattr(r, "xrevrange", counted)
+    monkeypatch.setattr(dead_letters, "MAX_SCANNED_BYTES", 3_000)
+    found = dead_letters.read_dead_letters(r, Keys(), session="nobody", letter_bytes=1_000)
+    assert counts[0] == 3 and max(counts) <= 3 and found.scanned == 10 and found.complete
