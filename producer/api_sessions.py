@@ -204,8 +204,8 @@ def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -
         state = store.up_to_date(state)
         failures = _count(replies[2 * index])
         job_id = as_text(replies[2 * index + 1]) if replies[2 * index + 1] else None
-        bodies.append((_body(settings, state, failures, _job_status(client, job_id), _held(held[index], replies[-1], holders)),
-                       activity))
+        body = _body(settings, state, failures, _job_status(client, job_id), _held(held[index], replies[-1], holders))
+        bodies.append((body, activity))
     return bodies
 
 
