@@ -136,7 +136,8 @@ RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 CwdQuery = Annotated[str, Query(description="absolute working directory of the session")]
 IdempotencyKey = Annotated[str | None, Header(
     alias="Idempotency-Key", description="the events without a uuid get one derived from this key and their "
-    "index: the same batch sent again with the same key (a retry) is applied once")]
+    "index: the same batch sent again with the same key (a retry) is applied once",
+    json_schema_extra={"minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"})]  # (checked by the Publisher)
 
 
 def make_redis(settings: Settings) -> redis.Redis:
@@ -505,6 +506,9 @@ def _declare_errors(schema: dict[str, Any]) -> None:
                 responses.setdefault("400", {**error, "description": ERROR_CASES[400]})
             if path not in PUBLIC_PATHS:
                 responses.setdefault("401", {**error, "description": ERROR_CASES[401]})
+            if "503" in responses:  # (api_errors.RETRY_AFTER)
+                responses["503"].setdefault("headers", {})["Retry-After"] = {
+                    "description": "seconds to wait before a retry", "schema": {"type": "integer"}}
     schemas = schema.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)

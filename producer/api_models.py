@@ -67,8 +67,8 @@ class EventsAccepted(_Body):
     accepted: int = Field(description="how many events were published (the batch less its duplicates)")
     stream_ids: list[str] = Field(description="the published events' stream entry ids, in order")
     duplicates: list[int] = Field(
-        description="indexes of the events not published because the session has their uuid already "
-                    "(a retry's: applied once)")
+        description="indexes of the events not published because the session has their uuid already, or "
+                    "this API published it in the last 10 minutes (a retry's: applied once)")
 
 
 class JobAccepted(_Body):

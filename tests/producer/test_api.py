@@ -1303,6 +1303,10 @@ def test_openapi_describes_each_event_type_of_post_events(client: TestClient) ->
     turn_end = components[mapping["turn_end"].removeprefix("#/components/schemas/")]
     assert {"type", "turnId", "model"} <= set(turn_end["required"])
     assert {"toolCallId", "toolName", "output"} <= set(components["ToolResultEvent"]["properties"])
+    post = schema["paths"]["/api/sessions/{session_id}/events"]["post"]
+    [key] = [param for param in post["parameters"] if param["name"] == "Idempotency-Key"]
+    assert (key["in"], key["schema"]["maxLength"], key["schema"]["pattern"]) == ("header", 255, "^[!-~]+$")
+    assert "Retry-After" in post["responses"]["503"]["headers"]  # as every 503 says
 
 
 def test_a_body_invalid_after_a_repeated_key_says_where_it_is_invalid(client: TestClient) -> None:
