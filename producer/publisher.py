@@ -183,7 +183,7 @@ class Publisher:
             _check_identity(wire, session_id, cwd)
             # (the watcher would derive one from the entry id: a resent entry has another id, so the
             # resent copy was applied as a second event)
-            if "uuid" not in wire:
+            if wire.get("uuid") is None:  # (none, or null: the watcher would derive one from the entry id)
                 wire["uuid"] = str(uuid.uuid4() if idempotency_key is None else
                                    uuid.uuid5(uuid.NAMESPACE_URL, f"compactor:{session_id}:{idempotency_key}:{index}"))
             payload = orjson.dumps(wire)

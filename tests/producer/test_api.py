@@ -1371,3 +1371,12 @@ def test_dead_letters_are_read_no_more_at_once_than_the_byte_bound_allows(r: red
     monkeypatch.setattr(dead_letters, "MAX_SCANNED_BYTES", 3_000)
     found = dead_letters.read_dead_letters(r, Keys(), session="nobody", letter_bytes=1_000)
     assert counts[0] == 3 and max(counts) <= 3 and found.scanned == 10 and found.complete
+
+
+def test_an_event_with_a_null_uuid_gets_one_like_an_event_without(client: TestClient, r: redis.Redis) -> None:
+    """A null uuid was kept as null: the API's look for the uuids it had sent failed on it (a 500)."""
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": [
+        {"type": "user", "turnId": 1, "content": "x", "uuid": None}]}, headers={"Idempotency-Key": "k"})
+    assert response.status_code == 202, response.text
+    [(_, fields)] = r.xrange(Keys().stream_for(SID))
+    assert isinstance(json.loads(fields[b"event"])["uuid"], str)
