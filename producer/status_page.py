@@ -95,6 +95,15 @@ class Thresholds(_Body):
     llm: float = Field(description="context.compactionThreshold: a fraction of the context window")
 
 
+HELD_LISTED = 100  # held-back sessions the overview names
+
+
+class HeldSession(_Body):
+    session_id: str
+    since: float = Field(description="unix seconds (Redis's clock) since it was first held back")
+    error: str
+
+
 class Overview(_Body):
     sessions: int
     breakers_open: int
@@ -103,6 +112,8 @@ class Overview(_Body):
     failed_jobs: int
     dead_letters: int
     sessions_held_back: int = Field(description="sessions a watcher holds back: their log cannot be written")
+    held_back: list[HeldSession] = Field(
+        default_factory=list, description=f"those sessions, held longest first (at most {HELD_LISTED})")
     stream_backlog: int
     oldest_unapplied_seconds: float
     counters: dict[str, float] = Field(
@@ -267,13 +278,16 @@ def overview(request: Request, client: redis.Redis, settings: Settings) -> Overv
     now_ms = server_ms(client)  # Redis's clock, which stamped the entry ids (as the lag gauge does)
     shards = [lag.shard_lag(n, now_ms) for n in range(keys.shards)]
     breakers, failing, _ = BreakerCollector(client, settings).count()
+    held = held_sessions(client, keys)  # (a session whose log is unreadable is named only here)
     queue = compaction_queue(client, settings)
     process: ProcessMetrics = request.app.state.process_metrics
     totals = process.totals()
     return Overview(
         sessions=client.zcard(keys.sessions), breakers_open=breakers, sessions_failing=failing,
         queued_jobs=queue.count, failed_jobs=queue.failed_job_registry.count,
-        dead_letters=client.xlen(keys.dead), sessions_held_back=len(held_sessions(client, keys)),
+        dead_letters=client.xlen(keys.dead), sessions_held_back=len(held),
+        held_back=[HeldSession(session_id=sid, since=h.since, error=h.error)
+                   for sid, h in sorted(held.items(), key=lambda item: item[1].since)[:HELD_LISTED]],
         stream_backlog=sum(s[0] for s in shards),
         oldest_unapplied_seconds=max((s[2] for s in shards), default=0.0),
         counters={key: totals.get(name, 0.0) for key, name in COUNTERS.items()},

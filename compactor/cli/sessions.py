@@ -214,22 +214,32 @@ def status(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Sessions by last activity: context fill against both thresholds, breaker, jobs."""
+    from compactor.held import held_sessions
     from compactor.keys import Keys
 
     outside_the_stack()
     settings = load(config, redis_url=redis_url, data_dir=data_dir)
     client = connect(settings)
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
     with user_errors():
         bodies = session_bodies(client, settings, limit)
-        total = int(client.zcard(Keys(settings.redis.prefix, settings.redis.shards).sessions))
+        total = int(client.zcard(keys.sessions))
+        held = held_sessions(client, keys)
     if json_out:
         print_json([b.model_dump(by_alias=True) for b in bodies])
         return
-    if not bodies:
+    if not bodies and not held:
         err_console.print("no sessions yet")
         return
     console = _table_console()
-    console.print(status_table(bodies, console.width, total=total))
+    if bodies:
+        console.print(status_table(bodies, console.width, total=total))
+    shown = {b.session_id for b in bodies}
+    now = datetime.now(UTC)
+    for sid, h in sorted(held.items(), key=lambda item: item[1].since):
+        if sid not in shown:  # (its log cannot be read, or it is not among the rows: named here)
+            since = _age(now - datetime.fromtimestamp(h.since, UTC))
+            console.print(Text(f"held back, not in the table: {sid} since {since}: {h.error}", style="red"))
 
 
 def dead_letters(

@@ -77,6 +77,14 @@ function perMinute(value) {
   return value === null ? "– /min" : `${value.toFixed(value < 10 ? 1 : 0)} /min`;
 }
 
+function heldCard(o) {  // names them: one whose log cannot be read has no row below
+  const node = card("sessions held back", fmt(o.sessionsHeldBack), o.sessionsHeldBack > 0, "held");
+  if (o.heldBack.length) {
+    node.title = o.heldBack.map((h) => `${h.sessionId}: ${h.error} (${ago(h.since)})`).join("\n");
+  }
+  return node;
+}
+
 function renderOverview(o, sessions) {
   const c = o.counters;
   $("totals").replaceChildren(
@@ -87,7 +95,7 @@ function renderOverview(o, sessions) {
     card("stream backlog", `${fmt(o.streamBacklog)} (${o.oldestUnappliedSeconds.toFixed(1)} s)`,
          o.oldestUnappliedSeconds > 30, "backlog"),
     card("dead letters", fmt(o.deadLetters), o.deadLetters > 0, "dead"),
-    card("sessions held back", fmt(o.sessionsHeldBack), o.sessionsHeldBack > 0, "held"),
+    heldCard(o),
     card("events ingested", `${fmt(c.eventsIngested)} · ${perMinute(rate("eventsIngested", o))}`,
          false, "events"),
     card("jobs succeeded", `${fmt(c.jobsSucceeded)} · ${perMinute(rate("jobsSucceeded", o))}`,

@@ -1174,3 +1174,21 @@ def test_dead_letters_lists_the_refused_entries_newest_first_with_their_reasons(
     assert len(rows) == 2 and "2 of 3 dead letter(s)" in table.stdout
     none = runner.invoke(app, ["dead-letters", "--session", "s9", *args])
     assert none.exit_code == 0 and "no dead letters of session s9" in none.output
+
+
+def test_status_names_a_held_back_session_it_has_no_row_for(runner: CliRunner, r: redis.Redis, settings: Settings,
+                                                            config: Path) -> None:
+    """A session whose log cannot be read (not a regular file) has no state to show: the status
+    table left it out, and only the held-back count said anything was wrong."""
+    from compactor.held import HOLD
+
+    write_session(r, settings, 1)
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    r.set(keys.lease(keys.shard_of("broken")), "w:1")
+    r.register_script(HOLD)(keys=[keys.held], args=["broken", 90, 150, "[Errno 21] Is a directory", "w:1",
+                                                    keys.shard_of("broken")])
+    result = runner.invoke(app, ["status", *base_args(settings, config)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    [line] = [line for line in result.stdout.splitlines() if "broken" in line]
+    assert line.startswith("held back, not in the table: broken since 1m") and "Is a directory" in line
+    assert any(row.strip().startswith(SID) for row in result.stdout.splitlines())

@@ -376,6 +376,7 @@ def test_page_shows_a_session_held_back_in_the_totals_its_row_and_its_page(
     page.wait_for_selector(f'#sessions tr[data-session="{BUSY}"]')
     assert page.locator('[data-card="held"] .value').inner_text() == "1"
     assert page.locator('[data-card="held"]').get_attribute("class") == "card alert"
+    assert page.locator('[data-card="held"]').get_attribute("title") == f"{BUSY}: No space left on device (2 min ago)"
     badge = page.locator(f'#sessions tr[data-session="{BUSY}"] [data-held]')
     assert badge.inner_text() == "held back"
     assert badge.get_attribute("title") == "No space left on device (first failed 2 min ago)"

@@ -530,7 +530,9 @@ def test_a_held_session_is_shown_held_back_by_the_api_the_metrics_and_status_unt
         assert client.get("/api/sessions/fine", params={"cwd": CWD}).json()["heldBack"] is None
         rows = {row["sessionId"]: row["heldBack"] for row in client.get("/api/sessions").json()}
         assert rows["full"] == held and rows["fine"] is None
-        assert client.get("/api/overview").json()["sessionsHeldBack"] == 1
+        overview = client.get("/api/overview").json()
+        assert overview["sessionsHeldBack"] == 1
+        assert overview["heldBack"] == [{"sessionId": "full", "since": held["since"], "error": held["error"]}]
         assert "compactor_sessions_held_back 1.0" in client.get("/metrics").text
         out = io.StringIO()
         Console(file=out, width=200).print(status_table(session_bodies(r, fast, 10)))
