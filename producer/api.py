@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence, Set as AbstractSet
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import anyio.to_thread
@@ -165,22 +165,20 @@ def _publish(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
     but the events the session has already (a retry's): their stream ids, and those events' indexes."""
     publisher = Publisher(client, settings)
     batch = publisher.prepare(session_id, cwd, events, idempotency_key=idempotency_key)  # each, then the batch
-    sent = publisher.sent_recently(session_id, [e["uuid"] for e in batch.events], SENT_WINDOW_S)
-    duplicates = _check_against_session(client, settings, session_id, cwd, batch.events,
-                                        {i for i, was in enumerate(sent) if was})
+    duplicates = _check_against_session(client, settings, session_id, cwd, batch.events)
     ids, sent_meanwhile = publisher.send_unsent(batch.without(duplicates), SENT_WINDOW_S)
     kept = [i for i in range(len(batch.events)) if i not in duplicates]  # (send_unsent's indexes are of these)
     return ids, sorted(duplicates | {kept[i] for i in sent_meanwhile})
 
 
 def _check_against_session(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
-                           wires: Sequence[dict[str, Any]], sent: AbstractSet[int] = frozenset()) -> set[int]:
+                           wires: Sequence[dict[str, Any]]) -> set[int]:
     """Refuse what the watcher would refuse from the session's stored state (one round trip):
     a session bound to another cwd, and a turn going backwards when that is certain
-    (``_refuse_backwards``). The indexes of the events whose uuid the session has already, or
-    that this API published in the last ``SENT_WINDOW_S`` (``sent``: not applied yet): a
+    (``_refuse_backwards``). The indexes of the events whose uuid the session has already: a
     retry's (a uuid is the event's identity: the watcher would dead-letter the copy); the others
-    are checked without them."""
+    are checked without them. (A retry of events still in the stream passes these checks, as
+    nothing is certain while they wait there; ``Publisher.send_unsent`` leaves them out.)"""
     store = SessionStore(client, settings)
     found = store.lookup({session_id: list(wires)}, load=[session_id])
     state = found.stored.get(session_id)
@@ -189,7 +187,7 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
     elif state.cwd != cwd:
         raise bound_elsewhere(session_id, state.cwd, cwd)
     taken = found.taken.get(session_id, set())
-    duplicates = set(sent) | {index for index, event in enumerate(wires) if event.get("uuid") in taken}
+    duplicates = {index for index, event in enumerate(wires) if event.get("uuid") in taken}
     if len(duplicates) == len(wires):
         return duplicates
     wires = [event for index, event in enumerate(wires) if index not in duplicates]

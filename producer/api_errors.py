@@ -141,8 +141,8 @@ def decode_json_body(raw: bytes) -> Any:
 class _Repeated(dict[str, Any]):
     """An object of the body in which a key appears twice (``_repeated_key_at``)."""
 
-    keys_repeated: frozenset[str] = frozenset()
-    pairs: list[tuple[str, Any]] = []  # as parsed, with the values the dict dropped
+    keys_repeated: frozenset[str]
+    pairs: list[tuple[str, Any]]  # as parsed, with the values the dict dropped
 
 
 def _repeated_key_at(text: str, key: str) -> str | None:

@@ -31,7 +31,7 @@ from compactor.dead_letters import read_dead_letters
 from compactor.held import lease_holders, parse_held
 from compactor.keys import Keys
 from compactor.queue import pending_job_id
-from compactor.store import SessionStore, bound_elsewhere
+from compactor.store import SessionStore, bound_elsewhere, stream_id_key
 from events.config import Settings
 from events.errors import InvalidInput, SessionNotFound
 from events.log import SessionLog
@@ -89,8 +89,7 @@ def settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: 
     group = next((g for g in groups if as_text(g["name"]) == keys.group), None)
     if group is None:  # (the watchers recreate it and read the stream again)
         return False
-    wanted = parse_stream_id(entry_id, "after")
-    if parse_stream_id(as_text(group["last-delivered-id"]), "last-delivered-id") < wanted:
+    if stream_id_key(as_text(group["last-delivered-id"])) < parse_stream_id(entry_id, "after"):
         return False
     return not client.xpending_range(stream, keys.group, entry_id, entry_id, 1)
 

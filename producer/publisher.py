@@ -109,8 +109,7 @@ class Publisher:
         if not batch.payloads:
             return []
         pipe = self.redis.pipeline(transaction=True)
-        for payload in batch.payloads:
-            pipe.xadd(batch.stream, {"session": batch.session_id, "cwd": batch.cwd, "event": payload})
+        _queue_xadds(pipe, batch)
         ids = [_as_str(entry_id) for entry_id in pipe.execute()]
         logger.debug("published session=%s events=%d stream=%s last=%s",
                      batch.session_id, len(ids), batch.stream, ids[-1])
@@ -132,8 +131,7 @@ class Publisher:
                     sent = {i for i, score in enumerate(scores) if score is not None and float(score) > now - window_s}
                     fresh = batch.without(sent)
                     pipe.multi()
-                    for payload in fresh.payloads:
-                        pipe.xadd(batch.stream, {"session": batch.session_id, "cwd": batch.cwd, "event": payload})
+                    _queue_xadds(pipe, fresh)
                     if fresh.payloads:
                         pipe.zadd(key, {event["uuid"]: now for event in fresh.events})
                         pipe.zremrangebyscore(key, "-inf", f"({now - window_s}")
@@ -143,13 +141,6 @@ class Publisher:
                     return [_as_str(entry_id) for entry_id in replies[:len(fresh.payloads)]], sent
                 except redis.WatchError:  # (another send to the session meanwhile: look again)
                     continue
-
-    def sent_recently(self, session_id: str, uuids: Sequence[str], within_s: float) -> list[bool]:
-        """Per uuid, whether a ``send_unsent`` published it in the last ``within_s``."""
-        if not uuids:
-            return []
-        scores = self.redis.zmscore(self.keys.sent(session_id), list(uuids))
-        return [score is not None and float(score) > time.time() - within_s for score in scores]
 
     def end_turn(
         self, session_id: str, cwd: str, turn_id: int, model: str, context_window: int | None = None
@@ -206,6 +197,12 @@ def check_idempotency_key(key: str) -> None:
     if not 1 <= len(key) <= IDEMPOTENCY_KEY_MAX or not all("!" <= c <= "~" for c in key):
         raise InvalidInput("Idempotency-Key", f"must be 1 to {IDEMPOTENCY_KEY_MAX} printable ASCII characters "
                            "without spaces")
+
+
+def _queue_xadds(pipe: Any, batch: PreparedBatch) -> None:
+    """Queue one XADD per event of ``batch`` on ``pipe`` (SPEC §6's three fields)."""
+    for payload in batch.payloads:
+        pipe.xadd(batch.stream, {"session": batch.session_id, "cwd": batch.cwd, "event": payload})
 
 
 def _check_identity(wire: dict[str, Any], session_id: str, cwd: str) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from compactor.metrics import reason_kind
+from compactor.store import stream_id_key
 from events.models import SESSION_ID_RE
 from producer.watcher.entries import REQUIRED_FIELDS, Entry
 from producer.watcher.streams import NEW_ENTRIES, PEL_START
@@ -139,12 +140,6 @@ class ShardCursor:
         if known is None or stream_id_key(first_id) < stream_id_key(known):
             self.held_first[session_id] = first_id
         self.retry_at = time.monotonic() + HOLD_RETRY_S
-
-
-def stream_id_key(entry_id: str) -> tuple[int, int]:
-    """A stream entry id (``ms-seq``) as a pair that sorts as Redis orders ids."""
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def id_before(entry_id: str) -> str:

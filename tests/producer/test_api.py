@@ -1341,8 +1341,6 @@ def test_two_sends_of_one_batch_at_once_publish_it_once(client: TestClient, r: r
     looked before either published both published (the watcher then dead-lettered one copy)."""
     from producer import publisher as publisher_module
 
-    monkeypatch.setattr(publisher_module.Publisher, "sent_recently",
-                        lambda self, sid, uuids, within_s: [False] * len(uuids))  # both looked: nothing sent
     monkeypatch.setattr(publisher_module, "SENT_KEPT", 3)
     path = f"/api/sessions/{SID}/events"
     batch = {"cwd": CWD, "events": [{"type": "user", "turnId": 1, "content": f"m{i}"} for i in range(5)]}
