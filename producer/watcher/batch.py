@@ -29,7 +29,7 @@ from compactor.metrics import reason_kind
 from compactor.store import stream_id_key
 from events.models import SESSION_ID_RE
 from producer.watcher.entries import REQUIRED_FIELDS, Entry
-from producer.watcher.streams import NEW_ENTRIES, PEL_START
+from producer.watcher.streams import NEW_ENTRIES, PEL_START, Letter
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,6 @@ class ShardCursor:
     retry_at: float = 0.0
     trimmed_at: float = field(default_factory=time.monotonic)
     claimed: set[str] = field(default_factory=set)  # ids claimed from another consumer, not yet applied
-    # ids whose dead letter was written before an append that failed, not yet acked: the retry does
-    # not write it again (a full disk had the one refused entry lettered once a second, each retry)
-    lettered: set[str] = field(default_factory=set)
     # held sessions -> (held since, last logged), monotonic: logged when held, then every
     # HELD_LOG_EVERY_S (each retry, once a second, logged it), and once when applied again
     held_log: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -157,18 +154,17 @@ class BatchOutcome:
     stream: str
     whole_up_to: int | None = None  # a letter's values longer than this are cut (None: kept whole)
     acks: list[str] = field(default_factory=list)
-    dead: list[list[bytes]] = field(default_factory=list)
+    dead: list[Letter] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)  # of ``dead``, for the metrics after the ack
 
-    def reject(self, entry_id: str, reason: str, fields: list[bytes], *, written: bool = False) -> None:
-        """Dead-letter an entry with the batch's ack, and ack it; ``written``: its letter was
-        written already (before its run's append), so only the ack and the count are left."""
+    def reject(self, entry_id: str, reason: str, fields: list[bytes]) -> None:
+        """Dead-letter an entry with the batch's ack, and ack it (a letter written ahead, before
+        its run's append, is not written again: ``ShardStreams.ack``)."""
         extra = dead_letter_fields(self.stream, entry_id, reason, fields)
         logger.warning("dead-lettered session=%s stream=%s id=%s reason=%s", _shown(extra["session_id"]),
                        self.stream, entry_id, reason, extra=extra)
         self.reasons.append(reason)
-        if not written:
-            self.dead.append(self.letter(entry_id, reason, fields))
+        self.dead.append((entry_id, self.letter(entry_id, reason, fields)))
         self.acks.append(entry_id)
 
     def letter(self, entry_id: str, reason: str, fields: list[bytes]) -> list[bytes]:

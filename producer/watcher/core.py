@@ -421,19 +421,17 @@ class Watcher:
     ) -> None:
         log = self._log(session_id, cwd)
         stored = found.stored.pop(session_id, UNREAD)  # read this round; only the first run's is current
-        lettered = self.cursors[shard].lettered  # entries dead-lettered before the append (this try or one before)
 
         def guard(rejected: list[tuple[dict[str, Any], InvalidEvent]]) -> None:
             """Right before the append: our lease still, and the refused entries' letters written
-            (once: a retry after a failed append finds them in ``lettered``)."""
+            (once: kept in ``{p}:lettered:{n}`` until the ack, a retry, a restart or another
+            watcher does not write them again)."""
             self.leases.check(shard)
             refused = _by_stream_id(rejected)
-            letters = {entry.id: outcome.letter(entry.id, str(refused[entry.id]), entry.fields)
-                       for entry in run if entry.id in refused and entry.id not in lettered}
-            if letters:
-                if not self.streams.ack(shard, [], list(letters.values())):
-                    raise LeaseLost(shard)
-                lettered.update(letters)
+            letters = [(entry.id, outcome.letter(entry.id, str(refused[entry.id]), entry.fields))
+                       for entry in run if entry.id in refused]
+            if letters and not self.streams.ack(shard, [], letters, ahead=True):
+                raise LeaseLost(shard)
 
         pending_claimed = self.cursors[shard].claimed
         claimed = {entry.id for entry in run if entry.id in pending_claimed} if pending_claimed else set()
@@ -453,10 +451,9 @@ class Watcher:
         refused = _by_stream_id(result.rejected)
         for entry in run:
             if entry.id in refused:
-                outcome.reject(entry.id, str(refused[entry.id]), entry.fields, written=entry.id in lettered)
+                outcome.reject(entry.id, str(refused[entry.id]), entry.fields)
             else:
                 outcome.acks.append(entry.id)
-            lettered.discard(entry.id)  # (acked with this round)
         if run[-1].event["type"] == "turn_end" and run[-1].id not in refused:
             self._check_thresholds(session_id, cwd, result.state)
         logger.debug("applied session=%s shard=%d entries=%d appended=%d duplicates=%d",

@@ -103,7 +103,7 @@ def _letter(client: redis.Redis, keys: Keys, shard: int, entries: list[Any], *, 
         flat = [item for pair in (fields or {}).items() for item in pair]
         outcome.reject(as_text(entry_id), _reason(keys, shard, fields or {}), flat)
     pipe = client.pipeline(transaction=True)
-    for letter in outcome.dead:
+    for _, letter in outcome.dead:
         pipe.execute_command("XADD", keys.dead, "MAXLEN", "~", DEAD_LETTER_MAXLEN, "*", *letter)  # type: ignore[no-untyped-call]
     if acks:
         pipe.xack(stream, keys.group, *acks)

@@ -48,6 +48,8 @@ NEW_ENTRIES = ">"
 PEL_START = "0-0"
 DEAD_LETTER_MAXLEN = 100_000  # approximate cap of {p}:dead
 ACK_CHUNK = 1000  # ids per XACK call inside the script (Lua's unpack limit)
+Letter = tuple[str, list[bytes]]  # a dead letter: its entry's id, its flat fields
+LETTERED_TTL_S = 30 * 86_400  # {p}:lettered:{n} outlives its last letter written ahead by this long
 
 # KEYS: per shard its lease and its stream; ARGV: owner, group, count, then per shard
 # its consumer and start id. Per shard: -1 not our lease; -2 no such group (NOGROUP);
@@ -74,28 +76,37 @@ end
 return out
 """
 
-# KEYS: lease, stream, dead; ARGV: owner, group, dead maxlen, n ids, ids...,
-# then per dead letter: 2k, field1, value1, ... fieldk, valuek. -1: not our lease.
+# KEYS: lease, stream, dead, lettered; ARGV: owner, group, dead maxlen, ahead ("1": the letters'
+# entries are not acked here: each id is kept in lettered until its ack), n ids, ids..., then per
+# dead letter: its entry's id, 2k, field1, value1, ... fieldk, valuek. A letter whose id is in
+# lettered was written already (ahead, by this watcher or one before it): it is not written again.
+# -1: not our lease.
 _ACK = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-local n = tonumber(ARGV[4])
-local i = 5 + n
+local n = tonumber(ARGV[5])
+local i = 6 + n
 while i <= #ARGV do
-  local c = tonumber(ARGV[i])
-  local args = {'XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*'}
-  for j = i + 1, i + c do args[#args + 1] = ARGV[j] end
-  redis.call(unpack(args))
-  i = i + c + 1
+  local id, c = ARGV[i], tonumber(ARGV[i + 1])
+  if redis.call('HEXISTS', KEYS[4], id) == 0 then
+    local args = {'XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*'}
+    for j = i + 2, i + 1 + c do args[#args + 1] = ARGV[j] end
+    redis.call(unpack(args))
+    if ARGV[4] == '1' then redis.call('HSET', KEYS[4], id, 1) end
+  end
+  if ARGV[4] == '1' then redis.call('EXPIRE', KEYS[4], LETTERED_TTL_S) end
+  i = i + c + 2
 end
 local acked = 0
-local first = 5
-while first < 5 + n do
-  local last = math.min(first + ACK_CHUNK - 1, 4 + n)
+local first = 6
+local lettered = redis.call('EXISTS', KEYS[4]) == 1
+while first < 6 + n do
+  local last = math.min(first + ACK_CHUNK - 1, 5 + n)
   acked = acked + redis.call('XACK', KEYS[2], ARGV[2], unpack(ARGV, first, last))
+  if lettered then redis.call('HDEL', KEYS[4], unpack(ARGV, first, last)) end
   first = last + 1
 end
 return acked
-""".replace("ACK_CHUNK", str(ACK_CHUNK))
+""".replace("ACK_CHUNK", str(ACK_CHUNK)).replace("LETTERED_TTL_S", str(LETTERED_TTL_S))
 
 # KEYS: lease, stream; ARGV: owner. Trims below the oldest entry any group needs.
 _TRIM = """
@@ -198,17 +209,21 @@ class ShardStreams:
             return ReadResult([], top=as_text(reply))
         return ReadResult([(entry[0], entry[1] or None) for entry in reply])
 
-    def ack(self, shard: int, ids: list[str], dead: list[list[bytes]], pipeline: Any | None = None) -> bool:
-        """Dead-letter ``dead`` (flat field lists) and XACK ``ids`` atomically; False when not our lease.
+    def ack(self, shard: int, ids: list[str], dead: list[Letter], pipeline: Any | None = None, *,
+            ahead: bool = False) -> bool:
+        """Dead-letter ``dead`` and XACK ``ids`` atomically; False when not our lease. A letter
+        of an entry lettered ahead of its ack before is not written again. ``ahead``: the
+        letters' entries are acked later (the watcher: a run's refused entries, right before its
+        append): their ids are kept in ``{p}:lettered:{n}`` until then.
 
         With ``pipeline`` the fenced script runs after the commands already queued
         there (the batch's state saves), all in one round trip.
         """
-        return self.ack_many({shard: (ids, dead)}, pipeline)[shard]
+        return self.ack_many({shard: (ids, dead)}, pipeline, ahead=ahead)[shard]
 
     def ack_many(
-        self, batches: dict[int, tuple[list[str], list[list[bytes]]]], pipeline: Any | None = None,
-        *, saved: Callable[[list[Any]], None] | None = None,
+        self, batches: dict[int, tuple[list[str], list[Letter]]], pipeline: Any | None = None,
+        *, saved: Callable[[list[Any]], None] | None = None, ahead: bool = False,
     ) -> dict[int, bool]:
         """``ack`` for several shards in one round trip (after what ``pipeline`` holds);
         per shard, False when it is not our lease. ``saved`` gets the replies of what
@@ -218,11 +233,11 @@ class ShardStreams:
         calls = []
         for n in shards:
             ids, dead = batches[n]
-            args: list[Any] = [self.owner, self.keys.group, DEAD_LETTER_MAXLEN, len(ids), *ids]
-            for fields in dead:
-                args += [len(fields), *fields]
-            calls.append(self._queue(pipe, self._ack, [self.keys.lease(n), self.keys.stream(n), self.keys.dead],
-                                     args))
+            args: list[Any] = [self.owner, self.keys.group, DEAD_LETTER_MAXLEN, int(ahead), len(ids), *ids]
+            for entry_id, fields in dead:
+                args += [entry_id, len(fields), *fields]
+            keys = [self.keys.lease(n), self.keys.stream(n), self.keys.dead, self.keys.lettered(n)]
+            calls.append(self._queue(pipe, self._ack, keys, args))
         replies = pipe.execute(raise_on_error=False) if len(pipe) else []
         acks = self._redo_missing(calls, replies[len(replies) - len(shards):])
         for reply in replies[:len(replies) - len(shards)]:
@@ -301,7 +316,7 @@ class ShardStreams:
         they were applied (XAUTOCLAIM dropped them from the pending list: they were lost without a
         word), as one of the watcher's own is (``producer.watcher.entries``)."""
         reason, stream = "entry has no fields (deleted from the stream before it was applied)", self.keys.stream(shard)
-        letters = [[b"reason", reason.encode(), b"id", entry_id.encode(), b"stream", stream.encode()]
+        letters = [(entry_id, [b"reason", reason.encode(), b"id", entry_id.encode(), b"stream", stream.encode()])
                    for entry_id in ids]
         if self.ack(shard, [], letters):
             for entry_id in ids:

@@ -336,6 +336,38 @@ def test_an_entry_refused_beside_a_failing_append_is_lettered_once(
     assert [line.get("content") for line in log_lines(fast, "full")][-1] == "more"
 
 
+def test_an_entry_lettered_before_a_failed_append_is_not_lettered_again_by_the_watcher_after(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The letter written ahead of an append that failed was remembered in the watcher's memory
+    only: after a crash (or the shard's lease lost and taken again) the entry, still pending,
+    was refused and lettered a second time, and a replay of the letters applied it twice."""
+    publisher = Publisher(r, fast)
+    publisher.publish("full", CWD, [user(1), turn_end(1), user(2)])
+    first = Watcher(r, fast, name="first")
+    drain(first, r, fast)
+    first.close()
+    publisher.publish("full", CWD, user(2, "more"))
+    back = publisher.publish("full", CWD, user(1, "backwards"))  # refused by the watcher, in the same run
+    failures = fail_appends(monkeypatch, 1)
+    crashed = Watcher(r, fast, name="crashed")
+    for _ in range(10):
+        if failures["left"] == 0:
+            break
+        crashed.run_once()
+    assert failures["left"] == 0 and backlog(r, fast) == 2  # lettered ahead, the append failed: held
+    shard = Keys().shard_of("full")
+    assert r.hkeys(Keys().lettered(shard)) == [back[0].encode()]
+    for n in list(crashed.leases.owned):  # the process died: its leases lapse
+        r.delete(Keys().lease(n))
+    drain(Watcher(r, fast, name="successor"), r, fast)
+    letters = [fields for _, fields in r.xrange(Keys().dead)]
+    assert [(f[b"id"].decode(), f[b"reason"]) for f in letters] == [
+        (back[0], b"turnId: goes backwards: 1 < currentTurnId 2")]
+    assert [line.get("content") for line in log_lines(fast, "full")][-1] == "more"
+    assert not r.exists(Keys().lettered(shard))  # forgotten with the entry's ack
+
+
 def _retry_then_apply_new_turn(watcher: Watcher, publisher: Publisher, settings: Settings, session_id: str,
                                turn: int, within_rounds: int) -> None:
     """Make shard 0's retry of its held sessions due, publish a turn of ``session_id``, and assert
