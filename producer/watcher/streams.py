@@ -211,8 +211,8 @@ class ShardStreams:
 
     def ack(self, shard: int, ids: list[str], dead: list[Letter], pipeline: Any | None = None, *,
             ahead: bool = False) -> bool:
-        """Dead-letter ``dead`` and XACK ``ids`` atomically; False when not our lease. A letter
-        of an entry lettered ahead of its ack before is not written again. ``ahead``: the
+        """Dead-letter ``dead`` and XACK ``ids`` atomically; False when not our lease. An entry
+        whose letter was written ahead of its ack is not lettered again. ``ahead``: the
         letters' entries are acked later (the watcher: a run's refused entries, right before its
         append): their ids are kept in ``{p}:lettered:{n}`` until then.
 
