@@ -25,10 +25,11 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
                                 (its log cannot be written: compactor.held)
     {p}:sent:{sessionId}        zset: uuid -> when the HTTP API published it (last 10 minutes):
                                 a retry sent before the first copy is applied is not published again
-    {p}:lettered:{n}            hash: ids of shard n's entries dead-lettered ahead of their ack (a
-                                run's refused entries, right before its append): their letter is
-                                not written again by a retry, a takeover or a restart; a field
-                                goes with its entry's ack (the key: 30 days after its last letter)
+    {p}:lettered:{n}            hash: id -> digest of the entry, of shard n's entries dead-lettered
+                                ahead of their ack (a run's refused entries, right before its
+                                append): their letter is not written again by a retry, a takeover,
+                                a restart or the sweep of streams past redis.shards; a field goes
+                                with its entry's ack (the key: 30 days after its last letter)
 
 Consumer group on every shard: ``{p}-watchers``, with one consumer per shard,
 ``shard-{n}``, read only by the watcher holding the shard's lease (stable

@@ -29,7 +29,7 @@ from compactor.metrics import reason_kind
 from compactor.store import stream_id_key
 from events.models import SESSION_ID_RE
 from producer.watcher.entries import REQUIRED_FIELDS, Entry
-from producer.watcher.streams import NEW_ENTRIES, PEL_START, Letter
+from producer.watcher.streams import NEW_ENTRIES, PEL_START, Letter, entry_mark
 
 logger = logging.getLogger(__name__)
 
@@ -164,11 +164,11 @@ class BatchOutcome:
         logger.warning("dead-lettered session=%s stream=%s id=%s reason=%s", _shown(extra["session_id"]),
                        self.stream, entry_id, reason, extra=extra)
         self.reasons.append(reason)
-        self.dead.append((entry_id, self.letter(entry_id, reason, fields)))
+        self.dead.append(self.letter(entry_id, reason, fields))
         self.acks.append(entry_id)
 
-    def letter(self, entry_id: str, reason: str, fields: list[bytes]) -> list[bytes]:
-        """The dead letter's flat fields: the entry's (at most ``MAX_DEAD_LETTER_FIELDS``; its
+    def letter(self, entry_id: str, reason: str, fields: list[bytes]) -> Letter:
+        """The entry's dead letter, whose flat fields are the entry's (at most ``MAX_DEAD_LETTER_FIELDS``; its
         ``session``, ``cwd`` and ``event`` first, so a letter can always be replayed), reason,
         id, stream. An entry's own field of a name the letter adds (those three and
         ``fieldsDropped``) is kept as ``entry.<name>`` (a letter naming one twice read as the
@@ -188,7 +188,8 @@ class BatchOutcome:
             kept += [b"fieldsDropped", str(len(values) - len(order)).encode()]
         if cut:
             kept += [b"truncated", b",".join(cut)]
-        return [*kept, b"reason", reason.encode(), b"id", entry_id.encode(), b"stream", self.stream.encode()]
+        return Letter(entry_id, entry_mark(fields),
+                      [*kept, b"reason", reason.encode(), b"id", entry_id.encode(), b"stream", self.stream.encode()])
 
 
 _LETTER_FIELDS = (b"reason", b"id", b"stream", b"fieldsDropped", b"truncated")  # what the letter itself adds

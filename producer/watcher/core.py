@@ -428,7 +428,7 @@ class Watcher:
             watcher does not write them again)."""
             self.leases.check(shard)
             refused = _by_stream_id(rejected)
-            letters = [(entry.id, outcome.letter(entry.id, str(refused[entry.id]), entry.fields))
+            letters = [outcome.letter(entry.id, str(refused[entry.id]), entry.fields)
                        for entry in run if entry.id in refused]
             if letters and not self.streams.ack(shard, [], letters, ahead=True):
                 raise LeaseLost(shard)

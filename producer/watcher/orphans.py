@@ -102,11 +102,17 @@ def _letter(client: redis.Redis, keys: Keys, shard: int, entries: list[Any], *, 
     for entry_id, fields in entries:
         flat = [item for pair in (fields or {}).items() for item in pair]
         outcome.reject(as_text(entry_id), _reason(keys, shard, fields or {}), flat)
+    lettered = keys.lettered(shard)  # (a watcher lettered ahead of their ack: not lettered again)
+    ids = [letter.entry_id for letter in outcome.dead]
+    marks = [as_text(mark) if mark else None for mark in client.hmget(lettered, ids)] if ids else []
     pipe = client.pipeline(transaction=True)
-    for _, letter in outcome.dead:
-        pipe.execute_command("XADD", keys.dead, "MAXLEN", "~", DEAD_LETTER_MAXLEN, "*", *letter)  # type: ignore[no-untyped-call]
+    for letter, mark in zip(outcome.dead, marks):
+        if mark != letter.mark:
+            pipe.execute_command("XADD", keys.dead, "MAXLEN", "~", DEAD_LETTER_MAXLEN, "*", *letter.fields)  # type: ignore[no-untyped-call]
     if acks:
         pipe.xack(stream, keys.group, *acks)
+    if ids:
+        pipe.hdel(lettered, *ids)
     if delivered is not None:
         pipe.xgroup_setid(stream, keys.group, delivered)
         pipe.xtrim(stream, minid=delivered, approximate=False)  # (the last one stays: the group's position)

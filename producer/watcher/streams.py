@@ -31,10 +31,11 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 from rq.utils import as_text
@@ -48,8 +49,26 @@ NEW_ENTRIES = ">"
 PEL_START = "0-0"
 DEAD_LETTER_MAXLEN = 100_000  # approximate cap of {p}:dead
 ACK_CHUNK = 1000  # ids per XACK call inside the script (Lua's unpack limit)
-Letter = tuple[str, list[bytes]]  # a dead letter: its entry's id, its flat fields
 LETTERED_TTL_S = 30 * 86_400  # {p}:lettered:{n} outlives its last letter written ahead by this long
+
+
+class Letter(NamedTuple):
+    """A dead letter: its entry's id, ``entry_mark`` of the entry's fields, the letter's flat fields."""
+
+    entry_id: str
+    mark: str
+    fields: list[bytes]
+
+
+def entry_mark(fields: list[bytes]) -> str:
+    """A digest of an entry's flat fields: ``{p}:lettered:{n}`` keeps it under the entry's id, so
+    an entry lettered ahead is known again by its id *and* its content (a lost stream numbers its
+    new entries from where it can, and an id may come again for another entry)."""
+    digest = hashlib.blake2b(digest_size=12)
+    for item in fields:
+        digest.update(len(item).to_bytes(8, "little"))
+        digest.update(item)
+    return digest.hexdigest()
 
 # KEYS: per shard its lease and its stream; ARGV: owner, group, count, then per shard
 # its consumer and start id. Per shard: -1 not our lease; -2 no such group (NOGROUP);
@@ -77,24 +96,24 @@ return out
 """
 
 # KEYS: lease, stream, dead, lettered; ARGV: owner, group, dead maxlen, ahead ("1": the letters'
-# entries are not acked here: each id is kept in lettered until its ack), n ids, ids..., then per
-# dead letter: its entry's id, 2k, field1, value1, ... fieldk, valuek. A letter whose id is in
-# lettered was written already (ahead, by this watcher or one before it): it is not written again.
-# -1: not our lease.
+# entries are not acked here: each is kept in lettered, id -> mark, until its ack), n ids, ids...,
+# then per dead letter: its entry's id, its entry's mark, 2k, field1, value1, ... fieldk, valuek.
+# A letter whose entry is in lettered (the same id and mark) was written already (ahead, by this
+# watcher or one before it): it is not written again. -1: not our lease.
 _ACK = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 local n = tonumber(ARGV[5])
 local i = 6 + n
 while i <= #ARGV do
-  local id, c = ARGV[i], tonumber(ARGV[i + 1])
-  if redis.call('HEXISTS', KEYS[4], id) == 0 then
+  local id, mark, c = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  if redis.call('HGET', KEYS[4], id) ~= mark then
     local args = {'XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*'}
-    for j = i + 2, i + 1 + c do args[#args + 1] = ARGV[j] end
+    for j = i + 3, i + 2 + c do args[#args + 1] = ARGV[j] end
     redis.call(unpack(args))
-    if ARGV[4] == '1' then redis.call('HSET', KEYS[4], id, 1) end
+    if ARGV[4] == '1' then redis.call('HSET', KEYS[4], id, mark) end
   end
   if ARGV[4] == '1' then redis.call('EXPIRE', KEYS[4], LETTERED_TTL_S) end
-  i = i + c + 2
+  i = i + c + 3
 end
 local acked = 0
 local first = 6
@@ -234,8 +253,8 @@ class ShardStreams:
         for n in shards:
             ids, dead = batches[n]
             args: list[Any] = [self.owner, self.keys.group, DEAD_LETTER_MAXLEN, int(ahead), len(ids), *ids]
-            for entry_id, fields in dead:
-                args += [entry_id, len(fields), *fields]
+            for letter in dead:
+                args += [letter.entry_id, letter.mark, len(letter.fields), *letter.fields]
             keys = [self.keys.lease(n), self.keys.stream(n), self.keys.dead, self.keys.lettered(n)]
             calls.append(self._queue(pipe, self._ack, keys, args))
         replies = pipe.execute(raise_on_error=False) if len(pipe) else []
@@ -316,7 +335,8 @@ class ShardStreams:
         they were applied (XAUTOCLAIM dropped them from the pending list: they were lost without a
         word), as one of the watcher's own is (``producer.watcher.entries``)."""
         reason, stream = "entry has no fields (deleted from the stream before it was applied)", self.keys.stream(shard)
-        letters = [(entry_id, [b"reason", reason.encode(), b"id", entry_id.encode(), b"stream", stream.encode()])
+        letters = [Letter(entry_id, entry_mark([]),
+                          [b"reason", reason.encode(), b"id", entry_id.encode(), b"stream", stream.encode()])
                    for entry_id in ids]
         if self.ack(shard, [], letters):
             for entry_id in ids:

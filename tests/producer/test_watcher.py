@@ -22,6 +22,7 @@ from events.tokens import count_tokens
 from producer.publisher import Publisher
 from producer.watcher import Watcher
 from producer.watcher.entries import entry_uuid
+from producer.watcher.orphans import letter_orphans
 from tests.producer.conftest import (
     CWD,
     backlog,
@@ -336,19 +337,18 @@ def test_an_entry_refused_beside_a_failing_append_is_lettered_once(
     assert [line.get("content") for line in log_lines(fast, "full")][-1] == "more"
 
 
-def test_an_entry_lettered_before_a_failed_append_is_not_lettered_again_by_the_watcher_after(
-    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The letter written ahead of an append that failed was remembered in the watcher's memory
-    only: after a crash (or the shard's lease lost and taken again) the entry, still pending,
-    was refused and lettered a second time, and a replay of the letters applied it twice."""
-    publisher = Publisher(r, fast)
-    publisher.publish("full", CWD, [user(1), turn_end(1), user(2)])
+def _lettered_ahead_and_held(r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch,
+                             send: Any, session_id: str = "full") -> tuple[str, int]:
+    """Session ``session_id`` with a refused entry lettered ahead of its append, the append failed (held,
+    still pending), then the watcher gone (its leases lapse); the entry's id and its shard.
+    ``send(event)`` publishes one event of the session and gives its stream id."""
+    for event in [user(1), turn_end(1), user(2)]:
+        send(event)
     first = Watcher(r, fast, name="first")
     drain(first, r, fast)
     first.close()
-    publisher.publish("full", CWD, user(2, "more"))
-    back = publisher.publish("full", CWD, user(1, "backwards"))  # refused by the watcher, in the same run
+    send(user(2, "more"))
+    back = send(user(1, "backwards"))  # refused by the watcher, in the same run
     failures = fail_appends(monkeypatch, 1)
     crashed = Watcher(r, fast, name="crashed")
     for _ in range(10):
@@ -356,16 +356,63 @@ def test_an_entry_lettered_before_a_failed_append_is_not_lettered_again_by_the_w
             break
         crashed.run_once()
     assert failures["left"] == 0 and backlog(r, fast) == 2  # lettered ahead, the append failed: held
-    shard = Keys().shard_of("full")
-    assert r.hkeys(Keys().lettered(shard)) == [back[0].encode()]
+    shard = Keys().shard_of(session_id)
+    assert r.hkeys(Keys().lettered(shard)) == [back.encode()]
     for n in list(crashed.leases.owned):  # the process died: its leases lapse
         r.delete(Keys().lease(n))
+    return back, shard
+
+
+def test_an_entry_lettered_before_a_failed_append_is_not_lettered_again_by_the_watcher_after(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The letter written ahead of an append that failed was remembered in the watcher's memory
+    only: after a crash (or the shard's lease lost and taken again) the entry, still pending,
+    was refused and lettered a second time, and a replay of the letters applied it twice."""
+    publisher = Publisher(r, fast)
+    back, shard = _lettered_ahead_and_held(r, fast, monkeypatch, lambda event: publisher.publish("full", CWD, event)[0])
     drain(Watcher(r, fast, name="successor"), r, fast)
     letters = [fields for _, fields in r.xrange(Keys().dead)]
     assert [(f[b"id"].decode(), f[b"reason"]) for f in letters] == [
-        (back[0], b"turnId: goes backwards: 1 < currentTurnId 2")]
+        (back, b"turnId: goes backwards: 1 < currentTurnId 2")]
     assert [line.get("content") for line in log_lines(fast, "full")][-1] == "more"
     assert not r.exists(Keys().lettered(shard))  # forgotten with the entry's ack
+
+
+def test_an_entry_lettered_ahead_is_not_lettered_again_by_the_sweep_of_a_lowered_shard_count(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``redis.shards`` lowered while the entry waited: the sweep of the streams past the count
+    wrote a second letter (``wrong_shard``) and left the entry's mark behind."""
+    publisher = Publisher(r, fast)
+    back, shard = _lettered_ahead_and_held(r, fast, monkeypatch, lambda event: publisher.publish("a", CWD, event)[0],
+                                           session_id="a")
+    assert shard >= 2  # past the lowered count
+    assert letter_orphans(r, Keys(shards=2), "sweeper") == 2  # both pending entries: one letter each
+    assert [f[b"id"].decode() for _, f in r.xrange(Keys().dead)].count(back) == 1
+    assert not r.exists(Keys().lettered(shard))
+
+
+def test_an_entry_with_the_id_of_one_lettered_ahead_before_the_stream_was_lost_is_lettered(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost stream numbers its new entries from where its producers say (or from a clock behind):
+    another entry can come with the id of one lettered ahead, and it was acked with no letter."""
+    stream = Keys().stream_for("full")
+    numbers = iter(range(1, 100))
+
+    def send(event: dict[str, Any]) -> str:
+        entry_id = f"1-{next(numbers)}"
+        r.xadd(stream, {"session": "full", "cwd": CWD, "event": orjson.dumps(event)}, id=entry_id)
+        return entry_id
+
+    back, shard = _lettered_ahead_and_held(r, fast, monkeypatch, send)
+    r.delete(stream)  # lost with its backlog; the marks stay
+    r.xadd(stream, {"session": "full", "cwd": CWD, "event": b"{not json"}, id=back)
+    drain(Watcher(r, fast, name="successor"), r, fast)
+    reasons = [f[b"reason"].decode() for _, f in r.xrange(Keys().dead) if f[b"id"].decode() == back]
+    assert len(reasons) == 2 and "goes backwards" in reasons[0] and reasons[1].startswith("invalid JSON"), reasons
+    assert backlog(r, fast) == 0
 
 
 def _retry_then_apply_new_turn(watcher: Watcher, publisher: Publisher, settings: Settings, session_id: str,
