@@ -275,6 +275,8 @@ class SessionLog:
             f = open(self.path, "rb")
         except FileNotFoundError:
             return None
+        except OSError as e:  # (a directory, no permission: the API answered a bare 500 internal_error)
+            raise LogCorrupted(f"{self.path}: cannot be read: {e.strerror or e}") from e
         with f:
             for line in f:
                 if not line.endswith(b"\n"):

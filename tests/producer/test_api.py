@@ -170,6 +170,20 @@ def test_a_corrupt_log_is_a_json_500_naming_the_line(api_settings: Settings, r: 
         assert response.headers["X-Compactor-Job-Id"] in error["message"]
 
 
+def test_events_for_a_session_whose_log_path_cannot_be_read_are_a_500_naming_it(
+    api_settings: Settings, client: TestClient,
+) -> None:
+    """The log's path a directory (or unreadable): the look for the session's binding in its
+    session_meta raised IsADirectoryError, answered ``internal_error`` with no path nor reason."""
+    log = SessionLog(api_settings.data_dir, CWD, "dirlog")
+    log.path.mkdir(parents=True)
+    response = client.post("/api/sessions/dirlog/events", json={"cwd": CWD, "events": [turn(1)[0]]})
+    assert response.status_code == 500
+    error = error_of(response)
+    assert error["code"] == "log_unreadable", error
+    assert str(log.path) in error["message"] and "Is a directory" in error["message"], error
+
+
 def test_a_redis_that_refuses_writes_is_a_json_503(api_settings: Settings, r: redis.Redis) -> None:
     """A Redis whose disk is full answers MISCONF to every write: the API answered a plain-text
     500. (Refusing writes for want of replicas is a refusal of the same kind, and can be asked for.)"""
@@ -1243,7 +1257,9 @@ def test_context_after_a_stream_id_waits_for_the_watcher_to_apply_it(
     """Read right after a 202, the context missed the events just posted (the watcher applies them
     within milliseconds, but after the 202): the agent's next prompt lacked its own last turn."""
     from producer.watcher import Watcher
+    from producer.watcher.core import warm_up
 
+    warm_up()  # (litellm's import, ~6 s on a slow VM when this test runs alone: past the wait's 5 s)
     path = f"/api/sessions/{SID}"
     ids = client.post(f"{path}/events", json={"cwd": CWD, "events": turn(1)}).json()["streamIds"]
     watcher = Watcher(r, api_settings, name="w")
