@@ -72,6 +72,7 @@ DataDirOpt = Annotated[Path | None, typer.Option(
     "--data-dir", envvar="COMPACTION_DATA_DIR", show_envvar=True, parser=data_dir_path,
     help="Root of the session logs (dataDir).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the data as JSON on stdout.")]
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LogLevelOpt = Annotated[str, typer.Option(
     "--log-level", envvar="COMPACTION_LOG_LEVEL", show_envvar=True,
     help="Logging level: DEBUG, INFO, WARNING, ERROR.")]
@@ -192,7 +193,8 @@ def setup_logging(level: str, fmt: str | None = None) -> None:
 
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
-        fail(f"invalid --log-level {level!r}", EXIT_CONFIG)
+        origin = ("COMPACTION_LOG_LEVEL" if os.environ.get("COMPACTION_LOG_LEVEL") == level else "--log-level")
+        fail(f"invalid {origin} {level!r}: must be one of {', '.join(LOG_LEVELS)}", EXIT_CONFIG)
     fmt = (fmt or os.environ.get(LOG_FORMAT_ENV) or "text").strip().lower()
     try:
         configure(numeric, fmt)

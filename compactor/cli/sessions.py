@@ -249,12 +249,13 @@ def dead_letters(
     json_out: JsonOpt = False,
     config: ConfigOpt = None,
     redis_url: RedisUrlOpt = None,
+    data_dir: DataDirOpt = None,
 ) -> None:
     """Entries the watcher refused ({p}:dead), newest first: when, session, reason, entry id."""
     from producer.api_sessions import dead_letters_body
 
     outside_the_stack()
-    settings = load(config, redis_url=redis_url)
+    settings = load(config, redis_url=redis_url, data_dir=data_dir)
     client = connect(settings)
     with user_errors():
         body = dead_letters_body(client, settings, session, limit)
@@ -341,7 +342,7 @@ def _status_table(bodies: list[SessionBody], width: int, now: datetime, title: s
     notes = [] if "context" in hidden else ["┃ micro and LLM thresholds"]
     notes.append("open: LLM breaker open")
     if any(b.held_back for b in bodies):
-        notes.append("held back: its log cannot be written, its events wait (compactor status --json: why)")
+        notes.append("held back: its log cannot be written or read, its events wait (compactor status --json: why)")
     if hidden:
         notes.append(f"hidden to fit: {', '.join(hidden)} (--json has all)")
     caption = " · ".join(notes)

@@ -62,6 +62,25 @@ def test_every_command_has_help_and_takes_config(runner: CliRunner, command: str
     assert "--config" in result.output
 
 
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c not in ("bench", "demo")])
+def test_every_command_but_bench_and_demo_takes_data_dir(runner: CliRunner, command: str) -> None:
+    """OPERATIONS lists ``--data-dir`` for all but those two: ``dead-letters`` had none, so next to
+    a ``serve`` on another data dir it could not find that serve's embedded Redis."""
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert "--data-dir" in result.output, result.output
+
+
+@pytest.mark.parametrize("via_env", [False, True])
+def test_a_bad_log_level_names_where_it_came_from_and_the_levels(runner: CliRunner, via_env: bool) -> None:
+    """``COMPACTION_LOG_LEVEL=LOUD`` was reported as ``invalid --log-level 'LOUD'``, no reason."""
+    args, env = (["watch"], {"COMPACTION_LOG_LEVEL": "LOUD"}) if via_env else (["watch", "--log-level", "LOUD"], {})
+    result = runner.invoke(app, args, env=env)
+    assert result.exit_code == 2
+    origin = "COMPACTION_LOG_LEVEL" if via_env else "--log-level"
+    assert result.stderr.strip() == (f"compactor: invalid {origin} 'LOUD': must be one of "
+                                     "DEBUG, INFO, WARNING, ERROR, CRITICAL")
+
+
 def test_demo_help_says_it_never_uses_the_configured_data_dir(runner: CliRunner) -> None:
     """It said "a temporary data dir unless configured", but dataDir and COMPACTION_DATA_DIR
     are never used by the demo: only --data-dir."""
