@@ -113,7 +113,7 @@ class PendingJob(_Body):
 
 class HeldBack(_Body):
     since: float = Field(description="unix seconds (Redis's clock) since the watcher holding it first failed")
-    error: str = Field(description="why its log cannot be written (the last failure)")
+    error: str = Field(description="why its log cannot be written or read (the last failure)")
     watcher: str = Field(description="the id of the watcher holding it back")
 
 
@@ -130,8 +130,8 @@ class SessionBody(_Body):
     pending_job: PendingJob | None = None
     last_compaction: dict[str, Any] | None = None
     held_back: HeldBack | None = Field(
-        None, description="set while a watcher holds the session back: its log cannot be written (a full "
-                          "disk...); its new events wait in the stream, applied in order once it can")
+        None, description="set while a watcher holds the session back: its log cannot be written or read (a full "
+                          "disk, a corrupt line...); its new events wait in the stream, applied in order once it can")
 
 
 class Health(_Body):

@@ -111,7 +111,7 @@ class Overview(_Body):
     queued_jobs: int
     failed_jobs: int
     dead_letters: int
-    sessions_held_back: int = Field(description="sessions a watcher holds back: their log cannot be written")
+    sessions_held_back: int = Field(description="sessions a watcher holds back: their log cannot be written or read")
     held_back: list[HeldSession] = Field(
         default_factory=list, description=f"those sessions, held longest first (at most {HELD_LISTED})")
     stream_backlog: int
