@@ -160,6 +160,9 @@ def _not_applied(events: list[dict[str, Any]], last_applied: str | None) -> list
     return [e for e in events if not (stream_id := e.get("streamId")) or stream_id_key(stream_id) > last]
 
 
+SHRANK_WARNED_KEPT = 10_000  # sessions whose shrunk log was warned of, remembered (then forgotten at once)
+
+
 class SessionStore:
     """Loads, saves and advances session state next to the logs."""
 
@@ -167,6 +170,9 @@ class SessionStore:
         self.redis = client
         self.settings = settings
         self.keys = Keys(settings.redis.prefix, settings.redis.shards)
+        # session -> (stored size, log size) of the last "log shrank" warned of: a rebuild that fails
+        # (a corrupt line) leaves the state as it was, and each retry (once a second) warned again
+        self._shrank_warned: dict[str, tuple[int, int]] = {}
 
     def log(self, session_id: str, cwd: str, *, create: bool = True) -> SessionLog:
         """The session's log; ``create=False``: one its lock never creates (SessionNotFound)."""
@@ -269,7 +275,11 @@ class SessionStore:
         if state is None:
             state = self.load(session_id) if isinstance(stored, _Unread) else stored
         _check_cwd(session_id, cwd, state)
-        if state is not None and size < state.log_size:  # (it was silent: 47 lines gone, no word)
+        if (state is not None and size < state.log_size  # (it was silent: 47 lines gone, no word)
+                and self._shrank_warned.get(session_id) != (state.log_size, size)):
+            if len(self._shrank_warned) >= SHRANK_WARNED_KEPT:
+                self._shrank_warned.clear()
+            self._shrank_warned[session_id] = (state.log_size, size)
             logger.warning("log shrank session=%s path=%s from=%d to=%d bytes (truncated, replaced or restored from an "
                            "older copy): its state is rebuilt from what is left", session_id, log.path,
                            state.log_size, size, extra={"session_id": session_id})

@@ -14,7 +14,7 @@ import redis
 import compactor.store as store_module
 from compactor.store import SessionStore, is_applied
 from events.config import Settings
-from events.errors import InvalidEvent, LogWriteFailed
+from events.errors import InvalidEvent, LogCorrupted, LogWriteFailed
 from events.log import SessionLog
 from events.state import rebuild
 from events.view import build_view
@@ -413,6 +413,21 @@ def test_a_deferred_save_overtaken_by_a_later_state_still_indexes_its_uuids(
     assert r.hget(store.keys.session(SID), "log_size") == str(result.state.log_size + 1000).encode()
     assert r.smembers(store.keys.uuids(SID)) == {b"u-a", b"u-b"}
     assert r.zscore(store.keys.sessions, SID) is not None
+
+
+def test_a_shrunk_log_whose_rebuild_fails_is_warned_of_once(store: SessionStore, r: redis.Redis,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A log cut short by hand and left with a bad line: each retry of the held session (once a
+    second) failed its rebuild, kept the stale state, and logged "log shrank" again."""
+    store.apply(SID, CWD, [user(1, "a" * 200, "1-0"), turn_end(1, "2-0"), user(2, "b" * 200, "3-0")])
+    log = store.log(SID, CWD)
+    lines = log.path.read_bytes().splitlines(keepends=True)
+    log.path.write_bytes(b"".join([lines[0], b"{not json\n"]))
+    with caplog.at_level(logging.WARNING, logger="compactor.store"):
+        for attempt in range(3):
+            with pytest.raises(LogCorrupted):
+                store.apply(SID, CWD, [turn_end(2, f"{4 + attempt}-0")])
+    assert [rec.getMessage().split(" path=")[0] for rec in caplog.records] == [f"log shrank session={SID}"]
 
 
 @pytest.mark.parametrize("deferred", [True, False])
