@@ -84,6 +84,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from rq.exceptions import NoSuchJobError
+from rq.job import Job, JobStatus
 
 from compactor.deferred import Deferred
 from compactor.queue import pending_job_id, queue_release, released_trigger
@@ -154,6 +156,12 @@ class _Session:
 # hands its session on (a worker paused 25 s, then resumed, appended a summary while the job that
 # replaced it made its own LLM call).
 ABANDON_CHECK_AFTER_S = 10.0
+
+def _abandoned(run: JobRun | None, what: str) -> JobAbandoned:
+    job_id = run.job_id if run is not None else "?"
+    return JobAbandoned(f"job {job_id} was declared abandoned while it ran (its worker sent no heartbeat for "
+                        f"20 s: paused or frozen?) and its session handed on: {what}")
+
 
 # A failed LLM call's kind (``LlmFailure.kind``) -> the outcome a job failing on it logs (``worker.jobs``).
 FAILURE_OUTCOMES = {"transient": "llm_transient", "permanent": "llm_permanent", "invalid": "summary_invalid"}
@@ -400,11 +408,8 @@ class Compactor:
         event = _new_line("summary", replaces=replaces, summaryText=text, lastSummarizedTurnId=end_turn)
         lines = [event] if snapshot.compact is None else [snapshot.compact, event]
         with log.lock():
-            if run is not None and run.may_have_been_abandoned() and \
-                    pending_job_id(self.store.redis, self.settings, session_id) not in (None, run.job_id):
-                raise JobAbandoned(f"job {run.job_id} was declared abandoned while it ran (its worker sent no "
-                                   "heartbeat for 20 s: paused or frozen?) and its session handed on: its summary "
-                                   "is not appended")
+            if self._handed_on(session_id, run):
+                raise _abandoned(run, "its summary is not appended")
             since = _lines_since(log, snapshot.size, snapshot.tail)
             if since is None or _overtaken(since, end_turn, snapshot.compact):
                 logger.warning("summary dropped session=%s: the log %s meanwhile", session_id,
@@ -464,6 +469,10 @@ class Compactor:
         try:
             text = self._summarize_with(plan.model, reading, view, plan, run=run)
         except (LLMUnavailable, SummaryInvalid) as error:
+            if self._handed_on(session_id, run):  # (a call that ran out while the worker was paused is
+                # no failure of the LLM: counted after the job that replaced it succeeded, it left the
+                # session a failure short of an open breaker)
+                raise _abandoned(run, f"its LLM call's failure is not counted: {error}") from None
             kind = self._count_failure(session_id, plan.model, error, run.job_id if run is not None else None)
             if not fallback or fallback == plan.model:
                 raise
@@ -479,6 +488,21 @@ class Compactor:
                 run.llm_failure = LlmFailure(kind, str(error), plan.model, fallback)
             return text, False
         return text, plan.model != EXTRACTIVE_MODEL
+
+    def _handed_on(self, session_id: str, run: JobRun | None) -> bool:
+        """Whether ``run``'s job was declared abandoned while it ran (its worker paused or frozen past
+        its heartbeats) and its session handed on: another job claims the session, or none does
+        and RQ failed this one (the janitor's ``AbandonedJobError``: the job that replaced it is
+        done). Asked only of a job that ran long enough for that (``may_have_been_abandoned``)."""
+        if run is None or not run.may_have_been_abandoned():
+            return False
+        claim = pending_job_id(self.store.redis, self.settings, session_id)
+        if claim is not None:
+            return claim != run.job_id
+        try:  # (no claim: freed, and not taken yet, or Redis lost it: the job goes on unless RQ failed it)
+            return bool(Job.fetch(run.job_id, connection=self.store.redis).get_status() == JobStatus.FAILED)
+        except NoSuchJobError:
+            return False
 
     def _count_failure(self, session_id: str, model: str, error: CompactorError, job_id: str | None) -> str:
         """Count a failed LLM call and log it; its kind (see ``LlmFailure``)."""

@@ -6,6 +6,7 @@ import fcntl
 import logging
 import os
 import re
+import threading
 import time
 from typing import Any
 
@@ -298,6 +299,39 @@ def test_a_job_declared_abandoned_while_it_ran_appends_no_summary(
     assert _job_failure_status(error) == (500, "job_abandoned")  # a forced caller's answer, not an LLM's 502
     assert _summaries(wsettings, "s1") == []
     assert pending_job_id(r, wsettings, "s1") == successor  # the successor's claim is left alone
+
+
+def test_a_job_declared_abandoned_while_its_llm_call_ran_counts_no_failure(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker paused past the janitor's 20 s, resumed after the job that replaced it had
+    summarized the session: its LLM call, past its deadline, was counted as a failure (the breaker
+    a step nearer on a healthy LLM, right after a success) and the fallback ran for nothing."""
+    monkeypatch.setattr(worker_compaction, "ABANDON_CHECK_AFTER_S", 0.2)
+    write_session(r, wsettings, "s1", 3)
+
+    stub.script(StubResponse(status=500, delay_s=0.6))
+
+    def janitor() -> None:  # declares the job abandoned while its call runs; its successor is done
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            job_id = pending_job_id(r, wsettings, "s1")
+            if job_id and Job.fetch(job_id, connection=r).get_status() == JobStatus.STARTED:
+                time.sleep(0.1)
+                Job.fetch(job_id, connection=r).set_status(JobStatus.FAILED)  # RQ's cleanup of it
+                r.delete(Keys().job("s1"))  # the claim freed once the successor was done
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=janitor)
+    thread.start()
+    job = _run(r, wsettings, "s1")
+    thread.join()
+    assert job.get_status() == JobStatus.FAILED
+    error = (job.latest_result().exc_string or "").strip().splitlines()[-1]  # type: ignore[union-attr]
+    assert "JobAbandoned" in error and "failure is not counted" in error, error
+    assert r.get(Keys().failures("s1")) is None
+    assert _summaries(wsettings, "s1") == []
 
 
 def test_a_classified_failure_is_one_log_line_and_the_job_keeps_its_traceback(
