@@ -157,7 +157,9 @@ class _Session:
 # replaced it made its own LLM call).
 ABANDON_CHECK_AFTER_S = 10.0
 
+
 def _abandoned(run: JobRun | None, what: str) -> JobAbandoned:
+    """The error of a job found handed on (``Compactor._handed_on``), saying ``what`` it did not do."""
     job_id = run.job_id if run is not None else "?"
     return JobAbandoned(f"job {job_id} was declared abandoned while it ran (its worker sent no heartbeat for "
                         f"20 s: paused or frozen?) and its session handed on: {what}")

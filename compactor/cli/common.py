@@ -75,7 +75,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print the data as JSON on
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LogLevelOpt = Annotated[str, typer.Option(
     "--log-level", envvar="COMPACTION_LOG_LEVEL", show_envvar=True,
-    help="Logging level: DEBUG, INFO, WARNING, ERROR.")]
+    help=f"Logging level: {', '.join(LOG_LEVELS)}.")]
 LogFormatOpt = Annotated[str | None, typer.Option(
     "--log-format", envvar=LOG_FORMAT_ENV, show_envvar=True,
     help="Log lines as 'text' (default) or 'json' (one object per line, with session/job fields).")]
