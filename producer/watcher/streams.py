@@ -70,6 +70,7 @@ def entry_mark(fields: list[bytes]) -> str:
         digest.update(item)
     return digest.hexdigest()
 
+
 # KEYS: per shard its lease and its stream; ARGV: owner, group, count, then per shard
 # its consumer and start id. Per shard: -1 not our lease; -2 no such group (NOGROUP);
 # {entries}: what was read; a string: nothing to read, the stream's top id.
