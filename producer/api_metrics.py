@@ -98,7 +98,8 @@ class RedisCollector(Collector):
         yield GaugeMetricFamily("compactor_dead_letters", "entries in the dead-letter stream",
                                 value=self.client.xlen(self.keys.dead))
         yield GaugeMetricFamily("compactor_sessions_held_back",
-                                "sessions a watcher holds back: their log cannot be written or read (a full disk, a corrupt line...)",
+                                "sessions a watcher holds back: their log cannot be written or read "
+                                "(a full disk, a corrupt line...)",
                                 value=len(held_sessions(self.client, self.keys)))
         streams = GaugeMetricFamily("compactor_stream_entries", "entries kept in each stream shard",
                                     labels=["shard"])

@@ -157,14 +157,16 @@ class BatchOutcome:
     dead: list[Letter] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)  # of ``dead``, for the metrics after the ack
 
-    def reject(self, entry_id: str, reason: str, fields: list[bytes]) -> None:
-        """Dead-letter an entry with the batch's ack, and ack it (a letter written ahead, before
-        its run's append, is not written again: ``ShardStreams.ack``)."""
+    def reject(self, entry_id: str, reason: str, fields: list[bytes], *, written: bool = False) -> None:
+        """Dead-letter an entry with the batch's ack, and ack it; ``written``: its letter was
+        written ahead (before its run's append, this round), so only the ack and the count are
+        left. (One written ahead in an earlier try is not written again either: ``ShardStreams.ack``.)"""
         extra = dead_letter_fields(self.stream, entry_id, reason, fields)
         logger.warning("dead-lettered session=%s stream=%s id=%s reason=%s", _shown(extra["session_id"]),
                        self.stream, entry_id, reason, extra=extra)
         self.reasons.append(reason)
-        self.dead.append(self.letter(entry_id, reason, fields))
+        if not written:
+            self.dead.append(self.letter(entry_id, reason, fields))
         self.acks.append(entry_id)
 
     def letter(self, entry_id: str, reason: str, fields: list[bytes]) -> Letter:

@@ -421,6 +421,7 @@ class Watcher:
     ) -> None:
         log = self._log(session_id, cwd)
         stored = found.stored.pop(session_id, UNREAD)  # read this round; only the first run's is current
+        ahead: set[str] = set()  # the ids the guard lettered: only their acks are left
 
         def guard(rejected: list[tuple[dict[str, Any], InvalidEvent]]) -> None:
             """Right before the append: our lease still, and the refused entries' letters written
@@ -432,6 +433,7 @@ class Watcher:
                        for entry in run if entry.id in refused]
             if letters and not self.streams.ack(shard, [], letters, ahead=True):
                 raise LeaseLost(shard)
+            ahead.update(letter.entry_id for letter in letters)
 
         pending_claimed = self.cursors[shard].claimed
         claimed = {entry.id for entry in run if entry.id in pending_claimed} if pending_claimed else set()
@@ -451,7 +453,7 @@ class Watcher:
         refused = _by_stream_id(result.rejected)
         for entry in run:
             if entry.id in refused:
-                outcome.reject(entry.id, str(refused[entry.id]), entry.fields)
+                outcome.reject(entry.id, str(refused[entry.id]), entry.fields, written=entry.id in ahead)
             else:
                 outcome.acks.append(entry.id)
         if run[-1].event["type"] == "turn_end" and run[-1].id not in refused:
