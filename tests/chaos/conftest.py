@@ -309,16 +309,26 @@ def queue_busy(client: redis.Redis, settings: Settings) -> bool:
     return bool(live)  # a dangling claim is no work to wait for: assert_never_stuck reports it
 
 
-def crossed_llm_threshold(settings: Settings, sid: str, cwd: str = CWD) -> bool:
-    """Whether the view at some ``turn_end`` of the log was over compactionThreshold x window."""
+def crossed_llm_threshold(settings: Settings, sid: str, cwd: str = CWD) -> int | None:
+    """The index of the first ``turn_end`` of the log whose view was over compactionThreshold x
+    window, or None."""
     events = read_lines(settings, sid, cwd)
     ctx = settings.context
     for i, event in enumerate(events):
         if event.get("type") == "turn_end":
             view = build_view(events[: i + 1], ctx)
             if view.prompt_estimate > ctx.compaction_threshold * event.get("contextWindow", 0):
-                return True
-    return False
+                return i
+    return None
+
+
+def _compacted_below_after(settings: Settings, sid: str, crossing: int, cwd: str = CWD) -> bool:
+    """Whether a ``compact`` came after the log's line ``crossing`` and the view is no longer over
+    the threshold: the job pending when the session crossed (a micro job that ran late) took it back
+    under, and the coalesced LLM trigger, re-checked at that job's end, was rightly not due."""
+    events = read_lines(settings, sid, cwd)
+    return (any(e.get("type") == "compact" for e in events[crossing + 1:])
+            and not over_llm_threshold_now(settings, sid, cwd))
 
 
 def over_llm_threshold_now(settings: Settings, sid: str, cwd: str = CWD) -> bool:
@@ -334,6 +344,12 @@ def assert_never_stuck(client: redis.Redis, settings: Settings, sessions: list[s
     """Quiet stack: no dangling claim, and every session that crossed 0.9·W (``history``) — or,
     after crashes, every session still over 0.9·W — has a summary, a counted LLM failure
     (retried at its next turn_end) or an open breaker.
+
+    A session that crossed while a micro job was pending (on a loaded machine that job can run
+    turns late) may be answered by that job alone: its end re-checks the coalesced LLM trigger
+    against the log, and a view the micro step took back to 0.9·W or under is not due (DESIGN.md,
+    "Forced jobs and the one-job rule"). Such a session passes when a ``compact`` follows the
+    crossing and the view is no longer over.
 
     After a crash the weaker form applies: an LLM job applies micro compaction first, and a
     worker killed in the LLM call after that can leave the session legitimately below 0.9·W,
@@ -355,7 +371,11 @@ def assert_never_stuck(client: redis.Redis, settings: Settings, sessions: list[s
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     unsummarized = []
     for sid in sessions:
-        due = crossed_llm_threshold(settings, sid, cwd) if history else over_llm_threshold_now(settings, sid, cwd)
+        if history:
+            crossing = crossed_llm_threshold(settings, sid, cwd)
+            due = crossing is not None and not _compacted_below_after(settings, sid, crossing, cwd)
+        else:
+            due = over_llm_threshold_now(settings, sid, cwd)
         if not due:
             continue
         has_summary = any(line["type"] == "summary" for line in read_lines(settings, sid, cwd))
