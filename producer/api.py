@@ -182,11 +182,19 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
     store = SessionStore(client, settings)
     found = store.lookup({session_id: list(wires)}, load=[session_id])
     state = found.stored.get(session_id)
-    if state is None:  # Redis lost it (or never had it): the log's session_meta keeps the binding
-        check_logged_cwd(session_id, cwd, store.log(session_id, cwd).first_of_type("session_meta"))
-    elif state.cwd != cwd:
-        raise bound_elsewhere(session_id, state.cwd, cwd)
     taken = found.taken.get(session_id, set())
+    if state is not None:
+        if state.cwd != cwd:
+            raise bound_elsewhere(session_id, state.cwd, cwd)
+    elif store.log(session_id, cwd).exists():
+        # Redis lost the state and the uuid index (or the state's idle TTL ran out): the log is
+        # the truth, as the watcher will find (a retry's uuids are in it; it dead-lettered them
+        # after this answered "accepted"). Its session_meta keeps the binding. Read once, until
+        # the watcher applies the session's next event and stores its state again.
+        state, logged = store.rebuild_with_uuids(session_id, cwd, check_cwd=True)
+        taken = taken | {uuid for event in wires if isinstance(uuid := event.get("uuid"), str) and uuid in logged}
+    else:  # no log, or a path that is no file (LogCorrupted naming it: a 500, not a 202 the watcher holds back)
+        check_logged_cwd(session_id, cwd, store.log(session_id, cwd).first_of_type("session_meta"))
     duplicates = {index for index, event in enumerate(wires) if event.get("uuid") in taken}
     if len(duplicates) == len(wires):
         return duplicates
@@ -514,7 +522,9 @@ def _declare_errors(schema: dict[str, Any]) -> None:
 
 def create_app(settings: Settings, redis: redis.Redis | None = None) -> FastAPI:
     """The API app for ``settings``; ``redis`` defaults to a client built from the settings."""
-    app = FastAPI(title="compactor", version=__version__,
+    # (redirect_slashes: ``/api/sessions/s/`` answered a bodyless 307 to an absolute http:// URL,
+    # the wrong scheme behind a TLS proxy; a path is exact, as the docs list it: else a 404)
+    app = FastAPI(title="compactor", version=__version__, redirect_slashes=False,
                   description="Context compaction service for LLM coding agents (SPEC §7).")
     app.state.settings = settings
     app.state.stopping = threading.Event()  # set on SIGTERM/SIGINT (``compactor api``): waits answer 202 at once

@@ -54,8 +54,16 @@ def read_log(data_dir: Path, session_id: str, cwd: str) -> list[dict[str, Any]]:
 
 
 def context_body(settings: Settings, session_id: str, cwd: str, applied: bool | None = None) -> ContextBody:
-    """SPEC §4's view of the log: messages, promptEstimate and currentTurnId."""
-    view = build_view(read_log(settings.data_dir, session_id, cwd), settings.context)
+    """SPEC §4's view of the log: messages, promptEstimate and currentTurnId. ``applied`` False (a
+    wait for the session's events ran out) and no log yet: a new session's first events not
+    applied, the empty view (an unknown session was a 404 an agent could not tell from that)."""
+    try:
+        events = read_log(settings.data_dir, session_id, cwd)
+    except SessionNotFound:
+        if applied is not False:
+            raise
+        events = []
+    view = build_view(events, settings.context)
     body = ContextBody(messages=list(view.messages), prompt_estimate=view.prompt_estimate,
                        current_turn_id=view.current_turn_id)
     if applied is not None:  # (only then in the body: SPEC §7's three fields otherwise)
@@ -130,8 +138,12 @@ def current_state(client: redis.Redis, settings: Settings, session_id: str,
 def not_found(store: SessionStore, session_id: str, cwd: str) -> Exception:
     """What to answer for a session with no log under ``cwd``: a 400 naming the cwd it is bound to
     when Redis holds it under another (POST .../events says so; these said 404 'no session'), else
-    SPEC §7's 404."""
-    state = store.load(session_id)
+    SPEC §7's 404 (also when Redis does not answer: the log is known to be missing, and the 503
+    a client would retry on could never become anything but this 404)."""
+    try:
+        state = store.load(session_id)
+    except redis.RedisError:
+        state = None
     if state is not None and state.cwd != cwd:
         return bound_elsewhere(session_id, state.cwd, cwd)
     return SessionNotFound(f"no session {session_id} under cwd {cwd}")

@@ -352,7 +352,7 @@ async def get_history(request: Request, session_id: str, cwd: CwdQuery,
     return await anyio.to_thread.run_sync(history, request, settings, sid, cwd)
 
 
-pages = APIRouter(include_in_schema=False)
+pages = APIRouter(include_in_schema=False, route_class=JsonBodyRoute)  # (no body: a query given twice is a 400)
 
 
 @pages.get("/")

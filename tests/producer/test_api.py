@@ -465,6 +465,12 @@ def test_redis_down_is_503_with_error_body(api_settings: Settings, tmp_path: Any
         response = test_client.get(f"/api/sessions/{SID}", params={"cwd": CWD})
         context = test_client.get(f"/api/sessions/{SID}/context", params={"cwd": CWD})
         waited = test_client.get(f"/api/sessions/{SID}/context", params={"cwd": CWD, "after": "1-0"})
+        # an unknown session (no log) is SPEC §7's 404 with Redis down too, as /context says: a 503
+        # invites a retry that could only ever end in the 404
+        unknown = [test_client.get("/api/sessions/nobody", params={"cwd": CWD}),
+                   test_client.post("/api/sessions/nobody/compact", json={"cwd": CWD}),
+                   test_client.get("/api/sessions/nobody/context", params={"cwd": CWD})]
+    assert [answer.status_code for answer in unknown] == [404, 404, 404], [answer.text for answer in unknown]
     assert context.status_code == 200 and waited.status_code == 503  # the log alone, unless asked to wait
     assert response.status_code == 503
     assert error_of(response)["code"] == "redis_unavailable"
@@ -566,7 +572,7 @@ def test_an_unknown_body_field_or_a_repeated_query_parameter_is_a_400_naming_it(
         assert response.status_code == 400, response.text
         assert error_of(response) == {"code": "bad_request", "message": message}
     for path in (f"/api/sessions/{SID}?cwd=/elsewhere&cwd={CWD}", f"/api/sessions/{SID}/context?cwd={CWD}&cwd={CWD}",
-                 "/api/sessions?limit=1&limit=2", f"/api/jobs/abc?x=1&x=2",
+                 "/api/sessions?limit=1&limit=2", f"/api/jobs/abc?x=1&x=2", "/?limit=1&limit=2",
                  f"/api/sessions/{SID}/compact?wait=false&wait=true"):
         method = client.post if path.startswith(f"/api/sessions/{SID}/compact") else client.get
         response = method(path, json={"cwd": CWD}) if method is client.post else method(path)
@@ -574,6 +580,20 @@ def test_an_unknown_body_field_or_a_repeated_query_parameter_is_a_400_naming_it(
         assert error_of(response)["message"].endswith("times in the query string; give it once"), path
     assert not r.exists(Keys(api_settings.redis.prefix, api_settings.redis.shards).job(SID))  # nothing queued
     assert client.get(f"/api/sessions/{SID}", params={"cwd": CWD}).status_code == 200
+
+
+def test_a_path_with_a_trailing_slash_is_a_404_in_the_error_shape_not_a_redirect(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """``/api/sessions/s/`` answered a bodyless 307 to an absolute ``http://`` URL (FastAPI's
+    redirect_slashes): no ``{"error"}`` body, and the wrong scheme behind a TLS proxy."""
+    write_session(r, api_settings, 1)
+    for method, path, kwargs in (("get", f"/api/sessions/{SID}/", {"params": {"cwd": CWD}}),
+                                 ("post", f"/api/sessions/{SID}/compact/", {"json": {"cwd": CWD}}),
+                                 ("get", "/healthz/", {})):
+        response = getattr(client, method)(path, follow_redirects=False, **kwargs)
+        assert response.status_code == 404, (path, response.status_code, response.headers)
+        assert error_of(response)["code"] == "not_found", path
+    assert not r.exists(Keys(api_settings.redis.prefix, api_settings.redis.shards).job(SID))  # nothing queued
 
 
 def test_a_job_of_another_queue_or_function_is_no_job_of_ours(
@@ -1074,6 +1094,30 @@ def test_an_event_the_session_has_already_is_not_published_again_and_another_cwd
     assert r.xlen(Keys().stream_for(SID)) == 1
 
 
+def test_after_redis_lost_a_session_a_retry_of_logged_events_is_a_duplicate(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """With the session's hash and uuid index gone (Redis restarted without its data, or the
+    state's idle TTL ran out), a retry of events already in the log was a 202 "accepted", and the
+    watcher then dead-lettered each as a duplicate uuid. The log is read instead: the retry is in
+    ``duplicates``, nothing is published, and a turn going backwards is refused as before."""
+    write_session(r, api_settings, 2)  # uuids sess-1-0 .. sess-1-8
+    path = f"/api/sessions/{SID}/events"
+    again = [{"type": "user", "turnId": 2, "content": "please do step 2", "uuid": f"{SID}-5"},
+             {"type": "user", "turnId": 3, "content": "next", "uuid": "new-3"}]
+    keys = Keys(api_settings.redis.prefix, api_settings.redis.shards)
+    r.delete(keys.session(SID), keys.uuids(SID))
+    replay = client.post(path, json={"cwd": CWD, "events": again[:1]})
+    assert replay.status_code == 202 and replay.json() == {"accepted": 0, "streamIds": [], "duplicates": [0]}
+    backwards = client.post(path, json={"cwd": CWD, "events": [{"type": "user", "turnId": 1, "content": "b"}]})
+    assert backwards.status_code == 400, backwards.text
+    assert error_of(backwards)["message"].startswith("events[0].turnId: goes backwards: 1 < currentTurnId 3")
+    assert not r.exists(Keys().stream_for(SID))
+    body = client.post(path, json={"cwd": CWD, "events": again}).json()
+    assert (body["accepted"], body["duplicates"]) == (1, [0])
+    [(_, fields)] = r.xrange(Keys().stream_for(SID))
+    assert json.loads(fields[b"event"])["uuid"] == "new-3"
+
+
 def test_a_batch_sent_again_under_its_idempotency_key_is_applied_once(
         client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
     """Without uuids of its own an agent's retry (after a lost reply, or a 503 whose batch had been
@@ -1289,6 +1333,31 @@ def test_context_after_a_stream_id_waits_for_the_watcher_to_apply_it(
     assert "applied" not in client.get(f"{path}/context", params={"cwd": CWD}).json()  # SPEC §7's fields
     bad = client.get(f"{path}/context", params={"cwd": CWD, "after": "12"})
     assert bad.status_code == 400 and error_of(bad)["message"].startswith("after: '12' is not a stream entry id")
+
+
+def test_context_after_the_first_events_of_a_new_session_is_an_empty_view_until_applied(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """Read with ``after`` before the watcher applied a new session's first events, the context
+    was a 404 "no session": an agent could not tell "not applied yet" (``applied: false``) from an
+    unknown session. Once its only entry is dead-lettered the session is unknown: 404."""
+    from producer.watcher import Watcher
+    from tests.producer.conftest import drain
+
+    path = "/api/sessions/fresh"
+    ids = client.post(f"{path}/events", json={"cwd": CWD, "events": turn(1)}).json()["streamIds"]
+    waited = client.get(f"{path}/context", params={"cwd": CWD, "after": ids[-1], "timeout": 0.2})
+    assert waited.status_code == 200, waited.text
+    assert waited.json() == {"messages": [], "promptEstimate": 0, "currentTurnId": 1, "applied": False}
+    assert client.get(f"{path}/context", params={"cwd": CWD}).status_code == 404  # no wait: the log alone
+    r.xadd(Keys().stream_for("ghost"), {"session": "ghost", "cwd": CWD, "event": b'{"type": "user", "turnId": 0}'})
+    refused = r.xrevrange(Keys().stream_for("ghost"), count=1)[0][0].decode()
+    watcher = Watcher(r, api_settings, name="w")
+    drain(watcher, r, api_settings)
+    watcher.close()
+    gone = client.get("/api/sessions/ghost/context", params={"cwd": CWD, "after": refused, "timeout": 1})
+    assert gone.status_code == 404 and error_of(gone)["code"] == "not_found"
+    applied = client.get(f"{path}/context", params={"cwd": CWD, "after": ids[-1], "timeout": 1}).json()
+    assert applied["applied"] is True and len(applied["messages"]) == 3
 
 
 def test_a_session_asked_for_under_another_cwd_is_400_naming_its_own(client: TestClient, r: redis.Redis,
