@@ -94,7 +94,7 @@ EXTRACTIVE = "extractive"  # the built-in summarizer's model name (``worker.extr
 
 class ContextSettings(_Section):
     compaction_model: str = ""  # empty: the session's own model
-    fallback_model: str = ""  # used when the LLM breaker is open; "extractive" needs no LLM
+    fallback_model: str = ""  # after a failed LLM call; "extractive" (no LLM) also while the breaker is open
     micro_compact_threshold: float = Field(0.25, gt=0, le=1, allow_inf_nan=False)
     micro_compact_min_chars: int = Field(120, ge=1)
     compaction_threshold: float = Field(0.9, gt=0, le=1, allow_inf_nan=False)
@@ -125,6 +125,14 @@ class ContextSettings(_Section):
         if self.micro_compact_threshold > self.compaction_threshold:
             raise ValueError("microCompactThreshold must not exceed compactionThreshold")
         return self
+
+    @property
+    def fallback_past_breaker(self) -> bool:
+        """Whether an automatic LLM job runs while the session's LLM breaker is open: only with
+        a fallback that calls no LLM (``extractive``). A fallback that is a model is an LLM call
+        too, and SPEC §5 enqueues no automatic LLM job while the breaker is open; its failures
+        were counted nowhere, so a failing one was called at every turn for 24 h."""
+        return self.fallback_model == EXTRACTIVE
 
     def is_compactable(self, tool_name: str) -> bool:
         """Whether outputs of ``tool_name`` may be elided (case-insensitive)."""

@@ -283,12 +283,12 @@ def state_after_summary(
 def decide(state: SessionState, ctx: ContextSettings, *, breaker_open: bool) -> Decision | None:
     """SPEC §5: "llm" over the compaction threshold (breaker closed), else "micro" when useful.
 
-    With the breaker open and a ``fallbackModel`` (e.g. ``extractive``) it is still "llm": the
-    job then summarizes with the fallback and calls no LLM, so the session never overflows for
-    lack of an LLM.
+    With the breaker open and ``fallbackModel: extractive`` it is still "llm": the job then
+    summarizes with the extractive summarizer and calls no LLM, so the session never overflows
+    for lack of an LLM (``ContextSettings.fallback_past_breaker``).
     """
     estimate, window = state.prompt_estimate, state.window or ctx.default_context_window
-    if estimate > ctx.compaction_threshold * window and (not breaker_open or ctx.fallback_model):
+    if estimate > ctx.compaction_threshold * window and (not breaker_open or ctx.fallback_past_breaker):
         return "llm"
     if estimate > ctx.micro_compact_threshold * window and _has_old_candidate(state):
         return "micro"

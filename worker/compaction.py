@@ -361,7 +361,7 @@ class Compactor:
             nothing = targets.end_turn < 1 or not targets.events
             if nothing and forced:  # SPEC §5: {didCompress: false, released: 0, promptEstimate: E}, nothing written
                 return _result(False, before, before)
-            if nothing or (breaker_open and not self.ctx.fallback_model):
+            if nothing or (breaker_open and not self.ctx.fallback_past_breaker):
                 if breaker_open and not nothing:
                     logger.info("llm compaction skipped session=%s: breaker open", session_id)
                 if compact is None:
@@ -460,11 +460,11 @@ class Compactor:
         self, session_id: str, reading: LlmPass, view: _Session, *, breaker_open: bool, run: JobRun | None = None,
     ) -> tuple[str, bool]:
         """The new summary text and whether the failure counter is to be reset (an LLM
-        success). ``breaker_open`` (an automatic job; the caller checked that there is a
-        fallback) sends the targets to the fallback instead of the LLM. A failed LLM call
+        success). ``breaker_open`` (an automatic job; the caller checked that the fallback calls
+        no LLM) sends the targets to the fallback instead of the LLM. A failed LLM call
         the fallback answers for is recorded in ``run.llm_failure``."""
         fallback = self.ctx.fallback_model
-        if breaker_open and fallback:
+        if breaker_open and self.ctx.fallback_past_breaker:
             logger.info("breaker open session=%s: using fallback %s", session_id, fallback)
             return self._summarize_with(fallback, reading, view), False
         plan = self.plan(reading.targets, view, reading.target_tokens)

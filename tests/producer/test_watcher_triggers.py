@@ -116,6 +116,18 @@ def test_open_breaker_with_a_fallback_model_still_enqueues_the_llm_job_and_the_f
     assert int(r.get(Keys().failures("s1")) or 0) == 3  # the fallback says nothing of the LLM's health
 
 
+@pytest.mark.parametrize("model", ["openai/backup", "openai/stub-model"])
+def test_open_breaker_with_a_fallback_that_is_a_model_enqueues_no_llm_job(
+    r: redis.Redis, fast: Settings, model: str
+) -> None:
+    """SPEC §5: no automatic LLM job while the breaker is open. A fallback that is a model would
+    be called by that job (only ``extractive`` calls no LLM)."""
+    fallback = fast.model_copy(update={"context": fast.context.model_copy(update={"fallback_model": model})})
+    r.set(Keys().failures("s1"), 3, ex=86_400)
+    events = [user(1, "first question"), turn_end(1, window=WINDOW), user(2, "second"), turn_end(2, window=WINDOW)]
+    assert run_session(r, fallback, events, 950) is None
+
+
 def test_open_breaker_still_allows_micro_compaction(r: redis.Redis, fast: Settings) -> None:
     r.set(Keys().failures("s1"), 3, ex=86_400)
     assert run_session(r, fast, [*tool_turn(1), turn_end(1, window=WINDOW)], 950) == "micro"

@@ -463,9 +463,15 @@ def test_a_recheck_stores_the_state_caught_up_with_a_summary_whose_state_save_wa
                                             log.size()).prompt_estimate
 
 
+@pytest.mark.parametrize("fallback", ["", "openai/backup", STUB_MODEL])
 def test_breaker_open_blocks_automatic_jobs_but_not_forced_ones(
-    r: redis.Redis, wsettings: Settings, stub: LLMStub
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, fallback: str,
 ) -> None:
+    """A fallback that is a model (another, or the failing one itself) is an LLM call: with it
+    set, the breaker let an automatic LLM job through at every turn, which called the fallback,
+    and its failures were counted nowhere. Only ``extractive`` runs past the breaker."""
+    wsettings = wsettings.model_copy(update={"context": wsettings.context.model_copy(
+        update={"fallback_model": fallback})})
     write_session(r, wsettings, "s1", 3, window=200)  # far over the LLM threshold
     state = SessionStore(r, wsettings).load("s1")
     assert state is not None and decide(state, wsettings.context, breaker_open=False) == "llm"
