@@ -202,6 +202,7 @@ EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 # a finished LLM job's result carries this key too when its fallback summarizer answered for a
 # failed LLM call: {kind, error, model, fallback} (``worker.compaction.LlmFailure``)
 LLM_ERROR_FIELD = "llmError"
+MICRO_STEP_FIELD = "microStep"  # a failed LLM job's meta: the CompressResult of the micro step it applied
 
 
 class CompressResult(_Wire):

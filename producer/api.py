@@ -339,7 +339,10 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
         return job.result
     if job.error is not None:  # the job id in the header too, as on a 200: GET /api/jobs/{id} has the rest
         status, code = _job_failure_status(job.error)
-        return error_response(status, f"compaction job {job_id} {job.status}: {job.error}", code,
+        step = job.micro_step  # (SPEC §5 runs it before the LLM call: the failure does not undo it)
+        applied = (f" (its micro step was applied: released {step.released} tokens, promptEstimate now "
+                   f"{step.prompt_estimate})") if step is not None else ""
+        return error_response(status, f"compaction job {job_id} {job.status}: {job.error}{applied}", code,
                               headers={JOB_ID_HEADER: job_id})
     return _accepted(job_id)
 

@@ -30,7 +30,7 @@ from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.job import Job, JobStatus
 
 from compactor.queue import JOB_FUNCTIONS
-from events.models import LLM_ERROR_FIELD, CompressResult
+from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, CompressResult
 from producer.api_errors import ApiError
 from producer.api_models import JobBody, LlmError
 
@@ -89,6 +89,9 @@ def job_body(client: redis.Redis, job_id: str, queue: str) -> JobBody:
         body.result = _as_result(returned)
     elif value in TERMINAL_STATUSES:
         body.error = _error_line(job)
+        step = (job.meta or {}).get(MICRO_STEP_FIELD)
+        if isinstance(step, dict):
+            body.micro_step = CompressResult.model_validate(step)
     return body
 
 

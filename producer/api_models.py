@@ -95,6 +95,9 @@ class JobBody(_Body):
     error: str | None = None
     llm_error: LlmError | None = Field(
         None, description="on a finished LLM job: the failed LLM call its fallback summarizer answered for")
+    micro_step: CompressResult | None = Field(
+        None, description="on a failed LLM job: the micro step it applied before its LLM call failed (SPEC §5 "
+                          "runs it first; the failure does not undo it): tokens released, the estimate after")
 
 
 class ContextBody(_Body):

@@ -193,7 +193,8 @@ class JobRun:
     afterwards (``sent``; ``collect`` reads it: ``done``, and ``trigger`` the coalesced
     trigger the release returned), else ``worker.jobs.finish`` does. ``llm_failure``:
     the failed LLM call the fallback answered for (the job succeeds; its result
-    reports it).
+    reports it). ``micro_step``: what the micro step of an LLM job that failed released (kept in
+    the job's meta, ``MICRO_STEP_FIELD``: the job's failure does not undo it).
     """
 
     job_id: str
@@ -203,6 +204,7 @@ class JobRun:
     sent: Deferred | None = None
     deadline: float | None = None  # time.monotonic() the job's timeout ends at (RQ's), when known
     covered: int | None = None  # the targets summarized, when the chunks stopped short of the deadline
+    micro_step: CompressResult | None = None  # a failed LLM job's micro step, applied (the job still fails)
     started: float = field(default_factory=time.monotonic)
     started_at: float = field(default_factory=time.time)  # (the wall clock: a suspended VM stops the other)
 
@@ -377,17 +379,20 @@ class Compactor:
                                                      run=run)
         except Exception:
             if compact is not None:
-                self._micro_after_failure(session_id, cwd, log)
+                self._micro_after_failure(session_id, cwd, log, run)
             raise
         # (jobs of one session never run at once: only this job could have counted a failure since)
         reset = reset and stored.failures > 0
         return self._append_summary(session_id, cwd, log, summary_text, reset, snapshot, run,
                                     covered=run.covered if run is not None else None)
 
-    def _micro_after_failure(self, session_id: str, cwd: str, log: SessionLog) -> None:
-        """Apply the micro step of an LLM job that failed (its error is what the job reports)."""
+    def _micro_after_failure(self, session_id: str, cwd: str, log: SessionLog, run: JobRun | None) -> None:
+        """Apply the micro step of an LLM job that failed (its error is what the job reports; what
+        the step released goes in ``run.micro_step``)."""
         try:
-            self._micro_again(session_id, cwd, log)
+            applied = self._micro_again(session_id, cwd, log)
+            if applied.appended and run is not None:
+                run.micro_step = _result(True, applied.before, applied.state.prompt_estimate)
         except Exception:
             logger.exception("micro step after a failed llm compaction failed session=%s", session_id)
 

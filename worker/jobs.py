@@ -35,7 +35,7 @@ from rq import get_current_job
 from compactor import metrics
 from compactor.queue import FORCED_TRIGGER, enqueue_compaction, promote_forced, release_pending, settle_trigger
 from events.errors import JobAbandoned, LLMUnavailable, SessionNotFound, SummaryInvalid
-from events.models import LLM_ERROR_FIELD, CompressResult
+from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, CompressResult
 from events.state import decide
 from worker.compaction import JobRun, LlmFailure
 from worker.context import WorkerContext, current
@@ -76,9 +76,11 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
         return value
     except LLMUnavailable as e:
         outcome, llm_failed = "llm_transient" if e.transient else "llm_permanent", True
+        result = _keep_micro_step(job, run)
         raise
     except SummaryInvalid:
         outcome, llm_failed = "summary_invalid", True
+        result = _keep_micro_step(job, run)
         raise
     except SessionNotFound:
         outcome = "session_not_found"
@@ -105,6 +107,20 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
         # now, the next job goes on at once rather than at the agent's next turn_end
         finish(context, session_id, job_id, released=run,
                forced_without_compaction=(forced and not compressed and not llm_failed) or run.covered is not None)
+
+
+def _keep_micro_step(job: Any, run: JobRun) -> CompressResult | None:
+    """A failed LLM job's micro step, when it took one: kept in the job's meta, where
+    ``GET /api/jobs/{id}`` (``microStep``) and ``compactor compact`` find it (the log holds its
+    ``compact`` line whatever the job's status says)."""
+    step = run.micro_step
+    if step is not None and job is not None:
+        try:
+            job.meta[MICRO_STEP_FIELD] = step.model_dump(by_alias=True)
+            job.save_meta()
+        except Exception:  # (the job's own failure is what it reports)
+            logger.exception("keeping the micro step of a failed job failed job=%s", job.id)
+    return step
 
 
 def _job_fields(session_id: str, job_id: str, kind: str, forced: bool, outcome: str,

@@ -113,8 +113,15 @@ def compact(
                    f"{result.prompt_estimate}" if result.did_compress else "nothing to compact", err=json_out)
         print_json(result.model_dump(by_alias=True))
         return
-    # SPEC §7: the CompressResult JSON is always the last line: none compacted (yet), the estimate now
-    print_json(_nothing_compacted(client, settings, sid, cwd))
+    # SPEC §7: the CompressResult JSON is always the last line: the micro step a failed LLM job
+    # applied (it stays in the log), else none compacted (yet), the estimate now
+    if job.micro_step is not None:
+        step = job.micro_step
+        typer.echo(f"its micro step was applied: released {step.released} tokens; promptEstimate now "
+                   f"{step.prompt_estimate}", err=True)
+        print_json(step.model_dump(by_alias=True))
+    else:
+        print_json(_nothing_compacted(client, settings, sid, cwd))
     if job.error is not None:
         fail(f"compaction job {job_id} {job.status}: {_message_of(job.error)}")
     fail(f"compaction job {job_id} still {WAIT_WORDS.get(job.status, job.status)} after {wait_s:.0f}s; "

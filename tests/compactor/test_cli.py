@@ -967,6 +967,31 @@ def test_compact_of_failed_job_exits_1_with_the_error(r: redis.Redis, settings: 
     assert result["didCompress"] is False and result["released"] == 0 and result["promptEstimate"] > 0
 
 
+def test_compact_of_failed_job_prints_the_micro_step_it_applied(
+        r: redis.Redis, settings: Settings, config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LLM call failed after the micro step had elided old outputs (SPEC §5 runs it first, and
+    the failure leaves it in the log): the last line said ``didCompress: false, released: 0``."""
+    write_session(r, settings, 3)
+    before = SessionStore(r, settings).load(SID).prompt_estimate  # type: ignore[union-attr]
+    process = queued_compact_process(r, settings, config)
+    stubbed = settings.model_copy(update={"context": settings.context.model_copy(update={
+        "compaction_model": STUB_MODEL, "llm_timeout_seconds": 5.0, "compactable_tools": ("run_tests",)})})
+    with LLMStub() as stub:
+        monkeypatch.setenv("OPENAI_API_BASE", stub.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-stub")
+        stub.status = 401
+        run_jobs(r, stubbed)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 1, err
+    assert SessionLog(settings.data_dir, CWD, SID).read()[-1]["type"] == "compact"
+    after = SessionStore(r, stubbed).load(SID).prompt_estimate  # type: ignore[union-attr]
+    assert after < before
+    assert json.loads(out.splitlines()[-1]) == {"didCompress": True, "released": before - after,
+                                                "promptEstimate": after}
+    assert f"its micro step was applied: released {before - after} tokens" in err
+    assert "compactor: compaction job" in err and "failed" in err
+
+
 def test_compact_answered_by_the_fallback_warns_of_the_llm_failure(
         r: redis.Redis, settings: Settings, config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_session(r, settings, 3)

@@ -1016,6 +1016,33 @@ def test_llm_job_appends_its_micro_step_with_the_summary_after_the_llm_call(
                                              "promptEstimate": after}
 
 
+def test_a_failed_llm_job_keeps_what_its_micro_step_released_for_its_callers(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """The micro step stays in the log when the LLM call fails (SPEC §5 runs it first), but the
+    job's failure said nothing of it: ``compactor compact`` printed ``didCompress: false,
+    released: 0`` beside a log that had just gained a ``compact``."""
+    from producer.api_jobs import job_body
+
+    write_session(r, wsettings, "s1", 5, window=1000)
+    before = SessionStore(r, wsettings).load("s1")
+    stub.status = 500
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FAILED
+    assert read_log(wsettings, "s1")[-1]["type"] == "compact"
+    after = _assert_state_is_a_rebuild(r, wsettings, "s1")
+    assert before is not None and after < before.prompt_estimate
+    step = {"didCompress": True, "released": before.prompt_estimate - after, "promptEstimate": after}
+    assert job.meta["microStep"] == step
+    body = job_body(r, job.id, compaction_queue(r, wsettings).name)
+    assert body.micro_step is not None and body.micro_step.model_dump(by_alias=True) == step
+    assert body.error and "500" in body.error
+    write_session(r, wsettings, "s2", 3, output="short")  # no output to elide: no micro step
+    plain = _run(r, wsettings, "s2", forced=True)
+    assert plain.get_status() == JobStatus.FAILED and "microStep" not in plain.meta
+    assert job_body(r, plain.id, compaction_queue(r, wsettings).name).micro_step is None
+
+
 def test_outputs_elided_in_the_kept_turns_are_counted_exactly(
     r: redis.Redis, settings: Settings, stub: LLMStub
 ) -> None:
