@@ -103,11 +103,23 @@ def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | 
     overrides = {k: str(v) for k, v in {"REDIS_URL": redis_url, "COMPACTION_DATA_DIR": data_dir, **env}.items()
                  if v is not None}
     environ.update(overrides)
-    origins = {var: OPTION_OF_ENV.get(var, var) for var, value in overrides.items() if os.environ.get(var) != value}
+    origins = {var: OPTION_OF_ENV.get(var, var) for var, value in overrides.items() if not _from_env(var, value)}
     try:
         return load_settings(config, environ, origins)
     except InvalidConfig as e:
         fail(f"invalid configuration: {e}", EXIT_CONFIG)
+
+
+def _from_env(var: str, value: str | Path) -> bool:
+    """Whether an option's ``value`` is environment variable ``var``'s (typer fills the option from
+    it): a path option holds it as a ``Path``, which drops a trailing slash and ``./`` (the variable
+    was named as the option, ``--data-dir``)."""
+    raw = os.environ.get(var)
+    if raw is None:
+        return False
+    if var == "COMPACTION_DATA_DIR":
+        return bool(raw) and Path(raw) == Path(value)
+    return raw == str(value)
 
 
 def outside_the_stack() -> None:
@@ -126,7 +138,7 @@ def usable_data_dir(settings: Settings, option: Path | None = None) -> Settings:
     from events.log import keep_data_dir
 
     from_env = os.environ.get("COMPACTION_DATA_DIR")
-    if option is not None and str(option) != from_env:
+    if option is not None and not _from_env("COMPACTION_DATA_DIR", option):
         name = f"dataDir (from {OPTION_OF_ENV['COMPACTION_DATA_DIR']})"
     else:
         name = "dataDir (from COMPACTION_DATA_DIR)" if from_env else "dataDir"
@@ -195,11 +207,12 @@ def setup_logging(level: str, fmt: str | None = None) -> None:
     if not isinstance(numeric, int):
         origin = ("COMPACTION_LOG_LEVEL" if os.environ.get("COMPACTION_LOG_LEVEL") == level else "--log-level")
         fail(f"invalid {origin} {level!r}: must be one of {', '.join(LOG_LEVELS)}", EXIT_CONFIG)
+    origin = LOG_FORMAT_ENV if fmt is None or fmt == os.environ.get(LOG_FORMAT_ENV) else "--log-format"
     fmt = (fmt or os.environ.get(LOG_FORMAT_ENV) or "text").strip().lower()
     try:
         configure(numeric, fmt)
     except ValueError as e:
-        fail(f"invalid --log-format: {e}", EXIT_CONFIG)
+        fail(f"invalid {origin}: {e}", EXIT_CONFIG)
     os.environ[LOG_FORMAT_ENV] = fmt
 
 

@@ -20,6 +20,7 @@ from compactor.cli.common import (
     fail,
     interrupted_by_signals,
     load,
+    outside_the_stack,
     print_json,
     usable_dir,
     user_errors,
@@ -58,12 +59,15 @@ def demo(
     is set (then its own key prefix there, deleted afterwards); the offline
     `extractive` summarizer unless context.compactionModel is set.
     """
+    outside_the_stack()  # (its numbers, and its processes', were added to the stack's /metrics)
     from compactor.demo import DemoOptions
 
-    settings = load(config, redis_url=redis_url)
     if data_dir is not None:  # read as dataDir is: ~ expanded, made absolute, a NUL refused
-        data_dir = load(config, redis_url=redis_url, data_dir=data_dir).data_dir
+        settings = load(config, redis_url=redis_url, data_dir=data_dir)
+        data_dir = settings.data_dir
         usable_dir(data_dir, "--data-dir")
+    else:  # (the service's dataDir is never used here: one the service could not use refused the demo)
+        settings = load(config, redis_url=redis_url, data_dir=Path(tempfile.gettempdir()))
     options = DemoOptions(sessions=sessions, turns=turns, context_window=window,
                           workers=workers, data_dir=data_dir)
     with interrupted_by_signals(), tempfile.TemporaryFile() as child_output, user_errors():

@@ -259,9 +259,9 @@ def dead_letters(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Entries the watcher refused ({p}:dead), newest first: when, session, reason, entry id."""
+    outside_the_stack()  # (before producer.api_sessions imports compactor.metrics)
     from producer.api_sessions import dead_letters_body
 
-    outside_the_stack()
     settings = load(config, redis_url=redis_url, data_dir=data_dir)
     client = connect(settings)
     with user_errors():

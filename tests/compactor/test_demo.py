@@ -120,6 +120,26 @@ def test_demo_into_one_file_ends_the_live_numbers_before_the_table(redis_url: st
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_demo_keeps_out_of_the_stacks_metrics_and_of_the_services_data_dir(redis_url: str,
+                                                                         tmp_path: Path) -> None:
+    """``docker compose exec api compactor demo`` (PROMETHEUS_MULTIPROC_DIR set, as in every
+    container) added the demo's events, jobs and tokens to the stack's /metrics; and a
+    COMPACTION_DATA_DIR the demo never uses, but the service could not (no such user's ~), refused it."""
+    shared = tmp_path / "metrics"
+    shared.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", PROMETHEUS_MULTIPROC_DIR=str(shared),
+               COMPACTION_DATA_DIR="~nosuchuser-compactor/data")
+    done = subprocess.run([sys.executable, "-m", "compactor", "demo", "-s", "1", "-t", "4", "--json",
+                           "--redis-url", redis_url], check=False, cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["sessions"] == 1
+    assert list(shared.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_demo_on_a_shared_redis_cleans_up_after_itself(settings: Settings, r: Any,
                                                        tmp_path: Path) -> None:
     from compactor.demo import run_demo
