@@ -223,6 +223,13 @@ class CompactionWorker(SimpleWorker):
         """A worker on the compaction queue of ``settings``."""
         return cls([compaction_queue(connection, settings)], connection=connection, settings=settings, **kwargs)
 
+    def _install_signal_handlers(self) -> None:
+        """RQ's (SIGINT, SIGTERM: a warm shutdown: the job in hand finishes), and SIGHUP the same
+        (a closed terminal killed ``compactor work`` outright, its job cut mid-run; a second
+        signal within a second, the terminal's and its supervisor's, is one for RQ)."""
+        super()._install_signal_handlers()  # type: ignore[no-untyped-call]
+        signal.signal(signal.SIGHUP, self.request_stop)
+
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """The execution TTL: short, since the keeper heartbeats running jobs."""
         return EXECUTION_TTL_S
@@ -598,7 +605,7 @@ class _Supervisor:
         self._mp = multiprocessing.get_context("fork")
 
     def run(self) -> None:
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         try:
             self.children = [self._spawn(i) for i in range(self.count)]
             while self.children:
@@ -653,7 +660,7 @@ class _Supervisor:
         for child in self.children:
             if child.is_alive() and child.pid is not None:
                 try:
-                    os.kill(child.pid, signal.SIGTERM if signum == signal.SIGTERM else signal.SIGINT)
+                    os.kill(child.pid, signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
                 except ProcessLookupError:
                     pass
 
@@ -665,6 +672,6 @@ def _orphan_safe_child(settings: Settings, burst: bool, parent_pid: int) -> None
 
 
 def _child(settings: Settings, burst: bool) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (the worker installs its own)
+        signal.signal(signum, signal.SIG_DFL)
     run_worker(settings, burst=burst)

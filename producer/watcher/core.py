@@ -589,8 +589,8 @@ def main(settings: Settings, *, name: str | None = None) -> None:
         logger.info("watcher stopping signal=%s", signal.Signals(signum).name)
         stop.set()
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # (a closed terminal killed it outright,
+        signal.signal(signum, _stop)                                # its leases held until they ran out)
     client = redis.Redis.from_url(settings.redis.url)
     try:
         watcher = Watcher(client, settings, name=name)

@@ -129,13 +129,17 @@ def test_two_watchers_split_the_shards_and_one_takes_over_when_the_other_is_kill
         assert [line["streamId"] for line in log_lines(settings, sid)] == ids
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_releases_the_leases_for_an_immediate_takeover(
-    r: redis.Redis, tmp_path: Path, redis_url: str, spawn: Callable[[Settings, str], subprocess.Popen[bytes]]
+    r: redis.Redis, tmp_path: Path, redis_url: str, spawn: Callable[[Settings, str], subprocess.Popen[bytes]],
+    signum: int,
 ) -> None:
+    """SIGTERM, and SIGHUP (a closed terminal: it killed the watcher outright, its leases held
+    until they ran out) stop the watcher cleanly."""
     settings = fast_settings(tmp_path / "data", redis_url)
     a = spawn(settings, "a")
     wait_for(lambda: holders(r, settings) == ["a"] * 8, 60, "a to own every shard")
-    a.send_signal(signal.SIGTERM)
+    a.send_signal(signum)
     assert a.wait(10) == 0
     assert holders(r, settings) == [""] * 8
     assert r.zcard(Keys().watchers) == 0

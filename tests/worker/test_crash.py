@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import redis
 from rq.job import Job, JobStatus
@@ -20,6 +21,7 @@ from compactor.embedded import EmbeddedRedis
 from compactor.queue import enqueue_compaction, pending_job_id
 from events.config import Settings, load_settings
 from compactor.llm_stub import STUB_MODEL, LLMStub
+from tests.support import wait_for
 from tests.worker.conftest import CWD, log_lines, write_session
 from worker import context as worker_context
 
@@ -176,6 +178,33 @@ def test_main_runs_several_worker_processes_until_the_queue_is_empty(
         reach = max(reach, end)
     summed = sum((end - start).total_seconds() for start, end in spans)
     assert busy < summed - 0.5, f"2 workers should overlap the 1 s calls (busy {busy:.2f}s of {summed:.2f}s)"
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_closed_terminal_lets_the_workers_finish_their_jobs_and_exit(
+    r: redis.Redis, settings: Settings, stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
+    count: int,
+) -> None:
+    """SIGHUP (the terminal closed: every process of its group gets it) killed ``compactor work``
+    outright, its jobs cut mid-run; now it is a warm stop, as SIGTERM is."""
+    config = _config(tmp_path, settings)
+    wsettings = load_settings(config, env_for_subprocess)
+    stub.latency_s = 1.5
+    sessions = [f"s{i}" for i in range(count)]
+    for sid in sessions:
+        write_session(r, wsettings, sid, 3)
+    jobs = [enqueue_compaction(r, wsettings, sid, CWD, "llm") for sid in sessions]
+    process = _start_worker(config, env_for_subprocess, count=count)
+    try:
+        wait_for(lambda: len(stub.requests) == count or process.poll() is not None, 60, "the jobs' LLM calls")
+        group = [process.pid, *(child.pid for child in psutil.Process(process.pid).children())]
+        for pid in group:  # (as a terminal's hang-up reaches its whole process group)
+            os.kill(pid, signal.SIGHUP)
+        assert process.wait(timeout=30) == 0
+    finally:
+        output = _stop(process)
+    for job_id in jobs:
+        assert job_id is not None and Job.fetch(job_id, connection=r).get_status() == JobStatus.FINISHED, output
 
 
 def test_a_worker_process_freezes_its_heap_after_the_heavy_imports(
