@@ -408,13 +408,13 @@ class _Builder:
 
     def _assistant(self, event: Event) -> None:
         message: Message = {"role": "assistant", "content": str_or_empty(event.get("content"))}
-        calls = event.get("toolCalls")
-        if not calls:
+        calls = tool_calls(event) if event.get("toolCalls") else None
+        if not calls:  # (none an object: no ``tool_calls: []``, which a chat API refuses)
             self._message(message, None)
             return
-        tool_calls = [_tool_call(call) for call in calls if isinstance(call, dict)]
-        message["tool_calls"] = tool_calls
-        self._message(message, [call["id"] for call in tool_calls])
+        shown = [_tool_call(call) for call in calls]
+        message["tool_calls"] = shown
+        self._message(message, [call["id"] for call in shown])
 
     def _tool_result_tokens(self, event: Event, position: int) -> int:
         """The tool result's contribution as shown; records candidates and elided outputs."""
@@ -447,6 +447,16 @@ class _Builder:
 def str_or_empty(value: Any) -> str:
     """``value`` when it is a string, else ``""`` (a field of an event as read from a log)."""
     return value if isinstance(value, str) else ""
+
+
+def tool_calls(event: Event) -> list[dict[str, Any]]:
+    """An assistant event's tool calls as read from a log: the objects of its ``toolCalls`` list
+    (a hand-edited line's ``toolCalls: 7`` failed the view and every LLM job of the session, never
+    counted as a failure; the estimate already counted only these)."""
+    calls = event.get("toolCalls")
+    if type(calls) is not list:
+        return []
+    return calls if all(type(call) is dict for call in calls) else [c for c in calls if isinstance(c, dict)]
 
 
 def _tool_call(call: Event) -> Message:

@@ -119,6 +119,7 @@ from events.view import (
     llm_pass,
     micro_candidates,
     str_or_empty,
+    tool_calls,
     turn_of,
 )
 from worker.extractive import EXTRACTIVE_MODEL, extractive_summary
@@ -842,7 +843,7 @@ def _clipped(event: dict[str, Any], budget_tokens: int, encoding: str) -> dict[s
         if keep > 0:
             keep = keep * 9 // 10
         else:
-            calls = len(_calls_of(event)) // 2 if calls is None else calls // 2
+            calls = len(tool_calls(event)) // 2 if calls is None else calls // 2
         clipped = _cut_texts(event, keep, calls)
         tokens = count_tokens(render_event(clipped), encoding)
         if tokens <= target or calls == 0:
@@ -864,7 +865,7 @@ def _cut_texts(event: dict[str, Any], keep: int, calls_kept: int | None = None) 
         field = "summaryText" if kind == "summary" else "content"  # (the text ``render_event`` shows)
         text = event.get(field)
         return {**event, field: elide(text, keep)} if isinstance(text, str) else event
-    calls = _calls_of(event)
+    calls = tool_calls(event)
     omitted = ""
     if calls_kept is not None and calls_kept < len(calls):
         omitted = f"\n[… {len(calls) - calls_kept} more tool calls omitted …]"  # (after the cut: kept whole)
@@ -875,12 +876,6 @@ def _cut_texts(event: dict[str, Any], keep: int, calls_kept: int | None = None) 
     return {**event, "content": cut[0] + omitted,
             "toolCalls": [{**call, "name": name, "arguments": text}
                           for call, name, text in zip(calls, names, arguments)]}
-
-
-def _calls_of(event: dict[str, Any]) -> list[dict[str, Any]]:
-    """An assistant event's tool calls as ``render_event`` shows them (the dicts of a list)."""
-    calls = event.get("toolCalls")
-    return [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
 
 
 def _cut_all(texts: list[str], keep: int) -> list[str]:

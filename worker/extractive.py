@@ -61,6 +61,7 @@ from events.config import EXTRACTIVE
 from events.errors import SummaryInvalid
 from events.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD_TOKENS, arguments_json, count_tokens, event_tokens
 from events.view import str_or_empty as _str
+from events.view import tool_calls
 from worker.summarize import SECTION_TITLES, canonical_summary, fenced_line_starts, split_sections
 
 EXTRACTIVE_MODEL = EXTRACTIVE  # (named in events.config, which refuses a misspelling)
@@ -371,8 +372,8 @@ def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]], bounds
         else:  # (an LLM's own "- tools used: ..." line, or one clipped, is carried as it is)
             lines.append(line)
     for event in assistants:
-        for call in event.get("toolCalls") or []:
-            if isinstance(call, dict) and call.get("name"):
+        for call in tool_calls(event):
+            if call.get("name"):
                 tools[_one_line(str(call["name"]))] += 1
     if tools:
         used = ", ".join(f"{name} ({count}x)" for name, count in sorted(tools.items()))
@@ -419,7 +420,7 @@ def _problem_solving(previous: dict[str, str], events: Sequence[dict[str, Any]],
             lines.append(line)
     turns = [e["turnId"] for e in events if isinstance(e.get("turnId"), int)]
     if turns:
-        calls = sum(len(e.get("toolCalls") or []) for e in assistants)
+        calls = sum(len(tool_calls(e)) for e in assistants)
         start = min(turns) if first is None else min(first, min(turns))
         lines.append(f"- turns {start}-{max(turns)} summarized extractively (no LLM); turns {min(turns)}-"
                      f"{max(turns)}: {len(assistants)} assistant messages, {calls} tool calls, "
@@ -454,7 +455,7 @@ def _current_work(assistants: list[dict[str, Any]], bounds: Bounds) -> str:
         content = _str(event.get("content")).strip()
         calls = [f"-> {_clip(_one_line(_str(c.get('name', ''))), bounds.line_chars)}"
                  f"({_clip(_one_line(arguments_json(c.get('arguments', ''))), bounds.line_chars)})"
-                 for c in event.get("toolCalls") or [] if isinstance(c, dict)]
+                 for c in tool_calls(event)]
         if len(calls) > bounds.pending:
             calls = [*calls[:bounds.pending], f"-> ... and {len(calls) - bounds.pending} more tool calls"]
         if content or calls:
@@ -472,15 +473,14 @@ def _next_step(users: list[str], bounds: Bounds) -> str:
 def _texts(event: dict[str, Any]) -> Iterable[str]:
     yield _str(event.get("content"))
     yield _str(event.get("output"))
-    for call in event.get("toolCalls") or []:
-        if isinstance(call, dict):
-            yield arguments_json(call.get("arguments", ""))
+    for call in tool_calls(event):
+        yield arguments_json(call.get("arguments", ""))
 
 
 def _path_arguments(event: dict[str, Any]) -> Iterable[str]:
     """The string values of an assistant's tool-call arguments named like a path (``path``, ``file_path``, ...)."""
-    for call in event.get("toolCalls") or []:
-        arguments = call.get("arguments") if isinstance(call, dict) else None
+    for call in tool_calls(event):
+        arguments = call.get("arguments")
         if isinstance(arguments, str):
             try:
                 arguments = orjson.loads(arguments)

@@ -42,6 +42,7 @@ from compactor.llm_stub import LLMStub
 from events.errors import LLMUnavailable, SummaryInvalid
 from events.litellm_setup import load_litellm
 from events.tokens import arguments_json
+from events.view import tool_calls
 
 logger = logging.getLogger(__name__)
 
@@ -138,11 +139,7 @@ def render_event(event: dict[str, Any]) -> str:
             return head
         if type(calls) is list and len(calls) == 1 and type(call := calls[0]) is dict:  # the usual case
             return f"{head}\n{_call_line(call)}"
-        lines = [head]
-        for call in calls:
-            if isinstance(call, dict):
-                lines.append(_call_line(call))
-        return "\n".join(lines)
+        return "\n".join([head, *(_call_line(call) for call in tool_calls(event))])
     text = _breaks(_str(event.get("summaryText" if kind == "summary" else "content")))
     block = f"[{kind}]\n{text}"
     return block if _posing_after(block) is None else _escaped(block)

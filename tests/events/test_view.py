@@ -511,3 +511,24 @@ def test_each_compacted_output_is_tokenized_once_per_process(monkeypatch: pytest
     assert again.prompt_estimate == first.prompt_estimate
     assert not [text for text in encoded if "characters elided" in text]
     assert _tool_contents(again.messages) == elided
+
+
+@pytest.mark.parametrize("calls", [7, "c1", {"id": "c1", "name": "read_file", "arguments": {}}, [7, "x"], [None]])
+def test_an_assistant_whose_tool_calls_hold_no_object_is_a_plain_message_everywhere(calls: Any) -> None:
+    """A hand-edited line's ``toolCalls: 7`` failed the view (a traceback from ``compactor context``)
+    and every LLM job of the session (the transcript and the extractive summary), no failure ever
+    counted; an object or strings gave ``tool_calls: []``, which a chat API refuses. The estimate
+    counted only the objects of a list already."""
+    from worker.extractive import extractive_summary
+    from worker.summarize import render_event, validate_summary_text
+
+    odd = {**assistant(1, "looked around"), "toolCalls": calls}
+    events = [user(1, "find the bug"), odd, turn_end(1), user(2, "next"), turn_end(2)]
+    view = build_view(events, CTX)
+    assert view.messages[1] == {"role": "assistant", "content": "looked around"}
+    assert view.prompt_estimate == build_view([user(1, "find the bug"), assistant(1, "looked around"), turn_end(1),
+                                               user(2, "next"), turn_end(2)], CTX).prompt_estimate
+    assert render_event(odd) == "[assistant]\nlooked around"
+    reading = llm_pass(events, CTX, micro=False, render=render_event)
+    assert reading.targets.events and "[assistant]\nlooked around" in "\n".join(map(render_event, reading.targets.events))
+    validate_summary_text(extractive_summary(reading.targets.events, None))
