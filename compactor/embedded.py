@@ -18,12 +18,14 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import redis
 
-from events.errors import CompactorError
+from events.config import MAX_SOCKET_PATH_BYTES
+from events.errors import CompactorError, InvalidConfig
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,13 @@ class EmbeddedRedis:
 
     def start(self) -> EmbeddedRedis:
         """Start the server and wait until it answers PING."""
+        size = len(os.fsencode(self.socket))
+        if size > MAX_SOCKET_PATH_BYTES:  # (the server's own words came in a traceback: bench under a long TMPDIR)
+            under_tmp = self.directory.is_relative_to(tempfile.gettempdir())
+            raise InvalidConfig(
+                "TMPDIR" if under_tmp else "dataDir",
+                f"too long for the embedded Redis: its socket {self.socket} would be {size} bytes, and a unix "
+                f"socket's path takes at most {MAX_SOCKET_PATH_BYTES}" + (" (set a shorter TMPDIR)" if under_tmp else ""))
         self.directory.mkdir(parents=True, exist_ok=True)
         if self.socket.exists():
             self.socket.unlink()

@@ -24,7 +24,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from compactor.cli.common import ConfigOpt, JsonOpt, err_console, interrupted_by_signals, load, print_json
+from compactor.cli.common import ConfigOpt, JsonOpt, err_console, interrupted_by_signals, load, print_json, user_errors
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ def bench(
     """Benchmark the context view, event ingestion and compaction jobs."""
     load(config)  # a bad config file fails here with exit 2, like every command
     names = [s.value for s in (SCENARIOS if scenario is Scenario.all else (scenario,))]
-    with interrupted_by_signals():  # (its Redis, watcher and temp dirs stopped and removed)
-        results = _run_with_progress(names, quick)
+    with interrupted_by_signals(), user_errors():  # (its Redis, watcher and temp dirs stopped and removed;
+        results = _run_with_progress(names, quick)  # no Redis server, a TMPDIR too long: one line, no traceback)
     if json_out:
         print_json(results if scenario is Scenario.all else results[scenario.value])
         return

@@ -66,8 +66,9 @@ def demo(
         settings = load(config, redis_url=redis_url, data_dir=data_dir)
         data_dir = settings.data_dir
         usable_dir(data_dir, "--data-dir")
-    else:  # (the service's dataDir is never used here: one the service could not use refused the demo)
-        settings = load(config, redis_url=redis_url, data_dir=Path(tempfile.gettempdir()))
+    else:  # (the service's dataDir is never used here: one the service could not use refused the demo;
+        # "/" stands in for it, as short as a path gets, until the demo's own temp dir replaces it)
+        settings = load(config, redis_url=redis_url, data_dir=Path("/"))
     options = DemoOptions(sessions=sessions, turns=turns, context_window=window,
                           workers=workers, data_dir=data_dir)
     with interrupted_by_signals(), tempfile.TemporaryFile() as child_output, user_errors():

@@ -31,6 +31,7 @@ from compactor.cli.common import (
     connect,
     err_console,
     fail,
+    interrupted_by_signals,
     load,
     outside_the_stack,
     print_json,
@@ -88,18 +89,20 @@ def compact(
     settings: Settings | None = None
     client: Any = None
     try:
-        settings = load(config, redis_url=redis_url, data_dir=data_dir)
-        with user_errors():
-            sid, cwd = validate_session_id(session), validate_cwd(cwd)
-            _require_log(settings, sid, cwd)
-            client = connect(settings)
-            wait_s = timeout or settings.api.job_wait_seconds
-            job_id = enqueue_forced_compaction(client, settings, sid, cwd)
-            err_console.print(f"compaction job {job_id} queued; waiting (up to {wait_s:.0f}s)")
-            job = wait_for_job(client, job_id, Keys(settings.redis.prefix, settings.redis.shards).queue, wait_s)
-    except typer.Exit:
+        with interrupted_by_signals():  # (stopped while it waits: the JSON line too, then 130 or 128+N)
+            settings = load(config, redis_url=redis_url, data_dir=data_dir)
+            with user_errors():
+                sid, cwd = validate_session_id(session), validate_cwd(cwd)
+                _require_log(settings, sid, cwd)
+                client = connect(settings)
+                wait_s = timeout or settings.api.job_wait_seconds
+                job_id = enqueue_forced_compaction(client, settings, sid, cwd)
+                err_console.print(f"compaction job {job_id} queued; waiting (up to {wait_s:g}s)")
+                job = wait_for_job(client, job_id, Keys(settings.redis.prefix, settings.redis.shards).queue, wait_s)
+    except (typer.Exit, KeyboardInterrupt):
         # SPEC §7: the CompressResult JSON is always the last line, when no job could run too (a bad
-        # session id, no such session, Redis unreachable, a bad config: the reason is on stderr)
+        # session id, no such session, Redis unreachable, a bad config: the reason is on stderr), and
+        # when the command is stopped (Ctrl-C, SIGTERM: a `timeout` around it) before its job ended
         print_json(_nothing_compacted(client, settings, session, cwd))
         raise
     if job.status == "finished" and job.result is not None:
@@ -124,7 +127,7 @@ def compact(
         print_json(_nothing_compacted(client, settings, sid, cwd))
     if job.error is not None:
         fail(f"compaction job {job_id} {job.status}: {_message_of(job.error)}")
-    fail(f"compaction job {job_id} still {WAIT_WORDS.get(job.status, job.status)} after {wait_s:.0f}s; "
+    fail(f"compaction job {job_id} still {WAIT_WORDS.get(job.status, job.status)} after {wait_s:g}s; "
          f"see GET /api/jobs/{job_id}")
 
 

@@ -908,6 +908,23 @@ def test_compact_prints_compress_result_json_last(r: redis.Redis, settings: Sett
         assert "released" in out.splitlines()[0]
 
 
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_compact_stopped_while_it_waits_still_prints_the_json_last(
+        r: redis.Redis, settings: Settings, config: Path, signum: int, code: int) -> None:
+    """SPEC §7: ``compact`` always prints the CompressResult JSON as its last line. Stopped while
+    its job waited (``timeout 30 compactor compact ...``, Ctrl-C), it printed nothing."""
+    write_session(r, settings, 3)
+    estimate = SessionStore(r, settings).load(SID).prompt_estimate  # type: ignore[union-attr]
+    process = queued_compact_process(r, settings, config)  # no worker: it waits
+    assert process.poll() is None
+    time.sleep(0.3)  # (past the enqueue, into the wait)
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == code, err
+    assert json.loads(out.splitlines()[-1]) == {"didCompress": False, "released": 0, "promptEstimate": estimate}
+    assert "Traceback" not in err, err
+
+
 def test_compact_times_out_with_exit_1(runner: CliRunner, r: redis.Redis, settings: Settings,
                                        config: Path) -> None:
     write_session(r, settings, 3)
@@ -935,7 +952,7 @@ def test_compact_waiting_behind_a_queued_job_says_still_queued(runner: CliRunner
     estimate = SessionStore(r, settings).load(SID).prompt_estimate  # type: ignore[union-attr]
     for result in (first, second):
         assert result.exit_code == 1
-        assert re.search(r"compaction job \S+ still queued after 0s; see GET /api/jobs/", result.stderr), result.stderr
+        assert re.search(r"compaction job \S+ still queued after 0\.3s; see GET /api/jobs/", result.stderr), result.stderr
         assert json.loads(result.stdout.splitlines()[-1]) == {  # SPEC §7: always the last line
             "didCompress": False, "released": 0, "promptEstimate": estimate}
 

@@ -238,6 +238,13 @@ def test_a_tmpdir_too_long_for_the_embedded_redis_socket_is_one_line_and_exit_2(
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "TMPDIR: too long for the embedded Redis" in lines[0], done.stderr[-3000:]
+    for scenario in ("ingest", "jobs"):  # the benchmarks likewise (they ended on the server's traceback)
+        done = subprocess.run([sys.executable, "-m", "compactor", "bench", scenario, "--quick"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, done.stderr[-3000:]
+        said = [line for line in done.stderr.splitlines() if line.startswith("compactor: ")]
+        assert said and "TMPDIR: too long for the embedded Redis" in said[0], done.stderr[-3000:]
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert not list(long_dir.iterdir())
 
 
