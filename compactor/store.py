@@ -230,18 +230,13 @@ class SessionStore:
         """Fold the whole log from scratch (does not save); ``check_cwd``: refuse a ``cwd`` other
         than the one the log's ``session_meta`` records (``check_logged_cwd``), for a caller that
         has no stored state to compare with. (Not after an append: what is written stays.)"""
-        return self.rebuild_with_uuids(session_id, cwd, log, check_cwd=check_cwd)[0]
-
-    def rebuild_with_uuids(self, session_id: str, cwd: str, log: SessionLog | None = None, *,
-                           check_cwd: bool = False) -> tuple[SessionState, set[str]]:
-        """``rebuild``, and the uuids of the log's events (what its uuid index would hold)."""
         log = log or self.log(session_id, cwd)
         with log.lock():
             size = log.complete_size()
             events = log.read() if size else []
         if check_cwd:
             check_logged_cwd(session_id, cwd, _first_session_meta(events))
-        return rebuild(session_id, cwd, events, self.settings.context, size), set(_uuids(events))
+        return rebuild(session_id, cwd, events, self.settings.context, size)
 
     def refresh(self, session_id: str, cwd: str, log: SessionLog | None = None) -> SessionState:
         """Rebuild the state and the uuid index from the log and save them."""

@@ -34,6 +34,7 @@ import re
 import stat
 import threading
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -48,6 +49,7 @@ TORN_SUFFIX = ".jsonl.torn"
 MAX_NAME_BYTES = 255  # NAME_MAX of common file systems
 WRITE_CHUNK_BYTES = 1 << 22  # lines are batched into writes of about this size (whole lines only)
 TAIL_SCAN_BYTES = 1 << 16  # read backwards in blocks of this size to find the last newline
+UUID_SCAN_BLOCK_BYTES = 1 << 20  # ``uuids_among`` reads the log in blocks of about this size
 
 _SEPARATOR_RUN = re.compile(r"[:/\\ ]+")
 _DRIVE = re.compile(r"^([A-Za-z]):")
@@ -290,6 +292,40 @@ class SessionLog:
                 if type(event) is dict and event.get("type") == kind:
                     return event
         return None
+
+    def uuids_among(self, wanted: Iterable[str]) -> set[str]:
+        """Those of ``wanted`` that are the ``uuid`` of an event of the log, as its writers write
+        it (``"uuid":"..."``), on a complete line (lock-free, and the file is never created: a
+        reader that finds it gone finds none; a line that is not a JSON object is passed over).
+        Read in blocks, each searched for each uuid not found yet; the lines that hold one are
+        parsed, so a uuid only named inside another event is no match."""
+        needles = {uuid: b'"uuid":' + orjson.dumps(uuid) for uuid in set(wanted)}
+        found: set[str] = set()
+        if not needles:
+            return found
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return found
+        except OSError as e:
+            raise LogCorrupted(f"{self.path}: cannot be read: {e.strerror or e}") from e
+        with f:
+            rest = b""
+            while len(found) < len(needles) and (chunk := f.read(UUID_SCAN_BLOCK_BYTES)):
+                block = rest + chunk
+                cut = block.rfind(b"\n") + 1  # (complete lines; the rest waits for the next block)
+                block, rest = block[:cut], block[cut:]
+                for uuid, needle in needles.items():
+                    at = -1
+                    while uuid not in found and (at := block.find(needle, at + 1)) >= 0:
+                        line = block[block.rfind(b"\n", 0, at) + 1:block.find(b"\n", at)]
+                        try:
+                            event = orjson.loads(line)
+                        except orjson.JSONDecodeError:
+                            continue
+                        if type(event) is dict and event.get("uuid") == uuid:
+                            found.add(uuid)
+        return found
 
     def read(self, start: int = 0) -> list[dict[str, Any]]:
         """The events of the complete lines from byte ``start`` on; a torn last line is ignored."""

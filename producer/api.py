@@ -34,6 +34,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -173,7 +174,8 @@ def _publish(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
 
 def _check_against_session(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
                            wires: Sequence[dict[str, Any]]) -> set[int]:
-    """Refuse what the watcher would refuse from the session's stored state (one round trip):
+    """Refuse what the watcher would refuse from the session's stored state (one round trip; the
+    log searched for the batch's uuids when Redis has no state of the session):
     a session bound to another cwd, and a turn going backwards when that is certain
     (``_refuse_backwards``). The indexes of the events whose uuid the session has already: a
     retry's (a uuid is the event's identity: the watcher would dead-letter the copy); the others
@@ -186,15 +188,16 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
     if state is not None:
         if state.cwd != cwd:
             raise bound_elsewhere(session_id, state.cwd, cwd)
-    elif store.log(session_id, cwd).exists():
-        # Redis lost the state and the uuid index (or the state's idle TTL ran out): the log is
-        # the truth, as the watcher will find (a retry's uuids are in it; it dead-lettered them
-        # after this answered "accepted"). Its session_meta keeps the binding. Read once, until
-        # the watcher applies the session's next event and stores its state again.
-        state, logged = store.rebuild_with_uuids(session_id, cwd, check_cwd=True)
-        taken = taken | {uuid for event in wires if isinstance(uuid := event.get("uuid"), str) and uuid in logged}
-    else:  # no log, or a path that is no file (LogCorrupted naming it: a 500, not a 202 the watcher holds back)
-        check_logged_cwd(session_id, cwd, store.log(session_id, cwd).first_of_type("session_meta"))
+    else:  # Redis lost it (or never had it): the log's session_meta keeps the binding (a path that is
+        # no file: LogCorrupted naming it, a 500, not a 202 the watcher holds back)
+        log = store.log(session_id, cwd)
+        check_logged_cwd(session_id, cwd, log.first_of_type("session_meta"))
+        # ... and the log holds a retry's uuids, which the uuid index Redis lost with the state (or
+        # its idle TTL) no longer does: the retry was "accepted", then dead-lettered by the watcher.
+        # Searched for in the log as it is (no lock, nothing created), until the watcher applies the
+        # session's next event and stores its state and index again.
+        asked = {uuid for event in wires if isinstance(uuid := event.get("uuid"), str) and uuid not in taken}
+        taken = taken | log.uuids_among(asked)
     duplicates = {index for index, event in enumerate(wires) if event.get("uuid") in taken}
     if len(duplicates) == len(wires):
         return duplicates
@@ -284,10 +287,10 @@ def _refuse_past_a_new_sessions_turns(client: redis.Redis, settings: Settings, s
         raise
 
 
-def _waiting_in_shard(client: redis.Redis, settings: Settings, session_id: str) -> bool:
-    """Whether an entry of ``session_id`` may not be applied yet: one in its shard not delivered
-    to the watchers' group, or delivered and not acked (True when more than ``UNAPPLIED_SCAN``
-    entries would have to be looked through)."""
+def _waiting_in_shard(client: redis.Redis, settings: Settings, session_id: str, cwd: str | None = None) -> bool:
+    """Whether an entry of ``session_id`` (sent with ``cwd``, when given) may not be applied yet:
+    one in its shard not delivered to the watchers' group, or delivered and not acked (True when
+    more than ``UNAPPLIED_SCAN`` entries would have to be looked through)."""
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     stream = keys.stream_for(session_id)
     groups = {as_text(g["name"]): g for g in client.xinfo_groups(stream)} if client.exists(stream) else {}
@@ -303,7 +306,8 @@ def _waiting_in_shard(client: redis.Redis, settings: Settings, session_id: str) 
         for item in pending:
             pipe.xrange(stream, item["message_id"], item["message_id"])
         entries += [entry for reply in pipe.execute() for entry in reply]
-    return any(as_text((fields or {}).get(b"session", b"")) == session_id for _, fields in entries)
+    return any(as_text((fields or {}).get(b"session", b"")) == session_id
+               and (cwd is None or as_text((fields or {}).get(b"cwd", b"")) == cwd) for _, fields in entries)
 
 
 sessions = APIRouter(prefix="/api/sessions", tags=["sessions"], responses=ERRORS, route_class=JsonBodyRoute)
@@ -416,10 +420,13 @@ async def get_context(
     (``applied`` says whether they were, within ``timeout``). Without it, Redis is not needed."""
     sid, cwd = _checked(session_id, cwd)
     applied = None
+    unapplied = None
     if after is not None:
         parse_stream_id(after, "after")
         applied = await wait_settled(client, settings, sid, after, timeout, stop=request.app.state.stopping)
-    return await anyio.to_thread.run_sync(context_body, settings, sid, cwd, applied)
+        if not applied:  # (no log yet: an empty view while the session's own entries wait in its shard)
+            unapplied = functools.partial(_waiting_in_shard, client, settings, sid, cwd)
+    return await anyio.to_thread.run_sync(context_body, settings, sid, cwd, applied, unapplied)
 
 
 @sessions.get("/{session_id}", response_model=SessionBody, responses=errors(404, 500, 503))

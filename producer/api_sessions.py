@@ -17,6 +17,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +54,16 @@ def read_log(data_dir: Path, session_id: str, cwd: str) -> list[dict[str, Any]]:
     return log.read()
 
 
-def context_body(settings: Settings, session_id: str, cwd: str, applied: bool | None = None) -> ContextBody:
-    """SPEC §4's view of the log: messages, promptEstimate and currentTurnId. ``applied`` False (a
-    wait for the session's events ran out) and no log yet: a new session's first events not
-    applied, the empty view (an unknown session was a 404 an agent could not tell from that)."""
+def context_body(settings: Settings, session_id: str, cwd: str, applied: bool | None = None,
+                 unapplied: Callable[[], bool] | None = None) -> ContextBody:
+    """SPEC §4's view of the log: messages, promptEstimate and currentTurnId. No log, and
+    ``unapplied()`` says the session's own entries still wait in its shard (a wait for them ran
+    out): a new session's first events, the empty view (it was a 404 "no session" an agent could
+    not tell from an unknown session, which stays a 404)."""
     try:
         events = read_log(settings.data_dir, session_id, cwd)
     except SessionNotFound:
-        if applied is not False:
+        if unapplied is None or not unapplied():
             raise
         events = []
     view = build_view(events, settings.context)

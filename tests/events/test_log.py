@@ -439,3 +439,25 @@ def test_a_torn_tail_seen_under_the_lock_is_still_repaired_by_the_append(tmp_pat
     assert complete == len(orjson.dumps(_event(1))) + 1
     assert log.read() == [_event(1), _event(2), _event(3)]
     assert log.torn_path.read_bytes() == b'{"type":"user","uuid":"half\n'
+
+
+@pytest.mark.parametrize("block", [1 << 20, 64])
+def test_uuids_among_finds_the_events_uuids_and_nothing_else(tmp_path: Path, block: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API's look for a retry's uuids when Redis lost the session: lock-free, the file never
+    created, a uuid only named inside another event (or on a torn tail, or a bad line) no match;
+    the same across the blocks the file is read in."""
+    import events.log as log_module
+
+    monkeypatch.setattr(log_module, "UUID_SCAN_BLOCK_BYTES", block)
+    log = _log(tmp_path)
+    assert log.uuids_among({"a"}) == set() and not log.path.exists()  # (nothing created)
+    named = {"type": "assistant", "turnId": 1, "uuid": "u-2", "content": 'says "uuid":"u-9"',
+             "toolCalls": [{"id": "c", "name": "f", "arguments": {"uuid": "u-8"}}]}
+    odd = {"type": "user", "turnId": 1, "uuid": 'we"ird\\id', "content": "x" * 300}
+    log.append([_event(1), named, odd, *(_event(i) for i in range(3, 40))])
+    with log.path.open("ab") as f:
+        f.write(b'not json "uuid":"u-7"\n{"type":"user","uuid":"u-6"')  # a bad line, a torn tail
+    asked = {"u1", "u-2", 'we"ird\\id', "u39", "u-6", "u-7", "u-8", "u-9", "nope"}
+    assert log.uuids_among(asked) == {"u1", "u-2", 'we"ird\\id', "u39"}
+    assert log.uuids_among(set()) == set()
