@@ -80,7 +80,7 @@ from compactor.queue import (
     redis_now,
     sessions_to_look_at,
 )
-from compactor.serve import exit_with_parent
+from compactor.serve import exit_with_parent, hangup_ignored
 from events.config import Settings
 from events.errors import CompactorError
 from events.tokens import get_encoding
@@ -228,7 +228,8 @@ class CompactionWorker(SimpleWorker):
         (a closed terminal killed ``compactor work`` outright, its job cut mid-run; a second
         signal within a second, the terminal's and its supervisor's, is one for RQ)."""
         super()._install_signal_handlers()  # type: ignore[no-untyped-call]
-        signal.signal(signal.SIGHUP, self.request_stop)
+        if not hangup_ignored():  # (nohup: stays ignored)
+            signal.signal(signal.SIGHUP, self.request_stop)
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """The execution TTL: short, since the keeper heartbeats running jobs."""
@@ -605,7 +606,8 @@ class _Supervisor:
         self._mp = multiprocessing.get_context("fork")
 
     def run(self) -> None:
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        stops = (signal.SIGTERM, signal.SIGINT) + (() if hangup_ignored() else (signal.SIGHUP,))  # (nohup)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in stops}
         try:
             self.children = [self._spawn(i) for i in range(self.count)]
             while self.children:
@@ -673,5 +675,6 @@ def _orphan_safe_child(settings: Settings, burst: bool, parent_pid: int) -> None
 
 def _child(settings: Settings, burst: bool) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (the worker installs its own)
-        signal.signal(signum, signal.SIG_DFL)
+        if signum != signal.SIGHUP or not hangup_ignored():  # (under nohup it stays ignored)
+            signal.signal(signum, signal.SIG_DFL)
     run_worker(settings, burst=burst)

@@ -149,7 +149,7 @@ def api(
     """Serve the HTTP API (binds 127.0.0.1:8080 unless told otherwise)."""
     import uvicorn
 
-    from compactor.serve import exit_with_parent
+    from compactor.serve import exit_with_parent, hangup_ignored
     from producer.api import create_app
 
     setup_logging(log_level, log_format)
@@ -173,7 +173,8 @@ def api(
     # uvicorn re-raises the signal it stopped on once it is done: exit 0 then, as watch, work and serve
     # do (a SIGTERM killed the process by the signal); a SIGHUP (the terminal closed) stops it the same way
     signal.signal(signal.SIGTERM, _stopped)
-    signal.signal(signal.SIGHUP, lambda _signum, frame: server.handle_exit(signal.SIGTERM, frame))
+    if not hangup_ignored():  # (nohup: stays ignored)
+        signal.signal(signal.SIGHUP, lambda _signum, frame: server.handle_exit(signal.SIGTERM, frame))
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # (likewise for the Ctrl-C it stopped on; uvicorn.run swallows it too)

@@ -55,6 +55,7 @@ from compactor.heap import freeze_heap
 from compactor.held import HELD_RECORD_TTL_S, HOLD, PRUNE
 from compactor.keys import Keys
 from compactor.queue import UNCHECKED, Trigger, parse_job_id, trigger_compactions
+from compactor.serve import hangup_ignored
 from compactor.store import UNREAD, Lookup, SessionStore
 from events.config import Settings
 from events.errors import CompactorError, InvalidConfig, InvalidEvent, InvalidInput
@@ -590,7 +591,8 @@ def main(settings: Settings, *, name: str | None = None) -> None:
         stop.set()
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # (a closed terminal killed it outright,
-        signal.signal(signum, _stop)                                # its leases held until they ran out)
+        if signum != signal.SIGHUP or not hangup_ignored():         # its leases held until they ran out;
+            signal.signal(signum, _stop)                            # under nohup it stays ignored)
     client = redis.Redis.from_url(settings.redis.url)
     try:
         watcher = Watcher(client, settings, name=name)

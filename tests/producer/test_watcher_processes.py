@@ -145,6 +145,31 @@ def test_sigterm_releases_the_leases_for_an_immediate_takeover(
     assert r.zcard(Keys().watchers) == 0
 
 
+def test_a_watcher_started_under_nohup_keeps_running_through_a_hangup(
+    r: redis.Redis, tmp_path: Path, redis_url: str
+) -> None:
+    """``nohup compactor watch &`` leaves SIGHUP ignored: taking it as a stop (as a closed terminal
+    stops a watcher not under nohup) overrode that, and the watcher ended with the terminal."""
+    settings = fast_settings(tmp_path / "data", redis_url)
+    config = write_config(tmp_path / "nohup.yaml", settings)
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    with open(tmp_path / "nohup.log", "wb") as log:
+        process = subprocess.Popen([sys.executable, "-c", WATCHER_SCRIPT, str(config), "n"], stdout=log,
+                                   stderr=subprocess.STDOUT, env=env,
+                                   preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        wait_for(lambda: holders(r, settings) == ["n"] * 8, 60, "the watcher to own every shard")
+        process.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert process.poll() is None and holders(r, settings) == ["n"] * 8
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(10) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_redis_restart_with_data_loss_recreates_groups_and_keeps_going(tmp_path: Path) -> None:
     server = EmbeddedRedis(tmp_path / "redis", persist=False).start()
     try:

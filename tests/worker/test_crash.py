@@ -39,14 +39,17 @@ def _config(tmp_path: Path, settings: Settings) -> Path:
     return path
 
 
-def _start_worker(config: Path, env: dict[str, str], count: int = 1, burst: bool = False) -> subprocess.Popen[bytes]:
+def _start_worker(config: Path, env: dict[str, str], count: int = 1, burst: bool = False,
+                  nohup: bool = False) -> subprocess.Popen[bytes]:
+    """``nohup``: started with SIGHUP ignored, as ``nohup`` starts a command."""
     code = (
         "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
         "from events.config import load_settings\nfrom worker.runner import main\n"
         f"main(load_settings({str(config)!r}), count={count}, burst={burst})\n"
     )
     return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(Path(__file__).parents[2]),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None)
 
 
 def _wait_job(r: redis.Redis, job_id: str, timeout_s: float) -> Job:
@@ -180,13 +183,14 @@ def test_main_runs_several_worker_processes_until_the_queue_is_empty(
     assert busy < summed - 0.5, f"2 workers should overlap the 1 s calls (busy {busy:.2f}s of {summed:.2f}s)"
 
 
-@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize(("count", "nohup"), [(1, False), (2, False), (2, True)])
 def test_a_closed_terminal_lets_the_workers_finish_their_jobs_and_exit(
     r: redis.Redis, settings: Settings, stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
-    count: int,
+    count: int, nohup: bool,
 ) -> None:
     """SIGHUP (the terminal closed: every process of its group gets it) killed ``compactor work``
-    outright, its jobs cut mid-run; now it is a warm stop, as SIGTERM is."""
+    outright, its jobs cut mid-run; now it is a warm stop, as SIGTERM is. Under ``nohup`` (SIGHUP
+    ignored from the start) it is no stop at all: the workers go on, and SIGTERM stops them."""
     config = _config(tmp_path, settings)
     wsettings = load_settings(config, env_for_subprocess)
     stub.latency_s = 1.5
@@ -194,12 +198,16 @@ def test_a_closed_terminal_lets_the_workers_finish_their_jobs_and_exit(
     for sid in sessions:
         write_session(r, wsettings, sid, 3)
     jobs = [enqueue_compaction(r, wsettings, sid, CWD, "llm") for sid in sessions]
-    process = _start_worker(config, env_for_subprocess, count=count)
+    process = _start_worker(config, env_for_subprocess, count=count, nohup=nohup)
     try:
         wait_for(lambda: len(stub.requests) == count or process.poll() is not None, 60, "the jobs' LLM calls")
         group = [process.pid, *(child.pid for child in psutil.Process(process.pid).children())]
         for pid in group:  # (as a terminal's hang-up reaches its whole process group)
             os.kill(pid, signal.SIGHUP)
+        if nohup:
+            time.sleep(2.5)  # (past the jobs' 1.5 s calls: the workers wait for more)
+            assert process.poll() is None and all(psutil.pid_exists(pid) for pid in group)
+            process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0
     finally:
         output = _stop(process)
