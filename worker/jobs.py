@@ -88,6 +88,9 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
     except JobAbandoned:
         outcome = "abandoned"  # (counted by the janitor that declared it so)
         raise
+    except Exception:  # (RQ's job timeout in the LLM call, say: its micro step was taken all the same)
+        result = _keep_micro_step(job, run)
+        raise
     finally:
         seconds = time.monotonic() - started
         if outcome != "abandoned":

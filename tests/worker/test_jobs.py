@@ -1016,17 +1016,23 @@ def test_llm_job_appends_its_micro_step_with_the_summary_after_the_llm_call(
                                              "promptEstimate": after}
 
 
+@pytest.mark.parametrize("failure", ["llm", "other"])
 def test_a_failed_llm_job_keeps_what_its_micro_step_released_for_its_callers(
-    r: redis.Redis, wsettings: Settings, stub: LLMStub
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch, failure: str,
 ) -> None:
     """The micro step stays in the log when the LLM call fails (SPEC §5 runs it first), but the
     job's failure said nothing of it: ``compactor compact`` printed ``didCompress: false,
-    released: 0`` beside a log that had just gained a ``compact``."""
+    released: 0`` beside a log that had just gained a ``compact``. Whatever the failure."""
     from producer.api_jobs import job_body
 
     write_session(r, wsettings, "s1", 5, window=1000)
     before = SessionStore(r, wsettings).load("s1")
     stub.status = 500
+    if failure == "other":
+        def broken(*args: Any, **kwargs: Any) -> str:
+            raise RuntimeError("something else broke: 500")
+
+        monkeypatch.setattr(worker_compaction.Compactor, "_summarize_with", broken)
     job = _run(r, wsettings, "s1", forced=True)
     assert job.get_status() == JobStatus.FAILED
     assert read_log(wsettings, "s1")[-1]["type"] == "compact"
