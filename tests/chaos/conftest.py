@@ -323,12 +323,24 @@ def crossed_llm_threshold(settings: Settings, sid: str, cwd: str = CWD) -> int |
 
 
 def _compacted_below_after(settings: Settings, sid: str, crossing: int, cwd: str = CWD) -> bool:
-    """Whether a ``compact`` came after the log's line ``crossing`` and the view is no longer over
-    the threshold: the job pending when the session crossed (a micro job that ran late) took it back
-    under, and the coalesced LLM trigger, re-checked at that job's end, was rightly not due."""
+    """Whether the first ``compact`` after the log's line ``crossing`` took the view back to the
+    threshold or under, and no ``turn_end`` after it was over it again: the job pending when the
+    session crossed (a micro job that ran late) answered it, and the coalesced LLM trigger,
+    re-checked at that job's end, was rightly not due (turns may come meanwhile: the job waits in
+    a busy queue). A compact that left the view over the threshold, or a later turn over it again,
+    is no such case."""
     events = read_lines(settings, sid, cwd)
-    return (any(e.get("type") == "compact" for e in events[crossing + 1:])
-            and not over_llm_threshold_now(settings, sid, cwd))
+    ctx = settings.context
+    at = next((i for i in range(crossing + 1, len(events)) if events[i].get("type") == "compact"), None)
+    if at is None:
+        return False
+    window = events[crossing].get("contextWindow", 0)
+    for i in range(at, len(events)):
+        if i == at or events[i].get("type") == "turn_end":
+            window = events[i].get("contextWindow", window)
+            if build_view(events[: i + 1], ctx).prompt_estimate > ctx.compaction_threshold * window:
+                return False
+    return True
 
 
 def over_llm_threshold_now(settings: Settings, sid: str, cwd: str = CWD) -> bool:
