@@ -992,6 +992,20 @@ def test_compact_of_failed_job_exits_1_with_the_error(r: redis.Redis, settings: 
     assert result["didCompress"] is False and result["released"] == 0 and result["promptEstimate"] > 0
 
 
+def _run_jobs_with_the_llm_refusing(r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
+                                    **context: Any) -> Settings:
+    """Every queued job, run here with ``openai/stub-model`` answering 401 (and ``context``'s
+    settings); the settings they ran with."""
+    stubbed = settings.model_copy(update={"context": settings.context.model_copy(update={
+        "compaction_model": STUB_MODEL, "llm_timeout_seconds": 5.0, **context})})
+    with LLMStub() as stub:
+        monkeypatch.setenv("OPENAI_API_BASE", stub.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-stub")
+        stub.status = 401
+        run_jobs(r, stubbed)
+    return stubbed
+
+
 def test_compact_of_failed_job_prints_the_micro_step_it_applied(
         r: redis.Redis, settings: Settings, config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The LLM call failed after the micro step had elided old outputs (SPEC §5 runs it first, and
@@ -999,13 +1013,7 @@ def test_compact_of_failed_job_prints_the_micro_step_it_applied(
     write_session(r, settings, 3)
     before = SessionStore(r, settings).load(SID).prompt_estimate  # type: ignore[union-attr]
     process = queued_compact_process(r, settings, config)
-    stubbed = settings.model_copy(update={"context": settings.context.model_copy(update={
-        "compaction_model": STUB_MODEL, "llm_timeout_seconds": 5.0, "compactable_tools": ("run_tests",)})})
-    with LLMStub() as stub:
-        monkeypatch.setenv("OPENAI_API_BASE", stub.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-stub")
-        stub.status = 401
-        run_jobs(r, stubbed)
+    stubbed = _run_jobs_with_the_llm_refusing(r, settings, monkeypatch, compactable_tools=("run_tests",))
     out, err = process.communicate(timeout=30)
     assert process.returncode == 1, err
     assert SessionLog(settings.data_dir, CWD, SID).read()[-1]["type"] == "compact"
@@ -1025,13 +1033,7 @@ def test_compact_answered_by_the_fallback_warns_of_the_llm_failure(
     deadline = time.monotonic() + 30
     while queue.count == 0 and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    stubbed = settings.model_copy(update={"context": settings.context.model_copy(update={
-        "compaction_model": STUB_MODEL, "llm_timeout_seconds": 5.0, "fallback_model": "extractive"})})
-    with LLMStub() as stub:
-        monkeypatch.setenv("OPENAI_API_BASE", stub.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-stub")
-        stub.status = 401
-        run_jobs(r, stubbed)
+    _run_jobs_with_the_llm_refusing(r, settings, monkeypatch, fallback_model="extractive")
     out, err = process.communicate(timeout=30)
     assert process.returncode == 0, err
     assert json.loads(out)["didCompress"] is True  # stdout stays the CompressResult alone
