@@ -33,8 +33,8 @@ import os
 import re
 import stat
 import threading
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import orjson
