@@ -462,11 +462,10 @@ class SessionStore:
             if result.duplicates:
                 fresh = self._unwritten(session_id, batch, fresh, claimed, log_uuids, caught_up, result)
             if log_uuids is not None:  # the index was rebuilt from the log: it, not the lookup, is right
-                uuids = {e["uuid"] for e in fresh if isinstance(e.get("uuid"), str)}
                 if taken is None:
                     taken = set()
-                taken.clear()
-                taken.update(uuids & log_uuids)
+                taken.clear()  # all of the log's, not this run's alone: the caller's later runs of the round
+                taken.update(log_uuids)  # share the set, and their lookup ran before the index was rebuilt
             elif taken is None:
                 taken = self.taken_uuids({session_id: fresh})[session_id]
             elif caught_up:  # looked up before the lock: a crashed writer's lines were not indexed then

@@ -957,6 +957,30 @@ def test_a_redis_restarted_without_its_data_still_refuses_a_re_sent_uuid(tmp_pat
         server.stop()
 
 
+def test_after_redis_lost_a_session_a_re_sent_uuid_in_a_later_run_of_the_round_is_refused(
+        r: redis.Redis, fast: Settings) -> None:
+    """The session's state and uuid index gone (its idle TTL, a Redis restarted empty), then
+    a round of several runs (one per turn): the first run rebuilt the state from the log and kept,
+    as taken, only its own uuids the log held; a uuid re-sent in a later run of the round was
+    appended a second time (a re-sent rollback then hid the turn after it)."""
+    publisher = Publisher(r, fast)
+    watcher = Watcher(r, fast, name="w")
+    publisher.publish("lr", CWD, [{**user(1, "a"), "uuid": "A"}, {**turn_end(1), "uuid": "B"},
+                                  {"type": "rollback", "throughTurnId": 2, "reason": "redo", "uuid": "R"}])
+    drain(watcher, r, fast)
+    watcher.close()
+    r.delete(Keys().session("lr"), Keys().uuids("lr"))
+    publisher.publish("lr", CWD, [{**user(2, "c"), "uuid": "C"}, {**turn_end(2), "uuid": "D"},
+                                  {"type": "rollback", "throughTurnId": 2, "reason": "redo", "uuid": "R"},
+                                  {**user(3, "again"), "uuid": "A"}])
+    fresh = Watcher(r, fast, name="w2")
+    drain(fresh, r, fast)
+    fresh.close()
+    assert [line["uuid"] for line in log_lines(fast, "lr")] == ["A", "B", "R", "C", "D"]
+    refused = sorted(fields[b"reason"].decode() for _, fields in r.xrange(Keys().dead))
+    assert refused == [f"uuid: {u!r} duplicates an event already in this session" for u in ("A", "R")]
+
+
 def test_a_watcher_warns_when_redis_may_evict_any_key(r: redis.Redis, fast: Settings,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     """A session's uuid index evicted while its state survived let a re-sent event into the log
