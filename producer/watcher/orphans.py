@@ -1,4 +1,5 @@
-"""Entries left on streams past ``redis.shards``: the shard count was lowered with a backlog.
+"""Entries left on streams past ``redis.shards``: the shard count was lowered with a backlog
+(or below 0: a producer's signed CRC-32).
 
 A watcher reads shards ``0 .. shards - 1`` only. After ``redis.shards`` went down
 (8 to 4, say), the entries still unapplied on ``{p}:events:4`` .. ``:7`` (and
@@ -40,11 +41,12 @@ ORPHAN_BATCH = 500  # entries read and lettered per transaction
 
 
 def orphan_streams(client: redis.Redis, keys: Keys) -> list[int]:
-    """The ``n`` of the streams ``{p}:events:{n}`` with ``shards <= n < MAX_SHARDS``: one round trip
-    of EXISTS (a SCAN of the keyspace would stall the watcher's loop with every session's keys)."""
-    shards = range(keys.shards, MAX_SHARDS)
-    if not shards:
-        return []
+    """The ``n`` of the streams ``{p}:events:{n}`` with ``shards <= n < MAX_SHARDS``, or
+    ``-MAX_SHARDS < n < 0`` (a producer whose CRC-32 is signed, as JavaScript's ``| 0`` or Java's
+    ``int`` make it, and whose ``%`` keeps the sign: its entries were never read nor lettered):
+    one round trip of EXISTS (a SCAN of the keyspace would stall the watcher's loop with every
+    session's keys)."""
+    shards = [*range(keys.shards, MAX_SHARDS), *range(-MAX_SHARDS + 1, 0)]
     pipe = client.pipeline(transaction=False)
     for n in shards:
         pipe.exists(keys.stream(n))

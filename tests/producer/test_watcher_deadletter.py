@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -333,3 +334,15 @@ def test_entries_left_past_a_lowered_shard_count_are_dead_lettered(r: redis.Redi
     assert letter_orphans(r, Keys(shards=4), "w2") == 1
     assert letter_orphans(r, Keys(shards=4), "w2") == 0  # once each
     assert [d[b"id"].decode() for d in dead_letters(r)] == [*old, *late]
+    # a producer whose CRC-32 is signed (JavaScript's | 0) and whose % keeps the sign writes to
+    # a stream below 0: its entries were neither read nor lettered, lost without a word
+    def c_shard(sid: str) -> int:  # (crc | 0) % 4 in JavaScript, C or Java: the sign kept
+        signed_crc = zlib.crc32(sid.encode()) - (1 << 32)
+        return -(-signed_crc % 4)
+
+    signed = next(f"n{i}" for i in range(1000) if zlib.crc32(f"n{i}".encode()) >= 1 << 31 and c_shard(f"n{i}"))
+    negative = c_shard(signed)
+    wrong = r.xadd(Keys().stream(negative), {"session": signed, "cwd": CWD, "event": orjson.dumps(user(1))}).decode()
+    assert letter_orphans(r, Keys(shards=4), "w2") == 1
+    assert dead_letters(r)[-1][b"id"].decode() == wrong
+    assert dead_letters(r)[-1][b"stream"].decode() == Keys().stream(negative)
