@@ -34,7 +34,7 @@ import redis
 from pydantic import BaseModel
 
 from compactor.keys import Keys
-from compactor.queue import enqueue_compaction
+from compactor.queue import check_bound_cwd, enqueue_compaction
 from events.config import Settings
 from events.errors import InvalidEvent, InvalidInput
 from events.log import session_log_path
@@ -157,6 +157,9 @@ class Publisher:
         None when a job is already pending (the request is coalesced into it)."""
         session_id = validate_session_id(session_id)
         cwd = validate_cwd(cwd)
+        session_log_path(self.settings.data_dir, cwd, session_id)  # a cwd no log can live under: refused now
+        if not forced:  # (a forced request checks the binding where it claims the session; a job under
+            check_bound_cwd(self.redis, self.settings, session_id, cwd)  # another spelling only failed later)
         if self.redis.get_connection_kwargs().get("decode_responses"):  # (refused before anything is written:
             # RQ's job hash fails to decode after the job was created and recorded as the session's trigger)
             raise InvalidInput("redis_client", "request_compaction needs a Redis client made with "
@@ -215,10 +218,15 @@ def _check_identity(wire: dict[str, Any], session_id: str, cwd: str) -> None:
 
 def _as_data(event: object) -> object:
     """A plain dict for a model or a mapping; anything else as it is (parse_event rejects it).
-    A model gives the fields it was given, a null one too (as a dict does: SPEC §3 keeps unknown
-    fields as they are; ``exclude_none`` dropped ``extra=None`` and sent ``content=None`` as "")."""
+    A model gives the values it holds: the fields it was given, a null one too (as a dict does:
+    SPEC §3 keeps unknown fields as they are; ``exclude_none`` dropped ``extra=None`` and sent
+    ``content=None`` as ""), and its defaults but a null one (``exclude_unset`` dropped a
+    ``contextWindow: int = 32000`` and a ``type: Literal["user"] = "user"``: the window became
+    litellm's, the event was refused for its type)."""
     if isinstance(event, BaseModel):
-        return event.model_dump(by_alias=True, exclude_unset=True)
+        given = event.model_dump(by_alias=True, exclude_unset=True)
+        return {key: value for key, value in event.model_dump(by_alias=True).items()
+                if key in given or value is not None}
     if isinstance(event, Mapping):
         return dict(event)
     return event

@@ -202,6 +202,22 @@ def test_request_compaction_validates_the_session(r: redis.Redis, settings: Sett
         Publisher(r, settings).request_compaction("../etc", CWD)
 
 
+@pytest.mark.parametrize("forced", [True, False])
+def test_request_compaction_refuses_another_spelling_of_the_cwd_and_a_cwd_no_log_can_have(
+        r: redis.Redis, settings: Settings, forced: bool) -> None:
+    """Unforced, a cwd the session is not bound to (or ``/``, which no log can live under) was
+    queued, and its job failed later ("no log for session ...", "encodes to the unusable directory
+    name"); forced, the binding was checked. Both refuse both now, naming the cwd."""
+    publisher = Publisher(r, settings)
+    publisher.publish("s1", CWD, [user(1), turn_end(1)])
+    drain(Watcher(r, settings, name="w"), r, settings)
+    for cwd, why in ((CWD + "/", "is bound to cwd"), ("/", "unusable directory name")):
+        with pytest.raises(InvalidInput, match=why) as refused:
+            publisher.request_compaction("s1", cwd, forced=forced)
+        assert refused.value.field == "cwd"
+    assert pending_job_id(r, settings, "s1") is None
+
+
 def test_publish_keeps_unknown_fields_whose_value_is_null(r: redis.Redis, settings: Settings) -> None:
     """SPEC §3: unknown extra fields are kept as they are, null included (here and in a tool call);
     an optional field nobody sent is still left out."""
@@ -227,6 +243,32 @@ def test_a_model_is_published_as_the_same_event_as_a_dict(r: redis.Redis, settin
     from_dict, from_model, user_model = [without_uuid(orjson.loads(e[b"event"])) for e in entries(r, settings, "s1")]
     assert from_model == from_dict and from_model["content"] is None and from_model["note"] is None
     assert user_model == {"type": "user", "turnId": 1, "content": "x", "extra": None}
+
+
+def test_a_models_defaults_are_published_as_the_values_it_holds(r: redis.Redis, settings: Settings) -> None:
+    """A producer's own model was dumped with ``exclude_unset``: a ``contextWindow`` default was not
+    sent (the session's window became another), and a ``type`` default made the event refused for
+    its type. A default of None is still left out, as a field nobody sent."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class User(BaseModel):
+        type: Literal["user"] = "user"
+        turnId: int
+        content: str
+        note: str | None = None
+
+    class TurnEnd(BaseModel):
+        type: Literal["turn_end"] = "turn_end"
+        turnId: int
+        model: str
+        contextWindow: int = 32_000
+
+    Publisher(r, settings).publish("s1", CWD, [User(turnId=1, content="hi"), TurnEnd(turnId=1, model="gpt-4o")])
+    sent = [without_uuid(orjson.loads(e[b"event"])) for e in entries(r, settings, "s1")]
+    assert sent == [{"type": "user", "turnId": 1, "content": "hi"},
+                    {"type": "turn_end", "turnId": 1, "model": "gpt-4o", "contextWindow": 32_000}]
 
 
 def test_a_call_repeated_under_its_idempotency_key_is_applied_once(r: redis.Redis, settings: Settings) -> None:
