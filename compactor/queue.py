@@ -330,7 +330,7 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
         metrics.JOBS_COALESCED.labels("forced").inc()
         logger.info("forced compaction %s session=%s job=%s", "waits for the pending job" if outcome == "waiting"
                     else "joins the forced job already waiting", session_id, job_id,
-                    extra={"session_id": session_id, "job_id": job_id, "outcome": outcome})
+                    extra={"session_id": session_id, "job_id": job_id, "kind": "llm", "outcome": outcome})
     return job_id
 
 
@@ -438,7 +438,8 @@ def _enqueued(session_id: str, job_id: str, forced: bool) -> None:
     kind = _kind_of(job_id)
     metrics.JOBS_ENQUEUED.labels(kind, "true" if forced else "false").inc()
     logger.info("enqueued session=%s job=%s kind=%s forced=%s", session_id, job_id, kind, forced,
-                extra={"session_id": session_id, "job_id": job_id, "kind": kind, "forced": forced})
+                extra={"session_id": session_id, "job_id": job_id, "kind": kind, "forced": forced,
+                       "outcome": "enqueued"})
 
 
 def _kind_of(job_id: str) -> str:

@@ -173,6 +173,7 @@ class SessionStore:
         # session -> (stored size, log size) of the last "log shrank" warned of: a rebuild that fails
         # (a corrupt line) leaves the state as it was, and each retry (once a second) warned again
         self._shrank_warned: dict[str, tuple[int, int]] = {}
+        self._caught_up_said: dict[str, tuple[int, int]] = {}  # (a held session's retries: said once)
 
     def log(self, session_id: str, cwd: str, *, create: bool = True) -> SessionLog:
         """The session's log; ``create=False``: one its lock never creates (SessionNotFound)."""
@@ -291,7 +292,12 @@ class SessionStore:
                         state.settings or "none recorded")
         caught_up: set[str] = set()
         if size > state.log_size:
-            logger.info("state catch-up session=%s from=%d to=%d", session_id, state.log_size, size)
+            if self._caught_up_said.get(session_id) != (state.log_size, size):  # (a session held back on a
+                # bad line catches up at every retry, about once a second: 13 lines in 10 s said nothing new)
+                if len(self._caught_up_said) >= SHRANK_WARNED_KEPT:
+                    self._caught_up_said.clear()
+                self._caught_up_said[session_id] = (state.log_size, size)
+                logger.info("state catch-up session=%s from=%d to=%d", session_id, state.log_size, size)
             tail = log.read(state.log_size)
             self._index_uuids(session_id, tail)
             caught_up = set(_uuids(tail))

@@ -340,6 +340,9 @@ class ShardStreams:
                           [b"reason", reason.encode(), b"id", entry_id.encode(), b"stream", stream.encode()])
                    for entry_id in ids]
         if self.ack(shard, [], letters):
-            for entry_id in ids:
-                logger.warning("dead-lettered session=- stream=%s id=%s reason=%s", stream, entry_id, reason)
+            from producer.watcher.batch import dead_letter_fields  # (batch imports this module)
+
+            for entry_id in ids:  # (the structured fields every dead-letter line carries: OPERATIONS, Logs)
+                logger.warning("dead-lettered session=- stream=%s id=%s reason=%s", stream, entry_id, reason,
+                               extra=dead_letter_fields(stream, entry_id, reason, []))
             metrics.count_dead_letters([reason] * len(ids))

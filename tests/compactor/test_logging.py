@@ -103,6 +103,19 @@ def test_every_job_logs_session_job_kind_outcome_and_duration(
     assert json.loads(JsonFormatter().format(rec))["outcome"] == "compressed"
 
 
+def test_every_enqueue_logs_session_job_kind_and_outcome(
+        settings: Settings, r: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    """OPERATIONS: enqueues carry ``session_id`` / ``job_id`` / ``kind`` / ``outcome`` (the
+    enqueue line had no outcome; a forced job's waiting line no kind)."""
+    write_session(r, settings, "queued", 3, window=4000)
+    caplog.set_level(logging.INFO, logger="compactor.queue")
+    job_id = enqueue_compaction(r, settings, "queued", CWD, "micro")
+    forced = enqueue_compaction(r, settings, "queued", CWD, "llm", forced=True)
+    lines = [json.loads(JsonFormatter().format(rec)) for rec in caplog.records if rec.name == "compactor.queue"]
+    assert [(line["session_id"], line["job_id"], line["kind"], line["outcome"]) for line in lines] == [
+        ("queued", job_id, "micro", "enqueued"), ("queued", forced, "llm", "waiting")]
+
+
 def test_every_dead_letter_logs_session_kind_outcome_and_reason(
         caplog: pytest.LogCaptureFixture) -> None:
     outcome = BatchOutcome("compaction:events:3")

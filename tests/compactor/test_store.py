@@ -355,6 +355,23 @@ def test_uuids_of_lines_a_crashed_writer_left_are_indexed(store: SessionStore) -
     assert [err.field for _, err in result.rejected] == ["uuid"]
 
 
+def test_a_catch_up_of_the_same_lines_is_said_once(store: SessionStore, caplog: pytest.LogCaptureFixture) -> None:
+    """A session held back on a bad line catches up the same tail at every retry (about once a
+    second): each said "state catch-up" again, a flood of the same line."""
+    store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a")])
+    log = store.log(SID, CWD)
+    log.append([user(1, "b", "2-0", uuid="u-b")])  # appended, state never saved
+    caplog.set_level(logging.INFO, logger="compactor.store")
+    for _ in range(3):
+        with log.lock():
+            store.current(SID, CWD, log)
+    log.append([user(1, "c", "3-0", uuid="u-c")])  # more: said again
+    with log.lock():
+        store.current(SID, CWD, log)
+    said = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("state catch-up")]
+    assert len(said) == 2 and said[0] != said[1], said
+
+
 def test_a_round_lookup_made_before_a_crashed_writers_lines_were_caught_up_is_corrected(
     store: SessionStore,
 ) -> None:

@@ -841,11 +841,12 @@ def test_entries_pending_under_a_foreign_consumer_are_applied_first_and_in_order
 
 
 def test_an_entry_a_foreign_consumer_held_then_deleted_from_the_stream_is_dead_lettered(
-    r: redis.Redis, fast: Settings,
+    r: redis.Redis, fast: Settings, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """XAUTOCLAIM drops an entry deleted from the stream from the pending list and names it in
     its reply's third part, which was ignored: the entry was gone without a letter (one pending
-    under the watcher's own consumer is dead-lettered)."""
+    under the watcher's own consumer is dead-lettered). Its log line carries the fields every
+    dead-letter line does (it had none: ``jq 'select(.outcome)'`` missed it)."""
     keys = Keys(fast.redis.prefix, fast.redis.shards)
     publisher = Publisher(r, fast)
     [gone] = publisher.publish("s1", CWD, [user(1, "read by the old reader, then deleted")])
@@ -854,7 +855,11 @@ def test_an_entry_a_foreign_consumer_held_then_deleted_from_the_stream_is_dead_l
     assert r.xreadgroup(keys.group, "old-reader", {stream: ">"})  # it dies here, the entry pending
     r.xdel(stream, gone)
     later = publisher.publish("s1", CWD, [user(1, "second"), turn_end(1)])
-    drain(Watcher(r, fast, name="w"), r, fast)
+    with caplog.at_level(logging.WARNING, logger="producer.watcher.streams"):
+        drain(Watcher(r, fast, name="w"), r, fast)
+    [line] = [rec for rec in caplog.records if rec.getMessage().startswith("dead-lettered session=-")]
+    assert (getattr(line, "outcome", None), getattr(line, "entry_id", None), getattr(line, "kind", None)) == (
+        "dead_lettered", gone, "malformed")
     assert [line["streamId"] for line in log_lines(fast, "s1")] == later
     letters = [fields for _, fields in r.xrange(keys.dead)]
     assert [(f[b"id"].decode(), f[b"reason"].decode()) for f in letters] == [
