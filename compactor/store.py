@@ -64,7 +64,7 @@ UUID_INDEX_CHUNK = 10_000  # uuids per SADD when indexing a whole log
 STATE_IDLE_TTL_S = 7 * 86_400
 
 # KEYS: the session hash, its uuid index, the active sessions. ARGV: the new logSize, the
-# activity score, the session id, "1" to store the state only if no state that has seen more of
+# activity score ("": a reader's save, the session's place among the active ones kept), the session id, "1" to store the state only if no state that has seen more of
 # the log is stored, "1" when the state may create the hash (it and the uuid index were rebuilt
 # from the whole log), the idle TTL (s), the number n of hash fields, n field/value pairs, the
 # uuids of the lines appended (indexed even when the state is not stored: they are in the log).
@@ -83,8 +83,10 @@ local first, last = 8 + 2 * n, #ARGV
 for i = first, last, 1000 do
   redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, last)))
 end
-redis.call('ZADD', KEYS[3], ARGV[2], ARGV[3])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (tonumber(ARGV[2]) - ttl))
+if ARGV[2] ~= '' then
+  redis.call('ZADD', KEYS[3], ARGV[2], ARGV[3])
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (tonumber(ARGV[2]) - ttl))
+end
 local stored_newer = false
 if ARGV[4] == '1' then
   local stored = redis.call('HGET', KEYS[1], 'log_size')
@@ -193,7 +195,7 @@ class SessionStore:
             return state
         session_id = state.session_id
         try:
-            return self.refresh(session_id, state.cwd, self.log(session_id, state.cwd, create=False))
+            return self.refresh(session_id, state.cwd, self.log(session_id, state.cwd, create=False), active=False)
         except (SessionNotFound, LogCorrupted, InvalidInput) as e:
             logger.info("state of session=%s kept as stored (derived under other settings): %s", session_id, e)
             return state
@@ -207,7 +209,7 @@ class SessionStore:
 
     def save(
         self, state: SessionState, pipeline: Any | None = None, *, if_newer: bool = False,
-        uuids: Sequence[str] = (), create: bool = False,
+        uuids: Sequence[str] = (), create: bool = False, active: bool = True,
     ) -> None:
         """Store the state, index ``uuids`` (of the lines just appended) and mark the session
         active, in one command (``SAVE_STATE``; executed here unless ``pipeline`` is given).
@@ -215,13 +217,15 @@ class SessionStore:
         ``if_newer`` stores the state only when the stored one has not seen more of the
         log (a deferred save must not overwrite a worker's later one). ``create``: the
         state and the uuid index were rebuilt from the whole log, so the state may create
-        the hash; any other state is stored only over one that is there.
+        the hash; any other state is stored only over one that is there. ``active`` False (a
+        reader's save, nothing written to the log): the session's last activity is left as it was.
         """
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
         mapping = state.to_hash()
         flat = [item for pair in mapping.items() for item in pair]
         pipe.eval(SAVE_STATE, 3, self.keys.session(state.session_id), self.keys.uuids(state.session_id),
-                  self.keys.sessions, state.log_size, time.time(), state.session_id, "1" if if_newer else "0",
+                  self.keys.sessions, state.log_size, time.time() if active else "", state.session_id,
+                  "1" if if_newer else "0",
                   "1" if create else "0", STATE_IDLE_TTL_S, len(mapping), *flat, *uuids)
         if pipeline is None:
             pipe.execute()
@@ -239,11 +243,13 @@ class SessionStore:
             check_logged_cwd(session_id, cwd, _first_session_meta(events))
         return rebuild(session_id, cwd, events, self.settings.context, size)
 
-    def refresh(self, session_id: str, cwd: str, log: SessionLog | None = None) -> SessionState:
-        """Rebuild the state and the uuid index from the log and save them."""
+    def refresh(self, session_id: str, cwd: str, log: SessionLog | None = None, *,
+                active: bool = True) -> SessionState:
+        """Rebuild the state and the uuid index from the log and save them (``active`` False: a
+        reader's, the session's last activity left as it was: ``save``)."""
         log = log or self.log(session_id, cwd)
         with log.lock():
-            return self._reindex(session_id, cwd, log)[0]
+            return self._reindex(session_id, cwd, log, active=active)[0]
 
     def current(
         self,
@@ -324,7 +330,7 @@ class SessionStore:
 
     def _reindex(
         self, session_id: str, cwd: str, log: SessionLog, pipeline: Any | None = None,
-        progress: Callable[[], None] | None = None,
+        progress: Callable[[], None] | None = None, *, active: bool = True,
     ) -> tuple[SessionState, set[str]]:
         """Rebuild the state and the uuid index from the whole log (Redis lost them); the
         state and the log's uuids. With ``pipeline`` the index is rebuilt there (queued; the
@@ -345,7 +351,7 @@ class SessionStore:
         self._index_uuids(session_id, events, pipe)
         uuids = {e["uuid"] for e in events if isinstance(e.get("uuid"), str)}
         if pipeline is None:
-            self.save(state, pipe, create=True)  # the hash again, vouching for the index
+            self.save(state, pipe, create=True, active=active)  # the hash again, vouching for the index
             pipe.execute()
         return state, uuids
 

@@ -34,7 +34,7 @@ from compactor.keys import Keys
 from compactor.queue import pending_job_id
 from compactor.store import SessionStore, bound_elsewhere, stream_id_key
 from events.config import Settings
-from events.errors import InvalidInput, SessionNotFound
+from events.errors import InvalidInput, LogCorrupted, SessionNotFound
 from events.log import SessionLog
 from events.models import validate_cwd, validate_session_id
 from events.state import SessionState
@@ -192,13 +192,28 @@ def session_body(client: redis.Redis, settings: Settings, state: SessionState) -
 
 def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -> list[tuple[SessionBody, float]]:
     """The ``limit`` most recently active sessions' bodies (of their stored states, rebuilt when
-    derived under other settings: ``SessionStore.load_current``) and last activity, most recent
-    first, in three round trips (and one per pending job's status, one per rebuilt state): four
-    per session made ``?limit=1000`` take ~0.5 s of the API's time on each refresh."""
+    derived under other settings: ``SessionStore.load_current``, or when the log is no longer
+    what the state saw) and last activity, most recent first, in three round trips (and one per
+    pending job's status, one per rebuilt state; three more when sessions without a log leave
+    places to fill): four per session made ``?limit=1000`` take ~0.5 s of the API's time on each
+    refresh."""
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     store = SessionStore(client, settings)
-    ranked: list[Any] = client.zrevrange(keys.sessions, 0, max(limit, 1) - 1, withscores=True)
-    recent = [(as_text(sid), float(score)) for sid, score in ranked]
+    bodies: list[tuple[SessionBody, float]] = []
+    start, limit = 0, max(limit, 1)
+    while len(bodies) < limit:  # (a session whose log is gone is left out: the next ones fill its place;
+        # the page showed "the 0 most recently active of 10" under an empty table)
+        ranked: list[Any] = client.zrevrange(keys.sessions, start, start + limit - len(bodies) - 1, withscores=True)
+        if not ranked:
+            break
+        start += len(ranked)
+        bodies += _ranked_bodies(client, settings, store, keys, [(as_text(sid), float(score)) for sid, score in ranked])
+    return bodies
+
+
+def _ranked_bodies(client: redis.Redis, settings: Settings, store: SessionStore, keys: Keys,
+                   recent: list[tuple[str, float]]) -> list[tuple[SessionBody, float]]:
+    """``recent_session_bodies`` of these sessions (those with a log)."""
     ids = [sid for sid, _ in recent]
     stored = store.lookup({}, load=ids).stored if ids else {}
     pipe = client.pipeline(transaction=False)
@@ -216,6 +231,12 @@ def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -
         if state is None or not store.log(sid, state.cwd).exists():  # (no log: unknown, SPEC §7's 404; the
             continue  # dataDir changed, or the log was deleted: it was listed, with its old numbers)
         state = store.up_to_date(state)
+        log = store.log(sid, state.cwd)
+        if state.log_size != log.complete_size():  # (as GET /api/sessions/{id}: a log changed outside the
+            try:  # state, shrunk, restored, or a tail a crashed writer left, is shown as it is)
+                state = store.rebuild(sid, state.cwd, log)
+            except (LogCorrupted, SessionNotFound):
+                pass  # (as stored: GET /api/sessions/{id} names the error)
         failures = _count(replies[2 * index])
         job_id = as_text(replies[2 * index + 1]) if replies[2 * index + 1] else None
         body = _body(settings, state, failures, _job_status(client, job_id), _held(held[index], replies[-1], holders))

@@ -153,6 +153,48 @@ def test_a_session_whose_log_is_gone_is_not_listed(sessions: Settings, r: redis.
     assert [row["sessionId"] for row in rows] == [BUSY] and alone.status_code == 404
 
 
+def test_a_session_whose_log_is_gone_leaves_its_place_to_the_next(sessions: Settings, r: redis.Redis) -> None:
+    """``?limit=1`` answered ``[]`` when the most recent session's log was gone, while the
+    overview counted the others: the page said "the 0 most recently active of 2"."""
+    keys = Keys(sessions.redis.prefix, sessions.redis.shards)
+    r.zadd(keys.sessions, {BUSY: time.time() - 60, BROKEN: time.time()})
+    SessionStore(r, sessions).log(BROKEN, CWD).path.unlink()
+    with TestClient(create_app(sessions, r)) as client:
+        assert [row["sessionId"] for row in client.get("/api/sessions", params={"limit": 1}).json()] == [BUSY]
+
+
+def test_the_list_and_the_session_route_agree_on_a_log_changed_outside_the_state(
+        sessions: Settings, r: redis.Redis) -> None:
+    """A log cut back by hand (or restored, or with a tail a crashed writer left): the session
+    route rebuilt its state from the log, the list showed the stored one (849 against 748)."""
+    path = SessionStore(r, sessions).log(BUSY, CWD).path
+    path.write_bytes(b"".join(path.read_bytes().splitlines(keepends=True)[:6]))
+    with TestClient(create_app(sessions, r)) as client:
+        alone = client.get(f"/api/sessions/{BUSY}", params={"cwd": CWD}).json()
+        [listed] = [row for row in client.get("/api/sessions").json() if row["sessionId"] == BUSY]
+    fields = ("promptEstimate", "currentTurnId", "lastCompaction")
+    assert {f: listed[f] for f in fields} == {f: alone[f] for f in fields}
+    assert alone["currentTurnId"] == 2 and alone["lastCompaction"] is None
+
+
+def test_reading_a_session_after_a_settings_change_leaves_its_last_activity(
+        sessions: Settings, r: redis.Redis) -> None:
+    """After an operator changed a context setting, reading a session rebuilt its state from the
+    log and stored it as a write does: every listed session became active "now", the list's order
+    scrambled and the 7-day retention restarted."""
+    keys = Keys(sessions.redis.prefix, sessions.redis.shards)
+    r.zadd(keys.sessions, {BUSY: 1_000.0, BROKEN: 2_000.0})
+    changed = sessions.model_copy(update={"context": sessions.context.model_copy(
+        update={"micro_compact_keep_chars": sessions.context.micro_compact_keep_chars + 1})})
+    with TestClient(create_app(changed, r)) as client:
+        rows = client.get("/api/sessions").json()
+        assert client.get(f"/api/sessions/{BUSY}", params={"cwd": CWD}).status_code == 200
+    assert [(row["sessionId"], row["lastActivity"]) for row in rows] == [(BROKEN, 2_000.0), (BUSY, 1_000.0)]
+    assert r.zscore(keys.sessions, BUSY) == 1_000.0 and r.zscore(keys.sessions, BROKEN) == 2_000.0
+    stored = SessionStore(r, changed).load(BUSY)
+    assert stored is not None and stored.settings == changed.context.state_fingerprint  # rebuilt and stored
+
+
 def test_elisions_are_matched_to_their_messages_when_turns_reuse_a_call_id() -> None:
     """Agents that number calls per turn reuse ``call_0``: looked up by call id, every tool message
     got the last output's lengths (75 characters, "-33 hidden"), the short one not elided too."""
