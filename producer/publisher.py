@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +97,13 @@ class Publisher:
         session_log_path(self.settings.data_dir, cwd, session_id)  # a cwd no log can live under: refused now
         if idempotency_key is not None:
             check_idempotency_key(idempotency_key)
-        batch = [events] if isinstance(events, (Mapping, BaseModel)) else list(events)
+        if isinstance(events, (Mapping, BaseModel)):
+            batch = [events]
+        elif isinstance(events, (str, bytes)) or not isinstance(events, Iterable):  # (None: a bare TypeError)
+            raise InvalidInput("events", f"must be an event (a mapping or a pydantic model) or a sequence of "
+                                         f"them, not {type(events).__name__}")
+        else:
+            batch = list(events)
         encoded = [self._encode(session_id, cwd, event, index, idempotency_key) for index, event in enumerate(batch)]
         wires = tuple(wire for wire, _ in encoded)
         check_batch(wires)
@@ -120,6 +126,8 @@ class Publisher:
         ``window_s`` (a retry's, perhaps not applied yet), noting theirs in ``{p}:sent:{session}``
         (the newest ``SENT_KEPT`` per session) in the same transaction, which WATCHes that key: two
         identical batches sent at once publish one. The stream ids, and the indexes left out."""
+        if len(batch.events) != len(batch.payloads):  # (a hand-built batch: Redis's DataError said nothing)
+            raise ValueError("send_unsent needs the batch's events, their uuids: build it with prepare")
         key = self.keys.sent(batch.session_id)
         uuids = [event["uuid"] for event in batch.events]
         with self.redis.pipeline(transaction=True) as pipe:

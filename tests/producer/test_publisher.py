@@ -245,6 +245,14 @@ def test_a_model_is_published_as_the_same_event_as_a_dict(r: redis.Redis, settin
     assert user_model == {"type": "user", "turnId": 1, "content": "x", "extra": None}
 
 
+@pytest.mark.parametrize("events", [None, 7, "user"])
+def test_publish_of_no_event_nor_sequence_names_the_argument(r: redis.Redis, settings: Settings, events: Any) -> None:
+    """``publish(s, cwd, None)`` raised a bare TypeError (and a string was taken for its characters)."""
+    with pytest.raises(InvalidInput, match="^events: must be an event") as refused:
+        Publisher(r, settings).publish("s1", CWD, events)
+    assert refused.value.field == "events"
+
+
 def test_a_models_defaults_are_published_as_the_values_it_holds(r: redis.Redis, settings: Settings) -> None:
     """A producer's own model was dumped with ``exclude_unset``: a ``contextWindow`` default was not
     sent (the session's window became another), and a ``type`` default made the event refused for
