@@ -127,7 +127,8 @@ class EmbeddedRedis:
             raise InvalidConfig(
                 "TMPDIR" if under_tmp else "dataDir",
                 f"too long for the embedded Redis: its socket {self.socket} would be {size} bytes, and a unix "
-                f"socket's path takes at most {MAX_SOCKET_PATH_BYTES}" + (" (set a shorter TMPDIR)" if under_tmp else ""))
+                f"socket's path takes at most {MAX_SOCKET_PATH_BYTES}"
+                + (" (set a shorter TMPDIR)" if under_tmp else ""))
         self.directory.mkdir(parents=True, exist_ok=True)
         if self.socket.exists():
             self.socket.unlink()

@@ -64,9 +64,10 @@ UUID_INDEX_CHUNK = 10_000  # uuids per SADD when indexing a whole log
 STATE_IDLE_TTL_S = 7 * 86_400
 
 # KEYS: the session hash, its uuid index, the active sessions. ARGV: the new logSize, the
-# activity score ("": a reader's save, the session's place among the active ones kept), the session id, "1" to store the state only if no state that has seen more of
-# the log is stored, "1" when the state may create the hash (it and the uuid index were rebuilt
-# from the whole log), the idle TTL (s), the number n of hash fields, n field/value pairs, the
+# activity score ("": a reader's save, the session's place among the active ones kept), the
+# session id, "1" to store the state only if no state that has seen more of the log is stored,
+# "1" when the state may create the hash (it and the uuid index were rebuilt from the whole
+# log), the idle TTL (s), the number n of hash fields, n field/value pairs, the
 # uuids of the lines appended (indexed even when the state is not stored: they are in the log).
 # A state that may not create the hash finds it gone when Redis lost it (a restart without
 # persistence, an eviction, the idle TTL): nothing is written then (-1), so the next writer,
