@@ -169,7 +169,8 @@ def _wire_event(eid: str, session_id: str, cwd: str, data: Any) -> dict[str, Any
             data["uuid"] = entry_uuid(session_id, eid)
         if data.get("timestamp") is None:
             data["timestamp"] = entry_timestamp(eid)
-        if data.get("type") == "session_meta" and data.get("createdAt") is None:
+        if data.get("type") == "session_meta" and data.get("createdAt") is None \
+                and data.get("created_at") is None:  # (a snake_case name the model takes too: as the Publisher)
             data["createdAt"] = data["timestamp"]  # SPEC §3 lists it unconditionally: when the session said hello
     try:
         event = parse_event(data)

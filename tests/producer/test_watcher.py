@@ -712,6 +712,17 @@ def test_a_session_meta_keeps_the_created_at_it_was_sent_with(r: redis.Redis, fa
     drain(Watcher(r, fast, name="w"), r, fast)
     [line] = log_lines(fast, "a2")
     assert line["createdAt"] == sent != line["timestamp"]
+    # sent straight to the stream as created_at (a name the model takes, as the Publisher does): it
+    # was replaced by the entry's time and kept beside it as an unknown field, a bad one not refused
+    stream = Keys().stream_for("a3")
+    for value in (sent, "bad"):
+        r.xadd(stream, {"session": "a3", "cwd": CWD,
+                        "event": orjson.dumps({"type": "session_meta", "created_at": value})})
+    drain(Watcher(r, fast, name="w2"), r, fast)
+    [line] = log_lines(fast, "a3")
+    assert line["createdAt"] == sent and "created_at" not in line
+    [letter] = [fields for _, fields in r.xrange(Keys().dead)]
+    assert b"created_at" in letter[b"reason"] or b"createdAt" in letter[b"reason"], letter[b"reason"]
 
 
 def test_trimming_keeps_pending_entries(r: redis.Redis, fast: Settings) -> None:
