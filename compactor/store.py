@@ -64,7 +64,7 @@ UUID_INDEX_CHUNK = 10_000  # uuids per SADD when indexing a whole log
 STATE_IDLE_TTL_S = 7 * 86_400
 
 # KEYS: the session hash, its uuid index, the active sessions. ARGV: the new logSize, the
-# activity score ("": a reader's save, the session's place among the active ones kept), the
+# activity score ("": a reader's save, the session's place among the active ones and its TTL kept), the
 # session id, "1" to store the state only if no state that has seen more of the log is stored,
 # "1" when the state may create the hash (it and the uuid index were rebuilt from the whole
 # log), the idle TTL (s), the number n of hash fields, n field/value pairs, the
@@ -94,8 +94,13 @@ if ARGV[4] == '1' then
   stored_newer = stored and stored ~= '' and tonumber(stored) > tonumber(ARGV[1])
 end
 if not stored_newer then redis.call('HSET', KEYS[1], unpack(ARGV, 8, 7 + 2 * n)) end
-redis.call('EXPIRE', KEYS[1], ttl)
-redis.call('EXPIRE', KEYS[2], ttl)
+local left = ttl
+if ARGV[2] == '' then  -- a reader's save: the state ages as it did (the index with it)
+  left = redis.call('TTL', KEYS[1])
+  if left <= 0 then left = ttl end
+end
+redis.call('EXPIRE', KEYS[1], left)
+redis.call('EXPIRE', KEYS[2], left)
 if stored_newer then return 0 end
 return 1
 """

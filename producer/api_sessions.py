@@ -34,10 +34,10 @@ from compactor.keys import Keys
 from compactor.queue import pending_job_id
 from compactor.store import SessionStore, bound_elsewhere, stream_id_key
 from events.config import Settings
-from events.errors import InvalidInput, LogCorrupted, SessionNotFound
+from events.errors import CompactorError, InvalidInput, SessionNotFound
 from events.log import SessionLog
 from events.models import validate_cwd, validate_session_id
-from events.state import SessionState
+from events.state import SessionState, rebuild
 from events.view import build_view
 from producer.api_models import ContextBody, DeadLetterBody, DeadLettersBody, HeldBack, PendingJob, SessionBody
 
@@ -190,6 +190,9 @@ def session_body(client: redis.Redis, settings: Settings, state: SessionState) -
                  _held(held, now, lease_holders(leases)))
 
 
+REFILL_PAGES = 4  # ``recent_session_bodies`` looks through at most this many times ``limit`` sessions
+
+
 def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -> list[tuple[SessionBody, float]]:
     """The ``limit`` most recently active sessions' bodies (of their stored states, rebuilt when
     derived under other settings: ``SessionStore.load_current``, or when the log is no longer
@@ -200,14 +203,18 @@ def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     store = SessionStore(client, settings)
     bodies: list[tuple[SessionBody, float]] = []
+    seen: set[str] = set()  # (one that became active meanwhile moved up: listed once)
     start, limit = 0, max(limit, 1)
-    while len(bodies) < limit:  # (a session whose log is gone is left out: the next ones fill its place;
-        # the page showed "the 0 most recently active of 10" under an empty table)
-        ranked: list[Any] = client.zrevrange(keys.sessions, start, start + limit - len(bodies) - 1, withscores=True)
+    # a session whose log is gone is left out and the next ones fill its place (the page showed "the
+    # 0 most recently active of 10" under an empty table), looking through REFILL_PAGES pages at most
+    while len(bodies) < limit and start < REFILL_PAGES * limit:
+        ranked: list[Any] = client.zrevrange(keys.sessions, start, start + limit - 1, withscores=True)
         if not ranked:
             break
         start += len(ranked)
-        bodies += _ranked_bodies(client, settings, store, keys, [(as_text(sid), float(score)) for sid, score in ranked])
+        recent = [(sid, float(score)) for sid, score in ((as_text(s), score) for s, score in ranked) if sid not in seen]
+        seen.update(sid for sid, _ in recent)
+        bodies += _ranked_bodies(client, settings, store, keys, recent)[:limit - len(bodies)]
     return bodies
 
 
@@ -230,18 +237,30 @@ def _ranked_bodies(client: redis.Redis, settings: Settings, store: SessionStore,
         state = stored.get(sid)
         if state is None or not store.log(sid, state.cwd).exists():  # (no log: unknown, SPEC §7's 404; the
             continue  # dataDir changed, or the log was deleted: it was listed, with its old numbers)
-        state = store.up_to_date(state)
-        log = store.log(sid, state.cwd)
-        if state.log_size != log.complete_size():  # (as GET /api/sessions/{id}: a log changed outside the
-            try:  # state, shrunk, restored, or a tail a crashed writer left, is shown as it is)
-                state = store.rebuild(sid, state.cwd, log)
-            except (LogCorrupted, SessionNotFound):
-                pass  # (as stored: GET /api/sessions/{id} names the error)
+        state = _as_logged(store, store.up_to_date(state))
         failures = _count(replies[2 * index])
         job_id = as_text(replies[2 * index + 1]) if replies[2 * index + 1] else None
         body = _body(settings, state, failures, _job_status(client, job_id), _held(held[index], replies[-1], holders))
         bodies.append((body, activity))
     return bodies
+
+
+def _as_logged(store: SessionStore, state: SessionState) -> SessionState:
+    """``state``, or rebuilt from its log when the log shrank under it (cut back, replaced or
+    restored by hand: GET /api/sessions/{id} showed the log, the list the stored state). Read
+    without the lock and not stored: a reader neither holds up the session's writers nor creates
+    anything; as stored when the log cannot be read (the session route names why). A log that
+    grew past its state (a write whose state save is on its way, or a crashed writer's tail) is
+    caught up by the session's next write."""
+    log = store.log(state.session_id, state.cwd, create=False)
+    try:
+        size = log.complete_size()
+        if size >= state.log_size:
+            return state
+        return rebuild(state.session_id, state.cwd, log.read() if size else [], store.settings.context, size)
+    except (CompactorError, OSError) as e:
+        logger.info("state of session=%s listed as stored: %s", state.session_id, e)
+        return state
 
 
 def _count(raw: Any) -> int:

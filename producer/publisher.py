@@ -232,9 +232,9 @@ def _as_data(event: object) -> object:
     ``contextWindow: int = 32000`` and a ``type: Literal["user"] = "user"``: the window became
     litellm's, the event was refused for its type)."""
     if isinstance(event, BaseModel):
-        given = event.model_dump(by_alias=True, exclude_unset=True)
-        return {key: value for key, value in event.model_dump(by_alias=True).items()
-                if key in given or value is not None}
+        given = event.model_dump(by_alias=True, exclude_unset=True)  # (nested: what they were given too)
+        return {**given, **{key: value for key, value in event.model_dump(by_alias=True).items()
+                            if key not in given and value is not None}}
     if isinstance(event, Mapping):
         return dict(event)
     return event

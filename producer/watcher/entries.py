@@ -170,7 +170,8 @@ def _wire_event(eid: str, session_id: str, cwd: str, data: Any) -> dict[str, Any
         if data.get("timestamp") is None:
             data["timestamp"] = entry_timestamp(eid)
         if data.get("type") == "session_meta" and data.get("createdAt") is None \
-                and data.get("created_at") is None:  # (a snake_case name the model takes too: as the Publisher)
+                and ("createdAt" in data or data.get("created_at") is None):  # (created_at alone: a name the
+            # model takes too, as the Publisher does; a createdAt given as null is filled all the same)
             data["createdAt"] = data["timestamp"]  # SPEC §3 lists it unconditionally: when the session said hello
     try:
         event = parse_event(data)

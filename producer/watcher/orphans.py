@@ -121,14 +121,18 @@ def _letter(client: redis.Redis, keys: Keys, shard: int, entries: list[Any], *, 
     pipe.execute()
     metrics.count_dead_letters(outcome.reasons)
     if outcome.dead:
-        logger.warning("dead-lettered %d entries of %s, a stream past redis.shards (%d)", len(outcome.dead),
-                       stream, keys.shards)
+        logger.warning("dead-lettered %d entries of %s, %s", len(outcome.dead), stream, _where(keys, shard))
     return len(outcome.dead)
+
+
+def _where(keys: Keys, shard: int) -> str:
+    return (f"a stream past redis.shards ({keys.shards})" if shard >= 0
+            else "a stream below 0 (a producer's signed CRC-32)")
 
 
 def _reason(keys: Keys, shard: int, fields: dict[bytes, bytes]) -> str:
     """``misrouted``'s (a ``wrong_shard`` letter): no session hashes past the shard count."""
     session = fields.get(b"session")
     if not isinstance(session, bytes):
-        return f"missing field 'session' (an entry of {keys.stream(shard)}, a stream past redis.shards ({keys.shards}))"
+        return f"missing field 'session' (an entry of {keys.stream(shard)}, {_where(keys, shard)})"
     return misrouted(keys, session.decode("utf-8", "replace"), shard) or ""

@@ -184,6 +184,7 @@ def test_reading_a_session_after_a_settings_change_leaves_its_last_activity(
     scrambled and the 7-day retention restarted."""
     keys = Keys(sessions.redis.prefix, sessions.redis.shards)
     r.zadd(keys.sessions, {BUSY: 1_000.0, BROKEN: 2_000.0})
+    r.expire(keys.session(BUSY), 1_000)  # (the state ages as it did: a read is no write)
     changed = sessions.model_copy(update={"context": sessions.context.model_copy(
         update={"micro_compact_keep_chars": sessions.context.micro_compact_keep_chars + 1})})
     with TestClient(create_app(changed, r)) as client:
@@ -193,6 +194,7 @@ def test_reading_a_session_after_a_settings_change_leaves_its_last_activity(
     assert r.zscore(keys.sessions, BUSY) == 1_000.0 and r.zscore(keys.sessions, BROKEN) == 2_000.0
     stored = SessionStore(r, changed).load(BUSY)
     assert stored is not None and stored.settings == changed.context.state_fingerprint  # rebuilt and stored
+    assert 0 < r.ttl(keys.session(BUSY)) <= 1_000 and 0 < r.ttl(keys.uuids(BUSY)) <= 1_000
 
 
 def test_elisions_are_matched_to_their_messages_when_turns_reuse_a_call_id() -> None:

@@ -721,6 +721,11 @@ def test_a_session_meta_keeps_the_created_at_it_was_sent_with(r: redis.Redis, fa
     drain(Watcher(r, fast, name="w2"), r, fast)
     [line] = log_lines(fast, "a3")
     assert line["createdAt"] == sent and "created_at" not in line
+    r.xadd(Keys().stream_for("a4"), {"session": "a4", "cwd": CWD, "event": orjson.dumps(
+        {"type": "session_meta", "createdAt": None, "created_at": sent})})  # null given: filled as before
+    drain(Watcher(r, fast, name="w3"), r, fast)
+    [line] = log_lines(fast, "a4")
+    assert line["createdAt"] == line["timestamp"]
     [letter] = [fields for _, fields in r.xrange(Keys().dead)]
     assert b"created_at" in letter[b"reason"] or b"createdAt" in letter[b"reason"], letter[b"reason"]
 
