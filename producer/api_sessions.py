@@ -195,8 +195,8 @@ REFILL_PAGES = 4  # ``recent_session_bodies`` looks through at most this many ti
 
 def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -> list[tuple[SessionBody, float]]:
     """The ``limit`` most recently active sessions' bodies (of their stored states, rebuilt when
-    derived under other settings: ``SessionStore.load_current``, or when the log is no longer
-    what the state saw) and last activity, most recent first, in three round trips (and one per
+    derived under other settings: ``SessionStore.load_current``, or when the log shrank under
+    them: ``_as_logged``) and last activity, most recent first, in three round trips (and one per
     pending job's status, one per rebuilt state; three more when sessions without a log leave
     places to fill): four per session made ``?limit=1000`` take ~0.5 s of the API's time on each
     refresh."""
