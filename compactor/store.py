@@ -180,8 +180,9 @@ class SessionStore:
         self.keys = Keys(settings.redis.prefix, settings.redis.shards)
         # session -> (stored size, log size) of the last "log shrank" warned of: a rebuild that fails
         # (a corrupt line) leaves the state as it was, and each retry (once a second) warned again
+        # (and of the last "state catch-up" said, for the same reason: ``_first_time``)
         self._shrank_warned: dict[str, tuple[int, int]] = {}
-        self._caught_up_said: dict[str, tuple[int, int]] = {}  # (a held session's retries: said once)
+        self._caught_up_said: dict[str, tuple[int, int]] = {}
 
     def log(self, session_id: str, cwd: str, *, create: bool = True) -> SessionLog:
         """The session's log; ``create=False``: one its lock never creates (SessionNotFound)."""
@@ -289,10 +290,7 @@ class SessionStore:
             state = self.load(session_id) if isinstance(stored, _Unread) else stored
         _check_cwd(session_id, cwd, state)
         if (state is not None and size < state.log_size  # (it was silent: 47 lines gone, no word)
-                and self._shrank_warned.get(session_id) != (state.log_size, size)):
-            if len(self._shrank_warned) >= SHRANK_WARNED_KEPT:
-                self._shrank_warned.clear()
-            self._shrank_warned[session_id] = (state.log_size, size)
+                and _first_time(self._shrank_warned, session_id, (state.log_size, size))):
             logger.warning("log shrank session=%s path=%s from=%d to=%d bytes (truncated, replaced or restored from an "
                            "older copy): its state is rebuilt from what is left", session_id, log.path,
                            state.log_size, size, extra={"session_id": session_id})
@@ -304,11 +302,8 @@ class SessionStore:
                         state.settings or "none recorded")
         caught_up: set[str] = set()
         if size > state.log_size:
-            if self._caught_up_said.get(session_id) != (state.log_size, size):  # (a session held back on a
-                # bad line catches up at every retry, about once a second: 13 lines in 10 s said nothing new)
-                if len(self._caught_up_said) >= SHRANK_WARNED_KEPT:
-                    self._caught_up_said.clear()
-                self._caught_up_said[session_id] = (state.log_size, size)
+            # (a session held back on a bad line catches up at every retry, about once a second)
+            if _first_time(self._caught_up_said, session_id, (state.log_size, size)):
                 logger.info("state catch-up session=%s from=%d to=%d", session_id, state.log_size, size)
             tail = log.read(state.log_size)
             self._index_uuids(session_id, tail)
@@ -720,6 +715,17 @@ def _text_chars(event: dict[str, Any]) -> int:
             if isinstance(call, dict):
                 chars += len(arguments_json(call.get("arguments", "")))
     return chars
+
+
+def _first_time(said: dict[str, tuple[int, int]], session_id: str, sizes: tuple[int, int]) -> bool:
+    """Whether ``sizes`` are new for ``session_id`` in ``said`` (then noted; ``said`` forgotten
+    whole past ``SHRANK_WARNED_KEPT`` sessions): a line each retry would repeat is said once."""
+    if said.get(session_id) == sizes:
+        return False
+    if len(said) >= SHRANK_WARNED_KEPT:
+        said.clear()
+    said[session_id] = sizes
+    return True
 
 
 def _uuids(events: Iterable[dict[str, Any]]) -> list[str]:

@@ -35,7 +35,7 @@ import stat
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -268,17 +268,25 @@ class SessionLog:
         except FileNotFoundError:
             return b""
 
+    def _open_to_read(self) -> BinaryIO | None:
+        """The log opened to read, lock-free (never created); None when there is none;
+        LogCorrupted naming the path when it cannot be read (a directory, no permission: the API
+        answered a bare 500 internal_error)."""
+        try:
+            return open(self.path, "rb")
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise LogCorrupted(f"{self.path}: cannot be read: {e.strerror or e}") from e
+
     def first_of_type(self, kind: str) -> dict[str, Any] | None:
         """The first complete line whose ``type`` is ``kind``, read from the start and no further
         (lock-free; a line that is not a JSON object is passed over: this finds, it does not
         check). A session's ``session_meta`` is usually its first line."""
         needle = orjson.dumps(kind)
-        try:
-            f = open(self.path, "rb")
-        except FileNotFoundError:
+        f = self._open_to_read()
+        if f is None:
             return None
-        except OSError as e:  # (a directory, no permission: the API answered a bare 500 internal_error)
-            raise LogCorrupted(f"{self.path}: cannot be read: {e.strerror or e}") from e
         with f:
             for line in f:
                 if not line.endswith(b"\n"):
@@ -301,14 +309,9 @@ class SessionLog:
         parsed, so a uuid only named inside another event is no match."""
         needles = {uuid: b'"uuid":' + orjson.dumps(uuid) for uuid in set(wanted)}
         found: set[str] = set()
-        if not needles:
+        f = self._open_to_read() if needles else None
+        if f is None:
             return found
-        try:
-            f = open(self.path, "rb")
-        except FileNotFoundError:
-            return found
-        except OSError as e:
-            raise LogCorrupted(f"{self.path}: cannot be read: {e.strerror or e}") from e
         with f:
             rest = b""
             while len(found) < len(needles) and (chunk := f.read(UUID_SCAN_BLOCK_BYTES)):

@@ -408,7 +408,7 @@ class _Builder:
 
     def _assistant(self, event: Event) -> None:
         message: Message = {"role": "assistant", "content": str_or_empty(event.get("content"))}
-        calls = tool_calls(event) if event.get("toolCalls") else None
+        calls = tool_calls(event)
         if not calls:  # (none an object: no ``tool_calls: []``, which a chat API refuses)
             self._message(message, None)
             return

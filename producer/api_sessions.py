@@ -212,7 +212,7 @@ def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -
         if not ranked:
             break
         start += len(ranked)
-        recent = [(sid, float(score)) for sid, score in ((as_text(s), score) for s, score in ranked) if sid not in seen]
+        recent = [(sid, float(score)) for raw, score in ranked if (sid := as_text(raw)) not in seen]
         seen.update(sid for sid, _ in recent)
         bodies += _ranked_bodies(client, settings, store, keys, recent)[:limit - len(bodies)]
     return bodies

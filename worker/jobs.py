@@ -76,11 +76,9 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
         return value
     except LLMUnavailable as e:
         outcome, llm_failed = "llm_transient" if e.transient else "llm_permanent", True
-        result = _keep_micro_step(job, run)
         raise
     except SummaryInvalid:
         outcome, llm_failed = "summary_invalid", True
-        result = _keep_micro_step(job, run)
         raise
     except SessionNotFound:
         outcome = "session_not_found"
@@ -88,10 +86,9 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any
     except JobAbandoned:
         outcome = "abandoned"  # (counted by the janitor that declared it so)
         raise
-    except Exception:  # (RQ's job timeout in the LLM call, say: its micro step was taken all the same)
-        result = _keep_micro_step(job, run)
-        raise
     finally:
+        if result is None and outcome != "abandoned":  # failed: its micro step, if it took one (whatever failed it)
+            result = _keep_micro_step(job, run)
         seconds = time.monotonic() - started
         if outcome != "abandoned":
             metrics.observe_job(kind, outcome, seconds, result.released if result else None)
