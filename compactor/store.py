@@ -43,7 +43,7 @@ from events.checks import COVERING, check_covered_turns
 from events.errors import InvalidEvent, InvalidInput, LogCorrupted, LogWriteFailed, SessionNotFound
 from events.log import SessionLog
 from events.models import TURN_SCOPED_TYPES
-from events.state import SessionState, fold, rebuild, rebuild_with_view
+from events.state import SessionState, fold, rebuild, rebuild_with_view, stored_state
 from events.tokens import TOKEN_COUNT_FIELD, TOKEN_ENCODING_FIELD, arguments_json, encoding_for_model, stamp
 from events.view import ContextView, extend_view
 
@@ -210,9 +210,7 @@ class SessionStore:
     def load(self, session_id: str) -> SessionState | None:
         """The stored state, or None when Redis has none."""
         raw = self.redis.hgetall(self.keys.session(session_id))
-        if not raw:
-            return None
-        return SessionState.from_hash({as_text(k): as_text(v) for k, v in raw.items()})
+        return stored_state({as_text(k): as_text(v) for k, v in raw.items()}, session_id)
 
     def save(
         self, state: SessionState, pipeline: Any | None = None, *, if_newer: bool = False,
@@ -393,7 +391,7 @@ class SessionStore:
         taken = {sid: {u for u, hit in zip(asked.get(sid, []), hits.get(sid, [])) if hit}
                  for sid in events_by_session}
         states = replies[len(asked):len(asked) + len(loading)]
-        stored = {sid: SessionState.from_hash(raw) if raw else None for sid, raw in zip(loading, states)}
+        stored = {sid: stored_state(raw, sid) for sid, raw in zip(loading, states)}
         gone = {sid for sid, there in zip(checking, replies[len(asked) + len(loading):]) if not there}
         return Lookup(taken, stored, gone)
 

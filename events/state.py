@@ -87,7 +87,8 @@ class SessionState:
 
     @classmethod
     def from_hash(cls, data: Mapping[Any, Any]) -> SessionState:
-        """The state from ``to_hash`` output (keys and values may be bytes, as Redis returns them)."""
+        """The state from ``to_hash`` output (keys and values may be bytes, as Redis returns them);
+        ValueError naming the field when one cannot be read."""
         raw = {_decode(k): _decode(v) for k, v in data.items()}
         values: dict[str, Any] = {}
         for f in fields(cls):
@@ -95,9 +96,15 @@ class SessionState:
                 continue
             text = raw[f.name]
             if f.name in _INT_FIELDS:
-                values[f.name] = int(text)
+                try:
+                    values[f.name] = int(text)
+                except ValueError:
+                    raise ValueError(f"{f.name}: {text!r} is not an integer") from None
             elif f.name == "last_compaction":
-                values[f.name] = orjson.loads(text) if text else None
+                try:
+                    values[f.name] = orjson.loads(text) if text else None
+                except orjson.JSONDecodeError:
+                    raise ValueError(f"{f.name}: {text[:80]!r} is not JSON") from None
             elif f.name in ("model", "last_stream_id"):
                 values[f.name] = text or None
             else:
@@ -106,6 +113,19 @@ class SessionState:
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(SessionState))
+
+
+def stored_state(data: Mapping[Any, Any], session_id: str) -> SessionState | None:
+    """The state in a session's Redis hash; None when there is none, or when a field cannot be
+    read: the state is derived from the log, which rebuilds it as after a loss of Redis (an
+    unreadable number had failed every ``compactor status`` and held the session's events)."""
+    if not data:
+        return None
+    try:
+        return SessionState.from_hash(data)
+    except ValueError as e:
+        logger.warning("stored state of session=%s unreadable, rebuilt from its log: %s", session_id, e)
+        return None
 
 
 def _decode(value: Any) -> str:

@@ -151,7 +151,7 @@ class ContextView:
     @property
     def min_candidate_turn(self) -> int:
         """The smallest turn holding a micro-compaction candidate (0 when none)."""
-        return min((e["turnId"] for e in self.candidates), default=0)
+        return min((turn_of(e) for e in self.candidates), default=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,7 +370,7 @@ class _Builder:
         for event in events:
             kind = event.get("type")
             if kind == "tool_result":
-                if self._long_compactable(event) is not None and not self._compacted(event):
+                if self._long_compactable(event) is not None and self._a_candidate(event):
                     self.candidates.append(event)
             elif kind == "summary":
                 self.summaries.append(event)
@@ -382,6 +382,13 @@ class _Builder:
                 str_or_empty(event.get("toolName"))):
             return output
         return None
+
+    def _a_candidate(self, event: Event) -> bool:
+        """Whether a long compactable tool result is a micro candidate: not compacted, and in a
+        turn (a hand-edited ``turnId`` that is not an integer reads as turn 0, which no
+        ``compact`` can cover: a candidate there would ask for a micro job after every turn,
+        and its raw value crashed the comparisons that rank candidates by turn)."""
+        return turn_of(event) > 0 and not self._compacted(event)
 
     def _compacted(self, event: Event) -> bool:
         """Whether a visible compact covers the event's turn."""
@@ -420,7 +427,7 @@ class _Builder:
         """The tool result's contribution as shown; records candidates and elided outputs."""
         output = self._long_compactable(event)
         if output is not None:
-            if not self._compacted(event):
+            if self._a_candidate(event):
                 self.candidates.append(event)
             elif (shown := elide(output, self.ctx.micro_compact_keep_chars)) is not output:
                 name = str_or_empty(event.get("toolName"))
@@ -647,7 +654,7 @@ def micro_candidates(
     if view is None:
         view = build_view(events, ctx, messages=False)
     current = view.current_turn_id if current_turn_id is None else current_turn_id
-    return [e for e in view.candidates if e["turnId"] < current - 1]
+    return [e for e in view.candidates if turn_of(e) < current - 1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,7 +100,7 @@ from events.errors import (
 )
 from events.log import SessionLog
 from events.models import TURN_SCOPED_TYPES, CompressResult, now_iso
-from events.state import SessionState, state_after_summary
+from events.state import SessionState, state_after_summary, stored_state
 from events.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
     TOKEN_COUNT_FIELD,
@@ -727,7 +727,7 @@ class _StateRead:
             return
         raw, *count = sent.replies()
         fields = dict(raw.items() if isinstance(raw, dict) else zip(raw[::2], raw[1::2]))
-        self.state = SessionState.from_hash(fields) if fields else None
+        self.state = stored_state(fields, self.session_id)
         self.failures = int(count[0]) if count and count[0] else 0
 
 
@@ -754,7 +754,7 @@ def _compact_event(events: list[dict[str, Any]], ctx: ContextSettings, view: Con
     candidates = micro_candidates(events, ctx, view=view)
     if not candidates:
         return None
-    turns = [e["turnId"] for e in candidates]
+    turns = [turn_of(e) for e in candidates]
     return _new_line("compact", startTurnId=min(turns), endTurnId=max(turns))
 
 

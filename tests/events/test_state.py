@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from events import config
 from events.config import ContextSettings
-from events.state import SessionState, decide, fold, rebuild, rebuild_with_view, state_after_summary
+from events.state import SessionState, decide, fold, rebuild, rebuild_with_view, state_after_summary, stored_state
 from events.tokens import event_tokens, stamp, stamped_tokens
-from events.view import build_view, extend_view, llm_pass
+from events.view import build_view, extend_view, llm_pass, micro_candidates
 from tests.events.builders import (
     assistant,
     call,
@@ -56,6 +56,37 @@ def test_to_hash_and_from_hash_round_trip_including_bytes_and_none() -> None:
     assert SessionState.from_hash({k.encode(): v.encode() for k, v in data.items()}) == state
     empty = SessionState.empty("s2", "/w", CTX)
     assert empty.to_hash()["model"] == "" and SessionState.from_hash(empty.to_hash()) == empty
+
+
+@pytest.mark.parametrize(("field", "value"), [("min_candidate_turn", "1.0"), ("prompt_estimate", "x"),
+                                              ("last_compaction", "{not json")])
+def test_a_stored_state_with_an_unreadable_field_reads_as_none_so_the_log_rebuilds_it(
+        field: str, value: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A stored ``min_candidate_turn`` of ``1.0`` failed every ``compactor status`` with a bare
+    ValueError and held the session's events in the watcher."""
+    data = SessionState.empty("s1", "/w", CTX).to_hash() | {field: value}
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        SessionState.from_hash(data)
+    assert stored_state(data, "s1") is None
+    assert f"session=s1 unreadable, rebuilt from its log: {field}: " in caplog.text
+    assert stored_state({}, "s1") is None
+    assert stored_state(SessionState.empty("s1", "/w", CTX).to_hash(), "s1") == SessionState.empty("s1", "/w", CTX)
+
+
+@pytest.mark.parametrize("turn", ["1", None, 1.0, True])
+def test_a_long_tool_result_whose_turn_is_not_an_integer_is_no_micro_candidate(turn: Any) -> None:
+    """A hand-edited ``turnId`` reads as turn 0 (DESIGN), which no compact can cover: as a
+    candidate its raw value crashed the state's rebuild (``'<' not supported between 'int' and
+    'str'``, the session's events held in the watcher) or was stored as ``1.0``."""
+    events = [*simple_turn(1, "q1", LONG), *simple_turn(2, "q2", LONG), *simple_turn(3, "q3")]
+    events[2]["turnId"] = turn
+    state = rebuild("s1", "/w", events, CTX, log_size=0)
+    assert state.min_candidate_turn == 2 and type(state.min_candidate_turn) is int
+    view = build_view(events, CTX)
+    assert [e["turnId"] for e in micro_candidates(events, CTX, view=view)] == [2]
+    assert view.min_candidate_turn == 2
+    folded, _ = _fold_all(events)
+    assert folded.min_candidate_turn == 2
 
 
 # -- fold -----------------------------------------------------------------------------
