@@ -213,7 +213,8 @@ def _message_panel(message: dict[str, Any], full: bool) -> Panel:
     if not full and len(text) > CONTENT_PREVIEW_CHARS:
         text = text[:CONTENT_PREVIEW_CHARS] + f" … (+{len(text) - CONTENT_PREVIEW_CHARS} chars)"
     colors = {"system": "magenta", "user": "green", "assistant": "cyan", "tool": "yellow"}
-    return Panel(Text(text), title=title, title_align="left", border_style=colors.get(role, "white"))
+    # (the title a Text too: a tool name is the agent's, and rich read ``tool[/]`` as markup and raised)
+    return Panel(Text(text), title=Text(title), title_align="left", border_style=colors.get(role, "white"))
 
 
 def status(

@@ -741,6 +741,23 @@ def test_context_rendered_for_humans(runner: CliRunner, tmp_path: Path) -> None:
     assert "promptEstimate 12" in result.stdout and "hello world" in result.stdout
 
 
+@pytest.mark.parametrize("tool", ["tool[/]", "[red]evil"])
+def test_context_shows_a_tool_name_as_sent_not_as_markup(runner: CliRunner, tmp_path: Path, tool: str) -> None:
+    """``tool[/]`` (a name the service accepts) made the panel's title raise rich's MarkupError;
+    ``[red]evil`` showed as ``evil``."""
+    hand_written_log(tmp_path / "data")
+    path = SessionLog(tmp_path / "data", CWD, SID).path
+    lines = [json.dumps(line) for line in (
+        {"type": "assistant", "uuid": "a2", "turnId": 2, "content": "",
+         "toolCalls": [{"id": "c1", "name": tool, "arguments": {}}]},
+        {"type": "tool_result", "uuid": "t2", "turnId": 2, "toolCallId": "c1", "toolName": tool, "output": "done"})]
+    path.write_text(path.read_text() + "\n".join(lines) + "\n")
+    result = runner.invoke(app, ["context", SID, "--cwd", CWD, "--data-dir", str(tmp_path / "data")],
+                           env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    assert f"tool ({tool})" in result.stdout
+
+
 def test_context_of_unknown_session_exits_1_and_bad_id_exits_2(runner: CliRunner,
                                                                tmp_path: Path) -> None:
     unknown = runner.invoke(app, ["context", SID, "--cwd", CWD, "--data-dir", str(tmp_path)])
