@@ -372,7 +372,36 @@ def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise InvalidConfig(str(path), "must be a mapping at the top level")
+    repeated = _repeated_key(yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader))
+    if repeated is not None:
+        key, first, again = repeated
+        raise InvalidConfig(key, f"given twice in {path} (lines {first} and {again}): YAML keeps the last, so one "
+                                 "would be dropped; merge them")
     return data
+
+
+def _repeated_key(node: yaml.Node | None, path: tuple[str, ...] = ()) -> tuple[str, int, int] | None:
+    """A key of ours a mapping of the file gives twice: its dotted path and both lines. PyYAML
+    keeps the last silently, so a second ``context:`` section (the file is shared with the agent,
+    which keeps its own keys there) dropped the first's settings. At the top level only our
+    sections count: the agent's keys are its own business."""
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    seen: dict[str, int] = {}
+    for key, value in node.value:
+        if not isinstance(key, yaml.ScalarNode) or key.tag != "tag:yaml.org,2002:str":
+            continue
+        if not path and key.value not in _top_level_keys():
+            continue
+        line = key.start_mark.line + 1
+        if key.value in seen:
+            return ".".join((*path, key.value)), seen[key.value], line
+        seen[key.value] = line
+        if value is not node:  # (``&a {x: *a}``: a mapping holding itself)
+            found = _repeated_key(value, (*path, key.value))
+            if found is not None:
+                return found
+    return None
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:

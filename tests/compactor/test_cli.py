@@ -171,6 +171,10 @@ def test_ctrl_c_while_the_command_line_loads_exits_130_without_a_traceback() -> 
     ("context:\n  fallbackModel: Extractive\n",
      "context.fallbackModel: 'Extractive': the built-in summarizer is written 'extractive'"),
     ("context:\n  fallbackModel: gpt 4o\n", "context.fallbackModel: 'gpt 4o' holds a space"),
+    # YAML keeps a repeated key's last value: the first section's settings were dropped unsaid
+    ("context:\n  maxFailures: 5\nagentKey: 1\ncontext:\n  keepRecentTurns: 2\n",
+     "context: given twice in {file} (lines 1 and 4): YAML keeps the last"),
+    ("redis:\n  prefix: a\n  shards: 4\n  'prefix': b\n", "redis.prefix: given twice in {file} (lines 2 and 4)"),
 ])
 def test_bad_config_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path, yaml_text: str,
                                            fragment: str) -> None:
@@ -181,7 +185,14 @@ def test_bad_config_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path, ya
         assert result.exit_code == 2, (command, result.output)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("compactor: invalid configuration")
-        assert fragment in lines[0]
+        assert fragment.format(file=bad) in lines[0]
+
+
+def test_a_key_the_agent_repeats_outside_our_sections_is_left_to_it(tmp_path: Path) -> None:
+    from events.config import load_settings
+    config = tmp_path / "c.yaml"
+    config.write_text("model: a\nmodel: b\nagent: {x: 1, x: 2}\ncontext: {keepRecentTurns: 3}\n")
+    assert load_settings(config, environ={}).context.keep_recent_turns == 3
 
 
 def test_every_wrong_value_is_named_in_the_one_line(runner: CliRunner, tmp_path: Path) -> None:
