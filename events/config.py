@@ -24,8 +24,10 @@ import difflib
 import functools
 import hashlib
 import logging
+import math
 import os
 import string
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -134,6 +136,15 @@ class ContextSettings(_Section):
         were counted nowhere, so a failing one was called at every turn for 24 h."""
         return self.fallback_model == EXTRACTIVE
 
+    def micro_limit(self, window: int) -> int:
+        """The most tokens a session of ``window`` holds without passing ``microCompactThreshold``
+        (SPEC §5: micro when E > threshold × W), exactly (``threshold_tokens``)."""
+        return threshold_tokens(self.micro_compact_threshold, window)
+
+    def compaction_limit(self, window: int) -> int:
+        """The most tokens a session of ``window`` holds without passing ``compactionThreshold``."""
+        return threshold_tokens(self.compaction_threshold, window)
+
     def is_compactable(self, tool_name: str) -> bool:
         """Whether outputs of ``tool_name`` may be elided (case-insensitive)."""
         return tool_name.lower() in self._compactable_lower
@@ -150,6 +161,14 @@ class ContextSettings(_Section):
     def _compactable_lower(self) -> frozenset[str]:
         # (keyed by the value, not kept on the instance: ``model_copy(update=...)`` copies an instance's extras)
         return _lower_names(self.compactable_tools)
+
+
+@functools.lru_cache(maxsize=1024)
+def threshold_tokens(threshold: float, window: int) -> int:
+    """``floor(threshold × window)`` with the threshold as written: a whole estimate E is over
+    ``threshold × window`` exactly when E is over this. The float product is 62.99… for 0.7 × 90,
+    so an estimate of 63, equal to the threshold, passed it (SPEC §5's comparisons are strict)."""
+    return math.floor(Fraction(repr(threshold)) * window)
 
 
 @functools.lru_cache(maxsize=64)

@@ -308,9 +308,9 @@ def decide(state: SessionState, ctx: ContextSettings, *, breaker_open: bool) -> 
     for lack of an LLM (``ContextSettings.fallback_past_breaker``).
     """
     estimate, window = state.prompt_estimate, state.window or ctx.default_context_window
-    if estimate > ctx.compaction_threshold * window and (not breaker_open or ctx.fallback_past_breaker):
+    if estimate > ctx.compaction_limit(window) and (not breaker_open or ctx.fallback_past_breaker):
         return "llm"
-    if estimate > ctx.micro_compact_threshold * window and _has_old_candidate(state):
+    if estimate > ctx.micro_limit(window) and _has_old_candidate(state):
         return "micro"
     return None
 

@@ -20,11 +20,12 @@ Invariants:
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import logging
 import os
 from functools import lru_cache
-from typing import Any
+from typing import Any, Mapping
 
 import orjson
 import tiktoken
@@ -255,13 +256,35 @@ def stamped_tokens(event: dict[str, Any], encoding: str) -> int:
 
 @lru_cache(maxsize=256)
 def model_max_input_tokens(model: str) -> int | None:
-    """litellm's max input tokens for ``model``; None when unknown (never raises)."""
+    """litellm's max input tokens for ``model``; None when unknown (never raises).
+
+    Looked up in litellm's own catalog (the model map shipped with it) only: ``get_model_info``
+    asks some providers' servers (an ``ollama/...`` model not in the map: a POST to
+    ``$OLLAMA_API_BASE/api/show`` with a 6 000 s timeout; ``huggingface/...``: huggingface.co),
+    and the watcher works the window out while it holds its shards' leases. One ``turn_end`` of a
+    local model stalled every shard of the watcher, and the window depended on whether that
+    server answered in each process."""
     if not model:
         return None
     try:
-        info = load_litellm().get_model_info(model)
+        info = _catalog_entry(load_litellm(), model)
         value = info.get("max_input_tokens")
-    except Exception:  # litellm raises plain Exception for unknown models
+    except Exception:  # litellm raises plain Exception (or ModelNotMappedError) for unknown models
         logger.debug("no model info for %s", model, exc_info=True)
         return None
     return value if isinstance(value, int) and value > 0 else None
+
+
+def _catalog_entry(litellm: Any, model: str) -> Mapping[str, Any]:
+    """``model``'s entry in litellm's catalog, resolved as ``get_model_info`` resolves names, but
+    never from a provider's server; KeyError (or litellm's error) when it has none."""
+    helper = getattr(litellm.utils, "get_model_info_helper", None)
+    if helper is not None and "catalog_only" in inspect.signature(helper).parameters:
+        info: Mapping[str, Any] = helper(model=model, catalog_only=True)
+        return info
+    # (a litellm without ``catalog_only``: the map itself, by the name and by the name without its provider)
+    for key in dict.fromkeys((model, model.split("/", 1)[-1])):
+        entry = litellm.model_cost.get(key)
+        if isinstance(entry, Mapping):
+            return entry
+    raise KeyError(model)

@@ -284,8 +284,8 @@ def _body(settings: Settings, state: SessionState, failures: int, pending: Pendi
     return SessionBody(
         session_id=state.session_id, cwd=state.cwd, prompt_estimate=state.prompt_estimate,
         context_window=state.window, current_turn_id=state.current_turn_id,
-        micro_threshold=int(ctx.micro_compact_threshold * state.window),
-        compaction_threshold=int(ctx.compaction_threshold * state.window),
+        micro_threshold=ctx.micro_limit(state.window),
+        compaction_threshold=ctx.compaction_limit(state.window),
         failures=failures, breaker_open=failures >= ctx.max_failures,
         pending_job=pending,
         last_compaction=_last_compaction(state.last_compaction),

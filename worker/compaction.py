@@ -354,7 +354,7 @@ class Compactor:
             events, state = self._current(session_id, cwd, log, events, stored.state)
             before = state.prompt_estimate
             # a forced job skips both thresholds (SPEC §5): its micro step runs whenever there are candidates
-            over_micro = forced or before > self.ctx.micro_compact_threshold * state.window
+            over_micro = forced or before > self.ctx.micro_limit(state.window)
             reading = llm_pass(events, self.ctx, micro=over_micro and _has_old_candidate(state),
                                render=render_event, block_tokens=BLOCK_HEADER_TOKENS)
             compact = None
@@ -530,12 +530,15 @@ class Compactor:
         model = self.ctx.compaction_model or session_model
         if not model:
             if self.ctx.fallback_model:
-                return Plan(self.ctx.fallback_model, session_window)
+                model = self.ctx.fallback_model
+                return Plan(model, session_window if model == EXTRACTIVE_MODEL else self.model_window(model))
             raise LLMUnavailable("no compaction model: set context.compactionModel", transient=False)
         if model == EXTRACTIVE_MODEL:
             return Plan(model, session_window)
-        if not session_model or model == session_model:
+        if model == session_model:
             return Plan(model, session_window)
+        if not session_model:  # (no turn ended yet: the session's window is the default, not this model's)
+            return Plan(model, self.model_window(model))
         window = self.model_window(model)
         needed = self.prompt_tokens(targets.events, targets.previous_summary, view.encoding, target_tokens)
         if needed + self.ctx.summary_reserve_tokens > window:

@@ -157,6 +157,19 @@ def test_decide_micro_over_its_threshold_only_with_an_old_candidate() -> None:
     assert decide(_state(251, 0), CTX, breaker_open=False) is None
 
 
+@pytest.mark.parametrize(("micro", "llm", "window"), [(0.35, 0.7, 180), (0.3, 0.7, 90)])
+def test_an_estimate_equal_to_a_threshold_as_written_does_not_pass_it(micro: float, llm: float, window: int) -> None:
+    """0.7 × 90 is 62.99… in floats: an estimate of 63 passed a threshold it equals (SPEC §5: E > t·W)."""
+    ctx = ContextSettings(micro_compact_threshold=micro, compaction_threshold=llm)
+    at_llm, at_micro = round(llm * window), round(micro * window)
+    assert decide(_state(at_llm, 0, window=window), ctx, breaker_open=False) is None
+    assert decide(_state(at_llm + 1, 0, window=window), ctx, breaker_open=False) == "llm"
+    assert decide(_state(at_micro, 2, window=window), ctx, breaker_open=False) is None
+    assert decide(_state(at_micro + 1, 2, window=window), ctx, breaker_open=False) == "micro"
+    assert (ctx.micro_limit(window), ctx.compaction_limit(window)) == (at_micro, at_llm)
+    assert ContextSettings().compaction_limit(1001) == 900  # (900.9: the whole tokens under it)
+
+
 def test_an_open_breaker_falls_back_to_micro_or_nothing() -> None:
     assert decide(_state(950, 2), CTX, breaker_open=True) == "micro"
     assert decide(_state(950, 0), CTX, breaker_open=True) is None

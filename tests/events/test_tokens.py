@@ -3,9 +3,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -176,6 +179,49 @@ def test_model_max_input_tokens_from_litellm_and_none_when_unknown() -> None:
     assert model_max_input_tokens("openai/gpt-4o") == 128_000
     assert model_max_input_tokens("no-such-model-xyz") is None
     assert model_max_input_tokens("") is None
+
+
+@pytest.fixture
+def silent_servers(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[socket.socket]]:
+    """Ollama's and huggingface.co's addresses pointed at sockets that accept and never answer."""
+    listeners = []
+    for _ in range(2):
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listeners.append(listener)
+    monkeypatch.setenv("OLLAMA_API_BASE", "http://127.0.0.1:%d" % listeners[0].getsockname()[1])
+    proxy = "http://127.0.0.1:%d" % listeners[1].getsockname()[1]
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.setenv(name, proxy)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    model_max_input_tokens.cache_clear()
+    yield listeners
+    model_max_input_tokens.cache_clear()
+    for listener in listeners:
+        listener.close()
+
+
+def test_a_models_window_is_never_asked_of_its_providers_server(silent_servers: list[socket.socket]) -> None:
+    """litellm's ``get_model_info`` POSTs to Ollama (a 6 000 s timeout) for a model not in its map
+    (and calls huggingface.co for ``huggingface/...``); the watcher works a window out holding its
+    shards' leases, and one ``turn_end`` of a local model stalled it."""
+    started = time.monotonic()
+    for model in ("ollama/my-local-model", "huggingface/org/model"):
+        assert model_max_input_tokens(model) is None
+    assert time.monotonic() - started < 5
+    assert select.select(silent_servers, [], [], 0)[0] == []  # no connection waits on either
+    assert model_max_input_tokens("ollama/llama3") == 8192  # in the map: read from it
+
+
+def test_a_litellm_without_a_catalog_only_lookup_reads_its_model_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    litellm = tokens.load_litellm()
+    monkeypatch.setattr(litellm.utils, "get_model_info_helper", lambda model, custom_llm_provider=None: {})
+    assert tokens._catalog_entry(litellm, "openai/gpt-4o")["max_input_tokens"] == 128_000
+    assert tokens._catalog_entry(litellm, "ollama/llama3")["max_input_tokens"] == 8192
+    with pytest.raises(KeyError):
+        tokens._catalog_entry(litellm, "ollama/my-local-model")
 
 
 _JSON_SCALARS = st.one_of(st.text(), st.booleans(), st.none(), st.integers(-(2**70), 2**70),

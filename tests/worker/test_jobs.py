@@ -21,7 +21,7 @@ from compactor.store import SessionStore
 from events.config import Settings
 from events.log import SessionLog
 from events.state import decide, rebuild
-from events.view import build_view
+from events.view import LlmTargets, build_view
 from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse, summary_text, valid_summary_reply
 from tests.worker.conftest import CWD, log_lines, make_settings, read_log, run_burst, turn, write_session
 from worker import compaction as worker_compaction
@@ -710,6 +710,22 @@ def test_elided_targets_are_planned_at_their_shown_size_not_chunked(
     assert job.get_status() == JobStatus.FINISHED
     assert [e["type"] for e in read_log(small, "s1")[-2:]] == ["compact", "summary"]
     assert len(stub.requests) == 1 and "characters elided" in stub.requests[0].user_text
+
+
+@pytest.mark.parametrize(("compaction", "fallback", "planned"), [
+    ("openai/gpt-4", "", "openai/gpt-4"), ("", "openai/gpt-4", "openai/gpt-4"), ("", "extractive", "extractive")])
+def test_a_session_without_a_model_is_planned_in_the_summarizing_models_own_window(
+    settings: Settings, compaction: str, fallback: str, planned: str,
+) -> None:
+    """With no turn ended (no session model) the plan took the session's default window (128 000)
+    for gpt-4's 8 192: the targets went whole in one call the provider refuses, a failure a job."""
+    ctx = settings.context.model_copy(update={"compaction_model": compaction, "fallback_model": fallback})
+    compactor = worker_compaction.Compactor(None, settings.model_copy(update={"context": ctx}),  # type: ignore[arg-type]
+                                            lambda: None)
+    targets = LlmTargets(previous_summary=None, events=[], end_turn=1, start_after=0)
+    session = worker_compaction._Session(model=None, window=128_000, encoding="cl100k_base")
+    plan = compactor.plan(targets, session)
+    assert (plan.model, plan.window) == (planned, 128_000 if planned == "extractive" else 8_192)
 
 
 def test_compaction_model_too_small_falls_back_to_the_session_model(
