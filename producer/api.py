@@ -63,6 +63,7 @@ from events.state import SessionState
 from producer.api_errors import (
     PUBLIC_PATHS,
     ApiError,
+    BadBody,
     JsonBodyRoute,
     RequestGuard,
     error_response,
@@ -384,7 +385,7 @@ def _accepted(job_id: str) -> JSONResponse:
 @sessions.post(
     "/{session_id}/events", status_code=202, response_model=EventsAccepted, responses=errors(413, 503),
 )
-def push_events(session_id: str, body: EventsRequest, settings: SettingsDep, client: RedisDep,
+def push_events(request: Request, session_id: str, body: EventsRequest, settings: SettingsDep, client: RedisDep,
                 idempotency_key: IdempotencyKey = None) -> EventsAccepted:
     """Validate every event, then publish them all to the session's stream shard.
 
@@ -400,6 +401,9 @@ def push_events(session_id: str, body: EventsRequest, settings: SettingsDep, cli
     it and their index), and a batch sent again after a lost reply or a 503 is
     applied once.
     """
+    keys = request.headers.getlist("idempotency-key")
+    if len(keys) > 1:  # (FastAPI reads the first: a retry sent with the second was published again)
+        raise BadBody(f"Idempotency-Key: given {len(keys)} times; give it once")
     sid, cwd = _checked(session_id, body.cwd)
     ids, duplicates = _publish(client, settings, sid, cwd, body.events, idempotency_key)
     logger.info("events accepted session=%s count=%d duplicates=%d", sid, len(ids), len(duplicates))

@@ -1143,10 +1143,17 @@ def test_a_batch_sent_again_under_its_idempotency_key_is_applied_once(
     lines = SessionLog(api_settings.data_dir, CWD, SID).read()
     assert [(line["type"], line.get("turnId")) for line in lines] == [
         ("session_meta", None), *[(e["type"], 1) for e in turn(1)], *[(e["type"], 2) for e in turn(2)]]
+    published = r.xlen(Keys().stream(Keys().shard_of(SID)))
     for bad in (b"", b"has space", b"x" * 256, b"caf\xe9"):
         response = client.post(path, json=batch, headers={"Idempotency-Key": bad})
         assert response.status_code == 400, bad
         assert error_of(response)["message"].startswith("Idempotency-Key: must be 1 to 255 printable ASCII")
+    # given twice (FastAPI reads the first): the same batch resent with the other key was published again
+    twice = client.post(path, json={"cwd": CWD, "events": turn(3)},
+                        headers=[("Idempotency-Key", "agent-7/req-3"), ("Idempotency-Key", "agent-7/req-4")])
+    assert twice.status_code == 400
+    assert error_of(twice)["message"] == "Idempotency-Key: given 2 times; give it once"
+    assert r.xlen(Keys().stream(Keys().shard_of(SID))) == published
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
