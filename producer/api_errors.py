@@ -362,6 +362,21 @@ def token_matches(header: bytes | None, token: str) -> bool:
     return False
 
 
+ENCODED_SEPARATORS = (b"%2f", b"%5c")  # "/" and "\\" as a path's bytes may spell them
+
+
+def _encoded_separator(scope: Scope) -> JSONResponse | None:
+    """A 400 for an API path holding an encoded ``/`` or ``\\``: routing reads the decoded path,
+    so ``/api/sessions/s1%2Fcontext`` answered s1's context and ``a%2Fb`` a bare 404 (SPEC §3:
+    an invalid session id is refused with a clear error). No id may hold either."""
+    raw = scope.get("raw_path")
+    path = (raw if isinstance(raw, bytes) else scope["path"].encode()).lower()
+    if not path.startswith(b"/api/") or not any(sep in path for sep in ENCODED_SEPARATORS):
+        return None
+    field = "jobId" if path.startswith(b"/api/jobs/") else "sessionId"
+    return error_response(400, f"{field}: holds an encoded '/' or '\\' (%2F, %5C), which no id can hold")
+
+
 class RequestGuard:
     """ASGI middleware: token auth (when a token is set) and the body size limit."""
 
@@ -375,7 +390,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = {k.lower(): v for k, v in scope["headers"]}
-        refusal = self._refuse(scope["path"], headers)
+        refusal = self._refuse(scope["path"], headers) or _encoded_separator(scope)
         if refusal is not None:
             await refusal(scope, receive, send)
             return

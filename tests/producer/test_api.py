@@ -358,6 +358,19 @@ def test_bad_session_id_or_cwd_is_400(client: TestClient, sid: str, cwd: str,
     assert error_of(response)["message"].startswith(fragment)
 
 
+@pytest.mark.parametrize("path,field", [
+    (f"/api/sessions/{SID}%2Fcontext?cwd={CWD}", "sessionId"),  # routed to s1's context: a 200 of another shape
+    ("/api/sessions/a%2fb?cwd=/w", "sessionId"),  # a bare 404 "Not Found"
+    ("/api/sessions/a%5Cb/compact", "sessionId"),
+    ("/api/jobs/x%2Fy", "jobId"),
+])
+def test_an_encoded_slash_in_an_id_is_400_not_another_route(client: TestClient, path: str, field: str) -> None:
+    client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": turn(1)})
+    response = client.post(path, json={"cwd": "/w"}) if path.endswith("/compact") else client.get(path)
+    assert response.status_code == 400, response.text
+    assert error_of(response)["message"].startswith(f"{field}: holds an encoded '/'")
+
+
 def test_invalid_json_and_missing_fields_are_400(client: TestClient) -> None:
     bad_json = client.post(f"/api/sessions/{SID}/events", content=b"{nope",
                            headers={"Content-Type": "application/json"})
