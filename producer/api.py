@@ -465,7 +465,6 @@ def dead_letters(
     return dead_letters_body(client, settings, session, limit)
 
 
-@ops.head("/healthz", include_in_schema=False)  # what GET says, without the body (RFC 9110)
 @ops.get("/healthz", response_model=Health, responses=errors(503))
 def healthz(client: RedisDep, settings: SettingsDep) -> Health:
     """Liveness: 200 when Redis takes a write (no token needed; HEAD too, for probes that send it):

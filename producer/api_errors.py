@@ -377,6 +377,15 @@ def _encoded_separator(scope: Scope) -> JSONResponse | None:
     return error_response(400, f"{field}: holds an encoded '/' or '\\' (%2F, %5C), which no id can hold")
 
 
+def _without_body(send: Send) -> Send:
+    """``send`` for a HEAD request answered as its GET: the headers (its Content-Length too), no body."""
+    async def headers_only(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+    return headers_only
+
+
 class RequestGuard:
     """ASGI middleware: token auth (when a token is set) and the body size limit."""
 
@@ -389,6 +398,8 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["method"] == "HEAD":  # what GET answers, without the body (RFC 9110: every GET route)
+            scope, send = {**scope, "method": "GET"}, _without_body(send)
         headers = {k.lower(): v for k, v in scope["headers"]}
         refusal = self._refuse(scope["path"], headers) or _encoded_separator(scope)
         if refusal is not None:

@@ -1224,9 +1224,16 @@ def test_a_non_ascii_token_matches_as_bearer_and_as_basic(api_settings: Settings
         assert wrong.status_code == 401
 
 
-def test_head_healthz_answers_like_get(client: TestClient) -> None:
-    response = client.head("/healthz")
-    assert response.status_code == 200 and response.content == b""
+def test_head_answers_like_get_on_every_get_route(client: TestClient) -> None:
+    """Only /healthz took HEAD: a session, a job, /metrics and the status page answered 405 (RFC
+    9110: a general-purpose server supports GET and HEAD)."""
+    client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": turn(1)})
+    for path in ("/healthz", f"/api/sessions/{SID}/context?cwd={CWD}", "/api/jobs/none", "/metrics", "/"):
+        got, head = client.get(path), client.head(path)
+        assert (head.status_code, head.content) == (got.status_code, b""), path
+        assert head.headers["content-type"] == got.headers["content-type"], path
+        assert int(head.headers["content-length"]) == len(got.content) or path == "/metrics", path
+    assert client.head(f"/api/sessions/{SID}/events").status_code == 405  # a POST route: no GET to answer as
 
 
 def test_openapi_declares_the_errors_the_routes_return_and_no_422(client: TestClient) -> None:
