@@ -52,7 +52,8 @@ DEFAULT_SESSIONS = 20
 DEFAULT_TURNS = 12
 DEFAULT_CONTEXT_WINDOW = 8_000  # tokens: small, so both thresholds are crossed in a few turns
 DEFAULT_WORKERS = 2
-SETTLE_TIMEOUT_S = 30.0  # after the agents finish, wait this long for the last jobs
+SETTLE_TIMEOUT_S = 30.0  # after the agents finish, wait for the last jobs while they progress within this
+SETTLE_CAP_S = 300.0  # ... and this long at most in all
 TURN_PAUSE_S = (0.05, 0.25)  # an agent "thinks" this long between turns
 AGENT_MODEL = "demo-agent"  # unknown to tiktoken: cl100k_base, works offline
 DEMO_CWD_ROOT = "/home/demo/projects"
@@ -303,7 +304,8 @@ def _drive(client: redis.Redis, settings: Settings, agents: list[Agent], options
         if errors:
             raise errors[0]
         _wait(lambda: _settled(client, settings, agents, stats, options.turns), client, settings,
-              agents, stats, started, on_tick, timeout_s=SETTLE_TIMEOUT_S, keep_up=keep_up)
+              agents, stats, started, on_tick, timeout_s=SETTLE_TIMEOUT_S, keep_up=keep_up,
+              progress=lambda: _progress(client, settings, agents, stats))
     finally:
         stop.set()
     result = summary(client, settings, agents, stats, time.monotonic() - started)
@@ -314,17 +316,33 @@ def _drive(client: redis.Redis, settings: Settings, agents: list[Agent], options
 
 def _wait(done: Callable[[], bool], client: redis.Redis, settings: Settings, agents: list[Agent],
           stats: JobStats, started: float, on_tick: Snapshot | None,
-          timeout_s: float | None, keep_up: Callable[[], None]) -> None:
-    deadline = time.monotonic() + timeout_s if timeout_s else None
+          timeout_s: float | None, keep_up: Callable[[], None],
+          progress: Callable[[], object] | None = None) -> None:
+    """Until ``done``; with ``timeout_s``, until nothing moved for that long (``progress`` tells
+    what moved), ``SETTLE_CAP_S`` at most. A fixed 30 s ended a demo whose watcher a slow machine
+    took longer to restart than that: all turns published, none compacted, zeros reported."""
+    waited = time.monotonic()
+    deadline = waited + timeout_s if timeout_s else None
+    seen = progress() if progress else None
     while not done():
         keep_up()
-        if deadline is not None and time.monotonic() > deadline:
-            logger.warning("demo: jobs still pending after %.0fs; summarizing anyway", timeout_s)
+        now = time.monotonic()
+        if progress is not None and timeout_s and (moved := progress()) != seen:
+            seen, deadline = moved, min(now + timeout_s, waited + SETTLE_CAP_S)
+        if deadline is not None and now > deadline:
+            logger.warning("demo: jobs still pending after %.0fs; summarizing anyway", now - waited)
             return
         stats.refresh(client, settings)
         if on_tick:
             on_tick(live_numbers(agents, stats, time.monotonic() - started))
         time.sleep(0.25)
+
+
+def _progress(client: redis.Redis, settings: Settings, agents: list[Agent], stats: JobStats) -> object:
+    """What changes while the stack works: the turns in the sessions' states, the jobs ended."""
+    store = SessionStore(client, settings)
+    states = [store.load(agent.session_id) for agent in agents]
+    return (tuple(state.last_ended_turn if state else 0 for state in states), dict(stats.finished), stats.failed)
 
 
 def _settled(client: redis.Redis, settings: Settings, agents: list[Agent], stats: JobStats,

@@ -306,3 +306,22 @@ def test_a_demo_child_killed_mid_run_is_restarted_and_the_demo_finishes(settings
     assert killed
     assert all(row["turns"] == 12 for row in result["perSession"]), result["perSession"]
     assert result["compactions"]["micro"] + result["compactions"]["llm"] >= 1, result
+
+
+def test_the_demo_waits_for_its_last_jobs_while_they_progress_and_no_longer_than_its_cap(
+        r: Any, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fixed 30 s settle ended a demo whose killed watcher a loaded machine took longer to bring
+    back: every turn published, none compacted yet, zeros reported (the CI run of 2026-12-03)."""
+    from compactor import demo
+    from compactor.demo import JobStats, _wait
+
+    def wait(moving_for: float, timeout: float) -> float:
+        started = time.monotonic()
+        progress = lambda: int(min(time.monotonic() - started, moving_for) * 10)  # noqa: E731
+        _wait(lambda: False, r, settings, [], JobStats("none-"), started, None, timeout_s=timeout,
+              keep_up=lambda: None, progress=progress)
+        return time.monotonic() - started
+
+    assert 1.5 + 0.5 <= wait(moving_for=1.5, timeout=0.5) < 1.5 + 0.5 + 1.0  # idle 0.5 s after the last move
+    monkeypatch.setattr(demo, "SETTLE_CAP_S", 1.0)
+    assert 1.0 <= wait(moving_for=60, timeout=0.5) < 2.0  # moving for good: the cap ends it
