@@ -75,6 +75,7 @@ def context_body(settings: Settings, session_id: str, cwd: str, applied: bool | 
 
 
 STREAM_ID_RE = re.compile(r"(\d{1,20})-(\d{1,20})")
+MAX_ID_PART = 2**64 - 1  # each part of a Redis stream id is an unsigned 64-bit number
 APPLIED_POLL_S = 0.005  # a read waiting for the watcher looks again after this, then 1.5x as long each time
 APPLIED_POLL_MAX_S = 0.1
 
@@ -82,7 +83,8 @@ APPLIED_POLL_MAX_S = 0.1
 def parse_stream_id(value: str, field: str) -> tuple[int, int]:
     """A stream entry id ``ms-seq`` as a pair; InvalidInput naming ``field`` otherwise."""
     match = STREAM_ID_RE.fullmatch(value)
-    if match is None:
+    if match is None or int(match[1]) > MAX_ID_PART or int(match[2]) > MAX_ID_PART:
+        # (a part past 64 bits, which Redis never gives, waited out its whole timeout)
         raise InvalidInput(field, f"{value!r} is not a stream entry id (ms-seq, as POST .../events answers)")
     return int(match[1]), int(match[2])
 
