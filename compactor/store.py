@@ -412,6 +412,7 @@ class SessionStore:
         stored: Stored = UNREAD,
         progress: Callable[[], None] | None = None,
         claimed: Collection[str] = (),
+        lettered: Callable[[list[str]], Collection[str]] | None = None,
     ) -> ApplyResult:
         """Append ``events`` to the session's log exactly once and advance its state.
 
@@ -471,7 +472,7 @@ class SessionStore:
             fresh = _not_applied(batch, state.last_stream_id)
             result = ApplyResult(state, before=state.prompt_estimate, duplicates=len(batch) - len(fresh))
             if result.duplicates:
-                fresh = self._unwritten(session_id, batch, fresh, claimed, log_uuids, caught_up, result)
+                fresh = self._unwritten(session_id, batch, fresh, claimed, log_uuids, caught_up, result, lettered)
             if log_uuids is not None:  # the index was rebuilt from the log: it, not the lookup, is right
                 if taken is None:
                     taken = set()
@@ -522,6 +523,7 @@ class SessionStore:
     def _unwritten(
         self, session_id: str, batch: list[dict[str, Any]], fresh: list[dict[str, Any]],
         claimed: Collection[str], log_uuids: set[str] | None, caught_up: set[str], result: ApplyResult,
+        lettered: Callable[[list[str]], Collection[str]] | None = None,
     ) -> list[dict[str, Any]]:
         """``fresh`` and the events at or before the last applied stream id (counted as
         ``duplicates``) whose line is not in the log (their uuid is not in the index; call
@@ -529,13 +531,18 @@ class SessionStore:
 
         A ``claimed`` one is an entry a hand-run reader took from the watchers' group, claimed
         by a later owner after later entries of its session were applied: out of order,
-        refused (a dead letter; acked as a duplicate it was lost without a trace). Any other is
-        an entry of a stream Redis lost and that numbers its entries from a lower id than the
-        log's last (a producer had chosen ids in the future; a Redis restored on a host whose
-        clock is behind): acked as duplicates, every new event of the session was dropped,
-        unsaid, until the clock passed the old id. It is applied, when the stream's newest entry
-        is below that last id (``_renumbered``): else it is an entry the watcher refused,
-        dead-lettered and then had redelivered after a crash, a duplicate, its letter written."""
+        refused (a dead letter; acked as a duplicate it was lost without a trace). Another is
+        an entry the watcher refused, dead-lettered ahead of its ack, then had redelivered
+        after a crash: a duplicate, its letter written; ``lettered`` (stream ids -> those
+        lettered so, by id and content: the watcher's ``{p}:lettered:{n}``) tells them. Any
+        other is an entry of a stream Redis lost and that numbers its entries from a lower id
+        than the log's last (a producer had chosen ids in the future; a Redis restored on a
+        host whose clock is behind): acked as duplicates, every new event of the session was
+        dropped, unsaid, until the clock passed the old id. It is applied. Without
+        ``lettered`` (no watcher), the entries are applied when the stream's newest entry is
+        below that last id (``_renumbered``): that alone dropped the older of a lost stream's
+        new entries once its newest had passed the old id (a clock 10 s behind, 12 s of
+        entries before the watcher read them)."""
         kept = {id(event) for event in fresh}
         stale = [event for event in batch if id(event) not in kept and isinstance(event.get("uuid"), str)]
         if not stale:
@@ -545,8 +552,7 @@ class SessionStore:
             present = [event["uuid"] in log_uuids for event in stale]
         else:
             present = self.redis.smismember(self.keys.uuids(session_id), [event["uuid"] for event in stale])
-        revived: set[int] = set()
-        renumbered: bool | None = None  # looked up once, when needed
+        unwritten: list[dict[str, Any]] = []
         for event, there in zip(stale, present):
             if there or event["uuid"] in caught_up:  # (caught up: written by a writer that crashed before its save)
                 continue
@@ -557,11 +563,16 @@ class SessionStore:
                                 "were applied (taken from the watchers' group by another reader?): out of order, "
                                 "not written")))
                 continue
-            if renumbered is None:
-                renumbered = self._renumbered(session_id, result.state.last_stream_id)
-            if renumbered:
-                result.duplicates -= 1
-                revived.add(id(event))
+            unwritten.append(event)
+        if not unwritten:
+            return fresh
+        if lettered is not None:
+            refused = lettered([str(event.get("streamId")) for event in unwritten])
+            unwritten = [event for event in unwritten if str(event.get("streamId")) not in refused]
+        elif not self._renumbered(session_id, result.state.last_stream_id):
+            unwritten = []
+        revived = {id(event) for event in unwritten}
+        result.duplicates -= len(revived)
         if not revived:
             return fresh
         logger.warning("session=%s: %d entries below the last applied stream id %s are not in the log: applied "

@@ -66,7 +66,7 @@ from producer.watcher.batch import HELD_LOG_EVERY_S, BatchOutcome, ShardCursor, 
 from producer.watcher.entries import Entry, Rejected, decode_entry, misrouted
 from producer.watcher.leases import RENEW_FRACTION, LeaseLost, ShardLeases
 from producer.watcher.orphans import ORPHAN_SWEEP_INTERVAL_S, letter_orphans
-from producer.watcher.streams import RawEntry, ReadResult, ShardStreams
+from producer.watcher.streams import RawEntry, ReadResult, ShardStreams, entry_mark
 
 logger = logging.getLogger(__name__)
 
@@ -162,11 +162,17 @@ class Watcher:
                            "event into a log twice; run it with noeviction (see OPERATIONS)", policy)
 
     def _after_error(self, error: Exception, attempt: int) -> None:
-        """Entries in hand may be half-done: re-sweep every PEL, tick at once when back."""
+        """Entries in hand may be half-done: re-sweep every PEL, tick at once when back. The cached
+        states go too: a round that died after its appends, before its state saves ran, left them
+        ahead of Redis (the log's), and a state used from the cache is saved with the uuids of its
+        own appends only: the dead round's stayed out of the uuid index (a re-send of one of them
+        was appended again), and their redelivered entries read as unwritten. Loaded from Redis,
+        each is caught up from its log, the lines it missed indexed."""
         if isinstance(error, redis.RedisError):
             logger.error("redis error id=%s attempt=%d error=%s", self.id, attempt, error)
         else:
             logger.exception("watcher loop error id=%s attempt=%d", self.id, attempt)
+        self._sessions.clear()
         for cursor in self.cursors.values():
             cursor.restart_sweep()
         self._next_tick = 0.0
@@ -416,6 +422,15 @@ class Watcher:
         self._hold_record(keys=[self.keys.held], client=saves,
                           args=[session_id, cursor.held_for(session_id), HELD_RECORD_TTL_S, error, self.id, shard])
 
+    def _lettered_ahead(self, shard: int, run: list[Entry], ids: list[str]) -> set[str]:
+        """Of ``ids`` (entries of ``run``), those dead-lettered ahead of their ack by a watcher that
+        died before it: in ``{p}:lettered:{n}`` under their id with their content's mark."""
+        by_id = {entry.id: entry for entry in run}
+        wanted = [entry_id for entry_id in ids if entry_id in by_id]
+        marks = self.redis.hmget(self.keys.lettered(shard), wanted) if wanted else []
+        return {entry_id for entry_id, mark in zip(wanted, marks)
+                if mark is not None and as_text(mark) == entry_mark(by_id[entry_id].fields)}
+
     def _apply_run(
         self, shard: int, session_id: str, cwd: str, run: list[Entry], outcome: BatchOutcome, saves: Any,
         found: Lookup,
@@ -441,7 +456,7 @@ class Watcher:
         result = self.store.apply(
             session_id, cwd, [e.event for e in run], log=log, pipeline=saves, taken=found.taken[session_id],
             guard=guard, cached=self._cached(session_id), stored=stored, progress=self._keep_alive(shard),
-            claimed=claimed,
+            claimed=claimed, lettered=lambda ids: self._lettered_ahead(shard, run, ids),
         )
         pending_claimed -= claimed
         if result.discarded:  # (its whole first batch refused: no log, no stored state)
@@ -524,7 +539,10 @@ class Watcher:
         event of the session rebuilds it from the log (the uuid index with it)."""
         saves, self._saves = self._saves, {}
         for position, session_id in saves.items():
-            if position < len(replies) and replies[position] == -1 and self._sessions.pop(session_id, None):
+            reply = replies[position] if position < len(replies) else None
+            if isinstance(reply, Exception):  # (refused: OOM, MISCONF; the cache is ahead of Redis, as above)
+                self._sessions.pop(session_id, None)
+            elif reply == -1 and self._sessions.pop(session_id, None):
                 logger.info("session state gone from Redis session=%s: rebuilt at its next event", session_id)
 
     def _lose(self, shard: int, reason: str) -> None:

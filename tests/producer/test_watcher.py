@@ -260,6 +260,34 @@ def test_a_lost_stream_that_numbers_its_entries_lower_than_the_log_loses_none(r:
     assert r.xlen(Keys().dead) == 0
 
 
+def test_a_lost_streams_new_entries_below_the_log_are_applied_once_later_ones_pass_it(
+        r: redis.Redis, fast: Settings) -> None:
+    """Redis lost the stream and its clock is 10 s behind: by the time the watcher read them, the
+    newest entries had passed the log's last streamId, and every older one not in the log was
+    acked as a duplicate, unsaid (turns 2 and 3 lost). Only an entry dead-lettered ahead of its ack
+    is one: whether it was is kept in ``{p}:lettered:{n}``."""
+    stream = Keys().stream_for("a1")
+    watcher = Watcher(r, fast, name="w")
+    last = int(time.time() * 1000) + 10_000
+    first = [r.xadd(stream, {"session": "a1", "cwd": CWD, "event": json.dumps(event)}, id=entry_id).decode()
+             for event, entry_id in ((user(1), f"{last}-0"), (turn_end(1), f"{last}-1"))]
+    drain(watcher, r, fast)
+    r.delete(stream)  # Redis lost the stream (and its group)
+    watcher.run_once()
+    later = [r.xadd(stream, {"session": "a1", "cwd": CWD, "event": json.dumps(event)}, id=entry_id).decode()
+             for event, entry_id in ((user(2), f"{last - 9000}-0"), (turn_end(2), f"{last - 9000}-1"),
+                                     (user(3), f"{last - 3000}-0"), (turn_end(3), f"{last - 3000}-1"),
+                                     (user(4), f"{last + 2000}-0"), (turn_end(4), f"{last + 2000}-1"))]
+    drain(watcher, r, fast)
+    assert [line["streamId"] for line in log_lines(fast, "a1")] == first + later
+    for cursor in watcher.cursors.values():  # all of them delivered again (a restart): none applied twice
+        cursor.restart_sweep()
+    r.xgroup_setid(stream, Keys().group, "0")
+    drain(watcher, r, fast)
+    assert [line["streamId"] for line in log_lines(fast, "a1")] == first + later
+    assert r.xlen(Keys().dead) == 0
+
+
 def test_a_round_reads_every_shard_in_one_script_call(r: redis.Redis, fast: Settings) -> None:
     """All owned shards are read by one fenced script call (8 before), also when one shard's
     group is missing: that shard is recreated, the others are read in the same call."""

@@ -11,9 +11,11 @@ import pytest
 import redis
 
 from compactor.keys import Keys
+from compactor.store import SessionStore
 from compactor.metrics import REGISTRY, reason_kind
 from events.config import Settings
 from events.log import SessionLog
+from events.state import rebuild
 from producer.publisher import Publisher
 from producer.watcher import Watcher
 from producer.watcher.batch import TRUNCATED_LETTER_VALUE_BYTES
@@ -222,17 +224,23 @@ def test_a_refused_entry_keeps_its_dead_letter_when_the_round_dies_after_the_app
         raise redis.ConnectionError("died before the ack")
 
     monkeypatch.setattr(watcher.streams, "ack_many", dies)
-    with pytest.raises(redis.ConnectionError):
+    with pytest.raises(redis.ConnectionError) as died:
         for _ in range(100):
             watcher.run_once()
     assert [line["streamId"] for line in log_lines(small, "s1")] == [*good, end]  # appended, not acked
-    for cursor in watcher.cursors.values():  # what the loop does after an error: sweep the PEL again
-        cursor.restart_sweep()
+    [end_line] = [line for line in log_lines(small, "s1") if line["streamId"] == end]
+    assert not r.sismember(Keys().uuids("s1"), end_line["uuid"])  # its state save died with the ack
+    watcher._after_error(died.value, 1)  # what the loop does after an error
     drain(watcher, r, small)
     [dead] = dead_letters(r)
     assert dead[b"id"].decode() == back and "goes backwards" in dead[b"reason"].decode()
     assert [line["streamId"] for line in log_lines(small, "s1")] == [*good, end]
     assert backlog(r, small) == 0
+    # the dead round's line is indexed (the cached state, ahead of Redis, was saved with the uuids
+    # of its own appends only: a re-send of that event was appended again)
+    assert r.sismember(Keys().uuids("s1"), end_line["uuid"])
+    assert SessionStore(r, small).load("s1") == rebuild("s1", CWD, log_lines(small, "s1"), small.context,
+                                                       SessionStore(r, small).log("s1", CWD).size())
 
 
 def test_a_session_seen_with_another_cwd_is_dead_lettered(r: redis.Redis, small: Settings) -> None:
