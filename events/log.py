@@ -33,7 +33,8 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -246,13 +247,13 @@ class SessionLog:
         fd = self._lock_fd
         if fd is not None:  # under the lock: through its descriptor, no open
             return _pread_all(fd, os.fstat(fd).st_size - start, start)
-        try:
-            with open(self.path, "rb") as f:
-                if start:
-                    f.seek(start)
-                return f.read()
-        except FileNotFoundError:
+        f = self._open_to_read()  # (no permission: a traceback from ``compactor context``, a bare 500)
+        if f is None:
             return b""
+        with f, self._reading():
+            if start:
+                f.seek(start)
+            return f.read()
 
     def bytes_before(self, end: int, length: int) -> bytes:
         """The (at most) ``length`` bytes of the log before byte ``end`` (fewer at its start;
@@ -261,12 +262,12 @@ class SessionLog:
         fd = self._lock_fd
         if fd is not None:
             return _pread_all(fd, end - start, start)
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(start)
-                return f.read(end - start)
-        except FileNotFoundError:
+        f = self._open_to_read()
+        if f is None:
             return b""
+        with f, self._reading():
+            f.seek(start)
+            return f.read(end - start)
 
     def _open_to_read(self) -> BinaryIO | None:
         """The log opened to read, lock-free (never created); None when there is none;
@@ -276,6 +277,14 @@ class SessionLog:
             return open(self.path, "rb")
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise LogCorrupted(f"{self.path}: cannot be read: {e.strerror or e}") from e
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """A read of the open log that fails (EIO) as ``LogCorrupted`` naming the path."""
+        try:
+            yield
         except OSError as e:
             raise LogCorrupted(f"{self.path}: cannot be read: {e.strerror or e}") from e
 

@@ -461,3 +461,19 @@ def test_uuids_among_finds_the_events_uuids_and_nothing_else(tmp_path: Path, blo
     asked = {"u1", "u-2", 'we"ird\\id', "u39", "u-6", "u-7", "u-8", "u-9", "nope"}
     assert log.uuids_among(asked) == {"u1", "u-2", 'we"ird\\id', "u39"}
     assert log.uuids_among(set()) == set()
+
+
+def test_a_log_that_cannot_be_read_is_log_corrupted_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log with no read permission (mode 000, a process without CAP_DAC_OVERRIDE) failed
+    ``compactor context`` with a PermissionError traceback and the API with a bare 500: only the
+    look for session_meta named the path."""
+    log = SessionLog(tmp_path, "/w", "s1")
+    log.append([{"type": "user", "turnId": 1, "content": "hi", "uuid": "u1"}])
+
+    def refused(path: Any, *args: Any, **kwargs: Any) -> Any:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("events.log.open", refused, raising=False)
+    for read in (log.read, lambda: log.bytes_before(5, 5), lambda: log.first_of_type("user")):
+        with pytest.raises(LogCorrupted, match=f"^{log.path}: cannot be read: Permission denied$"):
+            read()
