@@ -41,7 +41,7 @@ from compactor.keys import Keys
 from events.config import Settings
 from events.checks import COVERING, check_covered_turns
 from events.errors import InvalidEvent, InvalidInput, LogCorrupted, LogWriteFailed, SessionNotFound
-from events.log import SessionLog
+from events.log import SessionLog, first_time
 from events.models import TURN_SCOPED_TYPES
 from events.state import SessionState, fold, rebuild, rebuild_with_view, stored_state
 from events.tokens import TOKEN_COUNT_FIELD, TOKEN_ENCODING_FIELD, arguments_json, encoding_for_model, stamp
@@ -168,7 +168,6 @@ def _not_applied(events: list[dict[str, Any]], last_applied: str | None) -> list
     return [e for e in events if not (stream_id := e.get("streamId")) or stream_id_key(stream_id) > last]
 
 
-SHRANK_WARNED_KEPT = 10_000  # sessions whose shrunk log was warned of, remembered (then forgotten at once)
 
 
 class SessionStore:
@@ -180,7 +179,7 @@ class SessionStore:
         self.keys = Keys(settings.redis.prefix, settings.redis.shards)
         # session -> (stored size, log size) of the last "log shrank" warned of: a rebuild that fails
         # (a corrupt line) leaves the state as it was, and each retry (once a second) warned again
-        # (and of the last "state catch-up" said, for the same reason: ``_first_time``)
+        # (and of the last "state catch-up" said, for the same reason: ``first_time``)
         self._shrank_warned: dict[str, tuple[int, int]] = {}
         self._caught_up_said: dict[str, tuple[int, int]] = {}
 
@@ -288,7 +287,7 @@ class SessionStore:
             state = self.load(session_id) if isinstance(stored, _Unread) else stored
         _check_cwd(session_id, cwd, state)
         if (state is not None and size < state.log_size  # (it was silent: 47 lines gone, no word)
-                and _first_time(self._shrank_warned, session_id, (state.log_size, size))):
+                and first_time(self._shrank_warned, session_id, (state.log_size, size))):
             logger.warning("log shrank session=%s path=%s from=%d to=%d bytes (truncated, replaced or restored from an "
                            "older copy): its state is rebuilt from what is left", session_id, log.path,
                            state.log_size, size, extra={"session_id": session_id})
@@ -301,7 +300,7 @@ class SessionStore:
         caught_up: set[str] = set()
         if size > state.log_size:
             # (a session held back on a bad line catches up at every retry, about once a second)
-            if _first_time(self._caught_up_said, session_id, (state.log_size, size)):
+            if first_time(self._caught_up_said, session_id, (state.log_size, size)):
                 logger.info("state catch-up session=%s from=%d to=%d", session_id, state.log_size, size)
             tail = log.read(state.log_size)
             self._index_uuids(session_id, tail)
@@ -724,17 +723,6 @@ def _text_chars(event: dict[str, Any]) -> int:
             if isinstance(call, dict):
                 chars += len(arguments_json(call.get("arguments", "")))
     return chars
-
-
-def _first_time(said: dict[str, tuple[int, int]], session_id: str, sizes: tuple[int, int]) -> bool:
-    """Whether ``sizes`` are new for ``session_id`` in ``said`` (then noted; ``said`` forgotten
-    whole past ``SHRANK_WARNED_KEPT`` sessions): a line each retry would repeat is said once."""
-    if said.get(session_id) == sizes:
-        return False
-    if len(said) >= SHRANK_WARNED_KEPT:
-        said.clear()
-    said[session_id] = sizes
-    return True
 
 
 def _uuids(events: Iterable[dict[str, Any]]) -> list[str]:

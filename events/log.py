@@ -493,8 +493,26 @@ class SessionLog:
             os.ftruncate(fd, size)
         except OSError:
             logger.exception("could not truncate %s back to %d bytes after a failed append", self.path, size)
-        else:
-            logger.error("append to %s failed after %d bytes; truncated back to %d", self.path, written, size)
+        else:  # (once per size: a held session's append is retried about once a second, each an ERROR line)
+            level = logging.ERROR if first_time(_undo_said, str(self.path), (size, written)) else logging.DEBUG
+            logger.log(level, "append to %s failed after %d bytes; truncated back to %d", self.path, written, size)
+
+
+SAID_KEPT = 10_000  # keys a ``first_time`` memo remembers (then it forgets them all at once)
+
+
+def first_time(said: dict[Any, Any], key: Any, value: Any) -> bool:
+    """Whether ``value`` is new for ``key`` in ``said`` (then noted; ``said`` forgotten whole past
+    ``SAID_KEPT`` keys): a line each retry would repeat is said once."""
+    if said.get(key) == value:
+        return False
+    if len(said) >= SAID_KEPT:
+        said.clear()
+    said[key] = value
+    return True
+
+
+_undo_said: dict[str, tuple[int, int]] = {}  # log path -> (size, bytes written) of the last undo logged
 
 
 def _whole_event(fragment: bytes) -> bool:

@@ -477,3 +477,27 @@ def test_a_log_that_cannot_be_read_is_log_corrupted_naming_it(tmp_path: Path, mo
     for read in (log.read, lambda: log.bytes_before(5, 5), lambda: log.first_of_type("user")):
         with pytest.raises(LogCorrupted, match=f"^{log.path}: cannot be read: Permission denied$"):
             read()
+
+
+def test_an_append_undone_again_at_the_same_size_is_logged_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """A held session's append is retried about once a second: each undo was an ERROR line (20 in
+    5 s for 4 sessions on a full disk), where OPERATIONS promises one a minute from the watcher."""
+    log = SessionLog(tmp_path, "/w", "s1")
+    log.append([{"type": "user", "turnId": 1, "content": "hi", "uuid": "u1"}])
+    size = log.size()
+    real_write = os.write
+
+    def full(fd: int, data: Any) -> int:
+        if len(data) > 10:
+            return real_write(fd, bytes(data[:10]))  # part of the line lands, then the disk is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("events.log.os.write", full)
+    caplog.set_level("DEBUG", logger="events.log")
+    for _ in range(3):
+        with pytest.raises(LogWriteFailed, match="No space left on device"):
+            log.append([{"type": "user", "turnId": 2, "content": "more", "uuid": "u2"}])
+    assert log.size() == size
+    undone = [r for r in caplog.records if "truncated back to" in r.getMessage()]
+    assert [r.levelname for r in undone] == ["ERROR", "DEBUG", "DEBUG"]
