@@ -34,7 +34,7 @@ from rq import get_current_job
 
 from compactor import metrics
 from compactor.queue import FORCED_TRIGGER, enqueue_compaction, promote_forced, release_pending, settle_trigger
-from events.errors import JobAbandoned, LLMUnavailable, SessionNotFound, SummaryInvalid
+from events.errors import JobAbandoned, LLMUnavailable, LogCorrupted, LogWriteFailed, SessionNotFound, SummaryInvalid
 from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, CompressResult
 from events.state import decide
 from worker.compaction import JobRun, LlmFailure
@@ -172,6 +172,11 @@ def finish(
         enqueued = recheck(context, session_id)
         settle_trigger(context.redis, context.settings, session_id)
         return enqueued
+    except (LogCorrupted, LogWriteFailed) as e:  # (the log the job failed on: its error says it, a traceback
+        # chained twice over 50 lines said nothing more)
+        logger.error("finishing job failed session=%s job=%s: the re-check cannot use the log: %s",
+                     session_id, job_id, e)
+        return None
     except Exception:
         logger.exception("finishing job failed session=%s job=%s", session_id, job_id)
         return None

@@ -1258,3 +1258,22 @@ def test_in_a_small_window_the_previous_summary_keeps_half_of_what_the_frame_lea
     assert cut is not None and 0.8 * (beside // 2) <= count_tokens(cut, "cl100k_base") <= beside // 2
     assert cut.startswith(previous[:200])
     assert compactor._previous_that_fits(previous, 128_000, "cl100k_base") == previous  # fits: whole
+
+
+def test_a_re_check_that_cannot_use_the_log_is_one_error_line_naming_it(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A forced job on a log the worker may not open failed, and its re-check failed the same way:
+    a traceback chained twice over 50 lines for what the log error says in one."""
+    from events.errors import LogWriteFailed
+
+    def cannot_open(context: Any, session_id: str) -> None:
+        raise LogWriteFailed("/data/s1.jsonl: cannot open: [Errno 13] Permission denied")
+
+    monkeypatch.setattr(worker_jobs, "recheck", cannot_open)
+    context = WorkerContext.build(wsettings, r)
+    assert worker_jobs.finish(context, "s1", "job-1", forced_without_compaction=True) is None
+    [record] = [rec for rec in caplog.records if "finishing job failed" in rec.getMessage()]
+    assert record.levelname == "ERROR" and record.exc_info is None
+    assert record.getMessage().endswith("the re-check cannot use the log: /data/s1.jsonl: cannot open: [Errno 13] "
+                                        "Permission denied")
