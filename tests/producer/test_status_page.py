@@ -241,11 +241,16 @@ def test_history_route_has_tokens_before_after_and_elisions(sessions: Settings,
     assert missing.status_code == 404 and bad.status_code == 400
 
 
-def test_history_keeps_one_body_per_session_and_is_404_under_another_cwd(settings: Settings,
-                                                                         r: redis.Redis) -> None:
+def test_history_keeps_one_body_per_session_and_is_404_under_another_cwd(
+        settings: Settings, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """A body was kept per size the log ever had (~2 MB each for a 1M-token session: the API grew
     by that every turn); and another cwd was a 400 naming the session's own, where the other
     session routes answer 404."""
+    from producer import status_page
+
+    # (not reused once the log grew: a first history that loaded the token encoding took long enough
+    # for its reuse to outlast the second request, on a loaded machine)
+    monkeypatch.setattr(status_page, "HISTORY_REUSE_FACTOR", 0)
     write_session(r, settings, "sess-grow", 2)
     with TestClient(create_app(settings, r)) as client:
         first = client.get("/api/sessions/sess-grow/history", params={"cwd": CWD}).json()
