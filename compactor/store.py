@@ -457,7 +457,7 @@ class SessionStore:
         log = log or self.log(session_id, cwd)
         new = not log.exists()
         if new:  # the lock would create it: refuse another cwd's session before that
-            self._refuse_other_cwd(session_id, cwd, cached, stored)
+            self._refuse_other_cwd(session_id, cwd, cached, stored, log)
         with log.lock():
             pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
             current, log_uuids, caught_up, shrunk = self._current(session_id, cwd, log, cached, stored, pipe,
@@ -668,11 +668,27 @@ class SessionStore:
         state = result.state
         return rebuild(state.session_id, state.cwd, [*events, *result.appended], self.settings.context, 0)
 
-    def _refuse_other_cwd(self, session_id: str, cwd: str, cached: SessionState | None, stored: Stored) -> None:
+    def _refuse_other_cwd(self, session_id: str, cwd: str, cached: SessionState | None, stored: Stored,
+                          log: SessionLog) -> None:
         """Refuse a session bound to another cwd (its log is elsewhere) before this cwd's log is
-        created: a refusal leaves nothing on disk (SPEC §3)."""
-        _check_cwd(session_id, cwd, cached if cached is not None else
-                   self.load(session_id) if isinstance(stored, _Unread) else stored)
+        created: a refusal leaves nothing on disk (SPEC §3). With no state of the session in
+        Redis (a new session, or Redis lost its state), a log of it under another project binds
+        it: after a loss, one entry of another cwd had started a second log and taken the
+        session, every later entry of its own cwd dead-lettered (or, in the same round, split
+        over the two logs)."""
+        state = cached if cached is not None else self.load(session_id) if isinstance(stored, _Unread) else stored
+        _check_cwd(session_id, cwd, state)
+        if state is None:
+            for other in log.elsewhere():
+                try:
+                    meta = other.first_of_type("session_meta")
+                except LogCorrupted:  # (unreadable: it is there all the same)
+                    meta = None
+                logged = meta.get("cwd") if meta is not None else None
+                if isinstance(logged, str):
+                    raise bound_elsewhere(session_id, logged, cwd)
+                raise InvalidEvent("cwd", f"session {session_id} is logged under another cwd ({other.path}; no "
+                                          f"session_meta records which), not {cwd!r}")
 
 
 def _stamped(event: dict[str, Any], encoding: str, progress: Callable[[], None] | None) -> dict[str, Any]:

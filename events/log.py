@@ -118,7 +118,18 @@ class SessionLog:
         fsync: bool = False,
         create: bool = True,
     ) -> None:
-        self.path = session_log_path(data_dir, cwd, session_id)
+        self._open_at(session_log_path(data_dir, cwd, session_id), fsync=fsync, create=create)
+
+    @classmethod
+    def at_path(cls, path: Path) -> SessionLog:
+        """The log at ``path`` (``{dataDir}/{project}/sessions/{id}.jsonl``), to read: found by
+        ``elsewhere``, whose cwd is not known (the project's name does not give it back)."""
+        log = cls.__new__(cls)
+        log._open_at(path, fsync=False, create=False)
+        return log
+
+    def _open_at(self, path: Path, *, fsync: bool, create: bool) -> None:
+        self.path = path
         self._root = self.path.parents[2]  # the data dir, as the path spells it
         self.torn_path = _sibling(self.path, TORN_SUFFIX)
         self.fsync = fsync
@@ -131,6 +142,17 @@ class SessionLog:
 
     def __repr__(self) -> str:
         return f"SessionLog({str(self.path)!r})"
+
+    def elsewhere(self) -> list[SessionLog]:
+        """The logs of this session under the other projects of the data dir (the same session id,
+        another cwd's directory): one scan of the data dir, a ``stat`` per project."""
+        name, own = self.path.name, self.path.parent.parent
+        try:
+            projects = [Path(entry.path) for entry in os.scandir(self._root) if entry.is_dir(follow_symlinks=False)]
+        except OSError:
+            return []
+        return [SessionLog.at_path(path) for path in sorted(project / "sessions" / name for project in projects)
+                if path.parent.parent != own and path.is_file()]
 
     def exists(self) -> bool:
         """Whether the log file exists."""

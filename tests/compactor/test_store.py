@@ -127,6 +127,27 @@ def test_a_session_refused_for_its_cwd_leaves_no_log_under_that_cwd(store: Sessi
     assert not elsewhere.path.parent.parent.exists()
 
 
+@pytest.mark.parametrize("with_meta", [True, False], ids=["session_meta", "no session_meta"])
+def test_after_redis_lost_a_session_its_log_under_another_project_keeps_it_bound(
+        store: SessionStore, r: redis.Redis, with_meta: bool) -> None:
+    """Redis lost the session's state (a restart without persistence, its 7-day idle TTL): one
+    entry of another cwd started a second log and took the session, every later entry of its
+    own cwd refused as bound elsewhere (or, in the same round, the session split over two logs)."""
+    first = [{"type": "session_meta", "uuid": "m", "timestamp": "2026-01-01T00:00:00Z", "cwd": CWD}] if with_meta else []
+    store.apply(SID, CWD, [*first, user(1, "a")])
+    r.flushall()
+    elsewhere = store.log(SID, "/somewhere/else")
+    with pytest.raises(InvalidEvent) as err:
+        store.apply(SID, "/somewhere/else", [user(2, "b")])
+    bound = (f"is bound to cwd {CWD!r}" if with_meta else
+             f"is logged under another cwd ({store.log(SID, CWD).path}; no session_meta records which)")
+    assert str(err.value) == f"cwd: session {SID} {bound}, not '/somewhere/else'"
+    assert not elsewhere.path.exists() and not elsewhere.path.parent.parent.exists()
+    store.apply(SID, CWD, [user(2, "c")])  # its own cwd goes on
+    assert [e["content"] for e in store.log(SID, CWD).read() if e["type"] == "user"] == ["a", "c"]
+    store.apply("another", "/somewhere/else", [user(1, "d")])  # another session's first cwd is its own
+
+
 def rollback(through: int) -> dict[str, Any]:
     return {"type": "rollback", "uuid": f"rb{through}", "timestamp": "2026-01-01T00:00:00Z",
             "throughTurnId": through, "reason": "undo"}

@@ -261,6 +261,28 @@ def test_a_session_seen_with_another_cwd_is_dead_lettered(r: redis.Redis, small:
     assert len(dead_letters(r)) == 3
 
 
+def test_after_redis_lost_its_data_a_round_with_another_cwd_first_does_not_split_the_session(
+        r: redis.Redis, small: Settings) -> None:
+    """Redis lost its data; then one transaction held an entry of another cwd, then one of the
+    session's own: both were applied, to two logs, nothing dead-lettered."""
+    publisher = Publisher(r, small)
+    watcher = Watcher(r, small, name="w")
+    good = publisher.publish("s1", CWD, [{"type": "session_meta", "model": "gpt-4"}, user(1)])
+    drain(watcher, r, small)
+    r.flushall()
+    watcher.run_once()  # (the group recreated)
+    pipe = r.pipeline(transaction=True)
+    for cwd, event in (("/another/project", user(2, "b")), (CWD, user(2, "a"))):
+        pipe.xadd(Keys().stream_for("s1"), {"session": "s1", "cwd": cwd, "event": orjson.dumps(event)})
+    other, own = [entry_id.decode() for entry_id in pipe.execute()]
+    drain(watcher, r, small)
+    assert [line["streamId"] for line in log_lines(small, "s1")] == [*good, own]
+    assert not SessionLog(small.data_dir, "/another/project", "s1").path.exists()
+    [dead] = dead_letters(r)
+    assert dead[b"id"].decode() == other
+    assert dead[b"reason"].decode() == f"cwd: session s1 is bound to cwd {CWD!r}, not '/another/project'"
+
+
 @pytest.mark.parametrize("wrong_first", [True, False])
 def test_an_entry_on_another_sessions_shard_is_dead_lettered_not_dropped(
     r: redis.Redis, small: Settings, wrong_first: bool,
