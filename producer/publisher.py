@@ -205,6 +205,8 @@ SENT_KEPT = 10_000  # uuids send_unsent remembers per session, at most (the newe
 
 def check_idempotency_key(key: str) -> None:
     """An idempotency key: 1 to 255 printable ASCII characters (an HTTP header's value)."""
+    if not isinstance(key, str):  # (``idempotency_key=17``: a bare TypeError from len)
+        raise InvalidInput("Idempotency-Key", f"must be a string, not {type(key).__name__}")
     if not 1 <= len(key) <= IDEMPOTENCY_KEY_MAX or not all("!" <= c <= "~" for c in key):
         raise InvalidInput("Idempotency-Key", f"must be 1 to {IDEMPOTENCY_KEY_MAX} printable ASCII characters "
                            "without spaces")

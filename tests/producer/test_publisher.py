@@ -294,3 +294,5 @@ def test_a_call_repeated_under_its_idempotency_key_is_applied_once(r: redis.Redi
         ("user", 1), ("turn_end", 1), ("user", 2), ("turn_end", 2)]
     with pytest.raises(InvalidInput, match="^Idempotency-Key: must be"):
         publisher.publish("s1", CWD, batch, idempotency_key="two words")
+    with pytest.raises(InvalidInput, match="^Idempotency-Key: must be a string, not int$"):  # (a bare TypeError)
+        publisher.publish("s1", CWD, batch, idempotency_key=17)  # type: ignore[arg-type]
