@@ -162,7 +162,10 @@ class Publisher:
     def request_compaction(self, session_id: str, cwd: str, forced: bool = True) -> str | None:
         """Request an LLM compaction; the job id. ``forced`` (the default): the forced job that
         answers it, queued now or waiting for the session's pending job (never None); not forced:
-        None when a job is already pending (the request is coalesced into it)."""
+        None when a job is already pending (the request is coalesced into it). The session's log
+        is not looked for (a producer need not see the data dir, and its first events may still
+        wait in the stream): a job for a session with no log fails ``SessionNotFound``, where the
+        HTTP API's ``compact`` answers 404 first."""
         session_id = validate_session_id(session_id)
         cwd = validate_cwd(cwd)
         session_log_path(self.settings.data_dir, cwd, session_id)  # a cwd no log can live under: refused now
