@@ -77,6 +77,7 @@ breaker open does nothing, and a failed call fails the job (forced or not).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -157,6 +158,13 @@ class _Session:
 # hands its session on (a worker paused 25 s, then resumed, appended a summary while the job that
 # replaced it made its own LLM call).
 ABANDON_CHECK_AFTER_S = 10.0
+
+# Set when this worker process was asked to stop (a warm shutdown: ``CompactionWorker.request_stop``):
+# the job in hand finishes its LLM call but makes no further one (the next chunk, a model fallback),
+# so it ends within one call of the stop (compose's ``stop_grace_period``, serve's 15 s to its
+# children): a fallback after a timed-out call, or a backlog's chunks, outlasted the grace, and the
+# job was SIGKILLed, then run again from the start.
+STOPPING = threading.Event()
 
 
 def _abandoned(run: JobRun | None, what: str) -> JobAbandoned:
@@ -484,6 +492,10 @@ class Compactor:
             kind = self._count_failure(session_id, plan.model, error, run.job_id if run is not None else None)
             if not fallback or fallback == plan.model:
                 raise
+            if STOPPING.is_set() and fallback != EXTRACTIVE_MODEL:  # (the extractive one calls no LLM)
+                logger.warning("llm failed session=%s: the worker is stopping, no call to the fallback %s",
+                               session_id, fallback)
+                raise
             logger.warning("llm failed session=%s: using fallback %s", session_id, fallback)
             try:
                 text = self._summarize_with(fallback, reading, view)
@@ -596,13 +608,18 @@ class Compactor:
                                      f"(a quarter of the session's {view.window}-token window, at least "
                                      f"{MIN_SUMMARY_LIMIT_TOKENS})")
             done += len(chunk)
-            if (run is not None and run.deadline is not None and done < len(targets.events)
-                    and time.monotonic() + self.ctx.llm_timeout_seconds > run.deadline
-                    and turn_of(targets.events[done]) - 1 > targets.start_after):
-                logger.warning("summarizing stopped after %d of %d targets: another LLM call might outlast the "
-                               "job's timeout; the next job goes on", done, len(targets.events))
-                run.covered = done
-                break
+            if done >= len(targets.events) or run is None or turn_of(targets.events[done]) - 1 <= targets.start_after:
+                continue  # (all summarized; or no turn boundary past the previous summary's yet)
+            if run.deadline is not None and time.monotonic() + self.ctx.llm_timeout_seconds > run.deadline:
+                why = "another LLM call might outlast the job's timeout"
+            elif STOPPING.is_set():
+                why = "the worker is stopping"
+            else:
+                continue
+            logger.warning("summarizing stopped after %d of %d targets: %s; the next job goes on",
+                           done, len(targets.events), why)
+            run.covered = done
+            break
         assert running is not None  # targets are never empty here
         return running
 

@@ -85,6 +85,7 @@ from events.config import Settings
 from events.errors import CompactorError
 from events.tokens import get_encoding
 from worker import context as worker_context
+from worker.compaction import STOPPING
 from worker.context import WorkerContext
 from worker.jobs import finish
 from worker.redis_wait import RedisWait, is_transient
@@ -230,6 +231,12 @@ class CompactionWorker(SimpleWorker):
         super()._install_signal_handlers()  # type: ignore[no-untyped-call]
         if not hangup_ignored():  # (nohup: stays ignored)
             signal.signal(signal.SIGHUP, self.request_stop)
+
+    def request_stop(self, signum: int, frame: Any) -> None:
+        """RQ's warm shutdown; the job in hand is told too (``worker.compaction.STOPPING``): it
+        makes no LLM call past the one it is in."""
+        STOPPING.set()
+        super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """The execution TTL: short, since the keeper heartbeats running jobs."""

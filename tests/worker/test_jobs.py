@@ -6,8 +6,10 @@ import fcntl
 import logging
 import os
 import re
+import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -1277,3 +1279,58 @@ def test_a_re_check_that_cannot_use_the_log_is_one_error_line_naming_it(
     assert record.levelname == "ERROR" and record.exc_info is None
     assert record.getMessage().endswith("the re-check cannot use the log: /data/s1.jsonl: cannot open: [Errno 13] "
                                         "Permission denied")
+
+
+@pytest.fixture
+def stopping() -> Iterator[None]:
+    """The worker process asked to stop (``CompactionWorker.request_stop``) while its job runs."""
+    worker_compaction.STOPPING.set()
+    try:
+        yield
+    finally:
+        worker_compaction.STOPPING.clear()
+
+
+def test_a_stop_request_reaches_the_job_in_hand(r: redis.Redis, wsettings: Settings) -> None:
+    from rq.exceptions import StopRequested
+
+    from worker.runner import CompactionWorker
+
+    worker = CompactionWorker.for_settings(r, wsettings)
+    try:
+        with pytest.raises(StopRequested):  # (idle: RQ stops at once)
+            worker.request_stop(signal.SIGTERM, None)
+        assert worker_compaction.STOPPING.is_set()
+    finally:
+        worker_compaction.STOPPING.clear()
+
+
+def test_a_stopping_worker_calls_no_fallback_model_after_a_failed_call(
+    r: redis.Redis, settings: Settings, stub: LLMStub, stopping: None,
+) -> None:
+    """A fallback after a timed-out call (120 s, then up to 120 s more) outlasted compose's
+    150 s stop grace: the job was SIGKILLed and run again from the start."""
+    wsettings = make_settings(settings, llm_timeout_seconds=5.0, compaction_model="openai/stub-model",
+                              fallback_model="openai/backup")
+    write_session(r, wsettings, "s1", 3, output="short")
+    stub.script(StubResponse(status=401))
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FAILED
+    assert "permanent LLM failure" in (job.latest_result().exc_string or "")  # type: ignore[union-attr]
+    assert [request.body["model"] for request in stub.requests] == ["stub-model"]
+    assert r.get(Keys().failures("s1")) == b"1"
+
+
+def test_a_stopping_worker_appends_the_chunks_summarized_and_calls_no_more(
+    r: redis.Redis, settings: Settings, stub: LLMStub, stopping: None,
+) -> None:
+    small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=100,
+                          default_context_window=2_000, llm_timeout_seconds=5.0)
+    write_session(r, small, "s1", 12, output="y " * 300, window=2_000, tool="ask_human")
+    replies = iter(f"<summary>\n{summary_text(f'chunk{i}')}\n</summary>" for i in range(1, 50))
+    stub.reply = lambda body: next(replies)
+    job = _run(r, small, "s1", forced=True)  # (and the jobs its end re-checks the session for, here)
+    assert job.get_status() == JobStatus.FINISHED
+    ends = [e["lastSummarizedTurnId"] for e in read_log(small, "s1") if e["type"] == "summary"]
+    assert len(ends) == len(stub.requests) > 1  # one call a job: each stopped after its first chunk
+    assert ends == sorted(set(ends))  # (each went on from the last; the re-checks stop under the threshold)
