@@ -62,7 +62,7 @@ from rq.job import Job
 from compactor.embedded import EmbeddedRedis
 from compactor.keys import Keys
 from compactor.queue import parse_job_id
-from compactor.serve import PARENT_PID_ENV, our_code_env, our_python
+from compactor.serve import child_env, our_python
 from events.config import Settings
 from events.tokens import count_tokens, encoding_for_model
 from producer.publisher import Publisher
@@ -405,7 +405,9 @@ def _watcher_process(client: redis.Redis, settings: Settings, tmp: Path) -> Iter
         "redis": {"url": settings.redis.url, "prefix": settings.redis.prefix},
         "watcher": {"batchSize": BATCH, "blockMs": 100, "leaseMs": 10_000},
     }))
-    env = our_code_env({**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", PARENT_PID_ENV: str(os.getpid())})
+    # (without the config's environment overrides, as serve's children: compose's REDIS_URL sent the
+    # bench's watcher to the deployment's Redis, where it never took a lease, and keys were left there)
+    env = {**child_env(os.getpid()), "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     process = subprocess.Popen(our_python("-c", WATCHER_SCRIPT, str(config)), env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -46,7 +46,7 @@ from compactor.embedded import EmbeddedRedis
 from compactor.heap import freeze_heap
 from compactor.llm_stub import LLMStub
 from compactor.queue import enqueue_compaction
-from compactor.serve import our_code_env, our_python
+from compactor.serve import child_env, our_python
 from compactor.store import SessionStore
 from events.config import Settings
 from events.log import SessionLog
@@ -208,7 +208,7 @@ def _throughput(client: redis.Redis, settings: Settings, workers: int, jobs: int
                                   "context": {"compactionModel": MODEL, "llmTimeoutSeconds": 30}}))
     code = ("from events.config import load_settings\nfrom worker.runner import main\n"
             f"main(load_settings({str(config)!r}), count={workers}, burst=True)\n")
-    subprocess.run(our_python("-c", code), check=True, env=our_code_env(dict(os.environ)), timeout=600,
+    subprocess.run(our_python("-c", code), check=True, env=child_env(os.getpid()), timeout=600,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     fetched = [Job.fetch(i, connection=client) for i in ids if i]
     finished = [j for j in fetched if j.get_status() == "finished" and j.started_at and j.ended_at]
