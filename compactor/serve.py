@@ -167,20 +167,42 @@ def start_embedded(settings: Settings) -> EmbeddedRedis:
     return server
 
 
-PRIVATE_PREFIX = "compactor-serve-"  # + pid + "-": a stack's private dir (its effective config, token included)
+PRIVATE_PREFIX = "compactor-serve-"  # + pid + "-" + start + "-": a stack's private dir (its effective config, token included)
+
+
+def private_dir_prefix(pid: int | None = None) -> str:
+    """The name a serve's private dir starts with: its pid and its process's start time (in
+    1/100 s): in a container serve is always pid 1, and a restarted one took the dir a killed one
+    left (its API token in it) for its own: never removed."""
+    pid = os.getpid() if pid is None else pid
+    return f"{PRIVATE_PREFIX}{pid}-{_started(pid)}-"
+
+
+def _started(pid: int) -> int | None:
+    try:
+        return round(float(psutil.Process(pid).create_time()) * 100)
+    except psutil.Error:
+        return None
 
 
 def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
     """Remove the private dirs of stacks whose serve is gone (``kill -9``: its effective config,
-    API token included, stayed in the temp dir); the dirs removed."""
+    API token included, stayed in the temp dir): no process has its pid, or the one that has
+    started at another time; the dirs removed."""
     removed = []
     for path in Path(root or tempfile.gettempdir()).glob(f"{PRIVATE_PREFIX}*-*"):
-        pid = path.name[len(PRIVATE_PREFIX):].partition("-")[0]
+        parts = path.name[len(PRIVATE_PREFIX):].split("-")  # pid, start, mkdtemp's part (no "-" in it)
+        pid, started = parts[0], parts[1] if len(parts) == 3 else ""  # (two: an earlier version's name)
         try:
             mine = path.is_dir() and path.stat().st_uid == os.getuid()
         except OSError:
             continue
-        if mine and pid.isdigit() and not psutil.pid_exists(int(pid)):
+        if not mine or not pid.isdigit():
+            continue
+        gone = not psutil.pid_exists(int(pid))
+        if not gone and started.isdigit():
+            gone = _started(int(pid)) != int(started)
+        if gone:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
@@ -405,7 +427,7 @@ def running_stack(settings: Settings, specs: list[ChildSpec], *,
     try:
         redis_url = embedded.url if embedded else settings.redis.url
         remove_stale_private_dirs()
-        private = Path(tempfile.mkdtemp(prefix=f"{PRIVATE_PREFIX}{os.getpid()}-"))
+        private = Path(tempfile.mkdtemp(prefix=private_dir_prefix()))
         config = write_effective_config(settings, redis_url, private)
         supervisor = Supervisor(specs, config, output=output)
         supervisor.env[MULTIPROC_ENV] = str(metrics_dir(private))

@@ -358,14 +358,17 @@ def test_a_killed_serves_private_dir_is_removed_by_the_next_one(tmp_path: Path) 
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    gone = tmp_path / f"{serve.PRIVATE_PREFIX}{dead.pid}-abc"
-    alive = tmp_path / f"{serve.PRIVATE_PREFIX}{os.getpid()}-def"
+    gone = tmp_path / f"{serve.private_dir_prefix(os.getpid()).replace(str(os.getpid()), str(dead.pid), 1)}abc"
+    # in a container serve is pid 1 each time: a dir of this pid, of a process started at another time
+    reused = tmp_path / f"{serve.PRIVATE_PREFIX}{os.getpid()}-12345-ghi"
+    alive = tmp_path / f"{serve.private_dir_prefix()}def"
+    earlier = tmp_path / f"{serve.PRIVATE_PREFIX}{os.getpid()}-jkl"  # an earlier version's name: by its pid
     other = tmp_path / "compactor-unrelated"
-    for path in (gone, alive, other):
+    for path in (gone, reused, alive, earlier, other):
         path.mkdir()
         (path / "codingcode.yaml").write_text("api: {token: secret}\n")
-    assert serve.remove_stale_private_dirs(tmp_path) == [gone]
-    assert not gone.exists() and alive.exists() and other.exists()
+    assert sorted(serve.remove_stale_private_dirs(tmp_path)) == sorted([gone, reused])
+    assert not gone.exists() and not reused.exists() and alive.exists() and earlier.exists() and other.exists()
 
 
 def _line_with(process: subprocess.Popen[str], text: str) -> str:
