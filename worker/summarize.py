@@ -270,7 +270,11 @@ def build_messages(transcript: str, previous_summary: str | None,
 # A heading as models write it: ``### Title``, also at level 2 or 4, numbered (``### 1. Title``), in
 # bold (``### **1. Title**``), closed (``### Title ###``), with a trailing colon; the title's case and
 # spacing do not count.
-_HEADING = re.compile(r"^#{2,4}[ \t]+(?:[*_]{1,2})?(?:\d{1,2}[.)][ \t]+)?(.+?)[ \t]*#*$")
+# Its start only: the title is what follows, less trailing spaces and ``#`` (a pattern taking the
+# title lazily before ``[ \t]*#*$`` went over the line again at each of its characters: a producer's
+# summary holding one 300 kB heading-like line held every extractive job of the session past its timeout).
+_HEADING = re.compile(r"#{2,4}[ \t]+(?:[*_]{1,2})?(?:\d{1,2}[.)][ \t]+)?")
+MAX_HEADING_CHARS = 200  # a longer line is no heading of a section (the longest title is 22 characters)
 
 
 _TITLES = {title.lower(): title for title in SECTION_TITLES}
@@ -279,13 +283,19 @@ _TITLES = {title.lower(): title for title in SECTION_TITLES}
 def _heading_title(line: str) -> str | None:
     """The section title a heading line names (see ``_HEADING``), else None."""
     stripped = line.strip()
-    match = _HEADING.match(stripped) if stripped.startswith("##") else None  # (most lines: no regex)
+    if not stripped.startswith("##") or len(stripped) > MAX_HEADING_CHARS:  # (most lines: no regex)
+        return None
+    match = _HEADING.match(stripped)
     if match is None:
         return None
-    return _TITLES.get(" ".join(match.group(1).strip("*_: \t").split()).lower())
+    title = stripped[match.end():].rstrip(" \t#")
+    return _TITLES.get(" ".join(title.strip("*_: \t").split()).lower())
 
 
-_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+# A fence's opening line; a backtick one's info string holds no backtick (CommonMark): ```npm install```
+# on a line of its own is inline code, and read as an open fence it hid every heading after it (a
+# valid reply refused, a failure counted at each retry).
+_FENCE = re.compile(r"^ {0,3}(`{3,}(?![^`]*`)|~{3,})")
 
 
 def _headings(text: str) -> list[tuple[int, str | None]]:

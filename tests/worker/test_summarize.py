@@ -201,6 +201,29 @@ def test_a_heading_repeated_later_or_inside_a_code_fence_is_body_text() -> None:
         validate_summary_text(text.replace("### Key Technical Concepts", "~~~\n### Key Technical Concepts\n~~~"))
 
 
+@pytest.mark.parametrize("inline", ["```npm install```", "  ```npm install``` then run", "````x` y````"])
+def test_a_line_of_inline_code_is_no_fence(inline: str) -> None:
+    """A user's ```npm install```, quoted under All User Messages, opened a fence that was never
+    closed: every heading after it was taken for code, and a reply with all 10 was refused ("lacks
+    section headings: Pending Tasks, ..."), a failure counted at each retry (CommonMark: a backtick
+    fence's info string holds no backtick)."""
+    bodies = {title: f"about {title.lower()}" for title in SECTION_TITLES}
+    bodies["All User Messages"] = f"- set up the project\n{inline}"
+    body = "\n".join(f"### {title}\n{bodies[title]}" for title in SECTION_TITLES)
+    assert split_sections(extract_summary(f"<summary>\n{body}\n</summary>")) == bodies
+
+
+def test_a_long_heading_like_line_is_read_in_linear_time() -> None:
+    """A producer's summary holding one 300 kB line ``## notes      ...end`` took the heading
+    pattern ~880 s (quadratic: 40 k characters took 17 s): every extractive job of the session
+    timed out."""
+    started = time.monotonic()
+    for line in ("## notes" + " " * 300_000 + "end", "### " + "#" * 300_000 + "x", "## " + "*" * 300_000):
+        with pytest.raises(SummaryInvalid, match="lacks section headings"):
+            validate_summary_text(line)
+    assert time.monotonic() - started < 1.0
+
+
 @pytest.mark.parametrize("quoted", ["## Current Work", "### Current Work", "## Pending Tasks", "#### Optional Next Step"])
 def test_a_user_message_quoting_a_later_sections_heading_is_body_text(quoted: str) -> None:
     """*All User Messages* quotes every user message; one holding ``## Current Work`` (a template
