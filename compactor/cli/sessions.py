@@ -109,7 +109,7 @@ def compact(
         result = job.result
         if job.llm_error is not None:
             failed = job.llm_error
-            err_console.print(f"the LLM call failed ({failed.kind}: {failed.error}); "
+            err_console.print(f"the LLM call failed ({failed.kind}: {shown(failed.error)}); "
                               f"summarized by the fallback {failed.fallback}", style="yellow", markup=False,
                               soft_wrap=True)
         typer.echo(f"released {result.released} tokens; promptEstimate now "
@@ -202,14 +202,25 @@ def context(
         console.print(_message_panel(message, full))
 
 
+# C0 controls but the line break and the tab, DEL, C1: shown as escapes, never sent to the terminal
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def shown(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\x1b``): a session's text is an
+    agent's (a tool's output, a fetched page), and its escape sequences went to the operator's
+    terminal as they were: one set the window's title and cleared the screen."""
+    return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def _message_panel(message: dict[str, Any], full: bool) -> Panel:
     role = str(message.get("role", "?"))
-    title = role + (f" ({message['name']})" if message.get("name") else "")
+    title = shown(role + (f" ({message['name']})" if message.get("name") else ""))
     lines = [str(message.get("content") or "")]
     for call in message.get("tool_calls") or []:
         fn = call.get("function", {})
         lines.append(f"→ {fn.get('name')}({fn.get('arguments')})  [{call.get('id')}]")
-    text = "\n".join(line for line in lines if line)
+    text = shown("\n".join(line for line in lines if line))
     if not full and len(text) > CONTENT_PREVIEW_CHARS:
         text = text[:CONTENT_PREVIEW_CHARS] + f" … (+{len(text) - CONTENT_PREVIEW_CHARS} chars)"
     colors = {"system": "magenta", "user": "green", "assistant": "cyan", "tool": "yellow"}
@@ -286,8 +297,8 @@ def dead_letters(
         table.add_column(header, overflow="fold")
     for letter in body.letters:
         written = datetime.fromtimestamp(letter.written_at, UTC)
-        table.add_row(f"{_age(now - written)} ago", Text(letter.session or "-"), Text(letter.reason),
-                      Text(f"{letter.stream or '?'} {letter.entry_id or '?'}"))
+        table.add_row(f"{_age(now - written)} ago", Text(shown(letter.session or "-")), Text(shown(letter.reason)),
+                      Text(shown(f"{letter.stream or '?'} {letter.entry_id or '?'}")))
     _table_console().print(table)
 
 

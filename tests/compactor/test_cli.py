@@ -1275,6 +1275,29 @@ def test_dead_letters_lists_the_refused_entries_newest_first_with_their_reasons(
     assert none.exit_code == 0 and "no dead letters of session s9" in none.output
 
 
+def test_an_agents_escape_sequences_are_shown_not_sent_to_the_terminal(
+        runner: CliRunner, r: redis.Redis, settings: Settings, config: Path, tmp_path: Path) -> None:
+    """A tool's output (or a refused entry's session field) holding ``ESC ]0;title ESC \\ ESC [2J``
+    set the operator's window title and cleared the screen under ``context`` and ``dead-letters``."""
+    from producer.watcher import Watcher
+    from tests.producer.conftest import drain
+
+    attack = "\x1b]0;pwned\x1b\\\x1b[2J\x9b0m"
+    hand_written_log(tmp_path / "data")
+    path = SessionLog(tmp_path / "data", CWD, SID).path
+    path.write_text(path.read_text() + json.dumps(
+        {"type": "user", "uuid": "u2", "turnId": 2, "content": f"look: {attack} done"}) + "\n")
+    context = runner.invoke(app, ["context", SID, "--cwd", CWD, "--data-dir", str(tmp_path / "data")])
+    r.xadd(Keys().stream_for("s1"), {"session": f"x{attack}y", "cwd": CWD, "event": b'{"type": "user"}'})
+    drain(Watcher(r, settings, name="w"), r, settings)
+    letters = runner.invoke(app, ["dead-letters", "--config", str(config), "--redis-url", settings.redis.url],
+                            env={"COLUMNS": "300"})
+    for result in (context, letters):
+        assert result.exit_code == 0, result.output
+        assert not any(c in result.stdout for c in "\x1b\x9b")
+        assert "\\x1b]0;pwned\\x1b\\\\x1b[2J\\x9b0m" in result.stdout.replace("\n", "")
+
+
 def test_status_names_a_held_back_session_it_has_no_row_for(runner: CliRunner, r: redis.Redis, settings: Settings,
                                                             config: Path) -> None:
     """A session whose log cannot be read (not a regular file) has no state to show: the status
