@@ -81,15 +81,17 @@ def compact(
 
     Needs running workers (`compactor serve` or `compactor work`).
     """
-    outside_the_stack()  # (before compactor.queue imports compactor.metrics)
-    from compactor.keys import Keys
-    from compactor.queue import enqueue_forced_compaction
-    from producer.api_jobs import wait_for_job
-
     settings: Settings | None = None
     client: Any = None
     try:
         with interrupted_by_signals():  # (stopped while it waits: the JSON line too, then 130 or 128+N)
+            # (the imports in the block: RQ's and the API's took up to 0.8 s, and a Ctrl-C or SIGTERM
+            # then ended the command with no JSON line)
+            outside_the_stack()  # (before compactor.queue imports compactor.metrics)
+            from compactor.keys import Keys
+            from compactor.queue import enqueue_forced_compaction
+            from producer.api_jobs import wait_for_job
+
             settings = load(config, redis_url=redis_url, data_dir=data_dir)
             with user_errors():
                 sid, cwd = validate_session_id(session), validate_cwd(cwd)

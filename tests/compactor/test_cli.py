@@ -953,6 +953,20 @@ def test_compact_stopped_while_it_waits_still_prints_the_json_last(
     assert "Traceback" not in err, err
 
 
+def test_compact_stopped_while_it_starts_still_prints_the_json_last(
+        runner: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its first imports (RQ's, the API's: up to 0.8 s) ran before the signals were handled: a
+    Ctrl-C or SIGTERM then ended the command with no JSON line."""
+    from compactor.cli import sessions
+
+    def ctrl_c() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sessions, "outside_the_stack", ctrl_c)
+    result = runner.invoke(app, ["compact", SID, "--cwd", CWD])
+    assert json.loads(result.stdout.splitlines()[-1]) == {"didCompress": False, "released": 0, "promptEstimate": 0}
+
+
 def test_compact_times_out_with_exit_1(runner: CliRunner, r: redis.Redis, settings: Settings,
                                        config: Path) -> None:
     write_session(r, settings, 3)
