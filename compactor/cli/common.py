@@ -31,7 +31,7 @@ from rich.console import Console
 
 from compactor.redis_errors import AccessDenied, check_access, is_permission_error, is_refusal
 from compactor.urls import host_port, redacted
-from events.config import Settings, load_settings
+from events.config import ENV_OVERRIDES, Settings, load_settings
 from events.errors import CompactorError, InvalidConfig, InvalidInput
 
 logger = logging.getLogger(__name__)
@@ -104,10 +104,21 @@ def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | 
                  if v is not None}
     environ.update(overrides)
     origins = {var: OPTION_OF_ENV.get(var, var) for var, value in overrides.items() if not _from_env(var, value)}
+    # An empty variable is unset (the file's value stands: compose's ``${VAR:-}``), but an option given
+    # empty was dropped the same way: ``--redis-url ''`` (its help: "empty: the embedded server") used
+    # the file's URL, and ``--host ''`` the default address. It means embedded, and is refused elsewhere.
+    emptied = [var for var, value in overrides.items() if value == "" and var in origins]
+    for var in emptied:
+        if var != "REDIS_URL":
+            key = ".".join(ENV_OVERRIDES.get(var, (var,)))
+            fail(f"invalid configuration: {key} (from {origins[var]}): must not be empty", EXIT_CONFIG)
     try:
-        return load_settings(config, environ, origins)
+        settings = load_settings(config, environ, origins)
     except InvalidConfig as e:
         fail(f"invalid configuration: {e}", EXIT_CONFIG)
+    if emptied:  # (--redis-url '': the embedded server)
+        settings = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": ""})})
+    return settings
 
 
 def _from_env(var: str, value: str | Path) -> bool:

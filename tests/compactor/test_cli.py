@@ -648,6 +648,21 @@ def test_work_with_an_unreachable_redis_exits_1_at_once(tmp_path: Path) -> None:
     assert line.startswith(f"compactor: Redis unreachable at unix://{tmp_path}/none.sock: "), line
 
 
+def test_an_option_given_empty_is_not_dropped_as_an_empty_variable_is(
+        runner: CliRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--redis-url ''`` (its help: "empty: the embedded server of compactor serve") used the file's
+    URL, and ``--host ''`` listened on the default address, where ``api.host: ''`` is refused."""
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("COMPACTION_API_HOST", raising=False)
+    config = tmp_path / "c.yaml"
+    config.write_text(f"redis: {{url: 'redis://127.0.0.1:1/0'}}\ndataDir: {tmp_path / 'd'}\n")
+    embedded = runner.invoke(app, ["status", "--config", str(config), "--redis-url", ""])
+    assert embedded.exit_code == 2 and "no `compactor serve` runs" in embedded.stderr, embedded.output
+    host = runner.invoke(app, ["api", "--config", str(config), "--host", ""])
+    assert host.exit_code == 2
+    assert host.stderr.strip() == "compactor: invalid configuration: api.host (from --host): must not be empty"
+
+
 def test_work_gives_up_on_a_worker_process_that_keeps_dying(settings: Settings,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from worker import runner
