@@ -196,7 +196,7 @@ def context(
     if json_out:
         print_json(body.model_dump(by_alias=True, exclude_unset=True))
         return
-    console = Console()
+    console = _console()
     console.print(f"[bold]{session}[/]  promptEstimate [bold]{body.prompt_estimate}[/]  "
                   f"currentTurnId [bold]{body.current_turn_id}[/]  "
                   f"messages {len(body.messages)}")
@@ -304,10 +304,19 @@ def dead_letters(
     _table_console().print(table)
 
 
+MIN_COLUMNS = 40  # the narrowest width printed at (``COLUMNS=0``: rich printed nothing, and the exit was 0)
+
+
+def _console() -> Console:
+    """A console for stdout, at least ``MIN_COLUMNS`` wide."""
+    console = Console()
+    return console if console.width >= MIN_COLUMNS else Console(width=MIN_COLUMNS)
+
+
 def _table_console() -> Console:
     """A console for stdout: a terminal's width (or ``$COLUMNS``) to fit; else, piped or
     redirected, as wide as the table, which is then never cropped (rich would take 80)."""
-    console = Console()
+    console = _console()
     if console.is_terminal or os.environ.get("COLUMNS", "").isdigit():
         return console
     return Console(width=UNCROPPED_COLUMNS)

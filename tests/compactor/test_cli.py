@@ -784,6 +784,18 @@ def test_context_shows_a_tool_name_as_sent_not_as_markup(runner: CliRunner, tmp_
     assert f"tool ({tool})" in result.stdout
 
 
+def test_a_columns_of_zero_still_prints(runner: CliRunner, tmp_path: Path, r: redis.Redis, settings: Settings,
+                                        config: Path) -> None:
+    """``COLUMNS=0`` made rich print nothing, and the command exited 0."""
+    hand_written_log(tmp_path / "data")
+    context = runner.invoke(app, ["context", SID, "--cwd", CWD, "--data-dir", str(tmp_path / "data")],
+                            env={"COLUMNS": "0"})
+    assert context.exit_code == 0 and "hello world" in context.stdout
+    write_session(r, settings, 2)
+    status = runner.invoke(app, ["status", *base_args(settings, config)], env={"COLUMNS": "0"})
+    assert status.exit_code == 0 and SID[:4] in status.stdout, status.output
+
+
 def test_context_of_unknown_session_exits_1_and_bad_id_exits_2(runner: CliRunner,
                                                                tmp_path: Path) -> None:
     unknown = runner.invoke(app, ["context", SID, "--cwd", CWD, "--data-dir", str(tmp_path)])
