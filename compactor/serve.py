@@ -167,7 +167,8 @@ def start_embedded(settings: Settings) -> EmbeddedRedis:
     return server
 
 
-PRIVATE_PREFIX = "compactor-serve-"  # + pid + "-" + start + "-": a stack's private dir (its effective config, token included)
+# + pid + "-" + start + "-": a stack's private dir (its effective config, token included)
+PRIVATE_PREFIX = "compactor-serve-"
 
 
 def private_dir_prefix(pid: int | None = None) -> str:

@@ -168,8 +168,6 @@ def _not_applied(events: list[dict[str, Any]], last_applied: str | None) -> list
     return [e for e in events if not (stream_id := e.get("streamId")) or stream_id_key(stream_id) > last]
 
 
-
-
 class SessionStore:
     """Loads, saves and advances session state next to the logs."""
 

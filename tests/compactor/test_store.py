@@ -133,7 +133,8 @@ def test_after_redis_lost_a_session_its_log_under_another_project_keeps_it_bound
     """Redis lost the session's state (a restart without persistence, its 7-day idle TTL): one
     entry of another cwd started a second log and took the session, every later entry of its
     own cwd refused as bound elsewhere (or, in the same round, the session split over two logs)."""
-    first = [{"type": "session_meta", "uuid": "m", "timestamp": "2026-01-01T00:00:00Z", "cwd": CWD}] if with_meta else []
+    meta = {"type": "session_meta", "uuid": "m", "timestamp": "2026-01-01T00:00:00Z", "cwd": CWD}
+    first = [meta] if with_meta else []
     store.apply(SID, CWD, [*first, user(1, "a")])
     r.flushall()
     elsewhere = store.log(SID, "/somewhere/else")

@@ -1359,8 +1359,10 @@ def test_context_after_a_stream_id_waits_for_the_watcher_to_apply_it(
     assert "applied" not in client.get(f"{path}/context", params={"cwd": CWD}).json()  # SPEC §7's fields
     for wrong in ("12", f"{2**64}-0", f"1-{2**64}"):  # (past 64 bits: waited its whole timeout, then false)
         bad = client.get(f"{path}/context", params={"cwd": CWD, "after": wrong})
-        assert bad.status_code == 400 and error_of(bad)["message"].startswith(f"after: '{wrong}' is not a stream entry id")
-    assert client.get(f"{path}/context", params={"cwd": CWD, "after": f"{2**64 - 1}-0", "timeout": 0}).status_code == 200
+        assert bad.status_code == 400
+        assert error_of(bad)["message"].startswith(f"after: '{wrong}' is not a stream entry id")
+    top = client.get(f"{path}/context", params={"cwd": CWD, "after": f"{2**64 - 1}-0", "timeout": 0})
+    assert top.status_code == 200
 
 
 def test_context_after_the_first_events_of_a_new_session_is_an_empty_view_until_applied(

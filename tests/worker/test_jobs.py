@@ -722,8 +722,8 @@ def test_a_session_without_a_model_is_planned_in_the_summarizing_models_own_wind
     """With no turn ended (no session model) the plan took the session's default window (128 000)
     for gpt-4's 8 192: the targets went whole in one call the provider refuses, a failure a job."""
     ctx = settings.context.model_copy(update={"compaction_model": compaction, "fallback_model": fallback})
-    compactor = worker_compaction.Compactor(None, settings.model_copy(update={"context": ctx}),  # type: ignore[arg-type]
-                                            lambda: None)
+    compactor = worker_compaction.Compactor(
+        None, settings.model_copy(update={"context": ctx}), lambda: None)  # type: ignore[arg-type]
     targets = LlmTargets(previous_summary=None, events=[], end_turn=1, start_after=0)
     session = worker_compaction._Session(model=None, window=128_000, encoding="cl100k_base")
     plan = compactor.plan(targets, session)
