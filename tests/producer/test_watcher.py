@@ -159,6 +159,16 @@ def test_a_run_longer_than_the_lease_is_applied_and_the_other_leases_kept(
     assert set(watcher.leases.owned) == owned  # no lease lapsed, none changed hands
 
 
+# One output whose count takes tiktoken well over the 1 s lease: 2.5 M characters took 0.73-0.9 s
+# on a quiet VM, and the tests' own check of that failed.
+BIG_CHARS = 6_000_000
+
+
+def _roomy(settings: Settings) -> Settings:
+    """``settings`` taking an event of ``BIG_CHARS`` (over the 4 MiB default)."""
+    return settings.model_copy(update={"limits": settings.limits.model_copy(update={"max_event_bytes": 8 << 20})})
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_one_event_whose_count_outlasts_the_lease_is_applied_and_the_leases_kept(
@@ -167,7 +177,8 @@ def test_one_event_whose_count_outlasts_the_lease_is_applied_and_the_leases_kept
     """An output of one character repeated takes tiktoken seconds to count (here ~2 s against a
     1 s lease): the write was refused, the entry read again, forever, and every shard of the
     watcher stalled (renewals came between events only)."""
-    big = "." * 2_500_000
+    fast = _roomy(fast)
+    big = "." * BIG_CHARS
     started = time.monotonic()
     assert count_tokens(big, "cl100k_base") > 0
     assert time.monotonic() - started > fast.watcher.lease_ms / 1000  # (the case: longer than the lease)
@@ -190,7 +201,8 @@ def test_a_recount_of_the_log_longer_than_the_lease_keeps_the_leases(r: redis.Re
     """Events after a rollback are checked against the log replayed; once the session's model
     changed encoding, every line is recounted there: with such an output in the log that took
     longer than the lease, before the write, so the entries were read again, forever."""
-    big = "." * 2_500_000
+    fast = _roomy(fast)
+    big = "." * BIG_CHARS
     publisher = Publisher(r, fast)
     watcher = Watcher(r, fast, name="slow")
     published = {"big": publisher.publish("big", CWD, [user(1, big), turn_end(1), user(2),
