@@ -427,8 +427,9 @@ class _Builder:
         """The tool result's contribution as shown; records candidates and elided outputs."""
         output = self._long_compactable(event)
         if output is not None:
-            if self._a_candidate(event):
-                self.candidates.append(event)
+            if not self._compacted(event):
+                if turn_of(event) > 0:  # (see ``_a_candidate``)
+                    self.candidates.append(event)
             elif (shown := elide(output, self.ctx.micro_compact_keep_chars)) is not output:
                 name = str_or_empty(event.get("toolName"))
                 tokens = count_shown_tokens(shown, self.encoding) + self._name_tokens(name) + MESSAGE_OVERHEAD_TOKENS

@@ -87,6 +87,8 @@ def test_a_long_tool_result_whose_turn_is_not_an_integer_is_no_micro_candidate(t
     assert view.min_candidate_turn == 2
     folded, _ = _fold_all(events)
     assert folded.min_candidate_turn == 2
+    # and, no compact covering it, it is shown whole (it was shown elided once it was no candidate)
+    assert view.elided == {} and LONG in [m["content"] for m in view.messages]
 
 
 # -- fold -----------------------------------------------------------------------------
