@@ -380,7 +380,9 @@ def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
             raise InvalidConfig(str(path), "config file not found")
         return {}
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=yaml.SafeLoader) if isinstance(data, dict) else None
     except yaml.YAMLError as e:
         raise InvalidConfig(str(path), _yaml_problem(e)) from e
     except UnicodeDecodeError as e:
@@ -391,7 +393,7 @@ def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise InvalidConfig(str(path), "must be a mapping at the top level")
-    repeated = _repeated_key(yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader))
+    repeated = _repeated_key(node, (), set())
     if repeated is not None:
         key, first, again = repeated
         raise InvalidConfig(key, f"given twice in {path} (lines {first} and {again}): YAML keeps the last, so one "
@@ -399,13 +401,16 @@ def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
     return data
 
 
-def _repeated_key(node: yaml.Node | None, path: tuple[str, ...] = ()) -> tuple[str, int, int] | None:
+def _repeated_key(node: yaml.Node | None, path: tuple[str, ...], visited: set[int]) -> tuple[str, int, int] | None:
     """A key of ours a mapping of the file gives twice: its dotted path and both lines. PyYAML
     keeps the last silently, so a second ``context:`` section (the file is shared with the agent,
     which keeps its own keys there) dropped the first's settings. At the top level only our
-    sections count: the agent's keys are its own business."""
-    if not isinstance(node, yaml.MappingNode):
+    sections count: the agent's keys are its own business. Each mapping is looked at once
+    (``visited``): an alias to one that holds it recursed without end, and a chain of aliases
+    doubled the work at each link."""
+    if not isinstance(node, yaml.MappingNode) or id(node) in visited:
         return None
+    visited.add(id(node))
     seen: dict[str, int] = {}
     for key, value in node.value:
         if not isinstance(key, yaml.ScalarNode) or key.tag != "tag:yaml.org,2002:str":
@@ -416,10 +421,9 @@ def _repeated_key(node: yaml.Node | None, path: tuple[str, ...] = ()) -> tuple[s
         if key.value in seen:
             return ".".join((*path, key.value)), seen[key.value], line
         seen[key.value] = line
-        if value is not node:  # (``&a {x: *a}``: a mapping holding itself)
-            found = _repeated_key(value, (*path, key.value))
-            if found is not None:
-                return found
+        found = _repeated_key(value, (*path, key.value), visited)
+        if found is not None:
+            return found
     return None
 
 

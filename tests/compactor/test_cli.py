@@ -188,6 +188,24 @@ def test_bad_config_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path, ya
         assert fragment.format(file=bad) in lines[0]
 
 
+def test_aliases_in_the_config_are_checked_for_repeated_keys_once_each(tmp_path: Path) -> None:
+    """The check for repeated keys followed aliases: one to a mapping holding it recursed without
+    end (a RecursionError traceback), and a chain of 21 doubled the work at each link (2.8 s)."""
+    from events.config import load_settings
+    from events.errors import InvalidConfig
+
+    config = tmp_path / "c.yaml"
+    config.write_text("context: &c {compactionThreshold: 0.8, extra: {loop: *c}}\n")
+    with pytest.raises(InvalidConfig, match="^context.extra: "):
+        load_settings(config, environ={})
+    chain = ["a0: &a0 {x: 1}"] + [f"a{n}: &a{n} {{a: *a{n - 1}, b: *a{n - 1}}}" for n in range(1, 40)]
+    config.write_text("\n".join(chain) + "\ncontext: {keepRecentTurns: 2, x: *a39}\n")
+    started = time.monotonic()
+    with pytest.raises(InvalidConfig, match="^context.x: "):
+        load_settings(config, environ={})
+    assert time.monotonic() - started < 2
+
+
 def test_a_key_the_agent_repeats_outside_our_sections_is_left_to_it(tmp_path: Path) -> None:
     from events.config import load_settings
     config = tmp_path / "c.yaml"
