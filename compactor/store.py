@@ -200,7 +200,8 @@ class SessionStore:
         session_id = state.session_id
         try:
             return self.refresh(session_id, state.cwd, self.log(session_id, state.cwd, create=False), active=False)
-        except (SessionNotFound, LogCorrupted, InvalidInput) as e:
+        except (SessionNotFound, LogCorrupted, LogWriteFailed, InvalidInput) as e:  # (LogWriteFailed: the lock
+            # opens the log to write; a log this reader may not write, one read-only one, failed the whole list)
             logger.info("state of session=%s kept as stored (derived under other settings): %s", session_id, e)
             return state
 

@@ -128,7 +128,7 @@ def compact(
     else:
         print_json(_nothing_compacted(client, settings, sid, cwd))
     if job.error is not None:
-        fail(f"compaction job {job_id} {job.status}: {_message_of(job.error)}")
+        fail(f"compaction job {job_id} {job.status}: {shown(_message_of(job.error))}")  # (a provider's text)
     fail(f"compaction job {job_id} still {WAIT_WORDS.get(job.status, job.status)} after {wait_s:g}s; "
          f"see GET /api/jobs/{job_id}")
 

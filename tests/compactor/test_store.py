@@ -592,6 +592,23 @@ def test_a_state_derived_under_other_settings_is_rebuilt_under_these(
         assert [err.field for _, err in store.apply(SID, CWD, [user(4, "again", uuid="u-late")]).rejected] == ["uuid"]
 
 
+def test_a_state_under_other_settings_whose_log_this_reader_may_not_write_is_kept_as_stored(
+        r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rebuild takes the log's lock, which opens it to write: one read-only log (chattr +i, a
+    mount) made ``GET /api/sessions`` and ``compactor status`` fail whole (500 log_write_failed)."""
+    before = SessionStore(r, settings)
+    before.apply(SID, CWD, [*_long_turn(1), *_long_turn(2)])
+    stored = before.load(SID)
+    changed = settings.model_copy(update={"context": settings.context.model_copy(
+        update={"micro_compact_keep_chars": 200})})
+
+    def read_only(self: SessionLog) -> None:
+        raise LogWriteFailed(f"{self.path}: cannot open: [Errno 1] Operation not permitted")
+
+    monkeypatch.setattr(SessionLog, "_acquire", read_only)
+    assert SessionStore(r, changed).load_current(SID) == stored
+
+
 def test_a_new_sessions_batch_refused_whole_leaves_no_log_and_no_state(store: SessionStore) -> None:
     """The log was created by the lock before the batch was refused: an empty file made the
     session known (the API's 200 instead of SPEC §7's 404, a row in ``status``) though nothing of
