@@ -32,9 +32,9 @@ from compactor.dead_letters import read_dead_letters
 from compactor.held import lease_holders, parse_held
 from compactor.keys import Keys
 from compactor.queue import pending_job_id
-from compactor.store import SessionStore, bound_elsewhere, stream_id_key
+from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd, stream_id_key
 from events.config import Settings
-from events.errors import CompactorError, InvalidInput, SessionNotFound
+from events.errors import CompactorError, InvalidInput, LogWriteFailed, SessionNotFound
 from events.log import SessionLog
 from events.models import validate_cwd, validate_session_id
 from events.state import SessionState, rebuild
@@ -136,7 +136,14 @@ def current_state(client: redis.Redis, settings: Settings, session_id: str,
     if state is not None and state.cwd != cwd:  # (another spelling of its cwd found its log)
         raise bound_elsewhere(session_id, state.cwd, cwd)
     if state is None or state.log_size != log.complete_size():
-        state = store.rebuild(session_id, cwd, log, check_cwd=state is None)
+        try:
+            state = store.rebuild(session_id, cwd, log, check_cwd=state is None)
+        except LogWriteFailed as e:  # (the lock opens the log to write: a read-only one was a 500)
+            logger.info("state of session=%s rebuilt without storing it: %s", session_id, e)
+            if state is None:
+                check_logged_cwd(session_id, cwd, log.first_of_type("session_meta"))
+            size = log.complete_size()
+            state = rebuild(session_id, cwd, log.read() if size else [], settings.context, size)
     return state
 
 

@@ -20,7 +20,7 @@ from compactor.keys import Keys
 from compactor.queue import compaction_queue
 from compactor.store import SessionStore
 from events.config import Settings
-from events.errors import InvalidEvent
+from events.errors import InvalidEvent, LogWriteFailed
 from events.log import SessionLog
 from events.checks import check_batch
 from producer.api import create_app, get_settings
@@ -1272,6 +1272,25 @@ def test_a_state_derived_under_other_settings_is_reported_as_the_new_ones_derive
     assert context < old
     assert [row["promptEstimate"] for row in rows if row["sessionId"] == SID] == [context] and one == context
     assert SessionStore(r, changed).load(SID).prompt_estimate == context  # type: ignore[union-attr]  # stored
+
+
+def test_a_session_whose_log_this_api_may_not_write_is_reported_from_its_log(
+        api_settings: Settings, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Redis holding no state of the session, its route rebuilt it under the log's lock, which
+    opens the log to write: a read-only log (chattr +i, a mount) was a 500 log_write_failed."""
+    write_session(r, api_settings, 3)
+    estimate = SessionStore(r, api_settings).load(SID).prompt_estimate  # type: ignore[union-attr]
+    r.delete(Keys().session(SID))
+
+    def read_only(self: SessionLog) -> None:
+        raise LogWriteFailed(f"{self.path}: cannot open: [Errno 1] Operation not permitted")
+
+    monkeypatch.setattr(SessionLog, "_acquire", read_only)
+    with TestClient(create_app(api_settings, redis=r)) as client:
+        one = client.get(f"/api/sessions/{SID}", params={"cwd": CWD})
+        other = client.get(f"/api/sessions/{SID}", params={"cwd": "/elsewhere"})
+    assert one.status_code == 200 and one.json()["promptEstimate"] == estimate, one.text
+    assert other.status_code == 404
 
 
 @pytest.mark.parametrize("encoding", ["gzip", "br", "deflate"])
