@@ -455,8 +455,10 @@ class SessionStore:
         """
         log = log or self.log(session_id, cwd)
         new = not log.exists()
+        events = events if isinstance(events, list) else list(events)
         if new:  # the lock would create it: refuse another cwd's session before that
-            self._refuse_other_cwd(session_id, cwd, cached, stored, log)
+            self._refuse_other_cwd(session_id, cwd, cached, stored, log,
+                                   opens=bool(events) and events[0].get("type") == "session_meta")
         with log.lock():
             pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
             current, log_uuids, caught_up, shrunk = self._current(session_id, cwd, log, cached, stored, pipe,
@@ -668,16 +670,18 @@ class SessionStore:
         return rebuild(state.session_id, state.cwd, [*events, *result.appended], self.settings.context, 0)
 
     def _refuse_other_cwd(self, session_id: str, cwd: str, cached: SessionState | None, stored: Stored,
-                          log: SessionLog) -> None:
+                          log: SessionLog, *, opens: bool = False) -> None:
         """Refuse a session bound to another cwd (its log is elsewhere) before this cwd's log is
         created: a refusal leaves nothing on disk (SPEC §3). With no state of the session in
         Redis (a new session, or Redis lost its state), a log of it under another project binds
         it: after a loss, one entry of another cwd had started a second log and taken the
         session, every later entry of its own cwd dead-lettered (or, in the same round, split
-        over the two logs)."""
+        over the two logs). That look costs a ``stat`` per project of the data dir (13 ms with
+        1 000 projects): a batch that ``opens`` with a ``session_meta``, as a new session's
+        first does (STREAM_PROTOCOL), is taken for a new session and not looked for."""
         state = cached if cached is not None else self.load(session_id) if isinstance(stored, _Unread) else stored
         _check_cwd(session_id, cwd, state)
-        if state is None:
+        if state is None and not opens:
             for other in log.elsewhere():
                 try:
                     meta = other.first_of_type("session_meta")
