@@ -23,7 +23,10 @@ function el(tag, attrs = {}, ...children) {
 }
 
 async function api(path) {
-  const response = await fetch(path, { headers: { Accept: "application/json" }, cache: "no-store" });
+  // (against the origin: a page opened as http://user:token@host/ had fetch refuse a relative path,
+  // "a URL that includes credentials"; the browser still sends the credentials it was given)
+  const response = await fetch(new URL(path, location.origin),
+                               { headers: { Accept: "application/json" }, cache: "no-store" });
   if (response.status === 401) throw new Error("token refused: reload the page to enter it again");
   const body = await response.json().catch(() => null);
   if (!response.ok) {
@@ -198,20 +201,30 @@ function renderSession(state, history) {
 
 function route() {
   const match = location.hash.match(/^#\/session\/([^?]+)\?cwd=(.*)$/);
-  return match ? { id: decodeURIComponent(match[1]), cwd: decodeURIComponent(match[2]) } : null;
+  if (!match) return null;
+  try {
+    return { id: decodeURIComponent(match[1]), cwd: decodeURIComponent(match[2]) };
+  } catch (e) {  // (a cut link: the page stayed at "loading…" for good, no refresh scheduled)
+    throw new Error("this link's session or cwd is cut or mangled: open it again from the overview");
+  }
 }
 
+let generation = 0;  // each refresh's; one that a newer one (a hashchange) overtook draws nothing
+
 async function refresh() {
-  const session = route();
+  const mine = ++generation;
   try {
+    const session = route();
     if (session) {
       const q = `?cwd=${encodeURIComponent(session.cwd)}`;
       const id = encodeURIComponent(session.id);
       const [state, history] = await Promise.all([api(`/api/sessions/${id}${q}`),
                                                   api(`/api/sessions/${id}/history${q}`)]);
+      if (mine !== generation) return;  // (the overview, answered late, was drawn over a session's page)
       renderSession(state, history);
     } else {
       const [o, sessions] = await Promise.all([api("/api/overview"), api(sessionsPath())]);
+      if (mine !== generation) return;
       renderOverview(o, sessions);
     }
     $("overview-page").hidden = !!session;
@@ -219,10 +232,12 @@ async function refresh() {
     $("error").hidden = true;
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (e) {
+    if (mine !== generation) return;
     $("error").textContent = String(e.message || e);
     $("error").hidden = false;
+  } finally {
+    if (mine === generation) schedule();
   }
-  schedule();
 }
 
 function schedule() {

@@ -524,3 +524,30 @@ def test_browser_logs_in_with_basic_and_its_fetches_carry_it(sessions: Settings,
     response = refused.goto(base + "/")
     assert response.status == 401
     assert refused.locator("#sessions").count() == 0
+
+
+@pytest.mark.slow
+def test_page_survives_a_cut_link_credentials_in_its_url_and_a_late_overview(
+        sessions: Settings, serve_api: Any, browser: Any) -> None:
+    """A cut link (``%`` at its end) stopped the page at "loading…" for good; a page opened as
+    ``http://me:TOKEN@host/`` had fetch refuse every relative path; and an overview answered late
+    was drawn over the session page opened meanwhile."""
+    base = serve_api(with_token(sessions))
+    host = base.removeprefix("http://")
+    page = browser.new_page()
+    page.goto(f"http://me:{TOKEN}@{host}/#/session/{BUSY}?cwd=%2Fhome%2Fdev%2Fproject%")
+    page.wait_for_selector("#error:not([hidden])")
+    assert "cut or mangled" in page.locator("#error").inner_text()
+    page.goto(f"http://me:{TOKEN}@{host}/")  # (credentials in the URL: the fetches still work)
+    page.wait_for_selector(f'#sessions tr[data-session="{BUSY}"]')
+
+    def late(route: Any) -> None:
+        time.sleep(1.5)
+        route.continue_()
+
+    page.route("**/api/overview", late)
+    page.evaluate("refresh()")  # an overview on its way, late
+    page.evaluate(f"location.hash = '#/session/{BUSY}?cwd=' + encodeURIComponent('{CWD}')")
+    page.wait_for_selector("#session-page:not([hidden])")
+    time.sleep(2.5)  # the late overview has come back
+    assert page.locator("#session-page").is_visible() and page.locator("#overview-page").is_hidden()
