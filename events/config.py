@@ -401,7 +401,8 @@ def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
     return data
 
 
-def _repeated_key(node: yaml.Node | None, path: tuple[str, ...], visited: set[int]) -> tuple[str, int, int] | None:
+def _repeated_key(node: yaml.Node | None, path: tuple[str, ...],
+                  visited: set[int]) -> tuple[str, int, int] | None:
     """A key of ours a mapping of the file gives twice: its dotted path and both lines. PyYAML
     keeps the last silently, so a second ``context:`` section (the file is shared with the agent,
     which keeps its own keys there) dropped the first's settings. At the top level only our
