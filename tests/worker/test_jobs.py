@@ -580,15 +580,22 @@ def test_extractive_compaction_model_needs_no_llm(r: redis.Redis, settings: Sett
 # -- chunking --------------------------------------------------------------------------------
 
 
-def test_targets_too_large_for_the_window_are_summarized_in_chunks(
-    r: redis.Redis, settings: Settings, stub: LLMStub
-) -> None:
+def _chunked_session(r: redis.Redis, settings: Settings, stub: LLMStub) -> Settings:
+    """A session of 12 turns too large for a 2 000-token window, and a stub answering ``chunkN``;
+    the settings it is written under."""
     small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=100,
                           default_context_window=2_000, llm_timeout_seconds=5.0)
     # a tool that is not compactable: micro compaction cannot shrink the targets below the window
     write_session(r, small, "s1", 12, output="y " * 300, window=2_000, tool="ask_human")
     replies = iter(f"<summary>\n{summary_text(f'chunk{i}')}\n</summary>" for i in range(1, 50))
     stub.reply = lambda body: next(replies)
+    return small
+
+
+def test_targets_too_large_for_the_window_are_summarized_in_chunks(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    small = _chunked_session(r, settings, stub)
     job = _run(r, small, "s1", forced=True)
     assert job.get_status() == JobStatus.FINISHED
     assert len(stub.requests) >= 3
@@ -1324,11 +1331,7 @@ def test_a_stopping_worker_calls_no_fallback_model_after_a_failed_call(
 def test_a_stopping_worker_appends_the_chunks_summarized_and_calls_no_more(
     r: redis.Redis, settings: Settings, stub: LLMStub, stopping: None,
 ) -> None:
-    small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=100,
-                          default_context_window=2_000, llm_timeout_seconds=5.0)
-    write_session(r, small, "s1", 12, output="y " * 300, window=2_000, tool="ask_human")
-    replies = iter(f"<summary>\n{summary_text(f'chunk{i}')}\n</summary>" for i in range(1, 50))
-    stub.reply = lambda body: next(replies)
+    small = _chunked_session(r, settings, stub)
     job = _run(r, small, "s1", forced=True)  # (and the jobs its end re-checks the session for, here)
     assert job.get_status() == JobStatus.FINISHED
     ends = [e["lastSummarizedTurnId"] for e in read_log(small, "s1") if e["type"] == "summary"]
