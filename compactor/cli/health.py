@@ -112,7 +112,7 @@ def health(
     check: Annotated[bool, typer.Option(
         "--check", help="Print nothing; exit 0 when healthy, 1 otherwise.")] = False,
     api_url: Annotated[str | None, typer.Option(
-        "--api", parser=_api_url, help="Also GET this API's /healthz (e.g. http://127.0.0.1:8080).")] = None,
+        "--api", help="Also GET this API's /healthz (e.g. http://127.0.0.1:8080).")] = None,
     workers: Annotated[bool, typer.Option(
         "--workers",
         help=f"Also require a live RQ worker on the queue (a heartbeat in the last {WORKER_ALIVE_S:.0f} s).")] = False,
@@ -127,8 +127,18 @@ def health(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Check Redis (and --api / --workers / --watcher); exit 0 healthy, 1 not."""
-    if this_host and not workers:  # (it was ignored: a healthcheck believed it counted its own workers)
-        raise typer.BadParameter("only with --workers (it narrows the workers counted)", param_hint="--this-host")
+    try:
+        if this_host and not workers:  # (it was ignored: a healthcheck believed it counted its own workers)
+            raise typer.BadParameter("only with --workers (it narrows the workers counted)", param_hint="--this-host")
+        if api_url is not None:
+            try:
+                _api_url(api_url)
+            except typer.BadParameter as e:
+                raise typer.BadParameter(str(e), param_hint="--api") from None
+    except typer.BadParameter:
+        if check:  # (a health check reports, it never exits 2, which Docker reserves: unhealthy, silently)
+            raise typer.Exit(1) from None
+        raise
     settings = _quiet_load(config, redis_url, data_dir) if check else load(
         config, redis_url=redis_url, data_dir=data_dir)
     report = run_checks(settings, api_url=api_url, workers=workers, watcher=watcher,

@@ -1203,6 +1203,9 @@ def test_health_refuses_a_wrong_command_line_as_such(runner: CliRunner, args: li
     result = runner.invoke(app, ["health", *args, "--redis-url", "redis://127.0.0.1:1"])
     assert result.exit_code == 2, result.output
     assert said in " ".join(result.output.replace("│", " ").split())
+    # a health check never exits 2 (Docker reserves it): unhealthy, silently
+    checked = runner.invoke(app, ["health", "--check", *args, "--redis-url", "redis://127.0.0.1:1"])
+    assert (checked.exit_code, checked.output) == (1, "")
 
 
 def test_health_checks_a_live_api(runner: CliRunner, settings: Settings, config: Path,
