@@ -380,9 +380,12 @@ def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
             raise InvalidConfig(str(path), "config file not found")
         return {}
     try:
-        text = path.read_text(encoding="utf-8")
-        data = yaml.safe_load(text)
-        node = yaml.compose(text, Loader=yaml.SafeLoader) if isinstance(data, dict) else None
+        loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))  # (``safe_load``, keeping its node tree)
+        try:
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         raise InvalidConfig(str(path), _yaml_problem(e)) from e
     except UnicodeDecodeError as e:

@@ -269,10 +269,9 @@ class SessionLog:
         fd = self._lock_fd
         if fd is not None:  # under the lock: through its descriptor, no open
             return _pread_all(fd, os.fstat(fd).st_size - start, start)
-        f = self._open_to_read()  # (no permission: a traceback from ``compactor context``, a bare 500)
-        if f is None:
-            return b""
-        with f, self._reading():
+        with self._opened() as f:  # (no permission: a traceback from ``compactor context``, a bare 500)
+            if f is None:
+                return b""
             if start:
                 f.seek(start)
             return f.read()
@@ -284,42 +283,37 @@ class SessionLog:
         fd = self._lock_fd
         if fd is not None:
             return _pread_all(fd, end - start, start)
-        f = self._open_to_read()
-        if f is None:
-            return b""
-        with f, self._reading():
+        with self._opened() as f:
+            if f is None:
+                return b""
             f.seek(start)
             return f.read(end - start)
 
-    def _open_to_read(self) -> BinaryIO | None:
-        """The log opened to read, lock-free (never created); None when there is none;
-        LogCorrupted naming the path when it cannot be read (a directory, no permission: the API
-        answered a bare 500 internal_error)."""
-        try:
-            return open(self.path, "rb")
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise LogCorrupted(f"{self.path}: cannot be read: {e.strerror or e}") from e
-
     @contextmanager
-    def _reading(self) -> Iterator[None]:
-        """A read of the open log that fails (EIO) as ``LogCorrupted`` naming the path."""
+    def _opened(self) -> Iterator[BinaryIO | None]:
+        """The log opened to read, lock-free (never created); None when there is none. Failing to
+        open or read it (a directory, no permission, EIO) is LogCorrupted naming the path: the API
+        answered a bare 500 internal_error, ``compactor context`` a traceback."""
         try:
-            yield
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            yield None
+            return
         except OSError as e:
             raise LogCorrupted(f"{self.path}: cannot be read: {e.strerror or e}") from e
+        with f:
+            try:
+                yield f
+            except OSError as e:
+                raise LogCorrupted(f"{self.path}: cannot be read: {e.strerror or e}") from e
 
     def first_of_type(self, kind: str) -> dict[str, Any] | None:
         """The first complete line whose ``type`` is ``kind``, read from the start and no further
         (lock-free; a line that is not a JSON object is passed over: this finds, it does not
         check). A session's ``session_meta`` is usually its first line."""
         needle = orjson.dumps(kind)
-        f = self._open_to_read()
-        if f is None:
-            return None
-        with f:
-            for line in f:
+        with self._opened() as f:
+            for line in f or ():
                 if not line.endswith(b"\n"):
                     break  # a torn tail
                 if needle not in line:
@@ -340,10 +334,11 @@ class SessionLog:
         parsed, so a uuid only named inside another event is no match."""
         needles = {uuid: b'"uuid":' + orjson.dumps(uuid) for uuid in set(wanted)}
         found: set[str] = set()
-        f = self._open_to_read() if needles else None
-        if f is None:
+        if not needles:
             return found
-        with f:
+        with self._opened() as f:
+            if f is None:
+                return found
             rest = b""
             while len(found) < len(needles) and (chunk := f.read(UUID_SCAN_BLOCK_BYTES)):
                 block = rest + chunk

@@ -127,18 +127,16 @@ def health(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Check Redis (and --api / --workers / --watcher); exit 0 healthy, 1 not."""
-    try:
-        if this_host and not workers:  # (it was ignored: a healthcheck believed it counted its own workers)
-            raise typer.BadParameter("only with --workers (it narrows the workers counted)", param_hint="--this-host")
-        if api_url is not None:
-            try:
-                _api_url(api_url)
-            except typer.BadParameter as e:
-                raise typer.BadParameter(str(e), param_hint="--api") from None
-    except typer.BadParameter:
-        if check:  # (a health check reports, it never exits 2, which Docker reserves: unhealthy, silently)
-            raise typer.Exit(1) from None
-        raise
+    wrong: typer.BadParameter | None = None
+    if this_host and not workers:  # (it was ignored: a healthcheck believed it counted its own workers)
+        wrong = typer.BadParameter("only with --workers (it narrows the workers counted)", param_hint="--this-host")
+    elif api_url is not None:
+        try:
+            _api_url(api_url)
+        except typer.BadParameter as e:
+            wrong = typer.BadParameter(str(e), param_hint="--api")
+    if wrong is not None:  # (a health check reports, it never exits 2, which Docker reserves: unhealthy, silently)
+        raise typer.Exit(1) if check else wrong
     settings = _quiet_load(config, redis_url, data_dir) if check else load(
         config, redis_url=redis_url, data_dir=data_dir)
     report = run_checks(settings, api_url=api_url, workers=workers, watcher=watcher,
