@@ -440,12 +440,17 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     return f"line {mark.line + 1} column {mark.column + 1}: " + " ".join(problem.split())
 
 
-def _apply_env(data: dict[str, Any], environ: Mapping[str, str]) -> dict[tuple[str, ...], str]:
-    """Put the environment's overrides into ``data``; the key path each variable set."""
+def _apply_env(data: dict[str, Any], environ: Mapping[str, str],
+               origins: Mapping[str, str] | None = None) -> dict[tuple[str, ...], str]:
+    """Put the environment's overrides into ``data``; the key path each variable set.
+
+    A variable set empty (``${COMPACTION_API_TOKEN:-}`` in compose) is unset: the file's value
+    stands (an empty token had silently turned the file's token off). One given empty by a
+    command-line option (``origins``: ``--redis-url ''``, "empty: the embedded server") is empty."""
     applied = {}
     for var, path in ENV_OVERRIDES.items():
-        if not environ.get(var):  # set empty (``${COMPACTION_API_TOKEN:-}`` in compose) is unset: the file's
-            continue  # value stands (an empty token had silently turned the file's token off)
+        if var not in environ or (not environ[var] and var not in (origins or {})):
+            continue
         node = data
         for key in path[:-1]:
             child = node.get(key)
@@ -552,12 +557,15 @@ def load_settings(
     path: str | os.PathLike[str] | None = None,
     environ: Mapping[str, str] | None = None,
     origins: Mapping[str, str] | None = None,
+    *,
+    redis: bool = True,
 ) -> Settings:
     """Build the settings from the config file and the environment; raise InvalidConfig.
 
     A wrong value set by an environment variable is reported with the variable's name, or
     with its entry in ``origins`` (``{"REDIS_URL": "--redis-url"}`` for a command-line value
-    passed through the environment).
+    passed through the environment). A caller that never uses Redis (``redis=False``: reading a
+    log) is not refused a dataDir too long for the embedded server's socket.
     """
     file, required = config_path(path)
     data = _read_yaml(file, required)
@@ -567,7 +575,7 @@ def load_settings(
             raise InvalidConfig(key, f"unknown key (the file spells it {to_camel(key)})")
     for key, section in misspelt_sections(data):
         logger.warning("%s: unknown top-level key %r ignored; did you mean %r?", file, key, section)
-    applied = _apply_env(data, os.environ if environ is None else environ)
+    applied = _apply_env(data, os.environ if environ is None else environ, origins)
     try:
         # Environment values are strings; lax mode converts "8081" to 8081 for them.
         # only the file's spelling (camelCase): the field names' would be a second one, and the
@@ -576,7 +584,7 @@ def load_settings(
     except ValidationError as e:
         raise _as_invalid(e, _sources(applied, origins)) from e
     socket = settings.data_dir / EMBEDDED_SOCKET
-    if not settings.redis.url and len(os.fsencode(socket)) > MAX_SOCKET_PATH_BYTES:
+    if redis and not settings.redis.url and len(os.fsencode(socket)) > MAX_SOCKET_PATH_BYTES:
         source = _sources(applied, origins).get(("dataDir",))
         raise InvalidConfig("dataDir" + (f" (from {source})" if source else ""),
                             f"too long for the embedded Redis: its socket {socket} would be {len(os.fsencode(socket))} "

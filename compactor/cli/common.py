@@ -94,8 +94,9 @@ OPTION_OF_ENV = {"REDIS_URL": "--redis-url", "COMPACTION_DATA_DIR": "--data-dir"
 
 
 def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | None = None,
-         **env: Any) -> Settings:
-    """Settings from ``--config`` and the environment, with these command-line overrides.
+         redis: bool = True, **env: Any) -> Settings:
+    """Settings from ``--config`` and the environment, with these command-line overrides
+    (``redis=False``: a command that never uses Redis, see ``load_settings``).
 
     typer fills an option from its environment variable too: a wrong value equal to the
     variable's is named by the variable, any other by its option (``--redis-url``)."""
@@ -105,20 +106,16 @@ def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | 
     environ.update(overrides)
     origins = {var: OPTION_OF_ENV.get(var, var) for var, value in overrides.items() if not _from_env(var, value)}
     # An empty variable is unset (the file's value stands: compose's ``${VAR:-}``), but an option given
-    # empty was dropped the same way: ``--redis-url ''`` (its help: "empty: the embedded server") used
-    # the file's URL, and ``--host ''`` the default address. It means embedded, and is refused elsewhere.
-    emptied = [var for var, value in overrides.items() if value == "" and var in origins]
-    for var in emptied:
-        if var != "REDIS_URL":
+    # empty is empty: ``--redis-url ''`` (its help: "empty: the embedded server") had used the file's URL,
+    # and ``--host ''`` the default address. Empty means embedded for the URL, and is refused elsewhere.
+    for var, value in overrides.items():
+        if value == "" and var in origins and var != "REDIS_URL":
             key = ".".join(ENV_OVERRIDES.get(var, (var,)))
             fail(f"invalid configuration: {key} (from {origins[var]}): must not be empty", EXIT_CONFIG)
     try:
-        settings = load_settings(config, environ, origins)
+        return load_settings(config, environ, origins, redis=redis)
     except InvalidConfig as e:
         fail(f"invalid configuration: {e}", EXIT_CONFIG)
-    if emptied:  # (--redis-url '': the embedded server)
-        settings = settings.model_copy(update={"redis": settings.redis.model_copy(update={"url": ""})})
-    return settings
 
 
 def _from_env(var: str, value: str | Path) -> bool:

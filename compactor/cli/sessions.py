@@ -190,7 +190,7 @@ def context(
     outside_the_stack()  # (before producer.api_sessions imports compactor.metrics)
     from producer.api_sessions import context_body
 
-    settings = load(config, data_dir=data_dir)
+    settings = load(config, data_dir=data_dir, redis=False)
     with user_errors():
         body = context_body(settings, session, cwd)
     if json_out:

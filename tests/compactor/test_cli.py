@@ -610,9 +610,32 @@ def test_a_data_dir_too_long_for_the_embedded_redis_socket_is_one_line(runner: C
             f"compactor: invalid configuration: dataDir (from --data-dir): too long for the embedded Redis: its "
             f"socket {long_dir}/.redis/redis.sock would be {len(str(long_dir)) + 18} bytes, and a unix socket's "
             f"path takes at most {MAX_SOCKET_PATH_BYTES} (use a shorter dataDir, or set redis.url)"]
+    # ``--redis-url ''`` is the embedded server even when the file names a URL: checked the same
+    # (the URL was emptied after the check, and serve failed later on the socket)
+    (tmp_path / "url.yaml").write_text("redis: {url: 'redis://127.0.0.1:1/0'}\n")
+    emptied = runner.invoke(app, ["status", "--config", str(tmp_path / "url.yaml"), "--redis-url", "",
+                                  "--data-dir", str(long_dir)], env={"REDIS_URL": None})
+    assert emptied.exit_code == 2 and "dataDir (from --data-dir): too long for the embedded Redis" in emptied.stderr
     assert not long_dir.exists()
     assert load_settings(tmp_path / "c.yaml", {"COMPACTION_DATA_DIR": str(long_dir),
                                                   "REDIS_URL": "redis://h"}).data_dir == long_dir
+
+
+def test_context_reads_a_log_under_a_data_dir_too_long_for_the_embedded_socket(
+        runner: CliRunner, tmp_path: Path) -> None:
+    """``context`` reads the log and never Redis: it was refused for the embedded server's socket."""
+    from events.config import MAX_SOCKET_PATH_BYTES
+
+    long_dir = tmp_path / ("d" * (MAX_SOCKET_PATH_BYTES - len(str(tmp_path))))
+    log = long_dir / "tmp-p" / "sessions" / "s1.jsonl"
+    log.parent.mkdir(parents=True)
+    log.write_text(json.dumps({"type": "user", "uuid": "u1", "timestamp": "2026-12-03T00:00:00Z", "turnId": 1,
+                               "content": "hello world"}) + "\n")
+    (tmp_path / "c.yaml").write_text("")
+    result = runner.invoke(app, ["context", "s1", "--cwd", "/tmp/p", "--json", "--config", str(tmp_path / "c.yaml"),
+                                 "--data-dir", str(long_dir)], env={"REDIS_URL": None})
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["promptEstimate"] == 6
 
 
 def test_a_bad_value_in_the_file_is_not_blamed_on_an_unrelated_variable(runner: CliRunner, tmp_path: Path) -> None:
