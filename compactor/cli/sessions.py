@@ -257,7 +257,7 @@ def status(
         return
     console = _table_console()
     if bodies:
-        console.print(status_table(bodies, console.width, total=total))
+        console.print(status_table(bodies, console.width, total=total, limit=limit))
     shown = {b.session_id for b in bodies}
     now = datetime.now(UTC)
     for sid, h in sorted(held.items(), key=lambda item: item[1].since):
@@ -342,15 +342,19 @@ def fill_bar(estimate: int, micro: int, llm: int, window: int, width: int = BAR_
 
 
 def status_table(bodies: list[SessionBody], width: int = 200, now: datetime | None = None,
-                 total: int | None = None) -> Table:
+                 total: int | None = None, limit: int | None = None) -> Table:
     """One row per session, fitted to a terminal ``width`` columns wide: the bar narrows
     under ``WIDE_COLUMNS`` and no header or value is broken over two lines (at 80 columns
     only a session id over ~8 characters folds). Where even that leaves the session column
     under ``SESSION_WIDTH``, whole columns are left out (``NARROW_DROP_ORDER``; the caption
     names them), never the session's. The title says "N of M" when ``total`` sessions are
-    more than the rows."""
+    more than the rows because of the ``limit``; fewer rows than the limit leave out only
+    sessions whose log is gone (``recent_session_bodies``), and the title says so."""
     now = now or datetime.now(UTC)
-    title = f"{len(bodies)} of {total} sessions" if total and total > len(bodies) else f"{len(bodies)} session(s)"
+    title = f"{len(bodies)} session(s)"
+    if total and total > len(bodies):
+        cut = limit is None or len(bodies) >= limit
+        title = f"{len(bodies)} of {total} sessions" if cut else f"{title} ({total - len(bodies)} more without a log)"
     longest = max((cell_len(b.session_id) + (len(HELD_LABEL) if b.held_back else 0) for b in bodies), default=0)
     hidden: list[str] = []
     table = _status_table(bodies, width, now, title, hidden)

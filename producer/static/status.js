@@ -138,12 +138,20 @@ function renderOverview(o, sessions) {
   });
   $("sessions").tBodies[0].replaceChildren(...rows);
   $("no-sessions").hidden = sessions.length > 0;
-  const more = o.sessions > sessions.length;  // the list holds the most recently active only
-  $("sessions-shown").hidden = !more;
-  $("sessions-shown").textContent = more
-    ? `Showing the ${fmt(sessions.length)} most recently active of ${fmt(o.sessions)} sessions ` +
+  // the list holds the most recently active only; one shorter than its limit left out only
+  // sessions whose log is gone (the API skips them), which a larger ?limit would not list
+  const unlisted = o.sessions - sessions.length;
+  const cut = sessions.length >= sessionsLimit();
+  $("sessions-shown").hidden = unlisted <= 0;
+  $("sessions-shown").textContent = unlisted <= 0 ? ""
+    : cut ? `Showing the ${fmt(sessions.length)} most recently active of ${fmt(o.sessions)} sessions ` +
       "(open the page with ?limit=N, up to 1000, to list more)."
-    : "";
+    : `${fmt(unlisted)} more session(s) without a log are not listed.`;
+}
+
+function sessionsLimit() {  // ?limit=, else the API's default (written on the element)
+  const limit = new URLSearchParams(window.location.search).get("limit");
+  return Number(limit || $("sessions-shown").dataset.defaultLimit);
 }
 
 function sessionsPath() {

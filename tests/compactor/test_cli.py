@@ -936,6 +936,10 @@ def test_status_piped_is_not_cropped_and_a_limited_list_says_of_how_many(
     assert cells[-3] == "llm" and re.fullmatch(r"\d+s", cells[-2]) and cells[-1] == "ago"
     everything = runner.invoke(app, ["status", *base_args(settings, config)], env={"COLUMNS": None})
     assert "compactor: 4 session(s)" in everything.stdout.splitlines()[0]
+    # fewer rows than the limit: the others have no log, and a larger --limit would not list them
+    SessionStore(r, settings).log("other", CWD).path.unlink()
+    unlisted = runner.invoke(app, ["status", *base_args(settings, config)], env={"COLUMNS": None})
+    assert "compactor: 3 session(s) (1 more without a log)" in unlisted.stdout.splitlines()[0], unlisted.output
 
 
 def test_status_with_unreachable_redis_exits_1(runner: CliRunner, tmp_path: Path) -> None:

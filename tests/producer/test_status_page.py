@@ -501,6 +501,21 @@ def test_page_says_when_it_lists_only_the_most_recent_sessions(sessions: Setting
     page.wait_for_selector("#error:not([hidden])")
     assert page.locator("#error").inner_text().startswith("400:")
 
+    # a session whose log is gone is not listed, and no ?limit would list it: it said "list more"
+    SessionStore(r, sessions).log(BROKEN, CWD).path.unlink()
+    for path in ("/", "/?limit=3"):
+        page.goto(base + path)
+        page.wait_for_selector("#sessions-shown:not([hidden])")
+        assert page.locator("#sessions tbody tr").count() == 2
+        assert page.locator("#sessions-shown").inner_text() == "1 more session(s) without a log are not listed."
+
+
+def test_the_page_knows_the_apis_default_limit() -> None:
+    """The page tells "more to list" from "more without a log" by the limit it asked for."""
+    from producer.status_page import DEFAULT_SESSIONS_LISTED, STATIC_DIR
+
+    assert f'data-default-limit="{DEFAULT_SESSIONS_LISTED}"' in (STATIC_DIR / "index.html").read_text()
+
 
 @pytest.mark.slow
 def test_browser_logs_in_with_basic_and_its_fetches_carry_it(sessions: Settings, serve_api: Any,
