@@ -8,9 +8,11 @@ Debian's ``chromium`` (never a downloaded browser; the fixture apt-installs it w
 from __future__ import annotations
 
 import base64
+import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -355,13 +357,23 @@ def chromium() -> str:
     """The chromium executable; installed with apt-get when missing and this runs as root
     (so the README's test command works on a fresh Debian machine), else a failure saying how."""
     found = shutil.which(CHROMIUM)
+    said = ""
     if found is None and shutil.which("apt-get") and os.geteuid() == 0:
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", CHROMIUM]):
-            subprocess.run(command, env=env, check=False, capture_output=True, timeout=900)
-        found = shutil.which(CHROMIUM)
+        # one installer at a time: both xdist workers came here on a fresh machine, and the second's
+        # apt-get failed on dpkg's lock while the first installed (its tests errored, CI failed)
+        with open(Path(tempfile.gettempdir()) / "compactor-tests-chromium.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            found = shutil.which(CHROMIUM)
+            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+            wait = ["-o", "DPkg::Lock::Timeout=600"]  # (another program's apt run: waited for)
+            for command in ([] if found else (["apt-get", *wait, "update", "-qq"],
+                                              ["apt-get", *wait, "install", "-y", "-qq", CHROMIUM])):
+                done = subprocess.run(command, env=env, check=False, capture_output=True, text=True, timeout=900)
+                said = done.stderr.strip()[-500:] if done.returncode else said
+            found = shutil.which(CHROMIUM)
     if found is None:
-        pytest.fail(f"the status-page tests drive {CHROMIUM} headless: install it (apt-get install {CHROMIUM})")
+        pytest.fail(f"the status-page tests drive {CHROMIUM} headless: install it (apt-get install {CHROMIUM})"
+                    + (f"; apt-get said: {said}" if said else ""))
     return found
 
 
