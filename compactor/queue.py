@@ -236,7 +236,7 @@ def parse_job_id(job_id: str) -> tuple[int, str, str] | None:
     """``(time_ns, kind, session_id)`` of an id made by ``new_job_id``, else None."""
     stamp, _, rest = job_id.partition("-")
     kind, _, session_id = rest.partition("-")
-    if not stamp.isdigit() or kind not in JOB_FUNCTIONS or not session_id:
+    if not (stamp.isascii() and stamp.isdigit()) or kind not in JOB_FUNCTIONS or not session_id:
         return None
     return int(stamp), kind, session_id
 

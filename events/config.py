@@ -241,7 +241,7 @@ def _check_redis_url(url: str) -> None:
     in_query = parse_qs(parts.query).get("db", [])
     in_path = [] if parts.scheme == "unix" else [unquote(parts.path).strip("/")]  # redis://host/2
     for db in in_query or in_path:  # as redis-py: ?db= wins over the path
-        if db and not db.isdigit():
+        if db and not (db.isascii() and db.isdigit()):  # ("²" is a digit to isdigit, not to int)
             raise ValueError(f"the database must be a number, not {db!r}")
     try:  # the query's other settings (socket_timeout=, ...), as redis-py reads them; nothing connects
         ConnectionPool.from_url(url).make_connection()
@@ -257,7 +257,7 @@ def _check_redis_url(url: str) -> None:
 def _check_port(port: str) -> None:
     if not port:
         return  # redis-py's default, 6379
-    if not port.isdigit():
+    if not (port.isascii() and port.isdigit()):
         raise ValueError(f"port must be a number, not {port!r}")
     if not 1 <= int(port) <= 65535:
         raise ValueError(f"port {port} is out of range 1-65535")

@@ -102,7 +102,7 @@ def litellm_level(value: str | None) -> int:
     if not value or not value.strip():
         return DEFAULT_LITELLM_LEVEL
     text = value.strip().upper()
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
         return int(text)
     level = logging.getLevelName(text)
     return level if isinstance(level, int) else DEFAULT_LITELLM_LEVEL

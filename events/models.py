@@ -131,7 +131,7 @@ def _one_error(message: str) -> GetPydanticSchema:
 class ToolCall(_Wire):
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
-    arguments: Annotated[dict[str, Any] | str, _one_error("must be an object or a JSON string")] = ""
+    arguments: Annotated[dict[str, Any] | str, _one_error("must be an object or a string (its JSON text, kept as sent)")] = ""
 
 
 class Usage(_Wire):

@@ -45,6 +45,7 @@ import logging
 import secrets
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 import redis
 from fastapi import FastAPI, Request, Response
@@ -377,6 +378,23 @@ def _encoded_separator(scope: Scope) -> JSONResponse | None:
     return error_response(400, f"{field}: holds an encoded '/' or '\\' (%2F, %5C), which no id can hold")
 
 
+def _undecodable_query(scope: Scope) -> JSONResponse | None:
+    """A 400 naming a query parameter whose percent-encoded bytes are not UTF-8: Starlette
+    decodes them with replacement characters, so ``?cwd=/proj/%ff`` asked for cwd ``/proj/\ufffd``
+    (a body's bytes are refused so: ``body: is not valid UTF-8``)."""
+    for part in scope.get("query_string", b"").split(b"&"):  # (as Starlette splits it; parse_qsl decodes)
+        name, _, value = part.partition(b"=")
+        try:
+            field = unquote_to_bytes(name).decode("utf-8")
+        except UnicodeDecodeError:
+            return error_response(400, "query: a parameter's name is not valid UTF-8")
+        try:
+            unquote_to_bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            return error_response(400, f"{field}: is not valid UTF-8 (its percent-encoded bytes)")
+    return None
+
+
 def _without_body(send: Send) -> Send:
     """``send`` for a HEAD request answered as its GET: the headers (its Content-Length too), no body."""
     async def headers_only(message: Message) -> None:
@@ -401,7 +419,7 @@ class RequestGuard:
         if scope["method"] == "HEAD":  # what GET answers, without the body (RFC 9110: every GET route)
             scope, send = {**scope, "method": "GET"}, _without_body(send)
         headers = {k.lower(): v for k, v in scope["headers"]}
-        refusal = self._refuse(scope["path"], headers) or _encoded_separator(scope)
+        refusal = self._refuse(scope["path"], headers) or _encoded_separator(scope) or _undecodable_query(scope)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -413,7 +431,7 @@ class RequestGuard:
             return unauthorized_response()
         declared = headers.get(b"content-length")
         if declared is not None:
-            if not declared.strip().isdigit():
+            if not (declared.strip().isascii() and declared.strip().isdigit()):
                 return error_response(400, "Content-Length is not a number")
             if int(declared) > self.max_body_bytes:
                 return error_response(413, BodyTooLarge(self.max_body_bytes).message)

@@ -74,7 +74,7 @@ def context_body(settings: Settings, session_id: str, cwd: str, applied: bool | 
     return body
 
 
-STREAM_ID_RE = re.compile(r"(\d{1,20})-(\d{1,20})")
+STREAM_ID_RE = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")  # (``\d`` took "١-٠": Redis refused it, a 500)
 MAX_ID_PART = 2**64 - 1  # each part of a Redis stream id is an unsigned 64-bit number
 APPLIED_POLL_S = 0.005  # a read waiting for the watcher looks again after this, then 1.5x as long each time
 APPLIED_POLL_MAX_S = 0.1
@@ -102,9 +102,10 @@ def settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: 
     group = next((g for g in groups if as_text(g["name"]) == keys.group), None)
     if group is None:  # (the watchers recreate it and read the stream again)
         return False
-    if stream_id_key(as_text(group["last-delivered-id"])) < parse_stream_id(entry_id, "after"):
+    ms, seq = parse_stream_id(entry_id, "after")
+    if stream_id_key(as_text(group["last-delivered-id"])) < (ms, seq):
         return False
-    return not client.xpending_range(stream, keys.group, entry_id, entry_id, 1)
+    return not client.xpending_range(stream, keys.group, f"{ms}-{seq}", f"{ms}-{seq}", 1)
 
 
 async def wait_settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: str, timeout_s: float,

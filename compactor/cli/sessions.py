@@ -317,7 +317,8 @@ def _table_console() -> Console:
     """A console for stdout: a terminal's width (or ``$COLUMNS``) to fit; else, piped or
     redirected, as wide as the table, which is then never cropped (rich would take 80)."""
     console = _console()
-    if console.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+    columns = os.environ.get("COLUMNS", "")
+    if console.is_terminal or (columns.isascii() and columns.isdigit()):
         return console
     return Console(width=UNCROPPED_COLUMNS)
 

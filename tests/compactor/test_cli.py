@@ -427,6 +427,10 @@ def test_bad_env_override_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
     ("redis://:s3cret@127.0.0.1:notaport/0", "redis.url{src}: port must be a number, not 'notaport'"),
     ("redis://h/db0", "redis.url{src}: the database must be a number, not 'db0'"),
     ("redis://h?db=x", "redis.url{src}: the database must be a number, not 'x'"),
+    # a digit to ``isdigit``, not to ``int``: the port was a raw "invalid literal for int()", the
+    # database dropped by redis-py (db 0)
+    ("redis://h:\u00b2/0", "redis.url{src}: port must be a number, not '\u00b2'"),
+    ("redis://h/\u00b2", "redis.url{src}: the database must be a number, not '\u00b2'"),
     ("redis://:s3cret@h/0?socket_timeout=abc", "redis.url{src}: Invalid value for 'socket_timeout' in connection URL"),
     ("redis://h?ssl_cert_reqs=none", "redis.url{src}: the query setting 'ssl_cert_reqs' is not one a redis:// "
                                      "connection takes"),

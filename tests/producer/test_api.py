@@ -371,6 +371,19 @@ def test_an_encoded_slash_in_an_id_is_400_not_another_route(client: TestClient, 
     assert error_of(response)["message"].startswith(f"{field}: holds an encoded '/'")
 
 
+@pytest.mark.parametrize("query,message", [
+    ("cwd=/w/%ff", "cwd: is not valid UTF-8"),  # was a 404 for cwd "/w/\ufffd"
+    ("cwd=/w/%ED%A0%80", "cwd: is not valid UTF-8"),  # an encoded surrogate
+    (f"cwd={CWD}&%ff=1", "query: a parameter's name is not valid UTF-8"),
+])
+def test_a_query_value_that_is_not_utf8_is_400_naming_it(client: TestClient, query: str, message: str) -> None:
+    response = client.get(f"/api/sessions/{SID}/context?{query}")
+    assert response.status_code == 400, response.text
+    assert error_of(response)["message"].startswith(message)
+    fine = client.get(f"/api/sessions/{SID}/context?cwd={CWD}&x=%C3%A9+%20")  # UTF-8 passes (no watcher: no log)
+    assert fine.status_code == 404 and error_of(fine)["code"] == "not_found", fine.text
+
+
 def test_invalid_json_and_missing_fields_are_400(client: TestClient) -> None:
     bad_json = client.post(f"/api/sessions/{SID}/events", content=b"{nope",
                            headers={"Content-Type": "application/json"})
@@ -1208,7 +1221,7 @@ def test_tool_call_arguments_of_another_type_say_what_they_may_be(client: TestCl
     response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": events})
     assert response.status_code == 400
     assert error_of(response)["message"] == (
-        "events[0].toolCalls[0].arguments: must be an object or a JSON string")
+        "events[0].toolCalls[0].arguments: must be an object or a string (its JSON text, kept as sent)")
 
 
 def test_a_non_ascii_token_matches_as_bearer_and_as_basic(api_settings: Settings, r: redis.Redis) -> None:
@@ -1376,7 +1389,9 @@ def test_context_after_a_stream_id_waits_for_the_watcher_to_apply_it(
     body = client.get(f"{path}/context", params={"cwd": CWD, "after": pending[-1], "timeout": 0.2}).json()
     assert body["applied"] is False and body["messages"][-1]["content"] == "next"  # no watcher: not yet
     assert "applied" not in client.get(f"{path}/context", params={"cwd": CWD}).json()  # SPEC §7's fields
-    for wrong in ("12", f"{2**64}-0", f"1-{2**64}"):  # (past 64 bits: waited its whole timeout, then false)
+    # (past 64 bits: waited its whole timeout, then false; digits of other scripts, which ``\d`` and
+    # ``int`` take, were sent to Redis as written: a 500)
+    for wrong in ("12", f"{2**64}-0", f"1-{2**64}", "\u0661-\u0660", "\U0001d7cf-0"):
         bad = client.get(f"{path}/context", params={"cwd": CWD, "after": wrong})
         assert bad.status_code == 400
         assert error_of(bad)["message"].startswith(f"after: '{wrong}' is not a stream entry id")
