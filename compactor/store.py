@@ -171,9 +171,10 @@ def _not_applied(events: list[dict[str, Any]], last_applied: str | None) -> list
 class SessionStore:
     """Loads, saves and advances session state next to the logs."""
 
-    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+    def __init__(self, client: redis.Redis, settings: Settings, *, lock_wait_s: float | None = None) -> None:
         self.redis = client
         self.settings = settings
+        self.lock_wait_s = lock_wait_s  # of the logs this store opens (``SessionLog.lock_wait_s``)
         self.keys = Keys(settings.redis.prefix, settings.redis.shards)
         # session -> (stored size, log size) of the last "log shrank" warned of: a rebuild that fails
         # (a corrupt line) leaves the state as it was, and each retry (once a second) warned again
@@ -183,7 +184,8 @@ class SessionStore:
 
     def log(self, session_id: str, cwd: str, *, create: bool = True) -> SessionLog:
         """The session's log; ``create=False``: one its lock never creates (SessionNotFound)."""
-        return SessionLog(self.settings.data_dir, cwd, session_id, fsync=self.settings.log.fsync, create=create)
+        return SessionLog(self.settings.data_dir, cwd, session_id, fsync=self.settings.log.fsync, create=create,
+                          lock_wait_s=self.lock_wait_s)
 
     def load_current(self, session_id: str) -> SessionState | None:
         """``load``, but a state derived under other context settings (the operator changed them

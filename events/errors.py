@@ -7,6 +7,7 @@
     ├── SessionNotFound         no log file for (cwd, sessionId)
     ├── LogCorrupted            a complete line of a log does not parse
     ├── LogWriteFailed          the disk refused an append (full, read-only); nothing torn is left
+    ├── LogLocked               another process held the log's lock past a bounded wait
     ├── SummaryInvalid          the LLM reply has no valid 10-section <summary>
     └── LLMUnavailable          the LLM call failed; ``transient`` says whether to retry
 
@@ -53,6 +54,11 @@ class LogCorrupted(CompactorError):
 
 class LogWriteFailed(CompactorError):
     """Appending to a session log failed; the log was left as it was before."""
+
+
+class LogLocked(CompactorError):
+    """Another process held a session log's lock longer than the caller would wait (a paused or
+    stuck writer): nothing was read or written; try again later."""
 
 
 class JobAbandoned(CompactorError):

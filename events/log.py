@@ -33,6 +33,7 @@ import os
 import re
 import stat
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,7 +41,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from events.errors import InvalidEvent, LogCorrupted, LogWriteFailed, SessionNotFound
+from events.errors import InvalidEvent, LogCorrupted, LogLocked, LogWriteFailed, SessionNotFound
 from events.models import validate_cwd, validate_session_id
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ MAX_NAME_BYTES = 255  # NAME_MAX of common file systems
 WRITE_CHUNK_BYTES = 1 << 22  # lines are batched into writes of about this size (whole lines only)
 TAIL_SCAN_BYTES = 1 << 16  # read backwards in blocks of this size to find the last newline
 UUID_SCAN_BLOCK_BYTES = 1 << 20  # ``uuids_among`` reads the log in blocks of about this size
+LOCK_POLL_FIRST_S = 0.0005  # a bounded wait for a busy lock looks again after this, then twice as long
+LOCK_POLL_MAX_S = 0.02  # ... up to this (a worker's read holds a lock for a few ms)
 
 _SEPARATOR_RUN = re.compile(r"[:/\\ ]+")
 _DRIVE = re.compile(r"^([A-Za-z]):")
@@ -117,23 +120,28 @@ class SessionLog:
         *,
         fsync: bool = False,
         create: bool = True,
+        lock_wait_s: float | None = None,
     ) -> None:
-        self._open_at(session_log_path(data_dir, cwd, session_id), fsync=fsync, create=create)
+        self._open_at(session_log_path(data_dir, cwd, session_id), fsync=fsync, create=create,
+                      lock_wait_s=lock_wait_s)
 
     @classmethod
     def at_path(cls, path: Path) -> SessionLog:
         """The log at ``path`` (``{dataDir}/{project}/sessions/{id}.jsonl``), to read: found by
         ``elsewhere``, whose cwd is not known (the project's name does not give it back)."""
         log = cls.__new__(cls)
-        log._open_at(path, fsync=False, create=False)
+        log._open_at(path, fsync=False, create=False, lock_wait_s=None)
         return log
 
-    def _open_at(self, path: Path, *, fsync: bool, create: bool) -> None:
+    def _open_at(self, path: Path, *, fsync: bool, create: bool, lock_wait_s: float | None) -> None:
         self.path = path
         self._root = self.path.parents[2]  # the data dir, as the path spells it
         self.torn_path = _sibling(self.path, TORN_SUFFIX)
         self.fsync = fsync
         self.create = create  # False: ``lock`` raises SessionNotFound for a missing log (a worker's)
+        # None: ``lock`` waits for another holder as long as it takes; else LogLocked after this long
+        # (the watcher's: one paused process holding one log's lock stopped every session's appends)
+        self.lock_wait_s = lock_wait_s
         self._mutex = threading.RLock()
         self._depth = 0
         self._lock_fd: int | None = None
@@ -211,7 +219,7 @@ class SessionLog:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO took the appends and lost them (or
                     # blocked the watcher on a full pipe, every shard with it)
                     raise LogWriteFailed(f"{self.path}: is not a regular file")
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                self._flock(fd)
                 if self._still_the_path(fd):
                     break
             except BaseException:
@@ -220,6 +228,25 @@ class SessionLog:
             os.close(fd)
         self._lock_fd = fd
         _ROOTS_SEEN.add(self._root)
+
+    def _flock(self, fd: int) -> None:
+        """``flock`` ``fd`` exclusively: at once when free, else waiting up to ``lock_wait_s``
+        (LogLocked past it), or for good when that is None."""
+        if self.lock_wait_s is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return
+        deadline, pause = time.monotonic() + self.lock_wait_s, LOCK_POLL_FIRST_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LogLocked(f"{self.path}: locked by another process for more than {self.lock_wait_s:g} s "
+                                    "(a paused or stuck compactor process?)") from None
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, LOCK_POLL_MAX_S)
 
     def _still_the_path(self, fd: int) -> bool:
         """Whether ``fd`` is still the file at ``path`` (not removed or replaced meanwhile)."""

@@ -19,9 +19,11 @@ Invariants:
   is acked only after its append, and the store drops a redelivered entry
   whose ``streamId`` it already applied (the check and the write happen under
   the log lock, so even a paused former owner cannot write out of order).
-- A session whose append failed (``LogWriteFailed``: disk full) is *held
-  back*: none of its later entries are applied or acked until a PEL sweep
-  (every ``HOLD_RETRY_S``) applies the failed one. Other sessions go on.
+- A session whose append failed (``LogWriteFailed``: disk full), or whose log
+  another process held locked past ``LOG_LOCK_WAIT_S`` (``LogLocked``: a
+  paused worker), is *held back*: none of its later entries are applied or
+  acked until a PEL sweep (every ``HOLD_RETRY_S``) applies the failed one.
+  Other sessions go on.
 - A bad entry (see ``entries``), one read from a shard its session does not
   hash to, or one the store refuses (cwd bound to another session, turn id
   going backwards), is dead-lettered to ``{p}:dead``
@@ -58,7 +60,7 @@ from compactor.queue import UNCHECKED, Trigger, parse_job_id, trigger_compaction
 from compactor.serve import hangup_ignored
 from compactor.store import UNREAD, Lookup, SessionStore
 from events.config import Settings
-from events.errors import CompactorError, InvalidConfig, InvalidEvent, InvalidInput
+from events.errors import CompactorError, InvalidConfig, InvalidEvent, InvalidInput, LogLocked
 from events.log import SessionLog
 from events.state import SessionState, decide
 from events.tokens import get_encoding, model_max_input_tokens
@@ -76,6 +78,9 @@ STATE_CACHE_SESSIONS = 10_000  # session states kept in memory (saves a Redis re
 MAX_BACKOFF_S = 5.0  # longest pause after repeated Redis errors
 FIRE_EVERY_S = 0.005  # within a long round, claim and enqueue the triggers noted so far this often
 DEFAULT_ENCODING = "cl100k_base"
+# the longest the watcher waits for a log another process holds locked (a worker's read takes a few ms)
+# before it holds that session back and goes on: one paused holder had stopped every session's appends
+LOG_LOCK_WAIT_S = 0.5
 WARM_UP_MODEL = "gpt-4"  # any model litellm knows: the first lookup imports litellm
 
 
@@ -90,7 +95,7 @@ class Watcher:
         self.keys = Keys(settings.redis.prefix, settings.redis.shards)
         self.leases = ShardLeases(self.redis, self.keys, self.id, settings.watcher.lease_ms)
         self.streams = ShardStreams(self.redis, self.keys, self.id)
-        self.store = SessionStore(self.redis, settings)
+        self.store = SessionStore(self.redis, settings, lock_wait_s=LOG_LOCK_WAIT_S)
         self.cursors: dict[int, ShardCursor] = {}
         self._sessions: OrderedDict[str, tuple[SessionState, SessionLogRef]] = OrderedDict()
         self._triggers: list[tuple[Trigger, SessionState]] = []  # this round's, in stream order
@@ -395,10 +400,11 @@ class Watcher:
                     outcome.reject(entry.id, str(e), entry.fields)
             except (LeaseLost, redis.RedisError):
                 raise
-            except CompactorError as e:  # LogWriteFailed, LogCorrupted: the disk, not the entry
+            except CompactorError as e:  # LogWriteFailed, LogCorrupted, LogLocked: the disk, not the entry
                 if cursor.held_log_due(session_id):
-                    logger.error("append failed, session held back session=%s shard=%d error=%s", session_id,
-                                 shard, e, extra={"session_id": session_id})
+                    logger.log(logging.WARNING if isinstance(e, LogLocked) else logging.ERROR,
+                               "append failed, session held back session=%s shard=%d error=%s", session_id,
+                               shard, e, extra={"session_id": session_id})
                     self._record_held(shard, cursor, session_id, str(e), saves)
                 cursor.hold(session_id, run[0].id)
                 return

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from events.errors import InvalidEvent, LogCorrupted, LogWriteFailed
+from events.errors import InvalidEvent, LogCorrupted, LogLocked, LogWriteFailed
 from events.log import SessionLog, encode_project_path, keep_data_dir, session_log_path
 
 CWD = "/Users/Foo/my app"
@@ -383,6 +383,20 @@ def test_another_process_waits_for_the_lock(tmp_path: Path) -> None:
     child.join(30)
     assert child.exitcode == 0
     assert [e["content"] for e in log.read()] == ["parent", "child"]
+
+
+def test_a_bounded_wait_for_the_lock_gives_up_with_log_locked_and_writes_nothing(tmp_path: Path) -> None:
+    """``lock_wait_s``: the watcher's logs (one paused holder had stopped every session's appends)."""
+    holder = _log(tmp_path)
+    holder.append([{"type": "user", "content": "before"}])
+    waiter = SessionLog(tmp_path / "data", CWD, "s1", lock_wait_s=0.2)
+    with holder.lock():  # another open file description: flock treats it as another process
+        started = time.monotonic()
+        with pytest.raises(LogLocked, match=r"locked by another process for more than 0\.2 s"):
+            waiter.append([{"type": "user", "content": "refused"}])
+        assert 0.2 <= time.monotonic() - started < 2
+    waiter.append([{"type": "user", "content": "after"}])  # free again: taken at once
+    assert [e["content"] for e in holder.read()] == ["before", "after"]
 
 
 def _hammer(data_dir: str, worker: int, batches: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -352,6 +353,51 @@ def test_a_session_whose_append_fails_is_held_back_and_retried_in_order(
     drain(watcher, r, fast)
     assert failures["left"] == 0
     assert [line["streamId"] for line in log_lines(fast, "full")] == published["full"] + more
+
+
+def test_a_log_another_process_keeps_locked_holds_back_its_session_only(
+    r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One paused process holding one log's lock (a worker stopped mid-read: ``docker pause``, a
+    frozen VM) blocked the watcher in ``flock`` for as long: no session of any shard was written,
+    and its leases lapsed. The session is held back, the others go on, and once the lock is free
+    its entries are applied in order, once."""
+    import fcntl
+    import threading
+
+    monkeypatch.setattr("producer.watcher.core.LOG_LOCK_WAIT_S", 0.1)
+    monkeypatch.setattr("producer.watcher.batch.HOLD_RETRY_S", 0.2)
+    publisher = Publisher(r, fast)
+    published = publish_turns(publisher, ["stuck", "free"], turns=1)
+    watcher = Watcher(r, fast, name="w")
+    drain(watcher, r, fast)
+    holder = os.open(SessionLog(fast.data_dir, CWD, "stuck").path, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: another process, as flock sees it
+    once = threading.Lock()
+
+    def release() -> None:
+        if once.acquire(blocking=False):
+            os.close(holder)
+
+    safety = threading.Timer(10, release)  # (the code before: blocked until this)
+    safety.start()
+    try:
+        for turn in (2, 3):
+            for sid in ("stuck", "free"):
+                published[sid] += publisher.publish(sid, CWD, [user(turn), turn_end(turn)])
+        started = time.monotonic()
+        while len(log_lines(fast, "free")) < 6 and time.monotonic() - started < 5:
+            watcher.run_once()
+        assert time.monotonic() - started < 5 and safety.is_alive()  # while the lock is held
+        assert [line["streamId"] for line in log_lines(fast, "free")] == published["free"]
+        assert [line["streamId"] for line in log_lines(fast, "stuck")] == published["stuck"][:2]
+        assert b"locked by another process" in r.hget(Keys().held, "stuck")
+    finally:
+        safety.cancel()
+        release()
+    drain(watcher, r, fast)
+    assert [line["streamId"] for line in log_lines(fast, "stuck")] == published["stuck"]
+    assert not r.hexists(Keys().held, "stuck")
 
 
 def test_an_entry_refused_beside_a_failing_append_is_lettered_once(
