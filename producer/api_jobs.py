@@ -42,6 +42,7 @@ _JOB_FUNCTIONS = frozenset(JOB_FUNCTIONS.values())
 JOB_ID_MAX = 160
 JOB_ID_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9_.:-]{{0,{JOB_ID_MAX - 1}}}$")
 POLL_INTERVAL_S = 0.05
+OUTAGE_POLL_INTERVAL_S = 0.25  # while Redis does not answer, ``wait_for_job`` tries it again this often
 TERMINAL_STATUSES = frozenset({
     JobStatus.FINISHED.value, JobStatus.FAILED.value,
     JobStatus.STOPPED.value, JobStatus.CANCELED.value,
@@ -104,10 +105,19 @@ def _as_result(value: Any) -> CompressResult | None:
 
 
 def wait_for_job(client: redis.Redis, job_id: str, queue: str, timeout_s: float) -> JobBody:
-    """Poll until the job ends or ``timeout_s`` passes; the last status seen."""
+    """Poll until the job ends or ``timeout_s`` passes; the last status seen. Redis unreachable
+    meanwhile (restarted: the workers wait it out and run the job) is waited out too, up to the
+    same deadline, where its error is raised: ``compactor compact`` printed "nothing compacted"
+    on a restart of a second, and the job it had queued then compacted."""
     deadline = time.monotonic() + timeout_s
     while True:
-        body = job_body(client, job_id, queue)
+        try:
+            body = job_body(client, job_id, queue)
+        except (redis.ConnectionError, redis.TimeoutError):  # (BusyLoadingError too: a restart's load)
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(OUTAGE_POLL_INTERVAL_S)
+            continue
         if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline:
             return body
         time.sleep(POLL_INTERVAL_S)

@@ -1029,6 +1029,33 @@ def test_compact_stopped_while_it_waits_still_prints_the_json_last(
     assert "Traceback" not in err, err
 
 
+def test_compact_waits_out_a_redis_restart_while_its_job_is_queued(settings: Settings, config: Path) -> None:
+    """A restart of Redis (its data kept) during the wait ended ``compact`` at once: exit 1, "nothing
+    compacted" on stdout, while the job it had queued ran once Redis was back and compacted."""
+    import tempfile
+
+    from compactor.embedded import EmbeddedRedis
+
+    with tempfile.TemporaryDirectory(prefix="restart-") as directory:
+        server = EmbeddedRedis(Path(directory), persist=True).start()
+        try:
+            own = cli_settings(settings.model_copy(update={"redis": settings.redis.model_copy(
+                update={"url": server.url})}))
+            client = redis.Redis.from_url(server.url)
+            write_session(client, own, 3)
+            process = queued_compact_process(client, own, config)
+            assert process.poll() is None and compaction_queue(client, own).count == 1
+            server.stop()  # (SHUTDOWN: the queue written to its AOF first)
+            time.sleep(1.0)  # the command polls a Redis that is gone
+            server = EmbeddedRedis(Path(directory), persist=True).start()
+            run_jobs(client, own)
+            out, err = process.communicate(timeout=60)
+        finally:
+            server.stop()
+    assert process.returncode == 0, err
+    assert json.loads(out.splitlines()[-1])["didCompress"] is True
+
+
 def test_compact_stopped_while_it_starts_still_prints_the_json_last(
         runner: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its first imports (RQ's, the API's: up to 0.8 s) ran before the signals were handled: a
