@@ -563,6 +563,26 @@ def claim_is_stale(client: redis.Redis, job_id: str, now: float | None = None) -
     return age_s > STALE_CLAIM_GRACE_S
 
 
+def queue_unqueued_claim(client: redis.Redis, settings: Settings, session_id: str, job_id: str,
+                         now: float) -> bool:
+    """Queue the forced job ``job_id`` that holds the session's claim but was never queued (RQ status
+    ``created`` since its claim, which is older than ``STALE_CLAIM_GRACE_S`` by ``now``, Redis's
+    clock): its enqueuer stopped between the two (Ctrl-C, killed, or Redis gone, so its clean-up
+    failed too). Such a claim is no stale one (its job did not end), and it was kept for good: the
+    session got no compaction again, forced or automatic. True when it was queued."""
+    status = client.hget(Job.key_for(job_id), "status")
+    if status is None or as_text(status) != JobStatus.CREATED:
+        return False
+    # the claim's age, not the job's: a forced job that waited long for the claim is created as long,
+    # and its claim is made (and the score set, by the same script) right before its enqueue
+    claimed_at = client.zscore(Keys(settings.redis.prefix, settings.redis.shards).claims, session_id)
+    if claimed_at is None or now - claimed_at <= STALE_CLAIM_GRACE_S:
+        return False
+    compaction_queue(client, settings).enqueue_job(Job.fetch(job_id, connection=client))
+    _enqueued(session_id, job_id, True)
+    return True
+
+
 def _job_spec(settings: Settings, session_id: str, cwd: str, job_id: str, forced: bool) -> dict[str, Any]:
     """The RQ job (``Queue.create_job`` / ``enqueue_call`` arguments) of a compaction."""
     kind = _kind_of(job_id)
@@ -582,6 +602,7 @@ def _job_spec(settings: Settings, session_id: str, cwd: str, job_id: str, forced
 __all__ = [
     "FORCED_TRIGGER", "JOB_FUNCTIONS", "UNCHECKED", "Kind", "Trigger", "trigger_compactions", "claim_is_stale",
     "compaction_queue", "enqueue_compaction", "enqueue_forced_compaction", "new_job_id",
-    "parse_job_id", "pending_job_id", "promote_forced", "rate_limit_for", "release_pending", "sync_clock",
+    "parse_job_id", "pending_job_id", "promote_forced", "queue_unqueued_claim", "rate_limit_for", "release_pending",
+    "sync_clock",
     "sessions_to_look_at", "settle_trigger", "redis_now",
 ]

@@ -77,6 +77,7 @@ from compactor.queue import (
     compaction_queue,
     parse_job_id,
     pending_job_id,
+    queue_unqueued_claim,
     redis_now,
     sessions_to_look_at,
 )
@@ -530,6 +531,11 @@ def _free_stale_claims(context: WorkerContext) -> list[str]:
     for session_id in sessions_to_look_at(client, settings, STALE_CLAIM_GRACE_S, now):
         claim = pending_job_id(client, settings, session_id)
         if claim is not None and not claim_is_stale(client, claim, now):
+            if queue_unqueued_claim(client, settings, session_id, claim, now):
+                logger.warning("forced job queued session=%s job=%s: claimed, its enqueue interrupted",
+                               session_id, claim, extra={"session_id": session_id, "job_id": claim,
+                                                         "outcome": "unqueued_claim"})
+                freed.append(claim)
             continue  # a live job still owns the session
         logger.warning("stale claim freed session=%s job=%s", session_id, claim,
                        extra={"session_id": session_id, "job_id": claim, "outcome": "stale_claim"})

@@ -1256,6 +1256,41 @@ def test_a_forced_job_waiting_for_a_job_whose_worker_died_is_queued_by_the_janit
         Job.fetch(forced, connection=r).get_status() == JobStatus.RATE_LIMITED
 
 
+def test_a_forced_job_claimed_but_never_queued_is_queued_by_the_janitor(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A forced request stopped between its claim and its enqueue (Ctrl-C, killed, Redis gone so its
+    clean-up failed too) left the claim to a job in RQ status ``created``: no stale claim (the job
+    never ended), so the janitor skipped it for good, and the session was never compacted again,
+    the next forced request waiting behind it forever."""
+    from compactor import queue as queue_module
+    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
+    from worker.runner import run_janitor
+
+    write_session(r, wsettings, "s1", 3)
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(queue_module, "_enqueue_forced", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            enqueue_compaction(r, wsettings, "s1", CWD, "llm", forced=True)
+    stuck = pending_job_id(r, wsettings, "s1")
+    assert stuck is not None and Job.fetch(stuck, connection=r).get_status() == JobStatus.CREATED
+    retried = enqueue_compaction(r, wsettings, "s1", CWD, "llm", forced=True)  # waits behind it
+    context = WorkerContext.build(wsettings, r)
+    assert run_janitor(context) == []  # a claim made just now: its enqueuer may be on its way
+    r.delete(Keys().janitor)
+    r.zadd(Keys().claims, {"s1": redis_now(r) - STALE_CLAIM_GRACE_S - 1})  # the grace has passed
+    assert run_janitor(context) == [stuck]
+    run_burst(r, wsettings, context)
+    assert Job.fetch(stuck, connection=r).return_value()["didCompress"] is True
+    assert Job.fetch(retried, connection=r).get_status() == JobStatus.FINISHED  # the next request ran too
+    assert [e["type"] for e in read_log(wsettings, "s1")].count("summary") >= 1
+    assert pending_job_id(r, wsettings, "s1") is None
+
+
 def test_in_a_small_window_the_previous_summary_keeps_half_of_what_the_frame_leaves(settings: Settings) -> None:
     """In a 2 000-token window the frame and the reply leave ~740 tokens, less than a chunk's
     minimum: the previous summary was cut to 7 tokens, its facts lost once the new summary
