@@ -137,8 +137,9 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 CwdQuery = Annotated[str, Query(description="absolute working directory of the session")]
 IdempotencyKey = Annotated[str | None, Header(
-    alias="Idempotency-Key", description="the events without a uuid get one derived from this key and their "
-    "index: the same batch sent again with the same key (a retry) is applied once",
+    alias="Idempotency-Key", description="the events without a uuid get one derived from this key, their "
+    "index and their content (timestamp aside): the same batch sent again with the same key (a retry) is "
+    "applied once, and another batch under a key used before is not taken for it",
     json_schema_extra={"minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"})]  # (checked by the Publisher)
 
 
@@ -398,8 +399,8 @@ def push_events(request: Request, session_id: str, body: EventsRequest, settings
     Retries: an event whose ``uuid`` the session has already is not published
     again (its index is in ``duplicates``). Send each event's ``uuid``, or an
     ``Idempotency-Key`` header (the events without a uuid get one derived from
-    it and their index), and a batch sent again after a lost reply or a 503 is
-    applied once.
+    it, their index and their content), and a batch sent again after a lost reply
+    or a 503 is applied once.
     """
     keys = request.headers.getlist("idempotency-key")
     if len(keys) > 1:  # (FastAPI reads the first: a retry sent with the second was published again)

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -90,8 +91,9 @@ class Publisher:
                 idempotency_key: str | None = None) -> PreparedBatch:
         """Validate and encode the events (nothing is sent); raises like ``publish``. An event
         without a ``uuid`` gets a random one; with an ``idempotency_key``, one derived from the key,
-        the session and its index in the batch, so the same batch sent again under the same key
-        (a retry after a lost reply) carries the same uuids and is applied once."""
+        the session, its index in the batch and its content (``keyed_uuid``), so the same batch sent
+        again under the same key (a retry after a lost reply) carries the same uuids and is applied
+        once."""
         session_id = validate_session_id(session_id)
         cwd = validate_cwd(cwd)
         session_log_path(self.settings.data_dir, cwd, session_id)  # a cwd no log can live under: refused now
@@ -190,7 +192,7 @@ class Publisher:
             # resent copy was applied as a second event)
             if wire.get("uuid") is None:  # (none, or null: the watcher would derive one from the entry id)
                 wire["uuid"] = str(uuid.uuid4() if idempotency_key is None else
-                                   uuid.uuid5(uuid.NAMESPACE_URL, f"compactor:{session_id}:{idempotency_key}:{index}"))
+                                   keyed_uuid(session_id, idempotency_key, index, wire))
             payload = orjson.dumps(wire)
         except InvalidInput as e:
             raise e.at(index) from e
@@ -204,6 +206,17 @@ class Publisher:
 
 IDEMPOTENCY_KEY_MAX = 255
 SENT_KEPT = 10_000  # uuids send_unsent remembers per session, at most (the newest)
+
+
+def keyed_uuid(session_id: str, key: str, index: int, wire: dict[str, Any]) -> uuid.UUID:
+    """The uuid of the event at ``index`` of a batch sent under idempotency ``key``: derived from the
+    key, the index and the event's content (its ``timestamp`` left out: a retry may stamp it again),
+    so a resent batch gets the same uuids (applied once), and a key reused for another batch (one
+    per turn, say) other ones: derived from the key and the index alone, that batch was dropped as
+    duplicates of the first, after ``publish`` had returned its stream ids."""
+    content = {name: value for name, value in wire.items() if name not in ("uuid", "timestamp")}
+    digest = hashlib.sha256(orjson.dumps(content, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"compactor:{session_id}:{key}:{index}:{digest}")
 
 
 def check_idempotency_key(key: str) -> None:

@@ -292,6 +292,18 @@ def test_a_call_repeated_under_its_idempotency_key_is_applied_once(r: redis.Redi
     drain(Watcher(r, settings, name="w"), r, settings)
     assert [(line["type"], line["turnId"]) for line in log_lines(settings, "s1")] == [
         ("user", 1), ("turn_end", 1), ("user", 2), ("turn_end", 2)]
+    # a key reused for another batch (one key per turn number, say): its events are new ones, not
+    # duplicates of the first batch's (they were dead-lettered after publish returned their ids)
+    lettered = r.xlen(Keys(settings.redis.prefix, settings.redis.shards).dead)  # (the retry's two)
+    publisher.publish("s1", CWD, [user(3, "again"), turn_end(3)], idempotency_key="req-1")
+    # a retry that stamps its events again is still the same batch
+    stamped = [{**user(4, "stamped"), "timestamp": stamp} for stamp in ("2026-12-03T00:00:00Z", "2026-12-03T00:00:09Z")]
+    publisher.publish("s1", CWD, [stamped[0]], idempotency_key="req-4")
+    publisher.publish("s1", CWD, [stamped[1]], idempotency_key="req-4")
+    drain(Watcher(r, settings, name="w"), r, settings)
+    assert [(line["type"], line["turnId"]) for line in log_lines(settings, "s1")][4:] == [
+        ("user", 3), ("turn_end", 3), ("user", 4)]
+    assert r.xlen(Keys(settings.redis.prefix, settings.redis.shards).dead) == lettered + 1  # the re-stamped retry
     with pytest.raises(InvalidInput, match="^Idempotency-Key: must be"):
         publisher.publish("s1", CWD, batch, idempotency_key="two words")
     with pytest.raises(InvalidInput, match="^Idempotency-Key: must be a string, not int$"):  # (a bare TypeError)
