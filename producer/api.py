@@ -93,7 +93,7 @@ from producer.api_sessions import (
     session_body,
     wait_settled,
 )
-from producer.publisher import Publisher
+from producer.publisher import Publisher, check_idempotency_key
 
 logger = logging.getLogger(__name__)
 
@@ -405,6 +405,8 @@ def push_events(request: Request, session_id: str, body: EventsRequest, settings
     keys = request.headers.getlist("idempotency-key")
     if len(keys) > 1:  # (FastAPI reads the first: a retry sent with the second was published again)
         raise BadBody(f"Idempotency-Key: given {len(keys)} times; give it once")
+    if idempotency_key is not None:
+        check_idempotency_key(idempotency_key, "Idempotency-Key")
     sid, cwd = _checked(session_id, body.cwd)
     ids, duplicates = _publish(client, settings, sid, cwd, body.events, idempotency_key)
     logger.info("events accepted session=%s count=%d duplicates=%d", sid, len(ids), len(duplicates))

@@ -7,8 +7,9 @@ Invariants:
   ``events.checks.check_json``), then the batch as the watcher will apply it
   (no uuid twice, no turn going backwards: ``events.checks.check_batch``).
 - One call is one ``MULTI``/``EXEC``: its entries land contiguously, in the
-  order given, or not at all; sent twice (redis-py resends a transaction whose
-  reply was lost, as after a dropped connection or a ``socket_timeout``; or the
+  order given, or not at all; sent twice (a redis-py client with ``retry`` resends a
+  transaction whose reply was lost, as after a dropped connection or a ``socket_timeout``
+  (``Redis(host=...)`` has one by default, ``Redis.from_url`` none); or the
   caller ``send``s a batch again after an error), its events are applied once:
   ``prepare`` gives each event without a ``uuid`` a random one, and the watcher
   dead-letters an event whose uuid its session already has. A call sent again
@@ -77,6 +78,10 @@ class Publisher:
     """
 
     def __init__(self, redis_client: redis.Redis, settings: Settings) -> None:
+        if type(redis_client).__module__.startswith("redis.asyncio"):  # (its commands are coroutines: a
+            # TypeError "'coroutine' object is not iterable" came from deep inside a publish)
+            raise InvalidInput("redis_client", "Publisher needs a synchronous redis.Redis (from asyncio, make one "
+                               "and call the publisher through asyncio.to_thread)")
         self.redis = redis_client
         self.settings = settings
         self.keys = Keys(settings.redis.prefix, settings.redis.shards)
@@ -153,13 +158,15 @@ class Publisher:
                     continue
 
     def end_turn(
-        self, session_id: str, cwd: str, turn_id: int, model: str, context_window: int | None = None
+        self, session_id: str, cwd: str, turn_id: int, model: str, context_window: int | None = None, *,
+        idempotency_key: str | None = None,
     ) -> str:
-        """Publish the ``turn_end`` of ``turn_id``; the watcher checks the thresholds after it."""
+        """Publish the ``turn_end`` of ``turn_id``; the watcher checks the thresholds after it.
+        ``idempotency_key``: as ``publish``'s (a retry of the call is applied once)."""
         event: dict[str, Any] = {"type": "turn_end", "turnId": turn_id, "model": model}
         if context_window is not None:
             event["contextWindow"] = context_window
-        return self.publish(session_id, cwd, event)[0]
+        return self.publish(session_id, cwd, event, idempotency_key=idempotency_key)[0]
 
     def request_compaction(self, session_id: str, cwd: str, forced: bool = True) -> str | None:
         """Request an LLM compaction; the job id. ``forced`` (the default): the forced job that
@@ -200,7 +207,9 @@ class Publisher:
             raise InvalidEvent("event", f"is not JSON-serialisable: {e}", index) from e
         limit = self.settings.limits.max_event_bytes
         if len(payload) > limit:
-            raise InvalidEvent("event", f"is {len(payload)} bytes, more than limits.maxEventBytes ({limit})", index)
+            added = not (isinstance(data, dict) and data.get("uuid"))  # (46 bytes the watcher reads too)
+            raise InvalidEvent("event", f"is {len(payload)} bytes, more than limits.maxEventBytes ({limit})"
+                               + (" with the uuid it was given" if added else ""), index)
         return wire, payload
 
 
@@ -219,13 +228,13 @@ def keyed_uuid(session_id: str, key: str, index: int, wire: dict[str, Any]) -> u
     return uuid.uuid5(uuid.NAMESPACE_URL, f"compactor:{session_id}:{key}:{index}:{digest}")
 
 
-def check_idempotency_key(key: str) -> None:
-    """An idempotency key: 1 to 255 printable ASCII characters (an HTTP header's value)."""
+def check_idempotency_key(key: str, field: str = "idempotency_key") -> None:
+    """An idempotency key: 1 to 255 printable ASCII characters (an HTTP header's value); the
+    error names ``field`` (the API's: ``Idempotency-Key``)."""
     if not isinstance(key, str):  # (``idempotency_key=17``: a bare TypeError from len)
-        raise InvalidInput("Idempotency-Key", f"must be a string, not {type(key).__name__}")
+        raise InvalidInput(field, f"must be a string, not {type(key).__name__}")
     if not 1 <= len(key) <= IDEMPOTENCY_KEY_MAX or not all("!" <= c <= "~" for c in key):
-        raise InvalidInput("Idempotency-Key", f"must be 1 to {IDEMPOTENCY_KEY_MAX} printable ASCII characters "
-                           "without spaces")
+        raise InvalidInput(field, f"must be 1 to {IDEMPOTENCY_KEY_MAX} printable ASCII characters without spaces")
 
 
 def _queue_xadds(pipe: Any, batch: PreparedBatch) -> None:

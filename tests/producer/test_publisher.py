@@ -4,6 +4,7 @@ import re
 import uuid
 from datetime import datetime
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -170,6 +171,12 @@ def test_publish_rejects_an_event_over_max_event_bytes(r: redis.Redis, settings:
         publisher.publish("s1", CWD, [user(1), user(1, "x" * 1100)])
     assert caught.value.index == 1 and "maxEventBytes" in str(caught.value)
     assert len(entries(r, settings, "s1")) == 1
+    # over the limit only by the uuid the publisher gave it: said so (the same event with a short uuid
+    # of its own fits)
+    near = {**user(2, "x"), "content": "x" * (1024 - len(orjson.dumps({**user(2, ""), "toolCalls": []})) - 30)}
+    with pytest.raises(InvalidEvent, match=r"\(1024\) with the uuid it was given$"):
+        publisher.publish("s1", CWD, near)
+    assert publisher.publish("s1", CWD, {**near, "uuid": "u2"})
 
 
 def test_end_turn_publishes_a_turn_end(r: redis.Redis, settings: Settings) -> None:
@@ -304,7 +311,49 @@ def test_a_call_repeated_under_its_idempotency_key_is_applied_once(r: redis.Redi
     assert [(line["type"], line["turnId"]) for line in log_lines(settings, "s1")][4:] == [
         ("user", 3), ("turn_end", 3), ("user", 4)]
     assert r.xlen(Keys(settings.redis.prefix, settings.redis.shards).dead) == lettered + 1  # the re-stamped retry
-    with pytest.raises(InvalidInput, match="^Idempotency-Key: must be"):
+    with pytest.raises(InvalidInput, match="^idempotency_key: must be"):  # (the argument, not the API's header)
         publisher.publish("s1", CWD, batch, idempotency_key="two words")
-    with pytest.raises(InvalidInput, match="^Idempotency-Key: must be a string, not int$"):  # (a bare TypeError)
+    with pytest.raises(InvalidInput, match="^idempotency_key: must be a string, not int$"):  # (a bare TypeError)
         publisher.publish("s1", CWD, batch, idempotency_key=17)  # type: ignore[arg-type]
+
+
+def test_the_readme_python_example_runs_and_its_client_resends_a_lost_reply(
+        r: redis.Redis, settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's example, run as written: its client (``Redis.from_url``) had no retries, while
+    the README said redis-py resends a transaction whose reply was lost."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    [example] = re.findall(r"```python\n(.*?)```", readme.split("Python agents use", 1)[1], re.S)[:1]
+    monkeypatch.chdir(tmp_path)  # (no ./codingcode.yaml: the defaults and the environment)
+    monkeypatch.setenv("REDIS_URL", settings.redis.url)
+    monkeypatch.setenv("COMPACTION_DATA_DIR", str(tmp_path / "data"))
+    namespace: dict[str, Any] = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    sent = [orjson.loads(fields[b"event"])["type"] for _, fields in r.xrange(Keys().stream_for("s-42"))]
+    assert sent == ["user", "turn_end"]
+    assert parse_job_id(namespace["job_id"]) is not None
+    assert namespace["client"].connection_pool.make_connection().retry.get_retries() >= 1
+
+
+def test_an_asyncio_client_is_refused_when_the_publisher_is_made(settings: Settings) -> None:
+    """Its commands are coroutines: a publish failed deep inside with "'coroutine' object is not
+    iterable" (or an "Unknown type" from redis-py)."""
+    import redis.asyncio
+
+    with pytest.raises(InvalidInput, match="^redis_client: Publisher needs a synchronous redis.Redis"):
+        Publisher(redis.asyncio.Redis.from_url(settings.redis.url), settings)
+
+
+def test_end_turn_under_an_idempotency_key_is_applied_once_when_retried(r: redis.Redis, settings: Settings) -> None:
+    """A retried ``end_turn`` (a lost reply) was a second ``turn_end`` with a random uuid, dead-lettered
+    as "turnId goes backwards"; under its key it is the same event, dropped as a resend."""
+    publisher = Publisher(r, settings)
+    publisher.publish("s1", CWD, user(1))
+    first = publisher.end_turn("s1", CWD, 1, "gpt-4o", idempotency_key="t1")
+    again = publisher.end_turn("s1", CWD, 1, "gpt-4o", idempotency_key="t1")
+    assert first != again
+    uuids = [orjson.loads(e[b"event"])["uuid"] for e in entries(r, settings, "s1")]
+    assert uuids[1] == uuids[2]
+    drain(Watcher(r, settings, name="w"), r, settings)
+    assert [line["type"] for line in log_lines(settings, "s1")] == ["user", "turn_end"]
+    [letter] = [fields for _, fields in r.xrange(Keys(settings.redis.prefix, settings.redis.shards).dead)]
+    assert b"duplicates an event already in this session" in letter[b"reason"]
