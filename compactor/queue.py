@@ -271,10 +271,11 @@ def enqueue_compaction(
     *,
     forced: bool = False,
     breaker_open_kind: Kind | None | _Unchecked = UNCHECKED,
+    after: str | None = None,
 ) -> str | None:
     """Enqueue a compaction job; the job id, or None when one is already pending (coalesced).
 
-    ``forced`` (an ``llm`` job): ``enqueue_forced_compaction``, whose id is
+    ``forced`` (an ``llm`` job): ``enqueue_forced_compaction`` (with ``after``), whose id is
     returned (never None). With ``breaker_open_kind`` the session's LLM breaker is read in the same
     round trip as the claim: at ``maxFailures`` failures or more the job is of
     that kind instead (None: no job, and None is returned). The watcher passes
@@ -286,7 +287,7 @@ def enqueue_compaction(
     if forced:
         if kind != "llm":
             raise ValueError("a forced compaction is an llm one")
-        return enqueue_forced_compaction(client, settings, session_id, cwd)
+        return enqueue_forced_compaction(client, settings, session_id, cwd, after=after)
     sync_clock(client)
     job_id = new_job_id(session_id, kind)
     reply = client.eval(*_claim_call(settings, Trigger(session_id, cwd, kind, breaker_open_kind), job_id))
@@ -306,11 +307,14 @@ def check_bound_cwd(client: redis.Redis, settings: Settings, session_id: str, cw
         raise bound_elsewhere(session_id, as_text(bound), cwd)
 
 
-def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> str:
+def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_id: str, cwd: str, *,
+                              after: str | None = None) -> str:
     """A forced LLM compaction (SPEC §5: no thresholds, no breaker; still one job per session at a
     time): the id of the forced job that will answer it. That job is queued now when the session
     has no pending job; else it waits (RQ status ``created``) until the pending one ends; when a
     forced job already waits, this request joins it (its id is returned, no second job).
+    ``after``: a stream entry id of the session; the job first waits (``worker.jobs.AFTER_WAIT_S``
+    at most) for the watcher to apply it, so it compacts the events published before the request.
 
     A session bound to another cwd is refused here (``InvalidInput`` on ``cwd``), not by a job
     that fails: another spelling of the cwd (``/app/`` for ``/app``) finds the same log.
@@ -318,7 +322,7 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     check_bound_cwd(client, settings, session_id, cwd)
     sync_clock(client)
     queue = compaction_queue(client, settings)
-    job = queue.create_job(**_job_spec(settings, session_id, cwd, new_job_id(session_id, "llm"), True),
+    job = queue.create_job(**_job_spec(settings, session_id, cwd, new_job_id(session_id, "llm"), True, after),
                            status=JobStatus.CREATED)
     job.save()  # before the claim: once recorded as the trigger, the holder's end may queue it
     outcome, job_id = _force(client, settings, session_id, job.id)
@@ -583,13 +587,17 @@ def queue_unqueued_claim(client: redis.Redis, settings: Settings, session_id: st
     return True
 
 
-def _job_spec(settings: Settings, session_id: str, cwd: str, job_id: str, forced: bool) -> dict[str, Any]:
+def _job_spec(settings: Settings, session_id: str, cwd: str, job_id: str, forced: bool,
+              after: str | None = None) -> dict[str, Any]:
     """The RQ job (``Queue.create_job`` / ``enqueue_call`` arguments) of a compaction."""
     kind = _kind_of(job_id)
+    kwargs: dict[str, Any] = {"forced": True} if forced and kind == "llm" else {}
+    if after is not None and kwargs:
+        kwargs["after"] = after
     return {
         "func": JOB_FUNCTIONS[kind],
         "args": (session_id, cwd),
-        "kwargs": {"forced": True} if forced and kind == "llm" else {},
+        "kwargs": kwargs,
         "job_id": job_id,
         "timeout": settings.worker.job_timeout_seconds,
         "result_ttl": JOB_RESULT_TTL_S if forced else AUTO_JOB_RESULT_TTL_S,

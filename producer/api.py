@@ -49,6 +49,7 @@ from rq.utils import as_text
 from starlette.routing import Mount, Route
 
 from compactor import __version__
+from compactor.applied import parse_stream_id
 from compactor.keys import Keys
 from compactor.queue import enqueue_forced_compaction
 from compactor.redis_errors import probe_writes
@@ -89,7 +90,6 @@ from producer.api_sessions import (
     current_state,
     dead_letters_body,
     not_found,
-    parse_stream_id,
     session_body,
     wait_settled,
 )
@@ -330,9 +330,13 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
     ``X-Compactor-LLM-Error: <kind>; fallback=<model>`` (and ``GET /api/jobs/{id}`` in ``llmError``).
     """
     sid, cwd = _checked(session_id, body.cwd)
-    _require_log(client, settings, sid, cwd)
     timeout = settings.api.job_wait_seconds
-    job_id = await anyio.to_thread.run_sync(enqueue_forced_compaction, client, settings, sid, cwd)
+    if body.after is not None:  # (a new session's first events sent just before: its log did not exist yet, a 404)
+        parse_stream_id(body.after, "after")
+        await wait_settled(client, settings, sid, body.after, timeout, stop=request.app.state.stopping)
+    _require_log(client, settings, sid, cwd)
+    job_id = await anyio.to_thread.run_sync(
+        functools.partial(enqueue_forced_compaction, client, settings, sid, cwd, after=body.after))
     logger.info("forced compaction queued session=%s job=%s", sid, job_id)
     if not wait:
         return _accepted(job_id)

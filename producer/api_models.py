@@ -56,6 +56,8 @@ class _Request(_Body):
 
 class CompactRequest(_Request):
     cwd: str = Field(description="absolute working directory of the session")
+    after: str | None = Field(None, description="a stream id POST .../events answered: the compaction waits for the "
+                              "watcher to apply that event first (up to api.jobWaitSeconds), so it covers it")
 
 
 class EventsRequest(_Request):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -28,11 +27,12 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.utils import as_text
 
+from compactor.applied import APPLIED_POLL_MAX_S, APPLIED_POLL_S, settled
 from compactor.dead_letters import read_dead_letters
 from compactor.held import lease_holders, parse_held
 from compactor.keys import Keys
 from compactor.queue import pending_job_id
-from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd, stream_id_key
+from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd
 from events.config import Settings
 from events.errors import CompactorError, InvalidInput, LogWriteFailed, SessionNotFound
 from events.log import SessionLog
@@ -72,40 +72,6 @@ def context_body(settings: Settings, session_id: str, cwd: str, applied: bool | 
     if applied is not None:  # (only then in the body: SPEC §7's three fields otherwise)
         body.applied = applied
     return body
-
-
-STREAM_ID_RE = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")  # (``\d`` took "١-٠": Redis refused it, a 500)
-MAX_ID_PART = 2**64 - 1  # each part of a Redis stream id is an unsigned 64-bit number
-APPLIED_POLL_S = 0.005  # a read waiting for the watcher looks again after this, then 1.5x as long each time
-APPLIED_POLL_MAX_S = 0.1
-
-
-def parse_stream_id(value: str, field: str) -> tuple[int, int]:
-    """A stream entry id ``ms-seq`` as a pair; InvalidInput naming ``field`` otherwise."""
-    match = STREAM_ID_RE.fullmatch(value)
-    if match is None or int(match[1]) > MAX_ID_PART or int(match[2]) > MAX_ID_PART:
-        # (a part past 64 bits, which Redis never gives, waited out its whole timeout)
-        raise InvalidInput(field, f"{value!r} is not a stream entry id (ms-seq, as POST .../events answers)")
-    return int(match[1]), int(match[2])
-
-
-def settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: str) -> bool:
-    """Whether the watcher is done with entry ``entry_id`` of ``session_id``'s shard: delivered
-    and acked, so applied to the log or dead-lettered. A session's entries are acked in order
-    (a held session's later entries wait with it), so every one of its entries up to it is too."""
-    keys = Keys(settings.redis.prefix, settings.redis.shards)
-    stream = keys.stream_for(session_id)
-    try:
-        groups: list[Any] = client.xinfo_groups(stream)
-    except redis.ResponseError:  # no such stream: nothing of it waits (Redis lost it, or no event was sent)
-        return True
-    group = next((g for g in groups if as_text(g["name"]) == keys.group), None)
-    if group is None:  # (the watchers recreate it and read the stream again)
-        return False
-    ms, seq = parse_stream_id(entry_id, "after")
-    if stream_id_key(as_text(group["last-delivered-id"])) < (ms, seq):
-        return False
-    return not client.xpending_range(stream, keys.group, f"{ms}-{seq}", f"{ms}-{seq}", 1)
 
 
 async def wait_settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: str, timeout_s: float,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,6 +36,7 @@ import orjson
 import redis
 from pydantic import BaseModel
 
+from compactor.applied import parse_stream_id
 from compactor.keys import Keys
 from compactor.queue import check_bound_cwd, enqueue_compaction
 from events.config import Settings
@@ -85,6 +87,10 @@ class Publisher:
         self.redis = redis_client
         self.settings = settings
         self.keys = Keys(settings.redis.prefix, settings.redis.shards)
+        # session -> the stream id of its last event this publisher sent (the newest LAST_IDS_KEPT
+        # sessions): what ``request_compaction`` asks its job to wait for
+        self._last_ids: dict[str, str] = {}
+        self._last_ids_lock = threading.Lock()
 
     def publish(self, session_id: str, cwd: str, events: EventLike | Sequence[EventLike], *,
                 idempotency_key: str | None = None) -> list[str]:
@@ -126,7 +132,18 @@ class Publisher:
         ids = [_as_str(entry_id) for entry_id in pipe.execute()]
         logger.debug("published session=%s events=%d stream=%s last=%s",
                      batch.session_id, len(ids), batch.stream, ids[-1])
+        self._sent(batch.session_id, ids)
         return ids
+
+    def _sent(self, session_id: str, ids: list[str]) -> None:
+        """Note the last of ``ids``, the session's events just sent (``request_compaction``'s wait)."""
+        if not ids:
+            return
+        with self._last_ids_lock:
+            self._last_ids.pop(session_id, None)  # (re-inserted: the newest last)
+            self._last_ids[session_id] = ids[-1]
+            if len(self._last_ids) > LAST_IDS_KEPT:
+                del self._last_ids[next(iter(self._last_ids))]
 
     def send_unsent(self, batch: PreparedBatch, window_s: float) -> tuple[list[str], set[int]]:
         """``send`` the events of ``batch`` whose uuids no ``send_unsent`` published in the last
@@ -153,7 +170,9 @@ class Publisher:
                         pipe.zremrangebyrank(key, 0, -SENT_KEPT - 1)
                         pipe.expire(key, int(window_s) + 1)
                     replies = pipe.execute()
-                    return [_as_str(entry_id) for entry_id in replies[:len(fresh.payloads)]], sent
+                    ids = [_as_str(entry_id) for entry_id in replies[:len(fresh.payloads)]]
+                    self._sent(batch.session_id, ids)
+                    return ids, sent
                 except redis.WatchError:  # (another send to the session meanwhile: look again)
                     continue
 
@@ -168,10 +187,15 @@ class Publisher:
             event["contextWindow"] = context_window
         return self.publish(session_id, cwd, event, idempotency_key=idempotency_key)[0]
 
-    def request_compaction(self, session_id: str, cwd: str, forced: bool = True) -> str | None:
+    def request_compaction(self, session_id: str, cwd: str, forced: bool = True, *,
+                           after: str | None = None) -> str | None:
         """Request an LLM compaction; the job id. ``forced`` (the default): the forced job that
         answers it, queued now or waiting for the session's pending job (never None); not forced:
-        None when a job is already pending (the request is coalesced into it). The session's log
+        None when a job is already pending (the request is coalesced into it). A forced job first
+        waits for the watcher to apply stream entry ``after`` (by default the last event of the
+        session this publisher sent), up to ``worker.jobs.AFTER_WAIT_S``: it compacts the events
+        sent before the request (queued right after a new session's first events, it had run
+        before the watcher wrote the log). The session's log
         is not looked for (a producer need not see the data dir, and its first events may still
         wait in the stream): a job for a session with no log fails ``SessionNotFound``, where the
         HTTP API's ``compact`` answers 404 first."""
@@ -184,7 +208,12 @@ class Publisher:
             # RQ's job hash fails to decode after the job was created and recorded as the session's trigger)
             raise InvalidInput("redis_client", "request_compaction needs a Redis client made with "
                                "decode_responses=False: RQ stores its jobs pickled (publish takes either)")
-        return enqueue_compaction(self.redis, self.settings, session_id, cwd, "llm", forced=forced)
+        if after is not None:
+            parse_stream_id(after, "after")
+        else:
+            with self._last_ids_lock:
+                after = self._last_ids.get(session_id)
+        return enqueue_compaction(self.redis, self.settings, session_id, cwd, "llm", forced=forced, after=after)
 
     def _encode(self, session_id: str, cwd: str, event: object, index: int,
                 idempotency_key: str | None) -> tuple[dict[str, Any], bytes]:
@@ -215,6 +244,7 @@ class Publisher:
 
 IDEMPOTENCY_KEY_MAX = 255
 SENT_KEPT = 10_000  # uuids send_unsent remembers per session, at most (the newest)
+LAST_IDS_KEPT = 10_000  # sessions whose last sent stream id a publisher remembers (the newest)
 
 
 def keyed_uuid(session_id: str, key: str, index: int, wire: dict[str, Any]) -> uuid.UUID:

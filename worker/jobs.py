@@ -33,6 +33,7 @@ from typing import Any
 from rq import get_current_job
 
 from compactor import metrics
+from compactor.applied import wait_applied
 from compactor.queue import FORCED_TRIGGER, enqueue_compaction, promote_forced, release_pending, settle_trigger
 from events.errors import JobAbandoned, LLMUnavailable, LogCorrupted, LogWriteFailed, SessionNotFound, SummaryInvalid
 from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, CompressResult
@@ -42,14 +43,23 @@ from worker.context import WorkerContext, current
 
 logger = logging.getLogger(__name__)
 
+AFTER_WAIT_S = 10.0  # the longest a forced job waits for the watcher to apply the entry it was asked after
+
 
 def micro_compact(session_id: str, cwd: str) -> dict[str, Any]:
     """RQ job: micro compaction of one session."""
     return _run("micro", session_id, cwd, forced=False)
 
 
-def llm_compact(session_id: str, cwd: str, forced: bool = False) -> dict[str, Any]:
-    """RQ job: LLM compaction of one session (``forced`` skips thresholds and the breaker)."""
+def llm_compact(session_id: str, cwd: str, forced: bool = False, after: str | None = None) -> dict[str, Any]:
+    """RQ job: LLM compaction of one session (``forced`` skips thresholds and the breaker).
+    ``after``: a stream entry id of the session the request was made after; the watcher is given
+    up to ``AFTER_WAIT_S`` to apply it first (queued right after a new session's first events,
+    the job ran before the log was written and failed ``SessionNotFound``)."""
+    context = current()
+    if after is not None and not wait_applied(context.redis, context.settings, session_id, after, AFTER_WAIT_S):
+        logger.warning("entry %s of session=%s not applied after %.0f s: compacting the log as it is",
+                       after, session_id, AFTER_WAIT_S, extra={"session_id": session_id})
     return _run("llm", session_id, cwd, forced=forced)
 
 

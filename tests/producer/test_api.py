@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from rq import SimpleWorker
+from rq.job import Job
 
 from compactor.keys import Keys
 from compactor.queue import compaction_queue
@@ -657,6 +658,37 @@ def test_compact_waits_for_the_job_and_returns_compress_result(
     context = client.get(f"/api/sessions/{SID}/context", params={"cwd": CWD}).json()
     assert context["promptEstimate"] == result["promptEstimate"]
     assert context["messages"][0]["name"] == "compacted_history"
+
+
+def test_compact_after_a_new_sessions_first_events_waits_for_them_not_404(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """Events POSTed, then a compaction at once: the watcher had not written the new session's log
+    yet, and the compaction was a 404 "no session" (1 in 10 runs against a live stack). With
+    ``after`` (the last stream id the events POST answered) it waits for the watcher first."""
+    import threading
+
+    from producer.watcher import Watcher
+    from tests.producer.conftest import drain
+
+    ids = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": turn(1) + turn(2) + turn(3)}).json()
+    early = client.post(f"/api/sessions/{SID}/compact?wait=false", json={"cwd": CWD})
+    assert early.status_code == 404  # without ``after``: as before, the log is not there yet
+    watcher = Watcher(r, api_settings, name="w")
+    later = threading.Timer(0.5, drain, args=(watcher, r, api_settings))
+    later.start()
+    try:
+        response = client.post(f"/api/sessions/{SID}/compact?wait=false",
+                               json={"cwd": CWD, "after": ids["streamIds"][-1]})
+    finally:
+        later.join(30)
+        watcher.close()
+    assert response.status_code == 202, response.text
+    job = Job.fetch(response.json()["jobId"], connection=r)
+    assert job.kwargs == {"forced": True, "after": ids["streamIds"][-1]}
+    run_jobs(r, api_settings)
+    assert client.get(f"/api/jobs/{job.id}").json()["result"]["didCompress"] is True
+    bad = client.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD, "after": "12"})
+    assert bad.status_code == 400 and error_of(bad)["message"].startswith("after: '12' is not a stream entry id")
 
 
 def test_compact_with_nothing_to_summarize_does_not_compress(

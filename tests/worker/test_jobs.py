@@ -1291,6 +1291,33 @@ def test_a_forced_job_claimed_but_never_queued_is_queued_by_the_janitor(
     assert pending_job_id(r, wsettings, "s1") is None
 
 
+def test_a_compaction_requested_right_after_a_new_sessions_first_events_waits_for_the_watcher(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub,
+) -> None:
+    """The README's example: ``publish`` a new session's first turns, then ``request_compaction`` at
+    once. The job ran before the watcher wrote the log and failed ``SessionNotFound`` (3 runs in 10
+    against a live stack); it now waits for the last event the publisher sent."""
+    from producer.publisher import Publisher
+    from producer.watcher import Watcher
+    from tests.producer.conftest import drain
+
+    publisher = Publisher(r, wsettings)
+    sent = publisher.publish("fresh", CWD, [event for n in (1, 2, 3) for event in turn(n)])
+    job_id = publisher.request_compaction("fresh", CWD)
+    assert job_id is not None and Job.fetch(job_id, connection=r).kwargs == {"forced": True, "after": sent[-1]}
+    watcher = Watcher(r, wsettings, name="w")
+    later = threading.Timer(0.5, drain, args=(watcher, r, wsettings))
+    later.start()  # the watcher comes after the job has started
+    try:
+        run_burst(r, wsettings, WorkerContext.build(wsettings, r))
+    finally:
+        later.join(30)
+        watcher.close()
+    job = Job.fetch(job_id, connection=r)
+    assert job.get_status() == JobStatus.FINISHED, job.latest_result()
+    assert job.return_value()["didCompress"] is True and len(stub.requests) == 1
+
+
 def test_in_a_small_window_the_previous_summary_keeps_half_of_what_the_frame_leaves(settings: Settings) -> None:
     """In a 2 000-token window the frame and the reply leave ~740 tokens, less than a chunk's
     minimum: the previous summary was cut to 7 tokens, its facts lost once the new summary

@@ -1,0 +1,69 @@
+"""Whether the watcher has applied a stream entry: the read-your-writes check of ``GET
+.../context?after=``, ``POST .../compact`` with ``after`` and ``Publisher.request_compaction``
+(a forced job queued right after a new session's first events ran before the watcher had
+written its log, and failed ``SessionNotFound``).
+
+An entry is *settled* once delivered to the watchers' group and acked: applied to its log, or
+dead-lettered. A session's entries are acked in order (a held session's later entries wait with
+it), so every one of its entries up to a settled one is settled too.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import redis
+from rq.utils import as_text
+
+from compactor.keys import Keys
+from compactor.store import stream_id_key
+from events.config import Settings
+from events.errors import InvalidInput
+
+STREAM_ID_RE = re.compile(r"([0-9]{1,20})-([0-9]{1,20})")  # (``\d`` took "١-٠": Redis refused it, a 500)
+MAX_ID_PART = 2**64 - 1  # each part of a Redis stream id is an unsigned 64-bit number
+APPLIED_POLL_S = 0.005  # a wait for the watcher looks again after this, then 1.5x as long each time
+APPLIED_POLL_MAX_S = 0.1
+
+
+def parse_stream_id(value: str, field: str) -> tuple[int, int]:
+    """A stream entry id ``ms-seq`` as a pair; InvalidInput naming ``field`` otherwise."""
+    match = STREAM_ID_RE.fullmatch(value)
+    if match is None or int(match[1]) > MAX_ID_PART or int(match[2]) > MAX_ID_PART:
+        # (a part past 64 bits, which Redis never gives, waited out its whole timeout)
+        raise InvalidInput(field, f"{value!r} is not a stream entry id (ms-seq, as POST .../events answers)")
+    return int(match[1]), int(match[2])
+
+
+def settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: str) -> bool:
+    """Whether the watcher is done with entry ``entry_id`` of ``session_id``'s shard: delivered
+    and acked, so applied to the log or dead-lettered."""
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    stream = keys.stream_for(session_id)
+    try:
+        groups: list[Any] = client.xinfo_groups(stream)
+    except redis.ResponseError:  # no such stream: nothing of it waits (Redis lost it, or no event was sent)
+        return True
+    group = next((g for g in groups if as_text(g["name"]) == keys.group), None)
+    if group is None:  # (the watchers recreate it and read the stream again)
+        return False
+    ms, seq = parse_stream_id(entry_id, "after")
+    if stream_id_key(as_text(group["last-delivered-id"])) < (ms, seq):
+        return False
+    return not client.xpending_range(stream, keys.group, f"{ms}-{seq}", f"{ms}-{seq}", 1)
+
+
+def wait_applied(client: redis.Redis, settings: Settings, session_id: str, entry_id: str,
+                 timeout_s: float) -> bool:
+    """``settled``, waiting for it up to ``timeout_s``; whether it is."""
+    deadline = time.monotonic() + timeout_s
+    pause = APPLIED_POLL_S
+    while not settled(client, settings, session_id, entry_id):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 1.5, APPLIED_POLL_MAX_S)
+    return True
