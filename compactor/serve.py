@@ -53,7 +53,7 @@ import yaml
 
 from compactor.embedded import OWNER_LOCK_FILE, EmbeddedRedis
 from compactor.logging import json_configured
-from compactor.urls import host_port, redacted
+from compactor.urls import listening_url, redacted
 from events.config import ENV_OVERRIDES, Settings
 from events.errors import CompactorError, InvalidConfig
 
@@ -570,7 +570,7 @@ def serve(settings: Settings, *, workers: int, host: str | None = None,
     with _StopRequested().installed() as stop:
         with running_stack(settings, specs) as stack:
             api_host, api_port = host or settings.api.host, settings.api.port if port is None else port
-            where = "http://" + host_port(api_host, api_port)
+            where = listening_url(api_host, api_port)
             _wait_for_api(stack, stop, api_host, api_port)  # a script reading the banner connects at once
             announce(f"API {where}, watcher, {workers} worker(s); "
                      f"Redis {redacted(stack.redis_url)}; Ctrl-C to stop")

@@ -19,3 +19,16 @@ def redacted(url: str) -> str:
 def host_port(host: str, port: int) -> str:
     """``host:port``, or ``[host]:port`` for an IPv6 address."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}  # listening on all -> open locally
+
+
+def listening_url(host: str, port: int) -> str:
+    """The ``http://`` URL to open for a server listening on ``host:port``: a wildcard address
+    (the image's ``0.0.0.0``) is no address to open; its loopback is, and the URL says it listens
+    on all interfaces."""
+    local = WILDCARD_HOSTS.get(host)
+    if local is None:
+        return "http://" + host_port(host, port)
+    return f"http://{host_port(local, port)} (listening on all interfaces, {host_port(host or '0.0.0.0', port)})"

@@ -292,7 +292,10 @@ def dead_letters(
         err_console.print(f"no dead letters{whose}{looked}")
         return
     now = datetime.now(UTC)
-    table = Table(title=f"compactor: {len(body.letters)} of {body.total} dead letter(s), newest first",
+    # (of a session: "1 of 3" read as 1 of that session's 3, where 3 counted every session's letters)
+    title = (f"{len(body.letters)} dead letter(s) of session {session} ({body.total} in all)" if session
+             else f"{len(body.letters)} of {body.total} dead letter(s)")
+    table = Table(title=Text(f"compactor: {title}, newest first"),
                   box=box.SIMPLE_HEAD, caption=None if body.complete else
                   f"looked through the newest {body.scanned} letters only")
     for header in ("written", "session", "reason", "entry"):

@@ -1391,6 +1391,8 @@ def test_dead_letters_lists_the_refused_entries_newest_first_with_their_reasons(
     assert table.exit_code == 0, table.output
     rows = [line for line in table.stdout.splitlines() if " ago " in line]
     assert len(rows) == 2 and "2 of 3 dead letter(s)" in table.stdout
+    of_s2 = runner.invoke(app, ["dead-letters", "--session", "s2", *args], env={"COLUMNS": "200"})
+    assert "1 dead letter(s) of session s2 (3 in all)" in of_s2.stdout  # (was "1 of 3": read as s2's 3)
     none = runner.invoke(app, ["dead-letters", "--session", "s9", *args])
     assert none.exit_code == 0 and "no dead letters of session s9" in none.output
 

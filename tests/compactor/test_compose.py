@@ -72,6 +72,8 @@ def test_service_command_and_healthcheck_are_valid_cli_invocations(compose: dict
     assert "sessions:/data" in service["volumes"]
     env = service["environment"]
     assert env["REDIS_URL"] == "redis://redis:6379/0" and env["COMPACTION_DATA_DIR"] == "/data"
+    for variable in ("COMPACTION_LOG_LEVEL", "COMPACTION_LOG_FORMAT"):  # (README: `COMPACTION_LOG_FORMAT=json
+        assert env[variable].startswith(f"${{{variable}:-")             # docker compose up` had no effect)
     assert service["depends_on"]["redis"]["condition"] == "service_healthy"
 
 

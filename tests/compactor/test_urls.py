@@ -1,4 +1,4 @@
-from compactor.urls import host_port, redacted
+from compactor.urls import host_port, listening_url, redacted
 
 
 def test_password_is_hidden_and_the_rest_kept() -> None:
@@ -11,3 +11,10 @@ def test_password_is_hidden_and_the_rest_kept() -> None:
 def test_an_ipv6_host_is_bracketed_before_its_port() -> None:
     assert host_port("127.0.0.1", 8080) == "127.0.0.1:8080"
     assert host_port("::1", 8080) == "[::1]:8080"
+
+
+def test_a_server_on_every_interface_is_named_by_an_address_to_open() -> None:
+    """``serve`` in the image (``COMPACTION_API_HOST=0.0.0.0``) announced ``API http://0.0.0.0:8080``."""
+    assert listening_url("127.0.0.1", 8080) == "http://127.0.0.1:8080"
+    assert listening_url("0.0.0.0", 8080) == "http://127.0.0.1:8080 (listening on all interfaces, 0.0.0.0:8080)"
+    assert listening_url("::", 8080) == "http://[::1]:8080 (listening on all interfaces, [::]:8080)"
