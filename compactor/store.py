@@ -40,7 +40,7 @@ from rq.utils import as_text
 from compactor.keys import Keys
 from events.config import Settings
 from events.checks import COVERING, check_covered_turns
-from events.errors import InvalidEvent, InvalidInput, LogCorrupted, LogWriteFailed, SessionNotFound
+from events.errors import InvalidEvent, InvalidInput, LogCorrupted, LogLocked, LogWriteFailed, SessionNotFound
 from events.log import SessionLog, first_time
 from events.models import TURN_SCOPED_TYPES
 from events.state import SessionState, fold, rebuild, rebuild_with_view, stored_state
@@ -48,6 +48,11 @@ from events.tokens import TOKEN_COUNT_FIELD, TOKEN_ENCODING_FIELD, arguments_jso
 from events.view import ContextView, extend_view
 
 logger = logging.getLogger(__name__)
+
+# a reader's store (the API, ``compactor status``) waits at most this long for a log's lock (to store
+# a state rebuilt under other settings), then answers from the log read without it: one stopped
+# process holding one log's lock had held the request as long, and the session list with it
+READER_LOCK_WAIT_S = 0.5
 
 Guard = Callable[[list[tuple[dict[str, Any], InvalidEvent]]], None]  # called with the events refused so far
 
@@ -202,7 +207,7 @@ class SessionStore:
         session_id = state.session_id
         try:
             return self.refresh(session_id, state.cwd, self.log(session_id, state.cwd, create=False), active=False)
-        except (SessionNotFound, LogCorrupted, LogWriteFailed, InvalidInput) as e:  # (LogWriteFailed: the lock
+        except (SessionNotFound, LogCorrupted, LogWriteFailed, LogLocked, InvalidInput) as e:  # (LogWriteFailed: the lock
             # opens the log to write; a log this reader may not write, one read-only one, failed the whole list)
             logger.info("state of session=%s kept as stored (derived under other settings): %s", session_id, e)
             return state

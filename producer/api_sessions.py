@@ -32,9 +32,9 @@ from compactor.dead_letters import read_dead_letters
 from compactor.held import lease_holders, parse_held
 from compactor.keys import Keys
 from compactor.queue import pending_job_id
-from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd
+from compactor.store import READER_LOCK_WAIT_S, SessionStore, bound_elsewhere, check_logged_cwd
 from events.config import Settings
-from events.errors import CompactorError, InvalidInput, LogWriteFailed, SessionNotFound
+from events.errors import CompactorError, InvalidInput, LogLocked, LogWriteFailed, SessionNotFound
 from events.log import SessionLog
 from events.models import validate_cwd, validate_session_id
 from events.state import SessionState, rebuild
@@ -95,7 +95,7 @@ def current_state(client: redis.Redis, settings: Settings, session_id: str,
     """The session's state from Redis when it matches the log, else rebuilt from the log."""
     validate_session_id(session_id)
     validate_cwd(cwd)
-    store = SessionStore(client, settings)
+    store = SessionStore(client, settings, lock_wait_s=READER_LOCK_WAIT_S)
     log = store.log(session_id, cwd)
     if not log.exists():
         raise not_found(store, session_id, cwd)
@@ -105,7 +105,8 @@ def current_state(client: redis.Redis, settings: Settings, session_id: str,
     if state is None or state.log_size != log.complete_size():
         try:
             state = store.rebuild(session_id, cwd, log, check_cwd=state is None)
-        except LogWriteFailed as e:  # (the lock opens the log to write: a read-only one was a 500)
+        except (LogWriteFailed, LogLocked) as e:  # (the lock opens the log to write: a read-only one was a 500;
+            # a lock a stopped process holds made the request wait as long, and the session list with it)
             logger.info("state of session=%s rebuilt without storing it: %s", session_id, e)
             if state is None:
                 check_logged_cwd(session_id, cwd, log.first_of_type("session_meta"))
@@ -182,7 +183,7 @@ def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -
     places to fill): four per session made ``?limit=1000`` take ~0.5 s of the API's time on each
     refresh."""
     keys = Keys(settings.redis.prefix, settings.redis.shards)
-    store = SessionStore(client, settings)
+    store = SessionStore(client, settings, lock_wait_s=READER_LOCK_WAIT_S)
     bodies: list[tuple[SessionBody, float]] = []
     seen: set[str] = set()  # (one that became active meanwhile moved up: listed once)
     start, limit = 0, max(limit, 1)

@@ -609,6 +609,28 @@ def test_a_state_under_other_settings_whose_log_this_reader_may_not_write_is_kep
     assert SessionStore(r, changed).load_current(SID) == stored
 
 
+def test_a_state_under_other_settings_whose_log_another_process_keeps_locked_is_kept_as_stored(
+        r: redis.Redis, settings: Settings) -> None:
+    """A reader's store (``READER_LOCK_WAIT_S``) stops waiting for a lock a stopped process holds:
+    ``GET /api/sessions`` and ``compactor status`` waited as long, for every session."""
+    import fcntl
+
+    before = SessionStore(r, settings)
+    before.apply(SID, CWD, [*_long_turn(1), *_long_turn(2)])
+    stored = before.load(SID)
+    changed = settings.model_copy(update={"context": settings.context.model_copy(
+        update={"micro_compact_keep_chars": 200})})
+    holder = os.open(before.log(SID, CWD).path, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: another process, as flock sees it
+        started = time.monotonic()
+        assert SessionStore(r, changed, lock_wait_s=0.2).load_current(SID) == stored
+        assert time.monotonic() - started < 2
+    finally:
+        os.close(holder)
+    assert SessionStore(r, changed, lock_wait_s=0.2).load_current(SID) != stored  # free: rebuilt, stored
+
+
 def test_a_new_sessions_batch_refused_whole_leaves_no_log_and_no_state(store: SessionStore) -> None:
     """The log was created by the lock before the batch was refused: an empty file made the
     session known (the API's 200 instead of SPEC §7's 404, a row in ``status``) though nothing of

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -689,6 +690,40 @@ def test_compact_after_a_new_sessions_first_events_waits_for_them_not_404(
     assert client.get(f"/api/jobs/{job.id}").json()["result"]["didCompress"] is True
     bad = client.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD, "after": "12"})
     assert bad.status_code == 400 and error_of(bad)["message"].startswith("after: '12' is not a stream entry id")
+
+
+def test_a_log_another_process_keeps_locked_is_read_without_the_lock(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """A state to rebuild (its log grew past it) was rebuilt under the log's lock: a stopped process
+    holding that lock held the request as long (and the session list, for a state of other settings)."""
+    import fcntl
+    import threading
+
+    write_session(r, api_settings, 2)
+    path = SessionLog(api_settings.data_dir, CWD, SID).path
+    with open(path, "a") as f:  # (written by hand: the stored state is behind the log)
+        f.write(json.dumps({"type": "user", "uuid": "hand-1", "timestamp": "2026-12-03T00:00:00Z", "turnId": 3,
+                            "content": "hello world"}) + "\n")
+    holder = os.open(path, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another open file: another process, as flock sees it
+    once = threading.Lock()
+
+    def release() -> None:
+        if once.acquire(blocking=False):
+            os.close(holder)
+
+    safety = threading.Timer(10, release)  # (the code before: the request waited until this)
+    safety.start()
+    try:
+        started = time.monotonic()
+        body = client.get(f"/api/sessions/{SID}", params={"cwd": CWD}).json()
+        assert time.monotonic() - started < 5 and safety.is_alive()
+    finally:
+        safety.cancel()
+        release()
+    assert body["currentTurnId"] == 3
+    assert body["promptEstimate"] == client.get(f"/api/sessions/{SID}/context", params={"cwd": CWD}).json()[
+        "promptEstimate"]
 
 
 def test_compact_with_nothing_to_summarize_does_not_compress(
