@@ -56,18 +56,19 @@ def llm_compact(session_id: str, cwd: str, forced: bool = False, after: str | No
     ``after``: a stream entry id of the session the request was made after; the watcher is given
     up to ``AFTER_WAIT_S`` to apply it first (queued right after a new session's first events,
     the job ran before the log was written and failed ``SessionNotFound``)."""
+    started = time.monotonic()  # (the job's timeout runs from here: the wait counts against it)
     context = current()
     if after is not None and not wait_applied(context.redis, context.settings, session_id, after, AFTER_WAIT_S):
         logger.warning("entry %s of session=%s not applied after %.0f s: compacting the log as it is",
                        after, session_id, AFTER_WAIT_S, extra={"session_id": session_id})
-    return _run("llm", session_id, cwd, forced=forced)
+    return _run("llm", session_id, cwd, forced=forced, started=started)
 
 
-def _run(kind: str, session_id: str, cwd: str, *, forced: bool) -> dict[str, Any]:
+def _run(kind: str, session_id: str, cwd: str, *, forced: bool, started: float | None = None) -> dict[str, Any]:
     context = current()
     job = get_current_job()
     job_id = job.id if job is not None else ""
-    started = time.monotonic()
+    started = time.monotonic() if started is None else started
     outcome = "error"
     result: CompressResult | None = None
     llm_failed = False
