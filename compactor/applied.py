@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import redis
@@ -55,15 +56,21 @@ def settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: 
     return not client.xpending_range(stream, keys.group, f"{ms}-{seq}", f"{ms}-{seq}", 1)
 
 
+def poll_pauses(timeout_s: float) -> Iterator[float]:
+    """The pauses between looks of a wait for the watcher, ``timeout_s`` long in all: from
+    ``APPLIED_POLL_S``, 1.5x as long each time, up to ``APPLIED_POLL_MAX_S``; none once it is over."""
+    deadline = time.monotonic() + timeout_s
+    pause = APPLIED_POLL_S
+    while (left := deadline - time.monotonic()) > 0:
+        yield min(pause, left)
+        pause = min(pause * 1.5, APPLIED_POLL_MAX_S)
+
+
 def wait_applied(client: redis.Redis, settings: Settings, session_id: str, entry_id: str,
                  timeout_s: float) -> bool:
     """``settled``, waiting for it up to ``timeout_s``; whether it is."""
-    deadline = time.monotonic() + timeout_s
-    pause = APPLIED_POLL_S
-    while not settled(client, settings, session_id, entry_id):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        time.sleep(min(pause, left))
-        pause = min(pause * 1.5, APPLIED_POLL_MAX_S)
-    return True
+    for pause in poll_pauses(timeout_s):
+        if settled(client, settings, session_id, entry_id):
+            return True
+        time.sleep(pause)
+    return settled(client, settings, session_id, entry_id)

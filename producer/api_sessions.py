@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.utils import as_text
 
-from compactor.applied import APPLIED_POLL_MAX_S, APPLIED_POLL_S, settled
+from compactor.applied import poll_pauses, settled
 from compactor.dead_letters import read_dead_letters
 from compactor.held import lease_holders, parse_held
 from compactor.keys import Keys
@@ -79,15 +78,13 @@ async def wait_settled(client: redis.Redis, settings: Settings, session_id: str,
     """``settled``, waiting for it up to ``timeout_s`` without holding a thread (each look is a
     short call in one; 40 blocked waits took every thread of the API, /healthz's included);
     whether it is. Ends early, False, once ``stop`` is set (the API is stopping)."""
-    deadline = time.monotonic() + timeout_s
-    pause = APPLIED_POLL_S
-    while not await anyio.to_thread.run_sync(settled, client, settings, session_id, entry_id):
-        left = deadline - time.monotonic()
-        if left <= 0 or (stop is not None and stop.is_set()):
+    for pause in poll_pauses(timeout_s):
+        if await anyio.to_thread.run_sync(settled, client, settings, session_id, entry_id):
+            return True
+        if stop is not None and stop.is_set():
             return False
-        await anyio.sleep(min(pause, left))
-        pause = min(pause * 1.5, APPLIED_POLL_MAX_S)
-    return True
+        await anyio.sleep(pause)
+    return await anyio.to_thread.run_sync(settled, client, settings, session_id, entry_id)
 
 
 def current_state(client: redis.Redis, settings: Settings, session_id: str,
