@@ -13,6 +13,8 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
     {p}:lease:{n}               string: watcher id owning shard n (PX lease)
     {p}:fence:{n}               counter: fencing token of shard n, bumped per new lease
     {p}:watchers                zset: live watcher id -> last heartbeat (server ms)
+    {p}:shards                  string: the redis.shards of the watchers (each heartbeat writes it;
+                                a watcher with another count is refused while one of these lives)
     {p}:job:{sessionId}         string: id of the one compaction job queued/running
     {p}:retrigger:{sessionId}   string: a trigger that arrived while a job was pending
     {p}:claims                  zset: sessionId -> when its claim/trigger needs a look (unix s);
@@ -101,6 +103,10 @@ class Keys:
     @property
     def watchers(self) -> str:
         return f"{self.prefix}:watchers"
+
+    @property
+    def shard_count(self) -> str:
+        return f"{self.prefix}:shards"
 
     def job(self, session_id: str) -> str:
         return f"{self.prefix}:job:{session_id}"

@@ -89,6 +89,11 @@ def check_workers(client: redis.Redis, settings: Settings, host: str | None = No
 
 def check_watcher(client: redis.Redis, settings: Settings) -> str:
     keys = Keys(settings.redis.prefix, settings.redis.shards)
+    value = client.get(keys.shard_count)  # (the live watchers' count: another one is refused)
+    recorded = value.decode() if isinstance(value, bytes) else value
+    if recorded is not None and recorded != str(keys.shards):
+        raise RuntimeError(f"the watchers read {recorded} shards ({keys.shard_count}); this "
+                           f"configuration's redis.shards is {keys.shards}")
     held = sum(1 for n in range(keys.shards) if client.exists(keys.lease(n)))
     if held == 0:
         raise RuntimeError("no watcher holds a shard lease")

@@ -30,6 +30,8 @@ Invariants:
   with its reason and acked; the watcher never crashes on input.
 - Thresholds are checked from the state the store returns; the log is never
   read here. A redelivered ``turn_end`` is checked again: enqueueing coalesces.
+- Every live watcher reads with one ``redis.shards`` (``leases``: one with
+  another count is refused, ``ShardCountMismatch``, exit 2, not retried).
 - On stop: the batch in hand is finished, leases are released, the watcher
   leaves the registry.
 """
@@ -66,7 +68,7 @@ from events.state import SessionState, decide
 from events.tokens import get_encoding, model_max_input_tokens
 from producer.watcher.batch import HELD_LOG_EVERY_S, BatchOutcome, ShardCursor, runs
 from producer.watcher.entries import Entry, Rejected, decode_entry, misrouted
-from producer.watcher.leases import RENEW_FRACTION, LeaseLost, ShardLeases
+from producer.watcher.leases import RENEW_FRACTION, LeaseLost, ShardCountMismatch, ShardLeases
 from producer.watcher.orphans import ORPHAN_SWEEP_INTERVAL_S, letter_orphans
 from producer.watcher.streams import RawEntry, ReadResult, ShardStreams, entry_mark
 
@@ -121,6 +123,8 @@ class Watcher:
                 try:
                     self.run_once(block_ms=self.settings.watcher.block_ms)
                     errors = 0
+                except ShardCountMismatch:  # (a configuration to fix: exit 2, not retried)
+                    raise
                 except Exception as e:  # noqa: BLE001 - Redis down, or a bug: never let the loop die
                     errors += 1
                     self._after_error(e, errors)
@@ -150,7 +154,8 @@ class Watcher:
     def _start(self) -> None:
         if not self._started:
             warm_up()
-            for n in range(self.keys.shards):
+            self.leases.heartbeat()  # (first: a shard count other live watchers do not share is refused
+            for n in range(self.keys.shards):  # before this one creates any group or takes any lease)
                 self.streams.ensure_group(n)
             self._warn_of_eviction()
             self._started = True

@@ -16,6 +16,13 @@ Invariants:
   server's clock (no skew between hosts). With ``live`` watchers, one takes at
   most ``ceil(shards / live)`` shards: it releases its excess between batches
   and takes free shards, including a dead watcher's once its lease expired.
+- All live watchers read with one ``redis.shards``: each heartbeat records its
+  count in ``{p}:shards``, and a watcher whose count differs from the recorded
+  one while another watcher is live is refused (``ShardCountMismatch``): a
+  watcher with 4 shards beside one with 8 swept streams 4..7 as left behind by
+  a lowered count, dead-lettering the entries the other was reading, and the
+  quotas (``ceil(shards / live)``) of the two left shards unread. With no other
+  watcher live the new count is recorded: the operator changed it.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 import redis
 
 from compactor.keys import Keys
-from events.errors import CompactorError
+from events.errors import CompactorError, InvalidConfig
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +66,24 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: registry; ARGV: member, ttl_ms. Heartbeat, forget the silent, count the live.
+# KEYS: registry, shard count; ARGV: member, ttl_ms, shards. Forget the silent; then, when the
+# recorded shard count differs and another watcher is live: {-1, recorded}, nothing written; else
+# heartbeat, record the count and {live, previous count or 0 when unchanged}.
 _HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
-return redis.call('ZCARD', KEYS[1])
+local recorded = redis.call('GET', KEYS[2])
+if recorded and recorded ~= ARGV[3] then
+  local others = redis.call('ZCARD', KEYS[1])
+  if redis.call('ZSCORE', KEYS[1], ARGV[1]) then others = others - 1 end
+  if others > 0 then return {-1, tonumber(recorded) or 0} end
+end
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('SET', KEYS[2], ARGV[3])
+local previous = 0
+if recorded and recorded ~= ARGV[3] then previous = tonumber(recorded) or -1 end
+return {redis.call('ZCARD', KEYS[1]), previous}
 """
 
 
@@ -75,6 +93,17 @@ class LeaseLost(CompactorError):
     def __init__(self, shard: int) -> None:
         self.shard = shard
         super().__init__(f"lease of shard {shard} lost")
+
+
+class ShardCountMismatch(InvalidConfig):
+    """Live watchers on this Redis (and prefix) read with another ``redis.shards``."""
+
+    def __init__(self, keys: Keys, recorded: int) -> None:
+        self.recorded = recorded
+        super().__init__("redis.shards", (
+            f"is {keys.shards}, but the watchers live on this Redis (prefix {keys.prefix!r}) read "
+            f"{recorded} shards (recorded in {keys.shard_count}): give this one the same count, or stop "
+            f"them all first to change it (OPERATIONS: Changing redis.shards)"))
 
 
 @dataclass
@@ -101,9 +130,20 @@ class ShardLeases:
         self._heartbeat = client.register_script(_HEARTBEAT)
 
     def heartbeat(self) -> int:
-        """Record this watcher as live; the number of live watchers (at least 1)."""
-        live = self._heartbeat(keys=[self.keys.watchers], args=[self.owner, self.lease_ms])
-        return max(1, int(live))
+        """Record this watcher as live; the number of live watchers (at least 1). Raises
+        ``ShardCountMismatch`` when live watchers read another shard count (this one is then not
+        recorded); logs a change of the count (no other watcher live: the operator's)."""
+        live, previous = (int(v) for v in self._heartbeat(
+            keys=[self.keys.watchers, self.keys.shard_count], args=[self.owner, self.lease_ms, self.keys.shards]))
+        if live < 0:
+            raise ShardCountMismatch(self.keys, previous)
+        if previous:
+            logger.warning(
+                "redis.shards changed from %s to %d (no watcher with the old count is live): entries still "
+                "queued under the old count are dead-lettered as wrong_shard; replay them from %s "
+                "(OPERATIONS: Changing redis.shards)", previous if previous > 0 else "an unreadable value",
+                self.keys.shards, self.keys.dead)
+        return max(1, live)
 
     def quota(self, live: int) -> int:
         """How many shards one of ``live`` watchers may own."""

@@ -15,7 +15,10 @@ those pending in it (a pending one may have been applied before its watcher
 died: its letter is then one too many, and a replay of it is refused as a
 duplicate uuid). One watcher at a time sweeps (``{p}:orphans``, a lock). A crash
 between the letters and the group's update letters those entries again on the
-next sweep.
+next sweep. A stream whose shard lease is held is not swept: a live watcher
+reads it (one with a higher ``redis.shards`` is refused at the registry while
+another count is live, but one paused past its heartbeat may hold a lease
+still); its entries are swept once the lease is gone.
 """
 
 from __future__ import annotations
@@ -43,14 +46,16 @@ ORPHAN_BATCH = 500  # entries read and lettered per transaction
 def orphan_streams(client: redis.Redis, keys: Keys) -> list[int]:
     """The ``n`` of the streams ``{p}:events:{n}`` with ``shards <= n < MAX_SHARDS``, or
     ``-MAX_SHARDS < n < 0`` (a producer whose CRC-32 is signed, as JavaScript's ``| 0`` or Java's
-    ``int`` make it, and whose ``%`` keeps the sign: its entries were never read nor lettered):
-    one round trip of EXISTS (a SCAN of the keyspace would stall the watcher's loop with every
-    session's keys)."""
+    ``int`` make it, and whose ``%`` keeps the sign: its entries were never read nor lettered),
+    whose shard lease no watcher holds: one round trip of EXISTS (a SCAN of the keyspace would
+    stall the watcher's loop with every session's keys)."""
     shards = [*range(keys.shards, MAX_SHARDS), *range(-MAX_SHARDS + 1, 0)]
     pipe = client.pipeline(transaction=False)
     for n in shards:
         pipe.exists(keys.stream(n))
-    return [n for n, there in zip(shards, pipe.execute()) if there]
+        pipe.exists(keys.lease(n))
+    there = pipe.execute()
+    return [n for n, stream, leased in zip(shards, there[::2], there[1::2]) if stream and not leased]
 
 
 def letter_orphans(client: redis.Redis, keys: Keys, owner: str) -> int:
