@@ -524,3 +524,19 @@ def test_the_keepers_subscription_waits_for_rqs_own_in_flight(
     while listeners() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert listeners() == []
+
+
+def test_a_burst_worker_stops_at_once_and_leaves_no_listener(r: redis.Redis, wsettings: Settings) -> None:
+    """redis-py 8's ``PubSubWorkerThread.stop()`` waits for the listener to end, which it did only
+    once the UNSUBSCRIBE sent after it woke it, or RQ's 60 s later: every worker's stop (and every
+    burst run) took a minute."""
+    import threading
+
+    from tests.worker.conftest import run_burst
+
+    before = {t for t in threading.enumerate() if type(t).__name__ == "PubSubWorkerThread"}
+    started = time.monotonic()
+    run_burst(r, wsettings)
+    assert time.monotonic() - started < 10
+    assert not [t for t in threading.enumerate()
+                if type(t).__name__ == "PubSubWorkerThread" and t.is_alive() and t not in before]
