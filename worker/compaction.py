@@ -76,7 +76,9 @@ breaker open does nothing, and a failed call fails the job (forced or not).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import threading
 import time
 import uuid
@@ -172,6 +174,35 @@ def _abandoned(run: JobRun | None, what: str) -> JobAbandoned:
     job_id = run.job_id if run is not None else "?"
     return JobAbandoned(f"job {job_id} was declared abandoned while it ran (its worker sent no heartbeat for "
                         f"20 s: paused or frozen?) and its session handed on: {what}")
+
+
+# A job's final writes (its append and state save) get at least this long, whatever is left of its
+# timeout, and what follows them (freeing its claim, its log line) at least FINAL_GRACE_S.
+FINAL_WRITES_S = 60
+FINAL_GRACE_S = 10
+
+
+@contextlib.contextmanager
+def _past_the_timeout() -> Iterator[None]:
+    """The job's final writes (its append and state save, under the log's lock), not cut short by
+    RQ's job timeout (``UnixSignalDeathPenalty``: SIGALRM, raised in the main thread): an alarm
+    that fired during the append raised in the middle of it, so the summary was in the log and the
+    job reported FAILED (a forced request answered 502), or only the ``compact`` of the two lines
+    landed. The alarm is pushed to ``FINAL_WRITES_S`` from now while they run (a Redis that hangs
+    is still cut), then set back to what is left of the timeout, at least ``FINAL_GRACE_S``.
+    Entered once the lock is held: a wait for a stuck holder stays bounded by the timeout."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    entered = time.monotonic()
+    left = signal.alarm(0)  # (an alarm that went off just before raises here: nothing written yet)
+    if left:
+        signal.alarm(max(left, FINAL_WRITES_S))
+    try:
+        yield
+    finally:
+        if left:
+            signal.alarm(max(FINAL_GRACE_S, round(left - (time.monotonic() - entered))))
 
 
 # A failed LLM call's kind (``LlmFailure.kind``) -> the outcome a job failing on it logs (``worker.jobs``).
@@ -276,7 +307,7 @@ class Compactor:
         and read by ``run.collect`` (as an LLM job's that appends a summary).
         """
         log = self._log(session_id, cwd)
-        with log.lock():
+        with log.lock(), _past_the_timeout():
             with _StateRead(self.store, None, session_id) as stored:
                 events = log.read()  # while Redis answers
             events, view, state = self._micro_view(session_id, cwd, log, events, stored.state)
@@ -423,7 +454,7 @@ class Compactor:
             replaces, end_turn = _covered(reading, covered)
         event = _new_line("summary", replaces=replaces, summaryText=text, lastSummarizedTurnId=end_turn)
         lines = [event] if snapshot.compact is None else [snapshot.compact, event]
-        with log.lock():
+        with log.lock(), _past_the_timeout():
             if self._handed_on(session_id, run):
                 raise _abandoned(run, "its summary is not appended")
             since = _lines_since(log, snapshot.size, snapshot.tail)

@@ -185,6 +185,29 @@ def test_a_job_timeout_during_the_llm_call_says_so_not_that_the_provider_failed(
     assert FailureCounter(r, short).count("s1") == 1
 
 
+@pytest.mark.parametrize("forced", [True, False])
+def test_a_timeout_falling_during_the_final_append_does_not_fail_a_job_whose_summary_landed(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch, forced: bool,
+) -> None:
+    """RQ's alarm fired while the summary was being written (a slow disk, a big log's state save):
+    the summary was in the log, and the job was recorded FAILED (a forced request answered 502,
+    `compactor compact` said nothing was compacted). The final writes now run out of its reach."""
+    short = wsettings.model_copy(update={"worker": wsettings.worker.model_copy(update={"job_timeout_seconds": 2})})
+    write_session(r, short, "s1", 6 if not forced else 3, window=2000)
+    write_all = SessionLog._write_all
+
+    def slow_disk(log: SessionLog, fd: int, chunks: list[bytes], size: int) -> int:
+        written = write_all(log, fd, chunks, size)
+        time.sleep(2.5)  # (past the 2 s timeout, the summary written)
+        return written
+
+    monkeypatch.setattr(SessionLog, "_write_all", slow_disk)
+    job = _run(r, short, "s1", forced=forced)
+    assert job.get_status() == JobStatus.FINISHED, (job.latest_result().exc_string or "").splitlines()[-1:]  # type: ignore[union-attr]
+    assert job.return_value()["didCompress"] is True and len(_summaries(short, "s1")) == 1
+    assert not r.exists(Keys().job("s1"))  # (its claim freed)
+
+
 def test_released_is_what_the_append_freed_when_turns_arrive_during_the_llm_call(
     r: redis.Redis, wsettings: Settings, stub: LLMStub
 ) -> None:
