@@ -466,7 +466,8 @@ class Compactor:
                 if snapshot.compact is not None:
                     applied = self._micro_again(session_id, cwd, log)
                     return _result(bool(applied.appended), applied.before, applied.state.prompt_estimate)
-                return _result(False, 0, self._estimate(session_id, snapshot.state.prompt_estimate))
+                # (the log's estimate: the writer of those lines may not have saved its state yet)
+                return _result(False, 0, self.store.current(session_id, cwd, log).prompt_estimate)
             known = snapshot.events + since if since else snapshot.events
             pipe = self.store.redis.pipeline(transaction=False) if reset or run else None
             if pipe is not None and reset:
@@ -735,10 +736,6 @@ class Compactor:
         if not log.exists():
             raise SessionNotFound(f"no log for session {session_id} in {cwd}")
         return log
-
-    def _estimate(self, session_id: str, default: int) -> int:
-        state = self.store.load(session_id)
-        return state.prompt_estimate if state is not None else default
 
 
 class _StateRead:

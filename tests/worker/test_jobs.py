@@ -169,6 +169,31 @@ def test_summary_dropped_when_a_rollback_lands_during_the_llm_call(
     assert _summaries(wsettings, "s1") == []
 
 
+def test_a_summary_dropped_after_a_rollback_reports_the_estimate_of_the_log_as_it_is(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """The watcher appends under the log's lock and saves the states of its round afterwards: a
+    job that dropped its summary in between (a rollback among the lines since its snapshot)
+    returned the stored state's estimate, from before the rollback."""
+    write_session(r, wsettings, "s1", 3, output="short output")  # (no micro step: it re-reads the log)
+    store = SessionStore(r, wsettings)
+    before = store.load("s1").prompt_estimate  # type: ignore[union-attr]
+
+    def reply_after_a_rollback_not_yet_saved(body: dict[str, Any]) -> str:
+        unsent = r.pipeline(transaction=False)  # (the watcher's round: its state saves not sent yet)
+        store.apply("s1", CWD, [{"type": "rollback", "throughTurnId": 2, "reason": "undo", "uuid": "rb"}],
+                    pipeline=unsent)
+        return f"<summary>\n{summary_text('late')}\n</summary>"
+
+    stub.reply = reply_after_a_rollback_not_yet_saved
+    result = _run(r, wsettings, "s1", forced=True).return_value()
+    events = read_log(wsettings, "s1")
+    assert events[-1]["type"] == "rollback" and _summaries(wsettings, "s1") == []
+    exact = rebuild("s1", CWD, events, wsettings.context, 0).prompt_estimate
+    assert 0 < exact < before
+    assert result == {"didCompress": False, "released": 0, "promptEstimate": exact}
+
+
 def test_a_job_timeout_during_the_llm_call_says_so_not_that_the_provider_failed(
     r: redis.Redis, wsettings: Settings, stub: LLMStub
 ) -> None:
