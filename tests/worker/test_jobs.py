@@ -683,6 +683,32 @@ def test_a_backlog_of_more_chunks_than_one_job_has_time_for_is_summarized_over_s
     _assert_state_is_a_rebuild(r, small, "s1")
 
 
+@pytest.mark.slow
+def test_a_forced_jobs_wait_for_its_after_entry_counts_against_its_timeout(
+    r: redis.Redis, settings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RQ's alarm runs from the job's start, the wait for the ``after`` entry included; the chunk
+    loop's deadline ran from after the wait (up to 10 s late): it began a call RQ killed, and a
+    healthy LLM was counted a failure."""
+    monkeypatch.setattr(worker_jobs, "AFTER_WAIT_S", 2.0)
+    small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=100,
+                          default_context_window=2_000, llm_timeout_seconds=1.5)
+    small = small.model_copy(update={"worker": small.worker.model_copy(update={"job_timeout_seconds": 4})})
+    write_session(r, small, "s1", 7, output="y " * 900, window=2_000, tool="ask_human")  # a turn or two a chunk
+    replies = iter(f"<summary>\n{summary_text(f'call{i}')}\n</summary>" for i in range(1, 100))
+    stub.reply = lambda body: next(replies)
+    stub.latency_s = 0.6  # from 2 s on: a call, then 2.6 + 1.5 s of LLM timeout is past the 4 s job
+    r.xgroup_create(Keys().stream_for("s1"), Keys().group, id="0", mkstream=True)  # (no watcher reads it:
+    never = f"{int(time.time() * 1000) + 3_600_000}-0"                          # this entry is never settled)
+    job_id = enqueue_compaction(r, small, "s1", CWD, "llm", forced=True, after=never)
+    assert job_id is not None
+    run_burst(r, small)
+    job = Job.fetch(job_id, connection=r)
+    assert job.get_status() == JobStatus.FINISHED, (job.latest_result().exc_string or "").splitlines()[-1:]  # type: ignore[union-attr]
+    assert not r.exists(Keys().failures("s1"))
+    assert len(_summaries(small, "s1")) >= 1
+
+
 def test_a_chunk_is_budgeted_once_for_the_reply_and_at_the_running_summarys_real_size(
     r: redis.Redis, settings: Settings, stub: LLMStub
 ) -> None:
