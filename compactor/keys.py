@@ -13,6 +13,9 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
     {p}:lease:{n}               string: watcher id owning shard n (PX lease)
     {p}:fence:{n}               counter: fencing token of shard n, bumped per new lease
     {p}:watchers                zset: live watcher id -> last heartbeat (server ms)
+    {p}:datadir                 string: the id of the data dir the sessions are written to
+                                (``{dataDir}/.compactor-id``): a watcher or worker on another refuses
+                                to start (compactor.datadir)
     {p}:shards                  string: the redis.shards of the watchers (each heartbeat writes it;
                                 a watcher with another count is refused while one of these lives)
     {p}:job:{sessionId}         string: id of the one compaction job queued/running
@@ -103,6 +106,10 @@ class Keys:
     @property
     def watchers(self) -> str:
         return f"{self.prefix}:watchers"
+
+    @property
+    def data_dir(self) -> str:
+        return f"{self.prefix}:datadir"
 
     @property
     def shard_count(self) -> str:

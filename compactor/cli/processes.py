@@ -19,6 +19,7 @@ import signal
 from types import FrameType
 from typing import Annotated
 
+import redis
 import typer
 
 from compactor.cli.common import (
@@ -103,7 +104,8 @@ def watch(
 
     setup_logging(log_level, log_format)
     settings = _with_redis(usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir))
-    connect(settings, service=True).close()  # unreachable now: exit 1, as `work`; an outage later is waited out
+    # unreachable now: exit 1, as `work`; an outage later is waited out
+    on_its_data_dir(connect(settings, service=True), settings)
     exit_with_parent()
     with user_errors():
         watcher_main(settings)
@@ -129,7 +131,8 @@ def work(
     setup_logging(log_level, log_format)
     settings = _with_redis(usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir))
     exit_with_parent()
-    connect(settings, service=True).close()  # one line naming the (redacted) URL when Redis does not answer, as watch says
+    # one line naming the (redacted) URL when Redis does not answer, as watch says
+    on_its_data_dir(connect(settings, service=True), settings)
     with user_errors():
         try:
             runner_main(settings, count=count, burst=burst)
@@ -179,6 +182,18 @@ def api(
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # (likewise for the Ctrl-C it stopped on; uvicorn.run swallows it too)
         pass
+
+
+def on_its_data_dir(client: redis.Redis, settings: Settings) -> None:
+    """Exit 2 unless ``dataDir`` is the one the sessions Redis knows were written to
+    (``compactor.datadir``); the client closed."""
+    from compactor.datadir import check_data_dir
+
+    try:
+        with user_errors():
+            check_data_dir(client, settings)
+    finally:
+        client.close()
 
 
 def _stopped(_signum: int, _frame: FrameType | None) -> None:
