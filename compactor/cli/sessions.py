@@ -7,11 +7,13 @@ JSON line; ``--json`` elsewhere prints only JSON on stdout.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import re
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -253,7 +255,7 @@ def status(
         print_json([b.model_dump(by_alias=True) for b in bodies])
         return
     if not bodies and not held:
-        err_console.print("no sessions yet")
+        err_console.print(_no_sessions(settings.data_dir))
         return
     console = _table_console()
     if bodies:
@@ -264,6 +266,27 @@ def status(
         if sid not in shown:  # (its log cannot be read, or it is not among the rows: named here)
             since = _age(now - datetime.fromtimestamp(h.since, UTC))
             console.print(Text(f"held back, not in the table: {sid} since {since}: {h.error}", style="red"))
+
+
+LOGS_COUNTED = 10_000  # log files counted at most when Redis knows no session
+
+
+def _no_sessions(data_dir: Path) -> str:
+    """What ``status`` says when Redis knows no session: "no sessions yet" only when the data dir
+    holds no log either (after Redis was emptied or replaced, it said so over hundreds of logs)."""
+    from events.log import LOG_SUFFIX
+
+    found = 0
+    with contextlib.suppress(OSError):
+        for _ in data_dir.glob(f"*/sessions/*{LOG_SUFFIX}"):
+            found += 1
+            if found >= LOGS_COUNTED:
+                break
+    if not found:
+        return "no sessions yet"
+    count = f"{found}{'+' if found >= LOGS_COUNTED else ''} session log{'s' if found > 1 else ''}"
+    return (f"no session known to Redis, but {data_dir} holds {count}: each is listed again at its "
+            f"session's next event or compaction (was Redis emptied or replaced?)")
 
 
 def dead_letters(

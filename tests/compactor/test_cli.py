@@ -871,6 +871,21 @@ def test_status_json_and_table(runner: CliRunner, r: redis.Redis, settings: Sett
     assert "breaker open" in table.stdout  # the caption says what "open" means
 
 
+def test_status_with_no_session_in_redis_says_whether_the_data_dir_holds_logs(
+        runner: CliRunner, r: redis.Redis, settings: Settings, config: Path) -> None:
+    """After Redis was emptied or replaced, ``status`` said "no sessions yet" over the logs."""
+    empty = runner.invoke(app, ["status", *base_args(settings, config)])
+    assert (empty.exit_code, empty.stderr.strip()) == (0, "no sessions yet")
+    write_session(r, settings, 2)
+    write_session(r, settings, 1, sid="other")
+    r.flushdb()
+    result = runner.invoke(app, ["status", *base_args(settings, config)], env={"COLUMNS": "400"})
+    assert result.exit_code == 0
+    assert result.stderr.strip() == (f"no session known to Redis, but {settings.data_dir} holds 2 session logs: "
+                                     f"each is listed again at its session's next event or compaction "
+                                     f"(was Redis emptied or replaced?)")
+
+
 def test_status_table_fits_80_columns_with_a_line_per_session(runner: CliRunner, r: redis.Redis,
                                                               settings: Settings, config: Path) -> None:
     """At 80 columns no header or value breaks over two lines; the last compaction shows its age."""
