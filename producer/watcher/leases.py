@@ -106,6 +106,21 @@ class ShardCountMismatch(InvalidConfig):
             f"them all first to change it (OPERATIONS: Changing redis.shards)"))
 
 
+def live_shard_count(client: redis.Redis, keys: Keys, lease_ms: int) -> int | None:
+    """The ``redis.shards`` the live watchers read with (recorded at their heartbeats), or None
+    when no watcher has heartbeaten within ``lease_ms`` (or none recorded a count)."""
+    recorded = client.get(keys.shard_count)
+    if recorded is None:
+        return None
+    seconds, micros = client.time()
+    if not client.zcount(keys.watchers, seconds * 1000 + micros // 1000 - lease_ms, "+inf"):
+        return None
+    try:
+        return int(recorded)
+    except ValueError:
+        return None
+
+
 @dataclass
 class Lease:
     """A held lease: its fencing token and until when (monotonic seconds) it is trusted."""

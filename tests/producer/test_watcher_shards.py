@@ -103,8 +103,11 @@ def test_a_paused_watcher_with_the_old_count_keeps_its_streams_and_stops_at_its_
     assert not log_lines(eight, sid)
 
 
-def test_compactor_watch_with_another_shard_count_exits_2_naming_both(
-        r: redis.Redis, eight: Settings, tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["watch", "api"])
+def test_compactor_watch_or_api_with_another_shard_count_exits_2_naming_both(
+        r: redis.Redis, eight: Settings, tmp_path: Path, command: str) -> None:
+    """The API's events would go to streams their sessions do not hash to under the watchers'
+    count: every one dead-lettered (``wrong_shard``)."""
     live = Watcher(r, eight, name="w8")
     drain(live, r, eight)
     stop = threading.Event()
@@ -113,8 +116,9 @@ def test_compactor_watch_with_another_shard_count_exits_2_naming_both(
     try:
         config = tmp_path / "codingcode.yaml"
         config.write_text("redis:\n  shards: 4\nwatcher:\n  leaseMs: 1000\n")
-        done = subprocess.run([sys.executable, "-m", "compactor", "watch", "--config", str(config),
-                               "--redis-url", eight.redis.url, "--data-dir", str(eight.data_dir)],
+        done = subprocess.run([sys.executable, "-m", "compactor", command, "--config", str(config),
+                               "--redis-url", eight.redis.url, "--data-dir", str(eight.data_dir),
+                               *(["--port", "0"] if command == "api" else [])],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, done.stderr
         assert "redis.shards: is 4, but the watchers live on this Redis (prefix 'compaction') read 8 shards" \
@@ -144,3 +148,14 @@ def test_health_of_the_watcher_fails_under_another_shard_count(
     assert report.exit_code == 1
     assert json.loads(report.stdout)["checks"]["watcher"] == \
         "error: the watchers read 8 shards (compaction:shards); this configuration's redis.shards is 4"
+
+
+def test_the_live_shard_count_is_only_that_of_live_watchers(r: redis.Redis, eight: Settings) -> None:
+    from producer.watcher.leases import live_shard_count
+
+    assert live_shard_count(r, Keys(), 1000) is None
+    watcher = Watcher(r, eight, name="w8")
+    drain(watcher, r, eight)
+    assert live_shard_count(r, Keys(), 1000) == 8
+    watcher.close()  # (the count stays recorded; no watcher reads with it now)
+    assert r.get(Keys().shard_count) == b"8" and live_shard_count(r, Keys(), 1000) is None
