@@ -255,7 +255,7 @@ def status(
         print_json([b.model_dump(by_alias=True) for b in bodies])
         return
     if not bodies and not held:
-        err_console.print(_no_sessions(settings.data_dir))
+        err_console.print(_no_sessions(settings.data_dir), soft_wrap=True, markup=False)  # (a path: as it is)
         return
     console = _table_console()
     if bodies:

@@ -15,7 +15,6 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
-from rq import SimpleWorker
 from rq.job import Job
 
 from compactor.keys import Keys
@@ -29,6 +28,7 @@ from producer.api import create_app, get_settings
 from compactor.llm_stub import STUB_MODEL, LLMStub
 from worker import context as worker_context
 from worker.context import WorkerContext
+from worker.runner import CompactionWorker
 
 CWD = "/home/dev/project"
 SID = "sess-1"
@@ -82,10 +82,10 @@ def post_while_working(test_client: TestClient, r: redis.Redis, settings: Settin
 
 
 def run_jobs(r: redis.Redis, settings: Settings) -> None:
-    """Every queued compaction job, in this process, with a real RQ worker."""
-    worker_context.install(WorkerContext.build(settings, r))
+    """Every queued compaction job, in this process, with a real RQ worker (the service's: RQ's
+    plain ``SimpleWorker`` stops a minute late with redis-py 8, see ``CompactionWorker.unsubscribe``)."""
     try:
-        SimpleWorker([compaction_queue(r, settings)], connection=r).work(burst=True)
+        CompactionWorker.for_settings(r, settings, context=WorkerContext.build(settings, r)).work(burst=True)
     finally:
         worker_context.clear()
 
@@ -629,13 +629,13 @@ def test_a_job_of_another_queue_or_function_is_no_job_of_ours(
     """RQ's job keys are shared by every queue and application on the Redis: a job of another
     deployment (its error shown) or another application (a result that is no CompressResult:
     a 500) was answered as if it were a compaction job."""
-    from rq import Queue, SimpleWorker
+    from rq import Queue
 
     other = Queue("some-other-app", connection=r)
     other.enqueue(len, "abc", job_id="foreign-len")
     ours = Queue(api_settings.redis.prefix, connection=r)  # our queue, another function
     ours.enqueue(len, "abcd", job_id="ours-len")
-    SimpleWorker([other, ours], connection=r).work(burst=True)
+    CompactionWorker([other, ours], connection=r, settings=api_settings).work(burst=True)
     for job_id in ("foreign-len", "ours-len"):
         response = client.get(f"/api/jobs/{job_id}")
         assert response.status_code == 404, response.text
