@@ -54,6 +54,7 @@ from compactor.keys import Keys
 from compactor.queue import enqueue_forced_compaction
 from compactor.redis_errors import probe_writes
 from compactor.serve import client_redis_url
+from compactor.shards import ShardCountMismatch, ShardGuard
 from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd
 from events.checks import check_past_turns
 from events.config import Settings
@@ -412,6 +413,10 @@ def push_events(request: Request, session_id: str, body: EventsRequest, settings
     if idempotency_key is not None:
         check_idempotency_key(idempotency_key, "Idempotency-Key")
     sid, cwd = _checked(session_id, body.cwd)
+    try:
+        request.app.state.shard_guard.check(client)
+    except ShardCountMismatch as e:  # (every event would be dead-lettered as wrong_shard)
+        raise ApiError(503, f"not published: {e}", "shard_count_mismatch") from e
     ids, duplicates = _publish(client, settings, sid, cwd, body.events, idempotency_key)
     logger.info("events accepted session=%s count=%d duplicates=%d", sid, len(ids), len(duplicates))
     return EventsAccepted(accepted=len(ids), stream_ids=ids, duplicates=duplicates)
@@ -549,6 +554,7 @@ def create_app(settings: Settings, redis: redis.Redis | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.stopping = threading.Event()  # set on SIGTERM/SIGINT (``compactor api``): waits answer 202 at once
     app.state.redis = redis if redis is not None else make_redis(settings)
+    app.state.shard_guard = ShardGuard(Keys(settings.redis.prefix, settings.redis.shards), settings.watcher.lease_ms)
     from producer.status_page import STATUS_ROUTERS, install_status_page
 
     app.state.registry = registry = CollectorRegistry()  # this app's HTTP metrics

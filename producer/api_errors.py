@@ -13,6 +13,8 @@ Every error is ``{"error": {"code", "message"}}`` (SPEC §7):
     502 compaction_failed  a forced compaction whose job failed (the LLM call, mostly)
     503 redis_unavailable  Redis does not answer, or refuses to serve (MISCONF: its disk
                          is full; READONLY; OOM; LOADING)
+    503 shard_count_mismatch  POST .../events only: the live watchers read with another
+                         ``redis.shards`` (``compactor.shards.ShardGuard``); nothing published
 
 ``RequestGuard`` is pure ASGI (no BaseHTTPMiddleware): it checks the token
 before anything else runs (every path but ``/healthz``, the status page and

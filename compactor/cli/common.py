@@ -266,19 +266,19 @@ def check_access_if_up(settings: Settings) -> None:
     try:
         client.ping()
         _access_or_exit(client, settings, settings.redis.url)
-        _shards_or_exit(client, settings)
+        shards_or_exit(client, settings)
     except (redis.RedisError, OSError):
         pass
     finally:
         client.close()
 
 
-def _shards_or_exit(client: redis.Redis, settings: Settings) -> None:
+def shards_or_exit(client: redis.Redis, settings: Settings) -> None:
     """Exit 2 when live watchers read with another ``redis.shards`` than ``settings``: this
     process's events would go to streams their sessions do not hash to, every one of them
     dead-lettered (``wrong_shard``). With no watcher live, any count goes (it is being changed)."""
     from compactor.keys import Keys
-    from producer.watcher.leases import ShardCountMismatch, live_shard_count
+    from compactor.shards import ShardCountMismatch, live_shard_count
 
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     live = live_shard_count(client, keys, settings.watcher.lease_ms)

@@ -34,6 +34,7 @@ from compactor.cli.common import (
     fail,
     load,
     redis_url_of,
+    shards_or_exit,
     setup_logging,
     usable_data_dir,
     user_errors,
@@ -86,6 +87,8 @@ def serve(
     with api_socket(settings.api.host, settings.api.port) as sock:
         bound = int(sock.getsockname()[1])
     check_access_if_up(settings)  # each child would fail on it, and be restarted, over and over
+    if settings.redis.url:  # (the embedded Redis lives in the data dir: it is that data dir's)
+        _data_dir_checked_if_up(settings)  # each child would fail on it, and be restarted, over and over
     with user_errors():
         code = run_serve(settings, workers=settings.worker.count, host=host, port=bound)
     raise typer.Exit(code)
@@ -103,9 +106,10 @@ def watch(
     from producer.watcher import main as watcher_main
 
     setup_logging(log_level, log_format)
-    settings = _with_redis(usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir))
+    loaded = usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir)
+    settings = _with_redis(loaded)
     # unreachable now: exit 1, as `work`; an outage later is waited out
-    on_its_data_dir(connect(settings, service=True), settings)
+    on_its_data_dir(connect(settings, service=True), settings, embedded=not loaded.redis.url)
     exit_with_parent()
     with user_errors():
         watcher_main(settings)
@@ -129,10 +133,11 @@ def work(
     from worker.runner import main as runner_main
 
     setup_logging(log_level, log_format)
-    settings = _with_redis(usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir))
+    loaded = usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir)
+    settings = _with_redis(loaded)
     exit_with_parent()
     # one line naming the (redacted) URL when Redis does not answer, as watch says
-    on_its_data_dir(connect(settings, service=True), settings)
+    on_its_data_dir(connect(settings, service=True), settings, embedded=not loaded.redis.url, shards=True)
     with user_errors():
         try:
             runner_main(settings, count=count, burst=burst)
@@ -184,16 +189,33 @@ def api(
         pass
 
 
-def on_its_data_dir(client: redis.Redis, settings: Settings) -> None:
+def on_its_data_dir(client: redis.Redis, settings: Settings, *, embedded: bool = False,
+                    shards: bool = False) -> None:
     """Exit 2 unless ``dataDir`` is the one the sessions Redis knows were written to
-    (``compactor.datadir``); the client closed."""
+    (``compactor.datadir``; ``embedded``: serve's own Redis, inside it), or, with ``shards``,
+    when live watchers read with another ``redis.shards`` (a worker's wait for a forced job's
+    ``after`` entry looks at the stream its session hashes to); the client closed."""
     from compactor.datadir import check_data_dir
 
     try:
         with user_errors():
-            check_data_dir(client, settings)
+            check_data_dir(client, settings, embedded=embedded)
+        if shards:
+            shards_or_exit(client, settings)
     finally:
         client.close()
+
+
+def _data_dir_checked_if_up(settings: Settings) -> None:
+    """``on_its_data_dir`` when ``redis.url``'s Redis answers (one that does not is waited for by
+    serve's children, which check then)."""
+    client = redis.Redis.from_url(settings.redis.url, socket_timeout=5, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError):
+        client.close()
+        return
+    on_its_data_dir(client, settings)
 
 
 def _stopped(_signum: int, _frame: FrameType | None) -> None:

@@ -255,7 +255,8 @@ def status(
         print_json([b.model_dump(by_alias=True) for b in bodies])
         return
     if not bodies and not held:
-        err_console.print(_no_sessions(settings.data_dir), soft_wrap=True, markup=False)  # (a path: as it is)
+        said = _no_sessions(settings.data_dir, total, min(total, limit), keys.data_dir)
+        err_console.print(said, soft_wrap=True, markup=False)  # (a path: as it is)
         return
     console = _table_console()
     if bodies:
@@ -271,10 +272,17 @@ def status(
 LOGS_COUNTED = 10_000  # log files counted at most when Redis knows no session
 
 
-def _no_sessions(data_dir: Path) -> str:
-    """What ``status`` says when Redis knows no session: "no sessions yet" only when the data dir
-    holds no log either (after Redis was emptied or replaced, it said so over hundreds of logs)."""
+def _no_sessions(data_dir: Path, known: int, looked_at: int, recorded_key: str) -> str:
+    """What ``status`` says when it has no row: "no sessions yet" only when Redis knows none and
+    the data dir holds no log either (after Redis was emptied or replaced, it said so over hundreds
+    of logs; on the wrong data dir, over all the sessions Redis knows)."""
+    from compactor.datadir import ID_FILE
     from events.log import LOG_SUFFIX
+
+    if known:
+        which = "none" if looked_at == known else f"none of the {looked_at} most recent"
+        return (f"Redis knows {known} session(s), {which} with a log in {data_dir}: is it the data dir they "
+                f"were written to? (compare {data_dir / ID_FILE} with {recorded_key})")
 
     found = 0
     with contextlib.suppress(OSError):

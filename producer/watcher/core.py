@@ -60,6 +60,7 @@ from compactor.held import HELD_RECORD_TTL_S, HOLD, PRUNE
 from compactor.keys import Keys
 from compactor.queue import UNCHECKED, Trigger, parse_job_id, trigger_compactions
 from compactor.serve import hangup_ignored
+from compactor.shards import ShardCountMismatch
 from compactor.store import UNREAD, Lookup, SessionStore
 from events.config import Settings
 from events.errors import CompactorError, InvalidConfig, InvalidEvent, InvalidInput, LogLocked
@@ -68,7 +69,7 @@ from events.state import SessionState, decide
 from events.tokens import get_encoding, model_max_input_tokens
 from producer.watcher.batch import HELD_LOG_EVERY_S, BatchOutcome, ShardCursor, runs
 from producer.watcher.entries import Entry, Rejected, decode_entry, misrouted
-from producer.watcher.leases import RENEW_FRACTION, LeaseLost, ShardCountMismatch, ShardLeases
+from producer.watcher.leases import RENEW_FRACTION, LeaseLost, ShardLeases
 from producer.watcher.orphans import ORPHAN_SWEEP_INTERVAL_S, letter_orphans
 from producer.watcher.streams import RawEntry, ReadResult, ShardStreams, entry_mark
 

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 import redis
 
 from compactor.keys import Keys
-from events.errors import CompactorError, InvalidConfig
+from compactor.shards import ShardCountMismatch
+from events.errors import CompactorError
 
 logger = logging.getLogger(__name__)
 
@@ -93,32 +94,6 @@ class LeaseLost(CompactorError):
     def __init__(self, shard: int) -> None:
         self.shard = shard
         super().__init__(f"lease of shard {shard} lost")
-
-
-class ShardCountMismatch(InvalidConfig):
-    """Live watchers on this Redis (and prefix) read with another ``redis.shards``."""
-
-    def __init__(self, keys: Keys, recorded: int) -> None:
-        self.recorded = recorded
-        super().__init__("redis.shards", (
-            f"is {keys.shards}, but the watchers live on this Redis (prefix {keys.prefix!r}) read "
-            f"{recorded} shards (recorded in {keys.shard_count}): give this one the same count, or stop "
-            f"them all first to change it (OPERATIONS: Changing redis.shards)"))
-
-
-def live_shard_count(client: redis.Redis, keys: Keys, lease_ms: int) -> int | None:
-    """The ``redis.shards`` the live watchers read with (recorded at their heartbeats), or None
-    when no watcher has heartbeaten within ``lease_ms`` (or none recorded a count)."""
-    recorded = client.get(keys.shard_count)
-    if recorded is None:
-        return None
-    seconds, micros = client.time()
-    if not client.zcount(keys.watchers, seconds * 1000 + micros // 1000 - lease_ms, "+inf"):
-        return None
-    try:
-        return int(recorded)
-    except ValueError:
-        return None
 
 
 @dataclass

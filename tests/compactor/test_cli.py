@@ -872,7 +872,7 @@ def test_status_json_and_table(runner: CliRunner, r: redis.Redis, settings: Sett
 
 
 def test_status_with_no_session_in_redis_says_whether_the_data_dir_holds_logs(
-        runner: CliRunner, r: redis.Redis, settings: Settings, config: Path) -> None:
+        runner: CliRunner, r: redis.Redis, settings: Settings, config: Path, tmp_path: Path) -> None:
     """After Redis was emptied or replaced, ``status`` said "no sessions yet" over the logs."""
     empty = runner.invoke(app, ["status", *base_args(settings, config)])
     assert (empty.exit_code, empty.stderr.strip()) == (0, "no sessions yet")
@@ -884,6 +884,17 @@ def test_status_with_no_session_in_redis_says_whether_the_data_dir_holds_logs(
     assert result.stderr.strip() == (f"no session known to Redis, but {settings.data_dir} holds 2 session logs: "
                                      f"each is listed again at its session's next event or compaction "
                                      f"(was Redis emptied or replaced?)")
+    write_session(r, settings, 2)
+    write_session(r, settings, 1, sid="other")
+    elsewhere = tmp_path / "elsewhere"  # (the wrong data dir: Redis knows both, neither has a log there)
+    wrong = runner.invoke(app, ["status", "--config", str(config), "--redis-url", settings.redis.url,
+                                "--data-dir", str(elsewhere)])
+    assert wrong.stderr.strip() == (f"Redis knows 2 session(s), none with a log in {elsewhere}: is it the data "
+                                    f"dir they were written to? (compare {elsewhere}/.compactor-id with "
+                                    f"compaction:datadir)")
+    one = runner.invoke(app, ["status", "--limit", "1", "--config", str(config), "--redis-url", settings.redis.url,
+                              "--data-dir", str(elsewhere)])
+    assert one.stderr.startswith(f"Redis knows 2 session(s), none of the 1 most recent with a log in {elsewhere}:")
 
 
 def test_status_table_fits_80_columns_with_a_line_per_session(runner: CliRunner, r: redis.Redis,

@@ -3,6 +3,7 @@ to (``compactor.datadir``), and records the first one."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,13 +49,22 @@ def test_another_data_dir_is_refused_while_redis_knows_sessions(
     with pytest.raises(InvalidConfig) as refused:
         check_data_dir(r, other)
     message = str(refused.value)
-    assert message.startswith(f"dataDir: {other.data_dir} is not the data dir the sessions this Redis knows "
+    assert message.startswith(f"dataDir: {other.data_dir} is not the data dir the 1 session(s) this Redis knows "
                               f"were written to (")
     assert ("its id is 0123456789abcdef" if other_has_an_id else f"it has no {ID_FILE}") in message
     assert f"theirs is {theirs}, recorded in compaction:datadir" in message
     assert r.get(Keys().data_dir) == theirs.encode()  # nothing recorded, nothing made
     assert data_dir_id(other.data_dir) == ("0123456789abcdef" if other_has_an_id else None)
-    r.delete(Keys().data_dir)  # what OPERATIONS says to do when the old logs are gone for good
+    # to go on with this one (the old logs gone for good), the refusal says what to run
+    how = message.partition("to go on with this data dir, ")[2]
+    if other_has_an_id:
+        assert how.startswith("record its id: redis-cli SET compaction:datadir 0123456789abcdef (OPERATIONS")
+        r.set(Keys().data_dir, "0123456789abcdef")
+    else:
+        made = re.search(r"echo ([0-9a-f]{16}) > (\S+); redis-cli SET compaction:datadir \1 \(", how)
+        assert made is not None and made[2] == str(other.data_dir / ID_FILE), how
+        Path(made[2]).write_text(made[1] + "\n")
+        r.set(Keys().data_dir, made[1])
     assert check_data_dir(r, other) == data_dir_id(other.data_dir)
 
 
@@ -77,8 +87,54 @@ def test_watch_and_work_on_another_data_dir_exit_2_before_writing_anything(
     done = subprocess.run([*args, *(["--burst"] if command == "work" else [])],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
-    assert f"compactor: dataDir: {empty} is not the data dir the sessions" in done.stderr
+    assert f"compactor: dataDir: {empty} is not the data dir the 1 session(s)" in done.stderr
     assert [p.name for p in empty.iterdir()] == []
     ran = subprocess.run([*args[:-1], str(settings.data_dir), "--burst"] if command == "work" else ["true"],
                          capture_output=True, text=True, timeout=60)
     assert ran.returncode == 0, ran.stderr  # (on its own data dir, the worker runs)
+
+
+@pytest.mark.parametrize("logs_here", [False, True])
+def test_the_first_start_since_ids_records_only_a_data_dir_holding_recent_logs(
+        r: redis.Redis, settings: Settings, tmp_path: Path, logs_here: bool) -> None:
+    """An upgrade: Redis knows sessions and has no record. Recording whichever data dir came
+    first let an empty one in (a worker started on a volume not mounted), and refused the right
+    one after it."""
+    write_session(r, settings, 2)
+    assert r.get(Keys().data_dir) is None
+    other = _on(settings, tmp_path / "not-mounted")
+    other.data_dir.mkdir()
+    if logs_here:
+        recorded = check_data_dir(r, settings)
+        assert r.get(Keys().data_dir) == recorded.encode() and data_dir_id(settings.data_dir) == recorded
+        return
+    with pytest.raises(InvalidConfig) as refused:
+        check_data_dir(r, other)
+    assert str(refused.value).startswith(f"dataDir: {other.data_dir} holds the log of none of the 1 most "
+                                         f"recent of the 1 session(s) this Redis knows")
+    assert r.get(Keys().data_dir) is None and data_dir_id(other.data_dir) is None
+    assert check_data_dir(r, settings) == data_dir_id(settings.data_dir)  # the right one is recorded
+
+
+def test_serves_own_redis_takes_its_data_dirs_id_whatever_it_recorded(r: redis.Redis, settings: Settings) -> None:
+    """The embedded Redis lives in the data dir: an id file lost there (the operator cannot even
+    reach that Redis to delete the record while serve is down) is no reason to refuse."""
+    check_data_dir(r, settings)
+    write_session(r, settings, 2)
+    (settings.data_dir / ID_FILE).unlink()
+    mine = check_data_dir(r, settings, embedded=True)
+    assert r.get(Keys().data_dir) == mine.encode() and data_dir_id(settings.data_dir) == mine
+
+
+def test_serve_on_an_external_redis_and_another_data_dir_exits_2_before_any_child(
+        r: redis.Redis, settings: Settings, tmp_path: Path) -> None:
+    """Its children each exited 2, were restarted five times over 13 s (the API taking events
+    meanwhile), and serve gave up with exit 1, the reason buried."""
+    check_data_dir(r, settings)
+    write_session(r, settings, 2)
+    empty = tmp_path / "not-mounted"
+    done = subprocess.run([sys.executable, "-m", "compactor", "serve", "--redis-url", settings.redis.url,
+                           "--data-dir", str(empty), "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"compactor: dataDir: {empty} is not the data dir the 1 session(s) this Redis knows" in done.stderr
+    assert "restarting" not in done.stderr and "API" not in done.stderr

@@ -17,7 +17,7 @@ from compactor.keys import Keys
 from events.config import Settings
 from producer.publisher import Publisher
 from producer.watcher import Watcher
-from producer.watcher.leases import ShardCountMismatch
+from compactor.shards import ShardCountMismatch
 from producer.watcher.orphans import letter_orphans
 from tests.producer.conftest import CWD, drain, fast_settings, log_lines, turn_end, user
 
@@ -103,11 +103,12 @@ def test_a_paused_watcher_with_the_old_count_keeps_its_streams_and_stops_at_its_
     assert not log_lines(eight, sid)
 
 
-@pytest.mark.parametrize("command", ["watch", "api"])
-def test_compactor_watch_or_api_with_another_shard_count_exits_2_naming_both(
+@pytest.mark.parametrize("command", ["watch", "api", "work"])
+def test_compactor_watch_api_or_work_with_another_shard_count_exits_2_naming_both(
         r: redis.Redis, eight: Settings, tmp_path: Path, command: str) -> None:
     """The API's events would go to streams their sessions do not hash to under the watchers'
-    count: every one dead-lettered (``wrong_shard``)."""
+    count: every one dead-lettered (``wrong_shard``); a worker's wait for a forced job's ``after``
+    entry looked at the wrong stream (none there: taken as applied at once)."""
     live = Watcher(r, eight, name="w8")
     drain(live, r, eight)
     stop = threading.Event()
@@ -118,7 +119,7 @@ def test_compactor_watch_or_api_with_another_shard_count_exits_2_naming_both(
         config.write_text("redis:\n  shards: 4\nwatcher:\n  leaseMs: 1000\n")
         done = subprocess.run([sys.executable, "-m", "compactor", command, "--config", str(config),
                                "--redis-url", eight.redis.url, "--data-dir", str(eight.data_dir),
-                               *(["--port", "0"] if command == "api" else [])],
+                               *{"api": ["--port", "0"], "work": ["--burst"]}.get(command, [])],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, done.stderr
         assert "redis.shards: is 4, but the watchers live on this Redis (prefix 'compaction') read 8 shards" \
@@ -151,7 +152,7 @@ def test_health_of_the_watcher_fails_under_another_shard_count(
 
 
 def test_the_live_shard_count_is_only_that_of_live_watchers(r: redis.Redis, eight: Settings) -> None:
-    from producer.watcher.leases import live_shard_count
+    from compactor.shards import live_shard_count
 
     assert live_shard_count(r, Keys(), 1000) is None
     watcher = Watcher(r, eight, name="w8")
@@ -159,3 +160,25 @@ def test_the_live_shard_count_is_only_that_of_live_watchers(r: redis.Redis, eigh
     assert live_shard_count(r, Keys(), 1000) == 8
     watcher.close()  # (the count stays recorded; no watcher reads with it now)
     assert r.get(Keys().shard_count) == b"8" and live_shard_count(r, Keys(), 1000) is None
+
+
+def test_the_api_refuses_events_while_the_live_watchers_read_another_count(
+        r: redis.Redis, eight: Settings, four: Settings) -> None:
+    """An API started while no watcher was live (any count goes then), left running through a
+    change of the count: it answered 202 to events every one of which was dead-lettered."""
+    from fastapi.testclient import TestClient
+
+    from producer.api import create_app
+
+    with TestClient(create_app(eight, redis=r)) as client:
+        watcher = Watcher(r, four, name="w4")
+        drain(watcher, r, four)
+        response = client.post("/api/sessions/s1/events", json={"cwd": CWD, "events": [user(1)]})
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert error["code"] == "shard_count_mismatch"
+        assert error["message"].startswith("not published: redis.shards: is 8, but the watchers live on this "
+                                           "Redis (prefix 'compaction') read 4 shards")
+        assert not any(r.exists(stream) and r.xlen(stream) for stream in Keys(shards=8).all_streams())
+    with TestClient(create_app(four, redis=r)) as client:  # (the same count: published)
+        assert client.post("/api/sessions/s1/events", json={"cwd": CWD, "events": [user(1)]}).status_code == 202

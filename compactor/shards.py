@@ -1,0 +1,68 @@
+"""One ``redis.shards`` for all: the count the live watchers read with, recorded in ``{p}:shards``
+at each heartbeat (``producer.watcher.leases``). A watcher, the API or a worker with another count
+is refused: events published under it go to streams their sessions do not hash to (every one
+dead-lettered, ``wrong_shard``), and a watcher reading with it beside the others swept their
+streams as left behind by a lowered count."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import redis
+
+from compactor.keys import Keys
+from events.errors import InvalidConfig
+
+
+class ShardCountMismatch(InvalidConfig):
+    """Live watchers on this Redis (and prefix) read with another ``redis.shards``."""
+
+    def __init__(self, keys: Keys, recorded: int) -> None:
+        self.recorded = recorded
+        super().__init__("redis.shards", (
+            f"is {keys.shards}, but the watchers live on this Redis (prefix {keys.prefix!r}) read "
+            f"{recorded} shards (recorded in {keys.shard_count}): give this one the same count, or stop "
+            f"them all first to change it (OPERATIONS: Changing redis.shards)"))
+
+
+def live_shard_count(client: redis.Redis, keys: Keys, lease_ms: int) -> int | None:
+    """The ``redis.shards`` the live watchers read with (recorded at their heartbeats), or None
+    when no watcher has heartbeaten within ``lease_ms`` (or none recorded a count)."""
+    recorded = client.get(keys.shard_count)
+    if recorded is None:
+        return None
+    seconds, micros = client.time()
+    if not client.zcount(keys.watchers, seconds * 1000 + micros // 1000 - lease_ms, "+inf"):
+        return None
+    try:
+        return int(recorded)
+    except ValueError:
+        return None
+
+
+SHARDS_CHECK_EVERY_S = 5.0  # how stale the API's view of the live watchers' count may be
+
+
+class ShardGuard:
+    """The API's check, before it publishes, that its ``redis.shards`` is the live watchers' (one
+    Redis round trip each ``SHARDS_CHECK_EVERY_S`` at most): an API started while no watcher was
+    live, left running through a change of the count, answered 202 to events its watchers then
+    dead-lettered."""
+
+    def __init__(self, keys: Keys, lease_ms: int) -> None:
+        self.keys = keys
+        self.lease_ms = lease_ms
+        self._lock = threading.Lock()
+        self._checked_at = float("-inf")
+        self._live: int | None = None
+
+    def check(self, client: redis.Redis) -> None:
+        """Raise ``ShardCountMismatch`` when live watchers read with another count."""
+        with self._lock:
+            if time.monotonic() - self._checked_at >= SHARDS_CHECK_EVERY_S:
+                self._live = live_shard_count(client, self.keys, self.lease_ms)
+                self._checked_at = time.monotonic()
+            live = self._live
+        if live is not None and live != self.keys.shards:
+            raise ShardCountMismatch(self.keys, live)
