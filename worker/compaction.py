@@ -466,8 +466,11 @@ class Compactor:
                 if snapshot.compact is not None:
                     applied = self._micro_again(session_id, cwd, log)
                     return _result(bool(applied.appended), applied.before, applied.state.prompt_estimate)
-                # (the log's estimate: the writer of those lines may not have saved its state yet)
-                return _result(False, 0, self.store.current(session_id, cwd, log).prompt_estimate)
+                # (the log's estimate: the writer of those lines may not have saved its state yet; a log
+                # rewritten under the stored size is folded whole: caught up from it, it read mid-line)
+                now = self.store.current(session_id, cwd, log) if since is not None else self.store.rebuild(
+                    session_id, cwd, log)
+                return _result(False, 0, now.prompt_estimate)
             known = snapshot.events + since if since else snapshot.events
             pipe = self.store.redis.pipeline(transaction=False) if reset or run else None
             if pipe is not None and reset:

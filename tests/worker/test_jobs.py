@@ -479,10 +479,11 @@ def test_a_log_restored_from_an_older_copy_during_the_llm_call_gets_no_summary(
             return valid_summary_reply({"messages": messages})
 
     context = WorkerContext.build(wsettings, r, summarizer=Restoring)
-    context.compactor.llm("s1", CWD, forced=True)
+    result = context.compactor.llm("s1", CWD, forced=True)
     lines = read_log(wsettings, "s1")
     assert not [e for e in lines if e["type"] == "summary"]
     assert [e["uuid"] for e in lines if e["type"] == "user"] == ["u1", "u2-new"]
+    assert result.prompt_estimate == rebuild("s1", CWD, lines, wsettings.context, 0).prompt_estimate  # the log's
 
 
 def test_success_deletes_the_failure_counter(r: redis.Redis, wsettings: Settings, stub: LLMStub) -> None:
