@@ -10,20 +10,27 @@ good.
 
 So each data dir carries an id (``{dataDir}/.compactor-id``, made once, at the first start of
 a watcher or worker on it) and Redis records the id of the one its sessions are written to
-(``{p}:datadir``). At its start a watcher or worker (``compactor watch`` / ``work``, so the
-children of ``serve`` too) compares them: no record (a new or emptied Redis) -> this data
-dir's id is recorded; the same id -> fine; another one, or none in this data dir, while Redis
-knows sessions -> ``InvalidConfig`` on ``dataDir``, exit 2, before anything is read or written.
-With no session known (none written yet, or all idle past the 7 days Redis keeps them), the data
-dir is adopted. With no record but sessions known (the first start since data dirs have ids: an
-upgrade), the data dir is recorded if it holds the log of any of the few most recent sessions,
-else refused. To adopt one on purpose (the old logs are gone for good), record its id
-(``redis-cli SET {p}:datadir <the id in .compactor-id>``): the refusal says so. The Redis that ``serve`` embeds lives inside its data dir: it
-takes that data dir's id whatever it recorded.
+(``{p}:datadir``). At its start a watcher or worker (``compactor watch`` / ``work``, the
+children of ``serve`` too, and ``serve`` itself on an external Redis) compares them:
+
+- the same id: fine;
+- another one, or none in this data dir: ``InvalidConfig`` on ``dataDir``, exit 2, before any
+  log is read or written (a record is never replaced on its own: a worker given a volume of its
+  own, started while Redis knew no session, took the record over and the right data dir was
+  refused after it); the message says how to go on (``redis-cli SET {p}:datadir <id>``);
+- no record (a new or emptied Redis, or the first start since data dirs have ids: an upgrade):
+  this data dir's id is recorded, unless Redis knows sessions and the data dir holds the log of
+  none of the few most recent (refused: an empty or wrong one).
+
+A running watcher checks again at each tick (``DataDirWatch``): the data dir's id file still
+its own (a volume unmounted under it, leaving the empty mount point), and the record still its
+id (written back when Redis lost it); else it stops, exit 2. The Redis that ``serve`` embeds
+lives inside its data dir: it takes that data dir's id whatever it recorded.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from pathlib import Path
@@ -54,13 +61,21 @@ def _make_id(data_dir: Path) -> str:
     made = secrets.token_hex(8)
     temporary = data_dir / f"{ID_FILE}.{made}.tmp"
     try:
-        temporary.write_text(made + "\n", encoding="utf-8")
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.write(made + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # (an id file that came back empty after a power loss refused every start)
         try:
             os.link(temporary, path)  # (never a half-written id: the file appears whole, or not at all)
         except FileExistsError:
             pass
+        except OSError as e:  # (a file system without hard links: vfat, some FUSE and SMB mounts)
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK):
+                raise
+            _write_once(path, made)
         finally:
             temporary.unlink()
+        _sync_dir(data_dir)
     except OSError as e:
         raise InvalidConfig("dataDir", f"cannot write {path}: {e.strerror or e}") from e
     there = data_dir_id(data_dir)
@@ -70,6 +85,31 @@ def _make_id(data_dir: Path) -> str:
 
 
 RECENT_CHECKED = 5  # the most recent sessions whose logs a first start looks for
+
+
+def _write_once(path: Path, made: str) -> None:
+    """``path`` made with ``made`` in it unless it exists (O_EXCL: another process's wins)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(made + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def check_data_dir(client: redis.Redis, settings: Settings, *, embedded: bool = False) -> str:
@@ -85,13 +125,14 @@ def check_data_dir(client: redis.Redis, settings: Settings, *, embedded: bool = 
     if recorded is not None and recorded == mine:
         return mine
     known = 0 if embedded else int(client.zcard(keys.sessions))
-    if recorded is not None and known:
-        what = f"its id is {mine}" if mine else f"it has no {ID_FILE}: empty, or not the one meant?"
+    if recorded is not None and not embedded:  # (never replaced on its own: a worker given a volume of its
+        what = f"its id is {mine}" if mine else _no_id(data_dir)  # own
+        whose = f"the {known} session(s) this Redis knows were written to" if known else \
+            "this Redis's sessions are written to"  # took the record over, and the right one was refused)
         raise InvalidConfig("dataDir", (
-            f"{data_dir} is not the data dir the {known} session(s) this Redis knows were written to "
-            f"({what}; theirs is {recorded}, recorded in {keys.data_dir}): point dataDir at that one; "
-            f"if this is it and its {ID_FILE} was lost, write {recorded} into {data_dir / ID_FILE}; "
-            f"{_start_over(keys, data_dir, mine)}"))
+            f"{data_dir} is not the data dir {whose} ({what}; theirs is {recorded}, recorded in "
+            f"{keys.data_dir}): point dataDir at that one; if this is it and its {ID_FILE} was lost, "
+            f"write {recorded} into {data_dir / ID_FILE}; {_start_over(keys, data_dir, mine)}"))
     if recorded is None and known:  # (the first start since ids: this version's upgrade, or a Redis of
         checked, found = _recent_logs_here(client, settings, keys)  # an older one)
         if checked and not found:
@@ -100,11 +141,17 @@ def check_data_dir(client: redis.Redis, settings: Settings, *, embedded: bool = 
                 f"this Redis knows: point dataDir at the data dir they were written to; "
                 f"{_start_over(keys, data_dir, mine)}"))
     mine = mine or _make_id(data_dir)
-    if recorded is None and not embedded:
-        client.set(keys.data_dir, mine, nx=True)
-        return check_data_dir(client, settings)  # (another process may have recorded its own first)
-    client.set(keys.data_dir, mine)  # (no session known, or serve's own Redis: this one is adopted)
-    return mine
+    if embedded:
+        client.set(keys.data_dir, mine)  # (serve's own Redis, inside this data dir: it is this one's)
+        return mine
+    client.set(keys.data_dir, mine, nx=True)
+    return check_data_dir(client, settings)  # (another process may have recorded its own first)
+
+
+def _no_id(data_dir: Path) -> str:
+    if (data_dir / ID_FILE).exists():
+        return f"its {ID_FILE} is empty"
+    return f"it has no {ID_FILE}: empty, or not the one meant?"
 
 
 def _start_over(keys: Keys, data_dir: Path, mine: str | None) -> str:
@@ -136,3 +183,46 @@ def _recent_logs_here(client: redis.Redis, settings: Settings, keys: Keys) -> tu
             checked += 1
             found += path.is_file()
     return checked, found
+
+
+class DataDirChanged(InvalidConfig):
+    """The running watcher's data dir is no longer the one it started on, or Redis records another."""
+
+
+class DataDirWatch:
+    """A running watcher's check, each tick, that its data dir is still the one it started on (its
+    id file unchanged: a volume unmounted under it left the empty mount point, and the watcher
+    wrote the next events of every session into new logs without their start) and that Redis
+    records it (written back when Redis lost its data, so a wrong-dir process cannot take the
+    record meanwhile). A data dir with no id at the start (a watcher run outside the commands,
+    in a test or a benchmark) is not watched."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.client = client
+        self.data_dir = settings.data_dir
+        self.key = Keys(settings.redis.prefix, settings.redis.shards).data_dir
+        self.id = data_dir_id(self.data_dir)
+
+    def check(self) -> None:
+        """Raise ``DataDirChanged`` when the id file or Redis's record says another data dir."""
+        if self.id is None:
+            return
+        try:
+            now = data_dir_id(self.data_dir)
+        except InvalidConfig:
+            now = None
+        if now != self.id:
+            raise DataDirChanged("dataDir", (
+                f"{self.data_dir} changed under the watcher: its {ID_FILE} is "
+                f"{'gone' if now is None else now}, was {self.id} (a volume unmounted?); stopped before "
+                f"writing a log there"))
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(self.key, self.id, nx=True)
+        pipe.get(self.key)
+        raw = pipe.execute()[1]
+        recorded = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        if recorded != self.id:
+            raise DataDirChanged("dataDir", (
+                f"Redis now records another data dir ({recorded}, in {self.key}) than this watcher's "
+                f"{self.data_dir} ({self.id}): a process on another data dir took the record (Redis lost "
+                f"its data?); see OPERATIONS: The data dir's id"))

@@ -26,14 +26,24 @@ class ShardCountMismatch(InvalidConfig):
             f"them all first to change it (OPERATIONS: Changing redis.shards)"))
 
 
+COUNT_WINDOW_MIN_MS = 30_000
+
+
+def count_window_ms(lease_ms: int) -> int:
+    """How long a watcher's last heartbeat keeps its shard count in force: 3 leases, at least 30 s.
+    (A watcher beats between sessions, but a round of sessions held back 0.5 s each, or a stalled
+    disk, made it beat late: taken for dead at one lease, it let a newcomer with another count in.)"""
+    return max(3 * lease_ms, COUNT_WINDOW_MIN_MS)
+
+
 def live_shard_count(client: redis.Redis, keys: Keys, lease_ms: int) -> int | None:
     """The ``redis.shards`` the live watchers read with (recorded at their heartbeats), or None
-    when no watcher has heartbeaten within ``lease_ms`` (or none recorded a count)."""
+    when no watcher has heartbeaten within ``count_window_ms`` (or none recorded a count)."""
     recorded = client.get(keys.shard_count)
     if recorded is None:
         return None
     seconds, micros = client.time()
-    if not client.zcount(keys.watchers, seconds * 1000 + micros // 1000 - lease_ms, "+inf"):
+    if not client.zcount(keys.watchers, seconds * 1000 + micros // 1000 - count_window_ms(lease_ms), "+inf"):
         return None
     try:
         return int(recorded)

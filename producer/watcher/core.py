@@ -31,7 +31,9 @@ Invariants:
 - Thresholds are checked from the state the store returns; the log is never
   read here. A redelivered ``turn_end`` is checked again: enqueueing coalesces.
 - Every live watcher reads with one ``redis.shards`` (``leases``: one with
-  another count is refused, ``ShardCountMismatch``, exit 2, not retried).
+  another count is refused, ``ShardCountMismatch``, exit 2, not retried), and
+  writes to the data dir it started on, which Redis records
+  (``compactor.datadir.DataDirWatch``, each tick: ``DataDirChanged``, exit 2).
 - On stop: the batch in hand is finished, leases are released, the watcher
   leaves the registry.
 """
@@ -55,6 +57,7 @@ import redis
 from rq.utils import as_text
 
 from compactor import metrics
+from compactor.datadir import DataDirChanged, DataDirWatch
 from compactor.heap import freeze_heap
 from compactor.held import HELD_RECORD_TTL_S, HOLD, PRUNE
 from compactor.keys import Keys
@@ -109,6 +112,8 @@ class Watcher:
         self._next_tick = 0.0
         self._next_orphan_sweep = 0.0  # (at the first tick: entries left past a lowered redis.shards)
         self._next_held_prune = 0.0
+        self._next_beat = 0.0  # (within a long round: renewals and heartbeat, ``_beat_if_due``)
+        self._data_dir: DataDirWatch | None = None  # (at the start)
         self._hold_record = self.redis.register_script(HOLD)
         self._prune_held = self.redis.register_script(PRUNE)
 
@@ -124,7 +129,7 @@ class Watcher:
                 try:
                     self.run_once(block_ms=self.settings.watcher.block_ms)
                     errors = 0
-                except ShardCountMismatch:  # (a configuration to fix: exit 2, not retried)
+                except (ShardCountMismatch, DataDirChanged):  # (a configuration to fix: exit 2, not retried)
                     raise
                 except Exception as e:  # noqa: BLE001 - Redis down, or a bug: never let the loop die
                     errors += 1
@@ -155,6 +160,7 @@ class Watcher:
     def _start(self) -> None:
         if not self._started:
             warm_up()
+            self._data_dir = DataDirWatch(self.redis, self.settings)
             self.leases.heartbeat()  # (first: a shard count other live watchers do not share is refused
             for n in range(self.keys.shards):  # before this one creates any group or takes any lease)
                 self.streams.ensure_group(n)
@@ -191,7 +197,10 @@ class Watcher:
     # -- tick: registry, leases, trimming -----------------------------------------
 
     def _tick(self) -> None:
+        if self._data_dir is not None:  # (its id file and Redis's record: DataDirChanged, exit 2)
+            self._data_dir.check()
         live = self.leases.heartbeat()
+        self._next_beat = time.monotonic() + self.settings.watcher.lease_ms * RENEW_FRACTION / 1000
         self.leases.renew_due()
         acquired, _ = self.leases.rebalance(live)
         for n in acquired:  # (a lease lost and taken back in one tick: another owner may have left entries
@@ -398,6 +407,7 @@ class Watcher:
         A held session is logged when held, then every ``HELD_LOG_EVERY_S`` while it stays held
         (each retry, once a second, logged it: 480 lines in 16 s for 30 sessions), and once when
         it is applied again."""
+        self._beat_if_due()
         for run in runs(entries):
             try:
                 self._apply_run(shard, session_id, run[0].cwd, run, outcome, saves, found)
@@ -488,6 +498,18 @@ class Watcher:
             self._check_thresholds(session_id, cwd, result.state)
         logger.debug("applied session=%s shard=%d entries=%d appended=%d duplicates=%d",
                      session_id, shard, len(run), len(result.appended), result.duplicates)
+
+    def _beat_if_due(self) -> None:
+        """Between the sessions of a round, once a renewal is due: renew the leases due and
+        heartbeat. A round of sessions held back (0.5 s each, their logs locked) or a stalled disk
+        ran past the leases: the shards went to other watchers, and the registry forgot this one
+        (a newcomer with another shard count was let in). ShardCountMismatch when one was."""
+        now = time.monotonic()
+        if now < self._next_beat:
+            return
+        self._next_beat = now + self.settings.watcher.lease_ms * RENEW_FRACTION / 1000
+        self.leases.renew_due()
+        self.leases.heartbeat()
 
     def _keep_alive(self, shard: int) -> Callable[[], None]:
         """Called after each event of a run is stamped: a run of large events (their tokens counted,

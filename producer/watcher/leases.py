@@ -18,7 +18,9 @@ Invariants:
   and takes free shards, including a dead watcher's once its lease expired.
 - All live watchers read with one ``redis.shards``: each heartbeat records its
   count in ``{p}:shards``, and a watcher whose count differs from the recorded
-  one while another watcher is live is refused (``ShardCountMismatch``): a
+  one while another watcher beat within ``count_window_ms`` (3 leases, at least
+  30 s: a watcher deep in a long round beats late) is refused
+  (``ShardCountMismatch``): a
   watcher with 4 shards beside one with 8 swept streams 4..7 as left behind by
   a lowered count, dead-lettering the entries the other was reading, and the
   quotas (``ceil(shards / live)``) of the two left shards unread. With no other
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 import redis
 
 from compactor.keys import Keys
-from compactor.shards import ShardCountMismatch
+from compactor.shards import ShardCountMismatch, count_window_ms
 from events.errors import CompactorError
 
 logger = logging.getLogger(__name__)
@@ -67,13 +69,14 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
-# KEYS: registry, shard count; ARGV: member, ttl_ms, shards. Forget the silent; then, when the
-# recorded shard count differs and another watcher is live: {-1, recorded}, nothing written; else
-# heartbeat, record the count and {live, previous count or 0 when unchanged}.
+# KEYS: registry, shard count; ARGV: member, ttl_ms, shards, keep_ms. Forget the watchers silent for
+# keep_ms; then, when the recorded shard count differs and another watcher beat within keep_ms:
+# {-1, recorded}, nothing written; else heartbeat, record the count and {live (a beat within ttl_ms),
+# previous count or 0 when unchanged}.
 _HEARTBEAT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[4]))
 local recorded = redis.call('GET', KEYS[2])
 if recorded and recorded ~= ARGV[3] then
   local others = redis.call('ZCARD', KEYS[1])
@@ -84,7 +87,7 @@ redis.call('ZADD', KEYS[1], now, ARGV[1])
 redis.call('SET', KEYS[2], ARGV[3])
 local previous = 0
 if recorded and recorded ~= ARGV[3] then previous = tonumber(recorded) or -1 end
-return {redis.call('ZCARD', KEYS[1]), previous}
+return {redis.call('ZCOUNT', KEYS[1], now - tonumber(ARGV[2]), '+inf'), previous}
 """
 
 
@@ -124,7 +127,8 @@ class ShardLeases:
         ``ShardCountMismatch`` when live watchers read another shard count (this one is then not
         recorded); logs a change of the count (no other watcher live: the operator's)."""
         live, previous = (int(v) for v in self._heartbeat(
-            keys=[self.keys.watchers, self.keys.shard_count], args=[self.owner, self.lease_ms, self.keys.shards]))
+            keys=[self.keys.watchers, self.keys.shard_count],
+            args=[self.owner, self.lease_ms, self.keys.shards, count_window_ms(self.lease_ms)]))
         if live < 0:
             raise ShardCountMismatch(self.keys, previous)
         if previous:

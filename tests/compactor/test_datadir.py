@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from compactor.datadir import ID_FILE, check_data_dir, data_dir_id
+from compactor.datadir import ID_FILE, DataDirChanged, check_data_dir, data_dir_id
 from compactor.keys import Keys
 from events.config import Settings
 from events.errors import InvalidConfig
+from tests.producer.conftest import CWD
 from tests.producer.test_api import write_session
 
 
@@ -68,13 +69,48 @@ def test_another_data_dir_is_refused_while_redis_knows_sessions(
     assert check_data_dir(r, other) == data_dir_id(other.data_dir)
 
 
-def test_a_data_dir_is_adopted_when_redis_knows_no_session(r: redis.Redis, settings: Settings,
-                                                           tmp_path: Path) -> None:
+def test_a_record_is_never_replaced_on_its_own_even_with_no_session_known(
+        r: redis.Redis, settings: Settings, tmp_path: Path) -> None:
+    """A worker given a volume of its own, started while Redis knew no session yet, took the record
+    over: the watcher on the right data dir was refused at its restart, and told to use the empty
+    one."""
     check_data_dir(r, settings)
-    other = _on(settings, tmp_path / "new")
+    other = _on(settings, tmp_path / "its-own-volume")
     other.data_dir.mkdir()
-    adopted = check_data_dir(r, other)
-    assert r.get(Keys().data_dir) == adopted.encode() != data_dir_id(settings.data_dir)
+    with pytest.raises(InvalidConfig, match="is not the data dir this Redis's sessions are written to"):
+        check_data_dir(r, other)
+    assert r.get(Keys().data_dir) == data_dir_id(settings.data_dir).encode()  # type: ignore[union-attr]
+
+
+def test_a_running_watcher_stops_when_its_data_dir_changes_under_it(r: redis.Redis, settings: Settings) -> None:
+    """A volume unmounted under a running watcher left the empty mount point: the next events of
+    every session went into new logs without their start, acked off the streams."""
+    from producer.publisher import Publisher
+    from producer.watcher import Watcher
+    from tests.producer.conftest import drain, fast_settings, turn_end, user
+
+    fast = fast_settings(settings.data_dir, settings.redis.url)
+    check_data_dir(r, fast)
+    watcher = Watcher(r, fast, name="w")
+    Publisher(r, fast).publish("s1", CWD, [user(1), turn_end(1)])
+    drain(watcher, r, fast)
+    r.delete(Keys().data_dir)  # Redis lost it: written back at the next tick
+    watcher._next_tick = 0.0
+    watcher.run_once()
+    assert r.get(Keys().data_dir) == watcher._data_dir.id.encode()  # type: ignore[union-attr]
+    mounted = fast.data_dir.rename(fast.data_dir.with_name("mounted"))
+    fast.data_dir.mkdir()  # (the empty mount point)
+    Publisher(r, fast).publish("s1", CWD, [user(2), turn_end(2)])
+    watcher._next_tick = 0.0
+    with pytest.raises(DataDirChanged, match=r"changed under the watcher: its \.compactor-id is gone, was "):
+        watcher.run_once()
+    assert list(fast.data_dir.iterdir()) == [] and (mounted / "work-project" / "sessions" / "s1.jsonl").exists()
+    fast.data_dir.rmdir()
+    mounted.rename(fast.data_dir)
+    r.set(Keys().data_dir, "0123456789abcdef")  # a process on another data dir took the record
+    watcher = Watcher(r, fast, name="w2")
+    with pytest.raises(DataDirChanged, match="Redis now records another data dir"):
+        watcher.run_once()
 
 
 @pytest.mark.parametrize("command", ["watch", "work"])

@@ -8,6 +8,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from events.config import Settings
 from producer.publisher import Publisher
 from producer.watcher import Watcher
 from compactor.shards import ShardCountMismatch
+from events.log import SessionLog
 from producer.watcher.orphans import letter_orphans
 from tests.producer.conftest import CWD, drain, fast_settings, log_lines, turn_end, user
 
@@ -182,3 +184,41 @@ def test_the_api_refuses_events_while_the_live_watchers_read_another_count(
         assert not any(r.exists(stream) and r.xlen(stream) for stream in Keys(shards=8).all_streams())
     with TestClient(create_app(four, redis=r)) as client:  # (the same count: published)
         assert client.post("/api/sessions/s1/events", json={"cwd": CWD, "events": [user(1)]}).status_code == 202
+
+
+def test_a_watcher_silent_past_its_lease_still_holds_its_count(r: redis.Redis, eight: Settings,
+                                                               four: Settings) -> None:
+    """A watcher deep in a long round beats late: taken for dead after one lease (1 s here), it let
+    a newcomer with another count in. Its count stays in force for 3 leases, at least 30 s."""
+    live = Watcher(r, eight, name="w8")
+    drain(live, r, eight)
+    time.sleep(1.5)  # (no tick: past its lease, well within 30 s)
+    with pytest.raises(ShardCountMismatch):
+        Watcher(r, four, name="w4").run_once()
+
+
+def test_a_long_round_of_held_sessions_renews_and_beats_between_sessions(r: redis.Redis, eight: Settings) -> None:
+    """Sessions whose logs another process holds locked are held back after 0.5 s each: a round of
+    them ran past the leases (the shards went to other watchers) and the registry's heartbeat."""
+    watcher = Watcher(r, eight, name="w8")
+    sessions = [f"s{i}" for i in range(6)]
+    publisher = Publisher(r, eight)
+    for sid in sessions:
+        publisher.publish(sid, CWD, [user(1)])
+    drain(watcher, r, eight)
+    for sid in sessions:
+        publisher.publish(sid, CWD, [turn_end(1)])
+    logs = [SessionLog(eight.data_dir, CWD, sid) for sid in sessions]
+    for log in logs:
+        log.lock().__enter__()  # (another process's lock: this one's descriptor, not the watcher's)
+    try:
+        started_ms = int(r.zscore(Keys().watchers, watcher.id) or 0)
+        began = time.monotonic()
+        watcher.run_once()  # the round: 6 sessions held back, 0.5 s each
+        assert time.monotonic() - began >= 2.5
+        beat_ms = int(r.zscore(Keys().watchers, watcher.id) or 0)
+        assert beat_ms - started_ms >= 2_000  # it beat during the round
+        assert sorted(watcher.leases.owned) == list(range(8)) and all(map(watcher.leases.holds, range(8)))
+    finally:
+        for log in logs:
+            log.lock().__exit__(None, None, None)
