@@ -109,7 +109,7 @@ def watch(
     loaded = usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir)
     settings = _with_redis(loaded)
     # unreachable now: exit 1, as `work`; an outage later is waited out
-    on_its_data_dir(connect(settings, service=True), settings, embedded=not loaded.redis.url)
+    on_its_data_dir(connect(settings, service=True), settings, embedded=_embedded(loaded))
     exit_with_parent()
     with user_errors():
         watcher_main(settings)
@@ -137,7 +137,7 @@ def work(
     settings = _with_redis(loaded)
     exit_with_parent()
     # one line naming the (redacted) URL when Redis does not answer, as watch says
-    on_its_data_dir(connect(settings, service=True), settings, embedded=not loaded.redis.url, shards=True)
+    on_its_data_dir(connect(settings, service=True), settings, embedded=_embedded(loaded), shards=True)
     with user_errors():
         try:
             runner_main(settings, count=count, burst=burst)
@@ -204,6 +204,15 @@ def on_its_data_dir(client: redis.Redis, settings: Settings, *, embedded: bool =
             shards_or_exit(client, settings)
     finally:
         client.close()
+
+
+def _embedded(settings: Settings) -> bool:
+    """Whether the Redis is the one ``serve`` runs inside ``dataDir`` (named by no ``redis.url``,
+    or, in serve's children, by the URL of its socket there)."""
+    from compactor.embedded import EmbeddedRedis
+    from compactor.serve import embedded_dir
+
+    return not settings.redis.url or settings.redis.url == EmbeddedRedis(embedded_dir(settings)).url
 
 
 def _data_dir_checked_if_up(settings: Settings) -> None:

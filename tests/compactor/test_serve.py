@@ -296,6 +296,25 @@ def test_serve_runs_the_stack_on_embedded_redis_and_stops_cleanly(served: dict[s
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert (served["data"] / ".redis" / "appendonlydir").is_dir()
 
+    # its data dir's id lost (the embedded Redis recorded it): its own Redis, inside it, takes it
+    # (the children were refused over and over, serve gave up; the record could not be reached)
+    (served["data"] / ".compactor-id").unlink()
+    port = free_port()
+    again = subprocess.Popen(
+        [sys.executable, "-P", "-m", "compactor", "serve", "--config", str(served["config"]), "--workers", "1",
+         "--port", str(port), "--log-level", "WARNING"],
+        env=served["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=served["cwd"])
+    try:
+        wait_for(lambda: healthy(f"http://127.0.0.1:{port}") or again.poll() is not None, 90, "the API again")
+        response = httpx.post(f"http://127.0.0.1:{port}/api/sessions/s1/events",
+                              json={"cwd": CWD, "events": turn_events(4)}, timeout=10)
+        assert response.status_code == 202
+        wait_for(lambda: any(e.get("turnId") == 4 for e in log.read()), 60, "turn 4 in the log")
+        assert (served["data"] / ".compactor-id").read_text().strip()
+    finally:
+        again.send_signal(signal.SIGTERM)
+        assert again.wait(timeout=60) == 0, again.communicate()[1]
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
