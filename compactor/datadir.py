@@ -31,6 +31,7 @@ lives inside its data dir: it takes that data dir's id whatever it recorded.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import secrets
 from pathlib import Path
@@ -42,6 +43,8 @@ from events.config import Settings
 from events.errors import CompactorError, InvalidConfig
 
 ID_FILE = ".compactor-id"
+
+logger = logging.getLogger(__name__)
 
 
 def data_dir_id(data_dir: Path) -> str | None:
@@ -209,8 +212,9 @@ class DataDirWatch:
             return
         try:
             now = data_dir_id(self.data_dir)
-        except InvalidConfig:
-            now = None
+        except InvalidConfig as e:  # (unreadable now: an I/O error, say; looked at again next tick)
+            logger.warning("could not read the data dir's id this tick: %s", e)
+            return
         if now != self.id:
             raise DataDirChanged("dataDir", (
                 f"{self.data_dir} changed under the watcher: its {ID_FILE} is "
