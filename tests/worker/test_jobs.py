@@ -657,6 +657,19 @@ def test_targets_too_large_for_the_window_are_summarized_in_chunks(
     assert summary["lastSummarizedTurnId"] == 11 and len(summary["replaces"]) == 33
 
 
+def _slow_backlog(r: redis.Redis, settings: Settings, stub: LLMStub, *, job_timeout_s: int) -> Settings:
+    """A session of 7 turns summarized a turn or two a chunk, by a stub answering each call after
+    0.6 s, with a 1.5 s LLM timeout and jobs of ``job_timeout_s``; the settings it is written under."""
+    small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=100,
+                          default_context_window=2_000, llm_timeout_seconds=1.5)
+    small = small.model_copy(update={"worker": small.worker.model_copy(update={"job_timeout_seconds": job_timeout_s})})
+    write_session(r, small, "s1", 7, output="y " * 900, window=2_000, tool="ask_human")
+    replies = iter(f"<summary>\n{summary_text(f'call{i}')}\n</summary>" for i in range(1, 100))
+    stub.reply = lambda body: next(replies)
+    stub.latency_s = 0.6
+    return small
+
+
 @pytest.mark.slow
 def test_a_backlog_of_more_chunks_than_one_job_has_time_for_is_summarized_over_several_jobs(
     r: redis.Redis, settings: Settings, stub: LLMStub
@@ -664,13 +677,7 @@ def test_a_backlog_of_more_chunks_than_one_job_has_time_for_is_summarized_over_s
     """Each job timed out during its chunks, the running summary was lost and the next job began
     from the first chunk again: a healthy but slow LLM never summarized the backlog. A job now
     stops at a turn boundary once another call might outlast its timeout, and appends what it has."""
-    small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=100,
-                          default_context_window=2_000, llm_timeout_seconds=1.5)
-    small = small.model_copy(update={"worker": small.worker.model_copy(update={"job_timeout_seconds": 2})})
-    write_session(r, small, "s1", 7, output="y " * 900, window=2_000, tool="ask_human")  # a turn or two a chunk
-    replies = iter(f"<summary>\n{summary_text(f'call{i}')}\n</summary>" for i in range(1, 100))
-    stub.reply = lambda body: next(replies)
-    stub.latency_s = 0.6  # a chunk at a time: 0.6 s + 1.5 s of LLM timeout is past the 2 s job
+    small = _slow_backlog(r, settings, stub, job_timeout_s=2)  # a call: 0.6 s + 1.5 s of LLM timeout > 2 s
     job = _run(r, small, "s1", forced=True)  # and the jobs its end re-checks the session for
     assert job.get_status() == JobStatus.FINISHED, job.latest_result()
     ends = [e["lastSummarizedTurnId"] for e in read_log(small, "s1") if e["type"] == "summary"]
@@ -692,13 +699,7 @@ def test_a_forced_jobs_wait_for_its_after_entry_counts_against_its_timeout(
     loop's deadline ran from after the wait (up to 10 s late): it began a call RQ killed, and a
     healthy LLM was counted a failure."""
     monkeypatch.setattr(worker_jobs, "AFTER_WAIT_S", 2.0)
-    small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=100,
-                          default_context_window=2_000, llm_timeout_seconds=1.5)
-    small = small.model_copy(update={"worker": small.worker.model_copy(update={"job_timeout_seconds": 4})})
-    write_session(r, small, "s1", 7, output="y " * 900, window=2_000, tool="ask_human")  # a turn or two a chunk
-    replies = iter(f"<summary>\n{summary_text(f'call{i}')}\n</summary>" for i in range(1, 100))
-    stub.reply = lambda body: next(replies)
-    stub.latency_s = 0.6  # from 2 s on: a call, then 2.6 + 1.5 s of LLM timeout is past the 4 s job
+    small = _slow_backlog(r, settings, stub, job_timeout_s=4)  # from 2 s on: a call, then 2.6 + 1.5 s > 4 s
     r.xgroup_create(Keys().stream_for("s1"), Keys().group, id="0", mkstream=True)  # (no watcher reads it:
     never = f"{int(time.time() * 1000) + 3_600_000}-0"                          # this entry is never settled)
     job_id = enqueue_compaction(r, small, "s1", CWD, "llm", forced=True, after=never)
