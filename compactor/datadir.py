@@ -34,6 +34,7 @@ import errno
 import logging
 import os
 import secrets
+import time
 from pathlib import Path
 
 import redis
@@ -43,6 +44,8 @@ from events.config import Settings
 from events.errors import CompactorError, InvalidConfig
 
 ID_FILE = ".compactor-id"
+EMPTY_READ_RETRIES = 20  # an id file read empty is read again this many times, this far apart
+EMPTY_READ_PAUSE_S = 0.05
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +84,12 @@ def _make_id(data_dir: Path) -> str:
         _sync_dir(data_dir)
     except OSError as e:
         raise InvalidConfig("dataDir", f"cannot write {path}: {e.strerror or e}") from e
-    there = data_dir_id(data_dir)
-    if there is None:
-        raise InvalidConfig("dataDir", f"{path} is empty")
-    return there
+    for _ in range(EMPTY_READ_RETRIES):  # (made by another process without hard links: O_EXCL, then written)
+        there = data_dir_id(data_dir)
+        if there:
+            return there
+        time.sleep(EMPTY_READ_PAUSE_S)
+    raise InvalidConfig("dataDir", f"{path} is empty: write an id in it (OPERATIONS: The data dir's id)")
 
 
 RECENT_CHECKED = 5  # the most recent sessions whose logs a first start looks for
@@ -122,9 +127,9 @@ def check_data_dir(client: redis.Redis, settings: Settings, *, embedded: bool = 
     belongs to it whatever is recorded (its id is recorded)."""
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     data_dir = settings.data_dir
-    mine = data_dir_id(data_dir)
-    raw = client.get(keys.data_dir)
-    recorded = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    raw = client.get(keys.data_dir)  # (first: a process writes the file before it records the id, so a
+    recorded = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw  # record read here has
+    mine = data_dir_id(data_dir)  # its file there; the other way round, starts at once refused each other)
     if recorded is not None and recorded == mine:
         return mine
     known = 0 if embedded else int(client.zcard(keys.sessions))

@@ -174,3 +174,24 @@ def test_serve_on_an_external_redis_and_another_data_dir_exits_2_before_any_chil
     assert done.returncode == 2, done.stderr
     assert f"compactor: dataDir: {empty} is not the data dir the 1 session(s) this Redis knows" in done.stderr
     assert "restarting" not in done.stderr and "API" not in done.stderr
+
+
+def test_two_processes_starting_at_once_on_a_new_data_dir_agree(
+        r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One read the (missing) id file, the other made it and recorded its id, then the first read
+    the record: refused, told to write a new id over the right one (a compose up: watcher and
+    worker at once on a new volume)."""
+    from compactor import datadir
+
+    real = datadir.data_dir_id
+    others: list[str] = []
+
+    def read_then_let_the_other_start(data_dir: Path) -> str | None:
+        seen = real(data_dir)
+        if not others:  # (the other process, all of it, between this one's read and what follows)
+            monkeypatch.setattr(datadir, "data_dir_id", real)
+            others.append(check_data_dir(redis.Redis.from_url(settings.redis.url), settings))
+        return seen
+
+    monkeypatch.setattr(datadir, "data_dir_id", read_then_let_the_other_start)
+    assert check_data_dir(r, settings) == others[0] == data_dir_id(settings.data_dir)
