@@ -6,13 +6,17 @@ streams as left behind by a lowered count."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from typing import Any
 
 import redis
 
 from compactor.keys import Keys
 from events.errors import InvalidConfig
+
+logger = logging.getLogger(__name__)
 
 
 class ShardCountMismatch(InvalidConfig):
@@ -49,6 +53,39 @@ def live_shard_count(client: redis.Redis, keys: Keys, lease_ms: int) -> int | No
         return int(recorded)
     except ValueError:
         return None
+
+
+def gone_quiet(client: redis.Redis, keys: Keys, lease_ms: int, *, me: str | None = None,
+               stop: threading.Event | None = None) -> bool:
+    """Whether the watchers keeping another shard count in force are gone: those whose last beat
+    is within ``count_window_ms`` but none within 2 leases (killed, not stopped: they left no word)
+    are waited out, up to the window; True once none is left, False as soon as one beats again
+    (it is live: its count stands), or on ``stop``. A process started with a new count right after
+    the old watchers were killed was refused for 30 s, and ``serve`` gave up on its children."""
+    window = count_window_ms(lease_ms)
+    said = False
+    while True:
+        seconds, micros = client.time()
+        now_ms = seconds * 1000 + micros // 1000
+        found: list[Any] = client.zrangebyscore(keys.watchers, now_ms - window, "+inf",
+                                                withscores=True)
+        beats = [float(score) for member, score in found
+                 if me is None or (member.decode() if isinstance(member, bytes) else member) != me]
+        if not beats:
+            return True
+        if max(beats) >= now_ms - 2 * lease_ms:
+            return False
+        if not said:
+            logger.warning("watchers of another redis.shards stopped beating %.0f s ago: waiting up to %.0f s "
+                           "for them to count as gone (stop watchers with SIGTERM to change it at once)",
+                           (now_ms - max(beats)) / 1000, (min(beats) + window - now_ms) / 1000)
+            said = True
+        pause = min(1.0, max(0.05, (min(beats) + window - now_ms) / 1000 + 0.05))
+        if stop is not None:
+            if stop.wait(pause):
+                return False
+        else:
+            time.sleep(pause)
 
 
 SHARDS_CHECK_EVERY_S = 5.0  # how stale the API's view of the live watchers' count may be

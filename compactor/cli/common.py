@@ -278,11 +278,11 @@ def shards_or_exit(client: redis.Redis, settings: Settings) -> None:
     process's events would go to streams their sessions do not hash to, every one of them
     dead-lettered (``wrong_shard``). With no watcher live, any count goes (it is being changed)."""
     from compactor.keys import Keys
-    from compactor.shards import ShardCountMismatch, live_shard_count
+    from compactor.shards import ShardCountMismatch, gone_quiet, live_shard_count
 
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     live = live_shard_count(client, keys, settings.watcher.lease_ms)
-    if live is not None and live != keys.shards:
+    if live is not None and live != keys.shards and not gone_quiet(client, keys, settings.watcher.lease_ms):
         fail(str(ShardCountMismatch(keys, live)), EXIT_CONFIG)
 
 

@@ -63,7 +63,7 @@ from compactor.held import HELD_RECORD_TTL_S, HOLD, PRUNE
 from compactor.keys import Keys
 from compactor.queue import UNCHECKED, Trigger, parse_job_id, trigger_compactions
 from compactor.serve import hangup_ignored
-from compactor.shards import ShardCountMismatch
+from compactor.shards import ShardCountMismatch, gone_quiet
 from compactor.store import UNREAD, Lookup, SessionStore
 from events.config import Settings
 from events.errors import CompactorError, InvalidConfig, InvalidEvent, InvalidInput, LogLocked
@@ -161,11 +161,21 @@ class Watcher:
         if not self._started:
             warm_up()
             self._data_dir = DataDirWatch(self.redis, self.settings)
-            self.leases.heartbeat()  # (first: a shard count other live watchers do not share is refused
+            self._first_beat()  # (first: a shard count other live watchers do not share is refused
             for n in range(self.keys.shards):  # before this one creates any group or takes any lease)
                 self.streams.ensure_group(n)
             self._warn_of_eviction()
             self._started = True
+
+    def _first_beat(self) -> None:
+        """The first heartbeat; refused for another shard count (``ShardCountMismatch``) only once
+        the watchers keeping it in force are not just killed ones waited out (``gone_quiet``)."""
+        try:
+            self.leases.heartbeat()
+        except ShardCountMismatch:
+            if not gone_quiet(self.redis, self.keys, self.settings.watcher.lease_ms, me=self.id, stop=self._stop):
+                raise
+            self.leases.heartbeat()
 
     def _warn_of_eviction(self) -> None:
         """Warn when Redis may evict any key: a session's uuid index evicted while its state

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 import threading
@@ -192,9 +193,46 @@ def test_a_watcher_silent_past_its_lease_still_holds_its_count(r: redis.Redis, e
     a newcomer with another count in. Its count stays in force for 3 leases, at least 30 s."""
     live = Watcher(r, eight, name="w8")
     drain(live, r, eight)
-    time.sleep(1.5)  # (no tick: past its lease, well within 30 s)
+    r.zadd(Keys().watchers, {live.id: _server_ms(r) - 1_500})  # (its last beat: past its lease, within 30 s)
     with pytest.raises(ShardCountMismatch):
         Watcher(r, four, name="w4").run_once()
+
+
+def _server_ms(r: redis.Redis) -> int:
+    seconds, micros = r.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+@pytest.mark.parametrize("beats_again", [False, True])
+def test_a_new_count_waits_out_killed_watchers_of_the_old_one(
+        r: redis.Redis, eight: Settings, four: Settings, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, beats_again: bool) -> None:
+    """Watchers killed (no word left) keep their count in force for the window (30 s at least): a
+    watcher started with a new count right after was refused, and serve gave up on its children.
+    Watchers silent past 2 leases are waited out; one that beats again is live: refused."""
+    from compactor import shards
+
+    monkeypatch.setattr(shards, "COUNT_WINDOW_MIN_MS", 5_000)  # (5 s here)
+    old = Watcher(r, eight, name="w8")
+    drain(old, r, eight)
+    r.zadd(Keys().watchers, {old.id: _server_ms(r) - 2_500})  # killed 2.5 s ago
+    for n in range(8):
+        r.delete(Keys().lease(n))
+    if beats_again:
+        threading.Timer(0.2, old.leases.heartbeat).start()  # (it was only slow)
+    new = Watcher(r, four, name="w4")
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="compactor.shards"):
+        if beats_again:
+            with pytest.raises(ShardCountMismatch):
+                new.run_once()
+        else:
+            drain(new, r, four)
+    assert re.search(r"watchers of another redis\.shards stopped beating [23] s ago: waiting up to [123] s for "
+                     r"them to count as gone", caplog.text), caplog.text
+    if not beats_again:
+        assert time.monotonic() - began >= 0.4 and r.get(Keys().shard_count) == b"4"
+        assert sorted(new.leases.owned) == [0, 1, 2, 3]
 
 
 def test_a_long_round_of_held_sessions_renews_and_beats_between_sessions(r: redis.Redis, eight: Settings) -> None:
