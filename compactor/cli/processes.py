@@ -200,8 +200,8 @@ def on_its_data_dir(client: redis.Redis, settings: Settings, *, embedded: bool =
     try:
         with user_errors():
             check_data_dir(client, settings, embedded=embedded)
-        if shards:
-            shards_or_exit(client, settings)
+            if shards:
+                shards_or_exit(client, settings)
     finally:
         client.close()
 
