@@ -38,10 +38,12 @@ import time
 from pathlib import Path
 
 import redis
+from rq.utils import as_text
 
 from compactor.keys import Keys
 from events.config import Settings
 from events.errors import CompactorError, InvalidConfig
+from events.log import fsync_dir
 
 ID_FILE = ".compactor-id"
 EMPTY_READ_RETRIES = 20  # an id file read empty is read again this many times, this far apart
@@ -81,7 +83,7 @@ def _make_id(data_dir: Path) -> str:
             _write_once(path, made)
         finally:
             temporary.unlink()
-        _sync_dir(data_dir)
+        fsync_dir(data_dir)
     except OSError as e:
         raise InvalidConfig("dataDir", f"cannot write {path}: {e.strerror or e}") from e
     for _ in range(EMPTY_READ_RETRIES):  # (made by another process without hard links: O_EXCL, then written)
@@ -107,17 +109,8 @@ def _write_once(path: Path, made: str) -> None:
         os.fsync(f.fileno())
 
 
-def _sync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def _text(value: bytes | str | None) -> str | None:
+    return None if value is None else as_text(value)
 
 
 def check_data_dir(client: redis.Redis, settings: Settings, *, embedded: bool = False) -> str:
@@ -127,9 +120,9 @@ def check_data_dir(client: redis.Redis, settings: Settings, *, embedded: bool = 
     belongs to it whatever is recorded (its id is recorded)."""
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     data_dir = settings.data_dir
-    raw = client.get(keys.data_dir)  # (first: a process writes the file before it records the id, so a
-    recorded = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw  # record read here has
-    mine = data_dir_id(data_dir)  # its file there; the other way round, starts at once refused each other)
+    recorded = _text(client.get(keys.data_dir))  # (first: a process writes the file before it records the
+    mine = data_dir_id(data_dir)  # id, so a record read here has its file there; the other way round,
+    # starts at once refused each other)
     if recorded is not None and recorded == mine:
         return mine
     known = 0 if embedded else int(client.zcard(keys.sessions))
@@ -228,8 +221,7 @@ class DataDirWatch:
         pipe = self.client.pipeline(transaction=False)
         pipe.set(self.key, self.id, nx=True)
         pipe.get(self.key)
-        raw = pipe.execute()[1]
-        recorded = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+        recorded = _text(pipe.execute()[1])
         if recorded != self.id:
             raise DataDirChanged("dataDir", (
                 f"Redis now records another data dir ({recorded}, in {self.key}) than this watcher's "

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import redis
+from rq.utils import as_text
 
 from compactor.keys import Keys
 from events.errors import InvalidConfig
@@ -33,6 +34,12 @@ class ShardCountMismatch(InvalidConfig):
 COUNT_WINDOW_MIN_MS = 30_000
 
 
+def server_ms(client: redis.Redis) -> int:
+    """Redis's clock (``TIME``) in milliseconds: the registry's beats are scored by it."""
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 def count_window_ms(lease_ms: int) -> int:
     """How long a watcher's last heartbeat keeps its shard count in force: 3 leases, at least 30 s.
     (A watcher beats between sessions, but a round of sessions held back 0.5 s each, or a stalled
@@ -46,8 +53,7 @@ def live_shard_count(client: redis.Redis, keys: Keys, lease_ms: int) -> int | No
     recorded = client.get(keys.shard_count)
     if recorded is None:
         return None
-    seconds, micros = client.time()
-    if not client.zcount(keys.watchers, seconds * 1000 + micros // 1000 - count_window_ms(lease_ms), "+inf"):
+    if not client.zcount(keys.watchers, server_ms(client) - count_window_ms(lease_ms), "+inf"):
         return None
     try:
         return int(recorded)
@@ -65,12 +71,11 @@ def gone_quiet(client: redis.Redis, keys: Keys, lease_ms: int, *, me: str | None
     window = count_window_ms(lease_ms)
     said = False
     while True:
-        seconds, micros = client.time()
-        now_ms = seconds * 1000 + micros // 1000
+        now_ms = server_ms(client)
         found: list[Any] = client.zrangebyscore(keys.watchers, now_ms - window, "+inf",
                                                 withscores=True)
         beats = [float(score) for member, score in found
-                 if me is None or (member.decode() if isinstance(member, bytes) else member) != me]
+                 if me is None or as_text(member) != me]
         if not beats:
             return True
         if max(beats) >= now_ms - 2 * lease_ms:

@@ -282,7 +282,7 @@ class SessionLog:
         except OSError as e:
             raise LogWriteFailed(f"{self.path}: cannot create: {e}") from e
         if self.fsync:
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         return fd
 
     def _release(self) -> None:
@@ -654,7 +654,8 @@ def _end_of_last_line(fd: int, size: int) -> int:
     return 0
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make the entries of ``directory`` (a file just created or renamed in it) durable."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -42,6 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from compactor import metrics as process_metrics
 from compactor.held import held_sessions
 from compactor.keys import Keys
+from compactor.shards import server_ms
 from compactor.queue import compaction_queue
 from events.config import Settings
 
@@ -260,11 +261,6 @@ def scrape_registry(process: ProcessMetrics, client: redis.Redis,
                       StreamLagCollector(client, settings, gate), BreakerCollector(client, settings, gate)):
         registry.register(collector)
     return registry
-
-
-def server_ms(client: redis.Redis) -> int:
-    seconds, micros = client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
 
 
 def _age_s(entry_id: bytes | str | None, now_ms: int) -> float:

@@ -41,13 +41,14 @@ from pydantic.alias_generators import to_camel
 from compactor.held import held_sessions
 from compactor.keys import Keys
 from compactor.queue import check_bound_cwd, compaction_queue
+from compactor.shards import server_ms
 from compactor.store import SessionStore
 from events.config import ContextSettings, Settings
 from events.errors import SessionNotFound
 from events.view import build_view, omitted_chars, undone_by_rollback
 from producer.api import CwdQuery, RedisDep, SettingsDep, _checked, errors
 from producer.api_errors import JsonBodyRoute
-from producer.api_metrics import BreakerCollector, ProcessMetrics, StreamLagCollector, server_ms
+from producer.api_metrics import BreakerCollector, ProcessMetrics, StreamLagCollector
 from producer.api_models import SessionBody
 from producer.api_sessions import read_log, recent_session_bodies
 

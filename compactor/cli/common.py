@@ -257,16 +257,23 @@ def _access_or_exit(client: redis.Redis, settings: Settings, url: str) -> None:
         fail(f"Redis at {redacted(url)}: {e}")
 
 
-def check_access_if_up(settings: Settings) -> None:
-    """Exit 1 naming what Redis's ACL refuses the service, when ``redis.url``'s Redis answers
-    (one that does not is waited for later, by the caller's processes)."""
+def check_access_if_up(settings: Settings, *, data_dir: bool = False) -> None:
+    """Exit 1 naming what Redis's ACL refuses the service, exit 2 for another shard count than the
+    live watchers' (``shards_or_exit``) and, with ``data_dir``, for a data dir other than the one
+    Redis records (``compactor.datadir``), when ``redis.url``'s Redis answers (one that does not
+    is waited for later, by the caller's processes, which check then)."""
     if not settings.redis.url:
-        return  # the embedded Redis, no ACL
+        return  # the embedded Redis, no ACL (and inside the data dir: that data dir's)
     client = redis.Redis.from_url(settings.redis.url, socket_timeout=5, socket_connect_timeout=2)
     try:
         client.ping()
         _access_or_exit(client, settings, settings.redis.url)
         shards_or_exit(client, settings)
+        if data_dir:
+            from compactor.datadir import check_data_dir
+
+            with user_errors():
+                check_data_dir(client, settings)
     except (redis.RedisError, OSError):
         pass
     finally:

@@ -86,9 +86,7 @@ def serve(
     # port 0 becomes the port the OS picked here, so the banner names it (and restarts keep it).
     with api_socket(settings.api.host, settings.api.port) as sock:
         bound = int(sock.getsockname()[1])
-    check_access_if_up(settings)  # each child would fail on it, and be restarted, over and over
-    if settings.redis.url:  # (the embedded Redis lives in the data dir: it is that data dir's)
-        _data_dir_checked_if_up(settings)  # each child would fail on it, and be restarted, over and over
+    check_access_if_up(settings, data_dir=True)  # each child would fail on it, and be restarted, over and over
     with user_errors():
         code = run_serve(settings, workers=settings.worker.count, host=host, port=bound)
     raise typer.Exit(code)
@@ -213,18 +211,6 @@ def _embedded(settings: Settings) -> bool:
     from compactor.serve import embedded_dir
 
     return not settings.redis.url or settings.redis.url == EmbeddedRedis(embedded_dir(settings)).url
-
-
-def _data_dir_checked_if_up(settings: Settings) -> None:
-    """``on_its_data_dir`` when ``redis.url``'s Redis answers (one that does not is waited for by
-    serve's children, which check then)."""
-    client = redis.Redis.from_url(settings.redis.url, socket_timeout=5, socket_connect_timeout=2)
-    try:
-        client.ping()
-    except (redis.RedisError, OSError):
-        client.close()
-        return
-    on_its_data_dir(client, settings)
 
 
 def _stopped(_signum: int, _frame: FrameType | None) -> None:

@@ -19,7 +19,7 @@ from compactor.keys import Keys
 from events.config import Settings
 from producer.publisher import Publisher
 from producer.watcher import Watcher
-from compactor.shards import ShardCountMismatch
+from compactor.shards import ShardCountMismatch, server_ms
 from events.log import SessionLog
 from producer.watcher.orphans import letter_orphans
 from tests.producer.conftest import CWD, drain, fast_settings, log_lines, turn_end, user
@@ -193,14 +193,9 @@ def test_a_watcher_silent_past_its_lease_still_holds_its_count(r: redis.Redis, e
     a newcomer with another count in. Its count stays in force for 3 leases, at least 30 s."""
     live = Watcher(r, eight, name="w8")
     drain(live, r, eight)
-    r.zadd(Keys().watchers, {live.id: _server_ms(r) - 1_500})  # (its last beat: past its lease, within 30 s)
+    r.zadd(Keys().watchers, {live.id: server_ms(r) - 1_500})  # (its last beat: past its lease, within 30 s)
     with pytest.raises(ShardCountMismatch):
         Watcher(r, four, name="w4").run_once()
-
-
-def _server_ms(r: redis.Redis) -> int:
-    seconds, micros = r.time()
-    return int(seconds) * 1000 + int(micros) // 1000
 
 
 @pytest.mark.parametrize("beats_again", [False, True])
@@ -215,7 +210,7 @@ def test_a_new_count_waits_out_killed_watchers_of_the_old_one(
     monkeypatch.setattr(shards, "COUNT_WINDOW_MIN_MS", 5_000)  # (5 s here)
     old = Watcher(r, eight, name="w8")
     drain(old, r, eight)
-    r.zadd(Keys().watchers, {old.id: _server_ms(r) - 2_500})  # killed 2.5 s ago
+    r.zadd(Keys().watchers, {old.id: server_ms(r) - 2_500})  # killed 2.5 s ago
     for n in range(8):
         r.delete(Keys().lease(n))
     if beats_again:
