@@ -228,6 +228,29 @@ class SessionLog:
             os.close(fd)
         self._lock_fd = fd
         _ROOTS_SEEN.add(self._root)
+        try:
+            self._end_whole_last_line(fd, os.fstat(fd).st_size)
+        except LogWriteFailed as e:  # (``append`` tries again, and raises)
+            logger.warning("%s", e)
+
+    def _end_whole_last_line(self, fd: int, size: int) -> int | None:
+        """When only the newline of the log's last line is missing (an editor dropped it, or a
+        writer died right before it), add it and return the new size; None when the log ends
+        with a newline or a torn fragment. Done as the lock is taken, so that every reader under
+        it sees the line ``append`` would have kept: the store's catch-up read past its recorded
+        size without it, then the append kept it, so its uuid went unknown (a redelivered entry
+        written twice) and the stored estimate never counted it."""
+        keep = _complete_size(fd, size)
+        if keep == size or not _whole_event(os.pread(fd, size - keep, keep)):
+            return None
+        logger.warning("the last line of %s had no newline: one added", self.path)
+        try:
+            os.write(fd, b"\n")  # (the descriptor appends)
+            if self.fsync:
+                os.fsync(fd)
+        except OSError as e:
+            raise LogWriteFailed(f"{self.path}: cannot end its last line: {e}") from e
+        return size + 1
 
     def _flock(self, fd: int) -> None:
         """``flock`` ``fd`` exclusively: at once when free, else waiting up to ``lock_wait_s``
@@ -494,14 +517,10 @@ class SessionLog:
         keep = _complete_size(fd, size)
         if keep == size:
             return size
+        ended = self._end_whole_last_line(fd, size)  # (when taking the lock could not)
+        if ended is not None:
+            return ended
         fragment = os.pread(fd, size - keep, keep)
-        if _whole_event(fragment):  # its newline alone is missing (an editor dropped it): a line, kept
-            logger.warning("the last line of %s had no newline: one added", self.path)
-            try:
-                os.write(fd, b"\n")  # (the descriptor appends)
-            except OSError as e:
-                raise LogWriteFailed(f"{self.path}: cannot end its last line: {e}") from e
-            return size + 1
         logger.warning("torn tail of %d bytes moved from %s to %s", len(fragment), self.path, self.torn_path)
         try:
             with open(self.torn_path, "ab") as torn:

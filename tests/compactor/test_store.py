@@ -354,6 +354,25 @@ def test_torn_tail_of_a_crashed_writer_is_not_counted_as_read(store: SessionStor
     assert stored is not None and stored.log_size == log.size()
 
 
+def test_a_whole_last_line_without_its_newline_is_folded_and_its_redelivery_is_a_duplicate(
+        store: SessionStore) -> None:
+    """A writer died right before a line's newline (or an editor dropped it): the next append keeps
+    the line, so the store must count it too. Its catch-up read without it: the redelivered
+    entry was written a second time and the stored estimate never counted the line."""
+    store.apply(SID, CWD, [user(1, "hello world", "1-0"), turn_end(1, "2-0")])
+    log = store.log(SID, CWD)
+    stamped = user(2, "second message here", "3-0")
+    SessionLog(store.settings.data_dir, CWD, SID).append([stamped])  # the line, then no state save
+    os.truncate(log.path, log.size() - 1)  # ... and no newline
+    result = store.apply(SID, CWD, [user(2, "second message here", "3-0"), user(2, "third", "4-0")])
+    assert result.duplicates == 1
+    assert [e.get("content") for e in log.read()] == ["hello world", None, "second message here", "third"]
+    stored = store.load(SID)
+    assert stored is not None
+    assert stored == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
+    assert not log.torn_path.exists()
+
+
 def test_a_uuid_the_session_already_has_is_refused(store: SessionStore) -> None:
     store.apply(SID, CWD, [user(1, "a", "1-0", uuid="u-a")])
     result = store.apply(SID, CWD, [user(1, "again", "2-0", uuid="u-a"), user(1, "b", "3-0", uuid="u-b"),

@@ -265,6 +265,9 @@ def test_a_whole_last_line_missing_only_its_newline_is_kept(tmp_path: Path) -> N
     log.append([_event(1), _event(2)])
     os.truncate(log.path, log.path.stat().st_size - 1)
     assert log.read() == [_event(1)]  # (readers wait for its newline: a writer may be mid-line)
+    with log.lock():  # the lock's holder is the writer: it ends the line (what its append would)
+        assert log.read() == [_event(1), _event(2)]
+        assert log.complete_size() == log.path.stat().st_size
     log.append([_event(3)])
     assert log.read() == [_event(1), _event(2), _event(3)]
     assert not log.torn_path.exists()
