@@ -436,7 +436,7 @@ def _decisions(previous: dict[str, str], assistants: list[dict[str, Any]], bound
     for event in assistants:
         for sentence in re.split(r"(?<=[.!?])\s+|\n", _str(event.get("content"))):
             if _DECISION.search(sentence):
-                lines.append(f"- {_clip(sentence.strip(), bounds.line_chars)}")
+                lines.append(f"- {_clip(_one_line(sentence), bounds.line_chars)}")  # (``\r###`` ended its line)
     return "\n".join(_unique(lines)[-bounds.decisions:])
 
 

@@ -123,16 +123,12 @@ def render_event(event: dict[str, Any]) -> str:
     if kind == "tool_result":
         output, name = event.get("output"), event.get("toolName", "")
         block = (f"[tool:{name if type(name) is str and name.isidentifier() else _name(name)}]\n"
-                 f"{(output if output.isascii() else _breaks(output)) if isinstance(output, str) else ''}")
-        return block if _posing_after(block) is None else _escaped(block)
+                 f"{_breaks(output) if isinstance(output, str) else ''}")
+        return _escaped(block) if _posing_after(block) else block
     if kind == "assistant":
         content = event.get("content")
-        if not isinstance(content, str):
-            content = ""
-        elif not content.isascii():
-            content = _breaks(content)
-        head = f"[assistant]\n{content}".rstrip("\n")
-        if _posing_after(head) is not None:
+        head = f"[assistant]\n{_breaks(content) if isinstance(content, str) else ''}".rstrip("\n")
+        if _posing_after(head):
             head = _escaped(head)
         calls = event.get("toolCalls")
         if not calls:
@@ -142,7 +138,7 @@ def render_event(event: dict[str, Any]) -> str:
         return "\n".join([head, *(_call_line(call) for call in tool_calls(event))])
     text = _breaks(_str(event.get("summaryText" if kind == "summary" else "content")))
     block = f"[{kind}]\n{text}"
-    return block if _posing_after(block) is None else _escaped(block)
+    return _escaped(block) if _posing_after(block) else block
 
 
 def _call_line(call: dict[str, Any]) -> str:
@@ -155,36 +151,49 @@ def _call_line(call: dict[str, Any]) -> str:
 
 # A line of an event's text that would read as a transcript block's header or a tool-call line.
 _POSING = r"[ \t]*(?:\[(?:user|assistant|summary|tool(?::[^\n]*)?)\][ \t\r]*$|-> tool call )"
+# ... or as the heading of a section of the summary (any line ``_heading_title`` takes for one, and
+# more): a user's message holding ``### Pending Tasks`` and what follows, quoted as is by the model
+# under All User Messages, took the place of sections 8-10 (the model's own headings escaped as text).
+_SECTION_HEADING = (r"[^\S\n]*#{2,4}[ \t]+[*_: \t]*(?:\d{1,2}[.)][ \t]+[*_: \t]*)?(?:"
+                    + "|".join(r"[^\S\n]+".join(map(re.escape, title.split())) for title in SECTION_TITLES)
+                    + r")(?:[*_:#]|[^\S\n])*$")
 _POSING_AT = re.compile(_POSING, re.MULTILINE | re.IGNORECASE)  # one, where the text starts
 _POSING_AFTER = re.compile(f"\\n{_POSING}", re.MULTILINE | re.IGNORECASE)  # one, after a line break
-_POSING_LINE = re.compile(f"^(?={_POSING})", re.MULTILINE | re.IGNORECASE)  # where each starts
+_HEADING_AFTER = re.compile(f"\\n{_SECTION_HEADING}", re.MULTILINE | re.IGNORECASE)
+_POSING_LINE = re.compile(f"^(?={_POSING}|{_SECTION_HEADING})", re.MULTILINE | re.IGNORECASE)  # where each starts
 _BACKSLASH = "\\\\"  # (as a replacement string: one backslash)
-_posing_after = _POSING_AFTER.search
+
+
+def _posing_after(text: str) -> bool:
+    """Whether a line of ``text`` after its first poses as a header, a tool-call line or a section
+    heading (the headings' search only when ``##`` is there: one scan, the usual case)."""
+    return _POSING_AFTER.search(text) is not None or ("##" in text and _HEADING_AFTER.search(text) is not None)
 
 
 def _escaped(block: str) -> str:
     """A block (its header line, then the event's text) with each line of the text that poses as a
     header or a tool-call line escaped (``data_text``): one search, of the line breaks only, when
     none does (the usual case). The block's own header is its first line: never matched."""
-    if _posing_after(block) is None:
+    if not _posing_after(block):
         return block
     header, _, text = block.partition("\n")
     return f"{header}\n{_POSING_LINE.sub(_BACKSLASH, text)}"
 
 
-# Unicode's line breaks other than ``\n`` and ``\r`` (a reader, or a model, may take them for one).
+# Unicode's line breaks other than ``\n`` (a reader, or a model, may take them for one).
 _SEPARATORS = "\u2028\u2029\x85"
-_AS_LINE_BREAKS = str.maketrans(dict.fromkeys(_SEPARATORS, "\n"))
+_ASCII_BREAKS = "\r\x0b\x0c\x1c\x1d\x1e"  # (``str.splitlines`` breaks at each)
+_AS_LINE_BREAKS = str.maketrans(dict.fromkeys(_SEPARATORS + _ASCII_BREAKS, "\n"))
 _AS_ESCAPES = str.maketrans({c: f"\\u{ord(c):04x}" for c in _SEPARATORS})
 
 
 def _breaks(text: str) -> str:
-    """``text`` with U+2028, U+2029 and NEL written as line breaks, so the escaping sees the
-    lines a reader does: a ``[user]`` line after a U+2028 was left as is. (An ASCII text,
-    the usual case, is returned at once.)"""
-    if text.isascii() or not any(c in text for c in _SEPARATORS):
+    """``text`` with every line break ``str.splitlines`` knows written ``\n`` (``\r\n`` too), so the
+    escaping sees the lines a reader does: a ``[user]`` line after a U+2028, or after a lone
+    ``\r`` (a progress bar's), was left as is. (The usual text has none: a scan per character.)"""
+    if not any(c in text for c in _ASCII_BREAKS) and (text.isascii() or not any(c in text for c in _SEPARATORS)):
         return text
-    return text.translate(_AS_LINE_BREAKS)
+    return text.replace("\r\n", "\n").translate(_AS_LINE_BREAKS)
 
 
 def _one_line_json(text: str) -> str:
@@ -199,7 +208,7 @@ def data_text(text: str) -> str:
     """``text`` with a backslash before each line that would read as a block header (``[user]``,
     ``[tool:x]``, ...) or a tool-call line (``-> tool call``): the prompt says such a line is text."""
     text = _breaks(text)
-    if (text.startswith(("[", "-> ")) and _POSING_AT.match(text)) or _POSING_AFTER.search(text):
+    if (text.startswith(("[", "-> ")) and _POSING_AT.match(text)) or _posing_after(text):
         return _POSING_LINE.sub(_BACKSLASH, text)
     return text
 
@@ -208,8 +217,7 @@ def _name(name: Any) -> str:
     """A tool's name as a header or a call line shows it: as is, or as a JSON string when it holds
     a line break or a bracket (a name could otherwise close its header and start a block)."""
     text = _str(name)
-    if text.isidentifier() or not ("\n" in text or "\r" in text or "]" in text or "[" in text
-                                   or (not text.isascii() and any(c in text for c in _SEPARATORS))):
+    if text.isidentifier() or (text.isprintable() and "]" not in text and "[" not in text):
         return text
     return orjson.dumps(text).decode().translate(_AS_ESCAPES)  # (JSON leaves U+2028 ... as they are)
 
