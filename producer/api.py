@@ -389,7 +389,7 @@ def _accepted(job_id: str) -> JSONResponse:
 
 
 @sessions.post(
-    "/{session_id}/events", status_code=202, response_model=EventsAccepted, responses=errors(413, 503),
+    "/{session_id}/events", status_code=202, response_model=EventsAccepted, responses=errors(413, 500, 503),
 )
 def push_events(request: Request, session_id: str, body: EventsRequest, settings: SettingsDep, client: RedisDep,
                 idempotency_key: IdempotencyKey = None) -> EventsAccepted:

@@ -380,6 +380,16 @@ def _encoded_separator(scope: Scope) -> JSONResponse | None:
     return error_response(400, f"{field}: holds an encoded '/' or '\\' (%2F, %5C), which no id can hold")
 
 
+def _empty_id(path: str) -> JSONResponse | None:
+    """A 400 for an API path whose id segment is empty (``/api/sessions//context``,
+    ``/api/jobs/``): it matched no route, and the bare 404 read as an unknown route, not as the
+    client's empty id (SPEC §3: an invalid session id is refused with a clear error)."""
+    for prefix, field in (("/api/sessions/", "sessionId"), ("/api/jobs/", "jobId")):
+        if path.startswith(prefix) and path[len(prefix):len(prefix) + 1] in ("", "/"):
+            return error_response(400, f"{field}: is empty (the path's segment after {prefix})")
+    return None
+
+
 def _undecodable_query(scope: Scope) -> JSONResponse | None:
     """A 400 naming a query parameter whose percent-encoded bytes are not UTF-8: Starlette
     decodes them with replacement characters, so ``?cwd=/proj/%ff`` asked for cwd ``/proj/\ufffd``
@@ -421,7 +431,8 @@ class RequestGuard:
         if scope["method"] == "HEAD":  # what GET answers, without the body (RFC 9110: every GET route)
             scope, send = {**scope, "method": "GET"}, _without_body(send)
         headers = {k.lower(): v for k, v in scope["headers"]}
-        refusal = self._refuse(scope["path"], headers) or _encoded_separator(scope) or _undecodable_query(scope)
+        refusal = (self._refuse(scope["path"], headers) or _encoded_separator(scope) or _empty_id(scope["path"])
+                   or _undecodable_query(scope))
         if refusal is not None:
             await refusal(scope, receive, send)
             return

@@ -149,6 +149,7 @@ def test_openapi_schema_lists_every_route_with_camelcase_models(client: TestClie
     assert declared["/api/sessions/{session_id}"] >= {"404", "500", "503"}
     assert declared["/api/sessions/{session_id}/history"] >= {"404", "500"}
     assert declared["/api/overview"] >= {"503"} and declared["/api/sessions"] >= {"503"}
+    assert set(schema["paths"]["/api/sessions/{session_id}/events"]["post"]["responses"]) >= {"413", "500", "503"}
     assert "created" in schema["components"]["schemas"]["JobBody"]["properties"]["status"]["description"]
 
 
@@ -371,6 +372,18 @@ def test_an_encoded_slash_in_an_id_is_400_not_another_route(client: TestClient, 
     response = client.post(path, json={"cwd": "/w"}) if path.endswith("/compact") else client.get(path)
     assert response.status_code == 400, response.text
     assert error_of(response)["message"].startswith(f"{field}: holds an encoded '/'")
+
+
+@pytest.mark.parametrize("method,path,field", [
+    ("GET", f"/api/sessions//context?cwd={CWD}", "sessionId"),  # a bare 404 "Not Found": an unknown route?
+    ("GET", f"/api/sessions/?cwd={CWD}", "sessionId"),
+    ("POST", "/api/sessions//events", "sessionId"),
+    ("GET", "/api/jobs/", "jobId"),
+])
+def test_an_empty_id_in_the_path_is_400_naming_it(client: TestClient, method: str, path: str, field: str) -> None:
+    response = client.request(method, path, json={"cwd": CWD, "events": turn(1)} if method == "POST" else None)
+    assert response.status_code == 400, response.text
+    assert error_of(response)["message"].startswith(f"{field}: is empty")
 
 
 @pytest.mark.parametrize("query,message", [
