@@ -3,7 +3,10 @@
 Invariants:
 - At most one compaction job per session is queued or running (SPEC §5):
   ``{p}:job:{sid}`` holds its id, claimed atomically (Lua) before the RQ
-  enqueue. A trigger that arrives while it is pending is recorded in
+  enqueue. A trigger that arrives while the job has not started is answered
+  by it (it reads the log, the trigger's turn in it, when it starts), unless it
+  is an LLM trigger and the job a micro one. Any other trigger that arrives
+  while it is pending is recorded in
   ``{p}:retrigger:{sid}`` by the same script, so it is coalesced, never lost:
   when the job ends, ``release_pending`` frees the claim and hands the
   recorded trigger back to the worker, which re-checks the thresholds and
@@ -108,7 +111,11 @@ end
 # RQ job hash named by the claim) -> claimed; else the trigger is recorded
 # ("llm" wins over "micro"; a forced job's trigger is never replaced). Returns
 # {outcome, claimed job id or kind, pending or replaced job id} with outcome
-# "claimed", "replaced", "pending" or "skipped". A new claim clears an old
+# "claimed", "replaced", "pending" or "skipped". The trigger is recorded only when the pending
+# job has started (RQ status ``started``), or is a micro job and the trigger an LLM one: a job not
+# started yet reads the log after the trigger's turn was appended, so it answers it; recorded, an
+# automatic LLM job that failed was queued again at once by its re-check, with the same input (two
+# calls and two failures counted for one turn). A new claim clears an old
 # trigger (the new job reads the latest state, so it answers every trigger
 # before it), but not a forced job's: that job still has to run. (The job hash is not among KEYS: fine on a single Redis,
 # which is what RQ needs anyway.)
@@ -124,7 +131,10 @@ local outcome = 'claimed'
 if cur then
   if not is_stale(cur, ARGV[7], ARGV[8]) then
     local t = redis.call('GET', KEYS[2])
-    if t ~= 'llm' and not is_forced(t) then redis.call('SET', KEYS[2], kind) end
+    if t ~= 'llm' and not is_forced(t) and (redis.call('HGET', ARGV[7] .. cur, 'status') == 'started'
+        or (kind == 'llm' and string.match(cur, '^%d+%-(%w+)%-') ~= 'llm')) then
+      redis.call('SET', KEYS[2], kind)
+    end
     return {'pending', kind, cur}
   end
   outcome = 'replaced'

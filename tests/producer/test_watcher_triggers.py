@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import redis
 import rq
+import rq.job
 
 from compactor.keys import Keys
 from compactor.queue import parse_job_id, pending_job_id
@@ -143,7 +144,11 @@ def test_triggers_while_a_job_is_pending_are_coalesced(r: redis.Redis, fast: Set
     drain(watcher, r, fast)
     assert pending_job_id(r, fast, "s1") == first
     assert rq.Queue(fast.redis.prefix, connection=r).job_ids == [first]
-    assert r.get(Keys().retrigger("s1")) == b"llm"
+    assert r.get(Keys().retrigger("s1")) is None  # the job, not started, reads turn 2 when it starts
+    rq.job.Job.fetch(first, connection=r).set_status(rq.job.JobStatus.STARTED)
+    publisher.publish("s1", CWD, [user(3), turn_end(3, window=WINDOW)])
+    drain(watcher, r, fast)
+    assert r.get(Keys().retrigger("s1")) == b"llm"  # it runs: turn 3 is re-checked after it
 
 
 def test_only_a_turn_end_triggers(r: redis.Redis, fast: Settings) -> None:
@@ -242,6 +247,7 @@ def test_no_info_line_for_a_trigger_coalesced_into_the_pending_job(
         drain(watcher, r, fast)
         [first] = triggered_lines(caplog)
         caplog.clear()
+        rq.job.Job.fetch(pending_job_id(r, fast, "s1"), connection=r).set_status(rq.job.JobStatus.STARTED)
         for turn in (2, 3, 4):
             publisher.publish("s1", CWD, [user(turn), turn_end(turn, window=WINDOW)])
         drain(watcher, r, fast)

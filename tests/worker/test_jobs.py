@@ -458,6 +458,27 @@ def test_a_forced_job_the_llm_failed_calls_it_once_and_counts_one_failure(
     assert pending_job_id(r, wsettings, "s1") is None
 
 
+def test_a_trigger_coming_while_its_llm_job_waits_to_start_costs_no_second_call(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """Two turn_ends over the threshold before a worker is free (a watcher's backlog, busy
+    workers): the second trigger was recorded against the queued job, whose re-check after its
+    LLM failure queued another at once with the same input: two calls, two failures counted for
+    one turn (the breaker open after about two turns instead of three). The queued job reads
+    the log when it starts: it answers the second trigger."""
+    write_session(r, wsettings, "s1", 4, tool="list_dir", window=300)
+    store = SessionStore(r, wsettings)
+    state = store.load("s1")
+    assert state is not None and decide(state, wsettings.context, breaker_open=False) == "llm"
+    first = enqueue_compaction(r, wsettings, "s1", CWD, "llm")
+    assert first is not None and enqueue_compaction(r, wsettings, "s1", CWD, "llm") is None
+    stub.status = 500
+    run_burst(r, wsettings)
+    assert len(stub.requests) == 1
+    assert r.get(Keys().failures("s1")) == b"1"
+    assert pending_job_id(r, wsettings, "s1") is None and compaction_queue(r, wsettings).count == 0
+
+
 @pytest.mark.parametrize("aligned", [True, False], ids=["a line ends at the snapshot", "mid-line"])
 def test_a_log_restored_from_an_older_copy_during_the_llm_call_gets_no_summary(
     r: redis.Redis, wsettings: Settings, aligned: bool

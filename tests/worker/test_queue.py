@@ -33,17 +33,40 @@ from events.errors import InvalidInput
 from tests.worker.conftest import CWD
 
 
+def started(r: redis.Redis, job_id: str | None) -> str:
+    """Mark a queued job as a worker does when it starts it (RQ status ``started``)."""
+    assert job_id is not None
+    Job.fetch(job_id, connection=r).set_status(JobStatus.STARTED)
+    return job_id
+
+
 def test_second_automatic_trigger_is_coalesced_and_recorded(r: redis.Redis, settings: Settings) -> None:
     first = enqueue_compaction(r, settings, "s1", CWD, "micro")
     second = enqueue_compaction(r, settings, "s1", CWD, "llm")
     assert first is not None and second is None
     assert pending_job_id(r, settings, "s1") == first
-    assert r.get(Keys().retrigger("s1")) == b"llm"
+    assert r.get(Keys().retrigger("s1")) == b"llm"  # (a micro job does not answer an LLM trigger)
     assert compaction_queue(r, settings).count == 1
 
 
+@pytest.mark.parametrize("kinds", [("llm", "llm"), ("llm", "micro"), ("micro", "micro")])
+def test_a_trigger_is_answered_by_the_pending_job_until_it_starts(
+    r: redis.Redis, settings: Settings, kinds: tuple[str, str],
+) -> None:
+    """A job not started yet reads the log, the trigger's turn in it, when it starts: recorded, the
+    trigger made its re-check queue the same job again (after an LLM failure: a second call with
+    the same input, a second failure counted). Once the job runs, a trigger is recorded."""
+    first = enqueue_compaction(r, settings, "s1", CWD, kinds[0])
+    assert enqueue_compaction(r, settings, "s1", CWD, kinds[1]) is None
+    assert r.get(Keys().retrigger("s1")) is None
+    started(r, first)
+    assert enqueue_compaction(r, settings, "s1", CWD, kinds[1]) is None
+    assert r.get(Keys().retrigger("s1")) == kinds[1].encode()
+    assert pending_job_id(r, settings, "s1") == first and compaction_queue(r, settings).count == 1
+
+
 def test_llm_trigger_is_not_downgraded_by_a_later_micro_trigger(r: redis.Redis, settings: Settings) -> None:
-    enqueue_compaction(r, settings, "s1", CWD, "micro")
+    started(r, enqueue_compaction(r, settings, "s1", CWD, "micro"))
     enqueue_compaction(r, settings, "s1", CWD, "llm")
     enqueue_compaction(r, settings, "s1", CWD, "micro")
     assert r.get(Keys().retrigger("s1")) == b"llm"
@@ -56,8 +79,7 @@ def test_sessions_do_not_coalesce_with_each_other(r: redis.Redis, settings: Sett
 
 
 def test_release_frees_the_claim_and_hands_back_the_trigger(r: redis.Redis, settings: Settings) -> None:
-    first = enqueue_compaction(r, settings, "s1", CWD, "micro")
-    assert first is not None
+    first = started(r, enqueue_compaction(r, settings, "s1", CWD, "micro"))
     enqueue_compaction(r, settings, "s1", CWD, "micro")
     assert release_pending(r, settings, "s1", first) == "micro"
     assert pending_job_id(r, settings, "s1") is None
