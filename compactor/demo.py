@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from rq import Queue
+from rq.defaults import RQ_KEY_PREFIX
 from rq.job import Job
 from rq.rate_limit import RateLimitRegistry
 
@@ -398,14 +400,15 @@ def _cleanup(url: str, prefix: str, session_tag: str) -> None:
     """Remove the demo's keys from a shared Redis: its own prefix, its RQ queue,
     registries and rate limits, and its jobs (their ids end with the session id).
     A Redis that does not answer is logged, not raised (the demo's own error, if any, stands)."""
-    patterns = (f"{prefix}:*", f"{prefix}-*", f"rq:*:{prefix}", f"rq:*:{prefix}:*",
-                f"rq:*-{session_tag}-*")
+    rq = RQ_KEY_PREFIX  # (``RQ_KEY_PREFIX`` in the environment: RQ's keys under it left behind)
+    patterns = (f"{prefix}:*", f"{prefix}-*", f"{rq}:*:{prefix}", f"{rq}:*:{prefix}:*",
+                f"{rq}:*-{session_tag}-*")
     client = redis.Redis.from_url(url)
     try:
         for pattern in patterns:
             for key in client.scan_iter(match=pattern, count=1000):
                 client.delete(key)
-        client.srem("rq:queues", f"rq:queue:{prefix}")
+        client.srem(Queue.redis_queues_keys, f"{Queue.redis_queue_namespace_prefix}{prefix}")
         # RQ's index of rate limits names them without a key of their own: only a worker's
         # maintenance pruned them, and every demo on a shared Redis left its sessions' there
         limits = RateLimitRegistry.rl_keys_key

@@ -140,6 +140,23 @@ def test_demo_keeps_out_of_the_stacks_metrics_and_of_the_services_data_dir(redis
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+def test_a_demo_under_another_rq_key_prefix_cleans_up_rqs_keys_too(redis_url: str, r: Any, tmp_path: Path) -> None:
+    """With ``RQ_KEY_PREFIX`` set (keys.py's override), the clean-up's patterns still said ``rq:``:
+    the demo's jobs, results, registries and queue index stayed on the shared Redis."""
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", RQ_KEY_PREFIX="rqdemo")
+    done = subprocess.run([sys.executable, "-m", "compactor", "demo", "-s", "1", "-t", "6", "--json",
+                           "--redis-url", redis_url], check=False, cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-3000:]
+    left = sorted(k.decode() for k in r.scan_iter(count=1000))
+    assert any(k.startswith("rqdemo:") for k in left)  # (its workers' keys: RQ's to expire)
+    assert not [k for k in left if "demo" in k and not k.startswith(("rqdemo:worker", "rqdemo:clean_groups"))], left
+    assert not [m for m in r.smembers("rqdemo:queues") if b"compaction-demo" in m]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_demo_on_a_shared_redis_cleans_up_after_itself(settings: Settings, r: Any,
                                                        tmp_path: Path) -> None:
     from compactor.demo import run_demo
