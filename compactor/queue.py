@@ -494,6 +494,19 @@ def settle_trigger(client: redis.Redis, settings: Settings, session_id: str) -> 
     client.eval(_SETTLE, 3, *_session_keys(settings, session_id), session_id)
 
 
+# KEYS: job claim, retrigger, claims index; ARGV: session id. A session whose re-check could not
+# run now: a trigger recorded (unless one is) and the session indexed, so the janitor comes back.
+_KEEP = """
+redis.call('SET', KEYS[2], 'micro', 'NX')
+redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[1])
+"""
+
+
+def keep_trigger(client: redis.Redis, settings: Settings, session_id: str) -> None:
+    """Have the janitor re-check the session later (its re-check could not run now)."""
+    client.eval(_KEEP, 3, *_session_keys(settings, session_id), session_id)
+
+
 def redis_now(client: redis.Redis) -> float:
     """Redis's clock (``TIME``), in seconds: the claims are scored by it, in the scripts."""
     seconds, micros = client.time()

@@ -34,8 +34,23 @@ from rq import get_current_job
 
 from compactor import metrics
 from compactor.applied import wait_applied
-from compactor.queue import FORCED_TRIGGER, enqueue_compaction, promote_forced, release_pending, settle_trigger
-from events.errors import JobAbandoned, LLMUnavailable, LogCorrupted, LogWriteFailed, SessionNotFound, SummaryInvalid
+from compactor.queue import (
+    FORCED_TRIGGER,
+    enqueue_compaction,
+    keep_trigger,
+    promote_forced,
+    release_pending,
+    settle_trigger,
+)
+from events.errors import (
+    JobAbandoned,
+    LLMUnavailable,
+    LogCorrupted,
+    LogLocked,
+    LogWriteFailed,
+    SessionNotFound,
+    SummaryInvalid,
+)
 from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, CompressResult
 from events.state import decide
 from worker.compaction import JobRun, LlmFailure
@@ -149,7 +164,7 @@ def _job_fields(session_id: str, job_id: str, kind: str, forced: bool, outcome: 
 
 def finish(
     context: WorkerContext, session_id: str, job_id: str, *, abandoned: bool = False,
-    released: JobRun | None = None, forced_without_compaction: bool = False,
+    released: JobRun | None = None, forced_without_compaction: bool = False, lock_wait_s: float | None = None,
 ) -> str | None:
     """Free the session's claim held by ``job_id`` and honour a coalesced trigger.
 
@@ -162,6 +177,8 @@ def finish(
     waited for the claim were not recorded (it was to answer them), so the
     session is re-checked as after an abandoned job. A forced job that
     compacted answered them: it took the micro step and summarized all it could.
+    ``lock_wait_s``: how long the re-check waits for the session log's lock (None: as long as
+    it takes); past it (a paused process holds it) a trigger is kept for the janitor.
     Returns the id of the job enqueued by the re-check, if any. Never raises: a
     failure here is logged, and the trigger stays recorded for the janitor.
     """
@@ -180,9 +197,16 @@ def finish(
         if trigger is not None and trigger.startswith(FORCED_TRIGGER):  # a forced job waited for this one
             forced = trigger[len(FORCED_TRIGGER):]
             return forced if promote_forced(context.redis, context.settings, session_id, forced) else None
-        enqueued = recheck(context, session_id)
+        enqueued = recheck(context, session_id, lock_wait_s=lock_wait_s)
         settle_trigger(context.redis, context.settings, session_id)
         return enqueued
+    except LogLocked as e:  # (the janitor's: waiting on, it held up its worker's heartbeats for good)
+        logger.warning("re-check deferred session=%s job=%s: %s", session_id, job_id, e)
+        try:
+            keep_trigger(context.redis, context.settings, session_id)
+        except Exception:
+            logger.exception("finishing job failed session=%s job=%s", session_id, job_id)
+        return None
     except (LogCorrupted, LogWriteFailed) as e:  # (the log the job failed on: its error says it, a traceback
         # chained twice over 50 lines said nothing more)
         logger.error("finishing job failed session=%s job=%s: the re-check cannot use the log: %s",
@@ -193,7 +217,7 @@ def finish(
         return None
 
 
-def recheck(context: WorkerContext, session_id: str) -> str | None:
+def recheck(context: WorkerContext, session_id: str, *, lock_wait_s: float | None = None) -> str | None:
     """Enqueue the compaction the session's state calls for now, if any.
 
     The state is brought up to date with the log first (under its lock) and stored: the watcher
@@ -207,6 +231,8 @@ def recheck(context: WorkerContext, session_id: str) -> str | None:
     if state is None:
         return None
     log = store.log(session_id, state.cwd, create=False)  # (deleted meanwhile: SessionNotFound, not an empty log)
+    if lock_wait_s is not None:
+        log.lock_wait_s = lock_wait_s  # (LogLocked past it)
     if not log.exists():  # deleted: a job would only end session_not_found
         return None
     state = store.apply(session_id, state.cwd, [], log=log, cached=state, stored=state).state  # (caught up, stored)

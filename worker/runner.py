@@ -97,6 +97,10 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 5  # how often the keeper heartbeats a running job
 EXECUTION_TTL_S = 20  # a job not heartbeaten for this long is abandoned (its worker died)
 JANITOR_INTERVAL_S = 5  # how often a worker process tries to run the janitor
+# How long the janitor's re-check of a session waits for its log's lock: the janitor runs in the
+# thread that heartbeats the worker's own job, and a paused process holding the lock (the very one
+# whose job it recovered) held it there for good (its worker's own jobs then declared abandoned).
+JANITOR_LOCK_WAIT_S = 0.5
 WORKER_TTL_S = 60  # RQ worker key TTL; the blocking dequeue returns every WORKER_TTL_S - 15 s
 RQ_MAINTENANCE_INTERVAL_S = 60  # RQ's own registry maintenance (finished/failed/... cleanup)
 RESPAWN_DELAY_S = 1.0  # before replacing a worker child that died
@@ -216,6 +220,9 @@ class CompactionWorker(SimpleWorker):
         worker_context.install(context or WorkerContext.build(settings, connection))
         self.redis_wait = RedisWait(self.name)
         self.registered = False  # set once RQ's registration (``register_birth``) went through
+        # The janitor's first run, once registered: RQ counts a stranded job's failure in the
+        # worker's key, and one created before ``register_birth`` found it: the worker died at start.
+        self._janitor_ran = False
         self.subscribe_tried = False  # set once RQ's loop tried to subscribe to the command channel
         self._subscribing = threading.Lock()  # RQ's subscription and the keeper's again, one at a time
         self._keeper = _Keeper(self)
@@ -284,12 +291,20 @@ class CompactionWorker(SimpleWorker):
                     self.connection.delete(self.key)
                 super().register_birth()  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
                 self.registered = True
-                return
+                break
             except redis.RedisError as error:
                 if not is_transient(error):
                     raise
                 self._wait("registering the worker", error)
                 retry = True
+        if not self._janitor_ran:  # recover what a dead predecessor left, before the first job
+            self._janitor_ran = True
+            try:
+                run_janitor(worker_context.current(), self)
+            except redis.RedisError as error:
+                if not is_transient(error):
+                    raise
+                self.redis_wait.failed("the janitor", error)
 
     def keep_registered(self) -> None:
         """Register again when Redis lost the worker's registration: its data lost (a restart
@@ -446,13 +461,7 @@ class CompactionWorker(SimpleWorker):
         """
         self._keeper.start()
         try:
-            try:
-                run_janitor(worker_context.current(), self)  # recover what a dead predecessor left
-            except redis.RedisError as error:
-                if not is_transient(error):
-                    raise
-                self.redis_wait.failed("the janitor", error)
-            worked = bool(super().work(*args, **kwargs))
+            worked = bool(super().work(*args, **kwargs))  # (its registration runs the janitor)
         finally:
             self._keeper.stop()
         burst = kwargs.get("burst", args[0] if args else False)
@@ -480,7 +489,7 @@ class WorkerLoopEnded(RuntimeError):
     """RQ's work loop ended on an error while the worker was to run until stopped."""
 
 
-def run_janitor(context: WorkerContext, worker: SimpleWorker | None = None) -> list[str]:
+def run_janitor(context: WorkerContext, worker: CompactionWorker | None = None) -> list[str]:
     """Fail abandoned jobs, free their sessions and stale rate-limit slots; the job ids recovered.
 
     Safe to run from any process at any time; a Redis lock keeps concurrent
@@ -496,7 +505,8 @@ def run_janitor(context: WorkerContext, worker: SimpleWorker | None = None) -> l
     expired = registry.get_expired_job_ids()
     if expired:
         registry.cleanup()
-    if worker is not None:
+    if worker is not None and worker.registered:  # (RQ counts the failure in the worker's key: created
+        # before its registration, ``register_birth`` found it and the worker died at its start)
         _fail_stranded(worker, queue)
     _clean_rate_limits(client, keys.prefix)
     recovered = []
@@ -508,7 +518,7 @@ def run_janitor(context: WorkerContext, worker: SimpleWorker | None = None) -> l
         logger.warning("abandoned job recovered session=%s job=%s", parsed[2], job_id,
                        extra={"session_id": parsed[2], "job_id": job_id, "kind": parsed[1],
                               "outcome": "abandoned"})
-        finish(context, parsed[2], job_id, abandoned=True)
+        finish(context, parsed[2], job_id, abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
         recovered.append(job_id)
     recovered += _free_stale_claims(context)
     return recovered
@@ -545,7 +555,7 @@ def _free_stale_claims(context: WorkerContext) -> list[str]:
             continue  # a live job still owns the session
         logger.warning("stale claim freed session=%s job=%s", session_id, claim,
                        extra={"session_id": session_id, "job_id": claim, "outcome": "stale_claim"})
-        finish(context, session_id, claim or "", abandoned=True)
+        finish(context, session_id, claim or "", abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
         freed.append(claim or session_id)
     return freed
 

@@ -1388,6 +1388,53 @@ def test_a_forced_job_claimed_but_never_queued_is_queued_by_the_janitor(
     assert pending_job_id(r, wsettings, "s1") is None
 
 
+@pytest.mark.timeout(60)
+def test_the_janitors_recheck_of_a_log_a_paused_process_holds_is_deferred_not_waited_on(
+    r: redis.Redis, wsettings: Settings,
+) -> None:
+    """The janitor runs in the thread that heartbeats its worker's own job: it recovered the job of
+    a paused worker, then waited for good on the log's lock that worker held, and every job of its
+    own was declared abandoned (a paid LLM call's summary thrown away). It now waits briefly and
+    leaves a trigger it comes back to."""
+    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
+    from worker.runner import JANITOR_LOCK_WAIT_S, run_janitor
+
+    write_session(r, wsettings, "s1", 4, tool="list_dir", window=300)  # over its LLM threshold
+    r.set(Keys().job("s1"), "00000000000000000001-llm-s1")  # the claim of a job long gone
+    r.zadd(Keys().claims, {"s1": redis_now(r) - STALE_CLAIM_GRACE_S - 1})
+    context = WorkerContext.build(wsettings, r)
+    with SessionLog(wsettings.data_dir, CWD, "s1").lock():  # the paused process, inside the lock
+        started = time.monotonic()
+        run_janitor(context)
+        assert time.monotonic() - started < JANITOR_LOCK_WAIT_S + 5
+    assert pending_job_id(r, wsettings, "s1") is None and compaction_queue(r, wsettings).count == 0
+    assert r.get(Keys().retrigger("s1")) is not None and r.zscore(Keys().claims, "s1") is not None
+    r.delete(Keys().janitor)
+    r.zadd(Keys().claims, {"s1": redis_now(r) - STALE_CLAIM_GRACE_S - 1})
+    run_janitor(context)  # the lock free again: re-checked, its LLM job queued
+    job_id = pending_job_id(r, wsettings, "s1")
+    assert job_id is not None and "-llm-" in job_id and compaction_queue(r, wsettings).job_ids == [job_id]
+
+
+def test_a_worker_starting_beside_a_stranded_job_starts_and_fails_it(r: redis.Redis, wsettings: Settings) -> None:
+    """A worker killed between taking a job from the queue and starting it leaves the job in RQ's
+    intermediate queue. The next worker's janitor, run before its registration, failed the job
+    through RQ, which counted the failure in the worker's key: ``register_birth`` then found that
+    key ("There exists an active worker named ... already") and the worker died at its start."""
+    write_session(r, wsettings, "s1", 3)
+    stranded = enqueue_compaction(r, wsettings, "s1", CWD, "micro")
+    assert stranded is not None
+    queue = compaction_queue(r, wsettings)
+    r.lrem(queue.key, 0, stranded)
+    r.rpush(f"{queue.key}:intermediate", stranded)
+    r.set(f"{queue.key}:intermediate:first_seen:{stranded}", time.time() - 30)
+    run_burst(r, wsettings)
+    assert Job.fetch(stranded, connection=r).get_status() == JobStatus.FAILED
+    assert not r.lrange(f"{queue.key}:intermediate", 0, -1)
+    for key in r.scan_iter(match="rq:worker:*", _type="hash"):  # (its key ended, to expire: none left forever)
+        assert r.hexists(key, "birth") and r.ttl(key) > 0
+
+
 def test_a_compaction_requested_right_after_a_new_sessions_first_events_waits_for_the_watcher(
     r: redis.Redis, wsettings: Settings, stub: LLMStub,
 ) -> None:
@@ -1435,7 +1482,7 @@ def test_a_re_check_that_cannot_use_the_log_is_one_error_line_naming_it(
     a traceback chained twice over 50 lines for what the log error says in one."""
     from events.errors import LogWriteFailed
 
-    def cannot_open(context: Any, session_id: str) -> None:
+    def cannot_open(context: Any, session_id: str, **kwargs: Any) -> None:
         raise LogWriteFailed("/data/s1.jsonl: cannot open: [Errno 13] Permission denied")
 
     monkeypatch.setattr(worker_jobs, "recheck", cannot_open)
