@@ -383,6 +383,9 @@ def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
         loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))  # (``safe_load``, keeping its node tree)
         try:
             node = loader.get_single_node()
+            # (before constructing, which splices a merge key's ``<<: *defaults`` pairs into the node
+            # tree: a key merged in and then overridden, as YAML means it, read as given twice)
+            repeated = _repeated_key(node, (), set())
             data = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
@@ -396,7 +399,6 @@ def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise InvalidConfig(str(path), "must be a mapping at the top level")
-    repeated = _repeated_key(node, (), set())
     if repeated is not None:
         key, first, again = repeated
         raise InvalidConfig(key, f"given twice in {path} (lines {first} and {again}): YAML keeps the last, so one "
@@ -432,12 +434,22 @@ def _repeated_key(node: yaml.Node | None, path: tuple[str, ...],
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:
-    """PyYAML's several-line message as one: ``line 2 column 1: expected the node content, ...``."""
+    """PyYAML's several-line message as one: ``line 2 column 1: expected the node content, ...``,
+    its context after it when it gives one (``line 3 column 1: found unexpected end of stream
+    (while scanning a quoted scalar from line 2 column 18)``: the end of the file alone named no
+    quote)."""
     mark = getattr(error, "problem_mark", None)
     problem = getattr(error, "problem", None)
     if mark is None or not problem:
         return "is not valid YAML: " + " ".join(str(error).split())
-    return f"line {mark.line + 1} column {mark.column + 1}: " + " ".join(problem.split())
+    text = f"line {mark.line + 1} column {mark.column + 1}: " + " ".join(problem.split())
+    context, where = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context:
+        text += f" ({' '.join(context.split())}"
+        if where is not None and (where.line, where.column) != (mark.line, mark.column):
+            text += f" from line {where.line + 1} column {where.column + 1}"
+        text += ")"
+    return text
 
 
 def _apply_env(data: dict[str, Any], environ: Mapping[str, str],

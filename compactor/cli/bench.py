@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import logging
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -24,7 +25,15 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from compactor.cli.common import ConfigOpt, JsonOpt, err_console, interrupted_by_signals, load, print_json, user_errors
+from compactor.cli.common import (
+    JsonOpt,
+    config_path_option,
+    err_console,
+    interrupted_by_signals,
+    load,
+    print_json,
+    user_errors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +60,10 @@ def bench(
     json_out: JsonOpt = False,
     quick: Annotated[bool, typer.Option(
         "--quick", help="Small sizes: seconds to half a minute each (jobs starts workers and a 1 s LLM stub).")] = False,
-    config: ConfigOpt = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", envvar="CODINGCODE_CONFIG", show_envvar=True, parser=config_path_option,
+        help="codingcode.yaml to check, as every command does; the benchmarks run on settings of their "
+             "own (their own Redis, data dir and LLM stub).")] = None,
 ) -> None:
     """Benchmark the context view, event ingestion and compaction jobs."""
     load(config)  # a bad config file fails here with exit 2, like every command

@@ -23,7 +23,7 @@ import socket
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 from urllib.parse import urlsplit
 
 import redis
@@ -141,9 +141,16 @@ def health(
         except typer.BadParameter as e:
             wrong = typer.BadParameter(str(e), param_hint="--api")
     if wrong is not None:  # (a health check reports, it never exits 2, which Docker reserves: unhealthy, silently)
-        raise typer.Exit(1) if check else wrong
-    settings = _quiet_load(config, redis_url, data_dir) if check else load(
-        config, redis_url=redis_url, data_dir=data_dir)
+        if not check:
+            raise wrong
+        _unhealthy_at_once(json_out, "options", f"{wrong.param_hint}: {wrong}")
+    if check:
+        loaded = _quiet_load(config, redis_url, data_dir)
+        if isinstance(loaded, str):
+            _unhealthy_at_once(json_out, "config", loaded)
+        settings = loaded
+    else:
+        settings = load(config, redis_url=redis_url, data_dir=data_dir)
     report = run_checks(settings, api_url=api_url, workers=workers, watcher=watcher,
                         host=socket.gethostname() if this_host else None)
     healthy = all(value.startswith("ok") for value in report.values())
@@ -155,13 +162,21 @@ def health(
     raise typer.Exit(0 if healthy else 1)
 
 
-def _quiet_load(config: Path | None, redis_url: str | None, data_dir: Path | None) -> Settings:
-    """``load`` for ``--check``: a configuration that does not load is unhealthy: exit 1, silently."""
+def _quiet_load(config: Path | None, redis_url: str | None, data_dir: Path | None) -> Settings | str:
+    """``load`` for ``--check``: the settings, or why the configuration does not load (unhealthy)."""
+    said = io.StringIO()
     try:
-        with contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stderr(said):
             return load(config, redis_url=redis_url, data_dir=data_dir)
     except typer.Exit:
-        raise typer.Exit(1) from None
+        return said.getvalue().strip().removeprefix("compactor: ") or "the configuration does not load"
+
+
+def _unhealthy_at_once(json_out: bool, name: str, error: str) -> NoReturn:
+    """``--check`` before any check could run: exit 1, silently (``--json``: the report says why)."""
+    if json_out:
+        print_json({"healthy": False, "checks": {name: f"error: {error}"}})
+    raise typer.Exit(1)
 
 
 def run_checks(settings: Settings, *, api_url: str | None, workers: bool,

@@ -306,7 +306,7 @@ def dead_letters(
     redis_url: RedisUrlOpt = None,
     data_dir: DataDirOpt = None,
 ) -> None:
-    """Entries the watcher refused ({p}:dead), newest first: when, session, reason, entry id."""
+    """Entries the watcher refused (the stream {redis.prefix}:dead), newest first: when, session, reason, entry id."""
     outside_the_stack()  # (before producer.api_sessions imports compactor.metrics)
     from producer.api_sessions import dead_letters_body
 

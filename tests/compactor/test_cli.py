@@ -188,6 +188,24 @@ def test_bad_config_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path, ya
         assert fragment.format(file=bad) in lines[0]
 
 
+def test_a_key_merged_in_by_yaml_and_overridden_is_no_repeated_key(runner: CliRunner, tmp_path: Path) -> None:
+    """``<<: *defaults`` then one key overridden is YAML's own idiom (the explicit key wins): the
+    check for repeated keys ran on the node tree after PyYAML had spliced the merged pairs into
+    it, and refused the file ("context.maxFailures: given twice ... lines 1 and 4")."""
+    from events.config import load_settings
+
+    config = tmp_path / "merged.yaml"
+    config.write_text("x-defaults: &d {maxFailures: 2, keepRecentTurns: 4}\n"
+                      "context:\n  <<: *d\n  maxFailures: 5\n"
+                      "redis: {<<: {shards: 4, prefix: shared}, prefix: mine}\n")
+    settings = load_settings(config, {})
+    assert (settings.context.max_failures, settings.context.keep_recent_turns) == (5, 4)
+    assert (settings.redis.shards, settings.redis.prefix) == (4, "mine")
+    config.write_text("x-defaults: &d {maxFailures: 2}\ncontext:\n  <<: *d\n  maxFailures: 5\n  maxFailures: 6\n")
+    result = runner.invoke(app, ["status", "--config", str(config)])
+    assert result.exit_code == 2 and "context.maxFailures: given twice" in result.stderr  # (still refused)
+
+
 def test_aliases_in_the_config_are_checked_for_repeated_keys_once_each(tmp_path: Path) -> None:
     """The check for repeated keys followed aliases: one to a mapping holding it recursed without
     end (a RecursionError traceback), and a chain of 21 doubled the work at each link (2.8 s)."""
@@ -651,9 +669,16 @@ def test_a_bad_value_in_the_file_is_not_blamed_on_an_unrelated_variable(runner: 
 
 
 @pytest.mark.parametrize("yaml_text,where", [
-    ("context: {\n", "line 2 column 1: expected the node content, but found '<stream end>'"),
+    ("context: {\n", "line 2 column 1: expected the node content, but found '<stream end>' "
+                     "(while parsing a flow node)"),
     ("redis:\n  url: x\n   prefix: y\n", "line 3 column 10: mapping values are not allowed here"),
-    ("a: 1\n\tb: 2\n", "line 2 column 1: found character '\\t' that cannot start any token"),
+    ("a: 1\n\tb: 2\n", "line 2 column 1: found character '\\t' that cannot start any token "
+                       "(while scanning for the next token)"),
+    # the end of the file alone named no quote, nor where it opened
+    ("context:\n  compactionModel: \"gpt\n", "line 3 column 1: found unexpected end of stream "
+                                            "(while scanning a quoted scalar from line 2 column 20)"),
+    ("context: {}\n---\nredis: {}\n", "line 2 column 1: but found another document "
+                                     "(expected a single document in the stream from line 1 column 1)"),
 ])
 def test_invalid_yaml_is_one_line_with_its_position(runner: CliRunner, tmp_path: Path, yaml_text: str,
                                                     where: str) -> None:
@@ -1276,6 +1301,10 @@ def test_health_check_without_a_redis_to_use_is_unhealthy_and_silent(
     bad.write_text("context: {compactionThreshold: 7}\n")
     broken = runner.invoke(app, ["health", "--check", "--config", str(bad), *empty])
     assert (broken.exit_code, broken.stdout, broken.stderr) == (1, "", "")
+    reported = runner.invoke(app, ["health", "--check", "--json", "--config", str(bad), *empty])
+    assert reported.exit_code == 1  # (--json: the report says why, where it printed nothing)
+    assert json.loads(reported.stdout) == {"healthy": False, "checks": {
+        "config": "error: invalid configuration: context.compactionThreshold: Input should be less than or equal to 1"}}
 
 
 @pytest.mark.parametrize(("args", "said"), [
@@ -1290,6 +1319,10 @@ def test_health_refuses_a_wrong_command_line_as_such(runner: CliRunner, args: li
     # a health check never exits 2 (Docker reserves it): unhealthy, silently
     checked = runner.invoke(app, ["health", "--check", *args, "--redis-url", "redis://127.0.0.1:1"])
     assert (checked.exit_code, checked.output) == (1, "")
+    reported = runner.invoke(app, ["health", "--check", "--json", *args, "--redis-url", "redis://127.0.0.1:1"])
+    assert reported.exit_code == 1
+    [(name, error)] = json.loads(reported.stdout)["checks"].items()
+    assert name == "options" and said in error
 
 
 def test_health_checks_a_live_api(runner: CliRunner, settings: Settings, config: Path,
