@@ -44,6 +44,7 @@ from events.models import (
 logger = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = (b"session", b"cwd", b"event")
+DELETED = "entry has no fields (deleted from the stream before it was applied)"  # (a letter's reason)
 IDENTITY_FIELDS = {"sessionId": "session", "cwd": "cwd"}
 # Namespace of the uuids derived from entry ids (fixed forever: logs depend on it).
 ENTRY_UUID_NAMESPACE = uuidlib.UUID("6f1c2d1e-4b7a-5c52-9f0e-3c2a8d7b9e41")
@@ -92,7 +93,7 @@ def decode_entry(entry_id: bytes | str, fields: list[bytes] | None, max_event_by
 
 def _decode(eid: str, raw: list[bytes], max_event_bytes: int) -> Entry:
     if not raw:
-        raise _Reject("entry has no fields (deleted from the stream before it was applied)")
+        raise _Reject(DELETED)
     values = _field_map(raw)
     event_bytes = values[b"event"]
     if len(event_bytes) > max_event_bytes:

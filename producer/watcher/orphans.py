@@ -33,7 +33,7 @@ from compactor import metrics
 from compactor.keys import Keys
 from events.config import MAX_SHARDS
 from producer.watcher.batch import BatchOutcome
-from producer.watcher.entries import misrouted
+from producer.watcher.entries import DELETED, misrouted
 from producer.watcher.streams import DEAD_LETTER_MAXLEN
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,9 @@ def _letter_stream(client: redis.Redis, keys: Keys, shard: int) -> int:
     total = 0
     pending = _pending(client, stream, group)
     while pending:
-        entries = [entry for pid in pending for entry in _range(client, stream, pid, pid)]
+        # (one deleted from the stream meanwhile: a letter of no fields, as a shard's own gets; it
+        # was acked without a word)
+        entries = [entry for pid in pending for entry in _range(client, stream, pid, pid) or [(pid, None)]]
         total += _letter(client, keys, shard, entries, acks=pending, delivered=None)
         pending = _pending(client, stream, group)
     while True:
@@ -108,7 +110,7 @@ def _letter(client: redis.Redis, keys: Keys, shard: int, entries: list[Any], *, 
     outcome = BatchOutcome(stream)
     for entry_id, fields in entries:
         flat = [item for pair in (fields or {}).items() for item in pair]
-        outcome.reject(as_text(entry_id), _reason(keys, shard, fields or {}), flat)
+        outcome.reject(as_text(entry_id), DELETED if fields is None else _reason(keys, shard, fields), flat)
     lettered = keys.lettered(shard)  # (a watcher lettered ahead of their ack: not lettered again)
     ids = [letter.entry_id for letter in outcome.dead]
     marks = [as_text(mark) if mark else None for mark in client.hmget(lettered, ids)] if ids else []

@@ -42,6 +42,7 @@ from rq.utils import as_text
 
 from compactor import metrics
 from compactor.keys import Keys
+from producer.watcher.entries import DELETED
 
 logger = logging.getLogger(__name__)
 
@@ -335,7 +336,7 @@ class ShardStreams:
         """Dead-letter the entries another consumer held that were deleted from the stream before
         they were applied (XAUTOCLAIM dropped them from the pending list: they were lost without a
         word), as one of the watcher's own is (``producer.watcher.entries``)."""
-        reason, stream = "entry has no fields (deleted from the stream before it was applied)", self.keys.stream(shard)
+        reason, stream = DELETED, self.keys.stream(shard)
         letters = [Letter(entry_id, entry_mark([]),
                           [b"reason", reason.encode(), b"id", entry_id.encode(), b"stream", stream.encode()])
                    for entry_id in ids]

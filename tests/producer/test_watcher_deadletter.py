@@ -338,6 +338,26 @@ def test_a_new_sessions_refused_first_entry_leaves_no_log(r: redis.Redis, small:
     assert [line["streamId"] for line in log_lines(small, "s1")] == good and r.exists(Keys().session("s1"))
 
 
+def test_a_pending_entry_past_the_shard_count_deleted_from_its_stream_is_lettered_not_dropped(
+        r: redis.Redis) -> None:
+    """The sweep looked each pending entry up, skipped one deleted meanwhile (XDEL, a trim) and
+    acked it with the others: gone without a letter, a line or a count, where a shard's own
+    deleted entry is lettered ``entry has no fields``."""
+    from producer.watcher.orphans import letter_orphans
+
+    stream, group = Keys().stream(9), Keys().group
+    ids = [r.xadd(stream, {"session": f"s{i}", "cwd": CWD, "event": orjson.dumps(user(1))}).decode()
+           for i in range(3)]
+    r.xgroup_create(stream, group, id="0-0")
+    r.xreadgroup(group, "hand", {stream: ">"})  # all three pending
+    r.xdel(stream, ids[0])
+    assert letter_orphans(r, Keys(shards=8), "sweeper") == 3
+    letters = {d[b"id"].decode(): d[b"reason"].decode() for d in dead_letters(r)}
+    assert letters.keys() == set(ids)
+    assert letters[ids[0]] == "entry has no fields (deleted from the stream before it was applied)"
+    assert r.xpending(stream, group)["pending"] == 0
+
+
 def test_entries_left_past_a_lowered_shard_count_are_dead_lettered(r: redis.Redis, tmp_path: Path,
                                                                     redis_url: str) -> None:
     """``redis.shards`` 8 -> 4 with a backlog: the entries on ``{p}:events:4..7`` were never read,
