@@ -28,8 +28,9 @@ Invariants:
   children), every process writes its values to files there and the API
   aggregates them with ``MultiProcessCollector``. Unset, each process exposes
   its own values (``REGISTRY``).
-- The shared directory is created when missing; at a stack's start only the files of
-  processes of this host that are gone are removed (``prepare_multiprocess_dir``).
+- The shared directory is created when missing; at a stack's start the files of
+  processes of this host that are gone are removed, unless a process of this host still
+  writes there (``prepare_multiprocess_dir``).
 - A process's files are named by host name and pid (``counter_{host}-{pid}.db``),
   not by pid alone: the containers of a docker compose stack share the directory
   and each runs its process as pid 1, and two processes writing one file lose
@@ -131,15 +132,24 @@ def multiprocess_dir() -> str | None:
 
 
 def prepare_multiprocess_dir(directory: Path) -> Path:
-    """Create ``directory`` and remove the metric files that processes of this host no longer
-    running left there. A live process's files stay (another stack sharing the directory: its
-    counters had stopped at zero, written to files no longer there), as do other hosts' (the
-    containers of a compose stack, whose processes cannot be seen from here)."""
+    """Create ``directory`` and, when no process of this host still writes there, remove the
+    metric files that processes of this host no longer running left. Other hosts' files stay (the
+    containers of a compose stack, whose processes cannot be seen from here); so does everything
+    while a process of this host writes there (another stack sharing the directory: its counters
+    had stopped at zero, written to files no longer there, and its dead processes' counts are part
+    of its totals: removed, its counters went backwards)."""
     directory.mkdir(parents=True, exist_ok=True)
-    for stale in directory.glob("*.db"):  # ``{kind}_{host}-{pid}.db``, the kind with ``_`` in it at times
-        prefix, _, pid = stale.stem.rpartition("-")
-        if not pid.isdigit() or (prefix.endswith(f"_{HOST}") and not _running(int(pid))):
-            stale.unlink(missing_ok=True)  # not named by ``process_identifier``, or ours and gone
+    ours: list[tuple[Path, int | None]] = []
+    for path in directory.glob("*.db"):  # ``{kind}_{host}-{pid}.db``, the kind with ``_`` in it at times
+        prefix, _, pid = path.stem.rpartition("-")
+        if not pid.isdigit():
+            ours.append((path, None))  # not named by ``process_identifier``
+        elif prefix.endswith(f"_{HOST}"):
+            ours.append((path, int(pid)))
+    running = {pid for pid in {pid for _, pid in ours if pid is not None} if _running(pid)} - {os.getpid()}
+    if not running:
+        for path, _ in ours:
+            path.unlink(missing_ok=True)
     return directory
 
 

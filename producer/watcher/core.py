@@ -105,7 +105,6 @@ class Watcher:
         self.cursors: dict[int, ShardCursor] = {}
         self._sessions: OrderedDict[str, tuple[SessionState, SessionLogRef]] = OrderedDict()
         self._triggers: list[tuple[Trigger, SessionState]] = []  # this round's, in stream order
-        self._appended: list[dict[str, Any]] = []  # this round's lines, counted once per round
         self._saves: dict[int, str] = {}  # this round: the position of each state save in its pipeline -> session
         self._stop = threading.Event()
         self._started = False
@@ -346,12 +345,8 @@ class Watcher:
                 self._fire()
         except BaseException:
             self._triggers.clear()  # the entries stay pending: their redelivery triggers again
-            metrics.count_ingested(self._appended)  # they are in the logs (a redelivery is a duplicate)
-            self._appended.clear()
             saves.execute()  # what was appended keeps its state save; nothing is acked
             raise
-        metrics.count_ingested(self._appended)
-        self._appended.clear()
         acked = self.streams.ack_many({n: (o.acks, o.dead) for n, o in outcomes.items() if n not in lost}, saves,
                                       saved=self._forget_unsaved)
         for shard in lost:
@@ -497,7 +492,9 @@ class Watcher:
             self._remember(session_id, result.state, log)
         if result.saved_at is not None:
             self._saves[result.saved_at] = session_id
-        self._appended.extend(result.appended)
+        # (counted once appended, not at the round's end: a watcher killed mid-round lost the count of
+        # what it had appended, its redelivery then a duplicate, never counted)
+        metrics.count_ingested(result.appended)
         refused = _by_stream_id(result.rejected)
         for entry in run:
             if entry.id in refused:
