@@ -34,6 +34,10 @@ STOP_TIMEOUT_S = 10.0
 OWNER_LOCK_FILE = "owner.lock"
 
 
+class EmbeddedRedisFailed(CompactorError):
+    """The embedded Redis exited at its start, or did not answer in time (its log's words)."""
+
+
 class NoRedisServer(CompactorError):
     """No Redis-compatible server binary to run the embedded Redis with."""
 
@@ -132,20 +136,28 @@ class EmbeddedRedis:
         self.directory.mkdir(parents=True, exist_ok=True)
         if self.socket.exists():
             self.socket.unlink()
+        log = self.directory / "redis.log"
+        logged = log.stat().st_size if log.exists() else 0
+        # In a session of its own: a signal to serve's process group (``kill %1``, ``timeout``)
+        # stopped Redis at once, before the children it was to outlive.
         self._process = subprocess.Popen(
-            self._args(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            self._args(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            start_new_session=True,
         )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
                 err = self._process.stderr.read().decode(errors="replace") if self._process.stderr else ""
-                raise RuntimeError(f"embedded Redis exited at start: {err or self._log_tail()}")
+                self.stop()
+                raise EmbeddedRedisFailed(f"embedded Redis exited at start: {_last_words(err) or self._said(logged)}"
+                                          f" (its log: {log})")
             if self.ping():
                 logger.info("embedded redis started url=%s pid=%s", self.url, self._process.pid)
                 return self
             time.sleep(0.02)
         self.stop()
-        raise RuntimeError(f"embedded Redis did not answer within {START_TIMEOUT_S}s: {self._log_tail()}")
+        raise EmbeddedRedisFailed(f"embedded Redis did not answer within {START_TIMEOUT_S}s: "
+                                  f"{self._said(logged) or 'its log says nothing'} (its log: {log})")
 
     def ping(self) -> bool:
         try:
@@ -157,18 +169,34 @@ class EmbeddedRedis:
         except (redis.ConnectionError, redis.TimeoutError, OSError):
             return False
 
-    def _log_tail(self) -> str:
-        log = self.directory / "redis.log"
-        return log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    def _said(self, since: int) -> str:
+        """The last warning of the server's log written since byte ``since`` (this start's), else
+        its last line: what it died of (the whole tail, 2 000 characters cut mid-line and of
+        earlier runs, came in a traceback)."""
+        try:
+            with open(self.directory / "redis.log", "rb") as f:
+                f.seek(since)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        return _last_words(text)
 
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
     def stop(self) -> None:
-        """Stop the server gracefully (SIGTERM flushes the AOF), killing it after a timeout."""
+        """Stop the server gracefully (SIGTERM flushes the AOF), killing it after a timeout. The
+        socket of a server of ours that died is removed (left, every command took it for a
+        ``serve`` running: "Redis unreachable", not "no compactor serve runs")."""
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
+        if process is None:
+            self.release()
+            return
+        if process.poll() is not None:
+            self.socket.unlink(missing_ok=True)
+            if process.stderr:
+                process.stderr.close()
             self.release()
             return
         process.terminate()
@@ -187,8 +215,10 @@ class EmbeddedRedis:
         if process is not None and process.poll() is None:
             process.kill()
             process.wait()
-        if process is not None and process.stderr:
-            process.stderr.close()
+        if process is not None:
+            self.socket.unlink(missing_ok=True)
+            if process.stderr:
+                process.stderr.close()
         self.release()
 
     def __enter__(self) -> EmbeddedRedis:
@@ -196,3 +226,12 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _last_words(text: str) -> str:
+    """A Redis log's (or stderr's) last warning line (``# ...``), else its last line, without the
+    pid and time stamp in front: ``Bad file format reading the append only file ...``."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    warnings = [line for line in lines if " # " in line]
+    last = (warnings or lines or [""])[-1]
+    return last.split(" # ", 1)[1] if " # " in last else last

@@ -153,13 +153,8 @@ def start_embedded(settings: Settings) -> EmbeddedRedis:
             if _owner_alive(server.directory):
                 raise InvalidConfig("redis.url", f"{already} (Redis at {server.url})")
             _shutdown_orphan(server)
-        # Block SIGINT while the server is spawned: the mask is inherited, so a
-        # terminal's Ctrl-C reaches only us and we stop Redis last, after the children.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            server.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        server.start()  # (in a session of its own: a terminal's Ctrl-C, or a signal to our process
+        # group, reaches only us, and we stop Redis last, after the children)
         _record_owner(server.directory)
     except BaseException:
         server.stop()  # (releases the claim)

@@ -667,6 +667,9 @@ class _Supervisor:
             self._count_death(child)
             logger.warning("worker process died pid=%s exitcode=%s: replacing it", child.pid, child.exitcode)
             time.sleep(RESPAWN_DELAY_S)
+            if self.stopping:  # (a stop signal meanwhile went to the children alive then: a child started
+                self.children.remove(child)  # now got none, and the supervisor waited on it for good)
+                continue
             self.children[self.children.index(child)] = self._spawn(i)
 
     def _count_death(self, child: BaseProcess) -> None:

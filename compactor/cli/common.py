@@ -29,6 +29,7 @@ import redis
 import typer
 from rich.console import Console
 
+from compactor.logging import json_configured
 from compactor.redis_errors import AccessDenied, check_access, is_permission_error, is_refusal
 from compactor.urls import host_port, redacted
 from events.config import ENV_OVERRIDES, Settings, load_settings
@@ -84,8 +85,13 @@ err_console = Console(stderr=True)
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
-    """Print ``compactor: message`` on stderr and exit with ``code``."""
-    typer.echo(f"compactor: {message}", err=True)
+    """Print ``compactor: message`` on stderr and exit with ``code``: under ``--log-format json``
+    as an ERROR record (stderr stays one JSON object per line: a child of ``serve`` refused at its
+    start broke the ``jq`` pipeline OPERATIONS shows)."""
+    if json_configured():
+        logging.getLogger("compactor").error("%s", message)
+    else:
+        typer.echo(f"compactor: {message}", err=True)
     raise typer.Exit(code)
 
 

@@ -41,3 +41,34 @@ def test_without_a_server_binary_serve_and_demo_say_what_to_install_in_one_line(
         assert done.stderr.splitlines() == [
             "compactor: no Redis server to run the embedded Redis with (redis.url is empty): install redis-server "
             "or valkey-server (e.g. apt-get install redis-server), or set redis.url"], command
+
+
+def test_a_server_that_dies_at_start_is_one_line_of_its_own_words(tmp_path: Path) -> None:
+    """A corrupt append-only file: ``serve`` printed a 72-line traceback ending in the last 2 000
+    characters of the server's log, cut mid-line and spanning earlier runs."""
+    data = tmp_path / "data"
+    with EmbeddedRedis(data / ".redis") as server:  # (where serve keeps it)
+        redis.Redis.from_url(server.url).set("k", "v")
+    [aof] = (data / ".redis").rglob("*.incr.aof")
+    with aof.open("ab") as f:
+        f.write(b"garbage\r\n")
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES and k != "CODINGCODE_CONFIG"}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_DATA_DIR=str(data))
+    done = subprocess.run([sys.executable, "-m", "compactor", "serve", "--workers", "1", "--port", "0"], env=env,
+                          capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path)
+    assert done.returncode == 1
+    [line] = done.stderr.splitlines()
+    assert line.startswith("compactor: embedded Redis exited at start: Bad file format reading the append only file")
+    assert not (data / ".redis" / "redis.sock").exists()
+
+
+def test_the_server_runs_in_a_session_of_its_own_and_its_socket_goes_with_it(tmp_path: Path) -> None:
+    """Started in serve's process group, a signal to the group (``kill %1``, ``timeout``) stopped
+    Redis at once, before the children it is to outlive; killed, it left its socket, which every
+    command then took for a ``serve`` running ("Redis unreachable")."""
+    server = EmbeddedRedis(tmp_path / "r").start()
+    try:
+        assert server.pid is not None and os.getsid(server.pid) == server.pid != os.getsid(0)
+    finally:
+        server.kill()
+    assert not server.socket.exists()

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -14,7 +16,7 @@ import redis
 from compactor.cli.common import LOG_FORMAT_ENV, setup_logging
 from compactor.logging import JsonFormatter, make_formatter
 from compactor.queue import enqueue_compaction
-from events.config import Settings
+from events.config import ENV_OVERRIDES, Settings
 from producer.watcher.batch import BatchOutcome
 from tests.worker.conftest import CWD, run_burst, write_session
 
@@ -140,3 +142,17 @@ def test_a_dead_letters_text_line_names_its_session(caplog: pytest.LogCaptureFix
         "dead-lettered session=s-9 stream=compaction:events:3 id=1-0 reason=turnId: goes backwards",
         "dead-lettered session='bad\\nid' stream=compaction:events:3 id=2-0 reason=sessionId: must match",
         "dead-lettered session=- stream=compaction:events:3 id=3-0 reason=missing field 'session'"]
+
+
+def test_a_process_refused_at_its_start_says_so_as_a_json_record_under_json_logs(tmp_path: Path) -> None:
+    """``compactor serve --log-format json 2>&1 | jq``: a child refused at its start (Redis
+    unreachable, another data dir, another shard count) wrote ``compactor: ...`` as plain text,
+    and jq stopped at that line."""
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES and k != "CODINGCODE_CONFIG"}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True")
+    done = subprocess.run([sys.executable, "-m", "compactor", "watch", "--log-format", "json",
+                           "--redis-url", "redis://127.0.0.1:1/0", "--data-dir", str(tmp_path / "d")],
+                          env=env, capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path)
+    assert done.returncode == 1
+    records = [json.loads(line) for line in done.stderr.splitlines()]
+    assert [(r["level"], r["msg"].split(":")[0]) for r in records][-1] == ("ERROR", "Redis unreachable at redis")

@@ -215,6 +215,27 @@ def test_a_closed_terminal_lets_the_workers_finish_their_jobs_and_exit(
         assert job_id is not None and Job.fetch(job_id, connection=r).get_status() == JobStatus.FINISHED, output
 
 
+@pytest.mark.slow
+def test_a_stop_while_a_dead_worker_is_being_replaced_stops_the_supervisor(
+    r: redis.Redis, settings: Settings, stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
+) -> None:
+    """A child died, and SIGTERM came during the second before its replacement: the signal went to
+    the children alive then, the replacement was started after it and never got one, and
+    ``compactor work`` ran on (``docker stop`` then SIGKILLs it mid-job)."""
+    process = _start_worker(_config(tmp_path, settings), env_for_subprocess, count=2)
+    try:
+        wait_for(lambda: len(r.keys("rq:worker:*")) >= 2 or process.poll() is not None, 60, "the workers to start")
+        victim = psutil.Process(process.pid).children()[0]
+        victim.kill()
+        victim.wait(10)
+        time.sleep(0.3)  # (the supervisor notices within 0.2 s, then waits 1 s before replacing it)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    finally:
+        output = _stop(process)
+    assert "worker process died" in output, output
+
+
 def test_a_worker_process_freezes_its_heap_after_the_heavy_imports(
     settings: Settings, stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
 ) -> None:
