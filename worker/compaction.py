@@ -118,6 +118,7 @@ from events.view import (
     LlmPass,
     LlmTargets,
     build_view,
+    current_turn_id,
     elide,
     llm_pass,
     micro_candidates,
@@ -458,7 +459,7 @@ class Compactor:
             if self._handed_on(session_id, run):
                 raise _abandoned(run, "its summary is not appended")
             since = _lines_since(log, snapshot.size, snapshot.tail)
-            if since is None or _overtaken(since, end_turn, snapshot.compact):
+            if since is None or _overtaken(since, end_turn, snapshot.compact, snapshot.events, self.ctx):
                 logger.warning("summary dropped session=%s: the log %s meanwhile", session_id,
                                "shrank or was rewritten" if since is None else "got a summary/rollback")
                 if reset:
@@ -809,13 +810,18 @@ def _compact_event(events: list[dict[str, Any]], ctx: ContextSettings, view: Con
     return _new_line("compact", startTurnId=min(turns), endTurnId=max(turns))
 
 
-def _overtaken(since: list[dict[str, Any]], end_turn: int, compact: dict[str, Any] | None) -> bool:
-    """Whether the lines appended during the LLM call make the summary (of turns up to
-    ``end_turn``) and the micro step's ``compact`` wrong to append: another summary, or a rollback
-    hiding one of the turns they cover. A rollback of later turns only (an agent undoing its last
-    step while an old part of the session was summarized) leaves both right: appended after it,
-    they cover turns it did not hide; the summary was dropped all the same, and a forced
-    compaction answered ``didCompress: false`` after a successful LLM call."""
+def _overtaken(since: list[dict[str, Any]], end_turn: int, compact: dict[str, Any] | None,
+               before: list[dict[str, Any]], ctx: ContextSettings) -> bool:
+    """Whether the lines appended during the LLM call (``since``, after the log's ``before``) make
+    the summary (of turns up to ``end_turn``) and the micro step's ``compact`` wrong to append:
+    another summary, a rollback hiding one of the turns they cover, or one that leaves them
+    reaching into the turns SPEC §5 keeps (the summary past ``currentTurnId - keepRecentTurns -
+    1``, the compact at ``currentTurnId - 1`` or later: an agent undoing its last turn while the
+    turn before was summarized had that turn, now its most recent, in the summary only). A
+    rollback of later turns only (an agent undoing its last step while an old part of the
+    session was summarized) leaves both right: appended after it, they cover turns it did not
+    hide; the summary was dropped all the same, and a forced compaction answered
+    ``didCompress: false`` after a successful LLM call."""
     covers = max(end_turn, compact["endTurnId"] if compact is not None else 0)
     rolled = False
     for event in since:
@@ -830,7 +836,11 @@ def _overtaken(since: list[dict[str, Any]], end_turn: int, compact: dict[str, An
                                                           and turn > covers):
             return True  # (after a rollback, an event in a covered turn: the plan is not the log's any more)
         rolled = rolled or kind == "rollback"
-    return False
+    if not rolled:
+        return False
+    current = current_turn_id(before + since)  # (the log as it is now: after the rollbacks, and what followed)
+    return end_turn > current - ctx.keep_recent_turns - 1 or (
+        compact is not None and compact["endTurnId"] >= current - 1)
 
 
 def _new_line(kind: str, **fields: Any) -> dict[str, Any]:

@@ -1184,14 +1184,15 @@ def test_outputs_elided_in_the_kept_turns_are_counted_exactly(
 
 
 def _forced_llm_job_with_a_rollback_during_the_call(
-    r: redis.Redis, wsettings: Settings, stub: LLMStub, *, through: int,
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, *, through: int, turns_first: int = 0,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A forced LLM job on a 5-turn session during whose LLM call ``rollback {through}`` lands;
-    its result and the log after it (the summary's sections say ``kept``)."""
+    """A forced LLM job on a 5-turn session during whose LLM call ``turns_first`` more turns, then
+    ``rollback {through}`` land; its result and the log after it (the summary's sections say ``kept``)."""
     write_session(r, wsettings, "s1", 5, window=1000)
     store = SessionStore(r, wsettings)
 
     def reply_after_rollback(body: dict[str, Any]) -> str:
+        store.apply("s1", CWD, [e for n in range(6, 6 + turns_first) for e in turn(n, window=1000)])
         store.apply("s1", CWD, [{"type": "rollback", "throughTurnId": through, "reason": "undo", "uuid": "rb"}])
         return f"<summary>\n{summary_text('kept')}\n</summary>"
 
@@ -1215,31 +1216,57 @@ def test_a_rollback_during_the_llm_call_leaves_no_stale_compact(
 def test_a_rollback_of_later_turns_during_the_llm_call_keeps_the_summary(
     r: redis.Redis, wsettings: Settings, stub: LLMStub
 ) -> None:
-    """An agent undoing its last turn while turns 1-4 were summarized: the summary was dropped
-    (and the forced call answered didCompress false after a successful LLM call), though the
-    rollback hid none of the turns it and the micro step cover."""
-    result, events = _forced_llm_job_with_a_rollback_during_the_call(r, wsettings, stub, through=5)
+    """Turns 6 and 7 came while turns 1-4 were summarized, and the agent undid turn 7: the summary
+    was dropped (and the forced call answered didCompress false after a successful LLM call),
+    though the rollback hid none of the turns it and the micro step cover, nor brought them
+    into the turns kept."""
+    result, events = _forced_llm_job_with_a_rollback_during_the_call(r, wsettings, stub, through=7, turns_first=2)
     rolled = next(i for i, e in enumerate(events) if e["type"] == "rollback")
     kinds = [e["type"] for e in events[rolled + 1:]]
     assert kinds in (["summary"], ["compact", "summary"]), kinds
     assert events[-1]["lastSummarizedTurnId"] == 4
     assert result["didCompress"] is True and result["promptEstimate"] == _assert_state_is_a_rebuild(r, wsettings, "s1")
     view = build_view(events, wsettings.context)
-    assert view.current_turn_id == 5 and "kept" in view.messages[0]["content"]
+    assert view.current_turn_id == 7 and "kept" in view.messages[0]["content"]
+
+
+def test_a_rollback_of_the_last_turn_during_the_llm_call_keeps_the_turn_before_out_of_the_summary(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """Turns 1-4 summarized (turn 5 kept: keepRecentTurns 1) and the agent undid turn 5 meanwhile:
+    the summary and the micro step were appended after the rollback, and turn 4, now the most
+    recent, was in the context as the summary alone (SPEC §5: the most recent turn is never
+    summarized, and no micro step reaches turn currentTurnId - 1)."""
+    result, events = _forced_llm_job_with_a_rollback_during_the_call(r, wsettings, stub, through=5)
+    assert [e["type"] for e in events].count("summary") == 0
+    view = build_view(events, wsettings.context)
+    assert view.current_turn_id == 5
+    assert all(e["endTurnId"] < view.current_turn_id - 1 for e in events if e["type"] == "compact")
+    assert result["promptEstimate"] == _assert_state_is_a_rebuild(r, wsettings, "s1")
 
 
 @pytest.mark.parametrize(("since", "overtaken"), [
-    ([{"type": "user", "turnId": 6}], False),
+    ([{"type": "user", "turnId": 7}], False),
     ([{"type": "compact", "startTurnId": 1, "endTurnId": 2}], False),
     ([{"type": "summary", "lastSummarizedTurnId": 1}], True),
-    ([{"type": "rollback", "throughTurnId": 5}], False),  # hides turns 5.. only: the plan covers 1-4
+    ([{"type": "rollback", "throughTurnId": 7}], False),  # hides turns 7.. only: the plan covers 1-4
+    ([{"type": "rollback", "throughTurnId": 6}], False),  # turn 5 the most recent, kept whole
+    ([{"type": "rollback", "throughTurnId": 5}], True),  # turn 4 the most recent: compact 1-4 reaches it
     ([{"type": "rollback", "throughTurnId": 4}], True),
-    ([{"type": "rollback", "throughTurnId": 5}, {"type": "user", "turnId": 5}], False),
-    ([{"type": "rollback", "throughTurnId": 5}, {"type": "user", "turnId": 4}], True),  # a covered turn again
-    ([{"type": "rollback", "throughTurnId": "5"}], True),  # (not the log's to judge: drop)
+    ([{"type": "rollback", "throughTurnId": 7}, {"type": "user", "turnId": 7}], False),
+    ([{"type": "rollback", "throughTurnId": 7}, {"type": "user", "turnId": 4}], True),  # a covered turn again
+    ([{"type": "rollback", "throughTurnId": "7"}], True),  # (not the log's to judge: drop)
+    ([*turn(7), {"type": "rollback", "throughTurnId": 7}], False),
 ])
-def test_what_lands_during_the_llm_call_drops_the_summary(since: list[dict[str, Any]], overtaken: bool) -> None:
-    assert worker_compaction._overtaken(since, 3, {"type": "compact", "startTurnId": 1, "endTurnId": 4}) is overtaken
+def test_what_lands_during_the_llm_call_drops_the_summary(since: list[dict[str, Any]], overtaken: bool,
+                                                          wsettings: Settings) -> None:
+    """The plan: turns 1-3 summarized and 1-4 micro-compacted, of a log of 6 ended turns."""
+    before = [e for n in range(1, 7) for e in turn(n)]
+    compact = {"type": "compact", "startTurnId": 1, "endTurnId": 4}
+    assert worker_compaction._overtaken(since, 3, compact, before, wsettings.context) is overtaken
+    keep3 = wsettings.context.model_copy(update={"keep_recent_turns": 3})  # (turns 4-6 kept: 3 is the last to go)
+    assert worker_compaction._overtaken([{"type": "rollback", "throughTurnId": 7}], 3, None, before, keep3) is False
+    assert worker_compaction._overtaken([{"type": "rollback", "throughTurnId": 6}], 3, None, before, keep3) is True
 
 
 def test_a_failed_llm_call_still_applies_the_micro_step_with_the_exact_estimate(
