@@ -337,8 +337,12 @@ class SessionStore:
         progress: Callable[[], None] | None = None, *, active: bool = True,
     ) -> tuple[SessionState, set[str]]:
         """Rebuild the state and the uuid index from the whole log (Redis lost them); the
-        state and the log's uuids. With ``pipeline`` the index is rebuilt there (queued; the
-        caller saves the state, with ``create``), else the index and the state are stored here.
+        state and the log's uuids. The index is rebuilt at once (for an empty log: with the
+        state); with ``pipeline`` the caller saves the state (queued there, with ``create``),
+        else it is stored here. (Queued with the state, the index stayed empty until the
+        watcher's round ended: its next run of the session's entries, from the state cached,
+        took the redelivered ones for entries of a lost stream and dead-lettered them as
+        duplicate uuids; and a worker's line indexed meanwhile was deleted with it.)
         A log of ``BIG_LOG_BYTES`` or more is read and folded while ``progress`` is kept: a
         watcher that rebuilt a 100 MB log without stamps (17 s) outlived its shard leases, lost
         them all and rebuilt it again, every shard stalled, for good."""
@@ -350,12 +354,13 @@ class SessionStore:
 
         events, state = _keeping_progress(work, progress if size >= BIG_LOG_BYTES else None)
         check_logged_cwd(session_id, cwd, _first_session_meta(events))
-        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
+        uuids = {e["uuid"] for e in events if isinstance(e.get("uuid"), str)}
+        pipe = pipeline if pipeline is not None and not uuids else self.redis.pipeline(transaction=False)
         pipe.delete(self.keys.uuids(session_id))
         self._index_uuids(session_id, events, pipe)
-        uuids = {e["uuid"] for e in events if isinstance(e.get("uuid"), str)}
         if pipeline is None:
             self.save(state, pipe, create=True, active=active)  # the hash again, vouching for the index
+        if pipe is not pipeline:
             pipe.execute()
         return state, uuids
 

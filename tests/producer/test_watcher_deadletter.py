@@ -338,6 +338,39 @@ def test_a_new_sessions_refused_first_entry_leaves_no_log(r: redis.Redis, small:
     assert [line["streamId"] for line in log_lines(small, "s1")] == good and r.exists(Keys().session("s1"))
 
 
+def test_entries_redelivered_after_a_crash_in_a_sessions_first_round_are_duplicates_not_letters(
+        r: redis.Redis, tmp_path: Path, redis_url: str) -> None:
+    """A watcher killed after its appends, before its round's state saves and acks, in the first
+    round of a session (no hash, no uuid index yet). The next watcher rebuilt both from the log,
+    the index queued with the state save at the round's end: its second run of the session's
+    redelivered entries, from the state cached, looked the uuids up in the still empty index, took
+    the entries for a lost stream's, and dead-lettered them as duplicate uuids (a false warning too)."""
+    settings = fast_settings(tmp_path / "data", redis_url, shards=1)
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    publisher = Publisher(r, settings)
+    publisher.publish("s1", CWD, [{"type": "session_meta", "model": "gpt-4"}])
+    for n in (1, 2, 3):  # (a run of the session's entries ends at each turn_end)
+        publisher.publish("s1", CWD, [user(n), turn_end(n)])
+
+    class Killed(BaseException):
+        pass
+
+    def killed(*args: Any, **kwargs: Any) -> Any:
+        raise Killed
+
+    first = Watcher(r, settings, name="w1")
+    first.streams.ack_many = killed  # type: ignore[method-assign]
+    with pytest.raises(Killed):
+        for _ in range(50):
+            first.run_once()
+    assert len(log_lines(settings, "s1")) == 7 and not r.exists(keys.session("s1"))
+    r.delete(keys.lease(0))  # (its lease ran out)
+    drain(Watcher(r, settings, name="w2"), r, settings)
+    assert dead_letters(r) == []
+    assert len(log_lines(settings, "s1")) == 7
+    assert r.scard(keys.uuids("s1")) == 7
+
+
 def test_a_pending_entry_past_the_shard_count_deleted_from_its_stream_is_lettered_not_dropped(
         r: redis.Redis) -> None:
     """The sweep looked each pending entry up, skipped one deleted meanwhile (XDEL, a trim) and
