@@ -110,6 +110,7 @@ from events.tokens import (
     TOKEN_ENCODING_FIELD,
     arguments_json,
     count_tokens,
+    encoding_for_model,
     model_max_input_tokens,
     stamped_tokens,
 )
@@ -133,6 +134,7 @@ from worker.summarize import (
     Summarizer,
     build_messages,
     extract_summary,
+    neutralized,
     render_event,
     render_transcript,
 )
@@ -516,7 +518,7 @@ class Compactor:
         fallback = self.ctx.fallback_model
         if breaker_open and self.ctx.fallback_past_breaker:
             logger.info("breaker open session=%s: using fallback %s", session_id, fallback)
-            return self._summarize_with(fallback, reading, view), False
+            return self._summarize_with(fallback, reading, view, run=run), False
         plan = self.plan(reading.targets, view, reading.target_tokens)
         try:
             text = self._summarize_with(plan.model, reading, view, plan, run=run)
@@ -533,8 +535,9 @@ class Compactor:
                                session_id, fallback)
                 raise
             logger.warning("llm failed session=%s: using fallback %s", session_id, fallback)
-            try:
-                text = self._summarize_with(fallback, reading, view)
+            try:  # (with ``run``: its chunks stop before the job's timeout, or the worker's stop, as the
+                # first model's do; without, a backlog of chunks timed out every job, never summarized)
+                text = self._summarize_with(fallback, reading, view, run=run)
             except LLMUnavailable as failed:  # the job's error names both: the fallback's alone hid the first
                 raise LLMUnavailable(f"{failed}; the fallback was called after: {error}",
                                      transient=failed.transient) from None
@@ -610,9 +613,6 @@ class Compactor:
             total += stamped_tokens(previous, encoding)
         return total + (_events_tokens(events, encoding) if events_tokens is None else events_tokens)
 
-    def _event_tokens(self, event: dict[str, Any], encoding: str) -> int:
-        return stamped_tokens(event, encoding) + BLOCK_HEADER_TOKENS
-
     def _summarize_with(self, model: str, reading: LlmPass, view: _Session, plan: Plan | None = None,
                         run: JobRun | None = None) -> str:
         """The summary of ``reading``'s targets (in chunks when they do not fit the window). With
@@ -627,11 +627,17 @@ class Compactor:
         limit = self.summary_limit(view.window)
         if model == EXTRACTIVE_MODEL:
             return extractive_summary(targets.events, previous_text, view.encoding, limit_tokens=limit)
-        window = plan.window if plan else self.model_window(model)
-        previous_text = self._previous_that_fits(previous_text, window, view.encoding)
+        # the window and the encoding of the model called: a fallback that is the session's model
+        # has the session's window (its turn_end's contextWindow: litellm may not know the model, and
+        # the default window let a whole backlog go in one request), and one of another encoding
+        # counts in its own (chunks counted in the session's went over its window)
+        own = model == view.model
+        window = plan.window if plan else view.window if own else self.model_window(model)
+        encoding = view.encoding if own else encoding_for_model(model)
+        previous_text = self._previous_that_fits(previous_text, window, encoding)
         running = previous_text
-        chunks = self.chunks(targets.events, previous_text, window, view.encoding, reading.target_tokens,
-                             running=lambda: running)
+        chunks = self.chunks(targets.events, previous_text, window, encoding,
+                             reading.target_tokens if encoding == view.encoding else None, running=lambda: running)
         done = 0
         for chunk in chunks:
             # the whole targets in one call: the pass rendered them already
@@ -718,10 +724,10 @@ class Compactor:
             chunk: list[dict[str, Any]] = []
             used = 0
             while position < len(events):
-                event, tokens = events[position], self._event_tokens(events[position], encoding)
+                event, tokens = events[position], _sent_tokens(events[position], encoding)
                 if tokens > budget:
                     event = _clipped(event, budget, encoding)
-                    tokens = self._event_tokens(event, encoding)
+                    tokens = _sent_tokens(event, encoding)
                 if chunk and used + tokens > budget:
                     break
                 chunk.append(event)
@@ -874,6 +880,14 @@ def _lines_since(log: SessionLog, snapshot: int, tail: bytes = b"") -> list[dict
     return log.read(snapshot) if size > snapshot else []
 
 
+def _sent_tokens(event: dict[str, Any], encoding: str) -> int:
+    """An event's block as a chunk sends it, counted (``BLOCK_HEADER_TOKENS`` included): its
+    tool-call lines and the reply tags the prompt writes as entities too. (A chunk sized from the
+    stamps went over its window: ~5 tokens per tool call, ~4 per ``<summary>`` tag the stamps do
+    not count; 15 449 tokens for an 8 192-token window.)"""
+    return count_tokens(neutralized(render_event(event)), encoding) + BLOCK_HEADER_TOKENS
+
+
 def _clipped(event: dict[str, Any], budget_tokens: int, encoding: str) -> dict[str, Any]:
     """A copy of an event too large for one chunk, its texts (the output or content, each tool
     call's arguments) cut to their head and tail so that its block takes at most ``budget_tokens``
@@ -889,7 +903,7 @@ def _clipped(event: dict[str, Any], budget_tokens: int, encoding: str) -> dict[s
     best: tuple[dict[str, Any], int] | None = None
     for _ in range(CLIP_TRIES):
         clipped = _cut_texts(event, keep)
-        tokens = count_tokens(render_event(clipped), encoding)
+        tokens = count_tokens(neutralized(render_event(clipped)), encoding)
         if tokens <= target:
             if best is None or tokens > best[1]:
                 best = (clipped, tokens)
@@ -906,7 +920,7 @@ def _clipped(event: dict[str, Any], budget_tokens: int, encoding: str) -> dict[s
         else:
             calls = len(tool_calls(event)) // 2 if calls is None else calls // 2
         clipped = _cut_texts(event, keep, calls)
-        tokens = count_tokens(render_event(clipped), encoding)
+        tokens = count_tokens(neutralized(render_event(clipped)), encoding)
         if tokens <= target or calls == 0:
             best = (clipped, tokens)
     clipped, tokens = best
@@ -955,7 +969,8 @@ def _shares(wants: list[int], keep: int) -> list[int]:
 
 
 def _events_tokens(events: list[dict[str, Any]], encoding: str) -> int:
-    """The sum of ``Compactor._event_tokens`` over ``events`` (the stamps read inline)."""
+    """The events' stamps plus ``BLOCK_HEADER_TOKENS`` each (read inline): the estimate that
+    decides whether the targets go in one call (a chunk is sized by ``_sent_tokens``)."""
     total = BLOCK_HEADER_TOKENS * len(events)
     for event in events:
         count = event.get(TOKEN_COUNT_FIELD)

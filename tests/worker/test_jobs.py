@@ -732,6 +732,81 @@ def test_a_forced_jobs_wait_for_its_after_entry_counts_against_its_timeout(
     assert len(_summaries(small, "s1")) >= 1
 
 
+@pytest.mark.slow
+def test_a_fallbacks_chunks_stop_before_the_jobs_timeout_as_the_first_models_do(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    """The first model refused (401) and the fallback took the backlog: its chunks were called
+    without the job's deadline, so the job timed out during them, its chunks thrown away, and so
+    did every retry (then the breaker stopped the automatic ones)."""
+    small = make_settings(_slow_backlog(r, settings, stub, job_timeout_s=3), fallback_model="openai/fallback-model")
+    stub.script(StubResponse(status=401))
+    job = _run(r, small, "s1", forced=True)
+    assert job.get_status() == JobStatus.FINISHED, (job.latest_result().exc_string or "").splitlines()[-1:]  # type: ignore[union-attr]
+    assert [q.body["model"] for q in stub.requests[:2]] == ["stub-model", "fallback-model"]
+    assert _summaries(small, "s1")
+    assert r.get(Keys().failures("s1")) is None or int(r.get(Keys().failures("s1"))) <= 1  # (the 401, once)
+
+
+def _fallback_requests(r: redis.Redis, settings: Settings, stub: LLMStub, *, session_model: str, fallback: str,
+                       window: int, text: str) -> list[list[dict[str, Any]]]:
+    """The messages sent to ``fallback`` by a forced job on a backlog of 40 turns of ``text`` in a
+    session of ``session_model`` whose turn_ends say ``window``, the first model (unknown to
+    litellm: the default 128k window, the whole backlog in one call) answering 500."""
+    small = make_settings(settings, compaction_model="openai/primary", fallback_model=fallback,
+                          llm_timeout_seconds=5.0)
+    write_session(r, small, "s1", 40, output=text, window=window, tool="ask_human", model=session_model)
+    stub.script(StubResponse(status=500))
+    job = _run(r, small, "s1", forced=True)
+    assert job.get_status() == JobStatus.FINISHED, job.latest_result()
+    assert stub.requests[0].body["model"] == "primary" and len(stub.requests) > 2  # chunked
+    return [q.messages for q in stub.requests[1:] if q.body["model"] == fallback.removeprefix("openai/")]
+
+
+@pytest.mark.parametrize(("session_model", "fallback", "window", "encoding"), [
+    # the session's own model, unknown to litellm: its turn_end's window, not the 128k default
+    ("openai/my-local", "openai/my-local", 4_096, "cl100k_base"),
+    # a model of another encoding: counted in its own (in the session's o200k, CJK text went over)
+    ("openai/gpt-4o", "openai/gpt-4", 8_192, "cl100k_base"),
+], ids=["the-sessions-own-window", "its-own-encoding"])
+def test_a_fallbacks_chunks_fit_the_fallbacks_window_counted_in_its_encoding(
+    r: redis.Redis, settings: Settings, stub: LLMStub, session_model: str, fallback: str, window: int,
+    encoding: str,
+) -> None:
+    text = "中文字符测试内容的长度" * 25 if "gpt" in fallback else "y " * 1_200
+    requests = _fallback_requests(r, settings, stub, session_model=session_model, fallback=fallback,
+                                  window=window if "local" in session_model else 128_000, text=text)
+    assert requests
+    reply = min(settings.context.summary_reserve_tokens, window // 4)
+    for messages in requests:
+        sent = sum(count_tokens(str(m["content"]), encoding) + MESSAGE_OVERHEAD_TOKENS for m in messages)
+        assert sent <= window - reply, (sent, window - reply)
+
+
+@pytest.mark.parametrize("kind", ["tool-calls", "reply-tags"])
+def test_every_chunk_as_sent_fits_its_window(settings: Settings, kind: str) -> None:
+    """Chunks were sized from the events' stamps: each ``-> tool call name(args)`` line (~5 tokens)
+    and each ``<summary>`` tag the prompt writes as an entity (~4 more) went uncounted: 15 449
+    tokens in a request for an 8 192-token window (100 tiny calls an assistant message), ~7 200 of
+    HTML with ``<details><summary>``."""
+    window, encoding = 8_192, "cl100k_base"
+    if kind == "tool-calls":
+        events = [{"type": "assistant", "turnId": n, "uuid": f"a{n}", "content": "ok",
+                   "toolCalls": [{"id": f"c{n}-{i}", "name": "g", "arguments": ""} for i in range(100)]}
+                  for n in range(1, 31)]
+    else:
+        events = [{"type": "tool_result", "turnId": n, "uuid": f"t{n}", "toolName": "read_file", "toolCallId": "c",
+                   "output": "<summary></summary>" * 300} for n in range(1, 31)]
+    compactor = worker_compaction.Compactor(None, settings, lambda: None)  # type: ignore[arg-type]
+    chunks = list(compactor.chunks(events, None, window, encoding))
+    assert len(chunks) > 1 and sum(map(len, chunks)) == len(events)
+    reply = min(settings.context.summary_reserve_tokens, window // 4)
+    for chunk in chunks:
+        messages = build_messages(render_transcript(chunk), None, compactor.summary_limit(window))
+        sent = sum(count_tokens(m["content"], encoding) + MESSAGE_OVERHEAD_TOKENS for m in messages)
+        assert sent <= window - reply, (sent, window - reply)
+
+
 def test_a_chunk_is_budgeted_once_for_the_reply_and_at_the_running_summarys_real_size(
     r: redis.Redis, settings: Settings, stub: LLMStub
 ) -> None:
