@@ -7,13 +7,19 @@ from urllib.parse import urlsplit, urlunsplit
 
 
 def redacted(url: str) -> str:
-    """``url`` with its password (if any) replaced by ``***``, for messages and logs."""
+    """``url`` with its password (if any) replaced by ``***``, for messages and logs: the one in
+    its user info, and a ``?password=`` query parameter's (redis-py authenticates with either; the
+    query's was printed whole)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    query = parts.query
+    if query and "password" in query.lower():
+        query = "&".join(f"{name}=***" if name.lower() == "password" else field
+                         for field in query.split("&") for name in [field.partition("=")[0]])
+    if parts.password is not None:
+        url = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}"))
+    if query != parts.query:  # (not through urlunsplit: it drops the empty host of ``unix:///path``)
+        url = url.replace(f"?{parts.query}", f"?{query}", 1)
+    return url
 
 
 def host_port(host: str, port: int) -> str:

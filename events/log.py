@@ -66,10 +66,21 @@ def encode_project_path(cwd: str) -> str:
     return _SEPARATOR_RUN.sub("-", path).strip("-").lower()
 
 
+# The data dir's own entries (``compactor.datadir``'s id file and its temporary copies, the
+# embedded Redis's directory): a project of that name had its session held back for good, a
+# watcher retrying it every second and its shard never trimmed (or, for ``.redis``, its logs
+# written among the embedded Redis's files).
+RESERVED_NAMES = (".redis",)
+RESERVED_PREFIXES = (".compactor-id",)
+
+
 def _project_dir_name(cwd: str) -> str:
     encoded = encode_project_path(validate_cwd(cwd))
     if encoded in ("", ".", ".."):
         raise InvalidEvent("cwd", f"encodes to the unusable directory name {encoded!r}")
+    if encoded in RESERVED_NAMES or encoded.startswith(RESERVED_PREFIXES):
+        raise InvalidEvent("cwd", f"encodes to the directory name {encoded!r}, which the service keeps for its "
+                                  "own files in the data dir")
     if len(encoded.encode("utf-8")) > MAX_NAME_BYTES:
         raise InvalidEvent("cwd", f"encodes to a directory name longer than {MAX_NAME_BYTES} bytes")
     return encoded
@@ -156,7 +167,9 @@ class SessionLog:
         another cwd's directory): one scan of the data dir, a ``stat`` per project."""
         name, own = self.path.name, self.path.parent.parent
         try:
-            projects = [Path(entry.path) for entry in os.scandir(self._root) if entry.is_dir(follow_symlinks=False)]
+            # (a project directory that is a symlink counts: the writers follow it, and skipped here a
+            # session logged there was taken by another cwd after Redis lost its state)
+            projects = [Path(entry.path) for entry in os.scandir(self._root) if entry.is_dir()]
         except OSError:
             return []
         return [SessionLog.at_path(path) for path in sorted(project / "sessions" / name for project in projects)
@@ -344,13 +357,21 @@ class SessionLog:
         """The log opened to read, lock-free (never created); None when there is none. Failing to
         open or read it (a directory, no permission, EIO) is LogCorrupted naming the path: the API
         answered a bare 500 internal_error, ``compactor context`` a traceback."""
-        try:
-            f = open(self.path, "rb")
+        try:  # (non-blocking, then a regular file or refused: a FIFO there held each reader for good,
+            # the API's threads one by one, /healthz too)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             yield None
             return
         except OSError as e:
             raise LogCorrupted(f"{self.path}: cannot be read: {e.strerror or e}") from e
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            what = os.strerror(errno.EISDIR) if stat.S_ISDIR(mode) else "not a regular file"
+            raise LogCorrupted(f"{self.path}: cannot be read: {what}")
+        os.set_blocking(fd, True)
+        f = os.fdopen(fd, "rb")
         with f:
             try:
                 yield f
@@ -523,11 +544,15 @@ class SessionLog:
         fragment = os.pread(fd, size - keep, keep)
         logger.warning("torn tail of %d bytes moved from %s to %s", len(fragment), self.path, self.torn_path)
         try:
-            with open(self.torn_path, "ab") as torn:
-                torn.write(fragment + b"\n")
+            torn = os.open(self.torn_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            try:  # (a FIFO there held the log's lock, and the watcher with it, every shard)
+                if not stat.S_ISREG(os.fstat(torn).st_mode):
+                    raise OSError(errno.EINVAL, f"{self.torn_path} is not a regular file")
+                os.write(torn, fragment + b"\n")
                 if self.fsync:
-                    torn.flush()
-                    os.fsync(torn.fileno())
+                    os.fsync(torn)
+            finally:
+                os.close(torn)
             os.ftruncate(fd, keep)
         except OSError as e:
             raise LogWriteFailed(f"{self.path}: cannot repair the torn tail: {e}") from e

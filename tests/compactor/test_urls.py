@@ -8,6 +8,14 @@ def test_password_is_hidden_and_the_rest_kept() -> None:
     assert redacted("unix:///tmp/r.sock?db=0") == "unix:///tmp/r.sock?db=0"
 
 
+def test_a_password_given_as_a_query_parameter_is_hidden_too() -> None:
+    """redis-py authenticates with ``?password=``, and every message printed it whole."""
+    assert redacted("redis://127.0.0.1:6999/0?password=hunter2") == "redis://127.0.0.1:6999/0?password=***"
+    assert redacted("unix:///tmp/r.sock?db=2&Password=p%40ss&socket_timeout=5") == \
+        "unix:///tmp/r.sock?db=2&Password=***&socket_timeout=5"
+    assert redacted("redis://u:pw@h/0?password=x") == "redis://u:***@h/0?password=***"
+
+
 def test_an_ipv6_host_is_bracketed_before_its_port() -> None:
     assert host_port("127.0.0.1", 8080) == "127.0.0.1:8080"
     assert host_port("::1", 8080) == "[::1]:8080"

@@ -487,10 +487,14 @@ def test_a_log_that_cannot_be_read_is_log_corrupted_naming_it(tmp_path: Path, mo
     log = SessionLog(tmp_path, "/w", "s1")
     log.append([{"type": "user", "turnId": 1, "content": "hi", "uuid": "u1"}])
 
+    real_open = os.open
+
     def refused(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(path) != str(log.path):
+            return real_open(path, *args, **kwargs)
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr("events.log.open", refused, raising=False)
+    monkeypatch.setattr(os, "open", refused)
     for read in (log.read, lambda: log.bytes_before(5, 5), lambda: log.first_of_type("user")):
         with pytest.raises(LogCorrupted, match=f"^{log.path}: cannot be read: Permission denied$"):
             read()
@@ -518,3 +522,44 @@ def test_an_append_undone_again_at_the_same_size_is_logged_once(tmp_path: Path, 
     assert log.size() == size
     undone = [r for r in caplog.records if "truncated back to" in r.getMessage()]
     assert [r.levelname for r in undone] == ["ERROR", "DEBUG", "DEBUG"]
+
+
+@pytest.mark.timeout(20)
+def test_a_fifo_where_a_log_is_is_refused_by_its_readers_at_once(tmp_path: Path) -> None:
+    """Opened to read, a FIFO with no writer held the reader for good: the API's first_of_type held
+    one thread per request until none was left, /healthz too, and SIGTERM could not stop it."""
+    log = _log(tmp_path)
+    log.path.parent.mkdir(parents=True)
+    os.mkfifo(log.path)
+    for read in (log.read, lambda: log.first_of_type("session_meta"), lambda: log.uuids_among(["u"])):
+        with pytest.raises(LogCorrupted, match="not a regular file"):
+            read()
+
+
+@pytest.mark.timeout(20)
+def test_a_fifo_where_the_torn_file_goes_fails_the_append_at_once(tmp_path: Path) -> None:
+    """Moving a torn tail opened the ``.torn`` path to append: a FIFO there held the log's lock,
+    and the watcher with it (every shard), until something read it."""
+    log = _log(tmp_path)
+    log.append([_event(1)])
+    with open(log.path, "ab") as f:
+        f.write(b'{"type":"user","tu')  # a crashed writer's fragment
+    os.mkfifo(log.torn_path)
+    with pytest.raises(LogWriteFailed, match="cannot repair the torn tail"):
+        log.append([_event(2)])
+    assert log.read() == [_event(1)]
+
+
+def test_a_session_logged_under_a_symlinked_project_is_found_elsewhere(tmp_path: Path) -> None:
+    """The writers follow a project directory that is a symlink; the look for the session under
+    the other projects skipped it, and after Redis lost the session's state another cwd took it (a
+    second log)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / encode_project_path("/linked")).symlink_to(outside, target_is_directory=True)
+    SessionLog(data, "/linked", "s1").append([_event(1)])
+    assert (outside / "sessions" / "s1.jsonl").is_file()
+    [found] = SessionLog(data, "/other", "s1").elsewhere()
+    assert found.read() == [_event(1)]

@@ -14,6 +14,7 @@ from compactor.keys import Keys
 from compactor.store import SessionStore
 from compactor.metrics import REGISTRY, reason_kind
 from events.config import Settings
+from events.errors import InvalidInput
 from events.log import SessionLog
 from events.state import rebuild
 from producer.publisher import Publisher
@@ -336,6 +337,22 @@ def test_a_new_sessions_refused_first_entry_leaves_no_log(r: redis.Redis, small:
     good = Publisher(r, small).publish("s1", CWD, [user(1), turn_end(1)])
     drain(watcher, r, small)
     assert [line["streamId"] for line in log_lines(small, "s1")] == good and r.exists(Keys().session("s1"))
+
+
+@pytest.mark.parametrize("cwd", ["/.compactor-id", "/.redis", "/.compactor-id.17.tmp"])
+def test_a_cwd_encoding_to_a_name_the_service_keeps_is_refused_not_held(
+        r: redis.Redis, settings: Settings, cwd: str) -> None:
+    """``/.compactor-id`` encodes to the data dir's id file: its session was held back for good
+    ("Not a directory", retried every second, its shard never trimmed); ``/.redis`` put logs among
+    the embedded Redis's files. Both are refused as the cwd's fault, by the watcher and the API."""
+    entry = raw(r, {"session": "s9", "cwd": cwd, "event": GOOD}, session_id="s9")
+    drain(Watcher(r, settings, name="w"), r, settings)
+    [letter] = dead_letters(r)
+    assert letter[b"id"].decode() == entry
+    assert "which the service keeps for its own files" in letter[b"reason"].decode()
+    assert not r.xpending(Keys().stream_for("s9"), Keys().group)["pending"]
+    with pytest.raises(InvalidInput, match="keeps for its own files"):
+        Publisher(r, settings).publish("s9", cwd, [user(1)])
 
 
 def test_entries_redelivered_after_a_crash_in_a_sessions_first_round_are_duplicates_not_letters(
