@@ -229,6 +229,11 @@ def sync_clock(client: redis.Redis) -> None:
         _clock_synced_at = now
 
 
+def redis_time_s() -> float:
+    """This host's clock moved to Redis's (as last synced by ``sync_clock``), in seconds."""
+    return (time.time_ns() + _clock_offset_ns) / 1e9
+
+
 def _next_ns() -> int:
     """A nanosecond stamp in Redis's time (as last synced), strictly increasing within this process."""
     global _last_ns

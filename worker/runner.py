@@ -53,12 +53,16 @@ import signal
 import threading
 import time
 from collections import deque
+from datetime import UTC, datetime
 from collections.abc import Iterator, Sequence
 from multiprocessing.process import BaseProcess
 from types import FrameType
 from typing import Any
 
 import redis
+import rq.executions
+import rq.intermediate_queue
+import rq.registry
 from rq import Queue, SimpleWorker, worker_registration
 from rq.executions import Execution
 from rq.intermediate_queue import IntermediateQueue
@@ -79,7 +83,9 @@ from compactor.queue import (
     pending_job_id,
     queue_unqueued_claim,
     redis_now,
+    redis_time_s,
     sessions_to_look_at,
+    sync_clock,
 )
 from compactor.serve import exit_with_parent, hangup_ignored
 from events.config import Settings
@@ -140,6 +146,7 @@ class _Keeper:
 
     def _loop(self) -> None:
         while not self._stop.wait(HEARTBEAT_INTERVAL_S):
+            self._sync_clock()
             self._beat()
             if not self._stop.is_set():  # (not once the worker ends: it unsubscribes and unregisters)
                 self._listen()
@@ -147,6 +154,14 @@ class _Keeper:
             if time.monotonic() >= self._next_janitor:
                 self._next_janitor = time.monotonic() + JANITOR_INTERVAL_S
                 self._janitor()
+
+    def _sync_clock(self) -> None:
+        """Keep the offset to Redis's clock that RQ's scores are taken in (``_on_redis_clock``)
+        measured (one ``TIME`` a minute)."""
+        try:
+            sync_clock(self.worker.connection)
+        except Exception as e:
+            self._failed("measuring the clock against Redis's", e)
 
     def _beat(self) -> None:
         with self._lock:
@@ -219,6 +234,8 @@ class CompactionWorker(SimpleWorker):
         self.settings = settings
         worker_context.install(context or WorkerContext.build(settings, connection))
         self.redis_wait = RedisWait(self.name)
+        with contextlib.suppress(redis.RedisError):  # (its first scores in Redis's time; else the keeper's)
+            sync_clock(connection)
         self.registered = False  # set once RQ's registration (``register_birth``) went through
         # The janitor's first run, once registered: RQ counts a stranded job's failure in the
         # worker's key, and one created before ``register_birth`` found it: the worker died at start.
@@ -532,7 +549,22 @@ class _StrandedJobs(IntermediateQueue):
 
     def should_be_cleaned_up(self, job_id: str) -> bool:
         first_seen = self.get_first_seen(job_id)
-        return first_seen is not None and time.time() - first_seen.timestamp() > STRANDED_AFTER_S
+        return first_seen is not None and redis_time_s() - first_seen.timestamp() > STRANDED_AFTER_S
+
+
+def _on_redis_clock() -> None:
+    """Have RQ score its registries of started jobs and executions (a job's expiry: its
+    heartbeat's time plus its TTL) and a taken job's first sighting in Redis's time, as this
+    service's claims, leases and job ids are (``compactor.queue.sync_clock``). RQ used the clock
+    of the host writing a score and of the host reading it: a worker host 30 s behind another had
+    its running jobs failed as abandoned by the other's cleanup (a forced compaction answered as
+    failed, then succeeding), and one 10 minutes ahead had a killed job recovered 10 minutes late."""
+    rq.registry.current_timestamp = lambda: int(redis_time_s())  # type: ignore[attr-defined]
+    rq.executions.current_timestamp = lambda: int(redis_time_s())  # type: ignore[attr-defined]
+    rq.intermediate_queue.now = lambda: datetime.fromtimestamp(redis_time_s(), UTC)  # type: ignore[attr-defined]
+
+
+_on_redis_clock()
 
 
 def _fail_stranded(worker: SimpleWorker, queue: Queue) -> None:

@@ -1518,6 +1518,37 @@ def test_the_janitors_recheck_of_a_log_a_paused_process_holds_is_deferred_not_wa
     assert job_id is not None and "-llm-" in job_id and compaction_queue(r, wsettings).job_ids == [job_id]
 
 
+def test_rqs_registries_of_running_jobs_are_scored_in_redis_time(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RQ scored a running job's expiry by its worker host's clock and read it by the cleaning
+    host's: a worker 30 s behind another had its running forced job failed as abandoned by the
+    other's cleanup, answered as failed while it went on to succeed. Scores are now taken in
+    Redis's time (the host's offset to it measured once a minute), whatever this host's clock."""
+    import rq.executions
+    import rq.intermediate_queue
+    import rq.registry
+
+    from compactor import queue as queue_module
+    from worker.runner import CompactionWorker
+
+    monkeypatch.setattr(queue_module, "_clock_offset_ns", 0)
+    monkeypatch.setattr(queue_module, "_clock_synced_at", None)
+    redis_time = r.time
+    ahead = 600  # Redis's clock 10 minutes ahead of this host's: this host is the one behind
+
+    def skewed() -> tuple[int, int]:
+        seconds, micros = redis_time()
+        return seconds + ahead, micros
+
+    monkeypatch.setattr(r, "time", skewed)
+    CompactionWorker.for_settings(r, wsettings)  # measures the offset
+    seconds, _ = skewed()
+    assert abs(rq.registry.current_timestamp() - seconds) <= 2
+    assert abs(rq.executions.current_timestamp() - seconds) <= 2
+    assert abs(rq.intermediate_queue.now().timestamp() - seconds) <= 2
+
+
 def test_a_worker_starting_beside_a_stranded_job_starts_and_fails_it(r: redis.Redis, wsettings: Settings) -> None:
     """A worker killed between taking a job from the queue and starting it leaves the job in RQ's
     intermediate queue. The next worker's janitor, run before its registration, failed the job
