@@ -298,6 +298,11 @@ def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+def iso_time(seconds: float) -> str:
+    """``seconds`` since the epoch as ``now_iso`` writes a time."""
+    return datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 def with_identity(event: Event, *, uuid: str | None = None, timestamp: str | None = None) -> Event:
     """Fill a missing ``uuid`` / ``timestamp`` (kept when the producer sent them)."""
     updates: dict[str, str] = {}

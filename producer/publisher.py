@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from pydantic import BaseModel
 
 from compactor.applied import parse_stream_id
 from compactor.keys import Keys
-from compactor.queue import check_bound_cwd, enqueue_compaction
+from compactor.queue import check_bound_cwd, enqueue_compaction, redis_time_s, sync_clock
 from events.config import Settings
 from events.errors import InvalidEvent, InvalidInput
 from events.log import session_log_path
@@ -154,11 +153,13 @@ class Publisher:
             raise ValueError("send_unsent needs the batch's events, their uuids: build it with prepare")
         key = self.keys.sent(batch.session_id)
         uuids = [event["uuid"] for event in batch.events]
+        sync_clock(self.redis)  # (the window in Redis's time: an API whose clock was 11 minutes ahead
+        # of another's published a retry again, and one behind pruned the others' records)
         with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(key)  # type: ignore[no-untyped-call]
-                    now = time.time()
+                    now = redis_time_s()
                     scores = pipe.zmscore(key, uuids) if uuids else []
                     sent = {i for i, score in enumerate(scores) if score is not None and float(score) > now - window_s}
                     fresh = batch.without(sent)

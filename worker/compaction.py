@@ -91,7 +91,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 
 from compactor.deferred import Deferred
-from compactor.queue import pending_job_id, queue_release, released_trigger
+from compactor.queue import pending_job_id, queue_release, redis_time_s, released_trigger
 from compactor.store import UNREAD, ApplyResult, SessionStore, Stored
 from events.config import ContextSettings, Settings
 from events.errors import (
@@ -102,7 +102,7 @@ from events.errors import (
     SummaryInvalid,
 )
 from events.log import SessionLog
-from events.models import TURN_SCOPED_TYPES, CompressResult, now_iso
+from events.models import TURN_SCOPED_TYPES, CompressResult, iso_time
 from events.state import SessionState, state_after_summary, stored_state
 from events.tokens import (
     MESSAGE_OVERHEAD_TOKENS,
@@ -853,7 +853,7 @@ def _new_line(kind: str, **fields: Any) -> dict[str, Any]:
     """A line of the worker's own, as ``to_wire(with_identity(<model>(...)))`` makes it (a new
     uuid, the time, then the fields), without the pydantic round trip: the worker's values
     (turn ids and uuids read from the log, the checked summary text) need no validation."""
-    return {"uuid": str(uuid.uuid4()), "timestamp": now_iso(), "type": kind, **fields}
+    return {"uuid": str(uuid.uuid4()), "timestamp": iso_time(redis_time_s()), "type": kind, **fields}
 
 
 def _covered(reading: LlmPass, covered: int) -> tuple[list[str], int]:

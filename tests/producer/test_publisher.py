@@ -357,3 +357,25 @@ def test_end_turn_under_an_idempotency_key_is_applied_once_when_retried(r: redis
     assert [line["type"] for line in log_lines(settings, "s1")] == ["user", "turn_end"]
     [letter] = [fields for _, fields in r.xrange(Keys(settings.redis.prefix, settings.redis.shards).dead)]
     assert b"duplicates an event already in this session" in letter[b"reason"]
+
+
+def test_the_window_of_sent_uuids_is_kept_in_redis_time(r: redis.Redis, settings: Settings,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each API scored the uuids it sent by its own host's clock: a retry sent to an API 11 minutes
+    ahead of the first was published again (then dead-lettered as a duplicate uuid), and one behind
+    pruned the others' records. The scores are Redis's time (the offset measured once a minute)."""
+    from compactor import queue as queue_module
+
+    monkeypatch.setattr(queue_module, "_clock_offset_ns", 0)
+    monkeypatch.setattr(queue_module, "_clock_synced_at", None)
+    redis_time = r.time
+
+    def skewed() -> tuple[int, int]:  # Redis 11 minutes ahead of this host
+        seconds, micros = redis_time()
+        return seconds + 660, micros
+
+    monkeypatch.setattr(r, "time", skewed)
+    publisher = Publisher(r, settings)
+    publisher.send_unsent(publisher.prepare("s1", CWD, [{**user(1), "uuid": "u-1"}]), 600)  # (the API's send)
+    score = r.zscore(Keys().sent("s1"), "u-1")
+    assert score is not None and abs(score - skewed()[0]) <= 2

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import orjson
@@ -1547,6 +1548,24 @@ def test_rqs_registries_of_running_jobs_are_scored_in_redis_time(
     assert abs(rq.registry.current_timestamp() - seconds) <= 2
     assert abs(rq.executions.current_timestamp() - seconds) <= 2
     assert abs(rq.intermediate_queue.now().timestamp() - seconds) <= 2
+
+
+def test_a_workers_own_lines_are_stamped_in_redis_time(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker host 10 minutes behind stamped its ``compact`` 10 minutes before the turn it
+    followed (the watcher stamps from the entries' ids, Redis's time): the log's times went
+    backwards, and ``status`` said ``micro 12m ago`` of a compaction 2 minutes old."""
+    from compactor import queue as queue_module
+
+    write_session(r, wsettings, "s1", 4, window=1000)
+    monkeypatch.setattr(queue_module, "_clock_offset_ns", 600 * 10**9)  # as measured: Redis 10 minutes ahead
+    before = time.time()
+    install(WorkerContext.build(wsettings, r))
+    micro_compact("s1", CWD)
+    [compact] = [e for e in read_log(wsettings, "s1") if e["type"] == "compact"]
+    stamped = datetime.fromisoformat(compact["timestamp"].replace("Z", "+00:00")).timestamp()
+    assert before + 600 - 1 <= stamped <= time.time() + 600 + 1
 
 
 def test_a_worker_starting_beside_a_stranded_job_starts_and_fails_it(r: redis.Redis, wsettings: Settings) -> None:
