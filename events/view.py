@@ -162,6 +162,9 @@ class LlmTargets:
     events: list[Event]  # as shown: an elided tool_result is a copy whose output is the shown text
     end_turn: int
     start_after: int  # lastSummarizedTurnId of previous_summary, 0 without one
+    # id() of each such copy -> the output it shows elided (the extractive summarizer reads errors
+    # and paths in it: the micro step elides long outputs long before a summary, its error lines too)
+    full_outputs: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -714,6 +717,7 @@ def llm_pass(
     min_chars = candidate_min_chars(ctx)
     tokens_of = _ElidedTokens(encoding)
     targets: list[Event] = []
+    full_outputs: dict[int, str] = {}
     blocks: list[str] = []
     replaces: list[str] = []
     others: list[Any] = []  # uuids of the events that stay visible and a summary could hide
@@ -748,6 +752,7 @@ def llm_pass(
                 else:
                     estimate = -(-stamped * len(shown) // len(output)) + MESSAGE_OVERHEAD_TOKENS
                     target = {**event, "output": shown, TOKEN_COUNT_FIELD: estimate, TOKEN_ENCODING_FIELD: encoding}
+                    full_outputs[id(target)] = output
                     target_tokens += estimate + block_tokens
                 targets.append(target)
                 blocks.append(render(target))
@@ -775,7 +780,8 @@ def llm_pass(
     compacted = outputs.compacted_after()
     replaced = set(replaces)
     return LlmPass(
-        targets=LlmTargets(previous_summary=previous, events=targets, end_turn=end_turn, start_after=start_after),
+        targets=LlmTargets(previous_summary=previous, events=targets, end_turn=end_turn, start_after=start_after,
+                           full_outputs=full_outputs),
         compact_turns=outputs.compact_turns(),
         blocks=blocks,
         target_tokens=target_tokens,

@@ -626,7 +626,8 @@ class Compactor:
         previous_text = previous_text if isinstance(previous_text, str) else None
         limit = self.summary_limit(view.window)
         if model == EXTRACTIVE_MODEL:
-            return extractive_summary(targets.events, previous_text, view.encoding, limit_tokens=limit)
+            return extractive_summary(targets.events, previous_text, view.encoding, limit_tokens=limit,
+                                      full_outputs=targets.full_outputs)
         # the window and the encoding of the model called: a fallback that is the session's model
         # has the session's window (its turn_end's contextWindow: litellm may not know the model, and
         # the default window let a whole backlog go in one request), and one of another encoding

@@ -35,10 +35,15 @@ Invariants:
   ``- [N earlier user messages omitted ...]`` line, which a later summary folds
   on (the messages stay in the session's log).
 - The previous summary's list-like sections (files, errors, user messages,
-  pending tasks, concepts) are carried forward and merged under the same
-  bounds, so nothing is lost across incremental compactions but what the
-  bounds drop; its *Primary Request* is kept (quoted and elided when longer
-  than the bound). Messages this module wrote are parsed back, so a rolling
+  pending tasks, concepts, decisions) are carried forward and merged under the
+  same bounds, so nothing is lost across incremental compactions but what the
+  bounds drop (an LLM's ``*``, ``+`` and numbered items and its prose lines are
+  items too); each list keeps its latest items, an item that comes back at its
+  latest place; its *Primary Request* is kept (quoted and elided when longer
+  than the bound), and so is its *Current Work* when the batch has no assistant
+  message.
+- Errors and paths are read from the whole output of a target the micro step
+  shows elided (``full_outputs``), not from what it shows. Messages this module wrote are parsed back, so a rolling
   summary quotes each message once and can cut a carried one further (not
   one inside a fenced block of other text: that is the other text's quote).
   A previous summary in none of the 10 sections (a producer's free text) is
@@ -51,7 +56,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,35 +115,43 @@ _PATH = re.compile(
 _PATH_ARGUMENT = re.compile(r"path|file|dir", re.IGNORECASE)  # a tool-call argument naming a path
 _ERROR = re.compile(r"(error|exception|traceback|failed|failure|fatal|panic|fault|denied|not found|abort)",
                     re.IGNORECASE)
+# Failure lines of test runners and build tools that say none of those words: go test's ``--- FAIL:`` and
+# ``FAIL``, jest's ``FAIL``, npm's ``npm ERR!``, pytest's ``E   ...``, an exit status
+_FAILURE = re.compile(r"\bFAIL\b|\bERR!|^E {2,}\S|\bexit (?:status|code):? [1-9]|^Killed$")
 _DECISION = re.compile(r"\b(because|decided|instead of|so that|rather than|chose|trade-?off)\b",
                        re.IGNORECASE)
 _PENDING = re.compile(r"(^\s*[-*]\s*\[ \]|\bTODO\b|\bFIXME\b)")
 
 
 def extractive_summary(events: Sequence[dict[str, Any]], previous_summary: str | None,
-                       encoding: str = DEFAULT_ENCODING, *, limit_tokens: int | None = None) -> str:
+                       encoding: str = DEFAULT_ENCODING, *, limit_tokens: int | None = None,
+                       full_outputs: Mapping[int, str] | None = None) -> str:
     """The summary text (the inner text of ``<summary>``) of ``events`` folded onto ``previous_summary``,
     no more tokens in ``encoding`` than they are, nor than ``limit_tokens`` (see the module's
-    invariants for the floor)."""
+    invariants for the floor). ``full_outputs``: ``id()`` of an event shown elided -> its whole
+    output, which errors and paths are read from (``LlmTargets.full_outputs``)."""
+    outputs = full_outputs or {}
     previous = split_sections(previous_summary) if previous_summary else {}
     # a previous summary in no section (a producer's free text) is carried whole, as one item
     carried: list[str | _Message] = _carried_messages(previous.get("All User Messages")) \
         if previous or not previous_summary else [_Message(previous_summary)]
-    text = _summary(events, previous_summary, previous, carried, encoding, limit_tokens)
+    text = _summary(events, previous_summary, previous, carried, encoding, limit_tokens, outputs)
     try:
         return canonical_summary(text)  # (a heading another summary's text quotes, carried, escaped)
     except SummaryInvalid:  # a previous summary this module did not write split where it should not be
-        text = _summary(events, previous_summary, {}, [_Message(previous_summary or "")], encoding, limit_tokens)
+        text = _summary(events, previous_summary, {}, [_Message(previous_summary or "")], encoding, limit_tokens,
+                        outputs)
     return canonical_summary(text)
 
 
 def _summary(events: Sequence[dict[str, Any]], previous_summary: str | None, previous: dict[str, str],
-             carried: list[str | _Message], encoding: str, limit_tokens: int | None) -> str:
+             carried: list[str | _Message], encoding: str, limit_tokens: int | None,
+             outputs: Mapping[int, str]) -> str:
     """``extractive_summary`` with the previous summary's sections (``previous``) and user
     messages (``carried``) read already."""
     users = [_str(e.get("content")) for e in events if e.get("type") == "user"]
     messages = carried + [_Message(text) for text in users]
-    text = _render(_sections(events, previous, users, BOUNDS), messages)
+    text = _render(_sections(events, previous, users, BOUNDS, outputs), messages)
     tokens = count_tokens(text, encoding) + MESSAGE_OVERHEAD_TOKENS
     cap = tokens if limit_tokens is None else min(tokens, limit_tokens + MESSAGE_OVERHEAD_TOKENS)
     replaced = _replaced_tokens(events, previous_summary, encoding, enough=cap)
@@ -146,26 +159,28 @@ def _summary(events: Sequence[dict[str, Any]], previous_summary: str | None, pre
         return text
     # (all counted when under ``cap``: the count stops early only at it)
     budget = min(replaced, cap) - MESSAGE_OVERHEAD_TOKENS
-    text = _fit(_sections(events, previous, users, TIGHT_BOUNDS), messages, budget, encoding)
+    text = _fit(_sections(events, previous, users, TIGHT_BOUNDS, outputs), messages, budget, encoding)
     if limit_tokens is None or count_tokens(text, encoding) <= limit_tokens:
         return text
-    return _within_limit(_sections(events, previous, users, MINIMAL_BOUNDS), messages, limit_tokens, encoding)
+    return _within_limit(_sections(events, previous, users, MINIMAL_BOUNDS, outputs), messages, limit_tokens,
+                         encoding)
 
 
 def _sections(events: Sequence[dict[str, Any]], previous: dict[str, str], users: list[str],
-              bounds: Bounds) -> dict[str, str]:
-    """The body of every section but *All User Messages*."""
+              bounds: Bounds, outputs: Mapping[int, str]) -> dict[str, str]:
+    """The body of every section but *All User Messages* (``outputs``: the whole outputs of the
+    events shown elided, by ``id()``)."""
     assistants = [e for e in events if e.get("type") == "assistant"]
     results = [e for e in events if e.get("type") == "tool_result"]
     return {
         "Primary Request": _primary_request(previous, users, bounds),
         "Key Technical Concepts": _concepts(previous, assistants, bounds),
-        "Files and Code Sections": _files(previous, events, bounds),
-        "Errors and Fixes": _errors(previous, results, bounds),
+        "Files and Code Sections": _files(previous, events, bounds, outputs),
+        "Errors and Fixes": _errors(previous, results, bounds, outputs),
         "Problem Solving": _problem_solving(previous, events, assistants, results, bounds),
         "Decision Rationale": _decisions(previous, assistants, bounds),
         "Pending Tasks": _pending(previous, events, bounds),
-        "Current Work": _current_work(assistants, bounds),
+        "Current Work": _current_work(previous, assistants, bounds),
         "Optional Next Step": _next_step(users, bounds),
     }
 
@@ -378,17 +393,22 @@ def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]], bounds
     if tools:
         used = ", ".join(f"{name} ({count}x)" for name, count in sorted(tools.items()))
         lines.append(f"{_TOOLS_USED}{_clip(used, bounds.line_chars)}")
-    return "\n".join(_unique(lines)[-bounds.concepts:])
+    return "\n".join(_latest(lines, bounds.concepts))
 
 
 _TOOLS_USED = "- tools used: "
 _TOOL_COUNT = re.compile(r"(.+) \((\d+)x\)")
 
 
-def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: Bounds) -> str:
-    found: list[str] = [line[2:] for line in _carried(previous.get("Files and Code Sections"))]
+def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: Bounds,
+           outputs: Mapping[int, str]) -> str:
+    found: list[str] = []
+    for line in _carried(previous.get("Files and Code Sections")):
+        item = line[2:]  # this module's items are paths; another's may say more around its paths
+        found.extend([item] if _PATH.fullmatch(item) or not any(c.isspace() for c in item)
+                     else [match.group(1) for match in _PATH.finditer(item)])
     for event in events:
-        for text in _texts(event):
+        for text in _texts(event, outputs):
             found.extend(match.group(1) for match in _PATH.finditer(text))
         found.extend(_path_arguments(event))
     # the most recently named, each at its last mention: the first ones kept froze the list (a
@@ -397,14 +417,15 @@ def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: B
     return "\n".join(f"- {path}" for path in reversed(recent))
 
 
-def _errors(previous: dict[str, str], results: list[dict[str, Any]], bounds: Bounds) -> str:
+def _errors(previous: dict[str, str], results: list[dict[str, Any]], bounds: Bounds,
+            outputs: Mapping[int, str]) -> str:
     lines = _carried(previous.get("Errors and Fixes"))
     for event in results:
-        for line in _str(event.get("output")).splitlines():
-            if _ERROR.search(line):
+        for line in (outputs.get(id(event)) or _str(event.get("output"))).splitlines():
+            if _ERROR.search(line) or _FAILURE.search(line):
                 name = _clip(_one_line(_str(event.get("toolName", ""))), bounds.line_chars)
                 lines.append(f"- [{name}] {_clip(line.strip(), bounds.line_chars)}")
-    return "\n".join(_unique(lines)[-bounds.error_lines:])
+    return "\n".join(_latest(lines, bounds.error_lines))
 
 
 def _problem_solving(previous: dict[str, str], events: Sequence[dict[str, Any]],
@@ -425,7 +446,7 @@ def _problem_solving(previous: dict[str, str], events: Sequence[dict[str, Any]],
         lines.append(f"- turns {start}-{max(turns)} summarized extractively (no LLM); turns {min(turns)}-"
                      f"{max(turns)}: {len(assistants)} assistant messages, {calls} tool calls, "
                      f"{len(results)} tool results.")
-    return "\n".join(_unique(lines)[-bounds.decisions:])
+    return "\n".join(_latest(lines, bounds.decisions))
 
 
 _SUMMARIZED = re.compile(r"- turns (\d+)-\d+ summarized extractively \(no LLM\)")
@@ -437,7 +458,7 @@ def _decisions(previous: dict[str, str], assistants: list[dict[str, Any]], bound
         for sentence in re.split(r"(?<=[.!?])\s+|\n", _str(event.get("content"))):
             if _DECISION.search(sentence):
                 lines.append(f"- {_clip(_one_line(sentence), bounds.line_chars)}")  # (``\r###`` ended its line)
-    return "\n".join(_unique(lines)[-bounds.decisions:])
+    return "\n".join(_latest(lines, bounds.decisions))
 
 
 def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: Bounds) -> str:
@@ -447,10 +468,12 @@ def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds:
             for line in _str(event.get("content")).splitlines():
                 if _PENDING.search(line):
                     lines.append(f"- {_clip(line.strip().lstrip('-* ').strip(), bounds.line_chars)}")
-    return "\n".join(_unique(lines)[-bounds.pending:])
+    return "\n".join(_latest(lines, bounds.pending))
 
 
-def _current_work(assistants: list[dict[str, Any]], bounds: Bounds) -> str:
+def _current_work(previous: dict[str, str], assistants: list[dict[str, Any]], bounds: Bounds) -> str:
+    """The last assistant message (and its tool calls), quoted; without one in the batch, the
+    previous summary's (the transcript's last is there: it was erased, ``None.``)."""
     for event in reversed(assistants):
         content = _str(event.get("content")).strip()
         calls = [f"-> {_clip(_one_line(_str(c.get('name', ''))), bounds.line_chars)}"
@@ -461,7 +484,11 @@ def _current_work(assistants: list[dict[str, Any]], bounds: Bounds) -> str:
         if content or calls:
             text = _quote(_elide(content, bounds.current_work_chars)) if content else ""
             return "\n".join(part for part in [text, *calls] if part)
-    return ""
+    carried = previous.get("Current Work", "None.")
+    if carried == "None.":
+        return ""
+    return carried if len(carried) <= bounds.current_work_chars else _quote(
+        _elide(_unquoted(carried), bounds.current_work_chars))
 
 
 def _next_step(users: list[str], bounds: Bounds) -> str:
@@ -470,9 +497,9 @@ def _next_step(users: list[str], bounds: Bounds) -> str:
     return "Continue with the most recent user request:\n" + _quote(_elide(users[-1], bounds.request_chars))
 
 
-def _texts(event: dict[str, Any]) -> Iterable[str]:
+def _texts(event: dict[str, Any], outputs: Mapping[int, str]) -> Iterable[str]:
     yield _str(event.get("content"))
-    yield _str(event.get("output"))
+    yield outputs.get(id(event)) or _str(event.get("output"))
     for call in tool_calls(event):
         yield arguments_json(call.get("arguments", ""))
 
@@ -495,8 +522,30 @@ def _path_arguments(event: dict[str, Any]) -> Iterable[str]:
 
 
 def _carried(body: str | None) -> list[str]:
-    """The ``- `` items of a previous section."""
-    return [line for line in (body or "").splitlines() if line.startswith("- ")]
+    """The items of a previous section as ``- `` lines: this module's (``- ``), and an LLM's
+    bullets (``* ``, ``+ ``, ``1. ``, nested ones too) and prose lines (only ``- `` lines were
+    carried: an LLM summary's numbered or ``*`` lists, and its prose, were lost when the
+    extractive fallback took over); fence lines and ``None.`` are no items."""
+    lines = []
+    for line in (body or "").splitlines():
+        if line.startswith("- "):
+            lines.append(line)
+            continue
+        text = line.strip()
+        if not text or text in ("None.", "None") or _FENCE.match(text):
+            continue
+        bullet = _BULLET.match(text)
+        lines.append(f"- {_clip(bullet.group(1) if bullet else text)}")
+    return lines
+
+
+_BULLET = re.compile(r"(?:[-*+]|\d{1,3}[.)])\s+(.*)")
+
+
+def _latest(items: list[str], count: int) -> list[str]:
+    """The last ``count`` distinct items, each at its last mention, in order: an item that came
+    back (the same error in the newest turn) was kept at its first place and dropped first."""
+    return list(dict.fromkeys(reversed(items)))[:count][::-1]
 
 
 def _verbatim(text: str) -> str:
@@ -537,7 +586,3 @@ def _one_line(text: str) -> str:
 
 def _clip(text: str, limit: int = MAX_LINE_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _unique(items: Iterable[str]) -> list[str]:
-    return list(dict.fromkeys(items))

@@ -415,3 +415,60 @@ def test_files_keep_the_most_recently_named_through_rolls() -> None:
         previous = extractive_summary(events, previous, limit_tokens=8000)
     files = split_sections(previous)["Files and Code Sections"].splitlines()
     assert files[-1] == "- src/mod79.py" and "- src/mod1.py" not in files, files[-3:]
+
+
+def test_errors_and_paths_in_an_output_shown_elided_are_read_from_the_whole_output() -> None:
+    """The micro step elides long outputs at a quarter of the window, long before a summary: the
+    error lines and paths in their middle were gone from the targets, and Errors and Fixes said
+    ``None.`` for 18 turns of failing commands."""
+    output = "ok\n" * 400 + "UniqueError7: database connection refused at db/conn7.py\n" + "ok\n" * 400
+    shown = {"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "execute_command",
+             "output": output[:40] + "\n[… elided …]\n" + output[-40:]}
+    text = extractive_summary([{"type": "user", "turnId": 1, "content": "run it"}, shown], None,
+                              full_outputs={id(shown): output})
+    sections = split_sections(text)
+    assert "UniqueError7: database connection refused at db/conn7.py" in sections["Errors and Fixes"]
+    assert "- db/conn7.py" in sections["Files and Code Sections"].splitlines()
+    assert "UniqueError7" not in split_sections(extractive_summary([shown], None))["Errors and Fixes"]  # (shown alone)
+
+
+def test_an_llm_summarys_lists_and_prose_are_carried_when_the_fallback_takes_over() -> None:
+    """Only ``- `` lines were carried: an LLM's numbered and ``*`` lists and its prose (files,
+    errors, pending tasks ...) were lost at the first extractive summary after it."""
+    previous = "\n".join([
+        "### Primary Request", "Build the API.", "### Key Technical Concepts", "* FastAPI", "* SQLAlchemy sessions",
+        "### Files and Code Sections", "1. app/api/handlers.py — the request handlers",
+        "2. `app/db.py`: the engine", "### Errors and Fixes", "The NoResultFound error was fixed by a guard.",
+        "### Problem Solving", "None.", "### Decision Rationale", "+ kept sync handlers because of the driver",
+        "### All User Messages", "- build the API", "### Pending Tasks", "1. Update docs/api.md",
+        "### Current Work", "Writing tests.", "### Optional Next Step", "None."])
+    text = extractive_summary([{"type": "user", "turnId": 5, "content": "go on"}], previous)
+    sections = split_sections(text)
+    assert "- FastAPI" in sections["Key Technical Concepts"] and "- SQLAlchemy sessions" in sections["Key Technical Concepts"]
+    assert {"- app/api/handlers.py", "- app/db.py"} <= set(sections["Files and Code Sections"].splitlines())
+    assert "- The NoResultFound error was fixed by a guard." in sections["Errors and Fixes"]
+    assert "- kept sync handlers because of the driver" in sections["Decision Rationale"]
+    assert "- Update docs/api.md" in sections["Pending Tasks"]
+    assert "Writing tests." in sections["Current Work"]  # (no assistant message in the batch: carried)
+
+
+def test_an_error_that_comes_back_is_listed_at_its_latest_place() -> None:
+    """The 30 error lines kept were the first distinct ones: the newest turn's error, seen once
+    long before, was dropped first, and stale ones stayed."""
+    def failing(turn: int, line: str) -> dict[str, Any]:
+        return {"type": "tool_result", "turnId": turn, "toolCallId": "c", "toolName": "run", "output": line}
+
+    events = [failing(1, "ImportError: no module named x"),
+              *(failing(n, f"Warning{n} failed to load") for n in range(2, 31)),
+              failing(31, "ImportError: no module named x")]
+    errors = split_sections(extractive_summary(events, None))["Errors and Fixes"].splitlines()
+    assert errors[-1] == "- [run] ImportError: no module named x" and len(errors) == len(set(errors))
+
+
+def test_test_runners_and_build_tools_failure_lines_are_errors() -> None:
+    output = "\n".join(["--- FAIL: TestParse (0.00s)", "FAIL\texample.com/pkg", "npm ERR! code ELIFECYCLE",
+                        "E       assert 1 == 2", "exit status 1", "ok  \texample.com/other"])
+    errors = split_sections(extractive_summary(
+        [{"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "run", "output": output}], None,
+    ))["Errors and Fixes"]
+    assert len(errors.splitlines()) == 5 and "example.com/other" not in errors

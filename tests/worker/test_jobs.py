@@ -34,7 +34,7 @@ from worker.failures import FailureCounter
 from worker import jobs as worker_jobs
 from worker.jobs import llm_compact, micro_compact, recheck
 from events.tokens import MESSAGE_OVERHEAD_TOKENS, count_tokens
-from worker.summarize import build_messages, extract_summary, render_transcript, validate_summary_text
+from worker.summarize import build_messages, extract_summary, render_transcript, split_sections, validate_summary_text
 
 
 def _summaries(settings: Settings, sid: str) -> list[dict[str, Any]]:
@@ -1566,6 +1566,22 @@ def test_a_workers_own_lines_are_stamped_in_redis_time(
     [compact] = [e for e in read_log(wsettings, "s1") if e["type"] == "compact"]
     stamped = datetime.fromisoformat(compact["timestamp"].replace("Z", "+00:00")).timestamp()
     assert before + 600 - 1 <= stamped <= time.time() + 600 + 1
+
+
+def test_the_extractive_summary_reads_errors_in_outputs_the_micro_step_elides(
+    r: redis.Redis, settings: Settings,
+) -> None:
+    """The extractive summarizer got the targets as shown, long outputs elided by the micro step:
+    their error lines and paths were never in its summary."""
+    ext = make_settings(settings, compaction_model="extractive")
+    output = "ok\n" * 300 + "ConnError: refused at db/conn.py\n" + "ok\n" * 300
+    write_session(r, ext, "s1", 4, output=output, tool="execute_command", window=4_000)
+    install(WorkerContext.build(ext, r))
+    assert llm_compact("s1", CWD, forced=True)["didCompress"] is True
+    [summary] = _summaries(ext, "s1")
+    sections = split_sections(summary["summaryText"])
+    assert "ConnError: refused at db/conn.py" in sections["Errors and Fixes"]
+    assert "- db/conn.py" in sections["Files and Code Sections"].splitlines()
 
 
 def test_a_worker_starting_beside_a_stranded_job_starts_and_fails_it(r: redis.Redis, wsettings: Settings) -> None:
