@@ -101,15 +101,19 @@ TIGHT_BOUNDS = Bounds(files=20, error_lines=10, decisions=5, pending=10, concept
 MINIMAL_BOUNDS = Bounds(files=5, error_lines=3, decisions=2, pending=3, concepts=3, line_chars=100,
                         request_chars=200, current_work_chars=300)
 
+_SEGMENT = r"[\w.@+\[\]-]"  # a path segment's characters (``@types``, ``[id]``, SvelteKit's ``+page``)
 _PATH = re.compile(
-    r"(?<![\w/.<\\-])("
+    r"(?<![\w/.<\\@+\[\]-])("
     # Windows: from a drive (C:\src\app), or relative with an extension (src\app\main.py); its
     # basename alone was listed
     r"[A-Za-z]:\\(?:[\w.-]+\\)*[\w.-]*[\w-]\\?|(?:\.{1,2}\\)?(?:[\w.-]+\\)+[\w.-]+\.[A-Za-z0-9]{1,8}"
-    r"|(?:~|\.{1,2})?/?(?:[\w.-]+/)+[\w.-]+\.[A-Za-z0-9]{1,8}|[\w-]+\.(?:py|js|ts|tsx|jsx|"
-    r"go|rs|java|rb|c|h|cpp|hpp|cs|md|json|ya?ml|toml|ini|cfg|sh|sql|html|css|txt|lock)"
-    r"|(?:~|\.{1,2})?/(?:[\w.-]+/)*[\w.-]*[\w-]/?"  # absolute, home or dot-relative, no extension needed
-    r"|(?:Makefile|Dockerfile|Containerfile|Procfile|Gemfile|Rakefile|Jenkinsfile|Vagrantfile|README|LICENSE))"
+    rf"|(?:~|\.{{1,2}})?/?(?:{_SEGMENT}+/)+{_SEGMENT}+\.[A-Za-z0-9]{{1,8}}|[\w-]+\.(?:py|js|ts|tsx|jsx|"
+    r"go|rs|java|rb|c|h|cpp|hpp|cs|md|json|ya?ml|toml|ini|cfg|sh|sql|html|css|txt|lock|vue|svelte|kt|kts|"
+    r"swift|php|gradle|mod|sum|scala|ex|exs|dart|tf|proto|xml|env)"
+    rf"|(?:~|\.{{1,2}})?/(?:{_SEGMENT}+/)*{_SEGMENT}*[\w\]-]/?"  # absolute, home or dot-relative, no extension needed
+    # (``Dockerfile.dev`` was listed as ``Dockerfile``: another file)
+    r"|(?:Makefile|Dockerfile|Containerfile|Procfile|Gemfile|Rakefile|Jenkinsfile|Vagrantfile|README|LICENSE)"
+    r"(?:\.[\w-]+)?)"
     r"(?![\w/\\])"
 )
 _PATH_ARGUMENT = re.compile(r"path|file|dir", re.IGNORECASE)  # a tool-call argument naming a path

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 from events.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD_TOKENS, count_tokens, event_tokens
@@ -472,3 +473,19 @@ def test_test_runners_and_build_tools_failure_lines_are_errors() -> None:
         [{"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "run", "output": output}], None,
     ))["Errors and Fixes"]
     assert len(errors.splitlines()) == 5 and "example.com/other" not in errors
+
+
+def test_paths_with_at_signs_brackets_plus_signs_and_other_languages_files_are_listed_whole() -> None:
+    text = ("edited app/[id]/page.tsx, node_modules/@types/node/index.d.ts, src/routes/+page.svelte, "
+            "Dockerfile.dev, go.mod, App.vue and main.kt; mail bob@example.com about array[0].x")
+    files = split_sections(extractive_summary([{"type": "assistant", "turnId": 1, "content": text}], None))[
+        "Files and Code Sections"].splitlines()
+    assert files == [f"- {p}" for p in ("app/[id]/page.tsx", "node_modules/@types/node/index.d.ts",
+                                        "src/routes/+page.svelte", "Dockerfile.dev", "go.mod", "App.vue", "main.kt")]
+
+
+def test_path_finding_stays_linear_on_runs_of_path_characters() -> None:
+    started = time.monotonic()
+    for text in ("[" * 50_000 + "/" + "]" * 50_000, "+" * 50_000 + "/" + "@" * 50_000, "@a" * 30_000 + "/x" * 30_000):
+        extractive_summary([{"type": "assistant", "turnId": 1, "content": text}], None)
+    assert time.monotonic() - started < 3.0
