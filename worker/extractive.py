@@ -42,8 +42,9 @@ Invariants:
   latest place; its *Primary Request* is kept (quoted and elided when longer
   than the bound), and so is its *Current Work* when the batch has no assistant
   message.
-- Errors and paths are read from the whole output of a target the micro step
-  shows elided (``full_outputs``), not from what it shows. Messages this module wrote are parsed back, so a rolling
+- Errors are read from the whole output of a target the micro step shows
+  elided (``full_outputs``), not from what it shows (paths from what it shows:
+  a long listing, whole, pushed the files edited out of the list). Messages this module wrote are parsed back, so a rolling
   summary quotes each message once and can cut a carried one further (not
   one inside a fenced block of other text: that is the other text's quote).
   A previous summary in none of the 10 sections (a producer's free text) is
@@ -101,16 +102,17 @@ TIGHT_BOUNDS = Bounds(files=20, error_lines=10, decisions=5, pending=10, concept
 MINIMAL_BOUNDS = Bounds(files=5, error_lines=3, decisions=2, pending=3, concepts=3, line_chars=100,
                         request_chars=200, current_work_chars=300)
 
-_SEGMENT = r"[\w.@+\[\]-]"  # a path segment's characters (``@types``, ``[id]``, SvelteKit's ``+page``)
+_SEGMENT = r"[\w.+-]"  # a path segment's characters (SvelteKit's ``+page``; ``[`` and ``@`` are not: a
+# markdown link's ``[src/app.py]`` and an agent's ``@src/app.py`` were listed with them)
 _PATH = re.compile(
-    r"(?<![\w/.<\\@+\[\]-])("
+    r"(?<![\w/.<\\+-])("
     # Windows: from a drive (C:\src\app), or relative with an extension (src\app\main.py); its
     # basename alone was listed
     r"[A-Za-z]:\\(?:[\w.-]+\\)*[\w.-]*[\w-]\\?|(?:\.{1,2}\\)?(?:[\w.-]+\\)+[\w.-]+\.[A-Za-z0-9]{1,8}"
     rf"|(?:~|\.{{1,2}})?/?(?:{_SEGMENT}+/)+{_SEGMENT}+\.[A-Za-z0-9]{{1,8}}|[\w-]+\.(?:py|js|ts|tsx|jsx|"
     r"go|rs|java|rb|c|h|cpp|hpp|cs|md|json|ya?ml|toml|ini|cfg|sh|sql|html|css|txt|lock|vue|svelte|kt|kts|"
     r"swift|php|gradle|mod|sum|scala|ex|exs|dart|tf|proto|xml|env)"
-    rf"|(?:~|\.{{1,2}})?/(?:{_SEGMENT}+/)*{_SEGMENT}*[\w\]-]/?"  # absolute, home or dot-relative, no extension needed
+    rf"|(?:~|\.{{1,2}})?/(?:{_SEGMENT}+/)*{_SEGMENT}*[\w-]/?"  # absolute, home or dot-relative, no extension needed
     # (``Dockerfile.dev`` was listed as ``Dockerfile``: another file)
     r"|(?:Makefile|Dockerfile|Containerfile|Procfile|Gemfile|Rakefile|Jenkinsfile|Vagrantfile|README|LICENSE)"
     r"(?:\.[\w-]+)?)"
@@ -164,6 +166,10 @@ def _summary(events: Sequence[dict[str, Any]], previous_summary: str | None, pre
     # (all counted when under ``cap``: the count stops early only at it)
     budget = min(replaced, cap) - MESSAGE_OVERHEAD_TOKENS
     text = _fit(_sections(events, previous, users, TIGHT_BOUNDS, outputs), messages, budget, encoding)
+    if count_tokens(text, encoding) > budget:  # (an LLM summary's lists, carried: larger than what it replaced)
+        minimal = _fit(_sections(events, previous, users, MINIMAL_BOUNDS, outputs), messages, budget, encoding)
+        if count_tokens(minimal, encoding) < count_tokens(text, encoding):
+            text = minimal
     if limit_tokens is None or count_tokens(text, encoding) <= limit_tokens:
         return text
     return _within_limit(_sections(events, previous, users, MINIMAL_BOUNDS, outputs), messages, limit_tokens,
@@ -408,11 +414,11 @@ def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: B
            outputs: Mapping[int, str]) -> str:
     found: list[str] = []
     for line in _carried(previous.get("Files and Code Sections")):
-        item = line[2:]  # this module's items are paths; another's may say more around its paths
+        item = line[2:].strip("`*_ ")  # this module's items are paths; another's may say more around them
         found.extend([item] if _PATH.fullmatch(item) or not any(c.isspace() for c in item)
                      else [match.group(1) for match in _PATH.finditer(item)])
     for event in events:
-        for text in _texts(event, outputs):
+        for text in _texts(event):
             found.extend(match.group(1) for match in _PATH.finditer(text))
         found.extend(_path_arguments(event))
     # the most recently named, each at its last mention: the first ones kept froze the list (a
@@ -491,8 +497,9 @@ def _current_work(previous: dict[str, str], assistants: list[dict[str, Any]], bo
     carried = previous.get("Current Work", "None.")
     if carried == "None.":
         return ""
-    return carried if len(carried) <= bounds.current_work_chars else _quote(
-        _elide(_unquoted(carried), bounds.current_work_chars))
+    # (quoted: another summary's, carried as it is, held a ``### Optional Next Step`` line that took
+    # that section's place)
+    return _quote(_elide(_unquoted(carried), bounds.current_work_chars))
 
 
 def _next_step(users: list[str], bounds: Bounds) -> str:
@@ -501,9 +508,9 @@ def _next_step(users: list[str], bounds: Bounds) -> str:
     return "Continue with the most recent user request:\n" + _quote(_elide(users[-1], bounds.request_chars))
 
 
-def _texts(event: dict[str, Any], outputs: Mapping[int, str]) -> Iterable[str]:
+def _texts(event: dict[str, Any]) -> Iterable[str]:
     yield _str(event.get("content"))
-    yield outputs.get(id(event)) or _str(event.get("output"))
+    yield _str(event.get("output"))  # (as shown: a long listing, whole, pushed the edited files out)
     for call in tool_calls(event):
         yield arguments_json(call.get("arguments", ""))
 

@@ -429,7 +429,6 @@ def test_errors_and_paths_in_an_output_shown_elided_are_read_from_the_whole_outp
                               full_outputs={id(shown): output})
     sections = split_sections(text)
     assert "UniqueError7: database connection refused at db/conn7.py" in sections["Errors and Fixes"]
-    assert "- db/conn7.py" in sections["Files and Code Sections"].splitlines()
     assert "UniqueError7" not in split_sections(extractive_summary([shown], None))["Errors and Fixes"]  # (shown alone)
 
 
@@ -468,20 +467,31 @@ def test_an_error_that_comes_back_is_listed_at_its_latest_place() -> None:
 
 def test_test_runners_and_build_tools_failure_lines_are_errors() -> None:
     output = "\n".join(["--- FAIL: TestParse (0.00s)", "FAIL\texample.com/pkg", "npm ERR! code ELIFECYCLE",
-                        "E       assert 1 == 2", "exit status 1", "ok  \texample.com/other"])
+                        "E       assert 1 == 2", "exit status 1", "ok  \texample.com/other", *["fine"] * 2_000])
     errors = split_sections(extractive_summary(
         [{"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "run", "output": output}], None,
     ))["Errors and Fixes"]
     assert len(errors.splitlines()) == 5 and "example.com/other" not in errors
 
 
-def test_paths_with_at_signs_brackets_plus_signs_and_other_languages_files_are_listed_whole() -> None:
-    text = ("edited app/[id]/page.tsx, node_modules/@types/node/index.d.ts, src/routes/+page.svelte, "
-            "Dockerfile.dev, go.mod, App.vue and main.kt; mail bob@example.com about array[0].x")
-    files = split_sections(extractive_summary([{"type": "assistant", "turnId": 1, "content": text}], None))[
+def test_paths_with_plus_signs_and_other_languages_files_are_listed_whole_and_brackets_left_out() -> None:
+    text = ("edited src/routes/+page.svelte, Dockerfile.dev, go.mod, App.vue and main.kt; see [src/app.py](src/a.py), "
+            "files: [/etc/hosts], look at @src/b.py")
+    filler = {"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "run", "output": "fine\n" * 2_000}
+    files = split_sections(extractive_summary([{"type": "assistant", "turnId": 1, "content": text}, filler], None))[
         "Files and Code Sections"].splitlines()
-    assert files == [f"- {p}" for p in ("app/[id]/page.tsx", "node_modules/@types/node/index.d.ts",
-                                        "src/routes/+page.svelte", "Dockerfile.dev", "go.mod", "App.vue", "main.kt")]
+    assert files == [f"- {p}" for p in ("src/routes/+page.svelte", "Dockerfile.dev", "go.mod", "App.vue", "main.kt",
+                                        "src/app.py", "src/a.py", "/etc/hosts", "src/b.py")]
+
+
+def test_a_carried_current_work_cannot_take_another_sections_place() -> None:
+    previous = "\n".join(["## Primary Request", "x", *(f"## {t}\nNone." for t in SECTION_TITLES[1:8]),
+                          "## Current Work", "Drafting the README:", "### Optional Next Step", "write install steps",
+                          "## Optional Next Step", "None."])
+    sections = split_sections(extractive_summary([{"type": "user", "turnId": 3, "content": "add a CHANGELOG"}],
+                                                 previous))
+    assert "Drafting the README" in sections["Current Work"]
+    assert sections["Optional Next Step"].startswith("Continue with the most recent user request")
 
 
 def test_path_finding_stays_linear_on_runs_of_path_characters() -> None:

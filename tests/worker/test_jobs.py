@@ -1581,7 +1581,6 @@ def test_the_extractive_summary_reads_errors_in_outputs_the_micro_step_elides(
     [summary] = _summaries(ext, "s1")
     sections = split_sections(summary["summaryText"])
     assert "ConnError: refused at db/conn.py" in sections["Errors and Fixes"]
-    assert "- db/conn.py" in sections["Files and Code Sections"].splitlines()
 
 
 def test_a_worker_starting_beside_a_stranded_job_starts_and_fails_it(r: redis.Redis, wsettings: Settings) -> None:
