@@ -162,8 +162,8 @@ class LlmTargets:
     events: list[Event]  # as shown: an elided tool_result is a copy whose output is the shown text
     end_turn: int
     start_after: int  # lastSummarizedTurnId of previous_summary, 0 without one
-    # id() of each such copy -> the output it shows elided (the extractive summarizer reads errors
-    # and paths in it: the micro step elides long outputs long before a summary, its error lines too)
+    # id() of each such copy -> the output it shows elided (the extractive summarizer reads errors in
+    # it: the micro step elides long outputs long before a summary, their error lines too)
     full_outputs: dict[int, str] = field(default_factory=dict)
 
 

@@ -23,7 +23,7 @@ Invariants:
   ``limit_tokens`` (the compaction's limit on a summary, counted without the
   message overhead). When the
   usual bounds exceed that, the sections are rendered again with
-  ``TIGHT_BOUNDS``; when even that exceeds it (what is replaced is almost all
+  ``TIGHT_BOUNDS`` (``MINIMAL_BOUNDS`` when that is still larger and they are less); when even that exceeds it (what is replaced is almost all
   user messages), the longest user messages are cut to their head and tail,
   at least ``MIN_KEPT_CHARS`` of each kept, under a ``- message (elided: N of
   L characters omitted):`` item with the omitted count between the two parts.
@@ -40,16 +40,16 @@ Invariants:
   bounds drop (an LLM's ``*``, ``+`` and numbered items and its prose lines are
   items too); each list keeps its latest items, an item that comes back at its
   latest place; its *Primary Request* is kept (quoted and elided when longer
-  than the bound), and so is its *Current Work* when the batch has no assistant
-  message.
-- Errors are read from the whole output of a target the micro step shows
-  elided (``full_outputs``), not from what it shows (paths from what it shows:
-  a long listing, whole, pushed the files edited out of the list). Messages this module wrote are parsed back, so a rolling
+  than the bound), and so is its *Current Work* (quoted) when the batch has
+  no assistant message. Messages this module wrote are parsed back, so a rolling
   summary quotes each message once and can cut a carried one further (not
   one inside a fenced block of other text: that is the other text's quote).
   A previous summary in none of the 10 sections (a producer's free text) is
   carried whole as one message; so is any previous summary whose sections,
   carried, would make the output fail validation.
+- Errors are read from the whole output of a target the micro step shows
+  elided (``full_outputs``), not from what it shows (paths from what it shows:
+  a long listing, whole, pushed the files edited out of the list).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def extractive_summary(events: Sequence[dict[str, Any]], previous_summary: str |
     """The summary text (the inner text of ``<summary>``) of ``events`` folded onto ``previous_summary``,
     no more tokens in ``encoding`` than they are, nor than ``limit_tokens`` (see the module's
     invariants for the floor). ``full_outputs``: ``id()`` of an event shown elided -> its whole
-    output, which errors and paths are read from (``LlmTargets.full_outputs``)."""
+    output, which errors are read from (``LlmTargets.full_outputs``)."""
     outputs = full_outputs or {}
     previous = split_sections(previous_summary) if previous_summary else {}
     # a previous summary in no section (a producer's free text) is carried whole, as one item
