@@ -146,8 +146,7 @@ def prepare_multiprocess_dir(directory: Path) -> Path:
             ours.append((path, None))  # not named by ``process_identifier``
         elif prefix.endswith(f"_{HOST}"):
             ours.append((path, int(pid)))
-    running = {pid for pid in {pid for _, pid in ours if pid is not None} if _running(pid)} - {os.getpid()}
-    if not running:
+    if not any(pid is not None and pid != os.getpid() and _running(pid) for _, pid in ours):
         for path, _ in ours:
             path.unlink(missing_ok=True)
     return directory

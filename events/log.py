@@ -241,19 +241,19 @@ class SessionLog:
             os.close(fd)
         self._lock_fd = fd
         _ROOTS_SEEN.add(self._root)
+        size = os.fstat(fd).st_size
         try:
-            self._end_whole_last_line(fd, os.fstat(fd).st_size)
+            self._end_whole_last_line(fd, size, _complete_size(fd, size))
         except LogWriteFailed as e:  # (``append`` tries again, and raises)
             logger.warning("%s", e)
 
-    def _end_whole_last_line(self, fd: int, size: int) -> int | None:
+    def _end_whole_last_line(self, fd: int, size: int, keep: int) -> int | None:
         """When only the newline of the log's last line is missing (an editor dropped it, or a
         writer died right before it), add it and return the new size; None when the log ends
         with a newline or a torn fragment. Done as the lock is taken, so that every reader under
         it sees the line ``append`` would have kept: the store's catch-up read past its recorded
         size without it, then the append kept it, so its uuid went unknown (a redelivered entry
-        written twice) and the stored estimate never counted it."""
-        keep = _complete_size(fd, size)
+        written twice) and the stored estimate never counted it. (``keep``: ``_complete_size``.)"""
         if keep == size or not _whole_event(os.pread(fd, size - keep, keep)):
             return None
         logger.warning("the last line of %s had no newline: one added", self.path)
@@ -538,7 +538,7 @@ class SessionLog:
         keep = _complete_size(fd, size)
         if keep == size:
             return size
-        ended = self._end_whole_last_line(fd, size)  # (when taking the lock could not)
+        ended = self._end_whole_last_line(fd, size, keep)  # (when taking the lock could not)
         if ended is not None:
             return ended
         fragment = os.pread(fd, size - keep, keep)

@@ -886,7 +886,12 @@ def _sent_tokens(event: dict[str, Any], encoding: str) -> int:
     tool-call lines and the reply tags the prompt writes as entities too. (A chunk sized from the
     stamps went over its window: ~5 tokens per tool call, ~4 per ``<summary>`` tag the stamps do
     not count; 15 449 tokens for an 8 192-token window.)"""
-    return count_tokens(neutralized(render_event(event)), encoding) + BLOCK_HEADER_TOKENS
+    return _rendered_tokens(event, encoding) + BLOCK_HEADER_TOKENS
+
+
+def _rendered_tokens(event: dict[str, Any], encoding: str) -> int:
+    """An event's block as the prompt writes it (the reply tags as entities), counted."""
+    return count_tokens(neutralized(render_event(event)), encoding)
 
 
 def _clipped(event: dict[str, Any], budget_tokens: int, encoding: str) -> dict[str, Any]:
@@ -904,7 +909,7 @@ def _clipped(event: dict[str, Any], budget_tokens: int, encoding: str) -> dict[s
     best: tuple[dict[str, Any], int] | None = None
     for _ in range(CLIP_TRIES):
         clipped = _cut_texts(event, keep)
-        tokens = count_tokens(neutralized(render_event(clipped)), encoding)
+        tokens = _rendered_tokens(clipped, encoding)
         if tokens <= target:
             if best is None or tokens > best[1]:
                 best = (clipped, tokens)
@@ -921,7 +926,7 @@ def _clipped(event: dict[str, Any], budget_tokens: int, encoding: str) -> dict[s
         else:
             calls = len(tool_calls(event)) // 2 if calls is None else calls // 2
         clipped = _cut_texts(event, keep, calls)
-        tokens = count_tokens(neutralized(render_event(clipped)), encoding)
+        tokens = _rendered_tokens(clipped, encoding)
         if tokens <= target or calls == 0:
             best = (clipped, tokens)
     clipped, tokens = best

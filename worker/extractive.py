@@ -119,11 +119,10 @@ _PATH = re.compile(
     r"(?![\w/\\])"
 )
 _PATH_ARGUMENT = re.compile(r"path|file|dir", re.IGNORECASE)  # a tool-call argument naming a path
-_ERROR = re.compile(r"(error|exception|traceback|failed|failure|fatal|panic|fault|denied|not found|abort)",
-                    re.IGNORECASE)
-# Failure lines of test runners and build tools that say none of those words: go test's ``--- FAIL:`` and
-# ``FAIL``, jest's ``FAIL``, npm's ``npm ERR!``, pytest's ``E   ...``, an exit status
-_FAILURE = re.compile(r"\bFAIL\b|\bERR!|^E {2,}\S|\bexit (?:status|code):? [1-9]|^Killed$")
+# (and the failure lines of test runners and build tools that say none of those words: go test's
+# ``--- FAIL:`` and ``FAIL``, jest's ``FAIL``, npm's ``npm ERR!``, pytest's ``E   ...``, an exit status)
+_ERROR = re.compile(r"(?i:error|exception|traceback|failed|failure|fatal|panic|fault|denied|not found|abort)"
+                    r"|\bFAIL\b|\bERR!|^E {2,}\S|\bexit (?:status|code):? [1-9]|^Killed$")
 _DECISION = re.compile(r"\b(because|decided|instead of|so that|rather than|chose|trade-?off)\b",
                        re.IGNORECASE)
 _PENDING = re.compile(r"(^\s*[-*]\s*\[ \]|\bTODO\b|\bFIXME\b)")
@@ -432,7 +431,7 @@ def _errors(previous: dict[str, str], results: list[dict[str, Any]], bounds: Bou
     lines = _carried(previous.get("Errors and Fixes"))
     for event in results:
         for line in (outputs.get(id(event)) or _str(event.get("output"))).splitlines():
-            if _ERROR.search(line) or _FAILURE.search(line):
+            if _ERROR.search(line):
                 name = _clip(_one_line(_str(event.get("toolName", ""))), bounds.line_chars)
                 lines.append(f"- [{name}] {_clip(line.strip(), bounds.line_chars)}")
     return "\n".join(_latest(lines, bounds.error_lines))
