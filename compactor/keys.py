@@ -35,6 +35,10 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
                                 append): their letter is not written again by a retry, a takeover,
                                 a restart or the sweep of streams past redis.shards; a field goes
                                 with its entry's ack (the key: 30 days after its last letter)
+    {p}:unread-deleted:{n}      hash: position (how many of shard n's entries were deleted when a
+                                loss of unread ones was last dead-lettered), id (the highest id
+                                of an unread entry found deleted amid others): the losses a
+                                producer's trim or XDEL caused, so none is lettered twice
 
 Consumer group on every shard: ``{p}-watchers``, with one consumer per shard,
 ``shard-{n}``, read only by the watcher holding the shard's lease (stable
@@ -99,6 +103,9 @@ class Keys:
 
     def lettered(self, shard: int) -> str:
         return f"{self.prefix}:lettered:{shard}"
+
+    def unread_deleted(self, shard: int) -> str:
+        return f"{self.prefix}:unread-deleted:{shard}"
 
     def fence(self, shard: int) -> str:
         return f"{self.prefix}:fence:{shard}"

@@ -54,7 +54,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 EVENT_TYPES = frozenset({"session_meta", "user", "assistant", "tool_result", "turn_end",
                          "rollback", "compact", "summary"})
 REASON_KINDS = ("malformed", "too_large", "invalid_event", "identity", "wrong_shard", "cwd_conflict",
-                "turn_order", "duplicate_uuid", "out_of_order")
+                "turn_order", "duplicate_uuid", "out_of_order", "deleted_unread")
 JOB_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 LLM_SECONDS_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 
@@ -178,6 +178,8 @@ def reason_kind(reason: str) -> str:
         return "cwd_conflict"
     if _TOO_LARGE.match(text):
         return "too_large"
+    if text.startswith("entries deleted from the stream before the watchers read them"):
+        return "deleted_unread"
     if text.startswith("session: belongs to shard"):  # ``producer.watcher.entries.misrouted``
         return "wrong_shard"
     if text.startswith(("sessionid:", "cwd:")):  # a bad one, or one differing from the entry's

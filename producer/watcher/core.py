@@ -250,6 +250,7 @@ class Watcher:
             del self._sessions[sid]
         self.streams.ensure_group(shard)
         claimed = self.streams.claim_foreign(shard, self.settings.watcher.claim_idle_ms)
+        self.streams.trim(shard)  # (before reading: a producer's trim of unread entries is seen)
         self.cursors[shard] = ShardCursor(claimed=claimed)
 
     def _trim_due(self) -> None:

@@ -45,6 +45,11 @@ logger = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = (b"session", b"cwd", b"event")
 DELETED = "entry has no fields (deleted from the stream before it was applied)"  # (a letter's reason)
+# the letter of entries deleted before the watchers' group read them (``ShardStreams.trim``): ``after``
+# the group's last read id, ``lost`` how many (at least; 0: unknown), ``id`` the highest deleted when
+# an entry amid others was; nothing of the entries survives
+UNREAD_DELETED = ("entries deleted from the stream before the watchers read them (a producer trimmed or "
+                  "deleted unread entries: their events are lost), after id 'after'")
 IDENTITY_FIELDS = {"sessionId": "session", "cwd": "cwd"}
 # Namespace of the uuids derived from entry ids (fixed forever: logs depend on it).
 ENTRY_UUID_NAMESPACE = uuidlib.UUID("6f1c2d1e-4b7a-5c52-9f0e-3c2a8d7b9e41")

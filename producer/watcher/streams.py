@@ -42,7 +42,7 @@ from rq.utils import as_text
 
 from compactor import metrics
 from compactor.keys import Keys
-from producer.watcher.entries import DELETED
+from producer.watcher.entries import DELETED, UNREAD_DELETED
 
 logger = logging.getLogger(__name__)
 
@@ -129,10 +129,19 @@ end
 return acked
 """.replace("ACK_CHUNK", str(ACK_CHUNK)).replace("LETTERED_TTL_S", str(LETTERED_TTL_S))
 
-# KEYS: lease, stream; ARGV: owner. Trims below the oldest entry any group needs.
+# KEYS: lease, stream, dead, unread; ARGV: owner, group, dead maxlen, reason. First, entries deleted
+# before the group read them (a producer's MAXLEN / XTRIM / XDEL; every trim here and the orphan
+# sweep's stays below the group's last-delivered-id). Redis 7 counts: `entries-added` A, `length`
+# L, the group's `entries-read` R (0 at 0-0: groups start there; nil when fragmented, then this
+# check is skipped), so A - L entries were deleted and at least A - L - R of them unread (the
+# stream's positions R + 1 .. A - L). Those past the position already lettered (unread's
+# `position`) are dead-lettered once. An XDEL of an unread entry amid others is seen by the
+# stream's max-deleted-entry-id above last-delivered-id (unread's `id`: once per such id). Then
+# trims below the oldest entry any group needs. -1: not our lease; else {trimmed, last delivered,
+# entries lost (at least; 0: unknown), highest id deleted} (the delivered id empty: no loss found).
 _TRIM = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+if redis.call('EXISTS', KEYS[2]) == 0 then return {0, '', 0, ''} end
 local function key(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
   return tonumber(ms), tonumber(seq)
@@ -142,18 +151,46 @@ local function older(a, b)
   local bm, bs = key(b)
   return am < bm or (am == bm and as < bs)
 end
-local floor = nil
+local floor, delivered, read = nil, nil, nil
 for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
   local info = {}
   for k = 1, #g, 2 do info[g[k]] = g[k + 1] end
   local need = info['last-delivered-id']
+  if info['name'] == ARGV[2] then
+    delivered, read = need, tonumber(info['entries-read'])
+    if need == '0-0' then read = 0 end
+  end
   if tonumber(info['pending']) > 0 then
     need = redis.call('XPENDING', KEYS[2], info['name'])[2]
   end
   if floor == nil or older(need, floor) then floor = need end
 end
-if floor == nil or floor == '0-0' then return 0 end
-return redis.call('XTRIM', KEYS[2], 'MINID', '~', floor)
+local out = {0, '', 0, ''}
+if delivered then
+  local info, s = {}, redis.call('XINFO', 'STREAM', KEYS[2])
+  for k = 1, #s, 2 do info[s[k]] = s[k + 1] end
+  local added, gone = tonumber(info['entries-added']), info['max-deleted-entry-id']
+  local done = redis.call('HMGET', KEYS[4], 'position', 'id')
+  local position = tonumber(done[1]) or 0
+  if added and position > added then position = 0 end  -- (a new stream under the same key)
+  local lost = 0
+  if added and read and added - tonumber(info['length']) > math.max(read, position) then
+    lost = added - tonumber(info['length']) - math.max(read, position)
+    redis.call('HSET', KEYS[4], 'position', added - tonumber(info['length']))
+  end
+  local deleted = ''
+  if gone and older(delivered, gone) and done[2] ~= gone then
+    deleted = gone
+    redis.call('HSET', KEYS[4], 'id', gone)
+  end
+  if lost > 0 or deleted ~= '' then
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'reason', ARGV[4], 'id', deleted,
+               'stream', KEYS[2], 'after', delivered, 'lost', lost)
+    out = {0, delivered, lost, deleted}
+  end
+end
+if floor ~= nil and floor ~= '0-0' then out[1] = redis.call('XTRIM', KEYS[2], 'MINID', '~', floor) end
+return out
 """
 
 Fields = list[bytes]
@@ -276,11 +313,22 @@ class ShardStreams:
         return result
 
     def trim(self, shard: int) -> int:
-        """Drop entries no group needs any more; the number trimmed."""
-        trimmed = int(self._trim(keys=[self.keys.lease(shard), self.keys.stream(shard)], args=[self.owner]))
+        """Drop entries no group needs any more; the number trimmed. First dead-letter, once, the
+        loss of entries deleted before the watchers' group read them (see ``UNREAD_DELETED``)."""
+        keys = [self.keys.lease(shard), self.keys.stream(shard), self.keys.dead, self.keys.unread_deleted(shard)]
+        reply = self._trim(keys=keys, args=[self.owner, self.keys.group, DEAD_LETTER_MAXLEN, UNREAD_DELETED])
+        if reply == -1:
+            return 0
+        trimmed, delivered, lost, deleted = int(reply[0]), as_text(reply[1]), int(reply[2]), as_text(reply[3])
+        if delivered:
+            logger.error("entries deleted unread shard=%d stream=%s after=%s lost=%s up_to=%s: a producer trimmed or "
+                         "deleted entries the watchers had not read; their events are lost (never trim the shard "
+                         "streams: docs/STREAM_PROTOCOL.md)", shard, self.keys.stream(shard), delivered,
+                         lost or "unknown", deleted or "-")
+            metrics.count_dead_letters([UNREAD_DELETED])
         if trimmed > 0:
             logger.debug("trimmed shard=%d entries=%d", shard, trimmed)
-        return max(0, trimmed)
+        return trimmed
 
     def wait(self, tops: dict[int, str], block_ms: int) -> bool:
         """Block until an entry newer than ``tops`` arrives on any shard; True when one did."""

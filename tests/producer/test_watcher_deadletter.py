@@ -446,3 +446,74 @@ def test_entries_left_past_a_lowered_shard_count_are_dead_lettered(r: redis.Redi
     assert letter_orphans(r, Keys(shards=4), "w2") == 1
     assert dead_letters(r)[-1][b"id"].decode() == wrong
     assert dead_letters(r)[-1][b"stream"].decode() == Keys().stream(negative)
+
+
+
+
+def unread_letters(r: redis.Redis) -> list[dict[bytes, bytes]]:
+    return [fields for fields in dead_letters(r) if reason_kind(fields[b"reason"].decode()) == "deleted_unread"]
+
+
+def test_entries_a_producer_trims_before_the_watcher_reads_them_are_dead_lettered_once(
+    r: redis.Redis, small: Settings,
+) -> None:
+    """A producer's ``MAXLEN`` trim while no watcher reads deletes entries nobody read: when a
+    watcher takes the shard, their loss is dead-lettered (once) and logged, not silent."""
+    shard = Keys().shard_of("s1")
+    stream = Keys().stream(shard)
+    publisher = Publisher(r, small)
+    first = Watcher(r, small, name="w1")
+    publisher.publish("s1", CWD, [user(1), turn_end(1)])
+    drain(first, r, small)
+    read = r.xinfo_groups(stream)[0]["last-delivered-id"]
+    first.close()
+    publisher.publish("s1", CWD, [user(2), turn_end(2), user(3), turn_end(3)])
+    r.xtrim(stream, maxlen=1, approximate=False)  # the producer's trim: 3 unread entries gone
+    second = Watcher(r, small, name="w2")
+    drain(second, r, small)
+    [letter] = unread_letters(r)
+    assert (letter[b"stream"], letter[b"after"], letter[b"lost"], letter[b"id"]) == (stream.encode(), read, b"3", b"")
+    assert [e["turnId"] for e in log_lines(small, "s1") if e["type"] == "turn_end"] == [1, 3]
+    for watcher in second, Watcher(r, small, name="w3"):  # later trims, a takeover: not lettered again
+        watcher.streams.trim(shard)
+    second.close()
+    drain(Watcher(r, small, name="w4"), r, small)
+    assert len(unread_letters(r)) == 1
+
+
+def test_entries_trimmed_before_any_watcher_ran_and_one_deleted_amid_unread_ones_are_dead_lettered(
+    r: redis.Redis, small: Settings,
+) -> None:
+    shard = Keys().shard_of("s1")
+    stream = Keys().stream(shard)
+    publisher = Publisher(r, small)
+    publisher.publish("s1", CWD, [user(1), turn_end(1), user(2)])
+    r.xtrim(stream, maxlen=2, approximate=False)
+    watcher = Watcher(r, small, name="w1")
+    drain(watcher, r, small)
+    assert [(f[b"after"], f[b"lost"]) for f in unread_letters(r)] == [(b"0-0", b"1")]
+    watcher.close()
+    ids = publisher.publish("s1", CWD, [turn_end(2), user(3), turn_end(3)])
+    r.xdel(stream, ids[1])  # amid unread ones: no count tells, the highest deleted id does
+    drain(Watcher(r, small, name="w2"), r, small)
+    assert [(f[b"lost"], f[b"id"]) for f in unread_letters(r)][1:] == [(b"0", ids[1].encode())]
+
+
+def test_the_watchers_own_trims_and_deletions_of_read_entries_are_not_taken_for_unread_losses(
+    r: redis.Redis, small: Settings,
+) -> None:
+    shard = Keys().shard_of("s1")
+    stream = Keys().stream(shard)
+    publisher = Publisher(r, small)
+    watcher = Watcher(r, small, name="w1")
+    ids = publisher.publish("s1", CWD, [user(1), turn_end(1), user(2), turn_end(2)])
+    drain(watcher, r, small)
+    watcher.streams.trim(shard)
+    r.xtrim(stream, minid=ids[1], approximate=False)  # (read already, as the watcher's own trims)
+    r.xdel(stream, ids[-1])  # read already
+    publisher.publish("s1", CWD, [user(3), turn_end(3)])
+    drain(watcher, r, small)
+    watcher.close()
+    drain(Watcher(r, small, name="w2"), r, small)
+    assert r.xinfo_stream(stream)["max-deleted-entry-id"] == ids[-1].encode()
+    assert unread_letters(r) == [] and dead_letters(r) == []
