@@ -239,13 +239,16 @@ class SessionLog:
                 os.close(fd)
                 raise
             os.close(fd)
+        try:
+            size = os.fstat(fd).st_size
+            self._end_whole_last_line(fd, size, _complete_size(fd, size))
+        except (LogWriteFailed, OSError) as e:  # (``append`` tries again, and raises)
+            logger.warning("%s", e)
+        except BaseException:  # (a job's timeout, mid-fsync): the lock goes with the descriptor
+            os.close(fd)
+            raise
         self._lock_fd = fd
         _ROOTS_SEEN.add(self._root)
-        size = os.fstat(fd).st_size
-        try:
-            self._end_whole_last_line(fd, size, _complete_size(fd, size))
-        except LogWriteFailed as e:  # (``append`` tries again, and raises)
-            logger.warning("%s", e)
 
     def _end_whole_last_line(self, fd: int, size: int, keep: int) -> int | None:
         """When only the newline of the log's last line is missing (an editor dropped it, or a

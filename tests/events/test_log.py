@@ -273,6 +273,33 @@ def test_a_whole_last_line_missing_only_its_newline_is_kept(tmp_path: Path) -> N
     assert not log.torn_path.exists()
 
 
+class _Timeout(BaseException):
+    """What RQ raises from SIGALRM at a job's timeout, wherever the job is."""
+
+
+def test_a_timeout_while_the_lock_ends_a_last_line_releases_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The repair ran after the descriptor was kept: an exception there (a job's timeout in its
+    fsync) left the flock held by the process for good, and the session stalled."""
+    log = _log(tmp_path, fsync=True)
+    log.append([_event(1), _event(2)])
+    os.truncate(log.path, log.path.stat().st_size - 1)
+
+    def timed_out(fd: int) -> None:
+        raise _Timeout
+
+    monkeypatch.setattr(os, "fsync", timed_out)
+    with pytest.raises(_Timeout), log.lock():
+        pass
+    monkeypatch.undo()
+    other = _log(tmp_path, lock_wait_s=0.5)
+    with other.lock():
+        assert other.read() == [_event(1), _event(2)]
+    with log.lock():  # (and the first one can lock it again)
+        pass
+
+
 def test_a_file_that_is_all_fragment_is_emptied_into_the_torn_file(tmp_path: Path) -> None:
     log = _log(tmp_path)
     log.path.parent.mkdir(parents=True)
