@@ -155,8 +155,9 @@ _POSING = r"[ \t]*(?:\[(?:user|assistant|summary|tool(?::[^\n]*)?)\][ \t\r]*$|->
 # more): a user's message holding ``### Pending Tasks`` and what follows, quoted as is by the model
 # under All User Messages, took the place of sections 8-10 (the model's own headings escaped as text).
 # (each run of blanks matched one way only: ``[ \t]+[*_: \t]*`` split a run of N spaces N² ways, and a
-# line of ``##`` and 16 000 spaces held a job 23 s)
-_SECTION_HEADING = (r"[^\S\n]*#{2,4}[ \t][*_: \t]*(?:\d{1,2}[.)][ \t][*_: \t]*)?(?:"
+# line of ``##`` and 16 000 spaces held a job 23 s; blanks are any Unicode ones, as ``str.split`` reads
+# them: a no-break space before the title was no heading here and one for the validator)
+_SECTION_HEADING = (r"[^\S\n]*#{2,4}[ \t](?:[*_:]|[^\S\n])*(?:\d{1,2}[.)][ \t](?:[*_:]|[^\S\n])*)?(?:"
                     + "|".join(r"[^\S\n]+".join(map(re.escape, title.split())) for title in SECTION_TITLES)
                     + r")(?:[*_:#]|[^\S\n])*$")
 _POSING_AT = re.compile(_POSING, re.MULTILINE | re.IGNORECASE)  # one, where the text starts
