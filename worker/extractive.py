@@ -412,8 +412,12 @@ _TOOL_COUNT = re.compile(r"(.+) \((\d+)x\)")
 def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: Bounds,
            outputs: Mapping[int, str]) -> str:
     found: list[str] = []
+    ours = any(_SUMMARIZED.match(line) for line in _carried(previous.get("Problem Solving")))
     for line in _carried(previous.get("Files and Code Sections")):
-        item = line[2:].strip("`*_ ")  # this module's items are paths; another's may say more around them
+        if ours:  # this module's items are paths as found (an argument's may hold spaces, start with _)
+            found.append(line[2:])
+            continue
+        item = _unwrapped(line[2:].strip())  # another's (an LLM's) may say more around them
         found.extend([item] if _PATH.fullmatch(item) or not any(c.isspace() for c in item)
                      else [match.group(1) for match in _PATH.finditer(item)])
     for event in events:
@@ -424,6 +428,17 @@ def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: B
     # rolling summary still listed turn 1's files after a hundred turns on other ones)
     recent = list(dict.fromkeys(reversed(found)))[:bounds.files]
     return "\n".join(f"- {path}" for path in reversed(recent))
+
+
+def _unwrapped(item: str) -> str:
+    """``item`` without the markdown around it (`` `x` ``, ``**x**``, ``*x*``, ``__x__``): pairs only,
+    so a name's own underscores stay (``__init__.py``, ``_config.yml``)."""
+    while True:
+        wrapper = next((w for w in ("**", "__", "`", "*") if len(item) > 2 * len(w)
+                        and item.startswith(w) and item.endswith(w)), None)
+        if wrapper is None:
+            return item
+        item = item[len(wrapper):-len(wrapper)].strip()
 
 
 def _errors(previous: dict[str, str], results: list[dict[str, Any]], bounds: Bounds,

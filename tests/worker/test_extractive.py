@@ -452,6 +452,25 @@ def test_an_llm_summarys_lists_and_prose_are_carried_when_the_fallback_takes_ove
     assert "Writing tests." in sections["Current Work"]  # (no assistant message in the batch: carried)
 
 
+def test_a_rolling_summary_carries_its_own_paths_as_they_are() -> None:
+    """Its items were stripped of ``_`` and split at spaces like an LLM's prose: the next roll
+    listed ``/Users/me/My``, ``Project/app.py`` and ``init__.py``, files that do not exist."""
+    events = [{"type": "user", "turnId": 1, "content": "look"},
+              {"type": "assistant", "turnId": 1, "content": "", "toolCalls": [
+                  {"id": "c", "name": "read_file", "arguments": {"path": "/Users/me/My Project/app.py"}}]},
+              {"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "read_file",
+               "output": "see pkg/__init__.py and _config.yml"}]
+    first = extractive_summary(events, None)
+    listed = set(split_sections(first)["Files and Code Sections"].splitlines())
+    assert {"- /Users/me/My Project/app.py", "- pkg/__init__.py", "- _config.yml"} <= listed
+    second = extractive_summary([{"type": "user", "turnId": 2, "content": "go on"}], first)
+    assert set(split_sections(second)["Files and Code Sections"].splitlines()) == listed
+    llm = first.replace("- /Users/me/My Project/app.py", "- **`src/main.py`**: the entry point")
+    llm = re.sub(r"- turns 1-1 summarized extractively \(no LLM\)\n?", "", llm)  # (an LLM's summary)
+    carried = split_sections(extractive_summary([{"type": "user", "turnId": 2, "content": "go"}], llm))
+    assert {"- src/main.py", "- pkg/__init__.py", "- _config.yml"} <= set(carried["Files and Code Sections"].splitlines())
+
+
 def test_an_error_that_comes_back_is_listed_at_its_latest_place() -> None:
     """The 30 error lines kept were the first distinct ones: the newest turn's error, seen once
     long before, was dropped first, and stale ones stayed."""
