@@ -146,20 +146,28 @@ def prepare_multiprocess_dir(directory: Path) -> Path:
             ours.append((path, None))  # not named by ``process_identifier``
         elif prefix.endswith(f"_{HOST}"):
             ours.append((path, int(pid)))
-    if not any(pid is not None and pid != os.getpid() and _running(pid) for _, pid in ours):
+    if not any(pid is not None and pid != os.getpid() and _writes(pid, path) for path, pid in ours):
         for path, _ in ours:
             path.unlink(missing_ok=True)
     return directory
 
 
-def _running(pid: int) -> bool:
+def _writes(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` may be the one writing ``path``: it runs and started before the file
+    was last written (a pid reused since, after a reboot or days of respawns, by any process at
+    all, had kept every dead one's file for good)."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        started = psutil.Process(pid).create_time()
+        return started <= path.stat().st_mtime + PID_START_SLACK_S
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:  # someone else's process
+    except (psutil.Error, OSError):  # (someone else's process, unreadable: taken for a writer)
         return True
-    return True
+
+
+PID_START_SLACK_S = 1.0  # a process's start time (from boot, in ticks) against a file's mtime
 
 
 def reason_kind(reason: str) -> str:

@@ -435,6 +435,24 @@ def test_a_stack_starting_on_a_shared_directory_keeps_the_files_of_live_processe
     assert [p.name for p in shared.glob("*.db")] == ["counter_other-host-7.db"]
 
 
+def test_a_pid_reused_by_another_process_does_not_keep_dead_processes_files(tmp_path: Path) -> None:
+    """Cleanup stopped for good when any dead process's pid had been taken by another process."""
+    from compactor.metrics import HOST
+
+    shared = metrics_dir(tmp_path)
+    reused = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for pid in (reused.pid, 4_999_999):
+            path = shared / f"counter_{HOST}-{pid}.db"
+            path.write_bytes(b"")
+            os.utime(path, (time.time() - 3600, time.time() - 3600))  # written before that process started
+        metrics_dir(tmp_path)
+        assert list(shared.glob("*.db")) == []
+    finally:
+        reused.kill()
+        reused.wait()
+
+
 AS_RUNNING = """
 import sys
 from compactor import metrics
