@@ -159,7 +159,7 @@ def _writes(pid: int, path: Path) -> bool:
     import psutil
 
     try:
-        started = psutil.Process(pid).create_time()
+        started = float(psutil.Process(pid).create_time())
         return started <= path.stat().st_mtime + PID_START_SLACK_S
     except psutil.NoSuchProcess:
         return False
