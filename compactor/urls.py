@@ -3,7 +3,7 @@ host in brackets."""
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 
 def redacted(url: str) -> str:
@@ -12,8 +12,8 @@ def redacted(url: str) -> str:
     query's was printed whole)."""
     parts = urlsplit(url)
     query = parts.query
-    if query and "password" in query.lower():
-        query = "&".join(f"{name}=***" if name.lower() == "password" else field
+    if query:  # (the name as redis-py reads it: ``pass%77ord`` is ``password``)
+        query = "&".join(f"{name}=***" if unquote(name).lower() == "password" else field
                          for field in query.split("&") for name in [field.partition("=")[0]])
     if parts.password is not None:
         url = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{parts.netloc.rpartition('@')[2]}"))

@@ -14,6 +14,7 @@ def test_a_password_given_as_a_query_parameter_is_hidden_too() -> None:
     assert redacted("unix:///tmp/r.sock?db=2&Password=p%40ss&socket_timeout=5") == \
         "unix:///tmp/r.sock?db=2&Password=***&socket_timeout=5"
     assert redacted("redis://u:pw@h/0?password=x") == "redis://u:***@h/0?password=***"
+    assert redacted("redis://h/0?pass%77ord=s3cret") == "redis://h/0?pass%77ord=***"  # (redis-py decodes the name)
 
 
 def test_an_ipv6_host_is_bracketed_before_its_port() -> None:
