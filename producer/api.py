@@ -334,8 +334,11 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
     timeout = settings.api.job_wait_seconds
     if body.after is not None:  # (a new session's first events sent just before: its log did not exist yet, a 404)
         parse_stream_id(body.after, "after")
-        await wait_settled(client, settings, sid, body.after, timeout, stop=request.app.state.stopping)
-    _require_log(client, settings, sid, cwd)
+        if wait:  # (wait=false answers at once: the job waits for them itself, AFTER_WAIT_S)
+            await wait_settled(client, settings, sid, body.after, timeout, stop=request.app.state.stopping)
+    if body.after is None or SessionLog(settings.data_dir, cwd, sid).exists() or not await anyio.to_thread.run_sync(
+            _waiting_in_shard, client, settings, sid, cwd):  # (its events still wait: no 404 for them)
+        _require_log(client, settings, sid, cwd)
     job_id = await anyio.to_thread.run_sync(
         functools.partial(enqueue_forced_compaction, client, settings, sid, cwd, after=body.after))
     logger.info("forced compaction queued session=%s job=%s", sid, job_id)

@@ -678,7 +678,9 @@ def test_compact_after_a_new_sessions_first_events_waits_for_them_not_404(
         client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
     """Events POSTed, then a compaction at once: the watcher had not written the new session's log
     yet, and the compaction was a 404 "no session" (1 in 10 runs against a live stack). With
-    ``after`` (the last stream id the events POST answered) it waits for the watcher first."""
+    ``after`` (the last stream id the events POST answered) it waits for the watcher first; with
+    ``wait=false`` too, it answers at once (it waited up to ``jobWaitSeconds``, then answered 404
+    for a session whose events were still in its shard): the job waits for them."""
     import threading
 
     from producer.watcher import Watcher
@@ -687,22 +689,28 @@ def test_compact_after_a_new_sessions_first_events_waits_for_them_not_404(
     ids = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": turn(1) + turn(2) + turn(3)}).json()
     early = client.post(f"/api/sessions/{SID}/compact?wait=false", json={"cwd": CWD})
     assert early.status_code == 404  # without ``after``: as before, the log is not there yet
-    watcher = Watcher(r, api_settings, name="w")
-    later = threading.Timer(0.5, drain, args=(watcher, r, api_settings))
-    later.start()
-    try:
-        response = client.post(f"/api/sessions/{SID}/compact?wait=false",
-                               json={"cwd": CWD, "after": ids["streamIds"][-1]})
-    finally:
-        later.join(30)
-        watcher.close()
-    assert response.status_code == 202, response.text
+    started = time.monotonic()
+    response = client.post(f"/api/sessions/{SID}/compact?wait=false", json={"cwd": CWD, "after": ids["streamIds"][-1]})
+    assert response.status_code == 202 and time.monotonic() - started < 5, response.text
     job = Job.fetch(response.json()["jobId"], connection=r)
     assert job.kwargs == {"forced": True, "after": ids["streamIds"][-1]}
+    watcher = Watcher(r, api_settings, name="w")
+    drain(watcher, r, api_settings)
     run_jobs(r, api_settings)
     assert client.get(f"/api/jobs/{job.id}").json()["result"]["didCompress"] is True
     bad = client.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD, "after": "12"})
     assert bad.status_code == 400 and error_of(bad)["message"].startswith("after: '12' is not a stream entry id")
+    other = "s-later"  # waiting (wait=true): for the watcher, then for the job (no worker here: a 202)
+    ids = client.post(f"/api/sessions/{other}/events", json={"cwd": CWD, "events": turn(1)}).json()
+    later = threading.Timer(0.5, drain, args=(watcher, r, api_settings))
+    later.start()
+    try:
+        with TestClient(create_app(with_api(api_settings, job_wait_seconds=3.0), redis=r)) as short:
+            waited = short.post(f"/api/sessions/{other}/compact", json={"cwd": CWD, "after": ids["streamIds"][-1]})
+    finally:
+        later.join(30)
+        watcher.close()
+    assert waited.status_code == 202, waited.text
 
 
 def test_a_log_another_process_keeps_locked_is_read_without_the_lock(
