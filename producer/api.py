@@ -89,6 +89,7 @@ from producer.api_models import (
 from producer.api_sessions import (
     context_body,
     current_state,
+    rebuilt_lock_free,
     dead_letters_body,
     not_found,
     session_body,
@@ -216,6 +217,10 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
 
 def _check_new_events(client: redis.Redis, settings: Settings, store: SessionStore, session_id: str, cwd: str,
                       state: SessionState | None, wires: Sequence[dict[str, Any]], taken: set[str]) -> None:
+    if state is None:  # Redis lost it (or its idle TTL ran out): the log's, when there is one
+        log = store.log(session_id, cwd)
+        if log.exists():
+            state = rebuilt_lock_free(log, session_id, cwd, settings, log.complete_size())
     if state is not None:
         _refuse_backwards(client, settings, store, state, wires, taken)
     else:

@@ -107,11 +107,11 @@ def current_state(client: redis.Redis, settings: Settings, session_id: str,
             logger.info("state of session=%s rebuilt without storing it: %s", session_id, e)
             if state is None:
                 check_logged_cwd(session_id, cwd, log.first_of_type("session_meta"))
-            state = _rebuilt_lock_free(log, session_id, cwd, settings, log.complete_size())
+            state = rebuilt_lock_free(log, session_id, cwd, settings, log.complete_size())
     return state
 
 
-def _rebuilt_lock_free(log: SessionLog, session_id: str, cwd: str, settings: Settings, size: int) -> SessionState:
+def rebuilt_lock_free(log: SessionLog, session_id: str, cwd: str, settings: Settings, size: int) -> SessionState:
     """The state rebuilt from the log (``size``: the bytes of its complete lines), read without
     the lock and not stored: a reader that neither holds up the session's writers nor writes."""
     return rebuild(session_id, cwd, log.read() if size else [], settings.context, size)
@@ -236,7 +236,7 @@ def _as_logged(store: SessionStore, state: SessionState) -> SessionState:
         size = log.complete_size()
         if size >= state.log_size:
             return state
-        return _rebuilt_lock_free(log, state.session_id, state.cwd, store.settings, size)
+        return rebuilt_lock_free(log, state.session_id, state.cwd, store.settings, size)
     except (CompactorError, OSError) as e:
         logger.info("state of session=%s listed as stored: %s", state.session_id, e)
         return state

@@ -946,6 +946,25 @@ def test_an_integer_beyond_64_bits_is_400_naming_its_field(client: TestClient, r
     assert r.xlen(Keys().stream_for(SID)) == 0
 
 
+def test_after_redis_lost_a_sessions_state_a_turn_going_backwards_is_still_a_400(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """With no state in Redis (lost, or its 7-day idle TTL ran out) only summaries and compacts
+    were checked: the event was a 202, then the watcher's dead letter. The log tells the turn."""
+    write_session(r, api_settings, 3)  # currentTurnId 4
+    keys = Keys(api_settings.redis.prefix, api_settings.redis.shards)
+    r.delete(keys.session(SID), keys.uuids(SID))
+    path = f"/api/sessions/{SID}/events"
+    response = client.post(path, json={"cwd": CWD, "events": [{"type": "user", "turnId": 2, "content": "back"}]})
+    assert response.status_code == 400, response.text
+    assert error_of(response)["message"] == "events[0].turnId: goes backwards: 2 < currentTurnId 4"
+    assert r.xlen(keys.stream_for(SID)) == 0 and not r.exists(keys.session(SID))  # (nothing stored by the check)
+    rolled = [{"type": "rollback", "throughTurnId": 2, "reason": "r"}, {"type": "user", "turnId": 1, "content": "x"}]
+    response = client.post(path, json={"cwd": CWD, "events": rolled})
+    assert error_of(response)["message"] == "events[1].turnId: goes backwards: 1 < currentTurnId 2"
+    fine = client.post(path, json={"cwd": CWD, "events": [{"type": "user", "turnId": 4, "content": "on"}]})
+    assert fine.status_code == 202, fine.text
+
+
 def test_a_turn_going_backwards_against_the_session_is_400_when_nothing_can_change_its_turn(
         client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
     """Such an event was answered 202 (published) and then dead-lettered by the watcher: the client
