@@ -88,8 +88,22 @@ def _utc_timestamp(value: str | None) -> str | None:
 UtcTimestamp = Annotated[str | None, AfterValidator(_utc_timestamp)]
 
 
+def _clean_uuid(value: str | None) -> str | None:
+    """A uuid is the event's identity: ``" a\n"`` and ``"a"`` were two events, so a client that
+    trims on a retry had its event applied twice; and a line break or control character in it
+    went on into summaries' ``replaces`` and dead-letter reasons."""
+    if value is None:
+        return value
+    control = next((c for c in value if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0), None)
+    if control is not None:
+        raise ValueError(f"holds the control character {control!r} at character {value.index(control)}")
+    if value != value.strip():
+        raise ValueError("starts or ends with whitespace")
+    return value
+
+
 class _Event(_Wire):
-    uuid: str | None = Field(default=None, min_length=1, max_length=128)
+    uuid: Annotated[str | None, AfterValidator(_clean_uuid)] = Field(default=None, min_length=1, max_length=128)
     timestamp: UtcTimestamp = None
 
 

@@ -44,7 +44,7 @@ def tool_calls(draw: Any) -> dict[str, Any]:
 @st.composite
 def events(draw: Any) -> dict[str, Any]:
     """A valid event of any type: optional fields left out, sent as null or set; extra fields."""
-    common = {"uuid": TEXT, "timestamp": st.just("2026-01-02T03:04:05.000Z")}
+    common = {"uuid": st.from_regex(r"\A[!-~]([ -~]{0,40}[!-~])?\Z"), "timestamp": st.just("2026-01-02T03:04:05.000Z")}
     kind = draw(st.sampled_from(["session_meta", "user", "assistant", "tool_result", "turn_end",
                                  "rollback", "compact", "summary"]))
     turn = draw(TURN)
@@ -99,6 +99,21 @@ def test_wire_of_renames_a_field_sent_by_its_python_name() -> None:
     data = {"type": "tool_result", "turn_id": 3, "tool_call_id": "c", "toolName": "t", "output": "o"}
     assert wire_of(dict(data), parse_event(dict(data))) == {
         "type": "tool_result", "turnId": 3, "toolCallId": "c", "toolName": "t", "output": "o"}
+
+
+@pytest.mark.parametrize("uuid, reason", [
+    (" a\n", "uuid: holds the control character '\\n' at character 2"),
+    ("a\x00b", "uuid: holds the control character '\\x00' at character 1"),
+    (" a", "uuid: starts or ends with whitespace"), ("a\u00a0", "uuid: starts or ends with whitespace"),
+])
+def test_a_uuid_with_control_characters_or_blanks_around_it_is_refused(uuid: str, reason: str) -> None:
+    """A uuid is the event's identity, compared as sent: a client trimming it on a retry had its
+    event applied twice."""
+    with pytest.raises(InvalidEvent) as raised:
+        parse_event({"type": "user", "turnId": 1, "content": "x", "uuid": uuid})
+    assert str(raised.value) == reason
+    for fine in ("a b", "é-1", "x" * 128):
+        assert parse_event({"type": "user", "turnId": 1, "content": "x", "uuid": fine}).uuid == fine
 
 
 def test_a_timestamp_in_utc_with_a_time_is_kept_as_sent() -> None:
