@@ -396,6 +396,7 @@ class Compactor:
             events, state = self._current(session_id, cwd, log, events, stored.state)
             before = state.prompt_estimate
             # a forced job skips both thresholds (SPEC §5): its micro step runs whenever there are candidates
+            # and something to summarize (with nothing, SPEC §5 fixes the answer: nothing written, DESIGN)
             over_micro = forced or before > self.ctx.micro_limit(state.window)
             reading = llm_pass(events, self.ctx, micro=over_micro and _has_old_candidate(state),
                                render=render_event, block_tokens=BLOCK_HEADER_TOKENS)
