@@ -100,9 +100,10 @@ OPTION_OF_ENV = {"REDIS_URL": "--redis-url", "COMPACTION_DATA_DIR": "--data-dir"
 
 
 def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | None = None,
-         redis: bool = True, **env: Any) -> Settings:
+         redis: bool = True, options: dict[str, str] | None = None, **env: Any) -> Settings:
     """Settings from ``--config`` and the environment, with these command-line overrides
-    (``redis=False``: a command that never uses Redis, see ``load_settings``).
+    (``redis=False``: a command that never uses Redis, see ``load_settings``; ``options``: the
+    command's own option names of variables, where they differ from ``OPTION_OF_ENV``'s).
 
     typer fills an option from its environment variable too: a wrong value equal to the
     variable's is named by the variable, any other by its option (``--redis-url``)."""
@@ -110,7 +111,8 @@ def load(config: Path | None, *, redis_url: str | None = None, data_dir: Path | 
     overrides = {k: str(v) for k, v in {"REDIS_URL": redis_url, "COMPACTION_DATA_DIR": data_dir, **env}.items()
                  if v is not None}
     environ.update(overrides)
-    origins = {var: OPTION_OF_ENV.get(var, var) for var, value in overrides.items() if not _from_env(var, value)}
+    names = {**OPTION_OF_ENV, **(options or {})}
+    origins = {var: names.get(var, var) for var, value in overrides.items() if not _from_env(var, value)}
     # An empty variable is unset (the file's value stands: compose's ``${VAR:-}``), but an option given
     # empty is empty: ``--redis-url ''`` (its help: "empty: the embedded server") had used the file's URL,
     # and ``--host ''`` the default address. Empty means embedded for the URL, and is refused elsewhere.

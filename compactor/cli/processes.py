@@ -104,8 +104,9 @@ def watch(
     from producer.watcher import main as watcher_main
 
     setup_logging(log_level, log_format)
-    loaded = usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir)
-    settings = _with_redis(loaded)
+    loaded = load(config, redis_url=redis_url, data_dir=data_dir)
+    settings = _with_redis(loaded)  # (first: a start refused for want of Redis creates no data dir)
+    usable_data_dir(loaded, data_dir)
     # unreachable now: exit 1, as `work`; an outage later is waited out
     on_its_data_dir(connect(settings, service=True), settings, embedded=_embedded(loaded))
     exit_with_parent()
@@ -117,9 +118,9 @@ def work(
     config: ConfigOpt = None,
     redis_url: RedisUrlOpt = None,
     data_dir: DataDirOpt = None,
-    count: Annotated[int | None, typer.Option(
-        "--count", "-n", min=1, max=64,
-        help="Worker processes in this container/process (default worker.count).")] = None,
+    count: Annotated[str | None, typer.Option(
+        "--count", "-n", envvar="COMPACTION_WORKERS", show_envvar=True,
+        help="Worker processes in this container/process, 1-64 (default worker.count, 2).")] = None,
     burst: Annotated[bool, typer.Option(
         "--burst", help="Run the queued jobs, then exit.")] = False,
     log_level: LogLevelOpt = "INFO",
@@ -131,14 +132,16 @@ def work(
     from worker.runner import main as runner_main
 
     setup_logging(log_level, log_format)
-    loaded = usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir)
-    settings = _with_redis(loaded)
+    loaded = load(config, redis_url=redis_url, data_dir=data_dir, COMPACTION_WORKERS=count,
+                  options={"COMPACTION_WORKERS": "--count"})
+    settings = _with_redis(loaded)  # (first: a start refused for want of Redis creates no data dir)
+    usable_data_dir(loaded, data_dir)
     exit_with_parent()
     # one line naming the (redacted) URL when Redis does not answer, as watch says
     on_its_data_dir(connect(settings, service=True), settings, embedded=_embedded(loaded), shards=True)
     with user_errors():
         try:
-            runner_main(settings, count=count, burst=burst)
+            runner_main(settings, count=settings.worker.count, burst=burst)
         except (WorkersFailed, WorkerLoopEnded) as e:
             fail(str(e))
 

@@ -513,11 +513,27 @@ def test_a_bad_port_or_worker_count_option_is_one_line_naming_it(runner: CliRunn
     config.write_text(f"dataDir: {tmp_path / 'data'}\n")
     for args, why in ((["serve", "--port", "70000"], "api.port (from --port): Input should be less than or equal"),
                       (["api", "--port", "x"], "api.port (from --port): Input should be a valid integer"),
-                      (["serve", "--workers", "65"], "worker.count (from --workers): Input should be less than")):
+                      (["serve", "--workers", "65"], "worker.count (from --workers): Input should be less than"),
+                      (["work", "--count", "0"], "worker.count (from --count): Input should be greater than")):
         result = runner.invoke(app, [*args, "--config", str(config)])
         assert result.exit_code == 2, (args, result.output)
         [line] = result.stderr.strip().splitlines()
         assert line.startswith(f"compactor: invalid configuration: {why}"), (args, line)
+
+
+def test_work_count_overrides_compaction_workers_and_a_refused_start_creates_no_data_dir(
+        runner: CliRunner, tmp_path: Path) -> None:
+    """``work --count 1`` was refused for a stale ``COMPACTION_WORKERS=0`` (the flag never reached the
+    settings); and ``watch`` / ``work`` refused for want of a Redis had created the data dir first."""
+    data = tmp_path / "data"
+    result = runner.invoke(app, ["work", "--count", "1", "--burst", "--redis-url", "redis://127.0.0.1:1/0",
+                                 "--data-dir", str(data)], env={"COMPACTION_WORKERS": "0"})
+    assert result.exit_code == 1 and "Redis unreachable" in result.stderr, result.output
+    for command in ("watch", "work"):
+        gone = tmp_path / f"never-{command}"
+        result = runner.invoke(app, [command, "--redis-url", "", "--data-dir", str(gone)])
+        assert result.exit_code == 2 and "no `compactor serve` runs under" in result.stderr, result.output
+        assert not gone.exists()
 
 
 def test_an_empty_environment_variable_leaves_the_files_value(tmp_path: Path) -> None:
