@@ -35,6 +35,7 @@ import shutil
 import signal
 import site
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -69,6 +70,8 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # compactor.metrics: the children sh
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
 RESTART_DELAY_S = 1.0
+OUTPUT_TAIL_LINES = 20  # of the children's output, logged when one dies (when it goes to a file)
+OUTPUT_TAIL_BYTES = 8192
 STOP_TIMEOUT_S = 15.0
 API_READY_TIMEOUT_S = 60.0  # the banner waits this long at most for the API to accept connections
 PARENT_POLL_INTERVAL_S = 1.0  # how often a child checks that its parent is still there
@@ -331,6 +334,9 @@ class Supervisor:
             self._record_death(child, code, now)
 
     def _record_death(self, child: Child, code: int, now: float) -> None:
+        tail = self._output_tail()
+        if tail:  # (the demo's children write to a file of its own, gone when it ends: the reason with it)
+            logger.warning("%s exited with code %s; the last lines the children wrote:\n%s", child.spec.name, code, tail)
         child.deaths.append(now)
         while child.deaths and now - child.deaths[0] > RESTART_WINDOW_S:
             child.deaths.popleft()
@@ -340,6 +346,18 @@ class Supervisor:
         logger.warning("%s exited with code %s; restarting in %.0fs",
                        child.spec.name, code, RESTART_DELAY_S)
         child.restart_at = now + RESTART_DELAY_S
+
+    def _output_tail(self) -> str:
+        """The last ``OUTPUT_TAIL_LINES`` lines the children wrote to ``output``, when that is a file."""
+        try:
+            fd = self.output.fileno() if self.output is not None and hasattr(self.output, "fileno") else None
+            if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+                return ""
+            size = os.fstat(fd).st_size
+            text = os.pread(fd, OUTPUT_TAIL_BYTES, max(0, size - OUTPUT_TAIL_BYTES)).decode("utf-8", "replace")
+        except (OSError, ValueError):
+            return ""
+        return "\n".join(text.splitlines()[-OUTPUT_TAIL_LINES:])
 
     def pids(self) -> dict[str, int]:
         return {c.spec.name: c.process.pid for c in self.children

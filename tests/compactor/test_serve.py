@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import threading
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -189,6 +190,26 @@ def test_supervisor_restarts_a_dying_child_then_gives_up(tmp_path: Path,
     finally:
         supervisor.stop()
     assert len(pids) >= 2  # it was restarted before giving up
+
+
+def test_a_dying_childs_last_output_lines_are_logged_when_they_go_to_a_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The demo's children write to a temporary file of its own: "watcher exited with code 1;
+    restarting" was all a user saw, the reason gone with the file."""
+    monkeypatch.setattr(serve, "RESTART_DELAY_S", 60.0)
+    with tempfile.TemporaryFile() as output:
+        supervisor = Supervisor([ChildSpec("flaky", ["no-such-command"])], tmp_path / "c.yaml", output=output)
+        supervisor.start()
+        try:
+            deadline = time.monotonic() + 60
+            while not any("exited with code" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline
+                supervisor.check()
+                time.sleep(0.02)
+        finally:
+            supervisor.stop()
+    [said] = [r.getMessage() for r in caplog.records if "the last lines the children wrote" in r.getMessage()]
+    assert "no-such-command" in said  # (typer's usage error, as the child wrote it)
 
 
 @pytest.mark.timeout(90)
