@@ -30,9 +30,10 @@ USER compactor
 VOLUME ["/data"]
 EXPOSE 8080
 
-# (shell form: the port follows COMPACTION_API_PORT, as the API does)
+# (--api config: the API where the settings put it, COMPACTION_API_PORT / _HOST or a mounted
+# config's api.port / api.host, a wildcard host checked on its loopback)
 HEALTHCHECK --interval=15s --timeout=10s --start-period=30s \
-  CMD compactor health --check --api "http://127.0.0.1:${COMPACTION_API_PORT:-8080}"
+  CMD ["compactor", "health", "--check", "--api", "config"]
 
 # With REDIS_URL unset, `serve` runs an embedded Redis under /data/.redis. It listens on
 # COMPACTION_API_HOST (0.0.0.0 above; `docker run -e COMPACTION_API_HOST=...` changes it).

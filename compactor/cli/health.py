@@ -39,6 +39,7 @@ from compactor.cli.common import (
 )
 from compactor.keys import Keys
 from compactor.redis_errors import probe_writes
+from compactor.urls import WILDCARD_HOSTS, host_port
 from events.config import Settings
 from events.errors import InvalidConfig
 
@@ -100,6 +101,9 @@ def check_watcher(client: redis.Redis, settings: Settings) -> str:
     return f"ok ({held}/{keys.shards} shards leased)"
 
 
+API_FROM_CONFIG = "config"  # ``--api config``
+
+
 def _api_url(value: str) -> str:
     """``--api``: an http(s) URL with a host and, if given, a port from 1 to 65535 (a bad one was
     reported as a refused connection: unhealthy, exit 1, where the command line is wrong)."""
@@ -117,7 +121,8 @@ def health(
     check: Annotated[bool, typer.Option(
         "--check", help="Print nothing; exit 0 when healthy, 1 otherwise.")] = False,
     api_url: Annotated[str | None, typer.Option(
-        "--api", help="Also GET this API's /healthz (e.g. http://127.0.0.1:8080).")] = None,
+        "--api", help="Also GET this API's /healthz (e.g. http://127.0.0.1:8080; 'config': at the configured "
+                      "api.host and api.port, a wildcard host as its loopback).")] = None,
     workers: Annotated[bool, typer.Option(
         "--workers",
         help=f"Also require a live RQ worker on the queue (a heartbeat in the last {WORKER_ALIVE_S:.0f} s).")] = False,
@@ -135,7 +140,7 @@ def health(
     wrong: typer.BadParameter | None = None
     if this_host and not workers:  # (it was ignored: a healthcheck believed it counted its own workers)
         wrong = typer.BadParameter("only with --workers (it narrows the workers counted)", param_hint="--this-host")
-    elif api_url is not None:
+    elif api_url is not None and api_url != API_FROM_CONFIG:
         try:
             _api_url(api_url)
         except typer.BadParameter as e:
@@ -151,6 +156,9 @@ def health(
         settings = loaded
     else:
         settings = load(config, redis_url=redis_url, data_dir=data_dir)
+    if api_url == API_FROM_CONFIG:  # (the image's healthcheck: whatever port and address a mounted config gives)
+        host = settings.api.host
+        api_url = "http://" + host_port(WILDCARD_HOSTS.get(host, host), settings.api.port)
     report = run_checks(settings, api_url=api_url, workers=workers, watcher=watcher,
                         host=socket.gethostname() if this_host else None)
     healthy = all(value.startswith("ok") for value in report.values())

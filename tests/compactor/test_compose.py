@@ -88,7 +88,7 @@ def test_api_binds_all_interfaces_in_the_container_but_publishes_on_localhost(
 def test_worker_scales_and_dashboard_is_optional(compose: dict[str, Any]) -> None:
     worker = compose["services"]["worker"]
     assert "container_name" not in worker and "ports" not in worker  # --scale worker=N works
-    assert parse_cli(worker["command"]).params["count"] == 1
+    assert int(parse_cli(worker["command"]).params["count"]) == 1
     dashboard = compose["services"]["dashboard"]
     assert dashboard["profiles"] == ["dashboard"]
     assert dashboard["environment"]["RQ_DASHBOARD_REDIS_URL"] == "redis://redis:6379/0"
@@ -146,17 +146,44 @@ def test_dockerfile_installs_the_console_script_and_runs_serve() -> None:
         assert f"COPY {package} ./{package}" in text
 
 
-def test_the_images_address_and_health_check_follow_the_api_variables() -> None:
+def test_the_images_address_and_health_check_follow_the_api_settings(redis_url: str, tmp_path: Path) -> None:
     """``CMD serve --host 0.0.0.0`` overrode ``-e COMPACTION_API_HOST``, and the health check
-    asked port 8080 whatever ``COMPACTION_API_PORT`` said."""
+    asked port 8080 whatever ``COMPACTION_API_PORT`` said; then it followed that variable but not
+    a mounted config's ``api.port``: unhealthy for good."""
+    import http.server
+    import threading
+
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^\s+COMPACTION_API_HOST=0\.0\.0\.0$", text, re.MULTILINE)
-    check = re.search(r"^HEALTHCHECK [^\n]*\\\n\s+CMD (.+)$", text, re.MULTILINE)
-    assert check is not None and not check[1].startswith("[")  # shell form: the variable is expanded
-    for env, port in (({}, "8080"), ({"COMPACTION_API_PORT": "9191"}, "9191")):
-        said = subprocess.run(["sh", "-c", f"compactor() {{ echo \"$@\"; }}; {check[1]}"], env=env,
-                              capture_output=True, text=True, check=True).stdout
-        assert said == f"health --check --api http://127.0.0.1:{port}\n"
+    check = re.search(r"^HEALTHCHECK [^\n]*\\\n\s+CMD (\[.+\])$", text, re.MULTILINE)
+    assert check is not None
+    argv = yaml.safe_load(check[1])
+    assert argv == ["compactor", "health", "--check", "--api", "config"]
+
+    class Healthz(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200 if self.path == "/healthz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthz)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    config = tmp_path / "mounted.yaml"
+    config.write_text(f"api: {{port: {port}}}\n")
+    base = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    base.update(REDIS_URL=redis_url, LITELLM_LOCAL_MODEL_COST_MAP="True")
+    try:
+        for env, healthy in (({"CODINGCODE_CONFIG": str(config)}, True),  # a mounted config's port
+                             ({"COMPACTION_API_PORT": str(port), "COMPACTION_API_HOST": "0.0.0.0"}, True),
+                             ({"COMPACTION_API_PORT": str(free_port())}, False)):
+            done = subprocess.run([sys.executable, "-m", "compactor", *argv[1:], "--json"], env={**base, **env},
+                                  capture_output=True, text=True, timeout=60, check=False)
+            assert (done.returncode == 0) == healthy, (env, done.stdout, done.stderr)
+    finally:
+        server.shutdown()
 
 
 # -- the smoke test ----------------------------------------------------------------------
