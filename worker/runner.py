@@ -62,6 +62,8 @@ from typing import Any
 import redis
 import rq.executions
 import rq.intermediate_queue
+import rq.worker.base
+import rq.worker.worker_classes
 import rq.registry
 from rq import Queue, SimpleWorker, worker_registration
 from rq.executions import Execution
@@ -562,6 +564,10 @@ def _on_redis_clock() -> None:
     rq.registry.current_timestamp = lambda: int(redis_time_s())  # type: ignore[attr-defined]
     rq.executions.current_timestamp = lambda: int(redis_time_s())  # type: ignore[attr-defined]
     rq.intermediate_queue.now = lambda: datetime.fromtimestamp(redis_time_s(), UTC)  # type: ignore[attr-defined]
+    # ... and a worker's own times: its last_heartbeat, which ``compactor health --workers`` ages
+    # against Redis's TIME (a worker host 30 s behind was never live), and a job's start and end
+    rq.worker.base.now = rq.intermediate_queue.now  # type: ignore[attr-defined]
+    rq.worker.worker_classes.now = rq.intermediate_queue.now  # type: ignore[attr-defined]
 
 
 _on_redis_clock()

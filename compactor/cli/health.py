@@ -77,7 +77,8 @@ def check_workers(client: redis.Redis, settings: Settings, host: str | None = No
     registered = Worker.all(connection=client, queue=queue)
     if host is not None:
         registered = [w for w in registered if w.hostname == host]
-    now = datetime.now(UTC)
+    seconds, micros = client.time()  # (the workers beat in Redis's time: worker.runner)
+    now = datetime.fromtimestamp(float(seconds) + micros / 1e6, UTC)
     live = [w for w in registered
             if w.last_heartbeat is not None and (now - w.last_heartbeat).total_seconds() < WORKER_ALIVE_S]
     if not registered:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -165,6 +166,44 @@ def test_health_counts_only_workers_with_a_recent_heartbeat(r: redis.Redis, sett
         assert check_workers(r, settings, host=socket.gethostname()) == "ok (1)"
         with pytest.raises(RuntimeError, match="no RQ worker registered on the queue from host elsewhere"):
             check_workers(r, settings, host="elsewhere")
+    finally:
+        worker.register_death()
+        worker_context.clear()
+
+
+@pytest.mark.parametrize("skew_s", [-30.0, 3600.0])
+def test_health_ages_heartbeats_by_redis_s_clock_not_its_hosts_or_the_workers(
+        r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch, skew_s: float) -> None:
+    """RQ wrote ``last_heartbeat`` by the worker host's clock and health aged it by its own: checked
+    from a host 30 s ahead a live worker was dead; from one an hour behind a dead one lived on.
+    Both now use Redis's TIME (the worker's through ``sync_clock``)."""
+    import compactor.cli.health as health_module
+    from compactor import queue as queue_module
+    from worker.runner import CompactionWorker
+
+    real = time.time_ns
+    monkeypatch.setattr(time, "time_ns", lambda: real() - int(skew_s * 1e9))  # the worker host's clock, off
+    monkeypatch.setattr(queue_module, "_clock_synced_at", None)
+    monkeypatch.setattr(queue_module, "_clock_offset_ns", queue_module._clock_offset_ns)
+    queue_module.sync_clock(r)
+
+    class HealthHostClock(datetime):  # the health check's host, off the other way
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return datetime.now(tz) + timedelta(seconds=skew_s)
+
+    monkeypatch.setattr(health_module, "datetime", HealthHostClock)
+    worker = CompactionWorker.for_settings(r, settings)
+    worker.register_birth()
+    try:
+        worker._keeper._beat()
+        beat = Worker.find_by_key(worker.key, connection=r).last_heartbeat
+        seconds, _ = r.time()
+        assert beat is not None and abs(beat.timestamp() - int(seconds)) < 5  # in Redis's time
+        assert check_workers(r, settings) == "ok (1)"
+        r.hset(worker.key, "last_heartbeat", utcformat(datetime.fromtimestamp(int(seconds) - WORKER_ALIVE_S - 1, UTC)))
+        with pytest.raises(RuntimeError, match="no live RQ worker"):
+            check_workers(r, settings)
     finally:
         worker.register_death()
         worker_context.clear()
