@@ -267,6 +267,8 @@ class ApiSettings(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     token: str = ""  # set: Bearer auth required on every route but /healthz
+    # with no token: the Host names answered besides IP addresses and localhost ("*": any)
+    allowed_hosts: list[str] = []
     job_wait_seconds: float = Field(300.0, gt=0, le=DAY_S, allow_inf_nan=False)  # a forced compaction waits this long, then 202
 
     @field_validator("host")
@@ -278,6 +280,14 @@ class ApiSettings(_Section):
             raise ValueError("must not be empty (it would listen on every interface): 127.0.0.1 for this "
                              "machine only (the default: leave it out), 0.0.0.0 for every interface")
         return host
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _host_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not name or name != name.strip() or any(c in name for c in "/:@ \t"):
+                raise ValueError(f"{name!r} is not a host name (a name as a Host header carries it, no port)")
+        return [name.lower() for name in names]
 
     @field_validator("token")
     @classmethod

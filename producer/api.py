@@ -572,7 +572,7 @@ def create_app(settings: Settings, redis: redis.Redis | None = None) -> FastAPI:
     for router in (sessions, jobs, ops):
         app.include_router(router)
     install_error_handlers(app)
-    app.add_middleware(RequestGuard, token=settings.api.token,
+    app.add_middleware(RequestGuard, token=settings.api.token, allowed_hosts=settings.api.allowed_hosts,
                        max_body_bytes=settings.limits.max_body_bytes)
     routes = [route for router in (*STATUS_ROUTERS, sessions, jobs, ops) for route in router.routes]
     app.add_middleware(HttpMetrics, registry=registry,  # the routers in the order they were included, then

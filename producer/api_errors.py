@@ -42,10 +42,11 @@ from __future__ import annotations
 import base64
 import collections
 import email.message
+import ipaddress
 import json
 import logging
 import secrets
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
@@ -424,13 +425,38 @@ def _without_body(send: Send) -> Send:
     return headers_only
 
 
+def _foreign_host(value: bytes | None, allowed: frozenset[str]) -> str | None:
+    """The name of a ``Host`` header that names no address of this API, else None: not an IP
+    address, not localhost (or a name under .localhost), not in ``allowed`` (``*``: any). With no
+    token, a page of any site could reach the API by DNS rebinding (its name resolved to 127.0.0.1:
+    the browser sends it as Host, and the page reads the answers as same-origin): every transcript
+    read, instructions pushed into an agent's context."""
+    if value is None or "*" in allowed:
+        return None
+    host = value.decode("latin-1").strip().lower()
+    if host.startswith("["):  # [v6]:port
+        name = host[1:host.find("]")] if "]" in host else host
+    else:
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = name.rstrip(".")
+    if not name or name == "localhost" or name.endswith(".localhost") or name in allowed:
+        return None
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return name
+    return None
+
+
 class RequestGuard:
     """ASGI middleware: token auth (when a token is set) and the body size limit."""
 
-    def __init__(self, app: ASGIApp, *, token: str, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, token: str, max_body_bytes: int,
+                 allowed_hosts: Sequence[str] = ()) -> None:
         self.app = app
         self.token = token
         self.max_body_bytes = max_body_bytes
+        self.allowed_hosts = frozenset(allowed_hosts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -447,6 +473,13 @@ class RequestGuard:
         await self._call_counted(scope, receive, send)
 
     def _refuse(self, path: str, headers: dict[bytes, bytes]) -> JSONResponse | None:
+        if not self.token and path not in PUBLIC_PATHS:
+            foreign = _foreign_host(headers.get(b"host"), self.allowed_hosts)
+            if foreign is not None:
+                return error_response(400, f"Host: {foreign!r} is no address of this API: with no api.token set, "
+                                           "only IP addresses and localhost are answered (a web page could reach "
+                                           "the API through a DNS name rebound to it); set api.token, or list "
+                                           "the name in api.allowedHosts")
         if self.token and path not in PUBLIC_PATHS and not token_matches(
                 headers.get(b"authorization"), self.token):
             return unauthorized_response()

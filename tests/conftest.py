@@ -23,6 +23,20 @@ from compactor.embedded import EmbeddedRedis  # noqa: E402
 from events.config import Settings  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _local_test_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starlette's TestClient sends ``Host: testserver``, a name the API answers only with a token
+    (DNS rebinding: ``RequestGuard``); the tests' clients are local ones: ``Host: 127.0.0.1``."""
+    from fastapi.testclient import TestClient
+
+    init = TestClient.__init__
+
+    def local(self: TestClient, *args: object, base_url: str = "http://127.0.0.1", **kwargs: object) -> None:
+        init(self, *args, base_url=base_url, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TestClient, "__init__", local)
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
     """In a directory of its own, not under pytest's base temp: a second pytest run on the machine
