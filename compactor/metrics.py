@@ -199,7 +199,8 @@ def reason_kind(reason: str) -> str:
     return "invalid_event"
 
 
-_BOUND_ELSEWHERE = re.compile(r"cwd: session [a-z0-9_-]+ is bound to cwd ")  # (a session id has no space)
+# (a session id has no space; the second: a log elsewhere with no session_meta to say which cwd)
+_BOUND_ELSEWHERE = re.compile(r"cwd: session [a-z0-9_-]+ is (?:bound to cwd |logged under another cwd \()")
 _TOO_LARGE = re.compile(r"event is \d+ bytes, more than limits\.maxeventbytes ")
 
 

@@ -774,7 +774,7 @@ def _check_unique(event: dict[str, Any], taken: set[str]) -> None:
 
 def _check_cwd(session_id: str, cwd: str, state: SessionState | None) -> None:
     if state is not None and state.cwd != cwd:
-        raise InvalidEvent("cwd", f"session {session_id} is bound to cwd {state.cwd!r}")
+        raise bound_elsewhere(session_id, state.cwd, cwd)
 
 
 def check_logged_cwd(session_id: str, cwd: str, meta: dict[str, Any] | None) -> None:

@@ -346,7 +346,9 @@ def test_a_scrape_waits_for_a_hung_redis_once_not_once_per_gauge(
      "covers turns that happened)", "turn_order"),
     ("endTurnId: is past the session's turns: 9 > 3, its highest turn so far (a compact covers turns that "
      "happened)", "turn_order"),
-    ("cwd: session s is bound to cwd '/a'", "cwd_conflict"),
+    ("cwd: session s is bound to cwd '/a', not '/b'", "cwd_conflict"),
+    ("cwd: session s is logged under another cwd (/data/b/sessions/s.jsonl; no session_meta records which), "
+     "not '/a'", "cwd_conflict"),
     ("uuid: 'u-1' duplicates an event already in this session", "duplicate_uuid"),
     ("sessionId: must match ^[A-Za-z0-9]...", "identity"),
     ("session: belongs to shard 3 (crc32(utf8(sessionId)) % 8), which differs from the entry's shard 4 "
