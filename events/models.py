@@ -240,7 +240,8 @@ def validate_session_id(session_id: object) -> str:
 
 
 def validate_cwd(cwd: object) -> str:
-    """Return ``cwd`` if it is an absolute path of valid text with no NUL byte, else raise InvalidEvent."""
+    """Return ``cwd`` if it is an absolute path of valid text with no control character (NUL
+    included), else raise InvalidEvent."""
     if cwd is None:
         raise InvalidEvent("cwd", "is required: an absolute path")
     if not isinstance(cwd, str):
@@ -249,6 +250,11 @@ def validate_cwd(cwd: object) -> str:
         raise InvalidEvent("cwd", "must not be empty: it must be an absolute path")
     if "\x00" in cwd:
         raise InvalidEvent("cwd", "must not contain a NUL byte")
+    control = next((c for c in cwd if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0), None)
+    if control is not None:  # (a line break or an escape in the project's directory name reached every
+        # log line naming a path raw: one record over three lines, colours on the operator's terminal)
+        raise InvalidEvent("cwd", f"must not contain a control character ({control!r} at character "
+                                  f"{cwd.index(control)})")
     if (problem := text_problem(cwd)) is not None:  # a CLI argument of undecodable bytes, a JSON escape
         raise InvalidEvent("cwd", problem)
     if len(cwd) > MAX_CWD_CHARS:

@@ -178,6 +178,8 @@ def test_a_rollback_needs_its_reason() -> None:
     (None, "is required: an absolute path"),
     (7, "must be a string: an absolute path"),
     ("/uni\ud800", "contains a lone surrogate (\\ud800 at character 4): it is not valid Unicode"),
+    ("/home/u/x\n\x1b[31mRED", "must not contain a control character ('\\n' at character 9)"),
+    ("/a\x85b", "must not contain a control character ('\\x85' at character 2)"),
 ])
 def test_a_bad_cwd_is_refused_saying_why(cwd: object, reason: str) -> None:
     with pytest.raises(InvalidEvent) as caught:
