@@ -237,7 +237,9 @@ def _check_redis_url(url: str) -> None:
         if not parts.path.startswith("/") or parts.netloc:
             raise ValueError("a unix:// URL needs the socket's absolute path (unix:///path/redis.sock)")
     else:
-        _check_port(parts.netloc.rpartition("@")[2].rpartition("]")[2].partition(":")[2])
+        # (a password holding '#' ends the netloc there: its head was read, and shown, as the port)
+        cut = "@" not in parts.netloc and ("@" in url or "#" in url)
+        _check_port(parts.netloc.rpartition("@")[2].rpartition("]")[2].partition(":")[2], cut)
     in_query = parse_qs(parts.query).get("db", [])
     in_path = [] if parts.scheme == "unix" else [unquote(parts.path).strip("/")]  # redis://host/2
     for db in in_query or in_path:  # as redis-py: ?db= wins over the path
@@ -254,10 +256,13 @@ def _check_redis_url(url: str) -> None:
         raise ValueError(f"a query setting is refused: {e}") from None
 
 
-def _check_port(port: str) -> None:
+def _check_port(port: str, cut: bool) -> None:
     if not port:
         return  # redis-py's default, 6379
     if not (port.isascii() and port.isdigit()):
+        if cut:
+            raise ValueError("port must be a number; the URL does not parse as one with a password: "
+                             "percent-encode a password's '#', '/', '?', '@' (%23, %2F, %3F, %40)")
         raise ValueError(f"port must be a number, not {port!r}")
     if not 1 <= int(port) <= 65535:
         raise ValueError(f"port {port} is out of range 1-65535")

@@ -443,6 +443,9 @@ def test_bad_env_override_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
     ("REDIS://h", "redis.url{src}: must start with redis://, rediss:// or unix://, not REDIS://"),
     ("redis://h:99999", "redis.url{src}: port 99999 is out of range 1-65535"),
     ("redis://:s3cret@127.0.0.1:notaport/0", "redis.url{src}: port must be a number, not 'notaport'"),
+    ("redis://:s3cret#x@127.0.0.1:6379/0", "redis.url{src}: port must be a number; the URL does not parse as one "
+                                          "with a password: percent-encode a password's '#', '/', '?', '@' (%23, "
+                                          "%2F, %3F, %40)"),
     ("redis://h/db0", "redis.url{src}: the database must be a number, not 'db0'"),
     ("redis://h?db=x", "redis.url{src}: the database must be a number, not 'x'"),
     # a digit to ``isdigit``, not to ``int``: the port was a raw "invalid literal for int()", the
