@@ -183,8 +183,8 @@ class Watcher:
             policy = as_text(self.redis.config_get("maxmemory-policy").get("maxmemory-policy") or "")
         except redis.RedisError:  # (CONFIG refused: a managed Redis, an ACL user)
             return
-        if policy.startswith("allkeys-"):
-            logger.warning("Redis evicts any key (maxmemory-policy %s): an evicted uuid index lets a re-sent "
+        if policy.startswith(("allkeys-", "volatile-")):  # (volatile-*: the states and indexes have a TTL)
+            logger.warning("Redis evicts keys (maxmemory-policy %s): an evicted uuid index lets a re-sent "
                            "event into a log twice; run it with noeviction (see OPERATIONS)", policy)
 
     def _after_error(self, error: Exception, attempt: int) -> None:

@@ -1093,13 +1093,14 @@ def test_a_watcher_warns_when_redis_may_evict_any_key(r: redis.Redis, fast: Sett
     """A session's uuid index evicted while its state survived let a re-sent event into the log
     twice: the watcher says so at its start when Redis runs with an allkeys-* policy."""
     policy = r.config_get("maxmemory-policy")["maxmemory-policy"]
-    r.config_set("maxmemory-policy", "allkeys-lru")
-    try:
-        with caplog.at_level(logging.WARNING, logger="producer.watcher.core"):
-            Watcher(r, fast, name="w").run_once()
-    finally:
-        r.config_set("maxmemory-policy", policy)
-    assert any("maxmemory-policy allkeys-lru" in rec.getMessage() for rec in caplog.records)
+    for evicting in ("allkeys-lru", "volatile-lru"):  # (volatile-*: the states and uuid indexes have a TTL)
+        r.config_set("maxmemory-policy", evicting)
+        try:
+            with caplog.at_level(logging.WARNING, logger="producer.watcher.core"):
+                Watcher(r, fast, name=f"w-{evicting}").run_once()
+        finally:
+            r.config_set("maxmemory-policy", policy)
+        assert any(f"maxmemory-policy {evicting}" in rec.getMessage() for rec in caplog.records), evicting
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="producer.watcher.core"):
         Watcher(r, fast, name="w2").run_once()
