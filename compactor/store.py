@@ -423,6 +423,7 @@ class SessionStore:
         progress: Callable[[], None] | None = None,
         claimed: Collection[str] = (),
         lettered: Callable[[list[str]], Collection[str]] | None = None,
+        requalify: Callable[[dict[str, Any]], str | None] | None = None,
     ) -> ApplyResult:
         """Append ``events`` to the session's log exactly once and advance its state.
 
@@ -463,7 +464,9 @@ class SessionStore:
         renews its shard leases there, so a long run does not outlive them.
         ``claimed``: the stream ids of entries the watcher claimed from another consumer of its
         group; one at or below the last applied id is refused unless its line is in the log
-        (``_unwritten``).
+        (``_unwritten``). ``requalify``: the uuid an event whose uuid the watcher derived from its
+        entry id takes when another event's line holds that uuid (None: not derived); see
+        ``_unwritten``.
         """
         log = log or self.log(session_id, cwd)
         new = not log.exists()
@@ -484,7 +487,8 @@ class SessionStore:
             fresh = _not_applied(batch, state.last_stream_id)
             result = ApplyResult(state, before=state.prompt_estimate, duplicates=len(batch) - len(fresh))
             if result.duplicates:
-                fresh = self._unwritten(session_id, batch, fresh, claimed, log_uuids, caught_up, result, lettered)
+                fresh = self._unwritten(session_id, batch, fresh, claimed, log_uuids, caught_up, result, lettered,
+                                        requalified=self._requalified(log, batch, fresh, log_uuids, requalify))
             if log_uuids is not None:  # the index was rebuilt from the log: it, not the lookup, is right
                 if taken is None:
                     taken = set()
@@ -535,7 +539,7 @@ class SessionStore:
     def _unwritten(
         self, session_id: str, batch: list[dict[str, Any]], fresh: list[dict[str, Any]],
         claimed: Collection[str], log_uuids: set[str] | None, caught_up: set[str], result: ApplyResult,
-        lettered: Callable[[list[str]], Collection[str]] | None = None,
+        lettered: Callable[[list[str]], Collection[str]] | None = None, requalified: Collection[int] = (),
     ) -> list[dict[str, Any]]:
         """``fresh`` and the events at or before the last applied stream id (counted as
         ``duplicates``) whose line is not in the log (their uuid is not in the index; call
@@ -566,6 +570,8 @@ class SessionStore:
             present = self.redis.smismember(self.keys.uuids(session_id), [event["uuid"] for event in stale])
         unwritten: list[dict[str, Any]] = []
         for event, there in zip(stale, present):
+            if id(event) in requalified:  # a new entry under an old entry's id: not that line's redelivery
+                there = False
             if there or event["uuid"] in caught_up:  # (caught up: written by a writer that crashed before its save)
                 continue
             if event.get("streamId") in claimed:
@@ -591,6 +597,35 @@ class SessionStore:
                        "(the stream was lost, and its ids start lower now)", session_id, len(revived),
                        result.state.last_stream_id)
         return [event for event in batch if id(event) in kept or id(event) in revived]
+
+    @staticmethod
+    def _requalified(log: SessionLog, batch: list[dict[str, Any]], fresh: list[dict[str, Any]],
+                     log_uuids: set[str] | None, requalify: Callable[[dict[str, Any]], str | None] | None,
+                     ) -> set[int]:
+        """The stale events (at or below the last applied id) of a state just rebuilt from the log
+        (Redis lost it: ``log_uuids``) whose uuid the watcher derived from the entry id, that a line
+        of other content holds: a lost stream renumbered from below, and a new entry given an old
+        one's id (a producer's own ids; a restored Redis's clock behind) took its uuid, and was
+        acked as its redelivery, dropped without a word. Each takes ``requalify``'s uuid (one of
+        its content too: its own redelivery is known again); their ``id()``s. A redelivery's
+        content is its line's (a producer's token stamp aside: the watcher's replaces it)."""
+        if log_uuids is None or requalify is None:
+            return set()
+        kept = {id(event) for event in fresh}
+        derived = [event for event in batch if id(event) not in kept and event.get("uuid") in log_uuids
+                   and requalify(event) is not None]
+        if not derived:
+            return set()
+        wanted = {event["uuid"] for event in derived}
+        lines = {line["uuid"]: line for line in log.read() if line.get("uuid") in wanted}
+        moved = set()
+        for event in derived:
+            line = lines.get(event["uuid"], {})
+            if any(line.get(key, _ABSENT) != value for key, value in event.items() if key not in _STAMP_FIELDS):
+                event["uuid"] = requalify(event)
+                if event["uuid"] not in log_uuids:
+                    moved.add(id(event))
+        return moved
 
     def refusals(self, state: SessionState, events: list[dict[str, Any]],
                  taken: set[str]) -> list[tuple[dict[str, Any], InvalidEvent]]:
@@ -770,6 +805,10 @@ def _check_unique(event: dict[str, Any], taken: set[str]) -> None:
     uuid = event.get("uuid")
     if isinstance(uuid, str) and uuid in taken:
         raise InvalidEvent("uuid", f"{uuid!r} duplicates an event already in this session")
+
+
+_ABSENT = object()
+_STAMP_FIELDS = frozenset({TOKEN_COUNT_FIELD, TOKEN_ENCODING_FIELD})
 
 
 def _check_cwd(session_id: str, cwd: str, state: SessionState | None) -> None:

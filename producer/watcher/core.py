@@ -71,7 +71,7 @@ from events.log import SessionLog
 from events.state import SessionState, decide
 from events.tokens import get_encoding, model_max_input_tokens
 from producer.watcher.batch import HELD_LOG_EVERY_S, BatchOutcome, ShardCursor, runs
-from producer.watcher.entries import Entry, Rejected, decode_entry, misrouted
+from producer.watcher.entries import Entry, Rejected, decode_entry, misrouted, requalified_uuid
 from producer.watcher.leases import RENEW_FRACTION, LeaseLost, ShardLeases
 from producer.watcher.orphans import ORPHAN_SWEEP_INTERVAL_S, letter_orphans
 from producer.watcher.streams import RawEntry, ReadResult, ShardStreams, entry_mark
@@ -485,6 +485,7 @@ class Watcher:
             session_id, cwd, [e.event for e in run], log=log, pipeline=saves, taken=found.taken[session_id],
             guard=guard, cached=self._cached(session_id), stored=stored, progress=self._keep_alive(shard),
             claimed=claimed, lettered=lambda ids: self._lettered_ahead(shard, run, ids),
+            requalify=lambda event: requalified_uuid(session_id, event),
         )
         pending_claimed -= claimed
         if result.discarded:  # (its whole first batch refused: no log, no stored state)

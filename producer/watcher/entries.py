@@ -218,6 +218,18 @@ def entry_uuid(session_id: str, entry_id: str) -> str:
     return f"{h[:8]}-{h[8:12]}-5{h[13:16]}-{_VARIANT_DIGIT[h[16]]}{h[17:20]}-{h[20:32]}"
 
 
+def requalified_uuid(session_id: str, event: dict[str, Any]) -> str | None:
+    """For an event whose uuid ``entry_uuid`` derived from its entry id: one of its id *and*
+    content, for when a line of other content holds the derived one (a lost stream gave a new
+    entry an old entry's id: ``SessionStore._requalified``); None for a uuid of the producer's."""
+    stream_id = event.get("streamId")
+    if not isinstance(stream_id, str) or event.get("uuid") != entry_uuid(session_id, stream_id):
+        return None
+    body = {key: value for key, value in event.items() if key != "uuid"}
+    digest = hashlib.sha256(orjson.dumps(body, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return entry_uuid(session_id, f"{stream_id}/{digest}")
+
+
 _NAMESPACE_BYTES = ENTRY_UUID_NAMESPACE.bytes
 _VARIANT_DIGIT = {f"{n:x}": f"{n & 0x3 | 0x8:x}" for n in range(16)}
 

@@ -301,6 +301,46 @@ def test_a_lost_streams_new_entries_below_the_log_are_applied_once_later_ones_pa
     assert r.xlen(Keys().dead) == 0
 
 
+def test_after_redis_lost_its_data_a_new_entry_given_an_old_entrys_id_is_applied_not_dropped(
+        r: redis.Redis, fast: Settings) -> None:
+    """With no uuid sent, the watcher derives one from the entry id: after Redis lost its data, a
+    new entry numbered like an old one (a producer's own ids) took the old line's uuid and was
+    acked as its redelivery, dropped without a word. One whose content is its line's is one."""
+    stream = Keys().stream_for("a1")
+    watcher = Watcher(r, fast, name="w")
+    meta = {"type": "session_meta", "model": "gpt-4", "createdAt": "2024-01-01T00:00:00Z"}
+    call = {"type": "assistant", "turnId": 1, "content": "", "tokenCount": 7,
+            "toolCalls": [{"id": "c", "name": "read_file", "arguments": {"path": "/a"}}]}
+    result = {"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "read_file", "output": "x"}
+    old = [meta, user(1, "old 1"), call, result, turn_end(1), user(2, "old 2")]
+    ids = [f"7-{n}" for n in range(1, len(old) + 1)]
+
+    def add(pairs: list[tuple[dict[str, Any], str]]) -> None:
+        for event, entry_id in pairs:
+            r.xadd(stream, {"session": "a1", "cwd": CWD, "event": json.dumps(event)}, id=entry_id)
+
+    add(list(zip(old, ids)))
+    drain(watcher, r, fast)
+    written = log_lines(fast, "a1")
+    r.flushall()  # Redis lost everything: the state, the uuid index, the stream
+    watcher.run_once()
+    add(list(zip(old, ids)))  # the same entries again (a producer's retry, a restored copy): the same lines
+    drain(watcher, r, fast)
+    assert log_lines(fast, "a1") == written
+    r.flushall()
+    watcher.run_once()
+    add([(user(2, "new below"), "6-1"), (user(2, "new under an old id"), "7-3"), (turn_end(2), "7-9")])
+    drain(watcher, r, fast)
+    lines = log_lines(fast, "a1")
+    assert [line.get("content") for line in lines[len(written):]] == ["new below", "new under an old id", None]
+    assert len({line["uuid"] for line in lines}) == len(lines)
+    for cursor in watcher.cursors.values():  # all of them delivered again (a restart): none applied twice
+        cursor.restart_sweep()
+    r.xgroup_setid(stream, Keys().group, "0")
+    drain(watcher, r, fast)
+    assert log_lines(fast, "a1") == lines and r.xlen(Keys().dead) == 0
+
+
 def test_a_round_reads_every_shard_in_one_script_call(r: redis.Redis, fast: Settings) -> None:
     """All owned shards are read by one fenced script call (8 before), also when one shard's
     group is missing: that shard is recreated, the others are read in the same call."""
