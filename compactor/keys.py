@@ -35,10 +35,12 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
                                 append): their letter is not written again by a retry, a takeover,
                                 a restart or the sweep of streams past redis.shards; a field goes
                                 with its entry's ack (the key: 30 days after its last letter)
-    {p}:unread-deleted:{n}      hash: position (how many of shard n's entries were deleted when a
-                                loss of unread ones was last dead-lettered), id (the highest id
-                                of an unread entry found deleted amid others): the losses a
-                                producer's trim or XDEL caused, so none is lettered twice
+    {p}:failing                 zset: sessionId -> when its failure counter expires (unix s): the
+                                sessions with LLM failures counted, read by the breaker gauges
+                                (a SCAN of {p}:failures:* walked the whole keyspace per scrape)
+    {p}:unread-deleted:{n}      string: the highest id of shard n's entries found deleted amid
+                                unread ones (a producer's XDEL), once dead-lettered: not lettered
+                                twice (a trim's loss is lettered once by the group's counter)
 
 Consumer group on every shard: ``{p}-watchers``, with one consumer per shard,
 ``shard-{n}``, read only by the watcher holding the shard's lease (stable
@@ -106,6 +108,10 @@ class Keys:
 
     def unread_deleted(self, shard: int) -> str:
         return f"{self.prefix}:unread-deleted:{shard}"
+
+    @property
+    def failing(self) -> str:
+        return f"{self.prefix}:failing"
 
     def fence(self, shard: int) -> str:
         return f"{self.prefix}:fence:{shard}"

@@ -130,15 +130,22 @@ return acked
 """.replace("ACK_CHUNK", str(ACK_CHUNK)).replace("LETTERED_TTL_S", str(LETTERED_TTL_S))
 
 # KEYS: lease, stream, dead, unread; ARGV: owner, group, dead maxlen, reason. First, entries deleted
-# before the group read them (a producer's MAXLEN / XTRIM / XDEL; every trim here and the orphan
-# sweep's stays below the group's last-delivered-id). Redis 7 counts: `entries-added` A, `length`
-# L, the group's `entries-read` R (0 at 0-0: groups start there; nil when fragmented, then this
-# check is skipped), so A - L entries were deleted and at least A - L - R of them unread (the
-# stream's positions R + 1 .. A - L). Those past the position already lettered (unread's
-# `position`) are dead-lettered once. An XDEL of an unread entry amid others is seen by the
-# stream's max-deleted-entry-id above last-delivered-id (unread's `id`: once per such id). Then
-# trims below the oldest entry any group needs. -1: not our lease; else {trimmed, last delivered,
-# entries lost (at least; 0: unknown), highest id deleted} (the delivered id empty: no loss found).
+# before the group read them (a producer's MAXLEN / XTRIM / XDEL; the watchers' own trims, and the
+# orphan sweep's, keep the entry at the group's last-delivered-id and every one after it):
+# - the stream's first entry past the group's position (or the stream empty): the entries between
+#   were trimmed. Redis 7 counts say how many were unread: `entries-added` A - `length` L entries
+#   were deleted, `entries-read` R delivered (0 at 0-0, where groups start), none of them kept
+#   (the first entry is past the position), so A - L - R unread (a trim that took read entries
+#   only, none unread, is no loss). Lettered, and the group's counter set to A - L (XGROUP SETID
+#   ... ENTRIESREAD), which makes the loss lettered once: Redis adds 1 per entry delivered, so
+#   a gap read across (a loss between two checks, not seen) leaves it behind the position, and
+#   the next loss found counts that one too;
+# - the stream's max-deleted-entry-id past the group's position (not at 0-0: a group recreated
+#   there would take any old XDEL for one): an entry deleted amid unread ones (once per id, kept
+#   in unread; how many, unknown).
+# A loss the group read across between two checks is not seen. Then trims below the oldest entry
+# any group needs. -1: not our lease; else {trimmed, last delivered, entries lost (at least; 0:
+# unknown), highest id deleted} (the delivered id empty: no loss found).
 _TRIM = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 if redis.call('EXISTS', KEYS[2]) == 0 then return {0, '', 0, ''} end
@@ -158,7 +165,7 @@ for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
   local need = info['last-delivered-id']
   if info['name'] == ARGV[2] then
     delivered, read = need, tonumber(info['entries-read'])
-    if need == '0-0' then read = 0 end
+    if need == '0-0' and not read then read = 0 end
   end
   if tonumber(info['pending']) > 0 then
     need = redis.call('XPENDING', KEYS[2], info['name'])[2]
@@ -169,21 +176,19 @@ local out = {0, '', 0, ''}
 if delivered then
   local info, s = {}, redis.call('XINFO', 'STREAM', KEYS[2])
   for k = 1, #s, 2 do info[s[k]] = s[k + 1] end
-  local added, gone = tonumber(info['entries-added']), info['max-deleted-entry-id']
-  local done = redis.call('HMGET', KEYS[4], 'position', 'id')
-  local position = tonumber(done[1]) or 0
-  if added and position > added then position = 0 end  -- (a new stream under the same key)
-  local lost = 0
-  if added and read and added - tonumber(info['length']) > math.max(read, position) then
-    lost = added - tonumber(info['length']) - math.max(read, position)
-    redis.call('HSET', KEYS[4], 'position', added - tonumber(info['length']))
+  local added, length = tonumber(info['entries-added']), tonumber(info['length'])
+  local first = info['first-entry'] and info['first-entry'][1] or nil
+  local gone = info['max-deleted-entry-id']
+  local lost, deleted, found = 0, '', false
+  if added and read and (first == nil or older(delivered, first)) and added - length > read then
+    lost, found = added - length - read, true
+    redis.call('XGROUP', 'SETID', KEYS[2], ARGV[2], delivered, 'ENTRIESREAD', added - length)
   end
-  local deleted = ''
-  if gone and older(delivered, gone) and done[2] ~= gone then
-    deleted = gone
-    redis.call('HSET', KEYS[4], 'id', gone)
+  if gone and delivered ~= '0-0' and older(delivered, gone) and redis.call('GET', KEYS[4]) ~= gone then
+    deleted, found = gone, true
+    redis.call('SET', KEYS[4], gone)
   end
-  if lost > 0 or deleted ~= '' then
+  if found then
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'reason', ARGV[4], 'id', deleted,
                'stream', KEYS[2], 'after', delivered, 'lost', lost)
     out = {0, delivered, lost, deleted}

@@ -499,6 +499,52 @@ def test_entries_trimmed_before_any_watcher_ran_and_one_deleted_amid_unread_ones
     assert [(f[b"lost"], f[b"id"]) for f in unread_letters(r)][1:] == [(b"0", ids[1].encode())]
 
 
+def test_a_loss_read_across_leaves_no_false_letters_and_a_recreated_streams_loss_is_found(r: redis.Redis) -> None:
+    """Redis adds 1 to a group's entries-read per entry delivered: a trimmed gap read across between
+    two checks left it behind the position for good, and every later trim of the watcher's own
+    wrote another letter of a false loss. A new stream under the same key: its loss was missed."""
+    from producer.watcher.streams import ShardStreams
+
+    keys = Keys()
+    stream, group, consumer = keys.stream(0), keys.group, keys.consumer(0)
+    r.set(keys.lease(0), "me")
+    streams = ShardStreams(r, keys, "me")
+
+    def add(n: int) -> None:
+        for i in range(n):
+            r.xadd(stream, {"session": "x", "cwd": CWD, "event": f"{i}"})
+
+    def read_all(count: int | None = None) -> None:
+        for _, entries in r.xreadgroup(group, consumer, {stream: ">"}, count=count) or []:
+            r.xack(stream, group, *[entry_id for entry_id, _ in entries])
+
+    streams.ensure_group(0)
+    add(100)
+    read_all(10)
+    r.xtrim(stream, maxlen=50, approximate=False)  # 40 unread gone
+    read_all()  # read across the gap before any check: not seen
+    for _ in range(4):
+        add(400)
+        read_all()
+        streams.trim(0)
+        streams.trim(0)
+        r.xtrim(stream, minid=r.xinfo_groups(stream)[0]["last-delivered-id"], approximate=False)  # (the
+        streams.trim(0)  # watcher's own trims, exact: what its approximate ones come to in time)
+    assert unread_letters(r) == []
+    r.delete(stream)  # a new stream under the same key
+    streams.ensure_group(0)
+    add(60)
+    r.xtrim(stream, maxlen=30, approximate=False)
+    streams.trim(0)
+    streams.trim(0)
+    assert [(f[b"after"], f[b"lost"]) for f in unread_letters(r)] == [(b"0-0", b"30")]
+    read_all()
+    add(10)
+    r.xtrim(stream, maxlen=5, approximate=False)  # 5 unread gone: its own letter, counted alone
+    streams.trim(0)
+    assert [f[b"lost"] for f in unread_letters(r)] == [b"30", b"5"]
+
+
 def test_the_watchers_own_trims_and_deletions_of_read_entries_are_not_taken_for_unread_losses(
     r: redis.Redis, small: Settings,
 ) -> None:
