@@ -42,6 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from compactor import metrics as process_metrics
 from compactor.held import held_sessions
 from compactor.keys import Keys
+from rq.utils import as_text
 from compactor.shards import server_ms
 from compactor.queue import compaction_queue
 from events.config import Settings
@@ -184,13 +185,14 @@ class StreamLagCollector(Collector):
 class BreakerCollector(Collector):
     """Sessions whose LLM breaker is open now: failure counters at ``maxFailures`` or more.
 
-    A SCAN of ``{p}:failures:*`` bounded by ``MAX_BREAKER_KEYS`` keys per scrape;
+    The counters of the sessions in ``{p}:failing``, ``MAX_BREAKER_KEYS`` at most per scrape;
     ``compactor_breaker_scan_truncated`` says 1 when the bound cut it short.
     """
 
     def __init__(self, client: redis.Redis, settings: Settings, gate: RedisGate | None = None) -> None:
         self.client = client
-        self.prefix = Keys(settings.redis.prefix, settings.redis.shards).failures("")
+        keys = Keys(settings.redis.prefix, settings.redis.shards)
+        self.prefix, self.failing = keys.failures(""), keys.failing
         self.max_failures = settings.context.max_failures
         self.gate = gate or RedisGate()
 
@@ -213,18 +215,21 @@ class BreakerCollector(Collector):
                                 value=int(truncated))
 
     def count(self) -> tuple[int, int, bool]:
-        """``(open breakers, sessions with failures, whether the scan was cut short)``."""
-        keys: list[bytes] = []
-        truncated = False
-        for key in self.client.scan_iter(match=_glob_escape(self.prefix) + "*", count=SCAN_BATCH):
-            if len(keys) >= MAX_BREAKER_KEYS:
-                truncated = True
-                break
-            keys.append(key)
+        """``(open breakers, sessions with failures, whether the count was cut short)``: the
+        sessions of ``{p}:failing`` (the workers add each failing session there with its counter's
+        expiry; a SCAN of the counters walked every key of the Redis per scrape: 1 s at 1.5 M keys),
+        their counters read; the expired ones pruned first."""
+        seconds, _ = self.client.time()
+        pipe = self.client.pipeline(transaction=False)
+        pipe.zremrangebyscore(self.failing, "-inf", f"({int(seconds)}")
+        pipe.zrange(self.failing, 0, MAX_BREAKER_KEYS - 1)
+        pipe.zcard(self.failing)
+        _, sessions, total = pipe.execute()
+        keys = [self.prefix + as_text(session) for session in sessions]
         values = [_int(v) for i in range(0, len(keys), SCAN_BATCH)
                   for v in self.client.mget(keys[i:i + SCAN_BATCH])]
         return (sum(v >= self.max_failures for v in values), sum(v > 0 for v in values),
-                truncated)
+                int(total) > MAX_BREAKER_KEYS)
 
 
 class ProcessMetrics(Collector):
@@ -278,10 +283,6 @@ def _int(value: object) -> int:
         return int(value)  # type: ignore[call-overload,no-any-return]
     except (TypeError, ValueError):
         return 0
-
-
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 class HttpMetrics:

@@ -109,6 +109,8 @@ class Overview(_Body):
     sessions: int
     breakers_open: int
     sessions_failing: int
+    breakers_truncated: bool = Field(False, description="more sessions with failures than are counted: the two "
+                                                        "numbers above are lower bounds")
     queued_jobs: int
     failed_jobs: int
     dead_letters: int
@@ -285,13 +287,14 @@ def overview(request: Request, client: redis.Redis, settings: Settings) -> Overv
     lag = StreamLagCollector(client, settings)
     now_ms = server_ms(client)  # Redis's clock, which stamped the entry ids (as the lag gauge does)
     shards = [lag.shard_lag(n, now_ms) for n in range(keys.shards)]
-    breakers, failing, _ = BreakerCollector(client, settings).count()
+    breakers, failing, truncated = BreakerCollector(client, settings).count()
     held = held_sessions(client, keys)  # (a session whose log is unreadable is named only here)
     queue = compaction_queue(client, settings)
     process: ProcessMetrics = request.app.state.process_metrics
     totals = process.totals()
     return Overview(
         sessions=client.zcard(keys.sessions), breakers_open=breakers, sessions_failing=failing,
+        breakers_truncated=truncated,
         queued_jobs=queue.count, failed_jobs=queue.failed_job_registry.count,
         dead_letters=client.xlen(keys.dead), sessions_held_back=len(held),
         held_back=[HeldSession(session_id=sid, since=h.since, error=h.error)

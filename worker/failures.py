@@ -20,10 +20,13 @@ from events.config import Settings
 
 logger = logging.getLogger(__name__)
 
-# KEYS: counter; ARGV: ttl seconds. Returns the new count.
+# KEYS: counter, failing index; ARGV: ttl seconds, session id. Returns the new count. The index
+# ({p}:failing) keeps the session until its counter expires, for the breaker gauges.
 _RECORD_FAILURE = """
 local n = redis.call('INCR', KEYS[1])
 if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+local now = redis.call('TIME')
+redis.call('ZADD', KEYS[2], tonumber(now[1]) + redis.call('TTL', KEYS[1]), ARGV[2])
 return n
 """
 
@@ -40,7 +43,8 @@ class FailureCounter:
     def record_failure(self, session_id: str, *, job_id: str | None = None, outcome: str | None = None) -> int:
         """Count one failure (of job ``job_id``, whose outcome it is: ``llm_transient``,
         ``llm_permanent`` or ``summary_invalid``); the count now."""
-        count = int(self.redis.eval(_RECORD_FAILURE, 1, self.keys.failures(session_id), self.ttl_s))
+        count = int(self.redis.eval(_RECORD_FAILURE, 2, self.keys.failures(session_id), self.keys.failing,
+                                    self.ttl_s, session_id))
         if count == self.max_failures:
             metrics.BREAKER_OPENS.inc()
         logger.info("llm failure counted session=%s failures=%d", session_id, count,
@@ -50,7 +54,11 @@ class FailureCounter:
 
     def reset(self, session_id: str, pipeline: redis.client.Pipeline | None = None) -> None:
         """Forget the failures after a success."""
-        (pipeline if pipeline is not None else self.redis).delete(self.keys.failures(session_id))
+        pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
+        pipe.delete(self.keys.failures(session_id))
+        pipe.zrem(self.keys.failing, session_id)
+        if pipeline is None:
+            pipe.execute()
 
     def count(self, session_id: str) -> int:
         """The consecutive failures counted (0 when none or expired)."""

@@ -92,7 +92,7 @@ function renderOverview(o, sessions) {
   const c = o.counters;
   $("totals").replaceChildren(
     card("sessions", fmt(o.sessions), false, "sessions"),
-    card("breakers open", fmt(o.breakersOpen), o.breakersOpen > 0, "breakers"),
+    card("breakers open", (o.breakersTruncated ? "≥ " : "") + fmt(o.breakersOpen), o.breakersOpen > 0, "breakers"),
     card("jobs queued", fmt(o.queuedJobs), false, "queued"),
     card("jobs failed (kept)", fmt(o.failedJobs), o.failedJobs > 0, "failed"),
     card("stream backlog", `${fmt(o.streamBacklog)} (${o.oldestUnappliedSeconds.toFixed(1)} s)`,

@@ -225,6 +225,30 @@ def test_jobs_llm_calls_and_breaker(api: TestClient, msettings: Settings, r: red
     assert delta(micro, healed, "compactor_jobs_enqueued_total", kind="llm", forced="true") == 4
 
 
+def test_breaker_gauges_read_the_failing_index_not_the_whole_keyspace(
+        api: TestClient, msettings: Settings, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SCAN of ``{p}:failures:*`` walked every key of the Redis (RQ's, other deployments') on each
+    scrape and each overview: 1 s at 1.5 M keys. The workers index the failing sessions."""
+    from producer import api_metrics
+    from worker.failures import FailureCounter
+
+    counter = FailureCounter(r, msettings)
+    for _ in range(msettings.context.max_failures):
+        counter.record_failure("open")
+    counter.record_failure("failing")
+    counter.record_failure("healed")
+    counter.reset("healed")
+    counter.record_failure("expired")
+    r.delete(Keys(msettings.redis.prefix).failures("expired"))  # (its TTL ran out)
+    monkeypatch.setattr(r, "scan_iter", lambda *a, **k: pytest.fail("the keyspace was scanned"))
+    samples = scrape(api)
+    assert value(samples, "compactor_breakers_open") == 1 and value(samples, "compactor_sessions_failing") == 2
+    overview = api.get("/api/overview").json()
+    assert (overview["breakersOpen"], overview["sessionsFailing"], overview["breakersTruncated"]) == (1, 2, False)
+    monkeypatch.setattr(api_metrics, "MAX_BREAKER_KEYS", 1)
+    assert api.get("/api/overview").json()["breakersTruncated"] is True
+
+
 def test_overview_reports_counters_and_backlog(api: TestClient, msettings: Settings,
                                                r: redis.Redis) -> None:
     first = api.get("/api/overview").json()
@@ -400,7 +424,7 @@ from fastapi.testclient import TestClient
 from events.config import Settings
 from producer.api import create_app
 settings = Settings.model_validate({"dataDir": sys.argv[1], "redis": {"url": sys.argv[2]}})
-with TestClient(create_app(settings, redis.Redis.from_url(sys.argv[2]))) as client:
+with TestClient(create_app(settings, redis.Redis.from_url(sys.argv[2])), base_url="http://127.0.0.1") as client:
     client.get("/healthz")
     print(client.get("/metrics").text)
 """

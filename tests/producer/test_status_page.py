@@ -110,8 +110,10 @@ def sessions(settings: Settings, r: redis.Redis) -> Settings:
     result = WorkerContext.build(settings, r).compactor.micro(BUSY, CWD)
     assert result.did_compress
     write_session(r, settings, BROKEN, 1)
-    keys = Keys(settings.redis.prefix, settings.redis.shards)
-    r.set(keys.failures(BROKEN), settings.context.max_failures, ex=3600)
+    from worker.failures import FailureCounter
+
+    for _ in range(settings.context.max_failures):  # (as the workers count them)
+        FailureCounter(r, settings).record_failure(BROKEN)
     return settings
 
 
