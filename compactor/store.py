@@ -34,6 +34,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import orjson
 import redis
 from rq.utils import as_text
 
@@ -621,7 +622,7 @@ class SessionStore:
         moved = set()
         for event in derived:
             line = lines.get(event["uuid"], {})
-            if any(line.get(key, _ABSENT) != value for key, value in event.items() if key not in _STAMP_FIELDS):
+            if _unstamped(line) != _unstamped(event):  # (as bytes: True and 1 are two values here)
                 event["uuid"] = requalify(event)
                 if event["uuid"] not in log_uuids:
                     moved.add(id(event))
@@ -807,8 +808,12 @@ def _check_unique(event: dict[str, Any], taken: set[str]) -> None:
         raise InvalidEvent("uuid", f"{uuid!r} duplicates an event already in this session")
 
 
-_ABSENT = object()
 _STAMP_FIELDS = frozenset({TOKEN_COUNT_FIELD, TOKEN_ENCODING_FIELD})
+
+
+def _unstamped(event: dict[str, Any]) -> bytes:
+    """``event`` without its token stamp (the watcher's replaces a producer's), as sorted JSON."""
+    return orjson.dumps({k: v for k, v in event.items() if k not in _STAMP_FIELDS}, option=orjson.OPT_SORT_KEYS)
 
 
 def _check_cwd(session_id: str, cwd: str, state: SessionState | None) -> None:

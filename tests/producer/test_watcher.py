@@ -312,7 +312,8 @@ def test_after_redis_lost_its_data_a_new_entry_given_an_old_entrys_id_is_applied
     call = {"type": "assistant", "turnId": 1, "content": "", "tokenCount": 7,
             "toolCalls": [{"id": "c", "name": "read_file", "arguments": {"path": "/a"}}]}
     result = {"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "read_file", "output": "x"}
-    old = [meta, user(1, "old 1"), call, result, turn_end(1), user(2, "old 2")]
+    bare = {"type": "assistant", "turnId": 1, "content": "no calls", "flag": True}  # (defaults filled in the log?)
+    old = [meta, user(1, "old 1"), call, result, bare, turn_end(1), {**user(2, "old 2"), "attachments": ["a"]}]
     ids = [f"7-{n}" for n in range(1, len(old) + 1)]
 
     def add(pairs: list[tuple[dict[str, Any], str]]) -> None:
@@ -329,10 +330,12 @@ def test_after_redis_lost_its_data_a_new_entry_given_an_old_entrys_id_is_applied
     assert log_lines(fast, "a1") == written
     r.flushall()
     watcher.run_once()
-    add([(user(2, "new below"), "6-1"), (user(2, "new under an old id"), "7-3"), (turn_end(2), "7-9")])
+    add([(user(2, "new below"), "6-1"), (user(2, "new under an old id"), "7-3"),
+         (user(2, "old 2"), "7-7"), (turn_end(2), "7-9")])  # (7-7: its line's but for a field less)
     drain(watcher, r, fast)
     lines = log_lines(fast, "a1")
-    assert [line.get("content") for line in lines[len(written):]] == ["new below", "new under an old id", None]
+    assert [line.get("content") for line in lines[len(written):]] == ["new below", "new under an old id",
+                                                                      "old 2", None]
     assert len({line["uuid"] for line in lines}) == len(lines)
     for cursor in watcher.cursors.values():  # all of them delivered again (a restart): none applied twice
         cursor.restart_sweep()
