@@ -239,9 +239,10 @@ def validate_session_id(session_id: object) -> str:
     return session_id
 
 
-def validate_cwd(cwd: object) -> str:
-    """Return ``cwd`` if it is an absolute path of valid text with no control character (NUL
-    included), else raise InvalidEvent."""
+def validate_cwd(cwd: object, *, new: bool = False) -> str:
+    """Return ``cwd`` if it is an absolute path of valid text with no NUL byte, else raise
+    InvalidEvent; ``new`` (a cwd coming in with events: the stream's, the Publisher's): no control
+    character at all either (a session logged before that rule stays readable)."""
     if cwd is None:
         raise InvalidEvent("cwd", "is required: an absolute path")
     if not isinstance(cwd, str):
@@ -250,7 +251,7 @@ def validate_cwd(cwd: object) -> str:
         raise InvalidEvent("cwd", "must not be empty: it must be an absolute path")
     if "\x00" in cwd:
         raise InvalidEvent("cwd", "must not contain a NUL byte")
-    control = next((c for c in cwd if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0), None)
+    control = next((c for c in cwd if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0), None) if new else None
     if control is not None:  # (a line break or an escape in the project's directory name reached every
         # log line naming a path raw: one record over three lines, colours on the operator's terminal)
         raise InvalidEvent("cwd", f"must not contain a control character ({control!r} at character "

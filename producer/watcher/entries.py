@@ -129,7 +129,7 @@ def _identity(session: bytes, cwd: bytes) -> tuple[str, str]:
     checked once; a refusal raises, so it is never cached)."""
     session_id, path = _text(session, "session"), _text(cwd, "cwd")
     try:
-        return validate_session_id(session_id), validate_cwd(path)
+        return validate_session_id(session_id), validate_cwd(path, new=True)
     except InvalidInput as e:
         raise _Reject(str(e)) from e
 

@@ -183,8 +183,17 @@ def test_a_rollback_needs_its_reason() -> None:
 ])
 def test_a_bad_cwd_is_refused_saying_why(cwd: object, reason: str) -> None:
     with pytest.raises(InvalidEvent) as caught:
-        validate_cwd(cwd)
+        validate_cwd(cwd, new=True)
     assert str(caught.value) == f"cwd: {reason}"
+
+
+def test_a_cwd_with_a_control_character_is_refused_coming_in_yet_an_old_sessions_log_stays_reachable(
+        tmp_path: Any) -> None:
+    from events.log import session_log_path
+
+    with pytest.raises(InvalidEvent, match="control character"):
+        validate_cwd("/home/u/my\tproj", new=True)
+    assert session_log_path(tmp_path, "/home/u/my\tproj", "s1").name == "s1.jsonl"  # (logged before the rule)
 
 
 def test_nested_errors_are_named_with_bracket_indexes_and_no_pydantic_prefix() -> None:
