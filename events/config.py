@@ -292,7 +292,7 @@ class ApiSettings(_Section):
         for name in names:
             if not name or name != name.strip() or any(c in name for c in "/:@ \t"):
                 raise ValueError(f"{name!r} is not a host name (a name as a Host header carries it, no port)")
-        return [name.lower() for name in names]
+        return [name.lower().rstrip(".") for name in names]  # (as a request's Host is read: api_errors)
 
     @field_validator("token")
     @classmethod

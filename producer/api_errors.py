@@ -438,7 +438,7 @@ def _foreign_host(value: bytes | None, allowed: frozenset[str]) -> str | None:
         name = host[1:host.find("]")] if "]" in host else host
     else:
         name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
-    name = name.rstrip(".")
+    name = unquote_to_bytes(name).decode("latin-1").rstrip(".")  # (a scoped IPv6 address: fe80::1%25eth0)
     if not name or name == "localhost" or name.endswith(".localhost") or name in allowed:
         return None
     try:

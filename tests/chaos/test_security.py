@@ -117,10 +117,13 @@ def test_without_a_token_a_host_name_rebound_to_the_api_is_refused(r: redis.Redi
                 assert answer.status_code == 400, (host, path, answer.text)
                 assert answer.json()["error"]["message"].startswith(f"Host: {host.split(':')[0]!r} is no address")
         assert r.xlen(f"{settings.redis.prefix}:events:{__import__('zlib').crc32(b's1') % 8}") == 0
-        for host in ("127.0.0.1:8080", "localhost", "LOCALHOST:1", "[::1]:8080", "10.1.2.3", "app.localhost"):
+        for host in ("127.0.0.1:8080", "localhost", "LOCALHOST:1", "[::1]:8080", "10.1.2.3", "app.localhost",
+                     "localhost.", "[fe80::1%25eth0]:8080"):
             assert client.get("/api/sessions", headers={"Host": host}).status_code == 200, host
         assert client.get("/healthz", headers={"Host": "attacker.example"}).status_code == 200
     named = settings.model_copy(update={"api": settings.api.model_copy(update={"allowed_hosts": ["api"]})})
+    assert load_settings(None, {}).api.allowed_hosts == [] and Settings.model_validate(
+        {"api": {"allowedHosts": ["Api.Example."]}}).api.allowed_hosts == ["api.example"]
     with TestClient(create_app(named, redis=r)) as client:
         assert client.get("/api/sessions", headers={"Host": "API:8080"}).status_code == 200
         assert client.get("/api/sessions", headers={"Host": "other"}).status_code == 400
