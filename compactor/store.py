@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -70,7 +69,7 @@ UUID_INDEX_CHUNK = 10_000  # uuids per SADD when indexing a whole log
 STATE_IDLE_TTL_S = 7 * 86_400
 
 # KEYS: the session hash, its uuid index, the active sessions. ARGV: the new logSize, the
-# activity score ("": a reader's save, the session's place among the active ones and its TTL kept), the
+# "1" for a writer's save ("": a reader's, the session's place among the active ones and its TTL kept), the
 # session id, "1" to store the state only if no state that has seen more of the log is stored,
 # "1" when the state may create the hash (it and the uuid index were rebuilt from the whole
 # log), the idle TTL (s), the number n of hash fields, n field/value pairs, the
@@ -81,7 +80,8 @@ STATE_IDLE_TTL_S = 7 * 86_400
 # left an index of the new uuids only, under a state whose logSize matches the log: nobody would
 # have rebuilt it, and a producer's re-sent event would have been taken for a new one.) The hash
 # and the index get their TTL together, in this script alone, so neither outlives the other;
-# the sessions idle past it leave the index (scored by the writers' clocks, so not to the second).
+# the sessions idle past it leave the index (scored by Redis's TIME: by the writers' clocks, a
+# host behind ranked its sessions' activity behind the others', and pruned them late).
 SAVE_STATE = """
 if ARGV[5] ~= '1' and redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 local ttl = tonumber(ARGV[6])
@@ -91,8 +91,10 @@ for i = first, last, 1000 do
   redis.call('SADD', KEYS[2], unpack(ARGV, i, math.min(i + 999, last)))
 end
 if ARGV[2] ~= '' then
-  redis.call('ZADD', KEYS[3], ARGV[2], ARGV[3])
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (tonumber(ARGV[2]) - ttl))
+  local now = redis.call('TIME')
+  local at = tonumber(now[1]) + tonumber(now[2]) / 1000000
+  redis.call('ZADD', KEYS[3], string.format('%.6f', at), ARGV[3])
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. (tonumber(now[1]) - ttl))
 end
 local stored_newer = false
 if ARGV[4] == '1' then
@@ -235,7 +237,7 @@ class SessionStore:
         mapping = state.to_hash()
         flat = [item for pair in mapping.items() for item in pair]
         pipe.eval(SAVE_STATE, 3, self.keys.session(state.session_id), self.keys.uuids(state.session_id),
-                  self.keys.sessions, state.log_size, time.time() if active else "", state.session_id,
+                  self.keys.sessions, state.log_size, "1" if active else "", state.session_id,
                   "1" if if_newer else "0",
                   "1" if create else "0", STATE_IDLE_TTL_S, len(mapping), *flat, *uuids)
         if pipeline is None:

@@ -686,8 +686,9 @@ class Compactor:
         room = max(beside - MIN_CHUNK_BUDGET_TOKENS, beside // 2)
         if count_tokens(previous_text, encoding) <= room:
             return previous_text
-        cut = _clipped({"type": "summary", "summaryText": previous_text}, max(room, BLOCK_HEADER_TOKENS + 1), encoding)
-        logger.warning("previous summary cut to fit a %d-token window (%d tokens left for it)", window, room)
+        budget = max(room, BLOCK_HEADER_TOKENS + 1)  # (the window may leave it less than nothing)
+        cut = _clipped({"type": "summary", "summaryText": previous_text}, budget, encoding)
+        logger.warning("previous summary cut to fit a %d-token window (%d tokens kept of it)", window, budget)
         return str(cut["summaryText"])
 
     def summary_limit(self, window: int) -> int:

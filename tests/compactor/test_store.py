@@ -60,6 +60,18 @@ def test_apply_appends_and_state_equals_a_rebuild_from_the_log(store: SessionSto
     assert state.last_stream_id == "2-0"
 
 
+def test_a_sessions_last_activity_is_in_redis_s_time_whatever_the_writers_clock(
+        store: SessionStore, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was the writer's time.time(): a host an hour behind ranked its sessions' activity an hour
+    behind the others' (the status page's order, lastActivity) and pruned them from the active
+    sessions an hour late."""
+    monkeypatch.setattr(time, "time", lambda: 1_000_000_000.0)  # (a writer whose clock is off)
+    store.apply(SID, CWD, [user(1, "hello world", "1-0")])
+    score = r.zscore(store.keys.sessions, SID)
+    seconds, _ = r.time()
+    assert score is not None and abs(score - int(seconds)) < 5
+
+
 def test_redelivered_entry_is_skipped_not_written_twice(store: SessionStore) -> None:
     store.apply(SID, CWD, [user(1, "a", "5-0")])
     result = store.apply(SID, CWD, [user(1, "a", "5-0"), user(1, "b", "6-0")])
