@@ -217,6 +217,12 @@ def shown(text: str) -> str:
     return _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
+def one_line(text: str) -> str:
+    """``shown``, line breaks and tabs escaped too: a table cell's text (a producer's session id with a
+    line break in it, refused and lettered, broke the dead letters' table into two rows)."""
+    return shown(text).replace("\t", "\\t").replace("\n", "\\n")
+
+
 def _message_panel(message: dict[str, Any], full: bool) -> Panel:
     role = str(message.get("role", "?"))
     title = shown(role + (f" ({message['name']})" if message.get("name") else ""))
@@ -333,8 +339,8 @@ def dead_letters(
         table.add_column(header, overflow="fold")
     for letter in body.letters:
         written = datetime.fromtimestamp(letter.written_at, UTC)
-        table.add_row(f"{_age(now - written)} ago", Text(shown(letter.session or "-")), Text(shown(letter.reason)),
-                      Text(shown(f"{letter.stream or '?'} {letter.entry_id or '?'}")))
+        table.add_row(f"{_age(now - written)} ago", Text(one_line(letter.session or "-")),
+                      Text(one_line(letter.reason)), Text(one_line(f"{letter.stream or '?'} {letter.entry_id or '?'}")))
     _table_console().print(table)
 
 

@@ -1473,6 +1473,11 @@ def test_dead_letters_lists_the_refused_entries_newest_first_with_their_reasons(
     assert "1 dead letter(s) of session s2 (3 in all)" in of_s2.stdout  # (was "1 of 3": read as s2's 3)
     none = runner.invoke(app, ["dead-letters", "--session", "s9", *args])
     assert none.exit_code == 0 and "no dead letters of session s9" in none.output
+    r.xadd(keys.stream_for("s1"), {"session": "s1\nforged", "cwd": CWD, "event": b'{"type": "user"}'})
+    drain(Watcher(r, settings, name="w2"), r, settings)
+    table = runner.invoke(app, ["dead-letters", "--limit", "1", *args], env={"COLUMNS": "200"})
+    rows = [line for line in table.stdout.splitlines() if " ago " in line]  # one row: its line break shown
+    assert len(rows) == 1 and "s1\\nforged" in rows[0], table.stdout
 
 
 def test_an_agents_escape_sequences_are_shown_not_sent_to_the_terminal(
