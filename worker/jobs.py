@@ -131,8 +131,14 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool, started: float |
         compressed = result is not None and result.did_compress
         # a summary of part of the targets (its chunks stopped short of the timeout): re-checked
         # now, the next job goes on at once rather than at the agent's next turn_end
-        finish(context, session_id, job_id, released=run,
+        # (the re-check waits FINISH_LOCK_WAIT_S at most for the log's lock, then leaves it to the janitor:
+        # a job past its timeout, no alarm armed any more, waited for a paused process's lock as long as
+        # that one was stopped, 16 minutes, its worker held and still "started")
+        finish(context, session_id, job_id, released=run, lock_wait_s=FINISH_LOCK_WAIT_S,
                forced_without_compaction=(forced and not compressed and not llm_failed) or run.covered is not None)
+
+
+FINISH_LOCK_WAIT_S = 5.0  # a finished job's re-check waits this long for the log's lock, then the janitor's
 
 
 def _keep_micro_step(job: Any, run: JobRun) -> CompressResult | None:

@@ -1519,6 +1519,42 @@ def test_the_janitors_recheck_of_a_log_a_paused_process_holds_is_deferred_not_wa
     assert job_id is not None and "-llm-" in job_id and compaction_queue(r, wsettings).job_ids == [job_id]
 
 
+@pytest.mark.timeout(90)
+def test_a_job_past_its_timeout_leaves_a_locked_logs_recheck_to_the_janitor(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub,
+) -> None:
+    """A job timed out waiting for a log a paused process held; its re-check then waited for that
+    lock with no alarm armed any more, as long as the process stayed stopped (16 minutes in a chaos
+    run): its worker held, the job still "started". The re-check now waits briefly, then leaves a
+    trigger for the janitor."""
+    import threading
+
+    from worker.jobs import FINISH_LOCK_WAIT_S
+
+    timed = wsettings.model_copy(update={"worker": wsettings.worker.model_copy(update={"job_timeout_seconds": 2})})
+    write_session(r, timed, "s1", 4, tool="list_dir", window=300)
+    held, release = threading.Event(), threading.Event()
+
+    def paused_process() -> None:
+        with SessionLog(timed.data_dir, CWD, "s1").lock():
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=paused_process)
+    holder.start()
+    try:
+        held.wait(10)
+        job_id = enqueue_compaction(r, timed, "s1", CWD, "llm", forced=True)
+        started = time.monotonic()
+        run_burst(r, timed)
+        assert time.monotonic() - started < 2 + FINISH_LOCK_WAIT_S + 10
+        assert Job.fetch(job_id, connection=r).get_status() == JobStatus.FAILED
+        assert r.zscore(Keys().claims, "s1") is not None  # (the janitor comes back to it)
+    finally:
+        release.set()
+        holder.join(30)
+
+
 def test_rqs_registries_of_running_jobs_are_scored_in_redis_time(
     r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
