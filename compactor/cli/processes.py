@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from pathlib import Path
 from types import FrameType
 from typing import Annotated
 
@@ -105,8 +106,7 @@ def watch(
 
     setup_logging(log_level, log_format)
     loaded = load(config, redis_url=redis_url, data_dir=data_dir)
-    settings = _with_redis(loaded)  # (first: a start refused for want of Redis creates no data dir)
-    usable_data_dir(loaded, data_dir)
+    settings = _with_redis_then_data_dir(loaded, data_dir)
     # unreachable now: exit 1, as `work`; an outage later is waited out
     on_its_data_dir(connect(settings, service=True), settings, embedded=_embedded(loaded))
     exit_with_parent()
@@ -134,8 +134,7 @@ def work(
     setup_logging(log_level, log_format)
     loaded = load(config, redis_url=redis_url, data_dir=data_dir, COMPACTION_WORKERS=count,
                   options={"COMPACTION_WORKERS": "--count"})
-    settings = _with_redis(loaded)  # (first: a start refused for want of Redis creates no data dir)
-    usable_data_dir(loaded, data_dir)
+    settings = _with_redis_then_data_dir(loaded, data_dir)
     exit_with_parent()
     # one line naming the (redacted) URL when Redis does not answer, as watch says
     on_its_data_dir(connect(settings, service=True), settings, embedded=_embedded(loaded), shards=True)
@@ -218,6 +217,20 @@ def _embedded(settings: Settings) -> bool:
 
 def _stopped(_signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(0)
+
+
+def _with_redis_then_data_dir(loaded: Settings, option: Path | None) -> Settings:
+    """``_with_redis``, with the data dir checked (``usable_data_dir``) before it when that creates
+    nothing, and after it when it would create the directory: a start refused for want of a Redis
+    left ~/.codingcode/project behind; a data dir that can never be used is said first."""
+    path = loaded.data_dir
+    existing = next((p for p in (path, *path.parents) if p.exists()), path)
+    if path.exists() or not existing.is_dir():
+        usable_data_dir(loaded, option)
+        return _with_redis(loaded)
+    settings = _with_redis(loaded)
+    usable_data_dir(loaded, option)
+    return settings
 
 
 def _with_redis(settings: Settings) -> Settings:
