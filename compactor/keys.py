@@ -38,6 +38,8 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
     {p}:failing                 zset: sessionId -> when its failure counter expires (unix s): the
                                 sessions with LLM failures counted, read by the breaker gauges
                                 (a SCAN of {p}:failures:* walked the whole keyspace per scrape)
+    {p}:failing:indexed         string: set once the counters of an earlier version (none in
+                                {p}:failing) were added to it, by the first breaker count
     {p}:unread-deleted:{n}      string: the highest id of shard n's entries found deleted amid
                                 unread ones (a producer's XDEL), once dead-lettered: not lettered
                                 twice (a trim's loss is lettered once by the group's counter)
@@ -112,6 +114,10 @@ class Keys:
     @property
     def failing(self) -> str:
         return f"{self.prefix}:failing"
+
+    @property
+    def failing_indexed(self) -> str:
+        return f"{self.prefix}:failing:indexed"
 
     def fence(self, shard: int) -> str:
         return f"{self.prefix}:fence:{shard}"

@@ -192,7 +192,7 @@ class BreakerCollector(Collector):
     def __init__(self, client: redis.Redis, settings: Settings, gate: RedisGate | None = None) -> None:
         self.client = client
         keys = Keys(settings.redis.prefix, settings.redis.shards)
-        self.prefix, self.failing = keys.failures(""), keys.failing
+        self.prefix, self.failing, self.indexed = keys.failures(""), keys.failing, keys.failing_indexed
         self.max_failures = settings.context.max_failures
         self.gate = gate or RedisGate()
 
@@ -220,6 +220,8 @@ class BreakerCollector(Collector):
         expiry; a SCAN of the counters walked every key of the Redis per scrape: 1 s at 1.5 M keys),
         their counters read; the expired ones pruned first."""
         seconds, _ = self.client.time()
+        if not self.client.exists(self.indexed):
+            self._index_earlier_counters(int(seconds))
         pipe = self.client.pipeline(transaction=False)
         pipe.zremrangebyscore(self.failing, "-inf", f"({int(seconds)}")
         pipe.zrange(self.failing, 0, MAX_BREAKER_KEYS - 1)
@@ -230,6 +232,31 @@ class BreakerCollector(Collector):
                   for v in self.client.mget(keys[i:i + SCAN_BATCH])]
         return (sum(v >= self.max_failures for v in values), sum(v > 0 for v in values),
                 int(total) > MAX_BREAKER_KEYS)
+
+
+    def _index_earlier_counters(self, now: int) -> None:
+        """Once per Redis (``{p}:failing:indexed``): the failure counters an earlier version wrote,
+        which it did not index, into ``{p}:failing`` (a session whose breaker was open counted no
+        new failure to be indexed by, and read 0 in the gauges for up to a day). One SCAN."""
+        pipe = self.client.pipeline(transaction=False)
+        found = list(self.client.scan_iter(match=_glob_escape(self.prefix) + "*", count=SCAN_BATCH))
+        for key in found:
+            pipe.ttl(key)
+        ttls = pipe.execute() if found else []
+        indexed = {as_text(key)[len(self.prefix):]: now + max(int(ttl), 0) for key, ttl in zip(found, ttls)
+                   if int(ttl) != -2}
+        pipe = self.client.pipeline(transaction=False)
+        for i in range(0, len(indexed), SCAN_BATCH):
+            pipe.zadd(self.failing, dict(list(indexed.items())[i:i + SCAN_BATCH]))
+        pipe.set(self.indexed, "1")
+        pipe.execute()
+        if indexed:
+            logger.info("failure counters of an earlier version indexed: %d", len(indexed))
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` with SCAN's glob characters escaped (a prefix may hold them)."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
 
 
 class ProcessMetrics(Collector):

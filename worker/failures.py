@@ -55,8 +55,10 @@ class FailureCounter:
     def reset(self, session_id: str, pipeline: redis.client.Pipeline | None = None) -> None:
         """Forget the failures after a success."""
         pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
-        pipe.delete(self.keys.failures(session_id))
+        # (out of the index first: a failure counted in between is indexed again by it; the other
+        # way round, it was counted and left out of the breaker gauges)
         pipe.zrem(self.keys.failing, session_id)
+        pipe.delete(self.keys.failures(session_id))
         if pipeline is None:
             pipe.execute()
 

@@ -232,6 +232,9 @@ def test_breaker_gauges_read_the_failing_index_not_the_whole_keyspace(
     from producer import api_metrics
     from worker.failures import FailureCounter
 
+    keys = Keys(msettings.redis.prefix)
+    r.set(keys.failures("earlier"), msettings.context.max_failures, ex=3600)  # (an earlier version's: not indexed)
+    assert value(scrape(api), "compactor_breakers_open") == 1  # indexed once, by one SCAN
     counter = FailureCounter(r, msettings)
     for _ in range(msettings.context.max_failures):
         counter.record_failure("open")
@@ -239,12 +242,12 @@ def test_breaker_gauges_read_the_failing_index_not_the_whole_keyspace(
     counter.record_failure("healed")
     counter.reset("healed")
     counter.record_failure("expired")
-    r.delete(Keys(msettings.redis.prefix).failures("expired"))  # (its TTL ran out)
+    r.delete(keys.failures("expired"))  # (its TTL ran out)
     monkeypatch.setattr(r, "scan_iter", lambda *a, **k: pytest.fail("the keyspace was scanned"))
     samples = scrape(api)
-    assert value(samples, "compactor_breakers_open") == 1 and value(samples, "compactor_sessions_failing") == 2
+    assert value(samples, "compactor_breakers_open") == 2 and value(samples, "compactor_sessions_failing") == 3
     overview = api.get("/api/overview").json()
-    assert (overview["breakersOpen"], overview["sessionsFailing"], overview["breakersTruncated"]) == (1, 2, False)
+    assert (overview["breakersOpen"], overview["sessionsFailing"], overview["breakersTruncated"]) == (2, 3, False)
     monkeypatch.setattr(api_metrics, "MAX_BREAKER_KEYS", 1)
     assert api.get("/api/overview").json()["breakersTruncated"] is True
 
