@@ -25,8 +25,10 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -45,6 +47,7 @@ from compactor.shards import server_ms
 from compactor.store import SessionStore
 from events.config import ContextSettings, Settings
 from events.errors import SessionNotFound
+from events.log import SessionLog
 from events.view import build_view, omitted_chars, undone_by_rollback
 from producer.api import CwdQuery, RedisDep, SettingsDep, _checked, errors
 from producer.api_errors import JsonBodyRoute
@@ -243,6 +246,16 @@ def context_with_elisions(events: list[dict[str, Any]], ctx: ContextSettings) ->
                           current_turn_id=view.current_turn_id, elided=elided)
 
 
+@dataclass(frozen=True)
+class _NoSavings:
+    """A session's savings found missing (its compaction's uuid is not in its log of ``size``
+    bytes: cut back or restored by hand) or unreadable (until ``until``, monotonic): not looked
+    for again meanwhile (looked for on every refresh, it took the read budget of the rows after it)."""
+
+    size: int
+    until: float = math.inf
+
+
 def last_savings(cache: _Lru, settings: Settings, body: SessionBody, *, read: bool = True) -> Savings | None:
     """What the session's last compaction released (cached by its uuid); with ``read`` False,
     only a cached one (the log is not read)."""
@@ -251,15 +264,26 @@ def last_savings(cache: _Lru, settings: Settings, body: SessionBody, *, read: bo
         return None
     key = ("savings", body.session_id, body.cwd, uuid)
     cached = cache.get(key)
-    if cached is not None or not read:
-        return cached  # type: ignore[no-any-return]
-    events = read_log(settings.data_dir, body.session_id, body.cwd)
+    log = SessionLog(settings.data_dir, body.cwd, body.session_id)
+    if isinstance(cached, _NoSavings) and time.monotonic() < cached.until and cached.size in (-1, log.size()):
+        return None
+    if isinstance(cached, Savings) or not read:
+        return cached if isinstance(cached, Savings) else None
+    size = log.size()
+    try:
+        events = read_log(settings.data_dir, body.session_id, body.cwd)
+    except Exception:  # a missing or unreadable log must not hide the other sessions
+        logger.warning("savings unavailable session=%s", body.session_id, exc_info=True)
+        cache.put(key, _NoSavings(-1, time.monotonic() + UNREADABLE_RETRY_S))
+        return None
     index = next((i for i in range(len(events) - 1, -1, -1) if events[i].get("uuid") == uuid), None)
     if index is None:
+        cache.put(key, _NoSavings(size))
         return None
     return cache.put(key, compaction_at(events, index, settings.context))  # type: ignore[no-any-return]
 
 
+UNREADABLE_RETRY_S = 30.0  # a log the savings could not be read from is tried again after this long
 SAVINGS_READ_BUDGET_S = 0.3  # logs read for the savings column per request, past which rows wait for the next
 
 
@@ -270,11 +294,11 @@ def session_rows(request: Request, client: redis.Redis, settings: Settings,
     rows = []
     deadline = time.monotonic() + SAVINGS_READ_BUDGET_S
     for body, activity in recent_session_bodies(client, settings, limit):
+        # (each one not cached reads the session's whole log: 100 sessions of 1.2 MB, every one
+        # just compacted, held the page's refresh 8-12 s; the rest come with the next refreshes)
         try:
-            # (each one not cached reads the session's whole log: 100 sessions of 1.2 MB, every one
-            # just compacted, held the page's refresh 8-12 s; the rest come with the next refreshes)
             savings = last_savings(cache, settings, body, read=time.monotonic() < deadline)
-        except Exception:  # a missing or unreadable log must not hide the other sessions
+        except Exception:  # (a cwd no log can be under...: the other sessions are listed all the same)
             logger.warning("savings unavailable session=%s", body.session_id, exc_info=True)
             savings = None
         rows.append(SessionRow(**body.model_dump(), last_activity=activity, last_savings=savings))

@@ -8,6 +8,7 @@ Debian's ``chromium`` (never a downloaded browser; the fixture apt-installs it w
 from __future__ import annotations
 
 import base64
+import json
 import fcntl
 import os
 import shutil
@@ -28,6 +29,7 @@ from fastapi.testclient import TestClient
 
 from compactor.keys import Keys
 from compactor.store import SessionStore
+from events.log import SessionLog
 from events.config import Settings
 from producer.api import create_app
 from tests.support import free_port
@@ -146,15 +148,22 @@ def test_the_savings_column_reads_logs_only_within_a_budget_per_request(
         return read_log(*args)
 
     monkeypatch.setattr(status_page, "read_log", slow_read)
-    monkeypatch.setattr(status_page, "SAVINGS_READ_BUDGET_S", 0.3)
+    monkeypatch.setattr(status_page, "SAVINGS_READ_BUDGET_S", 0.15)  # (one log read per request)
+    # the most recent session: its compaction's uuid is not in its log (cut back by hand): found
+    # missing once, not read again at each refresh, taking the budget of every row after it
+    write_session(r, sessions, "cut-back", 3)
+    assert context.compactor.micro("cut-back", CWD).did_compress
+    path = SessionLog(sessions.data_dir, CWD, "cut-back").path
+    [compact] = [json.loads(line) for line in path.read_text().splitlines() if '"compact"' in line]
+    path.write_text(path.read_text().replace(compact["uuid"], "0" * len(compact["uuid"])))  # (the same size)
     with TestClient(create_app(sessions, r)) as client:
         started = time.monotonic()
         first = client.get("/api/sessions").json()
         assert time.monotonic() - started < 1.0
-        assert 0 < sum(row["lastSavings"] is not None for row in first) < 7
-        for _ in range(6):
+        assert sum(row["lastSavings"] is not None for row in first) < 7
+        for _ in range(10):
             rows = client.get("/api/sessions").json()
-        assert all(row["lastSavings"] is not None for row in rows if row["sessionId"] != BROKEN)
+        assert all(row["lastSavings"] is not None for row in rows if row["sessionId"] not in (BROKEN, "cut-back"))
 
 
 def test_the_sessions_route_reads_redis_in_a_few_round_trips_whatever_the_sessions(
