@@ -138,8 +138,11 @@ return acked
 #   (the first entry is past the position), so A - L - R unread (a trim that took read entries
 #   only, none unread, is no loss). Lettered, and the group's counter set to A - L (XGROUP SETID
 #   ... ENTRIESREAD), which makes the loss lettered once: Redis adds 1 per entry delivered, so
-#   a gap read across (a loss between two checks, not seen) leaves it behind the position, and
-#   the next loss found counts that one too;
+#   a gap read across (a loss between two checks) leaves it behind the position (Redis 7.0;
+#   Valkey 8 re-estimates it there, and such a loss goes unseen), and the next loss found
+#   counts that one too;
+# - the group caught up (its position the stream's last id) with fewer entries read than added:
+#   a loss it read across (Redis 7.0), lettered then, the counter set to A;
 # - the stream's max-deleted-entry-id past the group's position (not at 0-0: a group recreated
 #   there would take any old XDEL for one): an entry deleted amid unread ones (once per id, kept
 #   in unread; how many, unknown).
@@ -183,6 +186,9 @@ if delivered then
   if added and read and (first == nil or older(delivered, first)) and added - length > read then
     lost, found = added - length - read, true
     redis.call('XGROUP', 'SETID', KEYS[2], ARGV[2], delivered, 'ENTRIESREAD', added - length)
+  elseif added and read and delivered == info['last-generated-id'] and added > read then
+    lost, found = added - read, true  -- (read across: every entry added is read or gone)
+    redis.call('XGROUP', 'SETID', KEYS[2], ARGV[2], delivered, 'ENTRIESREAD', added)
   end
   if gone and delivered ~= '0-0' and older(delivered, gone) and redis.call('GET', KEYS[4]) ~= gone then
     deleted, found = gone, true

@@ -530,7 +530,10 @@ def test_a_loss_read_across_leaves_no_false_letters_and_a_recreated_streams_loss
         streams.trim(0)
         r.xtrim(stream, minid=r.xinfo_groups(stream)[0]["last-delivered-id"], approximate=False)  # (the
         streams.trim(0)  # watcher's own trims, exact: what its approximate ones come to in time)
-    assert unread_letters(r) == []
+    # (Redis 7.0 counts a delivery as 1 whatever it crossed: caught up, the 40 are found; Valkey 8
+    # re-estimates the counter when crossing, and they go unseen) and never a letter of a false loss
+    assert [f[b"lost"] for f in unread_letters(r)] in ([], [b"40"])
+    r.delete(Keys().dead)
     r.delete(stream)  # a new stream under the same key
     streams.ensure_group(0)
     add(60)
