@@ -257,7 +257,7 @@ class SessionLog:
         it sees the line ``append`` would have kept: the store's catch-up read past its recorded
         size without it, then the append kept it, so its uuid went unknown (a redelivered entry
         written twice) and the stored estimate never counted it. (``keep``: ``_complete_size``.)"""
-        if keep == size or not _whole_event(os.pread(fd, size - keep, keep)):
+        if keep == size or not _whole_event(_pread_all(fd, size - keep, keep)):
             return None
         logger.warning("the last line of %s had no newline: one added", self.path)
         try:
@@ -321,7 +321,12 @@ class SessionLog:
         except OSError as e:
             raise LogWriteFailed(f"{self.path}: cannot create: {e}") from e
         if self.fsync:
-            fsync_dir(self.path.parent)
+            try:
+                fsync_dir(self.path.parent)
+            except OSError as e:  # (raw, its descriptor leaked, and the retry found the file: never made durable)
+                os.close(fd)
+                self.path.unlink(missing_ok=True)
+                raise LogWriteFailed(f"{self.path}: cannot create: its directory cannot be synced: {e}") from e
         return fd
 
     def _release(self) -> None:
@@ -544,14 +549,20 @@ class SessionLog:
         ended = self._end_whole_last_line(fd, size, keep)  # (when taking the lock could not)
         if ended is not None:
             return ended
-        fragment = os.pread(fd, size - keep, keep)
-        logger.warning("torn tail of %d bytes moved from %s to %s", len(fragment), self.path, self.torn_path)
         try:
-            torn = os.open(self.torn_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            fragment = _pread_all(fd, size - keep, keep)
+            if len(fragment) != size - keep:
+                raise OSError(errno.EIO, f"short read of the torn tail: {len(fragment)} of {size - keep} bytes")
+            logger.warning("torn tail of %d bytes moved from %s to %s", len(fragment), self.path, self.torn_path)
+            torn = os.open(self.torn_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
             try:  # (a FIFO there held the log's lock, and the watcher with it, every shard)
                 if not stat.S_ISREG(os.fstat(torn).st_mode):
                     raise OSError(errno.EINVAL, f"{self.torn_path} is not a regular file")
-                os.write(torn, fragment + b"\n")
+                kept = fragment + b"\n"
+                end = os.fstat(torn).st_size
+                # (copied already by a repair whose truncate failed: the fragment was there twice)
+                if end < len(kept) or _pread_all(torn, len(kept), end - len(kept)) != kept:
+                    _write_fully(torn, kept)  # (a short write had left part of it, and the rest was cut off)
                 if self.fsync:
                     os.fsync(torn)
             finally:
@@ -574,19 +585,26 @@ class SessionLog:
                     rest = rest[n:]
             if self.fsync:
                 os.fsync(fd)
-        except OSError as e:
-            self._undo(fd, size, written)
-            raise LogWriteFailed(f"{self.path}: append failed, log left unchanged: {e}") from e
+        except BaseException as e:  # (a job's timeout, a SIGINT mid-batch: undone too, then raised as it is)
+            undone = self._undo(fd, size, written)
+            if not isinstance(e, OSError):
+                raise
+            raise LogWriteFailed(f"{self.path}: append failed, " + (
+                "log left unchanged" if undone else f"and its first {written} bytes could not be taken back "
+                "(the next writer reads what landed)") + f": {e}") from e
         return size + written
 
-    def _undo(self, fd: int, size: int, written: int) -> None:
+    def _undo(self, fd: int, size: int, written: int) -> bool:
+        """Truncate the log back to ``size``; whether that worked."""
         try:
             os.ftruncate(fd, size)
         except OSError:
             logger.exception("could not truncate %s back to %d bytes after a failed append", self.path, size)
-        else:  # (once per size: a held session's append is retried about once a second, each an ERROR line)
-            level = logging.ERROR if first_time(_undo_said, str(self.path), (size, written)) else logging.DEBUG
-            logger.log(level, "append to %s failed after %d bytes; truncated back to %d", self.path, written, size)
+            return False
+        # (once per size: a held session's append is retried about once a second, each an ERROR line)
+        level = logging.ERROR if first_time(_undo_said, str(self.path), (size, written)) else logging.DEBUG
+        logger.log(level, "append to %s failed after %d bytes; truncated back to %d", self.path, written, size)
+        return True
 
 
 SAID_KEPT = 10_000  # keys a ``first_time`` memo remembers (then it forgets them all at once)
@@ -669,7 +687,8 @@ def _serialize(events: list[dict[str, Any]]) -> list[bytes]:
 
 
 def _pread_all(fd: int, length: int, offset: int) -> bytes:
-    """``length`` bytes from ``offset`` (fewer at the end of the file)."""
+    """``length`` bytes from ``offset`` (fewer at the end of the file): a short read (POSIX allows
+    one; FUSE and network file systems give them) is read on from where it stopped."""
     parts = []
     while length > 0:
         data = os.pread(fd, length, offset)
@@ -678,6 +697,16 @@ def _pread_all(fd: int, length: int, offset: int) -> bytes:
         parts.append(data)
         offset, length = offset + len(data), length - len(data)
     return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _write_fully(fd: int, data: bytes) -> None:
+    """Write all of ``data`` (a short write is written on; none at all is EIO)."""
+    rest = memoryview(data)
+    while rest:
+        n = os.write(fd, rest)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short write: 0 of {len(rest)} bytes")
+        rest = rest[n:]
 
 
 def _complete_size(fd: int, size: int | None = None) -> int:
@@ -693,7 +722,7 @@ def _end_of_last_line(fd: int, size: int) -> int:
     end = size
     while end > 0:
         start = max(0, end - TAIL_SCAN_BYTES)
-        block = os.pread(fd, end - start, start)
+        block = _pread_all(fd, end - start, start)  # (a short read had cut whole lines off as a "torn tail")
         index = block.rfind(b"\n")
         if index >= 0:
             return start + index + 1

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -298,6 +300,78 @@ def test_a_timeout_while_the_lock_ends_a_last_line_releases_the_lock(
         assert other.read() == [_event(1), _event(2)]
     with log.lock():  # (and the first one can lock it again)
         pass
+
+
+def test_short_reads_cut_no_whole_line_off_as_a_torn_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """POSIX lets pread return fewer bytes than asked (FUSE, network file systems): the scan for
+    the last line's end took a half block for the whole one, and cut whole lines off with the
+    torn fragment (acked events moved to the .torn file)."""
+    log = _log(tmp_path)
+    log.append([_event(i, "y" * 200) for i in range(5)])
+    with open(log.path, "ab") as f:
+        f.write(b'{"type":"user","uuid":"half')
+    pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, offset: pread(fd, n // 2 if n > 100 else n, offset))
+    log.append([_event(5)])
+    monkeypatch.undo()
+    assert [e["uuid"] for e in log.read()] == ["u0", "u1", "u2", "u3", "u4", "u5"]
+    assert log.torn_path.read_bytes() == b'{"type":"user","uuid":"half\n'
+
+
+def test_an_append_stopped_by_a_timeout_is_taken_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only an OSError was undone: a job's timeout (SIGALRM) mid-write left part of the batch,
+    a torn line after it, while the job reported failure."""
+    log = _log(tmp_path)
+    log.append([_event(0)])
+    before = log.path.read_bytes()
+    write, calls = os.write, []
+
+    def interrupted(fd: int, data: Any) -> int:
+        calls.append(len(data))
+        if len(calls) == 1:
+            return write(fd, bytes(data)[:len(data) // 2 + 5])
+        raise _Timeout
+
+    monkeypatch.setattr(os, "write", interrupted)
+    with pytest.raises(_Timeout):
+        log.append([_event(1), _event(2), _event(3)])
+    monkeypatch.undo()
+    assert log.path.read_bytes() == before
+
+
+def test_a_torn_tail_is_copied_whole_and_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short write to the .torn file kept part of the fragment, the log cut anyway; and a repair
+    whose truncate failed, done again, copied the fragment a second time."""
+    log = _log(tmp_path)
+    log.append([_event(0)])
+    fragment = b'{"type":"user","uuid":"half-way through'
+    with open(log.path, "ab") as f:
+        f.write(fragment)
+    write, ftruncate = os.write, os.ftruncate
+    monkeypatch.setattr(os, "write", lambda fd, data: write(fd, bytes(data)[:10]))  # (short, every time)
+    monkeypatch.setattr(os, "ftruncate", lambda fd, n: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
+    with pytest.raises(LogWriteFailed):
+        log.append([_event(1)])
+    monkeypatch.setattr(os, "ftruncate", ftruncate)
+    log.append([_event(1)])
+    monkeypatch.undo()
+    assert [e["uuid"] for e in log.read()] == ["u0", "u1"]
+    assert log.torn_path.read_bytes() == fragment + b"\n"
+
+
+def test_a_new_logs_directory_that_cannot_be_synced_is_a_write_failure_leaving_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = _log(tmp_path, fsync=True)
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "EIO"))
+                        if stat.S_ISDIR(os.fstat(fd).st_mode) else fsync(fd))
+    opened = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(LogWriteFailed, match="its directory cannot be synced"):
+        log.append([_event(0)])
+    assert not log.path.exists() and len(os.listdir("/proc/self/fd")) == opened
+    monkeypatch.undo()
+    log.append([_event(0)])
+    assert [e["uuid"] for e in log.read()] == ["u0"]
 
 
 def test_a_file_that_is_all_fragment_is_emptied_into_the_torn_file(tmp_path: Path) -> None:
