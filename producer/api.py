@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
@@ -71,7 +72,7 @@ from producer.api_errors import (
     error_response,
     install_error_handlers,
 )
-from producer.api_jobs import job_body, wait_for_job_async
+from producer.api_jobs import error_message, job_body, wait_for_job_async
 from producer.api_metrics import HttpMetrics, ProcessMetrics, scrape_registry
 from producer.api_models import (
     CompactRequest,
@@ -337,6 +338,8 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
     """
     sid, cwd = _checked(session_id, body.cwd)
     timeout = settings.api.job_wait_seconds
+    deadline = time.monotonic() + timeout  # (one for both waits: a wait for `after`, then a whole second
+    # one for the job, answered past twice jobWaitSeconds)
     if body.after is not None:  # (a new session's first events sent just before: its log did not exist yet, a 404)
         parse_stream_id(body.after, "after")
         if wait:  # (wait=false answers at once: the job waits for them itself, AFTER_WAIT_S)
@@ -350,7 +353,8 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
     if not wait:
         return _accepted(job_id)
     queue = Keys(settings.redis.prefix, settings.redis.shards).queue
-    job = await wait_for_job_async(client, job_id, queue, timeout, stop=request.app.state.stopping)
+    job = await wait_for_job_async(client, job_id, queue, max(0.0, deadline - time.monotonic()),
+                                   stop=request.app.state.stopping)
     if job.status == "finished" and job.result is not None:
         response.headers[JOB_ID_HEADER] = job_id
         if job.llm_error is not None:
@@ -361,7 +365,7 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
         step = job.micro_step  # (SPEC §5 runs it before the LLM call: the failure does not undo it)
         applied = (f" (its micro step was applied: released {step.released} tokens, promptEstimate now "
                    f"{step.prompt_estimate})") if step is not None else ""
-        return error_response(status, f"compaction job {job_id} {job.status}: {job.error}{applied}", code,
+        return error_response(status, f"compaction job {job_id} {job.status}: {error_message(job.error)}{applied}", code,
                               headers={JOB_ID_HEADER: job_id})
     return _accepted(job_id)
 

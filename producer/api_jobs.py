@@ -49,6 +49,18 @@ TERMINAL_STATUSES = frozenset({
 })
 
 
+QUALIFIED_ERROR_RE = re.compile(r"(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)(?:: (.*))?", re.DOTALL)
+
+
+def error_message(error: str) -> str:
+    """A job's error line without the exception's module path: ``events.errors.SessionNotFound:
+    no log ...`` is ``no log ...``; an exception with no message keeps its class name."""
+    match = QUALIFIED_ERROR_RE.fullmatch(error)
+    if match is None:
+        return error
+    return match.group(2) or match.group(1)
+
+
 def validate_job_id(job_id: str) -> str:
     if not JOB_ID_RE.fullmatch(job_id):
         raise ApiError(400, f"jobId: must be 1-{JOB_ID_MAX} letters, digits, '_', '.', ':' or '-'")

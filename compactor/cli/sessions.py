@@ -58,7 +58,6 @@ CONTENT_PREVIEW_CHARS = 600
 # RQ's statuses as an operator reads them: a job not yet running is "queued", whether RQ calls it
 # queued, created (a forced job waiting behind the session's pending job), deferred or scheduled.
 WAIT_WORDS = {"created": "queued", "deferred": "queued", "scheduled": "queued", "started": "running"}
-QUALIFIED_ERROR_RE = re.compile(r"(?:[A-Za-z_]\w*\.)+([A-Za-z_]\w*)(?:: (.*))?", re.DOTALL)
 
 SessionArg = Annotated[str, typer.Argument(help="Session id.", show_default=False)]
 CwdOpt = Annotated[str, typer.Option("--cwd", help="Absolute working directory of the session.",
@@ -92,7 +91,7 @@ def compact(
             outside_the_stack()  # (before compactor.queue imports compactor.metrics)
             from compactor.keys import Keys
             from compactor.queue import enqueue_forced_compaction
-            from producer.api_jobs import wait_for_job
+            from producer.api_jobs import error_message, wait_for_job
 
             settings = load(config, redis_url=redis_url, data_dir=data_dir)
             with user_errors():
@@ -130,7 +129,7 @@ def compact(
     else:
         print_json(_nothing_compacted(client, settings, sid, cwd))
     if job.error is not None:
-        fail(f"compaction job {job_id} {job.status}: {shown(_message_of(job.error))}")  # (a provider's text)
+        fail(f"compaction job {job_id} {job.status}: {shown(error_message(job.error))}")  # (a provider's text)
     fail(f"compaction job {job_id} still {WAIT_WORDS.get(job.status, job.status)} after {wait_s:g}s; "
          f"see GET /api/jobs/{job_id}")
 
@@ -161,15 +160,6 @@ def _estimate_now(client: Any, settings: Settings | None, session_id: str, cwd: 
         return context_body(settings, session_id, cwd).prompt_estimate
     except Exception:
         return 0
-
-
-def _message_of(error: str) -> str:
-    """A job's error line without the exception's module path: ``events.errors.SessionNotFound:
-    no log ...`` is ``no log ...``; an exception with no message keeps its class name."""
-    match = QUALIFIED_ERROR_RE.fullmatch(error)
-    if match is None:
-        return error
-    return match.group(2) or match.group(1)
 
 
 def _require_log(settings: Settings, session_id: str, cwd: str) -> None:

@@ -713,6 +713,17 @@ def test_compact_after_a_new_sessions_first_events_waits_for_them_not_404(
     assert waited.status_code == 202, waited.text
 
 
+def test_compact_after_an_entry_that_never_settles_answers_within_job_wait_seconds(
+        r: redis.Redis, api_settings: Settings) -> None:
+    """The wait for ``after`` and the wait for the job each took jobWaitSeconds: the request was
+    answered past twice the time clients size their timeouts by."""
+    write_session(r, api_settings, 2)
+    with TestClient(create_app(with_api(api_settings, job_wait_seconds=2.0), redis=r)) as short:
+        started = time.monotonic()
+        answer = short.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD, "after": "99999999999999-0"})
+        assert answer.status_code == 202 and time.monotonic() - started < 3.5, answer.text
+
+
 def test_a_log_another_process_keeps_locked_is_read_without_the_lock(
         client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
     """A state to rebuild (its log grew past it) was rebuilt under the log's lock: a stopped process
@@ -770,6 +781,7 @@ def test_compact_whose_llm_fails_is_502(r: redis.Redis, api_settings: Settings,
     assert error_of(response)["code"] == "compaction_failed"
     assert response.headers["X-Compactor-Job-Id"] in error_of(response)["message"]
     assert "summary" in error_of(response)["message"].lower()
+    assert "events.errors" not in error_of(response)["message"]  # (the CLI's wording: no module path)
     assert int(r.get(Keys().failures(SID)) or 0) == 1
 
 
