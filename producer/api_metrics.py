@@ -27,6 +27,7 @@ leave gauges out because of another's failure; each scrape's first collector res
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -235,23 +236,37 @@ class BreakerCollector(Collector):
 
 
     def _index_earlier_counters(self, now: int) -> None:
-        """Once per Redis (``{p}:failing:indexed``): the failure counters an earlier version wrote,
-        which it did not index, into ``{p}:failing`` (a session whose breaker was open counted no
-        new failure to be indexed by, and read 0 in the gauges for up to a day). One SCAN."""
-        pipe = self.client.pipeline(transaction=False)
-        found = list(self.client.scan_iter(match=_glob_escape(self.prefix) + "*", count=SCAN_BATCH))
-        for key in found:
-            pipe.ttl(key)
-        ttls = pipe.execute() if found else []
-        indexed = {as_text(key)[len(self.prefix):]: now + max(int(ttl), 0) for key, ttl in zip(found, ttls)
-                   if int(ttl) != -2}
-        pipe = self.client.pipeline(transaction=False)
-        for i in range(0, len(indexed), SCAN_BATCH):
-            pipe.zadd(self.failing, dict(list(indexed.items())[i:i + SCAN_BATCH]))
-        pipe.set(self.indexed, "1")
-        pipe.execute()
+        """Once per Redis (``{p}:failing:indexed``, claimed for ``INDEXING_CLAIM_S`` first, so that the
+        API processes' first scrapes do not all scan): the failure counters an earlier version wrote,
+        which it did not index, into ``{p}:failing`` (a session whose breaker was open counted no new
+        failure to be indexed by, and read 0 in the gauges for up to a day). One SCAN, indexed batch
+        by batch; a counter with no TTL (set by hand) is kept in the index until it is deleted."""
+        if not self.client.set(self.indexed, "indexing", nx=True, ex=INDEXING_CLAIM_S):
+            return
+        indexed = 0
+        batch: list[bytes] = []
+        for key in self.client.scan_iter(match=_glob_escape(self.prefix) + "*", count=SCAN_BATCH):
+            batch.append(key)
+            if len(batch) >= SCAN_BATCH:
+                indexed += self._index(batch, now)
+                batch = []
+        indexed += self._index(batch, now) if batch else 0
+        self.client.set(self.indexed, "1")
         if indexed:
-            logger.info("failure counters of an earlier version indexed: %d", len(indexed))
+            logger.info("failure counters of an earlier version indexed: %d", indexed)
+
+    def _index(self, keys: list[bytes], now: int) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.ttl(key)
+        scores = {as_text(key)[len(self.prefix):]: (now + int(ttl)) if int(ttl) >= 0 else math.inf
+                  for key, ttl in zip(keys, pipe.execute()) if int(ttl) != -2}  # (-1: no TTL; -2: gone)
+        if scores:
+            self.client.zadd(self.failing, scores)
+        return len(scores)
+
+
+INDEXING_CLAIM_S = 300  # an API process indexing earlier counters holds the marker this long at most
 
 
 def _glob_escape(text: str) -> str:

@@ -25,7 +25,6 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -253,7 +252,7 @@ class _NoSavings:
     for again meanwhile (looked for on every refresh, it took the read budget of the rows after it)."""
 
     size: int
-    until: float = math.inf
+    until: float
 
 
 def last_savings(cache: _Lru, settings: Settings, body: SessionBody, *, read: bool = True) -> Savings | None:
@@ -264,11 +263,13 @@ def last_savings(cache: _Lru, settings: Settings, body: SessionBody, *, read: bo
         return None
     key = ("savings", body.session_id, body.cwd, uuid)
     cached = cache.get(key)
+    if isinstance(cached, Savings):
+        return cached
     log = SessionLog(settings.data_dir, body.cwd, body.session_id)
     if isinstance(cached, _NoSavings) and time.monotonic() < cached.until and cached.size in (-1, log.size()):
         return None
-    if isinstance(cached, Savings) or not read:
-        return cached if isinstance(cached, Savings) else None
+    if not read:
+        return None
     size = log.size()
     try:
         events = read_log(settings.data_dir, body.session_id, body.cwd)
@@ -278,12 +279,13 @@ def last_savings(cache: _Lru, settings: Settings, body: SessionBody, *, read: bo
         return None
     index = next((i for i in range(len(events) - 1, -1, -1) if events[i].get("uuid") == uuid), None)
     if index is None:
-        cache.put(key, _NoSavings(size))
+        cache.put(key, _NoSavings(size, time.monotonic() + MISSING_RETRY_S))
         return None
     return cache.put(key, compaction_at(events, index, settings.context))  # type: ignore[no-any-return]
 
 
 UNREADABLE_RETRY_S = 30.0  # a log the savings could not be read from is tried again after this long
+MISSING_RETRY_S = 300.0  # ... and one they were not found in, while its size stays the same (edited in place)
 SAVINGS_READ_BUDGET_S = 0.3  # logs read for the savings column per request, past which rows wait for the next
 
 

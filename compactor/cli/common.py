@@ -169,9 +169,9 @@ def usable_data_dir(settings: Settings, option: Path | None = None) -> Settings:
 
 def usable_dir(path: Path, name: str) -> None:
     """Create ``path`` when missing and check that it takes a file; else exit 2 naming ``name``."""
-    if path.exists() and not path.is_dir():
-        fail(f"invalid configuration: {name}: {path} is not a directory", EXIT_CONFIG)
     try:
+        if path.exists() and not path.is_dir():
+            fail(f"invalid configuration: {name}: {path} is not a directory", EXIT_CONFIG)
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         fail(f"invalid configuration: {name}: {path} cannot be created: {e.strerror or e}", EXIT_CONFIG)

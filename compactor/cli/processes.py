@@ -221,11 +221,16 @@ def _stopped(_signum: int, _frame: FrameType | None) -> None:
 
 def _with_redis_then_data_dir(loaded: Settings, option: Path | None) -> Settings:
     """``_with_redis``, with the data dir checked (``usable_data_dir``) before it when that creates
-    nothing, and after it when it would create the directory: a start refused for want of a Redis
-    left ~/.codingcode/project behind; a data dir that can never be used is said first."""
+    nothing (it exists, or cannot be created: a file or an unwritable directory on its way), and
+    after it when it would create the directory: a start refused for want of a Redis left
+    ~/.codingcode/project behind; a data dir that can never be used is said first."""
     path = loaded.data_dir
-    existing = next((p for p in (path, *path.parents) if p.exists()), path)
-    if path.exists() or not existing.is_dir():
+    try:
+        existing = next((p for p in (path, *path.parents) if p.exists()), path)
+        first = path.exists() or not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)
+    except OSError:  # (a parent that cannot be searched: said as usable_dir says it)
+        first = True
+    if first:
         usable_data_dir(loaded, option)
         return _with_redis(loaded)
     settings = _with_redis(loaded)

@@ -138,11 +138,11 @@ return acked
 #   (the first entry is past the position), so A - L - R unread (a trim that took read entries
 #   only, none unread, is no loss). Lettered, and the group's counter set to A - L (XGROUP SETID
 #   ... ENTRIESREAD), which makes the loss lettered once: Redis adds 1 per entry delivered, so
-#   a gap read across (a loss between two checks) leaves it behind the position (Redis 7.0;
-#   Valkey 8 re-estimates it there, and such a loss goes unseen), and the next loss found
-#   counts that one too;
+#   a trimmed gap read across (a loss between two checks) leaves it behind the position on
+#   Redis 7.0 (Valkey 8 sets it right as it reads across: such a loss goes unseen there);
 # - the group caught up (its position the stream's last id) with fewer entries read than added:
-#   a loss it read across (Redis 7.0), lettered then, the counter set to A;
+#   a trimmed loss it read across (Redis 7.0), lettered then, the counter set to A (an XDEL read
+#   across sets the counter right as it goes on both: that loss goes unseen);
 # - the stream's max-deleted-entry-id past the group's position (not at 0-0: a group recreated
 #   there would take any old XDEL for one): an entry deleted amid unread ones (once per id, kept
 #   in unread; how many, unknown).
