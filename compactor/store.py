@@ -508,8 +508,8 @@ class SessionStore:
                     guard(result.rejected)
                 try:
                     state.log_size = log.append(result.appended)
-                except LogWriteFailed:  # (a disk full at a new session's first line: its empty log
-                    if new:             # read as an empty session, a 200 where no event had landed)
+                except BaseException:  # (a disk full, a job's timeout, at a new session's first line: its
+                    if new:            # empty log read as an empty session, a 200 where no event had landed)
                         log.discard_if_empty()
                     raise
                 if needs_rebuild and known is not None and derive is not None:

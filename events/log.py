@@ -112,6 +112,7 @@ def _sibling(path: Path, suffix: str) -> Path:
 # dir moved or unmounted under a running watcher was: the events of that while went to the new,
 # empty one, acked, and were missing from the logs once it was put back).
 _ROOTS_SEEN: set[Path] = set()
+_DIRS_SYNCED: set[Path] = set()  # sessions directories this process synced (``SessionLog._sync_directory``)
 
 
 def keep_data_dir(data_dir: str | os.PathLike[str]) -> None:
@@ -157,6 +158,9 @@ class SessionLog:
         self._depth = 0
         self._lock_fd: int | None = None
         self._clean_size: int | None = None  # while locked: the size, known to end with a whole line
+        # (log inode, offset, length, .torn's size before) of a torn tail this object copied to the
+        # .torn file and could not cut off the log: its next try does not copy it again
+        self._torn_copied: tuple[int, int, int, int] | None = None
         self._held = _Held(self)
 
     def __repr__(self) -> str:
@@ -239,6 +243,7 @@ class SessionLog:
                 os.close(fd)
                 raise
             os.close(fd)
+        self._sync_directory(fd)
         try:
             size = os.fstat(fd).st_size
             self._end_whole_last_line(fd, size, _complete_size(fd, size))
@@ -320,14 +325,22 @@ class SessionLog:
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise LogWriteFailed(f"{self.path}: cannot create: {e}") from e
-        if self.fsync:
-            try:
-                fsync_dir(self.path.parent)
-            except OSError as e:  # (raw, its descriptor leaked, and the retry found the file: never made durable)
-                os.close(fd)
-                self.path.unlink(missing_ok=True)
-                raise LogWriteFailed(f"{self.path}: cannot create: its directory cannot be synced: {e}") from e
         return fd
+
+    def _sync_directory(self, fd: int) -> None:
+        """With ``fsync``, make the log's directory entry durable, once per directory and process (a
+        new log's, and one a failed sync or another process's creation left unsynced), under the
+        lock. A failure is LogWriteFailed (it was a raw OSError, its descriptor leaked, and the
+        retry found the file there: never synced); the file stays (another writer may use it)."""
+        directory = self.path.parent
+        if not self.fsync or directory in _DIRS_SYNCED:
+            return
+        try:
+            fsync_dir(directory)
+        except OSError as e:
+            os.close(fd)
+            raise LogWriteFailed(f"{self.path}: its directory cannot be synced: {e}") from e
+        _DIRS_SYNCED.add(directory)
 
     def _release(self) -> None:
         fd, self._lock_fd, self._clean_size = self._lock_fd, None, None
@@ -558,16 +571,23 @@ class SessionLog:
             try:  # (a FIFO there held the log's lock, and the watcher with it, every shard)
                 if not stat.S_ISREG(os.fstat(torn).st_mode):
                     raise OSError(errno.EINVAL, f"{self.torn_path} is not a regular file")
-                kept = fragment + b"\n"
                 end = os.fstat(torn).st_size
-                # (copied already by a repair whose truncate failed: the fragment was there twice)
-                if end < len(kept) or _pread_all(torn, len(kept), end - len(kept)) != kept:
-                    _write_fully(torn, kept)  # (a short write had left part of it, and the rest was cut off)
+                copied = (os.fstat(fd).st_ino, keep, len(fragment), end)
+                if self._torn_copied is None or self._torn_copied[:3] != copied[:3] or \
+                        self._torn_copied[3] != end - len(fragment) - 1:  # (copied by this repair's last try,
+                    # whose truncate failed: the fragment was there twice)
+                    try:
+                        _write_fully(torn, fragment + b"\n")  # (a short write had left part of it, cut off)
+                    except BaseException:
+                        os.ftruncate(torn, end)  # (a part written, then an error: the next try wrote it whole after it)
+                        raise
+                    self._torn_copied = copied
                 if self.fsync:
                     os.fsync(torn)
             finally:
                 os.close(torn)
             os.ftruncate(fd, keep)
+            self._torn_copied = None
         except OSError as e:
             raise LogWriteFailed(f"{self.path}: cannot repair the torn tail: {e}") from e
         return keep

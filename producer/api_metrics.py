@@ -229,10 +229,13 @@ class BreakerCollector(Collector):
         pipe.zcard(self.failing)
         _, sessions, total = pipe.execute()
         keys = [self.prefix + as_text(session) for session in sessions]
-        values = [_int(v) for i in range(0, len(keys), SCAN_BATCH)
-                  for v in self.client.mget(keys[i:i + SCAN_BATCH])]
+        raw = [v for i in range(0, len(keys), SCAN_BATCH) for v in self.client.mget(keys[i:i + SCAN_BATCH])]
+        gone = [session for session, value in zip(sessions, raw) if value is None]
+        if gone:  # (deleted by hand, or expired before its score: out of the index, the one kept for good too)
+            self.client.zrem(self.failing, *gone)
+        values = [_int(v) for v in raw]
         return (sum(v >= self.max_failures for v in values), sum(v > 0 for v in values),
-                int(total) > MAX_BREAKER_KEYS)
+                int(total) - len(gone) > MAX_BREAKER_KEYS)
 
 
     def _index_earlier_counters(self, now: int) -> None:

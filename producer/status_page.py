@@ -266,7 +266,8 @@ def last_savings(cache: _Lru, settings: Settings, body: SessionBody, *, read: bo
     if isinstance(cached, Savings):
         return cached
     log = SessionLog(settings.data_dir, body.cwd, body.session_id)
-    if isinstance(cached, _NoSavings) and time.monotonic() < cached.until and cached.size in (-1, log.size()):
+    if isinstance(cached, _NoSavings) and time.monotonic() < cached.until and (
+            cached.size == -1 or cached.size == log.size()):
         return None
     if not read:
         return None
