@@ -72,6 +72,22 @@ def test_a_sessions_last_activity_is_in_redis_s_time_whatever_the_writers_clock(
     assert score is not None and abs(score - int(seconds)) < 5
 
 
+def test_a_new_sessions_first_append_stopped_by_a_timeout_leaves_no_log(
+        store: SessionStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a write failure removed the new session's empty log: one stopped by a job's timeout
+    left it, and the session read as known and empty (SPEC §7's 404 is for no log)."""
+    class Timeout(BaseException):
+        pass
+
+    def stopped(self: SessionLog, events: Any) -> int:
+        raise Timeout
+
+    monkeypatch.setattr(SessionLog, "append", stopped)
+    with pytest.raises(Timeout):
+        store.apply(SID, CWD, [user(1, "hello world", "1-0")])
+    assert not store.log(SID, CWD).exists()
+
+
 def test_redelivered_entry_is_skipped_not_written_twice(store: SessionStore) -> None:
     store.apply(SID, CWD, [user(1, "a", "5-0")])
     result = store.apply(SID, CWD, [user(1, "a", "5-0"), user(1, "b", "6-0")])
