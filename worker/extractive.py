@@ -121,8 +121,22 @@ _PATH = re.compile(
 _PATH_ARGUMENT = re.compile(r"path|file|dir", re.IGNORECASE)  # a tool-call argument naming a path
 # (and the failure lines of test runners and build tools that say none of those words: go test's
 # ``--- FAIL:`` and ``FAIL``, jest's ``FAIL``, npm's ``npm ERR!``, pytest's ``E   ...``, an exit status)
-_ERROR = re.compile(r"(?i:error|exception|traceback|failed|failure|fatal|panic|fault|denied|not found|abort)"
+# Whole words (``default`` held "fault", ``on_failure`` "failure": 9 lines of a 10-line config were
+# errors), an exception's name, and the runners' markers; a line saying none failed is none
+# (``42 passed, 0 errors``, ``No errors found.``) unless it counts some that did.
+_ERROR = re.compile(r"(?i:\b(?:errors?|exception|traceback|failed|failures?|fatal|panic|segmentation fault|"
+                    r"permission denied|access denied|not found|aborted)\b)|\b[A-Z]\w*(?:Error|Exception)(?:\b|\w*:)"
                     r"|\bFAIL\b|\bERR!|^E {2,}\S|\bexit (?:status|code):? [1-9]|^Killed$")
+_NONE_FAILED = re.compile(r"(?i)\b(?:0|no|zero) (?:errors?|failures?|failed)\b|\ball checks passed\b|"
+                          r"\bwithout (?:any )?errors?\b")
+_SOME_FAILED = re.compile(r"(?i)\b[1-9]\d* (?:errors?|failures?|failed)\b")
+# In what a file-content tool returns (a file read, a search's hits, a page), only a line that is an
+# error as a program prints it: code's ``except ValueError as error:`` (a grep's 40 hits) pushed
+# the real failures out of the section.
+_ERROR_PRINTED = re.compile(r"^\s*(?:Traceback \(most recent call last\)|[A-Za-z_][\w.]*(?:Error|Exception)(?::|$)"
+                            r"|(?:FATAL|ERROR|CRITICAL)\b|panic:|Segmentation fault|E {2,}\S|FAILED\b|npm ERR!)")
+_CONTENT_TOOLS = frozenset({"read_file", "search_code", "search_files", "web_search", "fetch_url", "write_file",
+                            "edit_file"})
 _DECISION = re.compile(r"\b(because|decided|instead of|so that|rather than|chose|trade-?off)\b",
                        re.IGNORECASE)
 _PENDING = re.compile(r"(^\s*[-*]\s*\[ \]|\bTODO\b|\bFIXME\b)")
@@ -445,11 +459,21 @@ def _errors(previous: dict[str, str], results: list[dict[str, Any]], bounds: Bou
             outputs: Mapping[int, str]) -> str:
     lines = _carried(previous.get("Errors and Fixes"))
     for event in results:
+        content = _str(event.get("toolName", "")).lower() in _CONTENT_TOOLS
         for line in (outputs.get(id(event)) or _str(event.get("output"))).splitlines():
-            if _ERROR.search(line):
+            if _is_error(line, content):
                 name = _clip(_one_line(_str(event.get("toolName", ""))), bounds.line_chars)
                 lines.append(f"- [{name}] {_clip(line.strip(), bounds.line_chars)}")
     return "\n".join(_latest(lines, bounds.error_lines))
+
+
+def _is_error(line: str, content: bool) -> bool:
+    """Whether an output's ``line`` reports an error (``content``: the output of a tool returning a
+    file's or a page's content: only a line printed as an error counts)."""
+    if content:
+        return _ERROR_PRINTED.match(line) is not None
+    return _ERROR.search(line) is not None and (_NONE_FAILED.search(line) is None or
+                                                  _SOME_FAILED.search(line) is not None)
 
 
 def _problem_solving(previous: dict[str, str], events: Sequence[dict[str, Any]],

@@ -484,6 +484,26 @@ def test_an_error_that_comes_back_is_listed_at_its_latest_place() -> None:
     assert errors[-1] == "- [run] ImportError: no module named x" and len(errors) == len(set(errors))
 
 
+def test_ordinary_lines_are_no_errors_and_do_not_push_the_real_ones_out() -> None:
+    """"default" held "fault", "on_failure" "failure": 9 lines of a 10-line config were errors; "0
+    errors" and "No errors found." were errors; and a grep's 40 ``except ValueError as error:`` hits
+    pushed the run's real failures out of the latest 30."""
+    config = "\n".join(["default_timeout = 30", "on_failure = 'retry'", "ctl = new AbortController()",
+                        "return errors_total", "parser.add_argument('--opt', default=None)"])
+    grep = "\n".join([f"src/m{i}.py:{i}:    except ValueError as error:" for i in range(40)])
+    run = "\n".join(["42 passed, 0 errors, 0 failures", "No errors found.", "ruff: All checks passed! (0 errors)",
+                     "E   KeyError: 'user_id'", "FAILED tests/test_api.py::test_get", "3 failed, 1 error in 2.1s"])
+    events = [{"type": "tool_result", "turnId": 1, "toolCallId": "a", "toolName": "read_file", "output": config},
+              {"type": "tool_result", "turnId": 1, "toolCallId": "b", "toolName": "search_code", "output": grep},
+              {"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "execute_command", "output": run}]
+    errors = split_sections(extractive_summary(events, None))["Errors and Fixes"].splitlines()
+    assert errors == ["- [execute_command] E   KeyError: 'user_id'", "- [execute_command] FAILED tests/test_api.py::test_get",
+                      "- [execute_command] 3 failed, 1 error in 2.1s"]
+    logged = "\n".join(["INFO started", "Traceback (most recent call last):", "ValueError: bad input"])
+    read = [{"type": "tool_result", "turnId": 1, "toolCallId": "d", "toolName": "read_file", "output": logged}]
+    assert len(split_sections(extractive_summary(read, None))["Errors and Fixes"].splitlines()) == 2  # (a log read)
+
+
 def test_test_runners_and_build_tools_failure_lines_are_errors() -> None:
     output = "\n".join(["--- FAIL: TestParse (0.00s)", "FAIL\texample.com/pkg", "npm ERR! code ELIFECYCLE",
                         "E       assert 1 == 2", "exit status 1", "ok  \texample.com/other", *["fine"] * 2_000])
