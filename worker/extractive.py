@@ -434,14 +434,22 @@ def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: B
         item = _unwrapped(line[2:].strip())  # another's (an LLM's) may say more around them
         found.extend([item] if _PATH.fullmatch(item) or not any(c.isspace() for c in item)
                      else [match.group(1) for match in _PATH.finditer(item)])
+    listed: set[int] = set()  # positions in ``found`` of paths only a tool's output showed
     for event in events:
         for text in _texts(event):
             found.extend(match.group(1) for match in _PATH.finditer(text))
+        start = len(found)  # (as shown: a long listing, whole, pushed the edited files out)
+        found.extend(match.group(1) for match in _PATH.finditer(_str(event.get("output"))))
+        listed.update(range(start, len(found)))
         found.extend(_path_arguments(event))
     # the most recently named, each at its last mention: the first ones kept froze the list (a
-    # rolling summary still listed turn 1's files after a hundred turns on other ones)
-    recent = list(dict.fromkeys(reversed(found)))[:bounds.files]
-    return "\n".join(f"- {path}" for path in reversed(recent))
+    # rolling summary still listed turn 1's files after a hundred turns on other ones); those an
+    # output alone listed take the places the others leave (a `find` of 80 paths after an edit
+    # pushed the edited file out)
+    last = {path: index for index, path in enumerate(found)}
+    named = sorted((index for path, index in last.items() if index not in listed), reverse=True)[:bounds.files]
+    rest = sorted((index for index in last.values() if index in listed), reverse=True)[:bounds.files - len(named)]
+    return "\n".join(f"- {found[index]}" for index in sorted(named + rest))
 
 
 def _unwrapped(item: str) -> str:
@@ -547,8 +555,8 @@ def _next_step(users: list[str], bounds: Bounds) -> str:
 
 
 def _texts(event: dict[str, Any]) -> Iterable[str]:
+    """An event's message text and its tool calls' arguments (its output is read apart)."""
     yield _str(event.get("content"))
-    yield _str(event.get("output"))  # (as shown: a long listing, whole, pushed the edited files out)
     for call in tool_calls(event):
         yield arguments_json(call.get("arguments", ""))
 

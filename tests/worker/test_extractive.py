@@ -504,6 +504,19 @@ def test_ordinary_lines_are_no_errors_and_do_not_push_the_real_ones_out() -> Non
     assert len(split_sections(extractive_summary(read, None))["Errors and Fixes"].splitlines()) == 2  # (a log read)
 
 
+def test_a_long_listing_leaves_the_edited_files_listed() -> None:
+    """The 60 most recent paths were kept whatever named them: a `find` of 80 paths after an edit
+    pushed the edited file out. Paths only an output listed take the places the others leave."""
+    listing = "\n".join(f"./lib/vendor/pkg{i}/mod.py" for i in range(80))
+    events = [{"type": "assistant", "turnId": 1, "content": "", "toolCalls": [
+                  {"id": "e", "name": "edit_file", "arguments": {"path": "src/parser/core.py"}},
+                  {"id": "f", "name": "execute_command", "arguments": {"cmd": "find . -name mod.py"}}]},
+              {"type": "tool_result", "turnId": 1, "toolCallId": "e", "toolName": "edit_file", "output": "ok"},
+              {"type": "tool_result", "turnId": 1, "toolCallId": "f", "toolName": "execute_command", "output": listing}]
+    files = split_sections(extractive_summary(events, None))["Files and Code Sections"].splitlines()
+    assert "- src/parser/core.py" in files and "- ./lib/vendor/pkg79/mod.py" in files
+
+
 def test_test_runners_and_build_tools_failure_lines_are_errors() -> None:
     output = "\n".join(["--- FAIL: TestParse (0.00s)", "FAIL\texample.com/pkg", "npm ERR! code ELIFECYCLE",
                         "E       assert 1 == 2", "exit status 1", "ok  \texample.com/other", *["fine"] * 2_000])
