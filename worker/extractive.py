@@ -139,7 +139,10 @@ _CONTENT_TOOLS = frozenset({"read_file", "search_code", "search_files", "web_sea
                             "edit_file"})
 _DECISION = re.compile(r"\b(because|decided|instead of|so that|rather than|chose|trade-?off)\b",
                        re.IGNORECASE)
-_PENDING = re.compile(r"(^\s*[-*]\s*\[ \]|\bTODO\b|\bFIXME\b)")
+# An open checkbox item, or a TODO / FIXME that says what (``TODO: x``, ``FIXME(bob): x``): prose that
+# names them ("I removed every TODO and FIXME comment") is no task.
+_PENDING = re.compile(r"^\s*[-*]\s*\[ \]|\b(?:TODO|FIXME)(?:\(\w*\))?:")
+_DONE = re.compile(r"^\s*[-*]\s*\[[xX]\]\s*(.+)")  # a checkbox ticked: the same task's open item is done
 
 
 def extractive_summary(events: Sequence[dict[str, Any]], previous_summary: str | None,
@@ -518,13 +521,29 @@ def _decisions(previous: dict[str, str], assistants: list[dict[str, Any]], bound
 
 
 def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: Bounds) -> str:
+    """Open checkbox items and TODO / FIXME lines of the messages (not in their fenced code: a code
+    block's ``# TODO`` is the code's), less those ticked later (``[x]``), carried ones included."""
     lines = _carried(previous.get("Pending Tasks"))
     for event in events:
-        if event.get("type") in ("user", "assistant"):
-            for line in _str(event.get("content")).splitlines():
-                if _PENDING.search(line):
-                    lines.append(f"- {_clip(line.strip().lstrip('-* ').strip(), bounds.line_chars)}")
+        if event.get("type") not in ("user", "assistant"):
+            continue
+        fenced = False
+        for line in _str(event.get("content")).splitlines():
+            if _FENCE.match(line):
+                fenced = not fenced
+                continue
+            done = _DONE.match(line)
+            if done:  # (it was listed open, and stayed "pending" for good)
+                task = _task(done.group(1))
+                lines = [item for item in lines if _task(item[2:].removeprefix("[ ]")) != task]
+            elif not fenced and _PENDING.search(line):
+                lines.append(f"- {_clip(line.strip().lstrip('-* ').strip(), bounds.line_chars)}")
     return "\n".join(_latest(lines, bounds.pending))
+
+
+def _task(text: str) -> str:
+    """A checkbox item's task, as compared with another's (case and spacing aside)."""
+    return " ".join(text.split()).lower()
 
 
 def _current_work(previous: dict[str, str], assistants: list[dict[str, Any]], bounds: Bounds) -> str:

@@ -517,6 +517,17 @@ def test_a_long_listing_leaves_the_edited_files_listed() -> None:
     assert "- src/parser/core.py" in files and "- ./lib/vendor/pkg79/mod.py" in files
 
 
+def test_a_ticked_task_leaves_pending_and_code_or_prose_naming_todo_is_no_task() -> None:
+    first = extractive_summary([{"type": "user", "turnId": 1, "content": "- [ ] add tests\n- [ ] update docs"},
+                                {"type": "assistant", "turnId": 1, "content": "```py\n# TODO: handle None\n```\n"
+                                                                              "TODO: ask about the API"}], None)
+    assert split_sections(first)["Pending Tasks"].splitlines() == [
+        "- [ ] add tests", "- [ ] update docs", "- TODO: ask about the API"]
+    second = extractive_summary([{"type": "assistant", "turnId": 2, "content": "- [x] add tests\n- [X] Update  docs\n"
+                                  "I removed every TODO and FIXME comment; nothing is left to do."}], first)
+    assert split_sections(second)["Pending Tasks"].splitlines() == ["- TODO: ask about the API"]
+
+
 def test_test_runners_and_build_tools_failure_lines_are_errors() -> None:
     output = "\n".join(["--- FAIL: TestParse (0.00s)", "FAIL\texample.com/pkg", "npm ERR! code ELIFECYCLE",
                         "E       assert 1 == 2", "exit status 1", "ok  \texample.com/other", *["fine"] * 2_000])
