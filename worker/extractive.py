@@ -405,25 +405,43 @@ def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]], bounds
     tools: Counter[str] = Counter()
     lines = []
     for line in _carried(previous.get("Key Technical Concepts")):
-        counts = [_TOOL_COUNT.fullmatch(item) for item in line[len(_TOOLS_USED):].split(", ")]
-        if line.startswith(_TOOLS_USED) and all(counts):  # ours: a rolling summary adds the counts up
+        items = line[len(_TOOLS_USED):].split(", ")
+        if items and (_MORE_TOOLS.fullmatch(items[-1]) or items[-1].endswith("...")):
+            items = items[:-1]  # (the tools past the line's room, or a tail a tighter bound clipped)
+        counts = [_TOOL_COUNT.fullmatch(item) for item in items]
+        if line.startswith(_TOOLS_USED) and items and all(counts):  # ours: a rolling summary adds the counts up
             for counted in counts:
                 assert counted is not None
                 tools[counted.group(1)] += int(counted.group(2))
-        else:  # (an LLM's own "- tools used: ..." line, or one clipped, is carried as it is)
+        else:  # (an LLM's own "- tools used: ..." line is carried as it is)
             lines.append(line)
     for event in assistants:
         for call in tool_calls(event):
             if call.get("name"):
                 tools[_one_line(str(call["name"]))] += 1
     if tools:
-        used = ", ".join(f"{name} ({count}x)" for name, count in sorted(tools.items()))
-        lines.append(f"{_TOOLS_USED}{_clip(used, bounds.line_chars)}")
+        lines.append(_TOOLS_USED + _tools_used(tools, bounds.line_chars))
     return "\n".join(_latest(lines, bounds.concepts))
+
+
+def _tools_used(tools: Counter[str], room: int) -> str:
+    """``name (Nx), ...``, the most used first, whole entries within ``room`` characters and a
+    ``+K more`` for the rest: clipped mid-entry, the line no longer read as counts, and the next
+    roll started them again from 1 beside the stale line."""
+    entries = [f"{_clip(name, room // 2)} ({count}x)" for name, count in
+               sorted(tools.items(), key=lambda item: (-item[1], item[0]))]
+    kept: list[str] = []
+    for index, entry in enumerate(entries):
+        rest = len(entries) - index - 1
+        if len(", ".join([*kept, entry])) + (len(f", +{rest} more") if rest else 0) > room:
+            return ", ".join([*kept, f"+{len(entries) - len(kept)} more"])
+        kept.append(entry)
+    return ", ".join(kept)
 
 
 _TOOLS_USED = "- tools used: "
 _TOOL_COUNT = re.compile(r"(.+) \((\d+)x\)")
+_MORE_TOOLS = re.compile(r"\+\d+ more")
 
 
 def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: Bounds,

@@ -528,6 +528,21 @@ def test_a_ticked_task_leaves_pending_and_code_or_prose_naming_todo_is_no_task()
     assert split_sections(second)["Pending Tasks"].splitlines() == ["- TODO: ask about the API"]
 
 
+def test_tool_counts_keep_adding_up_when_they_outgrow_their_line() -> None:
+    """Clipped mid-entry (many MCP tools), the line no longer read as counts: the next roll carried
+    it as text and started the counts again from 1 beside it, at every roll."""
+    names = [f"mcp__github__tool_number_{i:02d}" for i in range(12)]
+    previous = None
+    for turn in range(1, 8):
+        calls = [{"id": f"c{i}", "name": name, "arguments": {}} for i, name in enumerate(names[:turn + 5])]
+        previous = extractive_summary([{"type": "assistant", "turnId": turn, "content": "", "toolCalls": calls}],
+                                      previous)
+    concepts = split_sections(previous)["Key Technical Concepts"].splitlines()
+    [used] = [line for line in concepts if line.startswith("- tools used: ")]
+    assert used.startswith("- tools used: mcp__github__tool_number_00 (7x), mcp__github__tool_number_01 (7x)")
+    assert used.endswith(" more") and len(used) <= 320
+
+
 def test_test_runners_and_build_tools_failure_lines_are_errors() -> None:
     output = "\n".join(["--- FAIL: TestParse (0.00s)", "FAIL\texample.com/pkg", "npm ERR! code ELIFECYCLE",
                         "E       assert 1 == 2", "exit status 1", "ok  \texample.com/other", *["fine"] * 2_000])
