@@ -386,10 +386,28 @@ def _carried_messages(body: str | None) -> list[str | _Message]:
         else:
             item = _Message(match.group("head"), match.group("tail"), int(match.group("length").replace(",", "")))
         if item.render() == match.group(0):  # exactly as written here (an LLM's look-alike stays text)
-            parts.extend([body[end:match.start()].strip("\n"), item])
+            parts.extend([*_foreign_items(body[end:match.start()]), item])
             end = match.end()
-    parts.append(body[end:].strip("\n"))
+    parts.extend(_foreign_items(body[end:]))
     return [part for part in parts if part]
+
+
+_ITEM_START = re.compile(r"(?:[-*+]|\d{1,3}[.)])\s")  # a list item's first line
+
+
+def _foreign_items(text: str) -> list[str]:
+    """Text another summarizer wrote (an LLM's) as items, one per list item at the start of a line
+    (not in a fenced block): whole, its 40 messages were one item, folded as "1 earlier user
+    message omitted" and dropped all at once though most would have fit."""
+    fenced = fenced_line_starts(text)
+    items, start, offset = [], 0, 0
+    for line in text.split("\n"):
+        if offset > start and offset not in fenced and _ITEM_START.match(line):
+            items.append(text[start:offset].strip("\n"))
+            start = offset
+        offset += len(line) + 1
+    items.append(text[start:].strip("\n"))
+    return [item for item in items if item]
 
 
 def _primary_request(previous: dict[str, str], users: list[str], bounds: Bounds) -> str:

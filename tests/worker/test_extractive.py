@@ -543,6 +543,21 @@ def test_tool_counts_keep_adding_up_when_they_outgrow_their_line() -> None:
     assert used.endswith(" more") and len(used) <= 320
 
 
+def test_an_llm_summarys_user_messages_are_folded_one_by_one_and_kept_when_they_fit() -> None:
+    """An LLM summary's 40 user-message bullets were one item: folded as "1 earlier user message
+    omitted", all 40 dropped at once though the summary used half its limit."""
+    bullets = "\n".join(f"- please handle case number {i} of the parser carefully" for i in range(40))
+    previous = "\n".join(f"### {title}\n" + (bullets if title == "All User Messages" else "None.")
+                          for title in SECTION_TITLES)
+    text = extractive_summary([{"type": "user", "turnId": 9, "content": "go on"}], previous, limit_tokens=400)
+    messages = split_sections(text)["All User Messages"].splitlines()
+    folded = [line for line in messages if "earlier user message" in line]
+    kept = [line for line in messages if "case number" in line]
+    assert kept and kept[-1] == "- please handle case number 39 of the parser carefully"
+    assert len(folded) == 1 and f"[{40 - len(kept)} earlier user messages omitted" in folded[0]
+    assert count_tokens(text, DEFAULT_ENCODING) <= 400
+
+
 def test_test_runners_and_build_tools_failure_lines_are_errors() -> None:
     output = "\n".join(["--- FAIL: TestParse (0.00s)", "FAIL\texample.com/pkg", "npm ERR! code ELIFECYCLE",
                         "E       assert 1 == 2", "exit status 1", "ok  \texample.com/other", *["fine"] * 2_000])
