@@ -27,9 +27,10 @@ Invariants, for every writer (watcher or worker):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -477,7 +478,7 @@ class SessionStore:
         if new:  # the lock would create it: refuse another cwd's session before that
             self._refuse_other_cwd(session_id, cwd, cached, stored, log,
                                    opens=bool(events) and events[0].get("type") == "session_meta")
-        with log.lock():
+        with log.lock(), _discarded_if_it_fails(log, new):
             pipe = pipeline if pipeline is not None else self.redis.pipeline(transaction=False)
             current, log_uuids, caught_up, shrunk = self._current(session_id, cwd, log, cached, stored, pipe,
                                                                   progress)
@@ -506,12 +507,7 @@ class SessionStore:
             if result.appended:
                 if guard is not None:
                     guard(result.rejected)
-                try:
-                    state.log_size = log.append(result.appended)
-                except BaseException:  # (a disk full, a job's timeout, at a new session's first line: its
-                    if new:            # empty log read as an empty session, a 200 where no event had landed)
-                        log.discard_if_empty()
-                    raise
+                state.log_size = log.append(result.appended)
                 if needs_rebuild and known is not None and derive is not None:
                     state = derive(result.appended, state.log_size)
                 elif needs_rebuild and known is not None:
@@ -808,6 +804,22 @@ def _check_unique(event: dict[str, Any], taken: set[str]) -> None:
     uuid = event.get("uuid")
     if isinstance(uuid, str) and uuid in taken:
         raise InvalidEvent("uuid", f"{uuid!r} duplicates an event already in this session")
+
+
+@contextlib.contextmanager
+def _discarded_if_it_fails(log: SessionLog, new: bool) -> Iterator[None]:
+    """Under the lock of a log its lock just created (``new``): remove it, still empty, when the
+    batch fails in any way (a disk full, a job's timeout while its tokens were counted): left,
+    the session read as known and empty, a 200 where SPEC §7 has a 404 and no event had landed."""
+    try:
+        yield
+    except BaseException:
+        if new:
+            try:
+                log.discard_if_empty()
+            except OSError:
+                logger.warning("an empty new log could not be removed: %s", log.path, exc_info=True)
+        raise
 
 
 _STAMP_FIELDS = frozenset({TOKEN_COUNT_FIELD, TOKEN_ENCODING_FIELD})

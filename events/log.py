@@ -112,7 +112,9 @@ def _sibling(path: Path, suffix: str) -> Path:
 # dir moved or unmounted under a running watcher was: the events of that while went to the new,
 # empty one, acked, and were missing from the logs once it was put back).
 _ROOTS_SEEN: set[Path] = set()
-_DIRS_SYNCED: set[Path] = set()  # sessions directories this process synced (``SessionLog._sync_directory``)
+# directories whose entries (a log this process created, the directories made for it) are not yet
+# synced: ``SessionLog._sync_directories`` syncs them under the log's lock (with ``fsync`` on)
+_UNSYNCED: dict[Path, list[Path]] = {}
 
 
 def keep_data_dir(data_dir: str | os.PathLike[str]) -> None:
@@ -243,7 +245,7 @@ class SessionLog:
                 os.close(fd)
                 raise
             os.close(fd)
-        self._sync_directory(fd)
+        self._sync_directories(fd)
         try:
             size = os.fstat(fd).st_size
             self._end_whole_last_line(fd, size, _complete_size(fd, size))
@@ -320,27 +322,34 @@ class SessionLog:
             raise LogWriteFailed(f"{self.path}: cannot create: the data dir {self._root} is gone (removed, moved or "
                                  "unmounted while the service ran): it is not created again, so that no event "
                                  "lands outside the logs; put it back, or restart the service to begin afresh")
+        made = [d for d in (self.path.parent, self.path.parent.parent) if not d.is_dir()]
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise LogWriteFailed(f"{self.path}: cannot create: {e}") from e
+        if self.fsync:  # (each entry's directory: the log's, and those of the directories made for it)
+            _UNSYNCED[self.path] = [self.path.parent, *(d.parent for d in made)]
         return fd
 
-    def _sync_directory(self, fd: int) -> None:
-        """With ``fsync``, make the log's directory entry durable, once per directory and process (a
-        new log's, and one a failed sync or another process's creation left unsynced), under the
-        lock. A failure is LogWriteFailed (it was a raw OSError, its descriptor leaked, and the
-        retry found the file there: never synced); the file stays (another writer may use it)."""
-        directory = self.path.parent
-        if not self.fsync or directory in _DIRS_SYNCED:
+    def _sync_directories(self, fd: int) -> None:
+        """With ``fsync``, make a log this process created durable as a file: its directory entry
+        and those of the directories made for it, synced under the lock. A failure is
+        LogWriteFailed and the next lock tries again (it was a raw OSError, its descriptor leaked,
+        and the retry found the file there: never synced); the file stays (another writer may have
+        appended to it already)."""
+        directories = _UNSYNCED.get(self.path) if self.fsync else None
+        if not directories:
             return
         try:
-            fsync_dir(directory)
-        except OSError as e:
+            for directory in directories:
+                fsync_dir(directory)
+        except BaseException as e:  # (a job's timeout too: the descriptor, and the flock, go with it)
             os.close(fd)
-            raise LogWriteFailed(f"{self.path}: its directory cannot be synced: {e}") from e
-        _DIRS_SYNCED.add(directory)
+            if isinstance(e, OSError):
+                raise LogWriteFailed(f"{self.path}: its directory cannot be synced: {e}") from e
+            raise
+        _UNSYNCED.pop(self.path, None)
 
     def _release(self) -> None:
         fd, self._lock_fd, self._clean_size = self._lock_fd, None, None
@@ -567,6 +576,7 @@ class SessionLog:
             if len(fragment) != size - keep:
                 raise OSError(errno.EIO, f"short read of the torn tail: {len(fragment)} of {size - keep} bytes")
             logger.warning("torn tail of %d bytes moved from %s to %s", len(fragment), self.path, self.torn_path)
+            new_torn = not os.path.lexists(self.torn_path)
             torn = os.open(self.torn_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
             try:  # (a FIFO there held the log's lock, and the watcher with it, every shard)
                 if not stat.S_ISREG(os.fstat(torn).st_mode):
@@ -584,6 +594,8 @@ class SessionLog:
                     self._torn_copied = copied
                 if self.fsync:
                     os.fsync(torn)
+                    if new_torn:  # (its directory entry too: the fragment is cut off the log next)
+                        fsync_dir(self.torn_path.parent)
             finally:
                 os.close(torn)
             os.ftruncate(fd, keep)

@@ -79,10 +79,15 @@ def test_a_new_sessions_first_append_stopped_by_a_timeout_leaves_no_log(
     class Timeout(BaseException):
         pass
 
-    def stopped(self: SessionLog, events: Any) -> int:
+    def stopped(*args: Any) -> int:
         raise Timeout
 
     monkeypatch.setattr(SessionLog, "append", stopped)
+    with pytest.raises(Timeout):
+        store.apply(SID, CWD, [user(1, "hello world", "1-0")])
+    assert not store.log(SID, CWD).exists()
+    monkeypatch.undo()
+    monkeypatch.setattr(SessionStore, "_admit", stopped)  # (while its tokens were counted, before any append)
     with pytest.raises(Timeout):
         store.apply(SID, CWD, [user(1, "hello world", "1-0")])
     assert not store.log(SID, CWD).exists()

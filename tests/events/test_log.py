@@ -366,7 +366,7 @@ def test_a_new_logs_directory_that_cannot_be_synced_is_a_write_failure_synced_by
     from events import log as log_module
 
     log = _log(tmp_path, fsync=True)
-    monkeypatch.setattr(log_module, "_DIRS_SYNCED", set())
+    monkeypatch.setattr(log_module, "_UNSYNCED", {})
     fsync, synced = os.fsync, []
 
     def dir_fails(fd: int) -> None:
@@ -382,6 +382,32 @@ def test_a_new_logs_directory_that_cannot_be_synced_is_a_write_failure_synced_by
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)) or fsync(fd))
     log.append([_event(0)])
     assert [e["uuid"] for e in log.read()] == ["u0"] and True in synced
+
+
+def test_each_new_log_and_torn_file_has_its_directory_entry_synced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory was synced once per process: every later session of the project (and a .torn
+    file) could vanish after a power loss with log.fsync on."""
+    fsync, synced = os.fsync, []
+
+    def counted(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counted)
+    first = SessionLog(tmp_path / "data", CWD, "a", fsync=True)
+    first.append([_event(0)])
+    sessions = str(first.path.parent)
+    assert synced.count(sessions) == 1 and synced.count(str(first.path.parent.parent)) == 1  # (made for it)
+    SessionLog(tmp_path / "data", CWD, "b", fsync=True).append([_event(0)])
+    assert synced.count(sessions) == 2
+    with open(first.path, "ab") as f:
+        f.write(b'{"type":"user","uu')
+    first.append([_event(1)])
+    assert synced.count(sessions) == 3  # (the .torn file's entry)
+    first.append([_event(2)])
+    assert synced.count(sessions) == 3
 
 
 def test_torn_tails_are_each_copied_once_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
