@@ -124,16 +124,18 @@ _PATH_ARGUMENT = re.compile(r"path|file|dir", re.IGNORECASE)  # a tool-call argu
 # Whole words (``default`` held "fault", ``on_failure`` "failure": 9 lines of a 10-line config were
 # errors), an exception's name, and the runners' markers; a line saying none failed is none
 # (``42 passed, 0 errors``, ``No errors found.``) unless it counts some that did.
-_ERROR = re.compile(r"(?i:\b(?:errors?|exception|traceback|failed|failures?|fatal|panic|segmentation fault|"
-                    r"permission denied|access denied|not found|aborted)\b)|\b[A-Z]\w*(?:Error|Exception)(?:\b|\w*:)"
-                    r"|\bFAIL\b|\bERR!|^E {2,}\S|\bexit (?:status|code):? [1-9]|^Killed$")
+_ERROR = re.compile(r"(?i:\b(?:errors?|exception|traceback|failed|failures?|fatal|panic\w*|segmentation fault|"
+                    r"denied|not found|abort(?:ed|ing)?|undefined reference|no such file or directory)\b)"
+                    r"|\bFAIL\b|\bERR!|^E {2,}\S|(?i:\bexit(?:ed)?(?: with)? (?:status|code):? [1-9])|^Killed$")
+_CAPITAL_WORD = re.compile(r"\b[A-Z]\w*+")  # (an exception's name, ``KeyError``, ``UniqueError7``: checked in code,
+# as ``\b[A-Z]\w*(?:Error|Exception)`` took one long word's every "Error" for a new start: 30 s on 200 kB)
 _NONE_FAILED = re.compile(r"(?i)\b(?:0|no|zero) (?:errors?|failures?|failed)\b|\ball checks passed\b|"
                           r"\bwithout (?:any )?errors?\b")
 _SOME_FAILED = re.compile(r"(?i)\b[1-9]\d* (?:errors?|failures?|failed)\b")
 # In what a file-content tool returns (a file read, a search's hits, a page), only a line that is an
 # error as a program prints it: code's ``except ValueError as error:`` (a grep's 40 hits) pushed
 # the real failures out of the section.
-_ERROR_PRINTED = re.compile(r"^\s*(?:Traceback \(most recent call last\)|[A-Za-z_][\w.]*(?:Error|Exception)(?::|$)"
+_ERROR_PRINTED = re.compile(r"^\s*(?:Traceback \(most recent call last\)|(?:[A-Za-z_][\w.]*)?(?:Error|Exception)(?::|$)"
                             r"|(?:FATAL|ERROR|CRITICAL)\b|panic:|Segmentation fault|E {2,}\S|FAILED\b|npm ERR!)")
 _CONTENT_TOOLS = frozenset({"read_file", "search_code", "search_files", "web_search", "fetch_url", "write_file",
                             "edit_file"})
@@ -141,7 +143,7 @@ _DECISION = re.compile(r"\b(because|decided|instead of|so that|rather than|chose
                        re.IGNORECASE)
 # An open checkbox item, or a TODO / FIXME that says what (``TODO: x``, ``FIXME(bob): x``): prose that
 # names them ("I removed every TODO and FIXME comment") is no task.
-_PENDING = re.compile(r"^\s*[-*]\s*\[ \]|\b(?:TODO|FIXME)(?:\(\w*\))?:")
+_PENDING = re.compile(r"^\s*[-*]\s*\[ \]|\b(?:TODO|FIXME)(?:\(\w*\))?:|^\s*(?:#|//|--|\*)?\s*(?:TODO|FIXME)\b[\s:-]+\S")
 _DONE = re.compile(r"^\s*[-*]\s*\[[xX]\]\s*(.+)")  # a checkbox ticked: the same task's open item is done
 
 
@@ -486,8 +488,10 @@ def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: B
     # output alone listed take the places the others leave (a `find` of 80 paths after an edit
     # pushed the edited file out)
     last = {path: index for index, path in enumerate(found)}
-    named = sorted((index for path, index in last.items() if index not in listed), reverse=True)[:bounds.files]
-    rest = sorted((index for index in last.values() if index in listed), reverse=True)[:bounds.files - len(named)]
+    said = {path for index, path in enumerate(found) if index not in listed}  # (once is enough: an edited
+    # file a later listing showed again stays an edited one)
+    named = sorted((index for path, index in last.items() if path in said), reverse=True)[:bounds.files]
+    rest = sorted((index for path, index in last.items() if path not in said), reverse=True)[:bounds.files - len(named)]
     return "\n".join(f"- {found[index]}" for index in sorted(named + rest))
 
 
@@ -507,20 +511,23 @@ def _errors(previous: dict[str, str], results: list[dict[str, Any]], bounds: Bou
     lines = _carried(previous.get("Errors and Fixes"))
     for event in results:
         content = _str(event.get("toolName", "")).lower() in _CONTENT_TOOLS
-        for line in (outputs.get(id(event)) or _str(event.get("output"))).splitlines():
-            if _is_error(line, content):
+        lines_out = (outputs.get(id(event)) or _str(event.get("output"))).splitlines()
+        for index, line in enumerate(lines_out):
+            # (a content tool's own failure is a short output: "Error: old_string not found", "File not found")
+            if _is_error(line, content) or (content and len(lines_out) <= 3 and _is_error(line)):
                 name = _clip(_one_line(_str(event.get("toolName", ""))), bounds.line_chars)
                 lines.append(f"- [{name}] {_clip(line.strip(), bounds.line_chars)}")
     return "\n".join(_latest(lines, bounds.error_lines))
 
 
-def _is_error(line: str, content: bool) -> bool:
-    """Whether an output's ``line`` reports an error (``content``: the output of a tool returning a
-    file's or a page's content: only a line printed as an error counts)."""
+def _is_error(line: str, content: bool = False) -> bool:
+    """Whether an output's ``line`` reports an error (``content``: a line of what a tool returning a
+    file's or a page's content returned: only a line printed as an error counts)."""
     if content:
         return _ERROR_PRINTED.match(line) is not None
-    return _ERROR.search(line) is not None and (_NONE_FAILED.search(line) is None or
-                                                  _SOME_FAILED.search(line) is not None)
+    said = _ERROR.search(line) is not None or any(
+        word.group().rstrip("0123456789").endswith(("Error", "Exception")) for word in _CAPITAL_WORD.finditer(line))
+    return said and (_NONE_FAILED.search(line) is None or _SOME_FAILED.search(line) is not None)
 
 
 def _problem_solving(previous: dict[str, str], events: Sequence[dict[str, Any]],
@@ -568,11 +575,13 @@ def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds:
             if _FENCE.match(line):
                 fenced = not fenced
                 continue
+            if fenced:
+                continue
             done = _DONE.match(line)
             if done:  # (it was listed open, and stayed "pending" for good)
                 task = _task(done.group(1))
-                lines = [item for item in lines if _task(item[2:].removeprefix("[ ]")) != task]
-            elif not fenced and _PENDING.search(line):
+                lines = [item for item in lines if not _same_task(item[2:].removeprefix("[ ]"), task)]
+            elif _PENDING.search(line):
                 lines.append(f"- {_clip(line.strip().lstrip('-* ').strip(), bounds.line_chars)}")
     return "\n".join(_latest(lines, bounds.pending))
 
@@ -580,6 +589,12 @@ def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds:
 def _task(text: str) -> str:
     """A checkbox item's task, as compared with another's (case and spacing aside)."""
     return " ".join(text.split()).lower()
+
+
+def _same_task(listed: str, done: str) -> bool:
+    """Whether an item listed open (``_clip``ped when long: its head then) is the task ``done``."""
+    task = _task(listed)
+    return done.startswith(task[:-3].rstrip()) if task.endswith("...") else task == done
 
 
 def _current_work(previous: dict[str, str], assistants: list[dict[str, Any]], bounds: Bounds) -> str:

@@ -6,6 +6,8 @@ import re
 import time
 from typing import Any
 
+import pytest
+
 from events.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD_TOKENS, count_tokens, event_tokens
 from worker.extractive import MAX_CURRENT_WORK_CHARS, MAX_REQUEST_CHARS, extractive_summary
 from worker.summarize import (
@@ -504,6 +506,36 @@ def test_ordinary_lines_are_no_errors_and_do_not_push_the_real_ones_out() -> Non
     assert len(split_sections(extractive_summary(read, None))["Errors and Fixes"].splitlines()) == 2  # (a log read)
 
 
+def test_an_edited_file_a_later_listing_shows_again_stays_listed() -> None:
+    listing = "\n".join([*(f"lib/m{i}.py" for i in range(110)), "src/app.py"])
+    events = [{"type": "assistant", "turnId": 1, "content": "", "toolCalls": [
+                  {"id": "e", "name": "edit_file", "arguments": {"path": "src/app.py"}}]},
+              {"type": "tool_result", "turnId": 1, "toolCallId": "e", "toolName": "edit_file", "output": "ok"},
+              {"type": "tool_result", "turnId": 1, "toolCallId": "g", "toolName": "run", "output": listing}]
+    assert "- src/app.py" in split_sections(extractive_summary(events, None))["Files and Code Sections"].splitlines()
+
+
+@pytest.mark.parametrize("tool, line", [
+    ("execute_command", "thread 'main' panicked at src/main.rs:3:5"), ("execute_command", "Exit code: 1"),
+    ("execute_command", "process exited with code 2"), ("execute_command", "Access is denied."),
+    ("execute_command", "Abort trap: 6"), ("execute_command", "main.go:5:2: undefined reference to `x'"),
+    ("execute_command", "cat: x.txt: No such file or directory"), ("execute_command", "error[E0382]: borrow"),
+    ("edit_file", "Error: old_string not found in src/app.py"), ("read_file", "File not found"),
+    ("execute_command", "Exception: boom"), ("execute_command", "raised UniqueError7: refused"),
+])
+def test_failure_lines_of_many_tools_are_errors(tool: str, line: str) -> None:
+    events = [{"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": tool, "output": line}]
+    assert split_sections(extractive_summary(events, None))["Errors and Fixes"] == f"- [{tool}] {line}"
+
+
+def test_error_lines_are_found_in_linear_time() -> None:
+    started = time.monotonic()
+    for line in ("A" + "Error" * 80_000 + "x", "x" * 400_000, " " * 400_000 + "x", "E" + "rror" * 100_000):
+        extractive_summary([{"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "run",
+                             "output": line}], None)
+    assert time.monotonic() - started < 5.0
+
+
 def test_a_long_listing_leaves_the_edited_files_listed() -> None:
     """The 60 most recent paths were kept whatever named them: a `find` of 80 paths after an edit
     pushed the edited file out. Paths only an output listed take the places the others leave."""
@@ -526,6 +558,13 @@ def test_a_ticked_task_leaves_pending_and_code_or_prose_naming_todo_is_no_task()
     second = extractive_summary([{"type": "assistant", "turnId": 2, "content": "- [x] add tests\n- [X] Update  docs\n"
                                   "I removed every TODO and FIXME comment; nothing is left to do."}], first)
     assert split_sections(second)["Pending Tasks"].splitlines() == ["- TODO: ask about the API"]
+    long_task = "migrate every handler " * 30
+    third = extractive_summary([{"type": "user", "turnId": 3, "content": f"- [ ] {long_task}\n# TODO - handle timeouts"},
+                                {"type": "assistant", "turnId": 3, "content": "```md\n- [x] TODO: ask about the API\n```"}],
+                               second)
+    assert len(split_sections(third)["Pending Tasks"].splitlines()) == 3  # (a ticked box in code ticks nothing)
+    fourth = extractive_summary([{"type": "assistant", "turnId": 4, "content": f"- [x] {long_task}"}], third)
+    assert [line for line in split_sections(fourth)["Pending Tasks"].splitlines() if "migrate" in line] == []
 
 
 def test_tool_counts_keep_adding_up_when_they_outgrow_their_line() -> None:
