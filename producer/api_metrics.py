@@ -231,8 +231,9 @@ class BreakerCollector(Collector):
         keys = [self.prefix + as_text(session) for session in sessions]
         raw = [v for i in range(0, len(keys), SCAN_BATCH) for v in self.client.mget(keys[i:i + SCAN_BATCH])]
         gone = [session for session, value in zip(sessions, raw) if value is None]
-        if gone:  # (deleted by hand, or expired before its score: out of the index, the one kept for good too)
-            self.client.zrem(self.failing, *gone)
+        if gone:  # (deleted by hand, or expired before its score: out of the index, the one kept for good too;
+            # each checked again in the script: a failure counted since the MGET indexed it anew)
+            self.client.eval(_PRUNE_GONE, 1, self.failing, self.prefix, *gone)
         values = [_int(v) for v in raw]
         return (sum(v >= self.max_failures for v in values), sum(v > 0 for v in values),
                 int(total) - len(gone) > MAX_BREAKER_KEYS)
@@ -269,6 +270,14 @@ class BreakerCollector(Collector):
         return len(scores)
 
 
+# KEYS: the failing index; ARGV: the counters' key prefix, then sessions. Each whose counter is gone
+# leaves the index.
+_PRUNE_GONE = """
+for i = 2, #ARGV do
+  if redis.call('EXISTS', ARGV[1] .. ARGV[i]) == 0 then redis.call('ZREM', KEYS[1], ARGV[i]) end
+end
+return 0
+"""
 INDEXING_CLAIM_S = 300  # an API process indexing earlier counters holds the marker this long at most
 
 

@@ -257,6 +257,30 @@ def test_breaker_gauges_read_the_failing_index_not_the_whole_keyspace(
     assert api.get("/api/overview").json()["breakersTruncated"] is True
 
 
+def test_a_failure_counted_while_the_gauges_prune_their_index_stays_indexed(
+        msettings: Settings, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The count read a counter gone (a success had reset it), a failure was counted and indexed
+    again, then the count took it out of the index: an open breaker left the gauges for a day."""
+    from producer.api_metrics import BreakerCollector
+    from worker.failures import FailureCounter
+
+    counter, collector = FailureCounter(r, msettings), BreakerCollector(r, msettings)
+    counter.record_failure("racy")
+    collector.count()  # (indexes earlier counters once: none)
+    r.delete(Keys(msettings.redis.prefix).failures("racy"))  # (reset, but still in the index)
+    mget = r.mget
+
+    def then_a_failure(keys: Any) -> Any:
+        values = mget(keys)
+        counter.record_failure("racy")
+        return values
+
+    monkeypatch.setattr(r, "mget", then_a_failure)
+    collector.count()
+    monkeypatch.undo()
+    assert collector.count() == (0, 1, False)
+
+
 def test_overview_reports_counters_and_backlog(api: TestClient, msettings: Settings,
                                                r: redis.Redis) -> None:
     first = api.get("/api/overview").json()
