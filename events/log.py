@@ -112,9 +112,11 @@ def _sibling(path: Path, suffix: str) -> Path:
 # dir moved or unmounted under a running watcher was: the events of that while went to the new,
 # empty one, acked, and were missing from the logs once it was put back).
 _ROOTS_SEEN: set[Path] = set()
-# directories whose entries (a log this process created, the directories made for it) are not yet
-# synced: ``SessionLog._sync_directories`` syncs them under the log's lock (with ``fsync`` on)
-_UNSYNCED: dict[Path, list[Path]] = {}
+# with ``fsync`` on: the logs whose directory entry this process synced (``SessionLog._sync_directories``,
+# at a log's first lock in the process: one another process created, or a crashed one, is synced
+# too), and the directories made for a log it created, to sync with it
+_SYNCED: dict[Path, None] = {}
+_MADE: dict[Path, list[Path]] = {}
 
 
 def keep_data_dir(data_dir: str | os.PathLike[str]) -> None:
@@ -328,8 +330,8 @@ class SessionLog:
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise LogWriteFailed(f"{self.path}: cannot create: {e}") from e
-        if self.fsync:  # (each entry's directory: the log's, and those of the directories made for it)
-            _UNSYNCED[self.path] = [self.path.parent, *(d.parent for d in made)]
+        if self.fsync and made:  # (the entries of the directories made for it: in their parents)
+            _MADE[self.path] = [d.parent for d in made]
         return fd
 
     def _sync_directories(self, fd: int) -> None:
@@ -338,18 +340,25 @@ class SessionLog:
         LogWriteFailed and the next lock tries again (it was a raw OSError, its descriptor leaked,
         and the retry found the file there: never synced); the file stays (another writer may have
         appended to it already)."""
-        directories = _UNSYNCED.get(self.path) if self.fsync else None
-        if not directories:
+        if not self.fsync or self.path in _SYNCED:
             return
         try:
-            for directory in directories:
+            for directory in (self.path.parent, *_MADE.get(self.path, ())):
                 fsync_dir(directory)
         except BaseException as e:  # (a job's timeout too: the descriptor, and the flock, go with it)
+            try:
+                if os.fstat(fd).st_size == 0:  # (a log no event reached: not left to read as a session)
+                    os.unlink(self.path)
+            except OSError:
+                pass
             os.close(fd)
             if isinstance(e, OSError):
                 raise LogWriteFailed(f"{self.path}: its directory cannot be synced: {e}") from e
             raise
-        _UNSYNCED.pop(self.path, None)
+        if len(_SYNCED) >= SAID_KEPT:
+            _SYNCED.clear()  # (synced again at their next lock: harmless)
+        _SYNCED[self.path] = None
+        _MADE.pop(self.path, None)
 
     def _release(self) -> None:
         fd, self._lock_fd, self._clean_size = self._lock_fd, None, None
@@ -576,7 +585,6 @@ class SessionLog:
             if len(fragment) != size - keep:
                 raise OSError(errno.EIO, f"short read of the torn tail: {len(fragment)} of {size - keep} bytes")
             logger.warning("torn tail of %d bytes moved from %s to %s", len(fragment), self.path, self.torn_path)
-            new_torn = not os.path.lexists(self.torn_path)
             torn = os.open(self.torn_path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
             try:  # (a FIFO there held the log's lock, and the watcher with it, every shard)
                 if not stat.S_ISREG(os.fstat(torn).st_mode):
@@ -592,10 +600,9 @@ class SessionLog:
                         os.ftruncate(torn, end)  # (a part written, then an error: the next try wrote it whole after it)
                         raise
                     self._torn_copied = copied
-                if self.fsync:
+                if self.fsync:  # (its directory entry too, at each repair: the fragment is cut off the log next)
                     os.fsync(torn)
-                    if new_torn:  # (its directory entry too: the fragment is cut off the log next)
-                        fsync_dir(self.torn_path.parent)
+                    fsync_dir(self.torn_path.parent)
             finally:
                 os.close(torn)
             os.ftruncate(fd, keep)

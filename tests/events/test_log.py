@@ -366,7 +366,7 @@ def test_a_new_logs_directory_that_cannot_be_synced_is_a_write_failure_synced_by
     from events import log as log_module
 
     log = _log(tmp_path, fsync=True)
-    monkeypatch.setattr(log_module, "_UNSYNCED", {})
+    monkeypatch.setattr(log_module, "_SYNCED", {})
     fsync, synced = os.fsync, []
 
     def dir_fails(fd: int) -> None:
@@ -378,7 +378,7 @@ def test_a_new_logs_directory_that_cannot_be_synced_is_a_write_failure_synced_by
     opened = len(os.listdir("/proc/self/fd"))
     with pytest.raises(LogWriteFailed, match="its directory cannot be synced"):
         log.append([_event(0)])
-    assert len(os.listdir("/proc/self/fd")) == opened
+    assert len(os.listdir("/proc/self/fd")) == opened and not log.path.exists()  # (empty: not a session)
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(stat.S_ISDIR(os.fstat(fd).st_mode)) or fsync(fd))
     log.append([_event(0)])
     assert [e["uuid"] for e in log.read()] == ["u0"] and True in synced
@@ -408,6 +408,11 @@ def test_each_new_log_and_torn_file_has_its_directory_entry_synced(
     assert synced.count(sessions) == 3  # (the .torn file's entry)
     first.append([_event(2)])
     assert synced.count(sessions) == 3
+    from events import log as log_module
+
+    log_module._SYNCED.clear()  # (another process, or this one restarted: its first lock of a log syncs it)
+    first.append([_event(3)])
+    assert synced.count(sessions) == 4
 
 
 def test_torn_tails_are_each_copied_once_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
