@@ -102,6 +102,10 @@ TIGHT_BOUNDS = Bounds(files=20, error_lines=10, decisions=5, pending=10, concept
 MINIMAL_BOUNDS = Bounds(files=5, error_lines=3, decisions=2, pending=3, concepts=3, line_chars=100,
                         request_chars=200, current_work_chars=300)
 
+LAST_RESORT_LINE_CHARS = 60  # every line of a summary still over its limit is clipped to this (``_within_limit``)
+# an item's text clipped by a bound (``- `` and its text of ``line_chars``) or by the last resort (the line)
+_CLIPPED_LENGTHS = frozenset({MAX_LINE_CHARS, TIGHT_BOUNDS.line_chars, MINIMAL_BOUNDS.line_chars,
+                              LAST_RESORT_LINE_CHARS - 2})
 _SEGMENT = r"[\w.+-]"  # a path segment's characters (SvelteKit's ``+page``; ``[`` and ``@`` are not: a
 # markdown link's ``[src/app.py]`` and an agent's ``@src/app.py`` were listed with them)
 _PATH = re.compile(
@@ -124,8 +128,9 @@ _PATH_ARGUMENT = re.compile(r"path|file|dir", re.IGNORECASE)  # a tool-call argu
 # Whole words (``default`` held "fault", ``on_failure`` "failure": 9 lines of a 10-line config were
 # errors), an exception's name, and the runners' markers; a line saying none failed is none
 # (``42 passed, 0 errors``, ``No errors found.``) unless it counts some that did.
-_ERROR = re.compile(r"(?i:\b(?:errors?|exception|traceback|failed|failures?|fatal|panic\w*|segmentation fault|"
-                    r"denied|not found|abort(?:ed|ing)?|undefined reference|no such file or directory)\b)"
+_ERROR = re.compile(r"(?i:\b(?:errors?|exception|traceback|failed|failures?|fatal|panicked|segmentation fault|"
+                    r"(?:permission|access|is) denied|(?:file|command|module|\w+:) not found|abort trap|aborted|"
+                    r"undefined reference|no such file or directory)\b)|^\s*panic:"
                     r"|\bFAIL\b|\bERR!|^E {2,}\S|(?i:\bexit(?:ed)?(?: with)? (?:status|code):? [1-9])|^Killed$")
 _CAPITAL_WORD = re.compile(r"\b[A-Z]\w*+")  # (an exception's name, ``KeyError``, ``UniqueError7``: checked in code,
 # as ``\b[A-Z]\w*(?:Error|Exception)`` took one long word's every "Error" for a new start: 30 s on 200 kB)
@@ -137,13 +142,17 @@ _SOME_FAILED = re.compile(r"(?i)\b[1-9]\d* (?:errors?|failures?|failed)\b")
 # the real failures out of the section.
 _ERROR_PRINTED = re.compile(r"^\s*(?:Traceback \(most recent call last\)|(?:[A-Za-z_][\w.]*)?(?:Error|Exception)(?::|$)"
                             r"|(?:FATAL|ERROR|CRITICAL)\b|panic:|Segmentation fault|E {2,}\S|FAILED\b|npm ERR!)")
+_FAILURE_SAID = re.compile(r"(?i)[ \t]*+(?:error\b|failed\b|file not found|no such file|permission denied|"
+                           r"access denied|cannot\b|could not\b|unable to\b)")  # (a tool saying it failed)
 _CONTENT_TOOLS = frozenset({"read_file", "search_code", "search_files", "web_search", "fetch_url", "write_file",
                             "edit_file"})
 _DECISION = re.compile(r"\b(because|decided|instead of|so that|rather than|chose|trade-?off)\b",
                        re.IGNORECASE)
 # An open checkbox item, or a TODO / FIXME that says what (``TODO: x``, ``FIXME(bob): x``): prose that
 # names them ("I removed every TODO and FIXME comment") is no task.
-_PENDING = re.compile(r"^\s*[-*]\s*\[ \]|\b(?:TODO|FIXME)(?:\(\w*\))?:|^\s*(?:#|//|--|\*)?\s*(?:TODO|FIXME)\b[\s:-]+\S")
+_PENDING = re.compile(r"^[ \t]*+[-*][ \t]*+\[ \]|\b(?:TODO|FIXME)(?:\(\w*\))?:"
+                      r"|^[ \t]*+(?:(?:#|//|--|\*|-)[ \t]*+)?(?:TODO|FIXME)[ \t]*+-[ \t]*+\S")  # (possessive: a line of
+# 60 000 blanks took a roll 65 s, each blank a start for the optional marker's blanks)
 _DONE = re.compile(r"^\s*[-*]\s*\[[xX]\]\s*(.+)")  # a checkbox ticked: the same task's open item is done
 
 
@@ -281,7 +290,8 @@ def _within_limit(sections: dict[str, str], messages: list[str | _Message], limi
     # (a previous summary's long lines, carried): every line cut but fence lines, which keep the
     # sections' structure; then the least useful sections emptied, one by one, until it fits, with
     # the fewest messages folded then (all were folded, the newest too, with room to spare)
-    sections = {title: "\n".join(line if _FENCE.match(line) else _clip(line, 60) for line in body.split("\n"))
+    sections = {title: "\n".join(line if _FENCE.match(line) else _clip(line, LAST_RESORT_LINE_CHARS)
+                                 for line in body.split("\n"))
                 for title, body in sections.items()}
     for title in (None, *_EMPTIED_FIRST):
         if title is not None:
@@ -514,7 +524,7 @@ def _errors(previous: dict[str, str], results: list[dict[str, Any]], bounds: Bou
         lines_out = (outputs.get(id(event)) or _str(event.get("output"))).splitlines()
         for index, line in enumerate(lines_out):
             # (a content tool's own failure is a short output: "Error: old_string not found", "File not found")
-            if _is_error(line, content) or (content and len(lines_out) <= 3 and _is_error(line)):
+            if _is_error(line, content) or (content and len(lines_out) <= 3 and _FAILURE_SAID.match(line)):
                 name = _clip(_one_line(_str(event.get("toolName", ""))), bounds.line_chars)
                 lines.append(f"- [{name}] {_clip(line.strip(), bounds.line_chars)}")
     return "\n".join(_latest(lines, bounds.error_lines))
@@ -580,7 +590,7 @@ def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds:
             done = _DONE.match(line)
             if done:  # (it was listed open, and stayed "pending" for good)
                 task = _task(done.group(1))
-                lines = [item for item in lines if not _same_task(item[2:].removeprefix("[ ]"), task)]
+                lines = [item for item in lines if not _same_task(item[2:], task)]
             elif _PENDING.search(line):
                 lines.append(f"- {_clip(line.strip().lstrip('-* ').strip(), bounds.line_chars)}")
     return "\n".join(_latest(lines, bounds.pending))
@@ -592,9 +602,14 @@ def _task(text: str) -> str:
 
 
 def _same_task(listed: str, done: str) -> bool:
-    """Whether an item listed open (``_clip``ped when long: its head then) is the task ``done``."""
-    task = _task(listed)
-    return done.startswith(task[:-3].rstrip()) if task.endswith("...") else task == done
+    """Whether an item listed open (its text as ``_pending`` lists it: ``_clip``ped when long, to any
+    bound's ``line_chars`` in this roll or an earlier one: its head then) is the task ``done``."""
+    clipped = len(listed) in _CLIPPED_LENGTHS and listed.endswith("...")
+    task = _task(listed.removeprefix("[ ]"))
+    if clipped:
+        head = task[:-3].rstrip()
+        return bool(head) and done.startswith(head)
+    return task == done
 
 
 def _current_work(previous: dict[str, str], assistants: list[dict[str, Any]], bounds: Bounds) -> str:
