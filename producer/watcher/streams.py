@@ -146,8 +146,8 @@ return acked
 # - the stream's max-deleted-entry-id past the group's position (not at 0-0: a group recreated
 #   there would take any old XDEL for one): an entry deleted amid unread ones (once per id, kept
 #   in unread; how many, unknown).
-# A loss the group read across between two checks is not seen. Then trims below the oldest entry
-# any group needs. -1: not our lease; else {trimmed, last delivered, entries lost (at least; 0:
+# Otherwise a loss the group read across between two checks is not seen. Then trims below the
+# oldest entry any group needs. -1: not our lease; else {trimmed, last delivered, entries lost (at least; 0:
 # unknown), highest id deleted} (the delivered id empty: no loss found).
 _TRIM = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
