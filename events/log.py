@@ -335,11 +335,12 @@ class SessionLog:
         return fd
 
     def _sync_directories(self, fd: int) -> None:
-        """With ``fsync``, make a log this process created durable as a file: its directory entry
-        and those of the directories made for it, synced under the lock. A failure is
-        LogWriteFailed and the next lock tries again (it was a raw OSError, its descriptor leaked,
-        and the retry found the file there: never synced); the file stays (another writer may have
-        appended to it already)."""
+        """With ``fsync``, make the log durable as a file at its first lock in this process: its
+        directory entry (and those of the directories made for it here), synced under the lock,
+        whoever created it (another process, or one that crashed before its sync). A failure is
+        LogWriteFailed, and the next lock tries again (it was a raw OSError, its descriptor leaked,
+        and the retry found the file there: never synced); the file is removed when no event has
+        reached it yet (an empty log reads as a known session), else left for the next lock."""
         if not self.fsync or self.path in _SYNCED:
             return
         try:
