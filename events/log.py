@@ -330,8 +330,10 @@ class SessionLog:
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             raise LogWriteFailed(f"{self.path}: cannot create: {e}") from e
-        if self.fsync and made:  # (the entries of the directories made for it: in their parents)
-            _MADE[self.path] = [d.parent for d in made]
+        if self.fsync:  # (a new file: its entry synced at its lock, whatever was synced under this path
+            _SYNCED.pop(self.path, None)  # before: a log removed and made again)
+            if made:  # (the entries of the directories made for it: in their parents)
+                _MADE[self.path] = [d.parent for d in made]
         return fd
 
     def _sync_directories(self, fd: int) -> None:

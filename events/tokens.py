@@ -24,6 +24,7 @@ import inspect
 import json
 import logging
 import os
+import re
 from functools import lru_cache
 from typing import Any, Mapping
 
@@ -125,9 +126,31 @@ def count_tokens(text: str, encoding: str) -> int:
     last = _last_count  # (one read of one tuple: threads may count at once)
     if last[0] is text and last[1] == encoding:  # the very same string, counted again (a summary: checked
         return last[2]  # against its limit, then stamped as it is appended)
-    count = len(get_encoding(encoding).encode_ordinary(text))
+    count = _encoded_length(get_encoding(encoding), text)
     _last_count = (text, encoding, count)
     return count
+
+
+# tiktoken's encoder overflows its stack on one run of blanks this long or a little longer (a
+# PanicException, a BaseException: no handler caught it, and a producer's event of a million spaces
+# killed the watcher at each try) and is quadratic on it before: such a run is counted a piece at a
+# time, each piece of at most this many characters (a different count than whole, but the same
+# everywhere the service counts)
+LONG_BLANKS_CHARS = 8192
+_LONG_BLANKS = re.compile(rf"((?<!\s)\s{{{LONG_BLANKS_CHARS},}})")  # (from a run's start only: linear)
+
+
+def _encoded_length(encoder: Any, text: str) -> int:
+    if _LONG_BLANKS.search(text) is None:
+        return len(encoder.encode_ordinary(text))
+    total = 0
+    for index, part in enumerate(_LONG_BLANKS.split(text)):
+        if index % 2:  # (a run of blanks)
+            total += sum(len(encoder.encode_ordinary(part[i:i + LONG_BLANKS_CHARS]))
+                         for i in range(0, len(part), LONG_BLANKS_CHARS))
+        elif part:
+            total += len(encoder.encode_ordinary(part))
+    return total
 
 
 _last_count: tuple[str | None, str, int] = (None, "", 0)  # the last long text counted (by identity), ...
@@ -138,7 +161,7 @@ SHORT_TEXT_CHARS = 64  # tool names, small arguments: the same few strings again
 
 @lru_cache(maxsize=4096)
 def _count_short(text: str, encoding: str) -> int:
-    return len(get_encoding(encoding).encode_ordinary(text))
+    return _encoded_length(get_encoding(encoding), text)
 
 
 SHOWN_TEXT_CHARS = 512  # an elided output as shown (``microCompactKeepChars`` up to ~230) is cached

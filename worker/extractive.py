@@ -130,7 +130,7 @@ _PATH_ARGUMENT = re.compile(r"path|file|dir", re.IGNORECASE)  # a tool-call argu
 # (``42 passed, 0 errors``, ``No errors found.``) unless it counts some that did.
 _ERROR = re.compile(r"(?i:\b(?:errors?|exception|traceback|failed|failures?|fatal|panicked|segmentation fault|"
                     r"(?:permission|access|is) denied|(?:file|command|module|\w+:) not found|abort trap|aborted|"
-                    r"undefined reference|no such file or directory)\b)|^\s*panic:"
+                    r"undefined reference|no such file or directory)\b)|^\s*panic:|^abort:|^Aborting\b"
                     r"|\bFAIL\b|\bERR!|^E {2,}\S|(?i:\bexit(?:ed)?(?: with)? (?:status|code):? [1-9])|^Killed$")
 _CAPITAL_WORD = re.compile(r"\b[A-Z]\w*+")  # (an exception's name, ``KeyError``, ``UniqueError7``: checked in code,
 # as ``\b[A-Z]\w*(?:Error|Exception)`` took one long word's every "Error" for a new start: 30 s on 200 kB)
@@ -151,7 +151,7 @@ _DECISION = re.compile(r"\b(because|decided|instead of|so that|rather than|chose
 # An open checkbox item, or a TODO / FIXME that says what (``TODO: x``, ``FIXME(bob): x``): prose that
 # names them ("I removed every TODO and FIXME comment") is no task.
 _PENDING = re.compile(r"^[ \t]*+[-*][ \t]*+\[ \]|\b(?:TODO|FIXME)(?:\(\w*\))?:"
-                      r"|^[ \t]*+(?:(?:#|//|--|\*|-)[ \t]*+)?(?:TODO|FIXME)[ \t]*+-[ \t]*+\S")  # (possessive: a line of
+                      r"|^[ \t]*+(?:(?:#|//|--|\*|-)[ \t]*+)?(?:TODO|FIXME)\b[ \t:-]++\S")  # (possessive: a line of
 # 60 000 blanks took a roll 65 s, each blank a start for the optional marker's blanks)
 _DONE = re.compile(r"^\s*[-*]\s*\[[xX]\]\s*(.+)")  # a checkbox ticked: the same task's open item is done
 

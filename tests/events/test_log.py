@@ -413,6 +413,11 @@ def test_each_new_log_and_torn_file_has_its_directory_entry_synced(
     log_module._SYNCED.clear()  # (another process, or this one restarted: its first lock of a log syncs it)
     first.append([_event(3)])
     assert synced.count(sessions) == 4
+    third = SessionLog(tmp_path / "data", CWD, "c", fsync=True)
+    with third.lock():
+        third.discard_if_empty()  # (a refused first batch)
+    third.append([_event(0)])  # (made again: synced again)
+    assert synced.count(sessions) == 6
 
 
 def test_torn_tails_are_each_copied_once_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

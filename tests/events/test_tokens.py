@@ -296,3 +296,18 @@ def test_the_very_same_long_string_counted_twice_in_a_row_is_tokenized_once(coun
     count_tokens(other, "cl100k_base")
     count_tokens(summary, "cl100k_base")  # not the last one counted: counted again
     assert counting.texts.count(summary) == 3
+
+
+def test_a_million_blanks_are_counted_not_a_crash_of_the_tokenizer() -> None:
+    """tiktoken overflowed its stack on a run of a million spaces (a PanicException, a BaseException
+    no handler caught: one producer's event killed the watcher at each try), and was quadratic
+    before it: long runs of blanks are counted a piece at a time, in linear time."""
+    import time
+
+    from events.tokens import count_tokens
+
+    started = time.monotonic()
+    for text in (" " * 1_000_000 + "x", "\t" * 2_000_000, ("x" + " " * 8_000) * 300):
+        assert count_tokens(text, "cl100k_base") == count_tokens(text, "cl100k_base") > 0
+    assert time.monotonic() - started < 10
+    assert count_tokens("hello world", "cl100k_base") == 2  # (ordinary text: as tiktoken counts it)

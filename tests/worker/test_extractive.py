@@ -522,6 +522,7 @@ def test_an_edited_file_a_later_listing_shows_again_stays_listed() -> None:
     ("execute_command", "cat: x.txt: No such file or directory"), ("execute_command", "error[E0382]: borrow"),
     ("edit_file", "Error: old_string not found in src/app.py"), ("read_file", "File not found"),
     ("execute_command", "Exception: boom"), ("execute_command", "raised UniqueError7: refused"),
+    ("execute_command", "abort: no repository found!"), ("execute_command", "Aborting"),
 ])
 def test_failure_lines_of_many_tools_are_errors(tool: str, line: str) -> None:
     events = [{"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": tool, "output": line}]
@@ -583,6 +584,9 @@ def test_a_ticked_task_leaves_pending_and_code_or_prose_naming_todo_is_no_task()
                                 {"type": "assistant", "turnId": 3, "content": "```md\n- [x] TODO: ask about the API\n```"}],
                                second)
     assert len(split_sections(third)["Pending Tasks"].splitlines()) == 3  # (a ticked box in code ticks nothing)
+    bare = extractive_summary([{"type": "user", "turnId": 3, "content": "TODO fix the parser\n# FIXME handle EOF"}],
+                              None)
+    assert split_sections(bare)["Pending Tasks"].splitlines() == ["- TODO fix the parser", "- # FIXME handle EOF"]
     fourth = extractive_summary([{"type": "assistant", "turnId": 4, "content": f"- [x] {long_task}"}], third)
     assert [line for line in split_sections(fourth)["Pending Tasks"].splitlines() if "migrate" in line] == []
 
