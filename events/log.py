@@ -615,26 +615,23 @@ class SessionLog:
         return keep
 
     def _write_all(self, fd: int, chunks: list[bytes], size: int) -> int:
-        written = 0
         try:
             for chunk in chunks:
-                rest = memoryview(chunk)
-                while rest:  # a short write is retried so the real error (ENOSPC, EFBIG) surfaces
-                    n = os.write(fd, rest)
-                    if n <= 0:
-                        raise OSError(errno.EIO, f"short write: 0 of {len(rest)} bytes")
-                    written += n
-                    rest = rest[n:]
+                _write_fully(fd, chunk)  # (a short write is written on, so the real error, ENOSPC, EFBIG, surfaces)
             if self.fsync:
                 os.fsync(fd)
         except BaseException as e:  # (a job's timeout, a SIGINT mid-batch: undone too, then raised as it is)
+            try:
+                written = max(0, os.fstat(fd).st_size - size)  # (what landed, for the messages)
+            except OSError:
+                written = 0
             undone = self._undo(fd, size, written)
             if not isinstance(e, OSError):
                 raise
             raise LogWriteFailed(f"{self.path}: append failed, " + (
                 "log left unchanged" if undone else f"and its first {written} bytes could not be taken back "
                 "(the next writer reads what landed)") + f": {e}") from e
-        return size + written
+        return size + sum(len(chunk) for chunk in chunks)
 
     def _undo(self, fd: int, size: int, written: int) -> bool:
         """Truncate the log back to ``size``; whether that worked."""

@@ -38,6 +38,7 @@ from compactor.cli.common import (
     print_json,
 )
 from compactor.keys import Keys
+from compactor.shards import server_ms
 from compactor.redis_errors import probe_writes
 from compactor.urls import WILDCARD_HOSTS, host_port
 from events.config import Settings
@@ -77,8 +78,7 @@ def check_workers(client: redis.Redis, settings: Settings, host: str | None = No
     registered = Worker.all(connection=client, queue=queue)
     if host is not None:
         registered = [w for w in registered if w.hostname == host]
-    seconds, micros = client.time()  # (the workers beat in Redis's time: worker.runner)
-    now = datetime.fromtimestamp(float(seconds) + micros / 1e6, UTC)
+    now = datetime.fromtimestamp(server_ms(client) / 1000, UTC)  # (the workers beat in Redis's time: worker.runner)
     live = [w for w in registered
             if w.last_heartbeat is not None and (now - w.last_heartbeat).total_seconds() < WORKER_ALIVE_S]
     if not registered:
