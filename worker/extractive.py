@@ -113,15 +113,38 @@ _PATH = re.compile(
     # Windows: from a drive (C:\src\app), or relative with an extension (src\app\main.py); its
     # basename alone was listed
     r"[A-Za-z]:\\(?:[\w.-]+\\)*[\w.-]*[\w-]\\?|(?:\.{1,2}\\)?(?:[\w.-]+\\)+[\w.-]+\.[A-Za-z0-9]{1,8}"
-    rf"|(?:~|\.{{1,2}})?/?(?:{_SEGMENT}+/)+{_SEGMENT}+\.[A-Za-z0-9]{{1,8}}|[\w-]+\.(?:py|js|ts|tsx|jsx|"
-    r"go|rs|java|rb|c|h|cpp|hpp|cs|md|json|ya?ml|toml|ini|cfg|sh|sql|html|css|txt|lock|vue|svelte|kt|kts|"
-    r"swift|php|gradle|mod|sum|scala|ex|exs|dart|tf|proto|xml|env)"
+    rf"|(?:~|\.{{1,2}})?/?(?:{_SEGMENT}+/)+{_SEGMENT}+\.[A-Za-z0-9]{{1,8}}"
+    # a bare name, dotted ones too (``app.component.ts``, ``index.d.ts``; a framework's, ``Next.js``, is
+    # dropped: ``_paths``)
+    r"|"
+    r"[\w-]+(?:\.[\w-]+)*\.(?:py|pyi|ipynb|js|mjs|cjs|ts|mts|cts|tsx|jsx|"
+    r"go|rs|java|rb|c|h|cpp|cc|hpp|cs|md|mdx|rst|json|jsonc|ya?ml|toml|ini|cfg|conf|sh|bash|zsh|ps1|bat|sql|"
+    r"html|css|scss|sass|less|txt|lock|vue|svelte|astro|kt|kts|swift|php|gradle|mod|sum|scala|ex|exs|dart|tf|"
+    r"proto|xml|env|lua|zig|jl|pl|pm|hs|ml|mli|erl|clj|nim|cmake|graphql|gql|prisma|csv|tsv|log|patch|diff)"
+    # a known dotfile (``.env.local``, ``.gitignore``, ``.eslintrc.json``)
+    r"|\.(?:env|gitignore|gitattributes|gitmodules|dockerignore|npmrc|nvmrc|yarnrc|prettierrc|prettierignore|"
+    r"eslintrc|eslintignore|editorconfig|babelrc|bashrc|zshrc|profile|bash_profile|pylintrc|flake8|coveragerc|"
+    r"python-version|node-version|tool-versions|pre-commit-config|golangci|clang-format|stylelintrc|"
+    r"browserslistrc|htaccess|vimrc|tmux\.conf)(?:\.[\w-]+)*"
     rf"|(?:~|\.{{1,2}})?/(?:{_SEGMENT}+/)*{_SEGMENT}*[\w-]/?"  # absolute, home or dot-relative, no extension needed
     # (``Dockerfile.dev`` was listed as ``Dockerfile``: another file)
     r"|(?:Makefile|Dockerfile|Containerfile|Procfile|Gemfile|Rakefile|Jenkinsfile|Vagrantfile|README|LICENSE)"
     r"(?:\.[\w-]+)?)"
     r"(?![\w/\\])"
 )
+# names that look like a file's but are a library's (checked on a match: a lookahead cost every position)
+_FRAMEWORKS = frozenset(f"{name}.js" for name in (
+    "Node Next Nuxt Vue Express Three Chart Ember Backbone Alpine Solid Nest React Angular Svelte Socket Moment "
+    "Anime Pixi Phaser Leaflet Video Day Reveal Deno Bun Preact Lit Ext Knockout Meteor Marionette Handlebars "
+    "Mustache Raphael Paper Fabric Matter Cannon Babylon Tone Howler Chroma Popper Hammer Immutable Sails Koa "
+    "Hapi Feathers Redux Mobx Gatsby Remix Astro Qwik D3").split())
+
+
+def _paths(text: str) -> list[str]:
+    """The paths ``text`` names, in order."""
+    return [path for match in _PATH.finditer(text) if (path := match.group(1)) not in _FRAMEWORKS]
+
+
 _PATH_ARGUMENT = re.compile(r"path|file|dir", re.IGNORECASE)  # a tool-call argument naming a path
 # (and the failure lines of test runners and build tools that say none of those words: go test's
 # ``--- FAIL:`` and ``FAIL``, jest's ``FAIL``, npm's ``npm ERR!``, pytest's ``E   ...``, an exit status)
@@ -130,30 +153,50 @@ _PATH_ARGUMENT = re.compile(r"path|file|dir", re.IGNORECASE)  # a tool-call argu
 # (``42 passed, 0 errors``, ``No errors found.``) unless it counts some that did.
 _ERROR = re.compile(r"(?i:\b(?:errors?|exception|traceback|failed|failures?|fatal|panicked|segmentation fault|"
                     r"(?:permission|access|is) denied|(?:file|command|module|\w+:) not found|abort trap|aborted|"
-                    r"undefined reference|no such file or directory)\b)|^\s*panic:|^abort:|^Aborting\b"
+                    r"timed out|undefined reference|no such file or directory)\b)|^\s*panic:|^abort:|^Aborting\b"
                     r"|\bFAIL\b|\bERR!|^E {2,}\S|(?i:\bexit(?:ed)?(?: with)? (?:status|code):? [1-9])|^Killed$")
+# A compiler's or a linter's diagnostic, ``path:line:column: message`` (go's ``./main.go:10:2: undefined:
+# foo``, ruff's ``app.py:1:8: F401 ...``, gcc's ``a.c:3:5: error: ...``), not a warning or a note: none
+# of go's and the linters' say "error". (A grep's hits have no column.)
+_DIAGNOSTIC = re.compile(r"^\s*[^\s:]+\.\w+:\d+:\d+: (?!(?:warning|note|info|hint)\b)\S")
 _CAPITAL_WORD = re.compile(r"\b[A-Z]\w*+")  # (an exception's name, ``KeyError``, ``UniqueError7``: checked in code,
 # as ``\b[A-Z]\w*(?:Error|Exception)`` took one long word's every "Error" for a new start: 30 s on 200 kB)
+# (``Errors: 0``, ``{"failures": []}``: every passing Maven test class prints ``Failures: 0, Errors: 0``)
 _NONE_FAILED = re.compile(r"(?i)\b(?:0|no|zero) (?:errors?|failures?|failed)\b|\ball checks passed\b|"
-                          r"\bwithout (?:any )?errors?\b")
-_SOME_FAILED = re.compile(r"(?i)\b[1-9]\d* (?:errors?|failures?|failed)\b")
+                          r"\bwithout (?:any )?errors?\b|\b(?:errors?|failures?|failed)\"?\s*[:=]\s*(?:0\b|\[\])")
+_SOME_FAILED = re.compile(r"(?i)\b[1-9]\d* (?:errors?|failures?|failed)\b|\b(?:errors?|failures?)\"?\s*[:=]\s*[1-9]")
 # In what a file-content tool returns (a file read, a search's hits, a page), only a line that is an
 # error as a program prints it: code's ``except ValueError as error:`` (a grep's 40 hits) pushed
-# the real failures out of the section.
+# the real failures out of the section. (A constant, ``FAILED = "failed"``, ``ERROR = 40``, is none.)
 _ERROR_PRINTED = re.compile(r"^\s*(?:Traceback \(most recent call last\)|(?:[A-Za-z_][\w.]*)?(?:Error|Exception)(?::|$)"
-                            r"|(?:FATAL|ERROR|CRITICAL)\b|panic:|Segmentation fault|E {2,}\S|FAILED\b|npm ERR!)")
+                            r"|(?:FATAL|ERROR|CRITICAL|FAILED)\b(?!\s*=)|panic:|Segmentation fault|E {2,}\S|npm ERR!)")
 _FAILURE_SAID = re.compile(r"(?i)[ \t]*+(?:error\b|failed\b|file not found|no such file|permission denied|"
                            r"access denied|cannot\b|could not\b|unable to\b)")  # (a tool saying it failed)
 _CONTENT_TOOLS = frozenset({"read_file", "search_code", "search_files", "web_search", "fetch_url", "write_file",
-                            "edit_file"})
+                            "edit_file", "read", "grep", "glob", "webfetch", "websearch", "write", "edit",
+                            "multiedit", "notebookread", "view", "cat", "open_file", "str_replace_editor"})
+# A command whose output is content (a file's, a search's hits, a history), not a run's: only an
+# error as printed counts there (``git log``'s "Add retry on failure", ``grep``'s code lines)
+_CONTENT_COMMAND = re.compile(r"(?:^|&&|;|\|)\s*(?:sudo\s+)?(?:grep|egrep|fgrep|rg|ag|ack|cat|bat|less|more|head|"
+                              r"tail|sed|awk|nl|wc|ls|find|fd|tree|git\s+(?:log|show|diff|grep|blame|status))\b")
+_COMMAND_ARGUMENT = ("command", "cmd", "script", "commandLine", "shell_command")
+# a grep's hit (``path:line:`` then the line: code, content) and a test runner's verbose success
+# (``tests/error/test_x.py::test_ok PASSED``): neither is an error for the words it holds
+_GREP_HIT = re.compile(r"^[\w./~-]+:\d+[:-]")
+_PASSED = re.compile(r"::\S*\s+(?:PASSED|SKIPPED|XFAIL|XPASS|ok)\b")
 _DECISION = re.compile(r"\b(because|decided|instead of|so that|rather than|chose|trade-?off)\b",
                        re.IGNORECASE)
 # An open checkbox item, or a TODO / FIXME that says what (``TODO: x``, ``FIXME(bob): x``): prose that
-# names them ("I removed every TODO and FIXME comment") is no task.
-_PENDING = re.compile(r"^[ \t]*+[-*][ \t]*+\[ \]|\b(?:TODO|FIXME)(?:\(\w*\))?:"
+# names them ("I removed every TODO and FIXME comment") is no task; in an assistant's message only at a
+# line's start ("... so no TODO: markers remain." was a task), and none in inline code (`` `# TODO: x` ``).
+_PENDING = re.compile(r"^[ \t]*+(?:[-*]|\d{1,3}[.)])[ \t]*+\[ \]"
                       r"|^[ \t]*+(?:(?:#|//|--|\*|-)[ \t]*+)?(?:TODO|FIXME)\b[ \t:-]++\S")  # (possessive: a line of
 # 60 000 blanks took a roll 65 s, each blank a start for the optional marker's blanks)
-_DONE = re.compile(r"^\s*[-*]\s*\[[xX]\]\s*(.+)")  # a checkbox ticked: the same task's open item is done
+_PENDING_SAID = re.compile(r"\b(?:TODO|FIXME)(?:\(\w*\))?:")  # (a user's "... and TODO: update the docs")
+_INLINE_CODE = re.compile(r"`[^`\n]*`")
+# a checkbox ticked: the same task's open item is done (``- [x] x``, ``1. [X] ~~x~~ ✅``)
+_DONE = re.compile(r"^\s*(?:[-*]|\d{1,3}[.)])\s*\[[xX]\]\s*(.+)")
+_DONE_MARKS = re.compile(r"~~|\s*(?:✅|✔️?|✓|☑️?|\((?:done|fixed|completed)\))\s*$", re.IGNORECASE)
 
 
 def extractive_summary(events: Sequence[dict[str, Any]], previous_summary: str | None,
@@ -213,12 +256,12 @@ def _sections(events: Sequence[dict[str, Any]], previous: dict[str, str], users:
         "Primary Request": _primary_request(previous, users, bounds),
         "Key Technical Concepts": _concepts(previous, assistants, bounds),
         "Files and Code Sections": _files(previous, events, bounds, outputs),
-        "Errors and Fixes": _errors(previous, results, bounds, outputs),
+        "Errors and Fixes": _errors(previous, assistants, results, bounds, outputs),
         "Problem Solving": _problem_solving(previous, events, assistants, results, bounds),
         "Decision Rationale": _decisions(previous, assistants, bounds),
         "Pending Tasks": _pending(previous, events, bounds),
         "Current Work": _current_work(previous, assistants, bounds),
-        "Optional Next Step": _next_step(users, bounds),
+        "Optional Next Step": _next_step(previous, users, bounds),
     }
 
 
@@ -437,11 +480,11 @@ def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]], bounds
     for line in _carried(previous.get("Key Technical Concepts")):
         items = line[len(_TOOLS_USED):].split(", ")
         if items and (_MORE_TOOLS.fullmatch(items[-1]) or items[-1].endswith("...")):
-            items = items[:-1]  # (the tools past the line's room, or a tail a tighter bound clipped)
+            items = items[:-1]  # (an old ``+K more``, counting nothing, or a tail a tighter bound clipped)
         counts = [_TOOL_COUNT.fullmatch(item) for item in items]
-        if line.startswith(_TOOLS_USED) and items and all(counts):  # ours: a rolling summary adds the counts up
-            for counted in counts:
-                assert counted is not None
+        if line.startswith(_TOOLS_USED) and all(counts):  # ours: a rolling summary adds the counts up
+            for counted in counts:  # (none left: its one entry clipped by the last resort; dropped, not kept
+                assert counted is not None  # beside a new line counting again from 1)
                 tools[counted.group(1)] += int(counted.group(2))
         else:  # (an LLM's own "- tools used: ..." line is carried as it is)
             lines.append(line)
@@ -450,26 +493,40 @@ def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]], bounds
             if call.get("name"):
                 tools[_one_line(str(call["name"]))] += 1
     if tools:
-        lines.append(_TOOLS_USED + _tools_used(tools, bounds.line_chars))
+        lines.append(_TOOLS_USED + _tools_used(_unclipped(tools), bounds.line_chars))
     return "\n".join(_latest(lines, bounds.concepts))
 
 
+def _unclipped(tools: Counter[str]) -> Counter[str]:
+    """``tools`` with a name an earlier roll clipped (``mcp__atlassian_confl...``) counted with the
+    whole name it starts (a second tool otherwise, in every roll after)."""
+    merged: Counter[str] = Counter()
+    whole = sorted(name for name in tools if not name.endswith("...") and name != _OTHER_TOOLS)
+    for name, count in tools.items():
+        head = name[:-3] if name.endswith("...") else None
+        merged[next((w for w in whole if w.startswith(head)), name) if head else name] += count
+    return merged
+
+
 def _tools_used(tools: Counter[str], room: int) -> str:
-    """``name (Nx), ...``, the most used first, whole entries within ``room`` characters and a
-    ``+K more`` for the rest: clipped mid-entry, the line no longer read as counts, and the next
-    roll started them again from 1 beside the stale line."""
-    entries = [f"{_clip(name, room // 2)} ({count}x)" for name, count in
-               sorted(tools.items(), key=lambda item: (-item[1], item[0]))]
-    kept: list[str] = []
-    for index, entry in enumerate(entries):
-        rest = len(entries) - index - 1
-        if len(", ".join([*kept, entry])) + (len(f", +{rest} more") if rest else 0) > room:
-            return ", ".join([*kept, f"+{len(entries) - len(kept)} more"])
-        kept.append(entry)
-    return ", ".join(kept)
+    """``name (Nx), ...``, the most used first, whole entries within ``room`` characters and the
+    rest counted together as ``other tools (Nx)``: clipped mid-entry, the line no longer read as
+    counts, and a ``+K more`` lost their counts at the next roll (the line then said it was all)."""
+    others = tools.get(_OTHER_TOOLS, 0)
+    ranked = sorted(((name, count) for name, count in tools.items() if name != _OTHER_TOOLS),
+                    key=lambda item: (-item[1], item[0]))
+    entries = [f"{_clip(name, room // 2)} ({count}x)" for name, count in ranked]
+    rest, length, kept = others + sum(count for _, count in ranked), -2, 0
+    for entry, (_, count) in zip(entries, ranked):
+        after = rest - count  # (the calls still to name once this entry is in)
+        if length + 2 + len(entry) + (len(f", {_OTHER_TOOLS} ({after}x)") if after else 0) > room:
+            break
+        rest, length, kept = after, length + 2 + len(entry), kept + 1
+    return ", ".join([*entries[:kept], *([f"{_OTHER_TOOLS} ({rest}x)"] if rest else [])])
 
 
 _TOOLS_USED = "- tools used: "
+_OTHER_TOOLS = "other tools"  # the calls of the tools a line had no room to name
 _TOOL_COUNT = re.compile(r"(.+) \((\d+)x\)")
 _MORE_TOOLS = re.compile(r"\+\d+ more")
 
@@ -483,14 +540,13 @@ def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: B
             found.append(line[2:])
             continue
         item = _unwrapped(line[2:].strip())  # another's (an LLM's) may say more around them
-        found.extend([item] if _PATH.fullmatch(item) or not any(c.isspace() for c in item)
-                     else [match.group(1) for match in _PATH.finditer(item)])
+        found.extend([item] if _PATH.fullmatch(item) or not any(c.isspace() for c in item) else _paths(item))
     listed: set[int] = set()  # positions in ``found`` of paths only a tool's output showed
     for event in events:
         for text in _texts(event):
-            found.extend(match.group(1) for match in _PATH.finditer(text))
+            found.extend(_paths(text))
         start = len(found)  # (as shown: a long listing, whole, pushed the edited files out)
-        found.extend(match.group(1) for match in _PATH.finditer(_str(event.get("output"))))
+        found.extend(_paths(_str(event.get("output"))))
         listed.update(range(start, len(found)))
         found.extend(_path_arguments(event))
     # the most recently named, each at its last mention: the first ones kept froze the list (a
@@ -516,18 +572,39 @@ def _unwrapped(item: str) -> str:
         item = item[len(wrapper):-len(wrapper)].strip()
 
 
-def _errors(previous: dict[str, str], results: list[dict[str, Any]], bounds: Bounds,
-            outputs: Mapping[int, str]) -> str:
+def _errors(previous: dict[str, str], assistants: list[dict[str, Any]], results: list[dict[str, Any]],
+            bounds: Bounds, outputs: Mapping[int, str]) -> str:
     lines = _carried(previous.get("Errors and Fixes"))
+    shown = _content_calls(assistants)
     for event in results:
         content = _str(event.get("toolName", "")).lower() in _CONTENT_TOOLS
+        command = not content and _str(event.get("toolCallId")) in shown
         lines_out = (outputs.get(id(event)) or _str(event.get("output"))).splitlines()
         for index, line in enumerate(lines_out):
-            # (a content tool's own failure is a short output: "Error: old_string not found", "File not found")
-            if _is_error(line, content) or (content and len(lines_out) <= 3 and _FAILURE_SAID.match(line)):
+            # (a content tool's own failure is a short output: "Error: old_string not found", "File not found";
+            # a content command's, its own line: "cat: x: No such file or directory", "fatal: not a git ...")
+            if (_is_error(line, content or command) or (content and len(lines_out) <= 3 and _FAILURE_SAID.match(line))
+                    or (command and _COMMAND_SAID.match(line) and _is_error(line))):
                 name = _clip(_one_line(_str(event.get("toolName", ""))), bounds.line_chars)
                 lines.append(f"- [{name}] {_clip(line.strip(), bounds.line_chars)}")
-    return "\n".join(_latest(lines, bounds.error_lines))
+    return "\n".join(_latest_errors(lines, bounds.error_lines))
+
+
+def _content_calls(assistants: list[dict[str, Any]]) -> set[str]:
+    """The ids of the tool calls that ran a command showing content (``grep``, ``cat``, ``git log``)."""
+    ids = set()
+    for event in assistants:
+        for call in tool_calls(event):
+            arguments = _arguments(call.get("arguments"))
+            command = next((arguments[name] for name in _COMMAND_ARGUMENT
+                            if isinstance(arguments, dict) and isinstance(arguments.get(name), str)), None)
+            if command is not None and isinstance(call.get("id"), str) and _CONTENT_COMMAND.match(command.strip()):
+                ids.add(call["id"])
+    return ids
+
+
+_COMMAND_SAID = re.compile(r"(?:grep|egrep|fgrep|rg|ag|ack|cat|bat|head|tail|sed|awk|ls|find|fd|tree|git|fatal|"
+                           r"error): ")  # the command's own message, not what it shows
 
 
 def _is_error(line: str, content: bool = False) -> bool:
@@ -535,9 +612,43 @@ def _is_error(line: str, content: bool = False) -> bool:
     file's or a page's content returned: only a line printed as an error counts)."""
     if content:
         return _ERROR_PRINTED.match(line) is not None
+    if _DIAGNOSTIC.match(line):
+        return True
+    hit = _GREP_HIT.match(line)
+    if hit is not None:  # a file's line as a search shows it, or a checker's message about it (mypy's ``: error:``)
+        rest = line[hit.end():]
+        return _ERROR_PRINTED.match(rest) is not None or _ERROR_SAID.match(rest) is not None
+    if _PASSED.search(line):
+        return False
     said = _ERROR.search(line) is not None or any(
         word.group().rstrip("0123456789").endswith(("Error", "Exception")) for word in _CAPITAL_WORD.finditer(line))
     return said and (_NONE_FAILED.search(line) is None or _SOME_FAILED.search(line) is not None)
+
+
+_ERROR_SAID = re.compile(r"(?i)\s*(?:fatal )?error\b")
+# a line that is a failure whatever else there is (kept first when the section has no room for all)
+_STRONG = re.compile(r"\bFAIL(?:ED)?\b|\berror\[E?\d+\]|(?i:^\s*(?:fatal )?error:)|\bERR!|^\s*panic:|^E {2,}\S"
+                     r"|(?i:\bexit(?:ed)?(?: with)? (?:status|code):? [1-9])")
+_ERROR_ITEM = re.compile(r"- (?:\[[^\]\n]*\] )?")  # an item's ``- [tool] `` before the line it quotes
+
+
+def _latest_errors(items: list[str], count: int) -> list[str]:
+    """``_latest``, the failures a runner or a program printed (``FAILED ...``, a traceback's
+    ``ValueError: ...``, ``error[E0308]``) kept before the lines that only say a word like "error":
+    a ``git log`` or a build's chatter of 30 such lines pushed a test run's failure out."""
+    distinct = list(dict.fromkeys(reversed(items)))  # the newest first
+    if len(distinct) <= count:
+        return distinct[::-1]
+    strong = [item for item in distinct if _strong(item)][:count]
+    kept = set(strong) | set([item for item in distinct if item not in strong][:count - len(strong)])
+    return [item for item in reversed(distinct) if item in kept]
+
+
+def _strong(item: str) -> bool:
+    prefix = _ERROR_ITEM.match(item)
+    text = item[prefix.end():] if prefix else item
+    return (_ERROR_PRINTED.match(text) is not None or _DIAGNOSTIC.match(text) is not None
+            or _STRONG.search(text) is not None)
 
 
 def _problem_solving(previous: dict[str, str], events: Sequence[dict[str, Any]],
@@ -591,21 +702,26 @@ def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds:
             if done:  # (it was listed open, and stayed "pending" for good)
                 task = _task(done.group(1))
                 lines = [item for item in lines if not _same_task(item[2:], task)]
-            elif _PENDING.search(line):
+            elif _PENDING.search(line) or (event.get("type") == "user"
+                                           and _PENDING_SAID.search(_INLINE_CODE.sub("", line))):
                 lines.append(f"- {_clip(line.strip().lstrip('-* ').strip(), bounds.line_chars)}")
     return "\n".join(_latest(lines, bounds.pending))
 
 
 def _task(text: str) -> str:
-    """A checkbox item's task, as compared with another's (case and spacing aside)."""
-    return " ".join(text.split()).lower()
+    """A checkbox item's task, as compared with another's (case, spacing, a strike-through and a
+    trailing "done" mark aside: ``[x] ~~Write tests~~ ✅`` ticks ``[ ] Write tests``)."""
+    return " ".join(_DONE_MARKS.sub("", text).split()).lower()
+
+
+_OPEN_ITEM = re.compile(r"^(?:\d{1,3}[.)][ \t]*)?\[ \][ \t]*")  # what a listed item's task follows
 
 
 def _same_task(listed: str, done: str) -> bool:
     """Whether an item listed open (its text as ``_pending`` lists it: ``_clip``ped when long, to any
     bound's ``line_chars`` in this roll or an earlier one: its head then) is the task ``done``."""
     clipped = len(listed) in _CLIPPED_LENGTHS and listed.endswith("...")
-    task = _task(listed.removeprefix("[ ]"))
+    task = _task(_OPEN_ITEM.sub("", listed, count=1))
     if clipped:
         head = task[:-3].rstrip()
         return bool(head) and done.startswith(head)
@@ -633,33 +749,56 @@ def _current_work(previous: dict[str, str], assistants: list[dict[str, Any]], bo
     return _quote(_elide(_unquoted(carried), bounds.current_work_chars))
 
 
-def _next_step(users: list[str], bounds: Bounds) -> str:
+def _next_step(previous: dict[str, str], users: list[str], bounds: Bounds) -> str:
+    """The most recent user request, quoted; without one in the batch, the previous summary's step
+    (a batch of tool calls alone, mid-turn, erased it: ``None.``)."""
     if not users:
-        return ""
+        carried = previous.get("Optional Next Step", "None.")
+        return "" if carried == "None." else carried
     return "Continue with the most recent user request:\n" + _quote(_elide(users[-1], bounds.request_chars))
 
 
 def _texts(event: dict[str, Any]) -> Iterable[str]:
-    """An event's message text and its tool calls' arguments (its output is read apart)."""
+    """An event's message text and its tool calls' arguments' strings (its output is read apart):
+    as decoded, not as JSON (a ``\\n`` in a written file's code made ``sys\\nsys.path`` a Windows path)."""
     yield _str(event.get("content"))
     for call in tool_calls(event):
-        yield arguments_json(call.get("arguments", ""))
+        yield from _strings(_arguments(call.get("arguments")))
+
+
+def _arguments(arguments: Any) -> Any:
+    """A tool call's arguments decoded (a JSON text as sent: its value; not JSON: the text)."""
+    if isinstance(arguments, str):
+        try:
+            return orjson.loads(arguments)
+        except orjson.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def _strings(value: Any) -> Iterable[str]:
+    """The strings in a decoded JSON value, depth first (keys aside)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
 
 
 def _path_arguments(event: dict[str, Any]) -> Iterable[str]:
-    """The string values of an assistant's tool-call arguments named like a path (``path``, ``file_path``, ...)."""
+    """The string values of an assistant's tool-call arguments named like a path (``path``, ``file_path``, ...)
+    on one line (any line break: a ``\\r### Optional Next Step`` in one wrote a heading of its own)."""
     for call in tool_calls(event):
-        arguments = call.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = orjson.loads(arguments)
-            except orjson.JSONDecodeError:
-                continue
+        arguments = _arguments(call.get("arguments"))
         if isinstance(arguments, dict):
             for name, value in arguments.items():
                 if isinstance(name, str) and _PATH_ARGUMENT.search(name) and isinstance(value, str):
                     path = value.strip()
-                    if path and "\n" not in path:
+                    if path and len(path.splitlines()) == 1:
                         yield _clip(path)
 
 
