@@ -142,10 +142,14 @@ return acked
 #   Redis 7.0 (Valkey 8 sets it right as it reads across: such a loss goes unseen there);
 # - the group caught up (its position the stream's last id) with fewer entries read than added:
 #   a trimmed loss it read across (Redis 7.0), lettered then, the counter set to A (an XDEL read
-#   across sets the counter right as it goes on both: that loss goes unseen);
+#   across sets the counter right as it goes when the tombstones are past the entry delivered: that
+#   loss goes unseen);
 # - the stream's max-deleted-entry-id past the group's position (not at 0-0: a group recreated
 #   there would take any old XDEL for one): an entry deleted amid unread ones (once per id, kept
-#   in unread; how many, unknown).
+#   in unread; how many, unknown). The group's counter is then made unknown (SETID without
+#   ENTRIESREAD): Redis 7.0 adds 1 for an entry delivered past tombstones behind it, and the rule
+#   above lettered the same loss again once caught up; unknown, the counter is set to A when the
+#   group reaches the last entry (the counts rules wait for it: a trim loss in between goes unseen).
 # Otherwise a loss the group read across between two checks is not seen. Then trims below the
 # oldest entry any group needs. -1: not our lease; else {trimmed, last delivered, entries lost (at least; 0:
 # unknown), highest id deleted} (the delivered id empty: no loss found).
@@ -193,6 +197,9 @@ if delivered then
   if gone and delivered ~= '0-0' and older(delivered, gone) and redis.call('GET', KEYS[4]) ~= gone then
     deleted, found = gone, true
     redis.call('SET', KEYS[4], gone)
+    -- the counter unknown until the group catches up (then Redis sets it to entries-added): read across
+    -- the tombstones, Redis 7.0 added 1 for the next entry and the rule above lettered them again
+    redis.call('XGROUP', 'SETID', KEYS[2], ARGV[2], delivered)
   end
   if found then
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'reason', ARGV[4], 'id', deleted,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -547,6 +549,70 @@ def test_a_loss_read_across_leaves_no_false_letters_and_a_recreated_streams_loss
     r.xtrim(stream, maxlen=5, approximate=False)  # 5 unread gone: its own letter, counted alone
     streams.trim(0)
     assert [f[b"lost"] for f in unread_letters(r)] == [b"30", b"5"]
+
+
+# every server binary on the machine: the embedded Valkey 8 re-estimates a group's counter as it reads
+# across deleted entries; Redis 7.0 (a redis-server on PATH) adds 1 per entry delivered
+_SERVERS = ["embedded", *(["redis-server"] if shutil.which("redis-server") else [])]
+
+
+@pytest.fixture(params=_SERVERS)
+def any_server(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+               r: redis.Redis) -> Iterator[redis.Redis]:
+    if request.param == "embedded":
+        yield r
+        return
+    import compactor.embedded as embedded
+
+    monkeypatch.setattr(embedded, "server_binary", lambda: shutil.which("redis-server"))
+    server = embedded.EmbeddedRedis(tmp_path / "redis7", persist=False)
+    server.start()
+    client = redis.Redis.from_url(server.url)
+    try:
+        yield client
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_entries_deleted_amid_unread_ones_are_lettered_once_when_the_group_reads_across_them(
+    any_server: redis.Redis,
+) -> None:
+    """Lettered when found (their highest id past the group's position), then read across: Redis 7.0
+    added 1 to the group's counter for the entry delivered past them, and once caught up the
+    counts rule lettered the same loss a second time, ``after`` the wrong position."""
+    from producer.watcher.streams import ShardStreams
+
+    r, keys = any_server, Keys()
+    stream, group, consumer = keys.stream(0), keys.group, keys.consumer(0)
+    r.set(keys.lease(0), "me")
+    streams = ShardStreams(r, keys, "me")
+    streams.ensure_group(0)
+
+    def read_all() -> None:
+        for _, entries in r.xreadgroup(group, consumer, {stream: ">"}) or []:
+            r.xack(stream, group, *[entry_id for entry_id, _ in entries])
+
+    for i in range(1, 4):
+        r.xadd(stream, {"n": i}, id=f"{i}-0")
+    read_all()
+    streams.trim(0)
+    for i in range(4, 11):
+        r.xadd(stream, {"n": i}, id=f"{i}-0")
+    r.xdel(stream, *[f"{i}-0" for i in range(4, 11)])  # 7 deleted before anyone read them
+    streams.trim(0)
+    streams.trim(0)
+    assert [(f[b"id"], f[b"after"]) for f in unread_letters(r)] == [(b"10-0", b"3-0")]
+    r.xadd(stream, {"n": 11}, id="11-0")
+    read_all()  # across the 7
+    for _ in range(2):
+        streams.trim(0)
+    r.xadd(stream, {"n": 12}, id="12-0")
+    r.xadd(stream, {"n": 13}, id="13-0")
+    r.xtrim(stream, maxlen=1, approximate=False)  # the counter known again: a later loss is found
+    streams.trim(0)
+    assert [(f[b"id"], f[b"after"], f[b"lost"]) for f in unread_letters(r)] == [
+        (b"10-0", b"3-0", b"0"), (b"", b"11-0", b"1")]
 
 
 def test_the_watchers_own_trims_and_deletions_of_read_entries_are_not_taken_for_unread_losses(
