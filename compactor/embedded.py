@@ -18,11 +18,14 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from events.config import MAX_SOCKET_PATH_BYTES
 from events.errors import CompactorError, InvalidConfig
@@ -32,6 +35,7 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
 OWNER_LOCK_FILE = "owner.lock"
+KEEPER_POLL_S = 0.5  # how often the keeper (``keep``) looks whether its parent is gone
 
 
 class EmbeddedRedisFailed(CompactorError):
@@ -72,6 +76,7 @@ class EmbeddedRedis:
         self.socket = self.directory / "redis.sock"
         self._process: subprocess.Popen[bytes] | None = None
         self._claim: int | None = None  # the fd holding the directory's owner lock (``claim``)
+        self._keeper: subprocess.Popen[bytes] | None = None  # (``keep_after``)
 
     @property
     def url(self) -> str:
@@ -185,10 +190,29 @@ class EmbeddedRedis:
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
+    def keep_after(self, env: dict[str, str], grace_s: float) -> None:
+        """Start a keeper: a process of its own session that, once this process is gone without
+        stopping the server (``kill -9``), waits for the server's clients to let go (this
+        process's children, stopping: at most ``grace_s``) and shuts it down (``keep``). Left
+        running, it answered ``compactor health`` for a serve that was gone. ``env``: the keeper's
+        environment (``compactor`` importable)."""
+        assert self._process is not None, "keep_after: the server is not started"
+        code = (f"from compactor.embedded import keep; keep({os.getpid()}, {self.url!r}, {self._process.pid}, "
+                f"{grace_s!r})")
+        self._keeper = subprocess.Popen([sys.executable, "-P", "-c", code], env=env, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def _stop_keeper(self) -> None:
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            keeper.kill()  # (it holds nothing: no lock, no connection until its parent is gone)
+            keeper.wait()
+
     def stop(self) -> None:
         """Stop the server gracefully (SIGTERM flushes the AOF), killing it after a timeout. The
         socket of a server of ours that died is removed (left, every command took it for a
         ``serve`` running: "Redis unreachable", not "no compactor serve runs")."""
+        self._stop_keeper()
         process, self._process = self._process, None
         if process is None:
             self.release()
@@ -211,6 +235,7 @@ class EmbeddedRedis:
 
     def kill(self) -> None:
         """SIGKILL the server (tests of Redis loss)."""
+        self._stop_keeper()
         process, self._process = self._process, None
         if process is not None and process.poll() is None:
             process.kill()
@@ -226,6 +251,38 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def keep(parent_pid: int, url: str, server_pid: int, grace_s: float) -> None:
+    """The keeper's body (``EmbeddedRedis.keep_after``): returns when the server is gone; once the
+    parent (the serve) is, shuts the server down when no other client is connected or ``grace_s``
+    later, if it is still the server ``server_pid`` (a serve started since on the same data dir
+    has its own, on the same socket)."""
+    while os.getppid() == parent_pid:
+        if not _running(server_pid):
+            return
+        time.sleep(KEEPER_POLL_S)
+    client = redis.Redis.from_url(url, socket_timeout=5.0, retry=Retry(NoBackoff(), 0))
+    try:
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and len(client.client_list()) > 1:  # (the parent's children, stopping)
+            time.sleep(KEEPER_POLL_S)
+        if int(client.info("server")["process_id"]) == server_pid:
+            client.shutdown()  # (writes the AOF first)
+    except redis.RedisError:
+        pass  # gone already: stopped by the serve, or by another
+    finally:
+        client.close()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _last_words(text: str) -> str:

@@ -159,6 +159,8 @@ def start_embedded(settings: Settings) -> EmbeddedRedis:
         server.start()  # (in a session of its own: a terminal's Ctrl-C, or a signal to our process
         # group, reaches only us, and we stop Redis last, after the children)
         _record_owner(server.directory)
+        server.keep_after(our_code_env(dict(os.environ)), STOP_TIMEOUT_S + 5)  # (a kill -9 of this serve:
+        # its children stop within STOP_TIMEOUT_S, then the keeper shuts Redis down)
     except BaseException:
         server.stop()  # (releases the claim)
         raise

@@ -496,3 +496,39 @@ def test_a_stop_signal_during_a_held_teardown_comes_after_it() -> None:
             steps.append("interrupted after")
     other.set()
     assert steps == ["teardown done", "interrupted after"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_killed_serves_embedded_redis_is_shut_down_once_its_children_are_gone(tmp_path: Path) -> None:
+    """``kill -9`` of serve: the API, watcher and workers exit on their own, but the embedded Redis
+    (a session of its own) ran on for good, answering ``compactor health`` for a serve that was
+    gone. Its keeper shuts it down once the children let go of it, the AOF written."""
+    import redis
+
+    port = free_port()
+    data = tmp_path / "data"
+    env = {k: v for k, v in os.environ.items() if k not in ENV_OVERRIDES}
+    env.update(LITELLM_LOCAL_MODEL_COST_MAP="True", COMPACTION_DATA_DIR=str(data))
+    process = subprocess.Popen([sys.executable, "-P", "-m", "compactor", "serve", "--workers", "1", "--port", str(port)],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _line_with(process, f"API http://127.0.0.1:{port}")
+        server = EmbeddedRedis(data / serve.EMBEDDED_DIR_NAME)
+        client = redis.Redis.from_url(server.url)
+        redis_pid = int(client.info("server")["process_id"])
+        client.set("kept", "1")
+        client.close()
+        stack = psutil.Process(process.pid).children(recursive=True)
+        process.kill()
+        process.wait(timeout=30)
+        gone, alive = psutil.wait_procs([psutil.Process(redis_pid), *stack], timeout=60)
+        assert alive == [], [p.cmdline() for p in alive]
+        assert not server.ping()
+    finally:
+        if process.poll() is None:
+            process.kill()
+        if process.stderr:
+            process.stderr.close()
+    with EmbeddedRedis(data / serve.EMBEDDED_DIR_NAME) as again:  # (shut down, not killed: the AOF kept it)
+        assert redis.Redis.from_url(again.url).get("kept") == b"1"
