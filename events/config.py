@@ -496,17 +496,26 @@ def _sources(applied: Mapping[tuple[str, ...], str], origins: Mapping[str, str] 
     return {path: (origins or {}).get(var, var) for path, var in applied.items()}
 
 
-def _as_invalid(error: ValidationError, sources: Mapping[tuple[str, ...], str]) -> InvalidConfig:
+def _as_invalid(error: ValidationError, sources: Mapping[tuple[str, ...], str], file: Path | None) -> InvalidConfig:
     """The first wrong key as the error's field, every other one after its reason (``; key: reason``);
-    a key whose value came from ``sources`` (key path -> variable or option) says so."""
+    a key whose value came from ``sources`` (key path -> variable or option) says so; the others
+    came from the config ``file``, named in front (``c.yaml: context.x: ...``) and listed first (a
+    ``codingcode.yaml`` read from the working directory, unnamed, was not looked for)."""
     wrong = []
     for detail in error.errors(include_url=False):
         loc = tuple(str(p) for p in detail["loc"])
         key = ".".join(loc) or "config"
         source = next((name for path, name in sources.items() if loc[:len(path)] == path), None)
-        wrong.append((f"{key} (from {source})" if source else key, _reason(detail)))
-    (field, reason), others = wrong[0], wrong[1:]
-    return InvalidConfig(field, reason + "".join(f"; {key}: {why}" for key, why in others))
+        wrong.append((source is not None, f"{key} (from {source})" if source else key, _reason(detail)))
+    wrong.sort(key=lambda item: item[0])  # (stable: the file's first, each side in pydantic's order)
+    (from_env, field, reason), others = wrong[0], wrong[1:]
+    return InvalidConfig(_in_file(field, file if not from_env else None),
+                         reason + "".join(f"; {key}: {why}" for _, key, why in others))
+
+
+def _in_file(key: str, file: Path | None) -> str:
+    """``key`` preceded by the config file it is wrong in (the file's own errors read the same)."""
+    return f"{file}: {key}" if file is not None else key
 
 
 def _reason(detail: ErrorDetails) -> str:
@@ -599,7 +608,7 @@ def load_settings(
     for key in data:  # (other unknown top-level keys are the agent's own: left alone)
         if isinstance(key, str) and "_" in key and to_camel(key) in _top_level_keys():
             # the logs went elsewhere with only a warning (``data_dir`` was read until 2026-11-30)
-            raise InvalidConfig(key, f"unknown key (the file spells it {to_camel(key)})")
+            raise InvalidConfig(_in_file(key, file), f"unknown key (the file spells it {to_camel(key)})")
     for key, section in misspelt_sections(data):
         logger.warning("%s: unknown top-level key %r ignored; did you mean %r?", file, key, section)
     applied = _apply_env(data, os.environ if environ is None else environ, origins)
@@ -609,11 +618,12 @@ def load_settings(
         # two together in one section are one dropped value or a clash
         settings = Settings.model_validate(data, by_alias=True, by_name=False)
     except ValidationError as e:
-        raise _as_invalid(e, _sources(applied, origins)) from e
+        raise _as_invalid(e, _sources(applied, origins), file if file.exists() else None) from e
     socket = settings.data_dir / EMBEDDED_SOCKET
     if redis and not settings.redis.url and len(os.fsencode(socket)) > MAX_SOCKET_PATH_BYTES:
         source = _sources(applied, origins).get(("dataDir",))
-        raise InvalidConfig("dataDir" + (f" (from {source})" if source else ""),
+        raise InvalidConfig(f"dataDir (from {source})" if source else
+                            _in_file("dataDir", file if "dataDir" in data else None),
                             f"too long for the embedded Redis: its socket {socket} would be {len(os.fsencode(socket))} "
                             f"bytes, and a unix socket's path takes at most {MAX_SOCKET_PATH_BYTES} (use a shorter "
                             "dataDir, or set redis.url)")

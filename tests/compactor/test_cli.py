@@ -185,6 +185,7 @@ def test_bad_config_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path, ya
         assert result.exit_code == 2, (command, result.output)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("compactor: invalid configuration")
+        assert str(bad) in lines[0]  # (a codingcode.yaml read from the working directory went unnamed)
         assert fragment.format(file=bad) in lines[0]
 
 
@@ -214,12 +215,12 @@ def test_aliases_in_the_config_are_checked_for_repeated_keys_once_each(tmp_path:
 
     config = tmp_path / "c.yaml"
     config.write_text("context: &c {compactionThreshold: 0.8, extra: {loop: *c}}\n")
-    with pytest.raises(InvalidConfig, match="^context.extra: "):
+    with pytest.raises(InvalidConfig, match=f"^{re.escape(str(config))}: context.extra: "):
         load_settings(config, environ={})
     chain = ["a0: &a0 {x: 1}"] + [f"a{n}: &a{n} {{a: *a{n - 1}, b: *a{n - 1}}}" for n in range(1, 40)]
     config.write_text("\n".join(chain) + "\ncontext: {keepRecentTurns: 2, x: *a39}\n")
     started = time.monotonic()
-    with pytest.raises(InvalidConfig, match="^context.x: "):
+    with pytest.raises(InvalidConfig, match=f"^{re.escape(str(config))}: context.x: "):
         load_settings(config, environ={})
     assert time.monotonic() - started < 2
 
@@ -237,7 +238,7 @@ def test_every_wrong_value_is_named_in_the_one_line(runner: CliRunner, tmp_path:
     result = runner.invoke(app, ["status", "--config", str(bad)])
     assert result.exit_code == 2
     [line] = result.stderr.strip().splitlines()
-    assert line.startswith("compactor: invalid configuration: context.compactionThreshold: ")
+    assert line.startswith(f"compactor: invalid configuration: {bad}: context.compactionThreshold: ")
     assert "; context.keepRecentTurns: " in line and "; redis.shards: " in line
 
 
@@ -271,17 +272,17 @@ def test_the_file_takes_its_keys_only_as_spelt_in_camel_case(
     result = runner.invoke(app, ["api", "--config", str(config)])
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines() == [
-        "compactor: invalid configuration: data_dir: unknown key (the file spells it dataDir)"]
+        f"compactor: invalid configuration: {config}: data_dir: unknown key (the file spells it dataDir)"]
     config.write_text("context:\n  compaction_model: x\n  keepRecentTurns: 3\n")
     result = runner.invoke(app, ["api", "--config", str(config)])
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines() == [
-        "compactor: invalid configuration: context.compaction_model: unknown key (the file spells it "
+        f"compactor: invalid configuration: {config}: context.compaction_model: unknown key (the file spells it "
         "compactionModel)"]
     config.write_text("context:\n  keepRecnetTurns: 3\n")
     result = runner.invoke(app, ["api", "--config", str(config)])
     assert result.stderr.strip().splitlines() == [
-        "compactor: invalid configuration: context.keepRecnetTurns: unknown key"]
+        f"compactor: invalid configuration: {config}: context.keepRecnetTurns: unknown key"]
 
 
 def test_a_value_of_the_wrong_shape_is_named_in_yaml_words(runner: CliRunner, tmp_path: Path) -> None:
@@ -296,7 +297,7 @@ def test_a_value_of_the_wrong_shape_is_named_in_yaml_words(runner: CliRunner, tm
         config.write_text(text)
         result = runner.invoke(app, ["api", "--config", str(config)])
         assert result.exit_code == 2, result.output
-        assert result.stderr.strip().splitlines() == [f"compactor: invalid configuration: {line}"]
+        assert result.stderr.strip().splitlines() == [f"compactor: invalid configuration: {config}: {line}"]
 
 
 def test_a_job_timeout_not_above_the_llm_timeout_is_warned_of(
@@ -394,7 +395,7 @@ def test_a_data_dir_in_an_unknown_users_home_is_one_line_and_exit_2(runner: CliR
     config.write_text("dataDir: ~nosuchuser/x\n" if source == "file" else "")
     flag = ["--data-dir", "~nosuchuser/x"] if source == "--data-dir" else []
     env = {"COMPACTION_DATA_DIR": "~nosuchuser/x"} if source == "COMPACTION_DATA_DIR" else {}
-    key = "dataDir" if source == "file" else f"dataDir (from {source})"
+    key = f"{config}: dataDir" if source == "file" else f"dataDir (from {source})"
     for command in (["status"], ["watch"], ["serve"]):
         result = runner.invoke(app, [*command, "--config", str(config), *flag], env=env)
         assert result.exit_code == 2, (command, result.output)
@@ -428,7 +429,7 @@ def test_an_env_override_does_not_hide_a_wrong_section_in_the_file(tmp_path: Pat
 
     config = tmp_path / "c.yaml"
     config.write_text("api: 5\n")
-    with pytest.raises(InvalidConfig, match="^api: "):
+    with pytest.raises(InvalidConfig, match=f"^{re.escape(str(config))}: api: "):
         load_settings(config, environ={"COMPACTION_API_PORT": "9000"})
 
 
@@ -473,7 +474,8 @@ def test_a_bad_redis_url_is_one_line_and_exit_2_naming_where_it_came_from(
     config.write_text(f"redis:\n  url: '{url}'\n" if source == "file" else "")
     flag = ["--redis-url", url] if source == "--redis-url" else []
     env = {"REDIS_URL": url} if source == "REDIS_URL" else {}
-    expected = "compactor: invalid configuration: " + why.format(src="" if source == "file" else f" (from {source})")
+    expected = (f"compactor: invalid configuration: {config}: " + why.format(src="") if source == "file"
+                else "compactor: invalid configuration: " + why.format(src=f" (from {source})"))
     for command in (["status"], ["health"], ["watch"], ["work", "--count", "1"], ["api"], ["demo"]):
         result = runner.invoke(app, [*command, "--config", str(config), "--data-dir", str(tmp_path / "d"), *flag],
                                env=env)
@@ -562,7 +564,7 @@ def test_an_api_token_with_whitespace_at_an_end_is_refused_without_showing_it(ru
     config, empty = tmp_path / "c.yaml", tmp_path / "empty.yaml"
     config.write_text(json.dumps({"api": {"token": token}}))  # (JSON is YAML)
     empty.write_text("")
-    for path, env, key in ((config, {}, "api.token"),
+    for path, env, key in ((config, {}, f"{config}: api.token"),
                            (empty, {"COMPACTION_API_TOKEN": token}, "api.token (from COMPACTION_API_TOKEN)")):
         result = runner.invoke(app, ["api", "--config", str(path)], env=env)
         assert result.exit_code == 2, result.output
@@ -580,8 +582,8 @@ def test_an_api_token_with_a_line_break_or_a_nul_inside_is_refused(runner: CliRu
         result = runner.invoke(app, ["api", "--config", str(config)])
         assert result.exit_code == 2, result.output
         assert result.stderr.strip().splitlines() == [
-            "compactor: invalid configuration: api.token: must not hold a line break or a NUL (no HTTP header "
-            "can carry one)"]
+            f"compactor: invalid configuration: {config}: api.token: must not hold a line break or a NUL (no HTTP "
+            "header can carry one)"]
 
 
 @pytest.mark.parametrize("host", ["", " "])
@@ -597,7 +599,7 @@ def test_an_empty_api_host_in_the_file_is_refused_not_every_interface(runner: Cl
     result = runner.invoke(app, ["api", "--config", str(config)])
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines() == [
-        "compactor: invalid configuration: api.host: must not be empty (it would listen on every interface): "
+        f"compactor: invalid configuration: {config}: api.host: must not be empty (it would listen on every interface): "
         "127.0.0.1 for this machine only (the default: leave it out), 0.0.0.0 for every interface"]
     assert load_settings(empty, {"COMPACTION_API_HOST": ""}).api.host == "127.0.0.1"
 
@@ -684,7 +686,8 @@ def test_a_bad_value_in_the_file_is_not_blamed_on_an_unrelated_variable(runner: 
     config.write_text("api: {port: abc}\n")
     result = runner.invoke(app, ["status", "--config", str(config)], env={"COMPACTION_API_HOST": "0.0.0.0"})
     assert result.exit_code == 2
-    assert result.stderr.startswith("compactor: invalid configuration: api.port: Input should be a valid integer")
+    assert result.stderr.startswith(f"compactor: invalid configuration: {config}: api.port: Input should be a valid "
+                                    "integer")
 
 
 @pytest.mark.parametrize("yaml_text,where", [
@@ -1323,7 +1326,8 @@ def test_health_check_without_a_redis_to_use_is_unhealthy_and_silent(
     reported = runner.invoke(app, ["health", "--check", "--json", "--config", str(bad), *empty])
     assert reported.exit_code == 1  # (--json: the report says why, where it printed nothing)
     assert json.loads(reported.stdout) == {"healthy": False, "checks": {
-        "config": "error: invalid configuration: context.compactionThreshold: Input should be less than or equal to 1"}}
+        "config": f"error: invalid configuration: {bad}: context.compactionThreshold: Input should be less than or "
+                  "equal to 1"}}
 
 
 @pytest.mark.parametrize(("args", "said"), [
