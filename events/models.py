@@ -161,6 +161,19 @@ class AssistantEvent(_Event):
     tool_calls: list[ToolCall] = Field(default_factory=list)
     usage: Usage | None = None
 
+    @model_validator(mode="after")
+    def _distinct_call_ids(self) -> AssistantEvent:
+        """Two calls of one message under one id: a result answers one of them only (the other's
+        dropped from the context view, still counted), and an OpenAI-style API refuses the pair."""
+        seen: dict[str, int] = {}
+        for index, call in enumerate(self.tool_calls):
+            if call.id in seen:
+                raise PydanticCustomError("call_id", "duplicates toolCalls[{first}].id ('{id}'): each call of a "
+                                          "message needs an id of its own", {"first": seen[call.id], "id": call.id,
+                                                                             "wire_field": f"toolCalls[{index}].id"})
+            seen[call.id] = index
+        return self
+
 
 class ToolResultEvent(_Event):
     type: Literal["tool_result"]

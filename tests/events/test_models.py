@@ -56,7 +56,8 @@ def events(draw: Any) -> dict[str, Any]:
         required.update(turnId=turn, content=draw(st.text(max_size=5)))
     elif kind == "assistant":
         required.update(turnId=turn)
-        optional.update(content=st.text(max_size=5), toolCalls=st.lists(tool_calls(), max_size=2),
+        optional.update(content=st.text(max_size=5), toolCalls=st.lists(tool_calls(), max_size=2,
+                                                                         unique_by=lambda call: call["id"]),
                         usage=st.just({"prompt": 1, "completion": 2, "total": 3}))
     elif kind == "tool_result":
         required.update(turnId=turn, toolCallId=draw(TEXT), toolName=draw(TEXT), output=draw(st.text(max_size=5)))
@@ -203,6 +204,16 @@ def test_nested_errors_are_named_with_bracket_indexes_and_no_pydantic_prefix() -
     with pytest.raises(InvalidEvent) as caught:
         parse_event({"type": "user", "turnId": 1, "content": "x", "timestamp": "no"})
     assert "Value error" not in str(caught.value)
+
+
+def test_two_calls_of_one_message_under_one_id_are_refused_naming_the_second() -> None:
+    """Accepted, the view answered one of them only (the other result dropped, still counted), and
+    an OpenAI-style API refuses two calls with one id."""
+    calls = [{"id": "x", "name": "read_file"}, {"id": "y", "name": "read_file"}, {"id": "x", "name": "run"}]
+    with pytest.raises(InvalidEvent) as caught:
+        parse_event({"type": "assistant", "turnId": 1, "toolCalls": calls})
+    assert caught.value.field == "toolCalls[2].id" and "duplicates toolCalls[0].id ('x')" in caught.value.reason
+    parse_event({"type": "assistant", "turnId": 1, "toolCalls": calls[:2]})  # distinct: fine
 
 
 @pytest.mark.parametrize("value,where,fragment", [
