@@ -187,6 +187,20 @@ class SessionLog:
         """Whether the log file exists."""
         return self.path.is_file()
 
+    def found(self) -> bool:
+        """Whether there is a log to read: False when nothing is at its path, ``LogCorrupted`` when
+        something other than a file is (a directory: the reads answered 404 "no session" where an
+        append's 500 said why)."""
+        try:
+            mode = os.stat(self.path).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError as e:
+            raise LogCorrupted(f"{self.path}: cannot be read: {e.strerror or e}") from e
+        if not stat.S_ISREG(mode):
+            raise LogCorrupted(f"{self.path}: cannot be read: {_not_a_file(mode)}")
+        return True
+
     def size(self) -> int:
         """The log's size in bytes (0 when it does not exist)."""
         try:
@@ -410,8 +424,7 @@ class SessionLog:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             os.close(fd)
-            what = os.strerror(errno.EISDIR) if stat.S_ISDIR(mode) else "not a regular file"
-            raise LogCorrupted(f"{self.path}: cannot be read: {what}")
+            raise LogCorrupted(f"{self.path}: cannot be read: {_not_a_file(mode)}")
         os.set_blocking(fd, True)
         f = os.fdopen(fd, "rb")
         with f:
@@ -776,3 +789,8 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _not_a_file(mode: int) -> str:
+    """What a path of ``mode`` that is no regular file is, in the words of the error reading it gives."""
+    return os.strerror(errno.EISDIR) if stat.S_ISDIR(mode) else "not a regular file"

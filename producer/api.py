@@ -158,7 +158,7 @@ def _checked(session_id: str, cwd: str) -> tuple[str, str]:
 
 
 def _require_log(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> None:
-    if not SessionLog(settings.data_dir, cwd, session_id).exists():
+    if not SessionLog(settings.data_dir, cwd, session_id).found():
         raise not_found(SessionStore(client, settings), session_id, cwd)
 
 

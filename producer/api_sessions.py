@@ -48,7 +48,7 @@ def read_log(data_dir: Path, session_id: str, cwd: str) -> list[dict[str, Any]]:
     validate_session_id(session_id)
     validate_cwd(cwd)
     log = SessionLog(data_dir, cwd, session_id)
-    if not log.exists():
+    if not log.found():
         raise SessionNotFound(f"no session {session_id} under cwd {cwd}")
     return log.read()
 
@@ -94,7 +94,7 @@ def current_state(client: redis.Redis, settings: Settings, session_id: str,
     validate_cwd(cwd)
     store = SessionStore(client, settings, lock_wait_s=READER_LOCK_WAIT_S)
     log = store.log(session_id, cwd)
-    if not log.exists():
+    if not log.found():
         raise not_found(store, session_id, cwd)
     state = store.load_current(session_id)
     if state is not None and state.cwd != cwd:  # (another spelling of its cwd found its log)

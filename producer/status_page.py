@@ -341,7 +341,7 @@ def history(request: Request, settings: Settings, session_id: str, cwd: str) -> 
     167 MB log took 18 s of CPU, and a page open on the active session asked for it every 3 s)."""
     cache: _Lru = request.app.state.history_cache
     log = SessionStore(request.app.state.redis, settings).log(session_id, cwd)
-    if not log.exists():  # (a 404 as on the other session routes, before the cwd's binding is told)
+    if not log.found():  # (a 404 as on the other session routes, before the cwd's binding is told)
         raise SessionNotFound(f"no session {session_id} under cwd {cwd}")
     key, size = (session_id, cwd), log.size()
     cached = cache.get(key)

@@ -165,7 +165,7 @@ def _estimate_now(client: Any, settings: Settings | None, session_id: str, cwd: 
 def _require_log(settings: Settings, session_id: str, cwd: str) -> None:
     from events.log import SessionLog
 
-    if not SessionLog(settings.data_dir, cwd, session_id).exists():
+    if not SessionLog(settings.data_dir, cwd, session_id).found():
         raise SessionNotFound(f"no session {session_id} under cwd {cwd} "
                               f"(data dir {settings.data_dir})")
 

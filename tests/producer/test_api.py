@@ -185,6 +185,12 @@ def test_events_for_a_session_whose_log_path_cannot_be_read_are_a_500_naming_it(
     error = error_of(response)
     assert error["code"] == "log_unreadable", error
     assert str(log.path) in error["message"] and "Is a directory" in error["message"], error
+    # the reads answer the same, not a 404 "no session" (the append's 500 said why)
+    for response in (client.get("/api/sessions/dirlog/context", params={"cwd": CWD}),
+                     client.get("/api/sessions/dirlog/history", params={"cwd": CWD}),
+                     client.post("/api/sessions/dirlog/compact", json={"cwd": CWD})):
+        assert response.status_code == 500, (response.request.url, response.text)
+        assert error_of(response)["code"] == "log_unreadable" and "Is a directory" in error_of(response)["message"]
 
 
 def test_a_redis_that_refuses_writes_is_a_json_503(api_settings: Settings, r: redis.Redis) -> None:
