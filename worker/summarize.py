@@ -603,6 +603,7 @@ class CallTimedOut(TimeoutError):
 # keeps each read alive) before a new call is refused: each holds a thread, a socket and a slot of
 # the HTTP client's pool, and a worker runs one job at a time.
 MAX_OPEN_CALLS = 4
+WAIT_SLICE_S = 0.2  # the longest a job waiting for its LLM call goes without looking at its signals
 
 
 class _Call:
@@ -643,8 +644,14 @@ class _Call:
             self._done.set()
 
     def result(self, timeout_s: float) -> Any:
-        if not self._done.wait(timeout_s):
-            raise CallTimedOut(f"no complete reply within context.llmTimeoutSeconds ({timeout_s:g} s)")
+        """The call's result, waited for ``timeout_s`` at most, in slices: a stop signal the kernel
+        handed to another thread of the process (the call's, the heartbeat's) runs its Python
+        handler only once the main thread is back in Python code, and one long wait held a worker's
+        stop (its log's "got signal" too) until the call ended, up to llmTimeoutSeconds."""
+        deadline = time.monotonic() + timeout_s
+        while not self._done.wait(min(WAIT_SLICE_S, max(deadline - time.monotonic(), 0.0))):
+            if time.monotonic() >= deadline:
+                raise CallTimedOut(f"no complete reply within context.llmTimeoutSeconds ({timeout_s:g} s)")
         if self._error is not None:
             raise self._error
         return self._result

@@ -201,6 +201,9 @@ def test_a_closed_terminal_lets_the_workers_finish_their_jobs_and_exit(
     process = _start_worker(config, env_for_subprocess, count=count, nohup=nohup)
     try:
         wait_for(lambda: len(stub.requests) == count or process.poll() is not None, 60, "the jobs' LLM calls")
+        if count > 1:  # the supervisor forks its workers with no thread but its own (litellm's warm-up left
+            # threads running, one importing modules: a fork then left a child's LLM call blocked for good)
+            assert psutil.Process(process.pid).num_threads() == 1
         group = [process.pid, *(child.pid for child in psutil.Process(process.pid).children())]
         for pid in group:  # (as a terminal's hang-up reaches its whole process group)
             os.kill(pid, signal.SIGHUP)

@@ -557,3 +557,32 @@ def test_a_line_of_hashes_and_blanks_renders_in_linear_time() -> None:
     assert time.monotonic() - started < 1.0
     forged = render_event({"type": "user", "turnId": 1, "content": "x\n##   **8.   Pending   Tasks**:\ny"})
     assert "\n\\##   **8.   Pending   Tasks**:\n" in forged  # (still a heading, escaped)
+
+
+def test_a_signal_another_thread_takes_reaches_a_job_waiting_for_its_llm_call() -> None:
+    """The kernel hands a process's signal to any of its threads; Python runs the handler in the main
+    thread once it is back in Python code. A job waiting for its LLM call in one long wait ran a
+    stop signal's handler (RQ's warm stop, its "got signal" line) only when the call ended."""
+    import signal
+    import threading
+
+    from worker import summarize
+
+    class Stop(Exception):
+        pass
+
+    def stop(_signum: int, _frame: object) -> None:
+        raise Stop
+
+    other = threading.Thread(target=time.sleep, args=(3,), daemon=True)  # (the heartbeat's, say)
+    other.start()
+    previous = signal.signal(signal.SIGUSR1, stop)
+    try:
+        call = summarize._Call(lambda seconds: time.sleep(seconds), seconds=3)
+        threading.Timer(0.3, signal.pthread_kill, args=(other.ident, signal.SIGUSR1)).start()
+        started = time.monotonic()
+        with pytest.raises(Stop):
+            call.result(10)
+        assert time.monotonic() - started < 1.5  # (not the call's 3 s)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
