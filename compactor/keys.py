@@ -42,7 +42,8 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
                                 {p}:failing) were added to it, by the first breaker count
     {p}:unread-deleted:{n}      string: the highest id of shard n's entries found deleted amid
                                 unread ones (a producer's XDEL), once dead-lettered: not lettered
-                                twice (a trim's loss is lettered once by the group's counter)
+                                twice (a trim's loss is lettered once by the group's counter);
+                                followed by " unsettled" until the group has read across it
 
 Consumer group on every shard: ``{p}-watchers``, with one consumer per shard,
 ``shard-{n}``, read only by the watcher holding the shard's lease (stable

@@ -146,10 +146,11 @@ return acked
 #   loss goes unseen);
 # - the stream's max-deleted-entry-id past the group's position (not at 0-0: a group recreated
 #   there would take any old XDEL for one): an entry deleted amid unread ones (once per id, kept
-#   in unread; how many, unknown). The group's counter is then made unknown (SETID without
-#   ENTRIESREAD): Redis 7.0 adds 1 for an entry delivered past tombstones behind it, and the rule
-#   above lettered the same loss again once caught up; unknown, the counter is set to A when the
-#   group reaches the last entry (the counts rules wait for it: a trim loss in between goes unseen).
+#   in unread, marked "unsettled"; how many, unknown). Redis 7.0 adds 1 for an entry delivered past
+#   tombstones behind it, and the caught-up rule then lettered the same loss again: while the mark
+#   is unsettled that rule sets the counter and letters nothing (a trim loss read across in that
+#   window goes unseen, as on Valkey 8), and settles it; caught up with the counts right, it is
+#   settled too.
 # Otherwise a loss the group read across between two checks is not seen. Then trims below the
 # oldest entry any group needs. -1: not our lease; else {trimmed, last delivered, entries lost (at least; 0:
 # unknown), highest id deleted} (the delivered id empty: no loss found).
@@ -187,19 +188,26 @@ if delivered then
   local first = info['first-entry'] and info['first-entry'][1] or nil
   local gone = info['max-deleted-entry-id']
   local lost, deleted, found = 0, '', false
+  local mark = redis.call('GET', KEYS[4])
+  local lettered = mark and string.match(mark, '^%S+') or nil
+  local unsettled = mark and string.find(mark, ' unsettled', 1, true) ~= nil
+  local caught_up = delivered == info['last-generated-id']
   if added and read and (first == nil or older(delivered, first)) and added - length > read then
     lost, found = added - length - read, true
     redis.call('XGROUP', 'SETID', KEYS[2], ARGV[2], delivered, 'ENTRIESREAD', added - length)
-  elseif added and read and delivered == info['last-generated-id'] and added > read then
-    lost, found = added - read, true  -- (read across: every entry added is read or gone)
+  elseif added and read and caught_up and added > read then
     redis.call('XGROUP', 'SETID', KEYS[2], ARGV[2], delivered, 'ENTRIESREAD', added)
+    if unsettled then  -- the XDEL lettered below, read across: Redis 7.0 counted 1 for the entry past it
+      redis.call('SET', KEYS[4], lettered)
+    else
+      lost, found = added - read, true  -- (read across: every entry added is read or gone)
+    end
+  elseif unsettled and caught_up and added and read and added == read then
+    redis.call('SET', KEYS[4], lettered)  -- (read across and counted right: Valkey 8)
   end
-  if gone and delivered ~= '0-0' and older(delivered, gone) and redis.call('GET', KEYS[4]) ~= gone then
+  if gone and delivered ~= '0-0' and older(delivered, gone) and lettered ~= gone then
     deleted, found = gone, true
-    redis.call('SET', KEYS[4], gone)
-    -- the counter unknown until the group catches up (then Redis sets it to entries-added): read across
-    -- the tombstones, Redis 7.0 added 1 for the next entry and the rule above lettered them again
-    redis.call('XGROUP', 'SETID', KEYS[2], ARGV[2], delivered)
+    redis.call('SET', KEYS[4], gone .. ' unsettled')
   end
   if found then
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*', 'reason', ARGV[4], 'id', deleted,

@@ -615,6 +615,30 @@ def test_entries_deleted_amid_unread_ones_are_lettered_once_when_the_group_reads
         (b"10-0", b"3-0", b"0"), (b"", b"11-0", b"1")]
 
 
+def test_a_trim_loss_after_a_lettered_xdel_is_lettered_too(any_server: redis.Redis) -> None:
+    """The first fix of the double letter made the group's counter unknown once an XDEL was lettered:
+    a producer's trim of unread entries before the group caught up was then never lettered."""
+    from producer.watcher.streams import ShardStreams
+
+    r, keys = any_server, Keys()
+    stream, group, consumer = keys.stream(0), keys.group, keys.consumer(0)
+    r.set(keys.lease(0), "me")
+    streams = ShardStreams(r, keys, "me")
+    streams.ensure_group(0)
+    for i in range(1, 4):
+        r.xadd(stream, {"n": i}, id=f"{i}-0")
+    for _, entries in r.xreadgroup(group, consumer, {stream: ">"}) or []:
+        r.xack(stream, group, *[entry_id for entry_id, _ in entries])
+    for i in range(4, 21):
+        r.xadd(stream, {"n": i}, id=f"{i}-0")
+    r.xdel(stream, "5-0", "6-0")
+    streams.trim(0)
+    r.xtrim(stream, maxlen=6, approximate=False)  # 4 and 7-14: unread, gone
+    streams.trim(0)
+    letters = [(f[b"id"], f[b"after"]) for f in unread_letters(r)]
+    assert letters == [(b"6-0", b"3-0"), (b"", b"3-0")]
+
+
 def test_the_watchers_own_trims_and_deletions_of_read_entries_are_not_taken_for_unread_losses(
     r: redis.Redis, small: Settings,
 ) -> None:
