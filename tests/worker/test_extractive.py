@@ -527,6 +527,9 @@ def test_an_edited_file_a_later_listing_shows_again_stays_listed() -> None:
     ("execute_command", "src/app.py:12: error: Incompatible types in assignment"),
     ("execute_command", "tests/test_x.py:12: AssertionError"), ("execute_command", "Command timed out after 120 s"),
     ("execute_command", "[ERROR] Tests run: 40, Failures: 1, Errors: 0, Skipped: 0"),
+    # a line starting ``word:digits:`` is no search hit in a run's output (a clock, a Makefile's line)
+    ("bash", "10:42:01 ERROR Connection refused to db:5432"), ("bash", "Makefile:12: recipe for target 'all' failed"),
+    ("bash", "main.go:15: expected 1 failure, got 2"), ("bash", "Error: 0 is not a valid port number"),
 ])
 def test_failure_lines_of_many_tools_are_errors(tool: str, line: str) -> None:
     events = [{"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": tool, "output": line}]
@@ -542,7 +545,6 @@ def test_failure_lines_of_many_tools_are_errors(tool: str, line: str) -> None:
     ("execute_command", "[INFO] Tests run: 12, Failures: 0, Errors: 0, Skipped: 0"),
     ("execute_command", '{"errors": 0, "warnings": 3}'), ("execute_command", "failures: []"),
     ("execute_command", "tests/error/test_handlers.py::test_ok PASSED      [ 50%]"),
-    ("execute_command", "src/auth/views.py:12:    except ValueError as error:"),
     ("execute_command", "src/app.py:3:5: warning: unused variable"),
     ("read_file", 'FAILED = "failed"\nERROR = 40\nclass Status:\n    pass'),
 ])
@@ -767,3 +769,29 @@ def test_the_next_step_is_carried_through_a_batch_without_a_user_message() -> No
     first = extractive_summary([{"type": "user", "turnId": 1, "content": "Migrate the DB layer"}], None)
     second = extractive_summary([{"type": "assistant", "turnId": 1, "content": "working on it"}], first)
     assert "Migrate the DB layer" in split_sections(second)["Optional Next Step"]
+
+
+@pytest.mark.parametrize("command, content", [
+    ("git log --oneline", True), ("cd /repo && git log --oneline", True), ("cd /repo; cat notes.txt", True),
+    ("git -C /repo log", True), ("GIT_PAGER=cat git --no-pager log -5", True), ("rg -n error src | head", True),
+    ("pytest -q | tail -30", False), ("cd /repo && pytest -x 2>&1 | tail", False), ("make && cat out.log", True),
+    ("cat build.log; make", False),
+])
+def test_a_command_is_taken_for_one_showing_content_by_its_last_pipelines_head(command: str, content: bool) -> None:
+    """Only the command string's start was looked at: ``cd /repo && git log`` listed commit subjects
+    ("Fix error handling") as errors."""
+    events = [{"type": "assistant", "turnId": 1, "content": "", "toolCalls": [
+                  {"id": "c", "name": "bash", "arguments": {"command": command}}]},
+              {"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "bash",
+               "output": "a1b2c3 Fix error handling in the parser"}]
+    errors = split_sections(extractive_summary(events, None))["Errors and Fixes"]
+    assert (errors == "None.") is content, errors
+
+
+@pytest.mark.parametrize("output", ["::" * 50_000, "x::" + "a" * 100_000, "- [ ] a\n- [x] a" + " " * 100_000 + "b"])
+def test_passed_lines_and_done_marks_are_read_in_linear_time(output: str) -> None:
+    events = [{"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "bash", "output": output},
+              {"type": "user", "turnId": 1, "content": output}]
+    started = time.monotonic()
+    extractive_summary(events, None)
+    assert time.monotonic() - started < 5  # (quadratic: 40 s and 64 s)
