@@ -42,9 +42,14 @@ def redis_server() -> Iterator[EmbeddedRedis]:
     """In a directory of its own, not under pytest's base temp: a second pytest run on the machine
     removes the oldest base temps but three, and took this run's socket with it (every later test
     then failed to connect)."""
+    from compactor.serve import our_code_env
+
     with tempfile.TemporaryDirectory(prefix="compactor-test-redis-") as directory:
         server = EmbeddedRedis(Path(directory), persist=False)
         server.start()
+        # (a test process stopped without its teardown, an xdist worker its controller ended on a
+        # Ctrl-C sent to it alone, left the server running for good: its keeper stops it)
+        server.keep_after(our_code_env(dict(os.environ)), grace_s=5.0)
         yield server
         server.stop()
 

@@ -78,3 +78,15 @@ def turn_end(turn: int, window: int | None = None, model: str = "gpt-4") -> dict
     if window is not None:
         event["contextWindow"] = window
     return event
+
+
+CHROMIUM_SETUP_TIMEOUT_S = 1200
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The browser tests may install chromium first (``test_status_page.chromium``: apt-get, minutes
+    on a fresh machine), in the setup of whichever runs first: the 120 s limit of each test counts
+    its setup, and cut the install short (every browser test then failed)."""
+    for item in items:
+        if "chromium" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.timeout(CHROMIUM_SETUP_TIMEOUT_S))
