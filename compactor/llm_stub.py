@@ -96,10 +96,12 @@ class RecordedRequest:
 class LLMStub:
     """An OpenAI-compatible chat-completions server on 127.0.0.1 (see the module docstring)."""
 
-    def __init__(self, reply: Reply = valid_summary_reply, *, latency_s: float = 0.0, status: int = 200):
+    def __init__(self, reply: Reply = valid_summary_reply, *, latency_s: float = 0.0, status: int = 200,
+                 keep_alive: bool = True):
         self.reply: Reply = reply
         self.latency_s = latency_s
         self.status = status
+        self.keep_alive = keep_alive  # False: each connection closed after its reply (no thread left waiting)
         self.requests: list[RecordedRequest] = []
         self._scripted: deque[StubResponse] = deque()
         self._lock = threading.Condition()
@@ -233,6 +235,9 @@ def _handler_for(stub: LLMStub) -> type[BaseHTTPRequestHandler]:
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if not stub.keep_alive:
+                    self.send_header("Connection", "close")
+                    self.close_connection = True
                 self.end_headers()
                 if not trickle_s:
                     self.wfile.write(data)

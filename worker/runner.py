@@ -92,7 +92,6 @@ from compactor.queue import (
 from compactor.serve import exit_with_parent, hangup_ignored
 from events.config import Settings
 from events.errors import CompactorError
-from events.litellm_setup import load_litellm
 from events.tokens import get_encoding
 from worker import context as worker_context
 from worker.compaction import STOPPING
@@ -609,17 +608,11 @@ def _clean_rate_limits(client: redis.Redis, prefix: str) -> None:
 # -- the process -------------------------------------------------------------------------
 
 
-def preload(*, warm_up: bool = True) -> None:
-    """The heavy imports, once per process, before any job: litellm (warmed up, unless ``warm_up``
-    is False) and the encodings. A process that forks its workers imports without the warm-up:
-    the warm-up's call leaves threads running (litellm's logging, importing modules on its first
-    run; the stub's), and a fork while one held a lock left the child's first LLM call blocked on
-    it for good; each child warms up after the fork (``_child``)."""
+def preload() -> None:
+    """The heavy imports, once per process, before any job: litellm (warmed up: it leaves no thread
+    running, so ``work --count N`` forks its workers from a process of one thread) and the encodings."""
     started = time.monotonic()
-    if warm_up:
-        warm_up_litellm()
-    else:
-        load_litellm()
+    warm_up_litellm()
     for name in PRELOAD_ENCODINGS:
         get_encoding(name)
     import worker.jobs  # noqa: F401 - RQ resolves the job functions by name; have them ready
@@ -647,7 +640,7 @@ def main(settings: Settings, *, count: int | None = None, burst: bool = False) -
         raise ValueError("worker.runner.main needs settings.redis.url (start the embedded Redis first)")
     count = count or settings.worker.count
     _ping(settings.redis.url)
-    preload(warm_up=count == 1)
+    preload()
     freeze_heap()  # before forking too: the children share the frozen pages untouched by collections
     if count == 1:
         run_worker(settings, burst=burst)
@@ -755,6 +748,4 @@ def _child(settings: Settings, burst: bool) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (the worker installs its own)
         if signum != signal.SIGHUP or not hangup_ignored():  # (under nohup it stays ignored)
             signal.signal(signum, signal.SIG_DFL)
-    warm_up_litellm()  # (here, after the fork: see ``preload``)
-    freeze_heap()  # (what the warm-up loaded: out of the collections' way too)
     run_worker(settings, burst=burst)

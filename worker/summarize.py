@@ -32,7 +32,9 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import orjson
@@ -528,33 +530,57 @@ def warm_up_litellm() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             messages = [{"role": "user", "content": "hi"}]
-            try:
-                with LLMStub() as stub:
-                    litellm.completion(model="openai/warm-up", messages=messages, api_base=stub.base_url,
-                                       api_key="warm-up", timeout=2, max_retries=0, num_retries=0)
-                _settle_background_imports()
-                return
-            except Exception:  # a warm-up must never stop a worker from starting
-                logger.debug("litellm warm-up over HTTP failed; warming up offline", exc_info=True)
-            try:
-                litellm.completion(model="openai/warm-up", messages=messages, mock_response="ok", api_key="warm-up")
-            except Exception:
-                logger.debug("litellm warm-up failed", exc_info=True)
+            before = set(threading.enumerate())
+            with _logging_inline():
+                try:
+                    with LLMStub(keep_alive=False) as stub:
+                        litellm.completion(model="openai/warm-up", messages=messages, api_base=stub.base_url,
+                                           api_key="warm-up", timeout=2, max_retries=0, num_retries=0)
+                    _ended(set(threading.enumerate()) - before)
+                    return
+                except Exception:  # a warm-up must never stop a worker from starting
+                    logger.debug("litellm warm-up over HTTP failed; warming up offline", exc_info=True)
+                try:
+                    litellm.completion(model="openai/warm-up", messages=messages, mock_response="ok",
+                                       api_key="warm-up")
+                except Exception:
+                    logger.debug("litellm warm-up failed", exc_info=True)
 
 
-def _settle_background_imports(timeout_s: float = 2.0, quiet_s: float = 0.25) -> None:
-    """Wait (at most ``timeout_s``) until no module was imported for ``quiet_s``: litellm logs a
-    call in a thread of its own, whose first run imports more (litellm 1.110: its spend
-    tracking's savings module); on a busy machine that thread ran after the warm-up returned,
-    and its imports landed in the first job, after the heap was frozen."""
+@contextmanager
+def _logging_inline() -> Iterator[None]:
+    """litellm's logging of a call run in the calling thread, not in its executor's thread: the
+    warm-up leaves no thread behind (``work --count N`` forks its workers after it: a thread of
+    litellm's importing modules on its first run held an import lock in the fork, and a child's
+    first LLM call blocked on it for good), and what that first run imports is imported here,
+    before the heap is frozen. (litellm's executor is private: if it moved, nothing is changed.)"""
+    try:
+        from litellm.litellm_core_utils.thread_pool_executor import executor
+    except ImportError:
+        yield
+        return
+
+    def inline(fn: Any, /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as e:  # (as the executor would: kept in the future)
+            future.set_exception(e)
+        return future
+
+    executor.submit = inline  # type: ignore[method-assign]  # (an attribute of this object, over its class's)
+    try:
+        yield
+    finally:
+        del executor.submit
+
+
+def _ended(threads: set[threading.Thread], timeout_s: float = 2.0) -> None:
+    """Wait (at most ``timeout_s`` in all) for the warm-up's ``threads`` to end: the stub's end once
+    its connection is closed and the server stopped."""
     deadline = time.monotonic() + timeout_s
-    count, quiet_since = len(sys.modules), time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.01)
-        if len(sys.modules) != count:
-            count, quiet_since = len(sys.modules), time.monotonic()
-        elif time.monotonic() - quiet_since >= quiet_s:
-            return
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0.0))
 
 
 class LiteLLMSummarizer:
