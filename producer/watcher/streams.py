@@ -147,10 +147,10 @@ return acked
 # - the stream's max-deleted-entry-id past the group's position (not at 0-0: a group recreated
 #   there would take any old XDEL for one): an entry deleted amid unread ones (once per id, kept
 #   in unread, marked "unsettled"; how many, unknown). Redis 7.0 adds 1 for an entry delivered past
-#   tombstones behind it, and the caught-up rule then lettered the same loss again: while the mark
-#   is unsettled that rule sets the counter and letters nothing (a trim loss read across in that
-#   window goes unseen, as on Valkey 8), and settles it; caught up with the counts right, it is
-#   settled too.
+#   tombstones behind it, and the counts rules then lettered the same loss again (caught up) or a
+#   loss that never was (a trim after): the first check once the group has read across the mark
+#   settles it and letters nothing, the counter set to A when caught up, else made unknown until the
+#   group reaches the end (Redis then sets it right; a trim loss in that window goes unseen).
 # Otherwise a loss the group read across between two checks is not seen. Then trims below the
 # oldest entry any group needs. -1: not our lease; else {trimmed, last delivered, entries lost (at least; 0:
 # unknown), highest id deleted} (the delivered id empty: no loss found).
@@ -192,18 +192,21 @@ if delivered then
   local lettered = mark and string.match(mark, '^%S+') or nil
   local unsettled = mark and string.find(mark, ' unsettled', 1, true) ~= nil
   local caught_up = delivered == info['last-generated-id']
-  if added and read and (first == nil or older(delivered, first)) and added - length > read then
+  if unsettled and not older(delivered, lettered) then
+    -- the XDEL lettered below, read across since: Redis 7.0 counted 1 for the entry delivered past it,
+    -- so the counts rules would letter it again (caught up) or a loss that never was (a later trim)
+    redis.call('SET', KEYS[4], lettered)
+    if caught_up and added and read and added > read then
+      redis.call('XGROUP', 'SETID', KEYS[2], ARGV[2], delivered, 'ENTRIESREAD', added)
+    elseif not (caught_up and added and read and added == read) then  -- (counted right: Valkey 8)
+      redis.call('XGROUP', 'SETID', KEYS[2], ARGV[2], delivered)  -- unknown until it reaches the end
+    end
+  elseif added and read and (first == nil or older(delivered, first)) and added - length > read then
     lost, found = added - length - read, true
     redis.call('XGROUP', 'SETID', KEYS[2], ARGV[2], delivered, 'ENTRIESREAD', added - length)
   elseif added and read and caught_up and added > read then
+    lost, found = added - read, true  -- (read across: every entry added is read or gone)
     redis.call('XGROUP', 'SETID', KEYS[2], ARGV[2], delivered, 'ENTRIESREAD', added)
-    if unsettled then  -- the XDEL lettered below, read across: Redis 7.0 counted 1 for the entry past it
-      redis.call('SET', KEYS[4], lettered)
-    else
-      lost, found = added - read, true  -- (read across: every entry added is read or gone)
-    end
-  elseif unsettled and caught_up and added and read and added == read then
-    redis.call('SET', KEYS[4], lettered)  -- (read across and counted right: Valkey 8)
   end
   if gone and delivered ~= '0-0' and older(delivered, gone) and lettered ~= gone then
     deleted, found = gone, true

@@ -615,6 +615,43 @@ def test_entries_deleted_amid_unread_ones_are_lettered_once_when_the_group_reads
         (b"10-0", b"3-0", b"0"), (b"", b"11-0", b"1")]
 
 
+def test_a_trim_of_unread_entries_kept_after_a_lettered_xdel_read_across_is_no_loss(any_server: redis.Redis) -> None:
+    """Read across the lettered XDEL, Redis 7.0's counter fell short by it: a producer's trim that kept
+    every unread entry was then lettered as a loss of one."""
+    from producer.watcher.streams import ShardStreams
+
+    r, keys = any_server, Keys()
+    stream, group, consumer = keys.stream(0), keys.group, keys.consumer(0)
+    r.set(keys.lease(0), "me")
+    streams = ShardStreams(r, keys, "me")
+    streams.ensure_group(0)
+
+    def read(count: int | None = None) -> None:
+        for _, entries in r.xreadgroup(group, consumer, {stream: ">"}, count=count) or []:
+            r.xack(stream, group, *[entry_id for entry_id, _ in entries])
+
+    for i in range(1, 4):
+        r.xadd(stream, {"n": i}, id=f"{i}-0")
+    read()
+    streams.trim(0)
+    for i in range(4, 11):
+        r.xadd(stream, {"n": i}, id=f"{i}-0")
+    r.xdel(stream, "4-0")
+    streams.trim(0)
+    read(count=3)  # 5-7, across the deleted 4
+    streams.trim(0)
+    r.xtrim(stream, maxlen=3, approximate=False)  # 8-10 kept: the unread ones, all
+    streams.trim(0)
+    read()
+    streams.trim(0)
+    assert [(f[b"id"], f[b"after"]) for f in unread_letters(r)] == [(b"4-0", b"3-0")]
+    r.xadd(stream, {"n": 11}, id="11-0")
+    r.xadd(stream, {"n": 12}, id="12-0")
+    r.xtrim(stream, maxlen=1, approximate=False)  # 11: unread, gone (the counter right again)
+    streams.trim(0)
+    assert [(f[b"after"], f[b"lost"]) for f in unread_letters(r)][1:] == [(b"10-0", b"1")]
+
+
 def test_a_trim_loss_after_a_lettered_xdel_is_lettered_too(any_server: redis.Redis) -> None:
     """The first fix of the double letter made the group's counter unknown once an XDEL was lettered:
     a producer's trim of unread entries before the group caught up was then never lettered."""
