@@ -163,8 +163,9 @@ _CAPITAL_WORD = re.compile(r"\b[A-Z]\w*+")  # (an exception's name, ``KeyError``
 # as ``\b[A-Z]\w*(?:Error|Exception)`` took one long word's every "Error" for a new start: 30 s on 200 kB)
 # (``Errors: 0``, ``{"failures": []}``: every passing Maven test class prints ``Failures: 0, Errors: 0``)
 _NONE_FAILED = re.compile(r"(?i)\b(?:0|no|zero) (?:errors?|failures?|failed)\b|\ball checks passed\b|"
-                          r"\bwithout (?:any )?errors?\b|\b(?:errors?|failures?|failed)\"?\s*[:=]\s*(?:0|\[\])\s*(?:[,;}\])]|$)")
-# (the count ends there: "Error: 0 is not a valid port number" is an error)
+                          r"\bwithout (?:any )?errors?\b|\b(?:errors?|failures?|failed)\"?\s*[:=]\s*(?:0|\[\])"
+                          r"(?![\w.]*\d)(?!\s+(?:is|are|was|were|not|isn't)\b)")
+# (a count of none, unless a sentence goes on from it: "Error: 0 is not a valid port number" is an error)
 _SOME_FAILED = re.compile(r"(?i)\b[1-9]\d* (?:errors?|failures?|failed)\b|\b(?:errors?|failures?)\"?\s*[:=]\s*[1-9]")
 # In what a file-content tool returns (a file read, a search's hits, a page), only a line that is an
 # error as a program prints it: code's ``except ValueError as error:`` (a grep's 40 hits) pushed
@@ -181,6 +182,7 @@ _CONTENT_TOOLS = frozenset({"read_file", "search_code", "search_files", "web_sea
 _CONTENT_COMMAND = re.compile(r"(?:grep|egrep|fgrep|rg|ag|ack|cat|bat|less|more|head|tail|sed|awk|nl|wc|ls|find|fd|"
                               r"tree|git\s+(?:log|show|diff|grep|blame|status))\b")
 _COMMAND_PREFIX = re.compile(r"(?:\w+=\S*\s+)*(?:(?:sudo|env|command|exec|time|nice)\s+)*")  # (``GIT_PAGER=cat``)
+_NO_OP = re.compile(r"(?:true|:|echo|printf|exit)\b")  # a trailing command that only says something
 _GIT_OPTIONS = re.compile(r"git\s+(?:(?:-C|-c|--git-dir|--work-tree)\s+\S+\s+|--no-pager\s+|-P\s+)+")
 _COMMAND_ARGUMENT = ("command", "cmd", "script", "commandLine", "shell_command")
 # a test runner's verbose success (``tests/error/test_x.py::test_ok PASSED``) is no error for the words it holds
@@ -608,8 +610,10 @@ def _content_calls(assistants: list[dict[str, Any]]) -> set[str]:
 def _shows_content(command: str) -> bool:
     """Whether a shell ``command`` prints content: its last command's pipeline starts with a
     reader or a search (``cd repo && git log``; not ``pytest | tail``, whose output is the run's)."""
-    last = re.split(r"&&|\|\||;|\n", command)[-1]
-    head = last.split("|", 1)[0].strip()
+    commands = [part for part in re.split(r"&&|\|\||;|\n", command) if part.strip()]
+    while len(commands) > 1 and _NO_OP.match(commands[-1].strip()):  # (``grep x src || true``, ``; echo done``)
+        commands.pop()
+    head = (commands[-1] if commands else "").split("|", 1)[0].strip()
     prefix = _COMMAND_PREFIX.match(head)
     head = head[prefix.end():] if prefix else head
     head = _GIT_OPTIONS.sub("git ", head, count=1)
@@ -720,9 +724,14 @@ def _task(text: str) -> str:
     """A checkbox item's task, as compared with another's (case, spacing, a strike-through and a
     trailing "done" mark aside: ``[x] ~~Write tests~~ ✅`` ticks ``[ ] Write tests``)."""
     text = " ".join(text.replace("~~", "").split()).lower()
-    while text.endswith(_DONE_MARKS):  # (a regex anchored at the end tried each blank of a long run: 64 s)
-        text = text[:-next(len(mark) for mark in _DONE_MARKS if text.endswith(mark))].rstrip()
-    return text
+    end = len(text)  # (an end index walked back, one slice: a regex anchored at the end tried each blank of
+    while True:  # a long run, 64 s; a slice per mark copied the text each time, 22 s on a million marks)
+        mark = next((m for m in _DONE_MARKS if text.endswith(m, 0, end)), None)
+        if mark is None:
+            return text[:end]
+        end -= len(mark)
+        while end and text[end - 1] == " ":
+            end -= 1
 
 
 _OPEN_ITEM = re.compile(r"^(?:\d{1,3}[.)][ \t]*)?\[ \][ \t]*")  # what a listed item's task follows

@@ -544,6 +544,8 @@ def test_failure_lines_of_many_tools_are_errors(tool: str, line: str) -> None:
     ("execute_command", "the request was denied by the reviewer"), ("execute_command", "abort button added"),
     ("execute_command", "[INFO] Tests run: 12, Failures: 0, Errors: 0, Skipped: 0"),
     ("execute_command", '{"errors": 0, "warnings": 3}'), ("execute_command", "failures: []"),
+    ("execute_command", "Errors: 0 Warnings: 3"), ("execute_command", "Passed: 12. Failed: 0."),
+    ("execute_command", "errors=0 warnings=2"), ("execute_command", "Failures: 0 (of 40 tests)"),
     ("execute_command", "tests/error/test_handlers.py::test_ok PASSED      [ 50%]"),
     ("execute_command", "src/app.py:3:5: warning: unused variable"),
     ("read_file", 'FAILED = "failed"\nERROR = 40\nclass Status:\n    pass'),
@@ -775,7 +777,8 @@ def test_the_next_step_is_carried_through_a_batch_without_a_user_message() -> No
     ("git log --oneline", True), ("cd /repo && git log --oneline", True), ("cd /repo; cat notes.txt", True),
     ("git -C /repo log", True), ("GIT_PAGER=cat git --no-pager log -5", True), ("rg -n error src | head", True),
     ("pytest -q | tail -30", False), ("cd /repo && pytest -x 2>&1 | tail", False), ("make && cat out.log", True),
-    ("cat build.log; make", False),
+    ("cat build.log; make", False), ("grep -rn error src || true", True), ("cat f || echo missing", True),
+    ("grep -rn x src; echo done", True),
 ])
 def test_a_command_is_taken_for_one_showing_content_by_its_last_pipelines_head(command: str, content: bool) -> None:
     """Only the command string's start was looked at: ``cd /repo && git log`` listed commit subjects
@@ -788,7 +791,8 @@ def test_a_command_is_taken_for_one_showing_content_by_its_last_pipelines_head(c
     assert (errors == "None.") is content, errors
 
 
-@pytest.mark.parametrize("output", ["::" * 50_000, "x::" + "a" * 100_000, "- [ ] a\n- [x] a" + " " * 100_000 + "b"])
+@pytest.mark.parametrize("output", ["::" * 50_000, "x::" + "a" * 100_000, "- [ ] a\n- [x] a" + " " * 100_000 + "b",
+                                    "- [ ] a\n- [x] a" + "✅" * 1_000_000])
 def test_passed_lines_and_done_marks_are_read_in_linear_time(output: str) -> None:
     events = [{"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "bash", "output": output},
               {"type": "user", "turnId": 1, "content": output}]
