@@ -428,7 +428,7 @@ class Compactor:
         # (jobs of one session never run at once: only this job could have counted a failure since)
         reset = reset and stored.failures > 0
         return self._append_summary(session_id, cwd, log, summary_text, reset, snapshot, run,
-                                    covered=run.covered if run is not None else None)
+                                    covered=run.covered if run is not None else None, forced=forced)
 
     def _micro_after_failure(self, session_id: str, cwd: str, log: SessionLog, run: JobRun | None) -> None:
         """Apply the micro step of an LLM job that failed (its error is what the job reports; what
@@ -442,7 +442,7 @@ class Compactor:
 
     def _append_summary(
         self, session_id: str, cwd: str, log: SessionLog, text: str, reset: bool,
-        snapshot: _Snapshot, run: JobRun | None = None, covered: int | None = None,
+        snapshot: _Snapshot, run: JobRun | None = None, covered: int | None = None, forced: bool = False,
     ) -> CompressResult:
         """Append the micro step's compact (if any) and the summary, unless a summary/rollback
         landed since the snapshot: then only the micro step, re-derived from the log as it is.
@@ -475,6 +475,9 @@ class Compactor:
                 now = self.store.current(session_id, cwd, log) if since is not None else self.store.rebuild(
                     session_id, cwd, log)
                 return _result(False, 0, now.prompt_estimate)
+            if not forced and reading.exact and covered is None and not _smaller(event, reading,
+                                                                                 snapshot.state.prompt_estimate):
+                return self._not_smaller(session_id, cwd, log, event, reading, snapshot, reset)
             known = snapshot.events + since if since else snapshot.events
             pipe = self.store.redis.pipeline(transaction=False) if reset or run else None
             if pipe is not None and reset:
@@ -499,6 +502,26 @@ class Compactor:
                     self._send_last_writes(pipe, session_id, run)
         # released: what the append freed; the turns another writer added during the LLM call are in both
         return _result(True, applied.before, applied.state.prompt_estimate)
+
+    def _not_smaller(self, session_id: str, cwd: str, log: SessionLog, event: dict[str, Any], reading: LlmPass,
+                     snapshot: _Snapshot, reset: bool) -> CompressResult:
+        """An automatic job's summary that would leave the context no smaller than it is (what it
+        replaces is a few short turns; a model's long reply) is not appended, the micro step alone
+        applied: appended, an 1 850-token reply over 13 tokens of targets took a session past its
+        window, and went back to the model as the previous summary in every job after. No
+        failure: the call did answer. (A forced job appends it: asked for, on a session of a few
+        lines it is larger than they are, and ``released`` says so.)"""
+        logger.warning("summary not appended session=%s: %d tokens would leave the context at %d tokens, not below "
+                       "its %d", session_id, stamped_tokens(event, reading.encoding),
+                       reading.kept_estimate + stamped_tokens(event, reading.encoding),
+                       snapshot.state.prompt_estimate, extra={"session_id": session_id})
+        if reset:
+            self.failures.reset(session_id)
+        if snapshot.compact is None:
+            before = snapshot.state.prompt_estimate
+            return _result(False, before, before)
+        applied = self._micro_again(session_id, cwd, log)
+        return _result(bool(applied.appended), applied.before, applied.state.prompt_estimate)
 
     def _send_last_writes(self, pipe: Any, session_id: str, run: JobRun) -> None:
         """Queue the release of ``run``'s claim after the writes on ``pipe`` and send them all;
@@ -997,6 +1020,11 @@ def _system_tokens(encoding: str) -> int:
     if known is None:
         known = _SYSTEM_TOKENS[encoding] = count_tokens(SYSTEM_PROMPT, encoding) + 2 * MESSAGE_OVERHEAD_TOKENS
     return known
+
+
+def _smaller(summary: dict[str, Any], reading: LlmPass, before: int) -> bool:
+    """Whether the context is smaller with ``summary`` in place of ``reading``'s targets than ``before``."""
+    return reading.kept_estimate + stamped_tokens(summary, reading.encoding) < before
 
 
 def _result(did_compress: bool, before: int, after: int) -> CompressResult:

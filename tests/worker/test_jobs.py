@@ -100,7 +100,7 @@ def test_second_compaction_sends_only_new_turns_and_the_previous_summary_it_repl
     r: redis.Redis, wsettings: Settings, stub: LLMStub
 ) -> None:
     write_session(r, wsettings, "s1", 3, output="short output")
-    _run(r, wsettings, "s1")
+    _run(r, wsettings, "s1", forced=True)  # (forced: a summary of turns this short is larger than they are)
     [first] = _summaries(wsettings, "s1")
     write_session(r, wsettings, "s1", 2, first=4, output="short output")
     stub.reply = f"<analysis>a</analysis><summary>\n{summary_text('second')}\n</summary>"
@@ -114,6 +114,23 @@ def test_second_compaction_sends_only_new_turns_and_the_previous_summary_it_repl
     assert second["lastSummarizedTurnId"] == 4
     view_summaries = [m for m in _context_messages(r, wsettings) if m["role"] == "system"]
     assert [m["content"] for m in view_summaries] == [summary_text("second")]
+
+
+def test_an_automatic_summary_that_would_not_shrink_the_context_is_not_appended(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """A long reply over a few short turns took the session past its window (an 1 850-token reply
+    over 13 tokens of targets), and went back to the model as the previous summary in every job
+    after. Not appended, no failure counted (the call answered); a forced job appends it."""
+    write_session(r, wsettings, "s1", 3, output="short output")
+    before = SessionStore(r, wsettings).load("s1")
+    r.set(Keys().failures("s1"), 2)
+    job = _run(r, wsettings, "s1")
+    assert before is not None and len(stub.requests) == 1
+    assert job.return_value() == {"didCompress": False, "released": 0, "promptEstimate": before.prompt_estimate}
+    assert _summaries(wsettings, "s1") == [] and not r.exists(Keys().failures("s1"))
+    forced = _run(r, wsettings, "s1", forced=True)
+    assert len(_summaries(wsettings, "s1")) == 1 and forced.return_value()["released"] < 0
 
 
 def _context_messages(r: redis.Redis, settings: Settings) -> list[dict[str, Any]]:
