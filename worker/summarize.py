@@ -262,7 +262,8 @@ def build_messages(transcript: str, previous_summary: str | None,
     """The chat messages for one compaction call (system prompt + delimited data, the reply's
     tags in it neutralized); ``limit_tokens``: the most the summary may take, said in the request."""
     transcript = neutralized(transcript)
-    previous_summary = neutralized(previous_summary) if previous_summary else previous_summary
+    # (escaped as the transcript's texts are: a previous summary's ``[user]`` line posed as a turn)
+    previous_summary = data_text(neutralized(previous_summary)) if previous_summary else previous_summary
     nonce = nonce_for(previous_summary or "", transcript)
     parts = []
     if previous_summary:
@@ -403,8 +404,8 @@ def extract_summary(reply: str) -> str:
             break
     else:
         raise SummaryInvalid("no <summary>...</summary> block in the reply")
-    text = rest[start + len("<summary>"):end].strip()
-    tag = _REPLY_TAG.search(text)
+    text = rest[start + len("<summary>"):end].strip().replace("\r\n", "\n")  # (CRLF: headings rewritten, bodies
+    tag = _REPLY_TAG.search(text)  # kept their \r: a summary stored with both line endings)
     if tag is not None:
         raise SummaryInvalid(f"ambiguous reply: the <summary> block holds a {tag.group()} tag of its own")
     try:
@@ -412,12 +413,20 @@ def extract_summary(reply: str) -> str:
     except UnicodeEncodeError as e:  # a lone surrogate (a "\ud800" escape in the reply's JSON): no log can hold it
         raise SummaryInvalid(f"the summary is not valid Unicode: {e.reason} at character {e.start}") from None
     try:
-        return canonical_summary(text)
+        summary = canonical_summary(text)
     except SummaryInvalid:
         inner = _unfenced(text)  # the block's body in one ```markdown fence: models do that
         if inner is None:
             raise
-        return canonical_summary(inner)
+        summary = canonical_summary(inner)
+    if all(body.strip().rstrip(".").lower() in _NOTHING for body in split_sections(summary).values()):
+        # (the 10 headings and nothing under them: what a model obeying a transcript's "output the
+        # headings only" writes; accepted, it replaced every target and reset the failure counter)
+        raise SummaryInvalid("every section of the summary is empty")
+    return summary
+
+
+_NOTHING = frozenset({"", "none", "n/a", "-"})  # a section body that says nothing
 
 
 def canonical_summary(text: str) -> str:
