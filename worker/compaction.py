@@ -475,8 +475,7 @@ class Compactor:
                 now = self.store.current(session_id, cwd, log) if since is not None else self.store.rebuild(
                     session_id, cwd, log)
                 return _result(False, 0, now.prompt_estimate)
-            if not forced and reading.exact and covered is None and not _smaller(event, reading,
-                                                                                 snapshot.state.prompt_estimate):
+            if not forced and reading.exact and covered is None and not _smaller(event, reading):
                 return self._not_smaller(session_id, cwd, log, event, reading, snapshot, reset)
             known = snapshot.events + since if since else snapshot.events
             pipe = self.store.redis.pipeline(transaction=False) if reset or run else None
@@ -511,10 +510,9 @@ class Compactor:
         window, and went back to the model as the previous summary in every job after. No
         failure: the call did answer. (A forced job appends it: asked for, on a session of a few
         lines it is larger than they are, and ``released`` says so.)"""
-        logger.warning("summary not appended session=%s: %d tokens would leave the context at %d tokens, not below "
-                       "its %d", session_id, stamped_tokens(event, reading.encoding),
-                       reading.kept_estimate + stamped_tokens(event, reading.encoding),
-                       snapshot.state.prompt_estimate, extra={"session_id": session_id})
+        logger.warning("summary not appended session=%s: its %d tokens are not fewer than those of what it replaces "
+                       "(%d turns)", session_id, stamped_tokens(event, reading.encoding), reading.targets.end_turn -
+                       reading.targets.start_after, extra={"session_id": session_id})
         if reset:
             self.failures.reset(session_id)
         if snapshot.compact is None:
@@ -1022,9 +1020,15 @@ def _system_tokens(encoding: str) -> int:
     return known
 
 
-def _smaller(summary: dict[str, Any], reading: LlmPass, before: int) -> bool:
-    """Whether the context is smaller with ``summary`` in place of ``reading``'s targets than ``before``."""
-    return reading.kept_estimate + stamped_tokens(summary, reading.encoding) < before
+def _smaller(summary: dict[str, Any], reading: LlmPass) -> bool:
+    """Whether ``summary`` takes fewer tokens than what it replaces as shown once the micro step
+    elided what it elides (``reading``'s targets, each with its block's header, and the previous
+    summary): what the context would be without it. (Against the estimate before the micro step,
+    a summary larger than the elided targets passed, the micro step's savings counted for it.)"""
+    previous = reading.targets.previous_summary
+    shown = reading.target_tokens - BLOCK_HEADER_TOKENS * len(reading.targets.events)  # (the stamps alone)
+    replaced = shown + (stamped_tokens(previous, reading.encoding) if previous is not None else 0)
+    return stamped_tokens(summary, reading.encoding) < replaced
 
 
 def _result(did_compress: bool, before: int, after: int) -> CompressResult:

@@ -164,9 +164,10 @@ _CAPITAL_WORD = re.compile(r"\b[A-Z]\w*+")  # (an exception's name, ``KeyError``
 # (``Errors: 0``, ``{"failures": []}``: every passing Maven test class prints ``Failures: 0, Errors: 0``)
 _NONE_FAILED = re.compile(r"(?i)\b(?:0|no|zero) (?:errors?|failures?|failed)\b|\ball checks passed\b|"
                           r"\bwithout (?:any )?errors?\b|\b(?:errors?|failures?|failed)\"?\s*[:=]\s*(?:0|\[\])"
-                          r"(?![\w.]*\d)(?!\s+(?:is|are|was|were|not|isn't)\b)")
-# (a count of none, unless a sentence goes on from it: "Error: 0 is not a valid port number" is an error)
-_SOME_FAILED = re.compile(r"(?i)\b[1-9]\d* (?:errors?|failures?|failed)\b|\b(?:errors?|failures?)\"?\s*[:=]\s*[1-9]")
+                          r"(?=\s*(?:[,;}\])(]|\.?\s*$|\.\s|\s+[A-Za-z]+\s*[:=]\s*\d))")
+# (a count of none: the line ends, or a list of counts goes on; "Error: 0 is not a valid port number",
+# "error: 0 files matched, aborting" are errors)
+_SOME_FAILED = re.compile(r"(?i)\b[1-9]\d* (?:errors?|failures?|failed)\b|\b(?:errors?|failures?|failed)\"?\s*[:=]\s*[1-9]")
 # In what a file-content tool returns (a file read, a search's hits, a page), only a line that is an
 # error as a program prints it: code's ``except ValueError as error:`` (a grep's 40 hits) pushed
 # the real failures out of the section. (A constant, ``FAILED = "failed"``, ``ERROR = 40``, is none.)

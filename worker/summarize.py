@@ -167,6 +167,7 @@ _POSING_AFTER = re.compile(f"\\n{_POSING}", re.MULTILINE | re.IGNORECASE)  # one
 _HEADING_AFTER = re.compile(f"\\n{_SECTION_HEADING}", re.MULTILINE | re.IGNORECASE)
 _POSING_LINE = re.compile(f"^(?={_POSING}|{_SECTION_HEADING})", re.MULTILINE | re.IGNORECASE)  # where each starts
 _BACKSLASH = "\\\\"  # (as a replacement string: one backslash)
+_POSING_ONLY_LINE = re.compile(f"^(?={_POSING})", re.MULTILINE | re.IGNORECASE)  # (headings aside)
 
 
 def _posing_after(text: str) -> bool:
@@ -218,6 +219,16 @@ def data_text(text: str) -> str:
     return text
 
 
+def summary_data_text(text: str) -> str:
+    """A previous summary as sent: ``data_text`` but for its section headings, left as they are
+    (escaped, every roll showed the model a summary whose 10 headings were ``\###``: a reply that
+    copied that shape was invalid)."""
+    text = _breaks(text)
+    if (text.startswith(("[", "-> ")) and _POSING_AT.match(text)) or _POSING_AFTER.search(text) is not None:
+        return _POSING_ONLY_LINE.sub(_BACKSLASH, text)
+    return text
+
+
 def _name(name: Any) -> str:
     """A tool's name as a header or a call line shows it: as is, or as a JSON string when it holds
     a line break or a bracket (a name could otherwise close its header and start a block)."""
@@ -262,8 +273,8 @@ def build_messages(transcript: str, previous_summary: str | None,
     """The chat messages for one compaction call (system prompt + delimited data, the reply's
     tags in it neutralized); ``limit_tokens``: the most the summary may take, said in the request."""
     transcript = neutralized(transcript)
-    # (escaped as the transcript's texts are: a previous summary's ``[user]`` line posed as a turn)
-    previous_summary = data_text(neutralized(previous_summary)) if previous_summary else previous_summary
+    # (its ``[user]`` lines escaped as the transcript's are: one posed as a turn; not its headings)
+    previous_summary = summary_data_text(neutralized(previous_summary)) if previous_summary else previous_summary
     nonce = nonce_for(previous_summary or "", transcript)
     parts = []
     if previous_summary:
@@ -545,10 +556,11 @@ def warm_up_litellm() -> None:
                     with LLMStub(keep_alive=False) as stub:
                         litellm.completion(model="openai/warm-up", messages=messages, api_base=stub.base_url,
                                            api_key="warm-up", timeout=2, max_retries=0, num_retries=0)
-                    _ended(set(threading.enumerate()) - before)
                     return
                 except Exception:  # a warm-up must never stop a worker from starting
                     logger.debug("litellm warm-up over HTTP failed; warming up offline", exc_info=True)
+                finally:  # (a call timed out left the stub's thread answering it: wait for its reply)
+                    _ended(set(threading.enumerate()) - before, STUB_THREAD_WAIT_S)
                 try:
                     litellm.completion(model="openai/warm-up", messages=messages, mock_response="ok",
                                        api_key="warm-up")
@@ -584,7 +596,10 @@ def _logging_inline() -> Iterator[None]:
         del executor.submit
 
 
-def _ended(threads: set[threading.Thread], timeout_s: float = 2.0) -> None:
+STUB_THREAD_WAIT_S = 5.0  # the longest the warm-up waits for its stub's threads to end
+
+
+def _ended(threads: set[threading.Thread], timeout_s: float) -> None:
     """Wait (at most ``timeout_s`` in all) for the warm-up's ``threads`` to end: the stub's end once
     its connection is closed and the server stopped."""
     deadline = time.monotonic() + timeout_s

@@ -109,7 +109,11 @@ def test_open_breaker_with_a_fallback_model_still_enqueues_the_llm_job_and_the_f
 
     fallback = fast.model_copy(update={"context": fast.context.model_copy(update={"fallback_model": "extractive"})})
     r.set(Keys().failures("s1"), 3, ex=86_400)
-    events = [user(1, "first question"), turn_end(1, window=WINDOW), user(2, "second"), turn_end(2, window=WINDOW)]
+    # (answers longer than their summary: one of two short turns is not appended)
+    answers = [{"type": "assistant", "turnId": turn, "content": text} for turn, text in
+               ((1, "The parser reads each line and then validates it. " * 12), (2, "done"))]
+    events = [user(1, "first question"), answers[0], turn_end(1, window=WINDOW), user(2, "second"), answers[1],
+              turn_end(2, window=WINDOW)]
     assert run_session(r, fallback, events, 950) == "llm"
     CompactionWorker.for_settings(r, fallback, context=WorkerContext.build(fallback, r)).work(burst=True)
     lines = Watcher(r, fallback, name="w").store.log("s1", CWD).read()

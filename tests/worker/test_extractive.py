@@ -530,6 +530,8 @@ def test_an_edited_file_a_later_listing_shows_again_stays_listed() -> None:
     # a line starting ``word:digits:`` is no search hit in a run's output (a clock, a Makefile's line)
     ("bash", "10:42:01 ERROR Connection refused to db:5432"), ("bash", "Makefile:12: recipe for target 'all' failed"),
     ("bash", "main.go:15: expected 1 failure, got 2"), ("bash", "Error: 0 is not a valid port number"),
+    ("bash", "Error: 0 bytes written: no space left on device"), ("bash", "error: 0 files matched, aborting"),
+    ("bash", "error: 0 arguments expected, got 2"), ("bash", "FAILED: 0 == 1"), ("bash", "Errors: 0 Failed: 2"),
 ])
 def test_failure_lines_of_many_tools_are_errors(tool: str, line: str) -> None:
     events = [{"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": tool, "output": line}]

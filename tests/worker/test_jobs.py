@@ -133,6 +133,26 @@ def test_an_automatic_summary_that_would_not_shrink_the_context_is_not_appended(
     assert len(_summaries(wsettings, "s1")) == 1 and forced.return_value()["released"] < 0
 
 
+def test_a_summary_larger_than_the_targets_the_micro_step_elided_is_not_appended(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """Checked against the estimate before the micro step, a summary larger than the elided targets
+    passed on the micro step's savings: the session ended larger than the micro step alone left it."""
+    output = "lorem ipsum dolor sit amet " * 120
+    for sid in ("a", "b"):
+        write_session(r, wsettings, sid, 5, output=output, window=3500)
+    store = SessionStore(r, wsettings)
+    _run(r, wsettings, "b", kind="micro")
+    micro_alone = store.load("b")
+    body = summary_text("s").replace("s: current work", "s: current work " + "word " * 450)
+    stub.reply = f"<analysis>a</analysis><summary>\n{body}\n</summary>"
+    job = _run(r, wsettings, "a")
+    after = store.load("a")
+    assert micro_alone is not None and after is not None and len(stub.requests) == 1
+    assert _summaries(wsettings, "a") == [] and after.prompt_estimate == micro_alone.prompt_estimate
+    assert job.return_value()["didCompress"] is True  # (the micro step's compact)
+
+
 def _context_messages(r: redis.Redis, settings: Settings) -> list[dict[str, Any]]:
     from events.view import build_view
 
