@@ -133,16 +133,27 @@ _PATH = re.compile(
     r"(?![\w/\\])"
 )
 # names that look like a file's but are a library's (checked on a match: a lookahead cost every position)
-_FRAMEWORKS = frozenset(f"{name}.js" for name in (
+_FRAMEWORKS = frozenset(f"{name.lower()}.js" for name in (
     "Node Next Nuxt Vue Express Three Chart Ember Backbone Alpine Solid Nest React Angular Svelte Socket Moment "
     "Anime Pixi Phaser Leaflet Video Day Reveal Deno Bun Preact Lit Ext Knockout Meteor Marionette Handlebars "
     "Mustache Raphael Paper Fabric Matter Cannon Babylon Tone Howler Chroma Popper Hammer Immutable Sails Koa "
-    "Hapi Feathers Redux Mobx Gatsby Remix Astro Qwik D3").split())
+    "Hapi Feathers Redux Mobx Gatsby Remix Astro Qwik D3 Discord P5 PDF Highlight TensorFlow Ethers Web3").split())
+# ... and code a tool call wrote, a member of an object (``console.log``, ``res.json``, ``np.log``)
+_RECEIVERS = frozenset("console process res req resp np window document this self import ctx r e err docs".split())
+# (not ``app``, ``request``, ``json``, ``os``: the stems of files too)
 
 
 def _paths(text: str) -> list[str]:
     """The paths ``text`` names, in order."""
-    return [path for match in _PATH.finditer(text) if (path := match.group(1)) not in _FRAMEWORKS]
+    return [path for match in _PATH.finditer(text) if not _library_or_member(path := match.group(1))]
+
+
+def _library_or_member(path: str) -> bool:
+    """Whether a bare name ``_PATH`` found is a library's (``Next.js``) or code's (``console.log``)."""
+    if "/" in path or "\\" in path:
+        return False
+    lowered = path.lower()
+    return lowered in _FRAMEWORKS or lowered.split(".", 1)[0] in _RECEIVERS
 
 
 _PATH_ARGUMENT = re.compile(r"path|file|dir", re.IGNORECASE)  # a tool-call argument naming a path
@@ -187,7 +198,9 @@ _NO_OP = re.compile(r"(?:true|:|echo|printf|exit)\b")  # a trailing command that
 _GIT_OPTIONS = re.compile(r"git\s+(?:(?:-C|-c|--git-dir|--work-tree)\s+\S+\s+|--no-pager\s+|-P\s+)+")
 _COMMAND_ARGUMENT = ("command", "cmd", "script", "commandLine", "shell_command")
 # a test runner's verbose success (``tests/error/test_x.py::test_ok PASSED``) is no error for the words it holds
-_PASSED = re.compile(r"::[^\s:]*+\s+(?:PASSED|SKIPPED|XFAIL|XPASS|ok)\b")  # (possessive, and no ``:``
+_PASSED = re.compile(r"::[^\s:]*+(?:\s+\.\.\.)?\s+(?:PASSED|SKIPPED|XFAIL|XPASS|ok)\b|^\s*(?:=== (?:RUN|PAUSE|CONT)\s"
+                     r"|--- (?:PASS|SKIP):|ok\s+\S+\s+(?:[\d.]+s|\(cached\))\s*$|PASS\s)|\s\.+\s+\[\s*\d+%\]$")  # (go's,
+# cargo's ``test x::y ... ok``, jest's ``PASS``, pytest's ``file.py ....  [ 50%]``; possessive, and no ``:``
 # in it: ``\S*`` ran to the end of a run of 50 000 ``::`` from each: 40 s)
 _DECISION = re.compile(r"\b(because|decided|instead of|so that|rather than|chose|trade-?off)\b",
                        re.IGNORECASE)
@@ -261,7 +274,7 @@ def _sections(events: Sequence[dict[str, Any]], previous: dict[str, str], users:
         "Primary Request": _primary_request(previous, users, bounds),
         "Key Technical Concepts": _concepts(previous, assistants, bounds),
         "Files and Code Sections": _files(previous, events, bounds, outputs),
-        "Errors and Fixes": _errors(previous, assistants, results, bounds, outputs),
+        "Errors and Fixes": _errors(previous, events, results, bounds, outputs),
         "Problem Solving": _problem_solving(previous, events, assistants, results, bounds),
         "Decision Rationale": _decisions(previous, assistants, bounds),
         "Pending Tasks": _pending(previous, events, bounds),
@@ -509,7 +522,8 @@ def _unclipped(tools: Counter[str]) -> Counter[str]:
     whole = sorted(name for name in tools if not name.endswith("...") and name != _OTHER_TOOLS)
     for name, count in tools.items():
         head = name[:-3] if name.endswith("...") else None
-        merged[next((w for w in whole if w.startswith(head)), name) if head else name] += count
+        starting = [w for w in whole if w.startswith(head)] if head else []
+        merged[starting[0] if len(starting) == 1 else name] += count  # (two: whose it was, unknown)
     return merged
 
 
@@ -577,35 +591,58 @@ def _unwrapped(item: str) -> str:
         item = item[len(wrapper):-len(wrapper)].strip()
 
 
-def _errors(previous: dict[str, str], assistants: list[dict[str, Any]], results: list[dict[str, Any]],
+def _errors(previous: dict[str, str], events: Sequence[dict[str, Any]], results: list[dict[str, Any]],
             bounds: Bounds, outputs: Mapping[int, str]) -> str:
-    lines = _carried(previous.get("Errors and Fixes"))
-    shown = _content_calls(assistants)
+    carried = _carried(previous.get("Errors and Fixes"))
+    lines: list[str] = []
+    shown = _content_results(events)
     for event in results:
         content = _str(event.get("toolName", "")).lower() in _CONTENT_TOOLS
-        command = not content and _str(event.get("toolCallId")) in shown
+        command = not content and id(event) in shown
         lines_out = (outputs.get(id(event)) or _str(event.get("output"))).splitlines()
         for index, line in enumerate(lines_out):
             # (a content tool's own failure is a short output: "Error: old_string not found", "File not found";
-            # a content command's, its own line: "cat: x: No such file or directory", "fatal: not a git ...")
+            # a content command's, its own line: "cat: x: No such file or directory", "fatal: not a git ...",
+            # and a compiler's, run before it: ``npm run build && ls dist/``)
             if (_is_error(line, content or command) or (content and len(lines_out) <= 3 and _FAILURE_SAID.match(line))
-                    or (command and _COMMAND_SAID.match(line) and _is_error(line))):
+                    or (command and ((_COMMAND_SAID.match(line) and _is_error(line)) or _compiler_said(line)))):
                 name = _clip(_one_line(_str(event.get("toolName", ""))), bounds.line_chars)
                 lines.append(f"- [{name}] {_clip(line.strip(), bounds.line_chars)}")
-    return "\n".join(_latest_errors(lines, bounds.error_lines))
+    return "\n".join(_latest_errors(carried, lines, bounds.error_lines))
 
 
-def _content_calls(assistants: list[dict[str, Any]]) -> set[str]:
-    """The ids of the tool calls that ran a command showing content (``grep``, ``cat``, ``git log``)."""
-    ids = set()
-    for event in assistants:
-        for call in tool_calls(event):
-            arguments = _arguments(call.get("arguments"))
-            command = next((arguments[name] for name in _COMMAND_ARGUMENT
-                            if isinstance(arguments, dict) and isinstance(arguments.get(name), str)), None)
-            if command is not None and isinstance(call.get("id"), str) and _shows_content(command):
-                ids.add(call["id"])
-    return ids
+def _content_results(events: Sequence[dict[str, Any]]) -> set[int]:
+    """``id()`` of the tool results that answer a call running a command showing content (``grep``,
+    ``cat``, ``git log``): each answers the latest call with its id before it (providers restart
+    their ids, ``call_0``, each turn: a later ``git log``'s id made an earlier pytest run content)."""
+    showing: dict[str, bool] = {}
+    found = set()
+    for event in events:
+        kind = event.get("type")
+        if kind == "assistant":
+            for call in tool_calls(event):
+                if isinstance(call.get("id"), str):
+                    command = _command_of(_arguments(call.get("arguments")))
+                    showing[call["id"]] = command is not None and _shows_content(command)
+        elif kind == "tool_result" and showing.get(_str(event.get("toolCallId"))):
+            found.add(id(event))
+    return found
+
+
+def _command_of(arguments: Any) -> str | None:
+    """The shell command a tool call's arguments run: a string argument named like one, or an
+    argv list (Codex's ``["bash", "-lc", "rg -n x src"]``: the script)."""
+    if not isinstance(arguments, dict):
+        return None
+    for name in _COMMAND_ARGUMENT:
+        value = arguments.get(name)
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value and all(isinstance(part, str) for part in value):
+            if len(value) >= 3 and value[1] in ("-c", "-lc", "-ic") and value[0].endswith("sh"):
+                return str(value[2])
+            return " ".join(value)
+    return None
 
 
 def _shows_content(command: str) -> bool:
@@ -641,19 +678,31 @@ def _is_error(line: str, content: bool = False) -> bool:
 
 # a line that is a failure whatever else there is (kept first when the section has no room for all)
 _STRONG = re.compile(r"\bFAIL(?:ED)?\b|\berror\[E?\d+\]|(?i:^\s*(?:fatal )?error:)|\bERR!|^\s*panic:|^E {2,}\S"
-                     r"|(?i:\bexit(?:ed)?(?: with)? (?:status|code):? [1-9])")
+                     r"|(?i:\bexit(?:ed)?(?: with)? (?:status|code):? [1-9])|\berror TS\d+|^\S+:\d+(?::\d+)?: error\b"
+                     r"|^\s*\d+:\d+\s+error\s")  # (tsc's, mypy's, eslint's too)
+# a compiler's or a type checker's error (counted in a command's output whatever ran after it)
+_COMPILER = re.compile(r"\berror\[E?\d+\]|\berror TS\d+|^\S+:\d+(?::\d+)?: error\b|^\s*\d+:\d+\s+error\s"
+                       r"|\bFound \d+ errors?\b")
 _ERROR_ITEM = re.compile(r"- (?:\[[^\]\n]*\] )?")  # an item's ``- [tool] `` before the line it quotes
 
 
-def _latest_errors(items: list[str], count: int) -> list[str]:
-    """``_latest``, the failures a runner or a program printed (``FAILED ...``, a traceback's
-    ``ValueError: ...``, ``error[E0308]``) kept before the lines that only say a word like "error":
-    a ``git log`` or a build's chatter of 30 such lines pushed a test run's failure out."""
-    distinct = list(dict.fromkeys(reversed(items)))  # the newest first
+def _compiler_said(line: str) -> bool:
+    return _DIAGNOSTIC.match(line) is not None or _COMPILER.search(line) is not None
+
+
+def _latest_errors(carried: list[str], new: list[str], count: int) -> list[str]:
+    """The last ``count`` distinct items of ``carried`` then ``new`` (``_latest``), when there are more,
+    those kept first: this batch's failures a runner or a program printed (``FAILED ...``, a
+    traceback's ``ValueError: ...``, ``error[E0308]``, tsc's ``error TS2322``), then the carried
+    ones, then this batch's lines that only say a word like "error", then the carried such lines:
+    a ``git log`` or a build's chatter of 30 such lines pushed a test run's failure out, and 30
+    stale failures carried a new type error out."""
+    distinct = list(dict.fromkeys(reversed(carried + new)))  # the newest first
     if len(distinct) <= count:
         return distinct[::-1]
-    strong = [item for item in distinct if _strong(item)][:count]
-    kept = set(strong) | set([item for item in distinct if item not in strong][:count - len(strong)])
+    fresh = set(new)
+    ranked = sorted(range(len(distinct)), key=lambda i: (not _strong(distinct[i]), distinct[i] not in fresh, i))
+    kept = {distinct[i] for i in ranked[:count]}
     return [item for item in reversed(distinct) if item in kept]
 
 
@@ -700,7 +749,7 @@ def _decisions(previous: dict[str, str], assistants: list[dict[str, Any]], bound
 def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: Bounds) -> str:
     """Open checkbox items and TODO / FIXME lines of the messages (not in their fenced code: a code
     block's ``# TODO`` is the code's), less those ticked later (``[x]``), carried ones included."""
-    lines = _carried(previous.get("Pending Tasks"))
+    tasks = _OpenTasks(_carried(previous.get("Pending Tasks")))
     for event in events:
         if event.get("type") not in ("user", "assistant"):
             continue
@@ -713,18 +762,48 @@ def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds:
                 continue
             done = _DONE.match(line)
             if done:  # (it was listed open, and stayed "pending" for good)
-                task = _task(done.group(1))
-                lines = [item for item in lines if not _same_task(item[2:], task)]
+                tasks.tick(_task(done.group(1)))
             elif _PENDING.search(line) or (event.get("type") == "user"
                                            and _PENDING_SAID.search(_INLINE_CODE.sub("", line))):
-                lines.append(f"- {_clip(line.strip().lstrip('-* ').strip(), bounds.line_chars)}")
-    return "\n".join(_latest(lines, bounds.pending))
+                tasks.add(f"- {_clip(line.strip().lstrip('-* ').strip(), bounds.line_chars)}")
+    return "\n".join(list(tasks.items)[-bounds.pending:] if bounds.pending else [])
+
+
+class _OpenTasks:
+    """The pending items in the order of their last mention, ticked ones removed: each item's task
+    looked up, not compared with every item at each tick (a checklist restated 20 times, each more
+    ticked, took seconds; 5 000 items and their ticks, minutes)."""
+
+    def __init__(self, items: list[str]) -> None:
+        self.items: dict[str, None] = {}
+        self._by_task: dict[str, set[str]] = {}
+        # an item clipped (``_clip``ped when long, to any bound's ``line_chars`` in this roll or an earlier
+        # one) -> its task's head, which a ticked task starts with
+        self._clipped: dict[str, str] = {}
+        for item in items:
+            self.add(item)
+
+    def add(self, item: str) -> None:
+        self.items.pop(item, None)
+        self.items[item] = None  # (at its last mention)
+        listed = item[2:]
+        if len(listed) in _CLIPPED_LENGTHS and listed.endswith("..."):
+            self._clipped[item] = _task(_OPEN_ITEM.sub("", listed, count=1))[:-3].rstrip()
+        else:
+            self._by_task.setdefault(_task(_OPEN_ITEM.sub("", listed, count=1)), set()).add(item)
+
+    def tick(self, task: str) -> None:
+        for item in self._by_task.pop(task, ()):
+            self.items.pop(item, None)
+        for item in [item for item, head in self._clipped.items() if head and task.startswith(head)]:
+            del self._clipped[item]
+            self.items.pop(item, None)
 
 
 def _task(text: str) -> str:
     """A checkbox item's task, as compared with another's (case, spacing, a strike-through and a
     trailing "done" mark aside: ``[x] ~~Write tests~~ ✅`` ticks ``[ ] Write tests``)."""
-    text = " ".join(text.replace("~~", "").split()).lower()
+    text = " ".join(text.replace("~~", "").replace("**", "").replace("__", "").replace("`", "").split()).lower()
     end = len(text)  # (an end index walked back, one slice: a regex anchored at the end tried each blank of
     while True:  # a long run, 64 s; a slice per mark copied the text each time, 22 s on a million marks)
         mark = next((m for m in _DONE_MARKS if text.endswith(m, 0, end)), None)
@@ -736,17 +815,6 @@ def _task(text: str) -> str:
 
 
 _OPEN_ITEM = re.compile(r"^(?:\d{1,3}[.)][ \t]*)?\[ \][ \t]*")  # what a listed item's task follows
-
-
-def _same_task(listed: str, done: str) -> bool:
-    """Whether an item listed open (its text as ``_pending`` lists it: ``_clip``ped when long, to any
-    bound's ``line_chars`` in this roll or an earlier one: its head then) is the task ``done``."""
-    clipped = len(listed) in _CLIPPED_LENGTHS and listed.endswith("...")
-    task = _task(_OPEN_ITEM.sub("", listed, count=1))
-    if clipped:
-        head = task[:-3].rstrip()
-        return bool(head) and done.startswith(head)
-    return task == done
 
 
 def _current_work(previous: dict[str, str], assistants: list[dict[str, Any]], bounds: Bounds) -> str:

@@ -750,8 +750,8 @@ def test_a_path_argument_with_any_line_break_writes_no_heading(breaks: str) -> N
 
 
 def test_dotted_names_and_dotfiles_are_files_and_frameworks_are_not() -> None:
-    text = ("Next.js and Node.js: edit app.component.ts, index.d.ts, vite.config.ts, .env.local, .gitignore, "
-            ".eslintrc.json, styles.scss and App.js")
+    text = ("Next.js and node.js, discord.js: edit app.component.ts, index.d.ts, vite.config.ts, .env.local, "
+            ".gitignore, .eslintrc.json, styles.scss and App.js; console.log, res.json and np.log are code")
     padding = {"type": "tool_result", "turnId": 1, "toolCallId": "p", "toolName": "run", "output": "fine\n" * 2_000}
     files = split_sections(extractive_summary([{"type": "user", "turnId": 1, "content": text}, padding], None))
     assert files["Files and Code Sections"].splitlines() == [
@@ -801,3 +801,72 @@ def test_passed_lines_and_done_marks_are_read_in_linear_time(output: str) -> Non
     started = time.monotonic()
     extractive_summary(events, None)
     assert time.monotonic() - started < 5  # (quadratic: 40 s and 64 s)
+
+
+def test_a_checklist_restated_many_times_is_read_in_linear_time() -> None:
+    """Each tick was compared with every item listed so far: a 20-item checklist restated in 400
+    messages, each with more ticked, took seconds; 5 000 items and their ticks, minutes."""
+    items = [f"implement step number {i} of the migration" for i in range(5_000)]
+    text = "\n".join(f"- [ ] {item}" for item in items) + "\n" + "\n".join(f"- [x] {item}" for item in items[:-1])
+    started = time.monotonic()
+    summary = extractive_summary([{"type": "assistant", "turnId": 1, "content": text}], None)
+    assert time.monotonic() - started < 5
+    assert split_sections(summary)["Pending Tasks"] == f"- [ ] {items[-1]}"
+
+
+def _run_output(command: Any, output: str, call_id: str = "c", turn: int = 1) -> list[dict[str, Any]]:
+    return [{"type": "assistant", "turnId": turn, "content": "", "toolCalls": [
+                {"id": call_id, "name": "bash", "arguments": {"command": command}}]},
+            {"type": "tool_result", "turnId": turn, "toolCallId": call_id, "toolName": "bash", "output": output}]
+
+
+def test_a_new_type_error_is_kept_before_older_failures_and_a_builds_errors_before_a_listing() -> None:
+    """tsc's and mypy's lines were no "strong" failures: 30 carried FAILED lines pushed a new one out;
+    and ``npm run build && ls dist/`` was a content command: its compiler errors were dropped."""
+    failed = "\n".join(f"FAILED tests/test_m{i}.py::test_x - assert 1 == 2" for i in range(30))
+    first = extractive_summary(_run_output("pytest -q", failed), None)
+    tsc = "src/app.ts(3,7): error TS2322: Type 'string' is not assignable to type 'number'."
+    second = extractive_summary(_run_output("npx tsc", tsc, turn=2), first)
+    assert f"- [bash] {tsc}" in split_sections(second)["Errors and Fixes"].splitlines()
+    build = "\n".join([tsc, "error[E0308]: mismatched types", "Found 2 errors in 2 files."])
+    errors = split_sections(extractive_summary(_run_output("npm run build && ls -la dist/", build), None))
+    assert len(errors["Errors and Fixes"].splitlines()) == 3
+
+
+@pytest.mark.parametrize("output", [
+    "=== RUN   TestParseError\n--- PASS: TestParseError (0.00s)\nok  \tgithub.com/acme/api/internal/errors\t0.004s",
+    "test error::tests::display ... ok", "PASS src/utils/errors.test.ts",
+    "tests/errors/test_handlers.py ......                                     [ 50%]",
+])
+def test_passing_test_lines_naming_errors_are_no_errors(output: str) -> None:
+    errors = split_sections(extractive_summary(_run_output("make test", output), None))["Errors and Fixes"]
+    assert errors == "None."
+
+
+def test_a_reused_call_id_pairs_each_result_with_the_call_before_it_and_argv_commands_are_read() -> None:
+    """Ids gathered for the whole batch: a later ``git log`` under the reused id ``call_0`` made an
+    earlier pytest run's output content (its mypy line dropped); Codex's argv commands were not read."""
+    run = "src/app.py:12: error: Incompatible types in assignment\n1 failed"
+    events = [*_run_output("pytest", run, call_id="call_0"),
+              *_run_output("git log --oneline", "a1 Fix error handling", call_id="call_0", turn=2),
+              *_run_output(["bash", "-lc", "rg -n error src"], "src/a.py:3:    except ValueError as error:",
+                           call_id="call_1", turn=3)]
+    errors = split_sections(extractive_summary(events, None))["Errors and Fixes"].splitlines()
+    assert errors == ["- [bash] src/app.py:12: error: Incompatible types in assignment", "- [bash] 1 failed"]
+
+
+def test_a_clipped_tool_name_two_tools_start_with_is_kept_apart() -> None:
+    name = "mcp__github_enterprise__list_pull_request_reviews"
+    previous = "\n\n".join(f"### {title}\n" + ("- tools used: mcp__github_enterprise__list_pull_request_revie... (7x)"
+                                              if title == "Key Technical Concepts" else "None.")
+                           for title in SECTION_TITLES)
+    calls = [{"id": "c", "name": name, "arguments": {}}, {"id": "d", "name": name + "_comments", "arguments": {}}]
+    text = extractive_summary([{"type": "assistant", "turnId": 5, "content": "", "toolCalls": calls}], previous)
+    counts = re.findall(r"\((\d+)x\)", split_sections(text)["Key Technical Concepts"])
+    assert sum(int(n) for n in counts) == 9 and "8" not in counts  # (the 7 credited to neither)
+
+
+def test_a_task_ticked_in_bold_leaves_pending() -> None:
+    first = extractive_summary([{"type": "user", "turnId": 1, "content": "- [ ] Write tests\n- [ ] Keep me"}], None)
+    second = extractive_summary([{"type": "assistant", "turnId": 2, "content": "- [x] **Write tests**"}], first)
+    assert split_sections(second)["Pending Tasks"] == "- [ ] Keep me"
