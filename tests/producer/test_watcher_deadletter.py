@@ -575,42 +575,52 @@ def any_server(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pyte
         server.stop()
 
 
+class _Shard:
+    """Shard 0's stream on ``r``, its trims (``ShardStreams.trim``) and a reader standing in for
+    the watcher (numbered entries ``n-0``, read and acked)."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        from producer.watcher.streams import ShardStreams
+
+        self.r, keys = r, Keys()
+        self.stream, self.group, self.consumer = keys.stream(0), keys.group, keys.consumer(0)
+        r.set(keys.lease(0), "me")
+        self.streams = ShardStreams(r, keys, "me")
+        self.streams.ensure_group(0)
+
+    def add(self, *numbers: int) -> None:
+        for n in numbers:
+            self.r.xadd(self.stream, {"n": n}, id=f"{n}-0")
+
+    def read(self, count: int | None = None) -> None:
+        for _, entries in self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count) or []:
+            self.r.xack(self.stream, self.group, *[entry_id for entry_id, _ in entries])
+
+    def trim(self, times: int = 1) -> None:
+        for _ in range(times):
+            self.streams.trim(0)
+
+
 def test_entries_deleted_amid_unread_ones_are_lettered_once_when_the_group_reads_across_them(
     any_server: redis.Redis,
 ) -> None:
     """Lettered when found (their highest id past the group's position), then read across: Redis 7.0
     added 1 to the group's counter for the entry delivered past them, and once caught up the
     counts rule lettered the same loss a second time, ``after`` the wrong position."""
-    from producer.watcher.streams import ShardStreams
-
-    r, keys = any_server, Keys()
-    stream, group, consumer = keys.stream(0), keys.group, keys.consumer(0)
-    r.set(keys.lease(0), "me")
-    streams = ShardStreams(r, keys, "me")
-    streams.ensure_group(0)
-
-    def read_all() -> None:
-        for _, entries in r.xreadgroup(group, consumer, {stream: ">"}) or []:
-            r.xack(stream, group, *[entry_id for entry_id, _ in entries])
-
-    for i in range(1, 4):
-        r.xadd(stream, {"n": i}, id=f"{i}-0")
-    read_all()
-    streams.trim(0)
-    for i in range(4, 11):
-        r.xadd(stream, {"n": i}, id=f"{i}-0")
-    r.xdel(stream, *[f"{i}-0" for i in range(4, 11)])  # 7 deleted before anyone read them
-    streams.trim(0)
-    streams.trim(0)
+    shard, r = _Shard(any_server), any_server
+    shard.add(1, 2, 3)
+    shard.read()
+    shard.trim()
+    shard.add(*range(4, 11))
+    r.xdel(shard.stream, *[f"{i}-0" for i in range(4, 11)])  # 7 deleted before anyone read them
+    shard.trim(2)
     assert [(f[b"id"], f[b"after"]) for f in unread_letters(r)] == [(b"10-0", b"3-0")]
-    r.xadd(stream, {"n": 11}, id="11-0")
-    read_all()  # across the 7
-    for _ in range(2):
-        streams.trim(0)
-    r.xadd(stream, {"n": 12}, id="12-0")
-    r.xadd(stream, {"n": 13}, id="13-0")
-    r.xtrim(stream, maxlen=1, approximate=False)  # the counter known again: a later loss is found
-    streams.trim(0)
+    shard.add(11)
+    shard.read()  # across the 7
+    shard.trim(2)
+    shard.add(12, 13)
+    r.xtrim(shard.stream, maxlen=1, approximate=False)  # the counter known again: a later loss is found
+    shard.trim()
     assert [(f[b"id"], f[b"after"], f[b"lost"]) for f in unread_letters(r)] == [
         (b"10-0", b"3-0", b"0"), (b"", b"11-0", b"1")]
 
@@ -618,62 +628,38 @@ def test_entries_deleted_amid_unread_ones_are_lettered_once_when_the_group_reads
 def test_a_trim_of_unread_entries_kept_after_a_lettered_xdel_read_across_is_no_loss(any_server: redis.Redis) -> None:
     """Read across the lettered XDEL, Redis 7.0's counter fell short by it: a producer's trim that kept
     every unread entry was then lettered as a loss of one."""
-    from producer.watcher.streams import ShardStreams
-
-    r, keys = any_server, Keys()
-    stream, group, consumer = keys.stream(0), keys.group, keys.consumer(0)
-    r.set(keys.lease(0), "me")
-    streams = ShardStreams(r, keys, "me")
-    streams.ensure_group(0)
-
-    def read(count: int | None = None) -> None:
-        for _, entries in r.xreadgroup(group, consumer, {stream: ">"}, count=count) or []:
-            r.xack(stream, group, *[entry_id for entry_id, _ in entries])
-
-    for i in range(1, 4):
-        r.xadd(stream, {"n": i}, id=f"{i}-0")
-    read()
-    streams.trim(0)
-    for i in range(4, 11):
-        r.xadd(stream, {"n": i}, id=f"{i}-0")
-    r.xdel(stream, "4-0")
-    streams.trim(0)
-    read(count=3)  # 5-7, across the deleted 4
-    streams.trim(0)
-    r.xtrim(stream, maxlen=3, approximate=False)  # 8-10 kept: the unread ones, all
-    streams.trim(0)
-    read()
-    streams.trim(0)
+    shard, r = _Shard(any_server), any_server
+    shard.add(1, 2, 3)
+    shard.read()
+    shard.trim()
+    shard.add(*range(4, 11))
+    r.xdel(shard.stream, "4-0")
+    shard.trim()
+    shard.read(count=3)  # 5-7, across the deleted 4
+    shard.trim()
+    r.xtrim(shard.stream, maxlen=3, approximate=False)  # 8-10 kept: the unread ones, all
+    shard.trim()
+    shard.read()
+    shard.trim()
     assert [(f[b"id"], f[b"after"]) for f in unread_letters(r)] == [(b"4-0", b"3-0")]
-    r.xadd(stream, {"n": 11}, id="11-0")
-    r.xadd(stream, {"n": 12}, id="12-0")
-    r.xtrim(stream, maxlen=1, approximate=False)  # 11: unread, gone (the counter right again)
-    streams.trim(0)
+    shard.add(11, 12)
+    r.xtrim(shard.stream, maxlen=1, approximate=False)  # 11: unread, gone (the counter right again)
+    shard.trim()
     assert [(f[b"after"], f[b"lost"]) for f in unread_letters(r)][1:] == [(b"10-0", b"1")]
 
 
 def test_a_trim_loss_after_a_lettered_xdel_is_lettered_too(any_server: redis.Redis) -> None:
     """The first fix of the double letter made the group's counter unknown once an XDEL was lettered:
     a producer's trim of unread entries before the group caught up was then never lettered."""
-    from producer.watcher.streams import ShardStreams
-
-    r, keys = any_server, Keys()
-    stream, group, consumer = keys.stream(0), keys.group, keys.consumer(0)
-    r.set(keys.lease(0), "me")
-    streams = ShardStreams(r, keys, "me")
-    streams.ensure_group(0)
-    for i in range(1, 4):
-        r.xadd(stream, {"n": i}, id=f"{i}-0")
-    for _, entries in r.xreadgroup(group, consumer, {stream: ">"}) or []:
-        r.xack(stream, group, *[entry_id for entry_id, _ in entries])
-    for i in range(4, 21):
-        r.xadd(stream, {"n": i}, id=f"{i}-0")
-    r.xdel(stream, "5-0", "6-0")
-    streams.trim(0)
-    r.xtrim(stream, maxlen=6, approximate=False)  # 4 and 7-14: unread, gone
-    streams.trim(0)
-    letters = [(f[b"id"], f[b"after"]) for f in unread_letters(r)]
-    assert letters == [(b"6-0", b"3-0"), (b"", b"3-0")]
+    shard, r = _Shard(any_server), any_server
+    shard.add(1, 2, 3)
+    shard.read()
+    shard.add(*range(4, 21))
+    r.xdel(shard.stream, "5-0", "6-0")
+    shard.trim()
+    r.xtrim(shard.stream, maxlen=6, approximate=False)  # 4 and 7-14: unread, gone
+    shard.trim()
+    assert [(f[b"id"], f[b"after"]) for f in unread_letters(r)] == [(b"6-0", b"3-0"), (b"", b"3-0")]
 
 
 def test_the_watchers_own_trims_and_deletions_of_read_entries_are_not_taken_for_unread_losses(
