@@ -111,6 +111,7 @@ from events.tokens import (
     arguments_json,
     count_tokens,
     encoding_for_model,
+    event_tokens,
     model_max_input_tokens,
     stamped_tokens,
 )
@@ -1025,10 +1026,14 @@ def _smaller(summary: dict[str, Any], reading: LlmPass) -> bool:
     elided what it elides (``reading``'s targets, each with its block's header, and the previous
     summary): what the context would be without it. (Against the estimate before the micro step,
     a summary larger than the elided targets passed, the micro step's savings counted for it.)"""
-    previous = reading.targets.previous_summary
-    shown = reading.target_tokens - BLOCK_HEADER_TOKENS * len(reading.targets.events)  # (the stamps alone)
-    replaced = shown + (stamped_tokens(previous, reading.encoding) if previous is not None else 0)
-    return stamped_tokens(summary, reading.encoding) < replaced
+    targets, encoding = reading.targets, reading.encoding
+    # (an output shown elided counted as shown: the pass's estimate of it, its stamp scaled by the share
+    # of characters shown, was 1 104 tokens for 216 shown, or 196 for 932, the kept ends denser)
+    replaced = sum(event_tokens(event, encoding) if id(event) in targets.full_outputs else
+                   stamped_tokens(event, encoding) for event in targets.events)
+    if targets.previous_summary is not None:
+        replaced += stamped_tokens(targets.previous_summary, encoding)
+    return stamped_tokens(summary, encoding) < replaced
 
 
 def _result(did_compress: bool, before: int, after: int) -> CompressResult:

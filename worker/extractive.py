@@ -140,7 +140,11 @@ _FRAMEWORKS = frozenset(f"{name.lower()}.js" for name in (
     "Hapi Feathers Redux Mobx Gatsby Remix Astro Qwik D3 Discord P5 PDF Highlight TensorFlow Ethers Web3").split())
 # ... and code a tool call wrote, a member of an object (``console.log``, ``res.json``, ``np.log``)
 _RECEIVERS = frozenset("console process res req resp np window document this self import ctx r e err docs".split())
-# (not ``app``, ``request``, ``json``, ``os``: the stems of files too)
+# (not ``app``, ``request``, ``json``, ``os``: the stems of files too; and a receiver's name before a source
+# file's extension is a file: ``process.py``, ``docs.md``)
+_SOURCE_EXTENSIONS = frozenset("py pyi ipynb js mjs cjs ts mts cts tsx jsx go rs java rb c h cpp cc hpp cs md mdx rst "
+                               "kt kts swift php scala ex exs dart vue svelte astro lua zig jl pl pm hs ml erl clj "
+                               "nim sh bash zsh ps1 sql html css scss sass less txt yml yaml toml ini cfg".split())
 
 
 def _paths(text: str) -> list[str]:
@@ -153,7 +157,8 @@ def _library_or_member(path: str) -> bool:
     if "/" in path or "\\" in path:
         return False
     lowered = path.lower()
-    return lowered in _FRAMEWORKS or lowered.split(".", 1)[0] in _RECEIVERS
+    stem, _, extension = lowered.rpartition(".")
+    return lowered in _FRAMEWORKS or (stem.split(".", 1)[0] in _RECEIVERS and extension not in _SOURCE_EXTENSIONS)
 
 
 _PATH_ARGUMENT = re.compile(r"path|file|dir", re.IGNORECASE)  # a tool-call argument naming a path
@@ -175,7 +180,8 @@ _CAPITAL_WORD = re.compile(r"\b[A-Z]\w*+")  # (an exception's name, ``KeyError``
 # (``Errors: 0``, ``{"failures": []}``: every passing Maven test class prints ``Failures: 0, Errors: 0``)
 _NONE_FAILED = re.compile(r"(?i)\b(?:0|no|zero) (?:errors?|failures?|failed)\b|\ball checks passed\b|"
                           r"\bwithout (?:any )?errors?\b|\b(?:errors?|failures?|failed)\"?\s*[:=]\s*(?:0|\[\])"
-                          r"(?=\s*(?:[,;}\])(]|\.?\s*$|\.\s|\s+[A-Za-z]+\s*[:=]\s*\d))")
+                          r"(?=\s*+(?:[,;}\])(]|\.?\s*+$|\.\s|(?<=\s)[A-Za-z]+\s*+[:=]\s*+\d))")  # (possessive: the blanks
+# overlapped, and a run of 20 000 after "Failures: 0" took 4 s)
 # (a count of none: the line ends, or a list of counts goes on; "Error: 0 is not a valid port number",
 # "error: 0 files matched, aborting" are errors)
 _SOME_FAILED = re.compile(r"(?i)\b[1-9]\d* (?:errors?|failures?|failed)\b|\b(?:errors?|failures?|failed)\"?\s*[:=]\s*[1-9]")
@@ -682,7 +688,7 @@ _STRONG = re.compile(r"\bFAIL(?:ED)?\b|\berror\[E?\d+\]|(?i:^\s*(?:fatal )?error
                      r"|^\s*\d+:\d+\s+error\s")  # (tsc's, mypy's, eslint's too)
 # a compiler's or a type checker's error (counted in a command's output whatever ran after it)
 _COMPILER = re.compile(r"\berror\[E?\d+\]|\berror TS\d+|^\S+:\d+(?::\d+)?: error\b|^\s*\d+:\d+\s+error\s"
-                       r"|\bFound \d+ errors?\b")
+                       r"|\bFound [1-9]\d* errors?\b")
 _ERROR_ITEM = re.compile(r"- (?:\[[^\]\n]*\] )?")  # an item's ``- [tool] `` before the line it quotes
 
 

@@ -751,12 +751,13 @@ def test_a_path_argument_with_any_line_break_writes_no_heading(breaks: str) -> N
 
 def test_dotted_names_and_dotfiles_are_files_and_frameworks_are_not() -> None:
     text = ("Next.js and node.js, discord.js: edit app.component.ts, index.d.ts, vite.config.ts, .env.local, "
-            ".gitignore, .eslintrc.json, styles.scss and App.js; console.log, res.json and np.log are code")
+            ".gitignore, .eslintrc.json, styles.scss and App.js; console.log, res.json and np.log are code; "
+            "process.py and docs.md")
     padding = {"type": "tool_result", "turnId": 1, "toolCallId": "p", "toolName": "run", "output": "fine\n" * 2_000}
     files = split_sections(extractive_summary([{"type": "user", "turnId": 1, "content": text}, padding], None))
     assert files["Files and Code Sections"].splitlines() == [
         "- app.component.ts", "- index.d.ts", "- vite.config.ts", "- .env.local", "- .gitignore", "- .eslintrc.json",
-        "- styles.scss", "- App.js"]
+        "- styles.scss", "- App.js", "- process.py", "- docs.md"]
 
 
 def test_tasks_ticked_with_marks_leave_pending_and_an_assistant_naming_todo_in_prose_adds_none() -> None:
@@ -794,6 +795,7 @@ def test_a_command_is_taken_for_one_showing_content_by_its_last_pipelines_head(c
 
 
 @pytest.mark.parametrize("output", ["::" * 50_000, "x::" + "a" * 100_000, "- [ ] a\n- [x] a" + " " * 100_000 + "b",
+                                    "Failures: 0" + " " * 100_000 + "|", "Error: 0" + "\t" * 100_000,
                                     "- [ ] a\n- [x] a" + "✅" * 1_000_000])
 def test_passed_lines_and_done_marks_are_read_in_linear_time(output: str) -> None:
     events = [{"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "bash", "output": output},

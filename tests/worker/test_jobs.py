@@ -153,6 +153,52 @@ def test_a_summary_larger_than_the_targets_the_micro_step_elided_is_not_appended
     assert job.return_value()["didCompress"] is True  # (the micro step's compact)
 
 
+@pytest.mark.parametrize("shape", ["dense_middle", "dense_ends"])
+def test_a_summary_is_appended_exactly_when_it_leaves_less_than_the_micro_step_alone(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, shape: str
+) -> None:
+    """Elided outputs were counted by the pass's estimate (the stamp scaled by the share of
+    characters shown): 1 104 tokens for 216 shown when the kept ends were light, 196 for 932 when
+    they were dense; a summary between the estimate and the truth was appended larger than the
+    micro step alone left the session, or dropped though smaller. (A summary sized between them.)"""
+    import random
+
+    from events.tokens import event_tokens
+    from events.view import llm_pass
+    from worker.compaction import BLOCK_HEADER_TOKENS, _new_line, render_event
+
+    rnd = random.Random(1)
+
+    def cjk(n: int) -> str:
+        return "".join(chr(rnd.randrange(0x4E00, 0x9FA0)) for _ in range(n))
+
+    output = "a" * 40 + cjk(1500) + "a" * 40 if shape == "dense_middle" else cjk(40) + "a" * 6000 + cjk(40)
+    for sid in ("a", "b"):
+        write_session(r, wsettings, sid, 5, output=output, window=6000)
+    store = SessionStore(r, wsettings)
+    reading = llm_pass(read_log(wsettings, "a"), wsettings.context, micro=True, render=render_event,
+                       block_tokens=BLOCK_HEADER_TOKENS)
+    estimated = reading.target_tokens - BLOCK_HEADER_TOKENS * len(reading.targets.events)
+    _run(r, wsettings, "b", kind="micro")
+    micro_alone = store.load("b")
+    assert micro_alone is not None
+    low, high = sorted((estimated, micro_alone.prompt_estimate - reading.kept_estimate))
+    words = 0
+    while True:
+        body = summary_text("s").replace("s: current work", "s: current work " + "word " * words)
+        event = _new_line("summary", replaces=[], summaryText=body, lastSummarizedTurnId=1)
+        if event_tokens(event, reading.encoding) >= (low + high) // 2:
+            break
+        words += 5
+    stub.reply = f"<analysis>a</analysis><summary>\n{body}\n</summary>"
+    _run(r, wsettings, "a")
+    after = store.load("a")
+    assert after is not None
+    appended = len(_summaries(wsettings, "a")) == 1
+    assert appended == (after.prompt_estimate < micro_alone.prompt_estimate), (appended, after, micro_alone)
+    assert appended or after.prompt_estimate == micro_alone.prompt_estimate
+
+
 def _context_messages(r: redis.Redis, settings: Settings) -> list[dict[str, Any]]:
     from events.view import build_view
 
