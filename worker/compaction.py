@@ -1023,9 +1023,9 @@ def _system_tokens(encoding: str) -> int:
 
 def _smaller(summary: dict[str, Any], reading: LlmPass) -> bool:
     """Whether ``summary`` takes fewer tokens than what it replaces as shown once the micro step
-    elided what it elides (``reading``'s targets, each with its block's header, and the previous
-    summary): what the context would be without it. (Against the estimate before the micro step,
-    a summary larger than the elided targets passed, the micro step's savings counted for it.)"""
+    elided what it elides (``reading``'s targets and the previous summary): what the context would
+    be without it. (Against the estimate before the micro step, a summary larger than the elided
+    targets passed, the micro step's savings counted for it.)"""
     targets, encoding = reading.targets, reading.encoding
     # (an output shown elided counted as shown: the pass's estimate of it, its stamp scaled by the share
     # of characters shown, was 1 104 tokens for 216 shown, or 196 for 932, the kept ends denser)

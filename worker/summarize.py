@@ -572,8 +572,8 @@ def warm_up_litellm() -> None:
 def _logging_inline() -> Iterator[None]:
     """litellm's logging of a call run in the calling thread, not in its executor's thread: the
     warm-up leaves no thread behind (``work --count N`` forks its workers after it: a thread of
-    litellm's importing modules on its first run held an import lock in the fork, and a child's
-    first LLM call blocked on it for good), and what that first run imports is imported here,
+    litellm's importing modules on its first run could hold an import lock in the fork, and a
+    child's first LLM call then blocked on it for good), and what that first run imports is imported here,
     before the heap is frozen. (litellm's executor is private: if it moved, nothing is changed.)"""
     try:
         from litellm.litellm_core_utils.thread_pool_executor import executor
