@@ -198,14 +198,17 @@ _CONTENT_TOOLS = frozenset({"read_file", "search_code", "search_files", "web_sea
 # A command whose output is content (a file's, a search's hits, a history), not a run's: only an
 # error as printed counts there (``git log``'s "Add retry on failure", ``grep``'s code lines)
 _CONTENT_COMMAND = re.compile(r"(?:grep|egrep|fgrep|rg|ag|ack|cat|bat|less|more|head|tail|sed|awk|nl|wc|ls|find|fd|"
-                              r"tree|git\s+(?:log|show|diff|grep|blame|status))\b")
+                              r"tree|git\s+(?:log|show|diff|grep|blame|status|commit|checkout|switch|pull|merge|push|"
+                              r"add|stash|branch|fetch|rebase))\b")  # (git's own chatter: "[main 1a2b] Fix TypeError")
 _COMMAND_PREFIX = re.compile(r"(?:\w+=\S*\s+)*(?:(?:sudo|env|command|exec|time|nice)\s+)*")  # (``GIT_PAGER=cat``)
 _NO_OP = re.compile(r"(?:true|:|echo|printf|exit)\b")  # a trailing command that only says something
 _GIT_OPTIONS = re.compile(r"git\s+(?:(?:-C|-c|--git-dir|--work-tree)\s+\S+\s+|--no-pager\s+|-P\s+)+")
 _COMMAND_ARGUMENT = ("command", "cmd", "script", "commandLine", "shell_command")
+_SHELLS = frozenset({"sh", "bash", "zsh", "dash", "ksh"})
 # a test runner's verbose success (``tests/error/test_x.py::test_ok PASSED``) is no error for the words it holds
 _PASSED = re.compile(r"::[^\s:]*+(?:\s+\.\.\.)?\s+(?:PASSED|SKIPPED|XFAIL|XPASS|ok)\b|^\s*(?:=== (?:RUN|PAUSE|CONT)\s"
-                     r"|--- (?:PASS|SKIP):|ok\s+\S+\s+(?:[\d.]+s|\(cached\))\s*$|PASS\s)|\s\.+\s+\[\s*\d+%\]$")  # (go's,
+                     r"|--- (?:PASS|SKIP):|ok\s+\S+\s+(?:[\d.]+s|\(cached\))\s*$|PASS\s|(?:Compiling|Checking|Downloaded|Fresh)\s+\S+"
+                     r"\s+v\d)|\s\.+\s+\[\s*\d+%\]$")  # (go's, cargo's ``Compiling failure v0.1.8``,
 # cargo's ``test x::y ... ok``, jest's ``PASS``, pytest's ``file.py ....  [ 50%]``; possessive, and no ``:``
 # in it: ``\S*`` ran to the end of a run of 50 000 ``::`` from each: 40 s)
 _DECISION = re.compile(r"\b(because|decided|instead of|so that|rather than|chose|trade-?off)\b",
@@ -645,8 +648,12 @@ def _command_of(arguments: Any) -> str | None:
         if isinstance(value, str):
             return value
         if isinstance(value, list) and value and all(isinstance(part, str) for part in value):
-            if len(value) >= 3 and value[1] in ("-c", "-lc", "-ic") and value[0].endswith("sh"):
-                return str(value[2])
+            if value[0].rsplit("/", 1)[-1] in _SHELLS:  # (``["bash", "-e", "-c", script]``, ``-lc``, ``-xc``)
+                for index, part in enumerate(value[1:], 1):
+                    if not part.startswith("-"):
+                        break
+                    if not part.startswith("--") and "c" in part[1:] and index + 1 < len(value):
+                        return str(value[index + 1])
             return " ".join(value)
     return None
 
@@ -772,7 +779,22 @@ def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds:
             elif _PENDING.search(line) or (event.get("type") == "user"
                                            and _PENDING_SAID.search(_INLINE_CODE.sub("", line))):
                 tasks.add(f"- {_clip(line.strip().lstrip('-* ').strip(), bounds.line_chars)}")
+        for todo in _todos(event):  # (an agent's todo list tool, Claude Code's ``TodoWrite``: the open ones)
+            if todo["status"] == "completed":
+                tasks.tick(_task(todo["content"]))
+            else:
+                tasks.add(f"- {_clip('[ ] ' + _one_line(todo['content']), bounds.line_chars)}")
     return "\n".join(list(tasks.items)[-bounds.pending:] if bounds.pending else [])
+
+
+def _todos(event: dict[str, Any]) -> Iterable[dict[str, str]]:
+    """The items of an assistant's todo-list calls (``{"todos": [{"content", "status"}, ...]}``)."""
+    for call in tool_calls(event):
+        arguments = _arguments(call.get("arguments"))
+        todos = arguments.get("todos") if isinstance(arguments, dict) else None
+        for todo in todos if isinstance(todos, list) else ():
+            if isinstance(todo, dict) and isinstance(todo.get("content"), str) and todo["content"].strip():
+                yield {"content": todo["content"], "status": str(todo.get("status", "pending"))}
 
 
 class _OpenTasks:

@@ -872,3 +872,30 @@ def test_a_task_ticked_in_bold_leaves_pending() -> None:
     first = extractive_summary([{"type": "user", "turnId": 1, "content": "- [ ] Write tests\n- [ ] Keep me"}], None)
     second = extractive_summary([{"type": "assistant", "turnId": 2, "content": "- [x] **Write tests**"}], first)
     assert split_sections(second)["Pending Tasks"] == "- [ ] Keep me"
+
+
+@pytest.mark.parametrize("command", [["bash", "-e", "-c", "rg -n error src"], ["/bin/bash", "--norc", "-xc", "cat f"],
+                                     "git commit -m 'Fix TypeError in parser'"])
+def test_more_commands_showing_content_are_read_so(command: Any) -> None:
+    output = "src/a.py:3:    except ValueError as error:\n[main 1a2b3c4] Fix TypeError in parser"
+    assert split_sections(extractive_summary(_run_output(command, output), None))["Errors and Fixes"] == "None."
+
+
+def test_cargo_compiling_lines_are_no_errors() -> None:
+    output = "   Compiling failure v0.1.8\n   Compiling error-chain v0.12.4\n    Finished dev [unoptimized] target(s)"
+    assert split_sections(extractive_summary(_run_output("cargo build", output), None))["Errors and Fixes"] == "None."
+
+
+def test_a_todo_list_tools_open_items_are_pending_until_completed() -> None:
+    """Claude Code keeps its plan in ``TodoWrite`` calls: none of it reached Pending Tasks."""
+    def todo_write(turn: int, statuses: list[str]) -> dict[str, Any]:
+        todos = [{"content": f"Step {i}: migrate module {i}", "status": status, "activeForm": "x"}
+                 for i, status in enumerate(statuses)]
+        return {"type": "assistant", "turnId": turn, "content": "",
+                "toolCalls": [{"id": f"t{turn}", "name": "TodoWrite", "arguments": {"todos": todos}}]}
+
+    first = extractive_summary([todo_write(1, ["completed", "in_progress", "pending"])], None)
+    assert split_sections(first)["Pending Tasks"].splitlines() == [
+        "- [ ] Step 1: migrate module 1", "- [ ] Step 2: migrate module 2"]
+    second = extractive_summary([todo_write(2, ["completed", "completed", "pending"])], first)
+    assert split_sections(second)["Pending Tasks"].splitlines() == ["- [ ] Step 2: migrate module 2"]
