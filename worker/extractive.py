@@ -614,7 +614,8 @@ def _errors(previous: dict[str, str], events: Sequence[dict[str, Any]], results:
             # a content command's, its own line: "cat: x: No such file or directory", "fatal: not a git ...",
             # and a compiler's, run before it: ``npm run build && ls dist/``)
             if (_is_error(line, content or command) or (content and len(lines_out) <= 3 and _FAILURE_SAID.match(line))
-                    or (command and ((_COMMAND_SAID.match(line) and _is_error(line)) or _compiler_said(line)))):
+                    or (command and ((_COMMAND_SAID.match(line) and _is_error(line)) or _compiler_said(line)
+                                     or _GIT_FAILED.match(line.strip())))):
                 name = _clip(_one_line(_str(event.get("toolName", ""))), bounds.line_chars)
                 lines.append(f"- [{name}] {_clip(line.strip(), bounds.line_chars)}")
     return "\n".join(_latest_errors(carried, lines, bounds.error_lines))
@@ -671,6 +672,8 @@ def _shows_content(command: str) -> bool:
     return _CONTENT_COMMAND.match(head) is not None
 
 
+# git's own failures in its chatter (a merge's or a push's): content-command rules would drop them
+_GIT_FAILED = re.compile(r"CONFLICT \(|Automatic merge failed|! \[(?:remote )?rejected\]|error: could not apply")
 _COMMAND_SAID = re.compile(r"(?:grep|egrep|fgrep|rg|ag|ack|cat|bat|head|tail|sed|awk|ls|find|fd|tree|git|fatal|"
                            r"error): ")  # the command's own message, not what it shows
 

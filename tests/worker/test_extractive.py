@@ -899,3 +899,11 @@ def test_a_todo_list_tools_open_items_are_pending_until_completed() -> None:
         "- [ ] Step 1: migrate module 1", "- [ ] Step 2: migrate module 2"]
     second = extractive_summary([todo_write(2, ["completed", "completed", "pending"])], first)
     assert split_sections(second)["Pending Tasks"].splitlines() == ["- [ ] Step 2: migrate module 2"]
+
+
+def test_gits_own_failures_in_its_chatter_are_errors() -> None:
+    output = ("Auto-merging src/app.py\nCONFLICT (content): Merge conflict in src/app.py\n"
+              "Automatic merge failed; fix conflicts and then commit the result.\n"
+              " ! [rejected]        main -> main (fetch first)")
+    errors = split_sections(extractive_summary(_run_output("git pull && git push", output), None))["Errors and Fixes"]
+    assert len(errors.splitlines()) == 3 and "Auto-merging" not in errors
