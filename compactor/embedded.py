@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
@@ -259,7 +260,7 @@ def keep(parent_pid: int, url: str, server_pid: int, grace_s: float) -> None:
     later, if it is still the server ``server_pid`` (a serve started since on the same data dir
     has its own, on the same socket)."""
     while os.getppid() == parent_pid:
-        if not _running(server_pid):
+        if not psutil.pid_exists(server_pid):
             return
         time.sleep(KEEPER_POLL_S)
     client = redis.Redis.from_url(url, socket_timeout=5.0, retry=Retry(NoBackoff(), 0))
@@ -273,16 +274,6 @@ def keep(parent_pid: int, url: str, server_pid: int, grace_s: float) -> None:
         pass  # gone already: stopped by the serve, or by another
     finally:
         client.close()
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _last_words(text: str) -> str:

@@ -528,7 +528,7 @@ def _unclipped(tools: Counter[str]) -> Counter[str]:
     """``tools`` with a name an earlier roll clipped (``mcp__atlassian_confl...``) counted with the
     whole name it starts (a second tool otherwise, in every roll after)."""
     merged: Counter[str] = Counter()
-    whole = sorted(name for name in tools if not name.endswith("...") and name != _OTHER_TOOLS)
+    whole = [name for name in tools if not name.endswith("...") and name != _OTHER_TOOLS]
     for name, count in tools.items():
         head = name[:-3] if name.endswith("...") else None
         starting = [w for w in whole if w.startswith(head)] if head else []

@@ -210,22 +210,16 @@ def _one_line_json(text: str) -> str:
     return text.translate(_AS_ESCAPES)
 
 
-def data_text(text: str) -> str:
+def data_text(text: str, *, headings: bool = True) -> str:
     """``text`` with a backslash before each line that would read as a block header (``[user]``,
-    ``[tool:x]``, ...) or a tool-call line (``-> tool call``): the prompt says such a line is text."""
+    ``[tool:x]``, ...) or a tool-call line (``-> tool call``): the prompt says such a line is text;
+    and, unless ``headings`` is False, before each that reads as a section heading. (A previous
+    summary is sent with its headings as they are: escaped, every roll showed the model a summary
+    whose 10 headings were ``\###``, and a reply that copied that shape was invalid.)"""
     text = _breaks(text)
-    if (text.startswith(("[", "-> ")) and _POSING_AT.match(text)) or _posing_after(text):
-        return _POSING_LINE.sub(_BACKSLASH, text)
-    return text
-
-
-def summary_data_text(text: str) -> str:
-    """A previous summary as sent: ``data_text`` but for its section headings, left as they are
-    (escaped, every roll showed the model a summary whose 10 headings were ``\###``: a reply that
-    copied that shape was invalid)."""
-    text = _breaks(text)
-    if (text.startswith(("[", "-> ")) and _POSING_AT.match(text)) or _POSING_AFTER.search(text) is not None:
-        return _POSING_ONLY_LINE.sub(_BACKSLASH, text)
+    after = _posing_after(text) if headings else _POSING_AFTER.search(text) is not None
+    if (text.startswith(("[", "-> ")) and _POSING_AT.match(text)) or after:
+        return (_POSING_LINE if headings else _POSING_ONLY_LINE).sub(_BACKSLASH, text)
     return text
 
 
@@ -274,7 +268,8 @@ def build_messages(transcript: str, previous_summary: str | None,
     tags in it neutralized); ``limit_tokens``: the most the summary may take, said in the request."""
     transcript = neutralized(transcript)
     # (its ``[user]`` lines escaped as the transcript's are: one posed as a turn; not its headings)
-    previous_summary = summary_data_text(neutralized(previous_summary)) if previous_summary else previous_summary
+    previous_summary = (data_text(neutralized(previous_summary), headings=False) if previous_summary
+                        else previous_summary)
     nonce = nonce_for(previous_summary or "", transcript)
     parts = []
     if previous_summary:
