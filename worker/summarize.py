@@ -366,18 +366,24 @@ def _section_lines(text: str, headings: list[tuple[int, str | None]]) -> list[in
     summary quotes the user's messages, and one holding ``## Current Work`` inside *All User
     Messages* made a valid reply invalid for good (the message stays in every later job's
     targets). The headings at the level the model wrote most of them are tried first: a quoted
-    ``## Pending Tasks`` among ``###`` headings is text, not section 8's heading."""
+    ``## Pending Tasks`` among ``###`` headings is text, not section 8's heading.
+    Each heading is the *last* of its title before the next section's, chosen from the end:
+    a quote can then pose only as the heading of the section it is quoted in, never as a later
+    one's. Chosen from the start, a user message holding ``### Pending Tasks``, ``### Current
+    Work`` and ``### Optional Next Step``, quoted under *All User Messages*, became sections 8-10
+    and the model's own became body text."""
     lines = text.split("\n")
     titled = [(index, title, _level(lines[index])) for index, title in headings if title is not None]
     levels = [level for _, _, level in titled]
     usual = max(set(levels), key=levels.count) if levels else 0
+    last = len(SECTION_TITLES) - 1
     for candidates in ([h for h in titled if h[2] == usual], titled):
         chosen: list[int] = []
-        for index, title, _ in candidates:
-            if len(chosen) < len(SECTION_TITLES) and title == SECTION_TITLES[len(chosen)]:
+        for index, title, _ in reversed(candidates):
+            if len(chosen) < len(SECTION_TITLES) and title == SECTION_TITLES[last - len(chosen)]:
                 chosen.append(index)
         if len(chosen) == len(SECTION_TITLES):
-            return chosen
+            return chosen[::-1]
     return None
 
 
@@ -410,6 +416,8 @@ def extract_summary(reply: str) -> str:
             break
     else:
         raise SummaryInvalid("no <summary>...</summary> block in the reply")
+    if any("<summary>" in other for other in parts if other is not rest):  # (one on each side of the analysis)
+        raise SummaryInvalid("ambiguous reply: a <summary> block on each side of the <analysis> block")
     text = rest[start + len("<summary>"):end].strip().replace("\r\n", "\n")  # (CRLF: headings rewritten, bodies
     tag = _REPLY_TAG.search(text)  # kept their \r: a summary stored with both line endings)
     if tag is not None:
@@ -455,21 +463,29 @@ def _unfenced(text: str) -> str | None:
     return "\n".join(lines[1:-1]).strip()
 
 
+_OTHER_HEADING = re.compile(r" {0,3}###(?:[ \t]|$)")  # a markdown heading at the level of the sections
+
+
 def _canonical_headings(text: str, sections: list[int], headings: list[tuple[int, str | None]]) -> str:
     """``text`` with each section's heading line (``sections``: ``_section_lines``) written
     ``### Title`` (``headings``: the text's ``_headings``): a summary is stored with the headings
     the prompt asked for, however the model wrote them. A heading line in a body that names a section (a quoted ``## Current
     Work``, outside a fenced block) is escaped, ``\\## Current Work``: the sections found at
     the model's level, once all at ``###``, could not be told from such a quote at that level,
-    and every later reader split the summary at the quote (the rest of the section lost)."""
+    and every later reader split the summary at the quote (the rest of the section lost).
+    So is any other ``###`` heading outside a fenced block (``### Notes`` after the last
+    section): the summary has the 10 sections SPEC §1 fixes, not an 11th the agent reads as
+    one of them; other levels stay (a model's sub-headings)."""
     lines = text.split("\n")
     changed = False
     chosen = set(sections)
-    for index, title in headings:
-        if title is not None and index not in chosen:
-            line = lines[index]
+    fenced = fenced_line_starts(text) if "#" in text else set()
+    offset = 0
+    for (index, title), line in zip(headings, lines):
+        if index not in chosen and (title is not None or (_OTHER_HEADING.match(line) and offset not in fenced)):
             at = line.index("#")
             lines[index], changed = f"{line[:at]}\\{line[at:]}", True
+        offset += len(line) + 1
     for index, title in zip(sections, SECTION_TITLES):
         if lines[index] != f"### {title}":
             lines[index], changed = f"### {title}", True
