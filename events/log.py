@@ -480,12 +480,20 @@ class SessionLog:
                             continue
                         if type(event) is dict and event.get("uuid") == uuid:
                             found.add(uuid)
+        if rest and len(found) < len(needles) and _whole_event(rest):  # (see ``read``)
+            uuid = orjson.loads(rest).get("uuid")
+            if type(uuid) is str and uuid in needles:
+                found.add(uuid)
         return found
 
     def read(self, start: int = 0) -> list[dict[str, Any]]:
-        """The events of the complete lines from byte ``start`` on; a torn last line is ignored."""
+        """The events of the complete lines from byte ``start`` on; a torn last line is ignored, a
+        last line that is a whole event missing only its newline is not: the next lock holder ends
+        it with one (``_end_whole_last_line``), and a reader without the lock (the API's context,
+        ``compactor context``) left it out where one with the lock counted it."""
         lines = self._read_bytes(start).split(b"\n")
-        del lines[-1]  # b"" after the last newline, or a torn fragment
+        if not lines[-1] or not _whole_event(lines[-1]):
+            del lines[-1]  # b"" after the last newline, or a torn fragment
         try:
             events = [orjson.loads(line) for line in lines if line]
         except orjson.JSONDecodeError:
