@@ -165,6 +165,15 @@ class LlmTargets:
     # id() of each such copy -> the output it shows elided (the extractive summarizer reads errors in
     # it: the micro step elides long outputs long before a summary, their error lines too)
     full_outputs: dict[int, str] = field(default_factory=dict)
+    # the visible summaries before ``previous_summary``, in log order (a producer's summary that did
+    # not replace the one before it): the new summary folds them in and replaces them too, so the
+    # context holds one summary again (each job replaced only the latest: both stayed for good)
+    earlier_summaries: list[Event] = field(default_factory=list)
+
+    @property
+    def previous_summaries(self) -> list[Event]:
+        """Every visible summary the new one replaces, in log order."""
+        return [*self.earlier_summaries, self.previous_summary] if self.previous_summary is not None else []
 
 
 @dataclass(slots=True)
@@ -180,6 +189,7 @@ class _Scan:
     max_turn: int = 0
     compacts: list[tuple[int, int]] = field(default_factory=list)
     summary: Event | None = None  # the latest visible summary (the first one kept in reverse)
+    earlier: list[Event] = field(default_factory=list)  # the other visible summaries, latest first
 
 
 def _int(value: Any) -> int:
@@ -235,6 +245,8 @@ def _scan(events: list[Event]) -> _Scan:
                 hidden[i] = True  # superseded: not shown, but what it replaced stays hidden
             elif scan.summary is None:
                 scan.summary = event
+            else:
+                scan.earlier.append(event)
             replaces = event.get("replaces")
             if isinstance(replaces, list):
                 replaced.update(r for r in replaces if isinstance(r, str))
@@ -713,6 +725,7 @@ def llm_pass(
     previous = scan.summary
     start_after = _int(previous.get("lastSummarizedTurnId")) if previous else 0
     summarize = end_turn > start_after
+    earlier = scan.earlier[::-1] if summarize else []
     outputs = _Outputs(ctx, _merge_ranges(scan.compacts), micro=micro, before_turn=current - 1)
     min_chars = candidate_min_chars(ctx)
     tokens_of = _ElidedTokens(encoding)
@@ -769,19 +782,19 @@ def llm_pass(
                 kept_min = turn
         elif kind == "summary":
             uuid = event.get("uuid")
-            if event is previous and summarize and isinstance(uuid, str):
+            if summarize and isinstance(uuid, str) and (event is previous or any(event is e for e in earlier)):
                 continue  # replaced by the new summary
             others.append(uuid)
             kept += stamped_tokens(event, encoding)
         elif kind != "rollback" and kind != "session_meta":  # never hidden by a summary
             others.append(event.get("uuid"))
-    if previous is not None and isinstance(previous.get("uuid"), str):
-        replaces.append(previous["uuid"])
+    replaces.extend(summary["uuid"] for summary in (*earlier, previous)
+                    if summary is not None and isinstance(summary.get("uuid"), str))
     compacted = outputs.compacted_after()
     replaced = set(replaces)
     return LlmPass(
         targets=LlmTargets(previous_summary=previous, events=targets, end_turn=end_turn, start_after=start_after,
-                           full_outputs=full_outputs),
+                           full_outputs=full_outputs, earlier_summaries=earlier),
         compact_turns=outputs.compact_turns(),
         blocks=blocks,
         target_tokens=target_tokens,

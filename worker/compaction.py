@@ -135,6 +135,7 @@ from worker.summarize import (
     Summarizer,
     build_messages,
     extract_summary,
+    merged_summaries,
     neutralized,
     render_event,
     render_transcript,
@@ -614,7 +615,7 @@ class Compactor:
         if not session_model:  # (no turn ended yet: the session's window is the default, not this model's)
             return Plan(model, self.model_window(model))
         window = self.model_window(model)
-        needed = self.prompt_tokens(targets.events, targets.previous_summary, view.encoding, target_tokens)
+        needed = self.prompt_tokens(targets.events, targets.previous_summaries, view.encoding, target_tokens)
         if needed + self.ctx.summary_reserve_tokens > window:
             logger.info("compaction model %s too small (%d < %d): using session model %s",
                         model, window, needed + self.ctx.summary_reserve_tokens, session_model)
@@ -626,14 +627,14 @@ class Compactor:
         return model_max_input_tokens(model) or self.ctx.default_context_window
 
     def prompt_tokens(
-        self, events: list[dict[str, Any]], previous: dict[str, Any] | None, encoding: str,
+        self, events: list[dict[str, Any]], previous: list[dict[str, Any]], encoding: str,
         events_tokens: int | None = None,
     ) -> int:
-        """An estimate of the prompt's tokens from the lines' stamps (no re-tokenizing);
-        ``events_tokens``: ``_events_tokens(events, encoding)`` when known."""
+        """An estimate of the prompt's tokens from the lines' stamps (no re-tokenizing), with the
+        ``previous`` summaries; ``events_tokens``: ``_events_tokens(events, encoding)`` when known."""
         total = _system_tokens(encoding) + PROMPT_FRAME_TOKENS
-        if previous is not None:
-            total += stamped_tokens(previous, encoding)
+        for summary in previous:
+            total += stamped_tokens(summary, encoding)
         return total + (_events_tokens(events, encoding) if events_tokens is None else events_tokens)
 
     def _summarize_with(self, model: str, reading: LlmPass, view: _Session, plan: Plan | None = None,
@@ -644,9 +645,8 @@ class Compactor:
         covers (a backlog needing more calls than fit in one job was never summarized: each job
         timed out, its chunks lost, and the next began again)."""
         targets = reading.targets
-        previous = targets.previous_summary
-        previous_text = previous.get("summaryText") if previous else None
-        previous_text = previous_text if isinstance(previous_text, str) else None
+        previous_text = merged_summaries([text for summary in targets.previous_summaries
+                                          if isinstance(text := summary.get("summaryText"), str)])
         limit = self.summary_limit(view.window)
         if model == EXTRACTIVE_MODEL:
             return extractive_summary(targets.events, previous_text, view.encoding, limit_tokens=limit,
@@ -888,9 +888,7 @@ def _covered(reading: LlmPass, covered: int) -> tuple[list[str], int]:
     targets = reading.targets
     end_turn = turn_of(targets.events[covered]) - 1
     replaces = [e["uuid"] for e in targets.events[:covered] if isinstance(e.get("uuid"), str) and turn_of(e) <= end_turn]
-    previous = targets.previous_summary
-    if previous is not None and isinstance(previous.get("uuid"), str):
-        replaces.append(previous["uuid"])
+    replaces.extend(summary["uuid"] for summary in targets.previous_summaries if isinstance(summary.get("uuid"), str))
     return replaces, end_turn
 
 
@@ -1031,8 +1029,8 @@ def _smaller(summary: dict[str, Any], reading: LlmPass) -> bool:
     # of characters shown, was 1 104 tokens for 216 shown, or 196 for 932, the kept ends denser)
     replaced = sum(event_tokens(event, encoding) if id(event) in targets.full_outputs else
                    stamped_tokens(event, encoding) for event in targets.events)
-    if targets.previous_summary is not None:
-        replaced += stamped_tokens(targets.previous_summary, encoding)
+    for previous in targets.previous_summaries:
+        replaced += stamped_tokens(previous, encoding)
     return stamped_tokens(summary, encoding) < replaced
 
 

@@ -538,6 +538,28 @@ def split_sections(text: str) -> dict[str, str]:
     return {title: "\n".join(bodies[title]).strip() for title in SECTION_TITLES if title in bodies}
 
 
+def merged_summaries(texts: list[str]) -> str | None:
+    """One previous summary of the visible ones, in log order (more than one when a producer's
+    summary did not replace the one before it): each section's bodies one after the other when
+    they have the 10 sections, a text without them under *All User Messages* (as the extractive
+    summarizer carries one); None without any."""
+    texts = [text for text in texts if text.strip()]
+    if len(texts) <= 1:
+        return texts[0] if texts else None
+    parsed = [(text, split_sections(text)) for text in texts]
+    whole = [sections for _, sections in parsed if len(sections) == len(SECTION_TITLES)]
+    if not whole:
+        return "\n\n".join(texts)
+    bodies = {title: [body for sections in whole if (body := sections[title]).rstrip(".").lower() not in _NOTHING]
+              for title in SECTION_TITLES}
+    bodies["All User Messages"] += [text.strip() for text, sections in parsed if len(sections) != len(SECTION_TITLES)]
+    merged = "\n\n".join(f"### {title}\n" + ("\n".join(bodies[title]) or "None.") for title in SECTION_TITLES)
+    try:
+        return canonical_summary(merged)  # (a heading a free text holds, escaped)
+    except SummaryInvalid:
+        return "\n\n".join(texts)
+
+
 # -- the litellm call -----------------------------------------------------------------------
 
 _warm_up_lock = threading.Lock()

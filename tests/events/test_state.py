@@ -364,8 +364,10 @@ def test_an_llm_pass_gives_the_targets_and_the_state_a_rebuild_gives_after_the_a
     if not got.events:
         return
     replaces = [e["uuid"] for e in got.events if isinstance(e.get("uuid"), str)]
-    if previous is not None and isinstance(previous.get("uuid"), str):
-        replaces.append(previous["uuid"])
+    # every visible summary is replaced, the latest (``previous``) last: the context keeps one
+    folded = [e for e in view.visible if e.get("type") == "summary" and e is not previous] + [previous]
+    assert got.previous_summaries == ([] if previous is None else folded)
+    replaces += [e["uuid"] for e in got.previous_summaries if isinstance(e.get("uuid"), str)]
     assert reading.replaces == replaces
     new_summary = stamp(summary(replaces, data.draw(texts), end), view.encoding)
     appended = ([] if pending is None else [pending]) + [new_summary]
@@ -374,7 +376,7 @@ def test_an_llm_pass_gives_the_targets_and_the_state_a_rebuild_gives_after_the_a
     if reading.exact:
         assert after == rebuild("s1", "/w", events + appended, ctx, log_size=9)
     else:  # a line that stays visible shares a replaced uuid: it is hidden too, only a rebuild knows
-        stays = [e for e in view.visible if not any(e is t for t in got.events) and e is not previous
+        stays = [e for e in view.visible if not any(e is t for t in got.events + got.previous_summaries)
                  and e.get("type") not in ("rollback", "session_meta")]
         assert any(e.get("uuid") in set(replaces) for e in stays)
 

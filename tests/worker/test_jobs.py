@@ -116,6 +116,33 @@ def test_second_compaction_sends_only_new_turns_and_the_previous_summary_it_repl
     assert [m["content"] for m in view_summaries] == [summary_text("second")]
 
 
+def test_a_producers_summary_left_beside_the_last_one_is_folded_in_and_replaced_with_it(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """A producer's summary that did not replace the visible one left two in the context, and each
+    job after replaced only the latest: the older stayed beside every later summary for good
+    (issue #4: the context never holds more than one summary). The job hands both in, the older
+    first, and replaces both."""
+    write_session(r, wsettings, "s1", 3, output="short output")
+    _run(r, wsettings, "s1", forced=True)
+    [first] = _summaries(wsettings, "s1")
+    write_session(r, wsettings, "s1", 1, first=4, output="short output")
+    producer = {"type": "summary", "uuid": "p1", "replaces": ["u3"], "summaryText": "the producer's own notes",
+                "lastSummarizedTurnId": 3}
+    SessionStore(r, wsettings).apply("s1", CWD, [producer])
+    write_session(r, wsettings, "s1", 2, first=5, output="short output")
+    assert len([m for m in _context_messages(r, wsettings) if m["role"] == "system"]) == 2
+    stub.reply = f"<analysis>a</analysis><summary>\n{summary_text('second')}\n</summary>"
+    _run(r, wsettings, "s1", forced=True)
+    sent = stub.requests[1].user_text
+    assert "stub: primary request" in sent and "the producer's own notes" in sent
+    assert sent.index("stub: all user messages") < sent.index("the producer's own notes")  # (log order)
+    second = _summaries(wsettings, "s1")[-1]
+    assert second["replaces"] == ["u4", "a4", "t4", "u5", "a5", "t5", first["uuid"], "p1"]  # (turn 3: the producer's)
+    assert [m["content"] for m in _context_messages(r, wsettings) if m["role"] == "system"] == [summary_text("second")]
+    _assert_state_is_a_rebuild(r, wsettings, "s1")
+
+
 def test_an_automatic_summary_that_would_not_shrink_the_context_is_not_appended(
     r: redis.Redis, wsettings: Settings, stub: LLMStub
 ) -> None:

@@ -656,3 +656,20 @@ def test_a_summary_block_on_each_side_of_the_analysis_is_ambiguous() -> None:
     with pytest.raises(SummaryInvalid, match="ambiguous reply: a <summary> block on each side"):
         extract_summary(f"<summary>\n{first}\n</summary>\n<analysis>\nx\n</analysis>\n<summary>\n{second}\n</summary>")
     assert extract_summary(f"<analysis>\nx\n</analysis>\n<summary>\n{second}\n</summary>") == second
+
+
+def test_visible_summaries_merge_section_by_section_a_free_text_under_the_user_messages() -> None:
+    """The previous summary handed in when a producer's summary left another visible: one text of
+    the 10 sections (the extractive summarizer split the joined texts at the later one's headings
+    and dropped the earlier whole)."""
+    from worker.summarize import merged_summaries
+
+    older, newer = summary_text("older"), summary_text("newer")
+    merged = merged_summaries([older, "free notes", newer])
+    assert merged is not None
+    sections = split_sections(merged)
+    assert list(sections) == list(SECTION_TITLES)
+    assert sections["Current Work"] == "older: current work\nnewer: current work"
+    assert sections["All User Messages"] == "older: all user messages\nnewer: all user messages\nfree notes"
+    assert merged_summaries([older]) == older and merged_summaries([" "]) is None
+    assert merged_summaries(["a", "b"]) == "a\n\nb"
