@@ -346,7 +346,8 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     if outcome == "claimed":
         _enqueue_forced(client, settings, session_id, job_id)
     else:
-        metrics.JOBS_COALESCED.labels("forced").inc()
+        if outcome != "waiting":  # (a job of its own that waits is counted enqueued once queued, not folded)
+            metrics.JOBS_COALESCED.labels("forced").inc()
         logger.info("forced compaction %s session=%s job=%s", "waits for the pending job" if outcome == "waiting"
                     else "joins the forced job already waiting", session_id, job_id,
                     extra={"session_id": session_id, "job_id": job_id, "kind": "llm", "outcome": outcome})

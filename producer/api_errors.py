@@ -302,7 +302,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+        headers = exc.headers
+        if headers and "GET" in (allow := headers.get("Allow", "").split(", ")) and "HEAD" not in allow:
+            headers = {**headers, "Allow": ", ".join([*allow, "HEAD"])}  # (every GET route answers HEAD too)
+        return error_response(exc.status_code, str(exc.detail), headers=headers)
 
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
         logger.warning("redis unavailable path=%s error=%s", request.url.path, exc)

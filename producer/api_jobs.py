@@ -63,7 +63,8 @@ def error_message(error: str) -> str:
 
 def validate_job_id(job_id: str) -> str:
     if not JOB_ID_RE.fullmatch(job_id):
-        raise ApiError(400, f"jobId: must be 1-{JOB_ID_MAX} letters, digits, '_', '.', ':' or '-'")
+        raise ApiError(400, f"jobId: must be 1-{JOB_ID_MAX} letters, digits, '_', '.', ':' or '-', starting with a "
+                            "letter or digit")
     return job_id
 
 

@@ -163,11 +163,25 @@ def _estimate_now(client: Any, settings: Settings | None, session_id: str, cwd: 
 
 
 def _require_log(settings: Settings, session_id: str, cwd: str) -> None:
-    from events.log import SessionLog
+    """SessionNotFound unless the session has a log under ``cwd``; a session Redis holds under
+    another cwd is refused naming it, as the API does (exit 2: ``no session`` hid the mistake)."""
+    import redis
 
-    if not SessionLog(settings.data_dir, cwd, session_id).found():
-        raise SessionNotFound(f"no session {session_id} under cwd {cwd} "
-                              f"(data dir {settings.data_dir})")
+    from compactor.cli.common import redis_url_of
+    from compactor.store import SessionStore
+    from events.log import SessionLog
+    from producer.api_sessions import not_found
+
+    if SessionLog(settings.data_dir, cwd, session_id).found():
+        return
+    client = redis.Redis.from_url(redis_url_of(settings), socket_timeout=5, socket_connect_timeout=2)
+    try:  # (Redis unreachable: no session, the log is known to be missing)
+        refusal = not_found(SessionStore(client, settings), session_id, cwd)
+    finally:
+        client.close()
+    if not isinstance(refusal, SessionNotFound):
+        raise refusal
+    raise SessionNotFound(f"no session {session_id} under cwd {cwd} (data dir {settings.data_dir})")
 
 
 def context(

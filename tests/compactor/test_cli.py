@@ -1267,6 +1267,18 @@ def test_compact_of_unknown_session_exits_1(runner: CliRunner, settings: Setting
     assert json.loads(result.stdout.splitlines()[-1]) == {"didCompress": False, "released": 0, "promptEstimate": 0}
 
 
+def test_compact_under_another_cwd_than_the_sessions_names_it_exit_2(runner: CliRunner, settings: Settings,
+                                                                      config: Path, r: redis.Redis) -> None:
+    """The API answers 400 naming the cwd the session is bound to; ``compactor compact`` said
+    "no session", exit 1, and the operator looked for a lost log."""
+    write_session(r, settings, 3)
+    result = runner.invoke(app, ["compact", SID, "--cwd", "/elsewhere", *base_args(settings, config)])
+    assert result.exit_code == 2, result.output
+    assert f"session {SID} is bound to cwd '{CWD}', not '/elsewhere'" in result.stderr
+    assert compaction_queue(r, settings).count == 0
+    assert json.loads(result.stdout.splitlines()[-1])["didCompress"] is False
+
+
 def test_compact_that_cannot_queue_a_job_still_ends_with_a_compress_result(
         runner: CliRunner, settings: Settings, config: Path, r: redis.Redis, tmp_path: Path) -> None:
     """SPEC §7: ``compact`` always prints the CompressResult JSON as its last line: a bad session

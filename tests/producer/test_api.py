@@ -392,6 +392,14 @@ def test_an_empty_id_in_the_path_is_400_naming_it(client: TestClient, method: st
     assert error_of(response)["message"].startswith(f"{field}: is empty")
 
 
+@pytest.mark.parametrize("job_id", ["-abc", "_x", ".x"])
+def test_a_job_id_not_starting_with_a_letter_or_digit_is_400_saying_so(client: TestClient, job_id: str) -> None:
+    """The message listed the characters allowed, all of which ``..`` is made of."""
+    response = client.get(f"/api/jobs/{job_id}")
+    assert response.status_code == 400, response.text
+    assert error_of(response)["message"].endswith("starting with a letter or digit")
+
+
 @pytest.mark.parametrize("query,message", [
     ("cwd=/w/%ff", "cwd: is not valid UTF-8"),  # was a 404 for cwd "/w/\ufffd"
     ("cwd=/w/%ED%A0%80", "cwd: is not valid UTF-8"),  # an encoded surrogate
@@ -1383,6 +1391,10 @@ def test_head_answers_like_get_on_every_get_route(client: TestClient) -> None:
         assert head.headers["content-type"] == got.headers["content-type"], path
         assert int(head.headers["content-length"]) == len(got.content) or path == "/metrics", path
     assert client.head(f"/api/sessions/{SID}/events").status_code == 405  # a POST route: no GET to answer as
+    for path in ("/healthz", "/api/jobs/none"):  # a 405's Allow names HEAD beside GET (it said GET alone)
+        refused = client.request("OPTIONS", path)
+        assert (refused.status_code, refused.headers["allow"]) == (405, "GET, HEAD"), path
+    assert client.delete(f"/api/sessions/{SID}/events").headers["allow"] == "POST"
 
 
 def test_openapi_declares_the_errors_the_routes_return_and_no_422(client: TestClient) -> None:

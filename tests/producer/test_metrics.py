@@ -182,6 +182,26 @@ def test_a_backlog_redis_cannot_tell_the_lag_of_is_counted_without_reading_its_e
     assert all(count == 1 for count in read), read
 
 
+def test_a_forced_request_is_coalesced_only_when_it_joins_the_forced_job_waiting(
+        api: TestClient, msettings: Settings, r: redis.Redis, stub: LLMStub) -> None:
+    """The first forced request behind a pending job gets a job of its own (enqueued once that one
+    ends): it was counted coalesced *and* enqueued, one request twice."""
+    Publisher(r, msettings).publish(SID, CWD, [{"type": "session_meta", "model": STUB_MODEL},
+                                               *turn(1), *turn(2), *turn(3)])
+    watcher = Watcher(r, msettings)
+    drain(watcher, r, msettings)  # leaves a job pending
+    watcher.close()
+    before = scrape(api)
+    own = enqueue_compaction(r, msettings, SID, CWD, "llm", forced=True)
+    assert enqueue_compaction(r, msettings, SID, CWD, "llm", forced=True) == own  # joins it
+    queued = scrape(api)
+    assert delta(before, queued, "compactor_jobs_coalesced_total", kind="forced") == 1
+    run_jobs(r, msettings)
+    after = scrape(api)
+    assert delta(before, after, "compactor_jobs_enqueued_total", kind="llm", forced="true") == 1
+    assert delta(before, after, "compactor_jobs_coalesced_total", kind="forced") == 1
+
+
 def test_jobs_llm_calls_and_breaker(api: TestClient, msettings: Settings, r: redis.Redis,
                                     stub: LLMStub) -> None:
     Publisher(r, msettings).publish(SID, CWD, [{"type": "session_meta", "model": STUB_MODEL},
