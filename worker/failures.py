@@ -21,11 +21,14 @@ from events.config import Settings
 logger = logging.getLogger(__name__)
 
 # KEYS: counter, failing index; ARGV: ttl seconds, session id. Returns the new count. The index
-# ({p}:failing) keeps the session until its counter expires, for the breaker gauges.
+# ({p}:failing) keeps the session until its counter expires, for the breaker gauges; the sessions
+# whose counters expired are pruned here too (only a /metrics scrape or the status page pruned
+# them: unscraped, the index kept every session that ever failed).
 _RECORD_FAILURE = """
 local n = redis.call('INCR', KEYS[1])
 if redis.call('TTL', KEYS[1]) < 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
 local now = redis.call('TIME')
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. now[1])
 redis.call('ZADD', KEYS[2], tonumber(now[1]) + redis.call('TTL', KEYS[1]), ARGV[2])
 return n
 """
