@@ -78,6 +78,7 @@ ENDED_STATUSES = frozenset({
     JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED,
 })
 
+FORCED_AFTER_TTL_S = 86_400  # the latest ``after`` of the requests that joined a waiting forced job, kept this long
 FORCED_TRIGGER = "forced:"  # the recorded trigger of a forced job waiting for the claim: forced:{job id}
 
 # Lua shared by the claim scripts: whether the claimed job ``cur`` has ended, or has no RQ hash
@@ -145,17 +146,33 @@ redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[3])
 return {outcome, id, cur or ''}
 """
 
-# KEYS: job claim, retrigger, claims index. ARGV: the forced job's id, session id, RQ job key
-# prefix, stale grace (s). A forced request, or the promotion of the one waiting. The claim
-# free (or stale): claimed by the forced job waiting if there is one, else by this one, and
-# the recorded trigger cleared (the forced job answers it) -> {'claimed', the id to queue}.
-# Else the forced job waits as the trigger ``forced:{id}`` -> {'waiting', id}, unless one
-# already waits -> {'pending', its id}: the caller joins it.
+# KEYS: job claim, retrigger, claims index, joined requests' ``after``. ARGV: the forced job's
+# id, session id, RQ job key prefix, stale grace (s), the request's ``after`` ('' none). A forced
+# request, or the promotion of the one waiting. The claim free (or stale): claimed by the forced
+# job waiting if there is one, else by this one, and the recorded trigger cleared (the forced job
+# answers it) -> {'claimed', the id to queue}. Else the forced job waits as the trigger
+# ``forced:{id}`` -> {'waiting', id}, unless one already waits -> {'pending', its id}: the caller
+# joins it, its ``after`` kept for that job if later than any kept (``worker.jobs.llm_compact``
+# waits for the latest: a joined request's events were compacted only if the first's covered them).
 _FORCE = _LUA_HELPERS + """
+local function later(a, b)
+  if not b then return true end
+  local am, as = string.match(a, '^(%d+)%-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)%-(%d+)$')
+  if not bm then return true end
+  if not am then return false end
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  return am > bm or (am == bm and as > bs)
+end
 local cur = redis.call('GET', KEYS[1])
 if cur and cur ~= ARGV[1] and not is_stale(cur, ARGV[3], ARGV[4]) then
   local t = redis.call('GET', KEYS[2])
-  if is_forced(t) then return {'pending', string.sub(t, #FORCED + 1), cur} end
+  if is_forced(t) then
+    if ARGV[5] ~= '' and later(ARGV[5], redis.call('GET', KEYS[4])) then
+      redis.call('SET', KEYS[4], ARGV[5], 'EX', FORCED_AFTER_TTL)
+    end
+    return {'pending', string.sub(t, #FORCED + 1), cur}
+  end
   redis.call('SET', KEYS[2], FORCED .. ARGV[1])
   redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
   return {'waiting', ARGV[1], cur}
@@ -167,7 +184,7 @@ redis.call('SET', KEYS[1], id)
 redis.call('DEL', KEYS[2])
 redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
 return {'claimed', id, cur or ''}
-"""
+""".replace("FORCED_AFTER_TTL", str(FORCED_AFTER_TTL_S))
 
 
 # KEYS: job claim, retrigger, claims index; ARGV: ending job id, session id.
@@ -337,10 +354,11 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     check_bound_cwd(client, settings, session_id, cwd)
     sync_clock(client)
     queue = compaction_queue(client, settings)
-    job = queue.create_job(**_job_spec(settings, session_id, cwd, new_job_id(session_id, "llm"), True, after),
+    # (``after`` "": none, but the job still takes up the ``after`` of a request that joins it)
+    job = queue.create_job(**_job_spec(settings, session_id, cwd, new_job_id(session_id, "llm"), True, after or ""),
                            status=JobStatus.CREATED)
     job.save()  # before the claim: once recorded as the trigger, the holder's end may queue it
-    outcome, job_id = _force(client, settings, session_id, job.id)
+    outcome, job_id = _force(client, settings, session_id, job.id, after)
     if job_id != job.id:
         job.delete()
     if outcome == "claimed":
@@ -364,10 +382,13 @@ def promote_forced(client: redis.Redis, settings: Settings, session_id: str, job
     return True
 
 
-def _force(client: redis.Redis, settings: Settings, session_id: str, job_id: str) -> tuple[str, str]:
-    """Run ``_FORCE`` for the forced job ``job_id``: (outcome, the id of the job that answers)."""
-    reply: Any = client.eval(_FORCE, 3, *_session_keys(settings, session_id), job_id, session_id,
-                             Job.key_for(""), STALE_CLAIM_GRACE_S)
+def _force(client: redis.Redis, settings: Settings, session_id: str, job_id: str,
+           after: str | None = None) -> tuple[str, str]:
+    """Run ``_FORCE`` for the forced job ``job_id`` (asked for after stream entry ``after``):
+    (outcome, the id of the job that answers)."""
+    reply: Any = client.eval(_FORCE, 4, *_session_keys(settings, session_id),
+                             Keys(settings.redis.prefix, settings.redis.shards).forced_after(session_id), job_id,
+                             session_id, Job.key_for(""), STALE_CLAIM_GRACE_S, after or "")
     outcome, answering, _ = (as_text(part) for part in reply)
     return outcome, answering
 

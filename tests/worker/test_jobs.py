@@ -843,6 +843,32 @@ def test_a_forced_jobs_wait_for_its_after_entry_counts_against_its_timeout(
     assert len(_summaries(small, "s1")) >= 1
 
 
+def test_a_forced_request_joining_a_waiting_job_has_it_wait_for_the_joining_requests_entry(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A second forced request joins the forced job already waiting: that job waited for the first
+    request's ``after`` alone, so the second caller's last events could be missing from the
+    compaction it was answered with."""
+    monkeypatch.setattr(worker_jobs, "AFTER_WAIT_S", 0.3)
+    write_session(r, wsettings, "s1", 3)
+    stream, group = Keys().stream_for("s1"), Keys().group
+    r.xgroup_create(stream, group, id="0", mkstream=True)
+    applied = r.xadd(stream, {"session": "s1"}).decode()
+    r.xreadgroup(group, "c", {stream: ">"})
+    r.xack(stream, group, applied)  # the first request's entry: applied
+    unapplied = r.xadd(stream, {"session": "s1"}).decode()  # the second's: not yet
+    auto = enqueue_compaction(r, wsettings, "s1", CWD, "micro")
+    first = enqueue_compaction(r, wsettings, "s1", CWD, "llm", forced=True, after=applied)
+    assert enqueue_compaction(r, wsettings, "s1", CWD, "llm", forced=True, after=unapplied) == first != auto
+    assert enqueue_compaction(r, wsettings, "s1", CWD, "llm", forced=True, after=applied) == first  # (an earlier one)
+    with caplog.at_level(logging.WARNING, logger="worker.jobs"):
+        run_burst(r, wsettings)
+    assert Job.fetch(first, connection=r).get_status() == JobStatus.FINISHED  # type: ignore[arg-type]
+    assert f"entry {unapplied} of session=s1 not applied" in caplog.text
+    assert not r.exists(Keys().forced_after("s1"))  # taken by the job it was kept for
+
+
 @pytest.mark.slow
 def test_a_fallbacks_chunks_stop_before_the_jobs_timeout_as_the_first_models_do(
     r: redis.Redis, settings: Settings, stub: LLMStub
