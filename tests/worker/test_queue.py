@@ -116,7 +116,7 @@ def test_a_forced_request_claims_a_session_with_no_pending_job(r: redis.Redis, s
     assert forced is not None and pending_job_id(r, settings, "s1") == forced
     job = Job.fetch(forced, connection=r)
     assert job.get_status() == JobStatus.QUEUED and compaction_queue(r, settings).job_ids == [forced]
-    assert job.kwargs == {"forced": True} and job.args == ("s1", CWD)
+    assert job.kwargs == {"forced": True, "after": ""} and job.args == ("s1", CWD)
     assert job.func_name == "worker.jobs.llm_compact"
     assert job.timeout == settings.worker.job_timeout_seconds
 
