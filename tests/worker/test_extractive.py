@@ -779,13 +779,17 @@ def test_the_next_step_is_carried_through_a_batch_without_a_user_message() -> No
 @pytest.mark.parametrize("command, content", [
     ("git log --oneline", True), ("cd /repo && git log --oneline", True), ("cd /repo; cat notes.txt", True),
     ("git -C /repo log", True), ("GIT_PAGER=cat git --no-pager log -5", True), ("rg -n error src | head", True),
-    ("pytest -q | tail -30", False), ("cd /repo && pytest -x 2>&1 | tail", False), ("make && cat out.log", True),
+    ("pytest -q | tail -30", False), ("cd /repo && pytest -x 2>&1 | tail", False), ("make && cat out.log", False),
     ("cat build.log; make", False), ("grep -rn error src || true", True), ("cat f || echo missing", True),
-    ("grep -rn x src; echo done", True),
+    ("grep -rn x src; echo done", True), ("git add -A && git commit -m wip", True),
+    ("go test ./... && git commit -am wip", False), ("npm test && git push", False),
+    ("git stash && pytest -q; git stash pop", False), ("export X=1; cat f", True),
 ])
-def test_a_command_is_taken_for_one_showing_content_by_its_last_pipelines_head(command: str, content: bool) -> None:
+def test_a_command_is_taken_for_one_showing_content_by_its_pipelines_heads(command: str, content: bool) -> None:
     """Only the command string's start was looked at: ``cd /repo && git log`` listed commit subjects
-    ("Fix error handling") as errors."""
+    ("Fix error handling") as errors; then only its last command: ``go test ./... && git commit``
+    dropped the test failures (git's chatter read as content). Content when every command that
+    prints is a reader's or a search's."""
     events = [{"type": "assistant", "turnId": 1, "content": "", "toolCalls": [
                   {"id": "c", "name": "bash", "arguments": {"command": command}}]},
               {"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "bash",
