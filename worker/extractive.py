@@ -774,6 +774,7 @@ def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds:
     """Open checkbox items and TODO / FIXME lines of the messages (not in their fenced code: a code
     block's ``# TODO`` is the code's), less those ticked later (``[x]``), carried ones included."""
     tasks = _OpenTasks(_carried(previous.get("Pending Tasks")))
+    listed_before: set[str] = set()  # the tasks of the last todo list seen in this batch
     for event in events:
         if event.get("type") not in ("user", "assistant"):
             continue
@@ -790,22 +791,31 @@ def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds:
             elif _PENDING.search(line) or (event.get("type") == "user"
                                            and _PENDING_SAID.search(_INLINE_CODE.sub("", line))):
                 tasks.add(f"- {_clip(line.strip().lstrip('-* ').strip(), bounds.line_chars)}")
-        for todo in _todos(event):  # (an agent's todo list tool, Claude Code's ``TodoWrite``: the open ones)
-            if todo["status"] == "completed":
-                tasks.tick(_task(todo["content"]))
-            else:
-                tasks.add(f"- {_clip('[ ] ' + _one_line(todo['content']), bounds.line_chars)}")
+        for todos in _todo_lists(event):  # (an agent's todo list tool, Claude Code's ``TodoWrite``: the open ones)
+            listed = {_task(todo["content"]) for todo in todos}
+            for task in [task for task in listed_before if task not in listed]:  # (a list is sent whole:
+                tasks.tick(task)  # an item it no longer holds was dropped, and stayed pending for good)
+            listed_before = listed
+            for todo in todos:
+                if todo["status"] in _TODO_CLOSED:
+                    tasks.tick(_task(todo["content"]))
+                else:
+                    tasks.add(f"- {_clip('[ ] ' + _one_line(todo['content']), bounds.line_chars)}")
     return "\n".join(list(tasks.items)[-bounds.pending:] if bounds.pending else [])
 
 
-def _todos(event: dict[str, Any]) -> Iterable[dict[str, str]]:
-    """The items of an assistant's todo-list calls (``{"todos": [{"content", "status"}, ...]}``)."""
+_TODO_CLOSED = frozenset({"completed", "cancelled", "canceled"})  # a todo item's statuses that leave it done
+
+
+def _todo_lists(event: dict[str, Any]) -> Iterable[list[dict[str, str]]]:
+    """The item lists of an assistant's todo-list calls (``{"todos": [{"content", "status"}, ...]}``),
+    one per call: each the whole list as it is now."""
     for call in tool_calls(event):
         arguments = _arguments(call.get("arguments"))
         todos = arguments.get("todos") if isinstance(arguments, dict) else None
-        for todo in todos if isinstance(todos, list) else ():
-            if isinstance(todo, dict) and isinstance(todo.get("content"), str) and todo["content"].strip():
-                yield {"content": todo["content"], "status": str(todo.get("status", "pending"))}
+        if isinstance(todos, list):
+            yield [{"content": todo["content"], "status": str(todo.get("status", "pending"))} for todo in todos
+                   if isinstance(todo, dict) and isinstance(todo.get("content"), str) and todo["content"].strip()]
 
 
 class _OpenTasks:

@@ -905,6 +905,20 @@ def test_a_todo_list_tools_open_items_are_pending_until_completed() -> None:
     assert split_sections(second)["Pending Tasks"].splitlines() == ["- [ ] Step 2: migrate module 2"]
 
 
+def test_a_todo_lists_cancelled_and_dropped_items_leave_pending() -> None:
+    """Only ``completed`` closed an item: a ``cancelled`` one (OpenCode's) and one the agent dropped
+    from its list (each call sends the whole list) stayed pending for good."""
+    def todo_write(turn: int, todos: list[tuple[str, str]]) -> dict[str, Any]:
+        return {"type": "assistant", "turnId": turn, "content": "", "toolCalls": [
+            {"id": f"t{turn}", "name": "TodoWrite",
+             "arguments": {"todos": [{"content": content, "status": status} for content, status in todos]}}]}
+
+    events = [todo_write(1, [("Try approach A", "in_progress"), ("Try approach B", "pending"),
+                             ("Migrate the db", "pending")]),
+              todo_write(2, [("Rewrite with approach C", "in_progress"), ("Migrate the db", "cancelled")])]
+    assert split_sections(extractive_summary(events, None))["Pending Tasks"] == "- [ ] Rewrite with approach C"
+
+
 def test_gits_own_failures_in_its_chatter_are_errors() -> None:
     output = ("Auto-merging src/app.py\nCONFLICT (content): Merge conflict in src/app.py\n"
               "Automatic merge failed; fix conflicts and then commit the result.\n"
