@@ -186,9 +186,19 @@ def usable_dir(path: Path, name: str) -> None:
 PORT_WAIT_S = 5.0  # how long a port in use is waited for before the API's start is refused
 
 
-def api_socket(host: str, port: int) -> socket.socket:
+def origin_named(key: str, option: Any, var: str) -> str:
+    """``key`` as an error names it: with the option or the environment variable its value came
+    from (``api.port (from --port)``), as ``load`` names them; as is when the file or the default
+    gave it (``option`` None)."""
+    if option is None:
+        return key
+    return f"{key} (from {var if _from_env(var, option) else OPTION_OF_ENV.get(var, var)})"
+
+
+def api_socket(host: str, port: int, *, host_key: str = "api.host", port_key: str = "api.port") -> socket.socket:
     """A socket bound to ``host:port`` for the API, not yet listening; else exit 2 naming the
-    address and why (the port in use or privileged, not an address of this machine, not a host).
+    address and why (the port in use or privileged, not an address of this machine, not a host),
+    the key by ``host_key``/``port_key`` (``origin_named``).
     A port in use is waited for ``PORT_WAIT_S``: the API of a ``serve`` killed with SIGKILL holds
     it for a second or so, until it sees its parent gone (a restart right after was refused)."""
     deadline = time.monotonic() + PORT_WAIT_S
@@ -207,7 +217,7 @@ def api_socket(host: str, port: int) -> socket.socket:
             if e.errno == errno.EADDRINUSE and time.monotonic() < deadline:
                 time.sleep(0.1)
                 continue
-            key = "api.port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "api.host"
+            key = port_key if e.errno in (errno.EADDRINUSE, errno.EACCES) else host_key
             fail(f"invalid configuration: {key}: cannot listen on {host_port(host, port)}: {e.strerror or e}",
                  EXIT_CONFIG)
 

@@ -34,6 +34,7 @@ from compactor.cli.common import (
     connect,
     fail,
     load,
+    origin_named,
     redis_url_of,
     shards_or_exit,
     setup_logging,
@@ -85,7 +86,8 @@ def serve(
                                     COMPACTION_API_PORT=port, COMPACTION_WORKERS=workers), data_dir)
     # The API child binds it in a moment: a port in use is said now, before Redis and the banner;
     # port 0 becomes the port the OS picked here, so the banner names it (and restarts keep it).
-    with api_socket(settings.api.host, settings.api.port) as sock:
+    with api_socket(settings.api.host, settings.api.port, host_key=origin_named("api.host", host, "COMPACTION_API_HOST"),
+                    port_key=origin_named("api.port", port, "COMPACTION_API_PORT")) as sock:
         bound = int(sock.getsockname()[1])
     check_access_if_up(settings, data_dir=True)  # each child would fail on it, and be restarted, over and over
     with user_errors():
@@ -163,7 +165,9 @@ def api(
     setup_logging(log_level, log_format)
     settings = _with_redis(load(config, redis_url=redis_url, data_dir=data_dir,
                                 COMPACTION_API_HOST=host, COMPACTION_API_PORT=port))
-    sock = api_socket(settings.api.host, settings.api.port)  # before uvicorn, which exits 3 on a bind error
+    sock = api_socket(settings.api.host, settings.api.port,  # before uvicorn, which exits 3 on a bind error
+                      host_key=origin_named("api.host", host, "COMPACTION_API_HOST"),
+                      port_key=origin_named("api.port", port, "COMPACTION_API_PORT"))
     check_access_if_up(settings)  # (a Redis down now is answered 503 meanwhile)
     exit_with_parent()
     application = create_app(settings)

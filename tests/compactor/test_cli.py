@@ -767,9 +767,9 @@ def test_work_gives_up_on_a_worker_process_that_keeps_dying(settings: Settings,
 
 
 @pytest.mark.parametrize("host,key,reason", [
-    ("127.0.0.1", "api.port", "Address already in use"),
-    ("10.255.255.1", "api.host", "Cannot assign requested address"),
-    ("not a host", "api.host", "Name or service not known"),
+    ("127.0.0.1", "api.port (from --port)", "Address already in use"),
+    ("10.255.255.1", "api.host (from --host)", "Cannot assign requested address"),
+    ("not a host", "api.host (from --host)", "Name or service not known"),
 ])
 def test_api_on_an_address_it_cannot_listen_on_is_one_line_and_exit_2(
         runner: CliRunner, settings: Settings, config: Path, host: str, key: str, reason: str) -> None:
@@ -782,6 +782,25 @@ def test_api_on_an_address_it_cannot_listen_on_is_one_line_and_exit_2(
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines() == [
         f"compactor: invalid configuration: {key}: cannot listen on {host}:{port}: {reason}"]
+
+
+def test_a_port_it_cannot_listen_on_is_named_with_where_it_came_from(
+        runner: CliRunner, settings: Settings, config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README: a wrong value from a variable or its option is named with it; the empty and range
+    checks did, the listen check said ``api.port`` whatever set it."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("COMPACTION_API_PORT", str(port))
+        from_env = runner.invoke(app, ["api", *base_args(settings, config)])
+        monkeypatch.delenv("COMPACTION_API_PORT")
+        filed = config.parent / "port.yaml"
+        filed.write_text(config.read_text() + f"\napi:\n  port: {port}\n")
+        from_file = runner.invoke(app, ["api", *base_args(settings, filed)])
+    assert from_env.exit_code == from_file.exit_code == 2, (from_env.output, from_file.output)
+    assert "api.port (from COMPACTION_API_PORT): cannot listen on" in from_env.stderr
+    assert "invalid configuration: api.port: cannot listen on" in from_file.stderr
 
 
 def test_a_child_of_serve_restarted_on_a_read_only_data_dir_starts(tmp_path: Path,

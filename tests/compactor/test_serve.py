@@ -225,7 +225,8 @@ def test_serve_on_a_port_in_use_says_so_before_starting_anything(tmp_path: Path)
                               env=env, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
-        f"compactor: invalid configuration: api.port: cannot listen on 127.0.0.1:{port}: Address already in use"]
+        f"compactor: invalid configuration: api.port (from --port): cannot listen on 127.0.0.1:{port}: "
+        "Address already in use"]
     assert not (tmp_path / "data" / serve.EMBEDDED_DIR_NAME).exists()  # no Redis was started
 
 
