@@ -53,7 +53,8 @@ from rq.utils import as_text
 
 from compactor import metrics
 from compactor.keys import Keys
-from compactor.store import bound_elsewhere, check_logged_cwd
+from compactor.applied import STREAM_ID_RE
+from compactor.store import bound_elsewhere, check_logged_cwd, stream_id_key
 from events.config import Settings
 from events.log import SessionLog
 
@@ -354,15 +355,14 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     check_bound_cwd(client, settings, session_id, cwd)
     sync_clock(client)
     queue = compaction_queue(client, settings)
-    # (``after`` "": none, but the job still takes up the ``after`` of a request that joins it)
-    job = queue.create_job(**_job_spec(settings, session_id, cwd, new_job_id(session_id, "llm"), True, after or ""),
+    job = queue.create_job(**_job_spec(settings, session_id, cwd, new_job_id(session_id, "llm"), True, after),
                            status=JobStatus.CREATED)
     job.save()  # before the claim: once recorded as the trigger, the holder's end may queue it
     outcome, job_id = _force(client, settings, session_id, job.id, after)
     if job_id != job.id:
         job.delete()
-    if outcome == "claimed":
-        _enqueue_forced(client, settings, session_id, job_id)
+    if outcome == "claimed":  # (the forced job that waited, when there was one: this request joins it)
+        _enqueue_forced(client, settings, session_id, job_id, after if job_id != job.id else None)
     else:
         if outcome != "waiting":  # (a job of its own that waits is counted enqueued once queued, not folded)
             metrics.JOBS_COALESCED.labels("forced").inc()
@@ -393,12 +393,14 @@ def _force(client: redis.Redis, settings: Settings, session_id: str, job_id: str
     return outcome, answering
 
 
-def _enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, job_id: str) -> None:
-    """RQ-enqueue the forced job ``job_id`` (created already, its claim made). On an error the
+def _enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, job_id: str,
+                    after: str | None = None) -> None:
+    """RQ-enqueue the forced job ``job_id`` (created already, its claim made), the ``after`` of the
+    requests that joined it while it waited folded in (``after``: one more's). On an error the
     claim is freed and the job recorded as waiting again, so the janitor queues it later."""
     queue = compaction_queue(client, settings)
     try:
-        queue.enqueue_job(Job.fetch(job_id, connection=client))
+        queue.enqueue_job(_with_joined_after(client, settings, session_id, job_id, after))
     except Exception:
         _, retrigger, claims = _session_keys(settings, session_id)
         release_pending(client, settings, session_id, job_id)
@@ -632,9 +634,32 @@ def queue_unqueued_claim(client: redis.Redis, settings: Settings, session_id: st
     claimed_at = client.zscore(Keys(settings.redis.prefix, settings.redis.shards).claims, session_id)
     if claimed_at is None or now - claimed_at <= STALE_CLAIM_GRACE_S:
         return False
-    compaction_queue(client, settings).enqueue_job(Job.fetch(job_id, connection=client))
+    compaction_queue(client, settings).enqueue_job(_with_joined_after(client, settings, session_id, job_id))
     _enqueued(session_id, job_id, True)
     return True
+
+
+def _with_joined_after(client: redis.Redis, settings: Settings, session_id: str, job_id: str,
+                       after: str | None = None) -> Job:
+    """The forced job ``job_id``, about to be queued, waiting for the latest ``after`` of its own,
+    ``after`` and those of the requests that joined it while it waited (``_FORCE`` keeps the latest
+    in ``{p}:forced-after:{sid}``, taken here): it waited for the first request's alone, and a
+    joining caller's last events could be left out of the compaction it was answered with. Set in
+    the job's arguments before it is queued (no worker has it yet; no request joins it since its
+    claim), so a worker of any version runs it."""
+    job = Job.fetch(job_id, connection=client)
+    key = Keys(settings.redis.prefix, settings.redis.shards).forced_after(session_id)
+    pipe = client.pipeline()
+    pipe.get(key)
+    pipe.delete(key)
+    joined = as_text(pipe.execute()[0] or b"")
+    own = job.kwargs.get("after")
+    latest = max((entry for entry in (own, after, joined) if isinstance(entry, str) and STREAM_ID_RE.fullmatch(entry)),
+                 key=stream_id_key, default=None)
+    if latest is not None and latest != own and job.kwargs.get("forced"):
+        job.kwargs = {**job.kwargs, "after": latest}
+        job.save()
+    return job
 
 
 def _job_spec(settings: Settings, session_id: str, cwd: str, job_id: str, forced: bool,

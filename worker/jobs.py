@@ -30,15 +30,10 @@ import logging
 import time
 from typing import Any
 
-import redis
-
 from rq import get_current_job
-from rq.utils import as_text
 
 from compactor import metrics
-from compactor.applied import STREAM_ID_RE, wait_applied
-from compactor.keys import Keys
-from compactor.store import stream_id_key
+from compactor.applied import wait_applied
 from compactor.queue import (
     FORCED_TRIGGER,
     enqueue_compaction,
@@ -56,7 +51,6 @@ from events.errors import (
     SessionNotFound,
     SummaryInvalid,
 )
-from events.config import Settings
 from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, CompressResult
 from events.state import decide
 from worker.compaction import JobRun, LlmFailure
@@ -79,27 +73,10 @@ def llm_compact(session_id: str, cwd: str, forced: bool = False, after: str | No
     the job ran before the log was written and failed ``SessionNotFound``)."""
     started = time.monotonic()  # (the job's timeout runs from here: the wait counts against it)
     context = current()
-    if after is not None:  # ("": a forced job asked for after no entry; a request that joined it may have been)
-        after = _latest_after(context.redis, context.settings, session_id, after)
-    if after and not wait_applied(context.redis, context.settings, session_id, after, AFTER_WAIT_S):
+    if after is not None and not wait_applied(context.redis, context.settings, session_id, after, AFTER_WAIT_S):
         logger.warning("entry %s of session=%s not applied after %.0f s: compacting the log as it is",
                        after, session_id, AFTER_WAIT_S, extra={"session_id": session_id})
     return _run("llm", session_id, cwd, forced=forced, started=started)
-
-
-def _latest_after(client: redis.Redis, settings: Settings, session_id: str, after: str) -> str:
-    """The later of ``after`` and the ``after`` of the forced requests that joined this job while it
-    waited (``compactor.queue.enqueue_forced_compaction``; taken: kept for the next job no more)."""
-    key = Keys(settings.redis.prefix, settings.redis.shards).forced_after(session_id)
-    pipe = client.pipeline()
-    pipe.get(key)
-    pipe.delete(key)
-    joined = as_text(pipe.execute()[0] or b"")
-    if not STREAM_ID_RE.fullmatch(joined):
-        return after
-    if not after or stream_id_key(joined) > stream_id_key(after):
-        return joined
-    return after
 
 
 def _run(kind: str, session_id: str, cwd: str, *, forced: bool, started: float | None = None) -> dict[str, Any]:

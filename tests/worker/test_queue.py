@@ -116,7 +116,7 @@ def test_a_forced_request_claims_a_session_with_no_pending_job(r: redis.Redis, s
     assert forced is not None and pending_job_id(r, settings, "s1") == forced
     job = Job.fetch(forced, connection=r)
     assert job.get_status() == JobStatus.QUEUED and compaction_queue(r, settings).job_ids == [forced]
-    assert job.kwargs == {"forced": True, "after": ""} and job.args == ("s1", CWD)
+    assert job.kwargs == {"forced": True} and job.args == ("s1", CWD)
     assert job.func_name == "worker.jobs.llm_compact"
     assert job.timeout == settings.worker.job_timeout_seconds
 
@@ -146,6 +146,27 @@ def test_a_forced_request_waits_for_the_pending_job_and_the_next_one_joins_it(
     assert enqueue_compaction(r, settings, "s1", CWD, "micro") is None  # an automatic trigger meanwhile
     assert r.get(Keys().retrigger("s1")) == f"{FORCED_TRIGGER}{first}".encode()  # does not replace it
     assert len(r.keys("rq:job:*")) == 2  # the joining request's own job was not kept
+
+
+def test_a_forced_job_is_queued_waiting_for_the_latest_entry_of_the_requests_it_answers(
+    r: redis.Redis, settings: Settings,
+) -> None:
+    """A request that joined the forced job waiting had its ``after`` dropped: the job waited for the
+    first request's alone. The latest is set in the job's arguments as it is queued (a worker of an
+    older version runs it as it is: an ``after`` of ``""`` failed every forced job there)."""
+    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    first = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True, after="5-0")
+    assert enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True, after="10-2") == first
+    assert enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True, after="9-0") == first
+    assert enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True) == first
+    assert auto and first and Job.fetch(first, connection=r).kwargs == {"forced": True, "after": "5-0"}
+    release_pending(r, settings, "s1", auto)  # the claim free, the forced job not queued yet
+    assert enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True, after="7-0") == first  # claims for it
+    assert Job.fetch(first, connection=r).kwargs == {"forced": True, "after": "10-2"}
+    assert not r.exists(Keys().forced_after("s1"))
+    release_pending(r, settings, "s1", first)
+    second = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)  # nothing joined: none waited for
+    assert second and Job.fetch(second, connection=r).kwargs == {"forced": True}
 
 
 def test_a_waiting_forced_job_keeps_waiting_behind_a_job_that_took_the_free_claim_first(
