@@ -575,6 +575,11 @@ def _is_a_number(text: str) -> bool:
 MISSPELT_CUTOFF = 0.75  # difflib's ratio from which an unknown top-level key reads as one of our sections
 
 
+def _folded(key: str) -> str:
+    """A key less its case, ``_`` and ``-``: ``data_dir``, ``DataDir`` and ``data-dir`` are ``datadir``."""
+    return key.lower().replace("_", "").replace("-", "")
+
+
 def misspelt_sections(data: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``(key, section)`` for each unknown top-level key that reads like a section of ours."""
     known = _top_level_keys()  # (``data_dir`` is not ours: the file spells it ``dataDir``)
@@ -605,10 +610,12 @@ def load_settings(
     """
     file, required = config_path(path)
     data = _read_yaml(file, required)
+    ours = {_folded(name): name for name in _top_level_keys()}
     for key in data:  # (other unknown top-level keys are the agent's own: left alone)
-        if isinstance(key, str) and "_" in key and to_camel(key) in _top_level_keys():
-            # the logs went elsewhere with only a warning (``data_dir`` was read until 2026-11-30)
-            raise InvalidConfig(_in_file(key, file), f"unknown key (the file spells it {to_camel(key)})")
+        if isinstance(key, str) and key not in ours.values() and _folded(key) in ours:
+            # the logs went elsewhere with only a warning (``data_dir`` was read until 2026-11-30; ``datadir``,
+            # ``DataDir``, ``data-dir`` were until 2026-12-05, and ``Redis:`` ran an embedded server)
+            raise InvalidConfig(_in_file(key, file), f"unknown key (the file spells it {ours[_folded(key)]})")
     for key, section in misspelt_sections(data):
         logger.warning("%s: unknown top-level key %r ignored; did you mean %r?", file, key, section)
     applied = _apply_env(data, os.environ if environ is None else environ, origins)

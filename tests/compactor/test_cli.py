@@ -248,15 +248,32 @@ def test_a_misspelt_section_is_warned_of_and_the_agents_own_keys_are_not(
     from events.config import Settings, load_settings
 
     config = tmp_path / "c.yaml"
-    config.write_text("contxt:\n  keepRecentTurns: 3\nRedis: {}\nmodel: gpt-4o\ntools: [read_file]\n"
+    config.write_text("contxt:\n  keepRecentTurns: 3\nRediss: {}\nmodel: gpt-4o\ntools: [read_file]\n"
                       "apiKey: x\ncontextWindow: 8000\n")
     with caplog.at_level(logging.WARNING, logger="events.config"):
         settings = load_settings(config, environ={})
     assert settings == Settings()  # still ignored: the file is shared with the agent
     assert sorted(r.getMessage() for r in caplog.records) == [
-        f"{config}: unknown top-level key 'Redis' ignored; did you mean 'redis'?",
+        f"{config}: unknown top-level key 'Rediss' ignored; did you mean 'redis'?",
         f"{config}: unknown top-level key 'contxt' ignored; did you mean 'context'?",
     ]
+
+
+@pytest.mark.parametrize("key,ours", [("datadir", "dataDir"), ("DataDir", "dataDir"), ("data-dir", "dataDir"),
+                                      ("Redis", "redis"), ("CONTEXT", "context")])
+def test_one_of_our_top_level_keys_in_another_case_or_with_a_separator_is_refused(
+    tmp_path: Path, key: str, ours: str,
+) -> None:
+    """Only ``data_dir`` was refused: ``datadir: /srv/logs`` was warned of and ignored, and the logs
+    went to the default dataDir (each session split in two); ``Redis:`` ran an embedded server
+    that no agent published to."""
+    from events.config import load_settings
+    from events.errors import InvalidConfig
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"{key}: {{}}\n" if ours != "dataDir" else f"{key}: /srv/logs\n")
+    with pytest.raises(InvalidConfig, match=f"{key}: unknown key \\(the file spells it {ours}\\)"):
+        load_settings(config, environ={})
 
 
 def test_the_file_takes_its_keys_only_as_spelt_in_camel_case(
