@@ -389,6 +389,16 @@ def config_path(explicit: str | os.PathLike[str] | None) -> tuple[Path, bool]:
     return Path(DEFAULT_CONFIG_FILE), False
 
 
+def file_with_key(explicit: str | os.PathLike[str] | None, key: str) -> Path | None:
+    """The config file (``config_path``) when it sets top-level ``key``, else None (none, or it
+    cannot be read now): what an error about the key's value names in front."""
+    file, required = config_path(explicit)
+    try:
+        return file if key in _read_yaml(file, required) else None
+    except InvalidConfig:
+        return None
+
+
 def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
     if not path.exists():
         if required:

@@ -146,18 +146,23 @@ def outside_the_stack() -> None:
     os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
 
-def usable_data_dir(settings: Settings, option: Path | None = None) -> Settings:
+def usable_data_dir(settings: Settings, option: Path | None = None, config: Path | None = None) -> Settings:
     """``settings`` once their ``dataDir`` exists and takes a file (created when missing); else
-    exit 2 naming it, and where it came from (``option``: the command's ``--data-dir``), before a
-    process starts (logs, the embedded Redis and its socket live there)."""
+    exit 2 naming it, and where it came from (``option``: the command's ``--data-dir``; ``config``:
+    its ``--config``, the file named in front when the value is the file's), before a process
+    starts (logs, the embedded Redis and its socket live there)."""
     from compactor.serve import PARENT_PID_ENV
+    from events.config import file_with_key
     from events.log import keep_data_dir
 
     from_env = os.environ.get("COMPACTION_DATA_DIR")
     if option is not None and not _from_env("COMPACTION_DATA_DIR", option):
         name = f"dataDir (from {OPTION_OF_ENV['COMPACTION_DATA_DIR']})"
+    elif from_env:
+        name = "dataDir (from COMPACTION_DATA_DIR)"
     else:
-        name = "dataDir (from COMPACTION_DATA_DIR)" if from_env else "dataDir"
+        file = file_with_key(config, "dataDir")
+        name = f"{file}: dataDir" if file is not None else "dataDir"
     if not (os.environ.get(PARENT_PID_ENV) and settings.data_dir.is_dir()):
         usable_dir(settings.data_dir, name)
     # else a child of serve (or demo), which checked it at its start: one restarted while the disk

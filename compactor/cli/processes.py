@@ -83,7 +83,7 @@ def serve(
     setup_logging(log_level, log_format)
     os.environ["COMPACTION_LOG_LEVEL"] = log_level  # the children log at the same level
     settings = usable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir, COMPACTION_API_HOST=host,
-                                    COMPACTION_API_PORT=port, COMPACTION_WORKERS=workers), data_dir)
+                                    COMPACTION_API_PORT=port, COMPACTION_WORKERS=workers), data_dir, config)
     # The API child binds it in a moment: a port in use is said now, before Redis and the banner;
     # port 0 becomes the port the OS picked here, so the banner names it (and restarts keep it).
     with api_socket(settings.api.host, settings.api.port, host_key=origin_named("api.host", host, "COMPACTION_API_HOST"),
@@ -108,7 +108,7 @@ def watch(
 
     setup_logging(log_level, log_format)
     loaded = load(config, redis_url=redis_url, data_dir=data_dir)
-    settings = _with_redis_then_data_dir(loaded, data_dir)
+    settings = _with_redis_then_data_dir(loaded, data_dir, config)
     # unreachable now: exit 1, as `work`; an outage later is waited out
     on_its_data_dir(connect(settings, service=True), settings, embedded=_embedded(loaded))
     exit_with_parent()
@@ -136,7 +136,7 @@ def work(
     setup_logging(log_level, log_format)
     loaded = load(config, redis_url=redis_url, data_dir=data_dir, COMPACTION_WORKERS=count,
                   options={"COMPACTION_WORKERS": "--count"})
-    settings = _with_redis_then_data_dir(loaded, data_dir)
+    settings = _with_redis_then_data_dir(loaded, data_dir, config)
     exit_with_parent()
     # one line naming the (redacted) URL when Redis does not answer, as watch says
     on_its_data_dir(connect(settings, service=True), settings, embedded=_embedded(loaded), shards=True)
@@ -223,7 +223,7 @@ def _stopped(_signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(0)
 
 
-def _with_redis_then_data_dir(loaded: Settings, option: Path | None) -> Settings:
+def _with_redis_then_data_dir(loaded: Settings, option: Path | None, config: Path | None) -> Settings:
     """``_with_redis``, with the data dir checked (``usable_data_dir``) before it when that creates
     nothing (it exists, or cannot be created: a file or an unwritable directory on its way), and
     after it when it would create the directory: a start refused for want of a Redis left
@@ -235,10 +235,10 @@ def _with_redis_then_data_dir(loaded: Settings, option: Path | None) -> Settings
     except OSError:  # (a parent that cannot be searched: said as usable_dir says it)
         first = True
     if first:
-        usable_data_dir(loaded, option)
+        usable_data_dir(loaded, option, config)
         return _with_redis(loaded)
     settings = _with_redis(loaded)
-    usable_data_dir(loaded, option)
+    usable_data_dir(loaded, option, config)
     return settings
 
 

@@ -362,7 +362,8 @@ def test_a_data_dir_that_cannot_be_used_is_one_line_and_exit_2(runner: CliRunner
     config.write_text(f"dataDir: {a_file}\n")
     result = runner.invoke(app, [command, "--redis-url", "redis://127.0.0.1:1", "--config", str(config)],
                            env={"COMPACTION_DATA_DIR": ""})
-    assert result.stderr.strip().splitlines() == [f"compactor: invalid configuration: dataDir: {a_file} is not a directory"]
+    assert result.stderr.strip().splitlines() == [  # the file named in front, as for its other wrong values
+        f"compactor: invalid configuration: {config}: dataDir: {a_file} is not a directory"]
     # with no Redis to name either, the data dir is what is said (it said "redis.url: is empty and no
     # `compactor serve` runs under <a file>")
     result = runner.invoke(app, [command, "--data-dir", str(a_file)], env={"REDIS_URL": "", "COMPACTION_DATA_DIR": ""})
