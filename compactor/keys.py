@@ -141,9 +141,6 @@ class Keys:
     def retrigger(self, session_id: str) -> str:
         return f"{self.prefix}:retrigger:{session_id}"
 
-    def forced_after(self, session_id: str) -> str:
-        return f"{self.prefix}:forced-after:{session_id}"
-
     @property
     def claims(self) -> str:
         return f"{self.prefix}:claims"

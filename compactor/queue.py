@@ -79,7 +79,7 @@ ENDED_STATUSES = frozenset({
     JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED,
 })
 
-FORCED_AFTER_TTL_S = 86_400  # the latest ``after`` of the requests that joined a waiting forced job, kept this long
+JOINED_AFTER_FIELD = "compactor_joined_after"  # on a waiting forced job's hash: the latest ``after`` that joined it
 FORCED_TRIGGER = "forced:"  # the recorded trigger of a forced job waiting for the claim: forced:{job id}
 
 # Lua shared by the claim scripts: whether the claimed job ``cur`` has ended, or has no RQ hash
@@ -147,14 +147,13 @@ redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[3])
 return {outcome, id, cur or ''}
 """
 
-# KEYS: job claim, retrigger, claims index, joined requests' ``after``. ARGV: the forced job's
-# id, session id, RQ job key prefix, stale grace (s), the request's ``after`` ('' none). A forced
+# KEYS: job claim, retrigger, claims index. ARGV: the forced job's id, session id, RQ job key
+# prefix, stale grace (s), the request's ``after`` ('' none). A forced
 # request, or the promotion of the one waiting. The claim free (or stale): claimed by the forced
 # job waiting if there is one, else by this one, and the recorded trigger cleared (the forced job
 # answers it) -> {'claimed', the id to queue}. Else the forced job waits as the trigger
 # ``forced:{id}`` -> {'waiting', id}, unless one already waits -> {'pending', its id}: the caller
-# joins it, its ``after`` kept for that job if later than any kept (``worker.jobs.llm_compact``
-# waits for the latest: a joined request's events were compacted only if the first's covered them).
+# joins it, its ``after`` kept on that job's hash if later than any kept there (``_with_joined_after``).
 _FORCE = _LUA_HELPERS + """
 local function later(a, b)
   if not b then return true end
@@ -169,10 +168,13 @@ local cur = redis.call('GET', KEYS[1])
 if cur and cur ~= ARGV[1] and not is_stale(cur, ARGV[3], ARGV[4]) then
   local t = redis.call('GET', KEYS[2])
   if is_forced(t) then
-    if ARGV[5] ~= '' and later(ARGV[5], redis.call('GET', KEYS[4])) then
-      redis.call('SET', KEYS[4], ARGV[5], 'EX', FORCED_AFTER_TTL)
+    local waiting = string.sub(t, #FORCED + 1)
+    local hash = ARGV[3] .. waiting
+    if ARGV[5] ~= '' and redis.call('EXISTS', hash) == 1
+        and later(ARGV[5], redis.call('HGET', hash, 'JOINED_AFTER')) then
+      redis.call('HSET', hash, 'JOINED_AFTER', ARGV[5])
     end
-    return {'pending', string.sub(t, #FORCED + 1), cur}
+    return {'pending', waiting, cur}
   end
   redis.call('SET', KEYS[2], FORCED .. ARGV[1])
   redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
@@ -185,7 +187,7 @@ redis.call('SET', KEYS[1], id)
 redis.call('DEL', KEYS[2])
 redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
 return {'claimed', id, cur or ''}
-""".replace("FORCED_AFTER_TTL", str(FORCED_AFTER_TTL_S))
+""".replace("JOINED_AFTER", JOINED_AFTER_FIELD)
 
 
 # KEYS: job claim, retrigger, claims index; ARGV: ending job id, session id.
@@ -386,9 +388,8 @@ def _force(client: redis.Redis, settings: Settings, session_id: str, job_id: str
            after: str | None = None) -> tuple[str, str]:
     """Run ``_FORCE`` for the forced job ``job_id`` (asked for after stream entry ``after``):
     (outcome, the id of the job that answers)."""
-    reply: Any = client.eval(_FORCE, 4, *_session_keys(settings, session_id),
-                             Keys(settings.redis.prefix, settings.redis.shards).forced_after(session_id), job_id,
-                             session_id, Job.key_for(""), STALE_CLAIM_GRACE_S, after or "")
+    reply: Any = client.eval(_FORCE, 3, *_session_keys(settings, session_id), job_id, session_id, Job.key_for(""),
+                             STALE_CLAIM_GRACE_S, after or "")
     outcome, answering, _ = (as_text(part) for part in reply)
     return outcome, answering
 
@@ -400,7 +401,7 @@ def _enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, jo
     claim is freed and the job recorded as waiting again, so the janitor queues it later."""
     queue = compaction_queue(client, settings)
     try:
-        queue.enqueue_job(_with_joined_after(client, settings, session_id, job_id, after))
+        queue.enqueue_job(_with_joined_after(client, job_id, after))
     except Exception:
         _, retrigger, claims = _session_keys(settings, session_id)
         release_pending(client, settings, session_id, job_id)
@@ -634,25 +635,20 @@ def queue_unqueued_claim(client: redis.Redis, settings: Settings, session_id: st
     claimed_at = client.zscore(Keys(settings.redis.prefix, settings.redis.shards).claims, session_id)
     if claimed_at is None or now - claimed_at <= STALE_CLAIM_GRACE_S:
         return False
-    compaction_queue(client, settings).enqueue_job(_with_joined_after(client, settings, session_id, job_id))
+    compaction_queue(client, settings).enqueue_job(_with_joined_after(client, job_id))
     _enqueued(session_id, job_id, True)
     return True
 
 
-def _with_joined_after(client: redis.Redis, settings: Settings, session_id: str, job_id: str,
-                       after: str | None = None) -> Job:
+def _with_joined_after(client: redis.Redis, job_id: str, after: str | None = None) -> Job:
     """The forced job ``job_id``, about to be queued, waiting for the latest ``after`` of its own,
     ``after`` and those of the requests that joined it while it waited (``_FORCE`` keeps the latest
-    in ``{p}:forced-after:{sid}``, taken here): it waited for the first request's alone, and a
-    joining caller's last events could be left out of the compaction it was answered with. Set in
-    the job's arguments before it is queued (no worker has it yet; no request joins it since its
-    claim), so a worker of any version runs it."""
+    on its hash): it waited for the first request's alone, and a joining caller's last events could
+    be left out of the compaction it was answered with. Set in the job's arguments before it is
+    queued (no worker has it yet; no request joins it since its claim), so a worker of any version
+    runs it."""
     job = Job.fetch(job_id, connection=client)
-    key = Keys(settings.redis.prefix, settings.redis.shards).forced_after(session_id)
-    pipe = client.pipeline()
-    pipe.get(key)
-    pipe.delete(key)
-    joined = as_text(pipe.execute()[0] or b"")
+    joined = as_text(client.hget(job.key, JOINED_AFTER_FIELD) or b"")
     own = job.kwargs.get("after")
     latest = max((entry for entry in (own, after, joined) if isinstance(entry, str) and STREAM_ID_RE.fullmatch(entry)),
                  key=stream_id_key, default=None)

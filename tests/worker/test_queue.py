@@ -163,10 +163,15 @@ def test_a_forced_job_is_queued_waiting_for_the_latest_entry_of_the_requests_it_
     release_pending(r, settings, "s1", auto)  # the claim free, the forced job not queued yet
     assert enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True, after="7-0") == first  # claims for it
     assert Job.fetch(first, connection=r).kwargs == {"forced": True, "after": "10-2"}
-    assert not r.exists(Keys().forced_after("s1"))
+    second = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True, after="11-0")  # waits behind it
+    assert enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True, after="12-0") == second
+    assert Job.fetch(first, connection=r).kwargs["after"] == "10-2"  # not the queued one's: the waiting one's
     release_pending(r, settings, "s1", first)
-    second = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)  # nothing joined: none waited for
-    assert second and Job.fetch(second, connection=r).kwargs == {"forced": True}
+    assert second and promote_forced(r, settings, "s1", second)
+    assert Job.fetch(second, connection=r).kwargs == {"forced": True, "after": "12-0"}
+    release_pending(r, settings, "s1", second)
+    third = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)  # nothing joined: none waited for
+    assert third and Job.fetch(third, connection=r).kwargs == {"forced": True}
 
 
 def test_a_waiting_forced_job_keeps_waiting_behind_a_job_that_took_the_free_claim_first(
