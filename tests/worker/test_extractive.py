@@ -806,7 +806,7 @@ def test_passed_lines_and_done_marks_are_read_in_linear_time(output: str) -> Non
               {"type": "user", "turnId": 1, "content": output}]
     started = time.monotonic()
     extractive_summary(events, None)
-    assert time.monotonic() - started < 5  # (quadratic: 40 s and 64 s)
+    assert time.monotonic() - started < 10  # (quadratic: 22 s to 64 s; linear: ~1-3 s, tokenizing most of it)
 
 
 def test_a_checklist_restated_many_times_is_read_in_linear_time() -> None:

@@ -673,3 +673,26 @@ def test_visible_summaries_merge_section_by_section_a_free_text_under_the_user_m
     assert sections["All User Messages"] == "older: all user messages\nnewer: all user messages\nfree notes"
     assert merged_summaries([older]) == older and merged_summaries([" "]) is None
     assert merged_summaries(["a", "b"]) == "a\n\nb"
+
+
+def test_a_pasted_template_of_the_ten_headings_stays_in_the_section_quoting_it() -> None:
+    """Each heading chosen as the last of its title, a user's pasted template of the 10 headings
+    under All User Messages became sections 1-7, and the model's own sections 1-7 text before the
+    first (dropped by every reader)."""
+    bodies = {title: f"about {title.lower()}" for title in SECTION_TITLES}
+    template = "\n".join(f"### {title}" for title in SECTION_TITLES)
+    bodies["All User Messages"] = f"- fill in this template:\n{template}"
+    body = "\n".join(f"### {title}\n{bodies[title]}" for title in SECTION_TITLES)
+    sections = split_sections(extract_summary(f"<summary>\n{body}\n</summary>"))
+    assert sections["Primary Request"] == "about primary request"
+    assert sections["Current Work"] == "about current work"
+    assert sections["All User Messages"] == "- fill in this template:\n" + template.replace("###", "\\###")
+
+
+def test_a_last_section_quoting_its_own_heading_keeps_the_section_before_whole() -> None:
+    bodies = {title: f"about {title.lower()}" for title in SECTION_TITLES}
+    bodies["Optional Next Step"] = "Continue with the user's words:\n### Optional Next Step"
+    body = "\n".join(f"### {title}\n{bodies[title]}" for title in SECTION_TITLES)
+    sections = split_sections(extract_summary(f"<summary>\n{body}\n</summary>"))
+    assert sections["Current Work"] == "about current work"
+    assert sections["Optional Next Step"] == "Continue with the user's words:\n\\### Optional Next Step"
