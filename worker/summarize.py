@@ -450,7 +450,8 @@ def extract_summary(reply: str) -> str:
             break
     else:
         raise SummaryInvalid("no <summary>...</summary> block in the reply")
-    if any("<summary>" in other for other in parts if other is not rest):  # (one on each side of the analysis)
+    if any("</summary>" in other[other.find("<summary>"):] for other in parts if other is not rest and
+           "<summary>" in other):  # (a whole block on each side of the analysis; a tag named is no block)
         raise SummaryInvalid("ambiguous reply: a <summary> block on each side of the <analysis> block")
     text = rest[start + len("<summary>"):end].strip().replace("\r\n", "\n")  # (CRLF: headings rewritten, bodies
     tag = _REPLY_TAG.search(text)  # kept their \r: a summary stored with both line endings)

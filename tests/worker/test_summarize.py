@@ -656,6 +656,11 @@ def test_a_summary_block_on_each_side_of_the_analysis_is_ambiguous() -> None:
     with pytest.raises(SummaryInvalid, match="ambiguous reply: a <summary> block on each side"):
         extract_summary(f"<summary>\n{first}\n</summary>\n<analysis>\nx\n</analysis>\n<summary>\n{second}\n</summary>")
     assert extract_summary(f"<analysis>\nx\n</analysis>\n<summary>\n{second}\n</summary>") == second
+    # a tag only named on the other side is no block (each was refused, a failure counted)
+    assert extract_summary(f"I will write the <summary> after my analysis.\n<analysis>\nx\n</analysis>\n"
+                           f"<summary>\n{second}\n</summary>") == second
+    assert extract_summary(f"<summary>\n{second}\n</summary>\n<analysis>\nx\n</analysis>\n"
+                           "Note: the <summary> above covers turns 1-5.") == second
 
 
 def test_visible_summaries_merge_section_by_section_a_free_text_under_the_user_messages() -> None:
