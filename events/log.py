@@ -488,12 +488,13 @@ class SessionLog:
 
     def read(self, start: int = 0) -> list[dict[str, Any]]:
         """The events of the complete lines from byte ``start`` on; a torn last line is ignored, a
-        last line that is a whole event missing only its newline is not: the next lock holder ends
-        it with one (``_end_whole_last_line``), and a reader without the lock (the API's context,
-        ``compactor context``) left it out where one with the lock counted it."""
+        last line that is a whole event missing only its newline is not by a reader without the
+        lock: the next lock holder ends it with one (``_end_whole_last_line``), and such a reader
+        (the API's context, ``compactor context``) left it out where one with the lock counted it."""
         lines = self._read_bytes(start).split(b"\n")
-        if not lines[-1] or not _whole_event(lines[-1]):
-            del lines[-1]  # b"" after the last newline, or a torn fragment
+        if not lines[-1] or self._lock_fd is not None or not _whole_event(lines[-1]):
+            del lines[-1]  # b"" after the last newline, or a torn fragment (under the lock: one whose newline
+            # could not be written as the lock was taken, which the sizes the holder stores leave out)
         try:
             events = [orjson.loads(line) for line in lines if line]
         except orjson.JSONDecodeError:
