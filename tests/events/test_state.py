@@ -365,7 +365,8 @@ def test_an_llm_pass_gives_the_targets_and_the_state_a_rebuild_gives_after_the_a
         return
     replaces = [e["uuid"] for e in got.events if isinstance(e.get("uuid"), str)]
     # every visible summary is replaced, the latest (``previous``) last: the context keeps one
-    folded = [e for e in view.visible if e.get("type") == "summary" and e is not previous] + [previous]
+    folded = [e for e in view.visible if e.get("type") == "summary" and e is not previous
+              and isinstance(e.get("uuid"), str)] + [previous]  # (one without a uuid cannot be replaced)
     assert got.previous_summaries == ([] if previous is None else folded)
     replaces += [e["uuid"] for e in got.previous_summaries if isinstance(e.get("uuid"), str)]
     assert reading.replaces == replaces
@@ -424,3 +425,16 @@ def test_every_state_records_the_settings_it_was_derived_under() -> None:
     assert rebuild("s1", "/w", events, ctx, 0).settings == ctx.state_fingerprint
     state = rebuild("s1", "/w", events, ctx, 0)
     assert SessionState.from_hash(state.to_hash()) == state
+
+
+def test_an_llm_pass_folds_in_every_visible_summary_it_can_replace() -> None:
+    """A producer's summary beside the worker's: the new summary replaces both (each job replaced
+    the latest alone, the other stayed for good); one without a uuid cannot be replaced, so it is
+    not folded in (folded, it came back in every summary after, once more each time)."""
+    older, bare = summary([], "older", 1), {**summary([], "bare", 1), "uuid": None}
+    latest = summary([], "latest", 2)
+    events = [*simple_turn(1), older, bare, *simple_turn(2), latest, *simple_turn(3), *simple_turn(4),
+              *simple_turn(5)]
+    reading = llm_pass(events, ContextSettings(keep_recent_turns=1), micro=False, render=_render)
+    assert reading.targets.previous_summaries == [older, latest]
+    assert reading.replaces[-2:] == [older["uuid"], latest["uuid"]]
