@@ -499,6 +499,7 @@ def _unfenced(text: str) -> str | None:
 
 
 _OTHER_HEADING = re.compile(r" {0,3}###(?:[ \t]|$)")  # a markdown heading at the level of the sections
+_HEADING_LINE = re.compile(r"^(?= {0,3}#{1,6}(?:[ \t]|$))", re.MULTILINE)  # where each markdown heading starts
 
 
 def _canonical_headings(text: str, sections: list[int], headings: list[tuple[int, str | None]]) -> str:
@@ -576,18 +577,27 @@ def split_sections(text: str) -> dict[str, str]:
 def merged_summaries(texts: list[str]) -> str | None:
     """One previous summary of the visible ones, in log order (more than one when a producer's
     summary did not replace the one before it): each section's bodies one after the other when
-    they have the 10 sections, a text without them under *All User Messages* (as the extractive
-    summarizer carries one); None without any."""
+    they have the 10 sections, a text without them, and what one has before its first heading,
+    under *All User Messages* (as the extractive summarizer carries one), its headings escaped
+    (a text with 9 of the 10 took the sections 1-7 of the other over); None without any."""
     texts = [text for text in texts if text.strip()]
     if len(texts) <= 1:
         return texts[0] if texts else None
-    parsed = [(text, split_sections(text)) for text in texts]
-    whole = [sections for _, sections in parsed if len(sections) == len(SECTION_TITLES)]
+    whole: list[dict[str, str]] = []
+    loose: list[str] = []  # the texts without the 10 sections, and what a summary has before its first
+    for text in texts:
+        lines = _section_lines(text, _headings(text))
+        if lines is None:
+            loose.append(_HEADING_LINE.sub(_BACKSLASH, text.strip()))  # (its headings would take others' place)
+            continue
+        whole.append(split_sections(text))
+        if preamble := "\n".join(text.split("\n")[:lines[0]]).strip():
+            loose.append(_HEADING_LINE.sub(_BACKSLASH, preamble))
     if not whole:
         return "\n\n".join(texts)
     bodies = {title: [body for sections in whole if (body := sections[title]).rstrip(".").lower() not in _NOTHING]
               for title in SECTION_TITLES}
-    bodies["All User Messages"] += [text.strip() for text, sections in parsed if len(sections) != len(SECTION_TITLES)]
+    bodies["All User Messages"] += loose
     merged = "\n\n".join(f"### {title}\n" + ("\n".join(bodies[title]) or "None.") for title in SECTION_TITLES)
     try:
         return canonical_summary(merged)  # (a heading a free text holds, escaped)
