@@ -202,7 +202,8 @@ _CONTENT_COMMAND = re.compile(r"(?:grep|egrep|fgrep|rg|ag|ack|cat|bat|less|more|
                               r"add|stash|branch|fetch|rebase))\b")  # (git's own chatter: "[main 1a2b] Fix TypeError")
 _COMMAND_PREFIX = re.compile(r"(?:\w+=\S*\s+)*(?:(?:sudo|env|command|exec|time|nice)\s+)*")  # (``GIT_PAGER=cat``)
 # a command that prints nothing of a run's (``cd repo``, ``|| true``, ``; echo done``)
-_NEUTRAL = re.compile(r"(?:true|:|echo|printf|exit|cd|pushd|popd|export|set|source|\.)(?:\s|$)")
+_NEUTRAL = re.compile(r"(?:true|false|:|echo|printf|exit|cd|pushd|popd|export|set|unset|source|\.|alias|test|\[|\[\[|"
+                      r"pwd|mkdir|touch|sleep|which|type|clear)(?:\s|$)")
 _GIT_OPTIONS = re.compile(r"git\s+(?:(?:-C|-c|--git-dir|--work-tree)\s+\S+\s+|--no-pager\s+|-P\s+)+")
 _COMMAND_ARGUMENT = ("command", "cmd", "script", "commandLine", "shell_command")
 _SHELLS = frozenset({"sh", "bash", "zsh", "dash", "ksh"})
@@ -669,7 +670,7 @@ def _shows_content(command: str) -> bool:
     test failures it printed."""
     shown = False
     for part in re.split(r"&&|\|\||;|\n", command):
-        head = part.split("|", 1)[0].strip()
+        head = part.split("|", 1)[0].strip().lstrip("({ \t").rstrip(")} \t")  # (``(cd sub && cat f)``)
         prefix = _COMMAND_PREFIX.match(head)
         head = head[prefix.end():] if prefix else head
         if not head or _NEUTRAL.match(head):
@@ -791,11 +792,14 @@ def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds:
             elif _PENDING.search(line) or (event.get("type") == "user"
                                            and _PENDING_SAID.search(_INLINE_CODE.sub("", line))):
                 tasks.add(f"- {_clip(line.strip().lstrip('-* ').strip(), bounds.line_chars)}")
-        for todos in _todo_lists(event):  # (an agent's todo list tool, Claude Code's ``TodoWrite``: the open ones)
+        for todos, whole in _todo_lists(event):  # (an agent's todo list tool, Claude Code's ``TodoWrite``)
             listed = {_task(todo["content"]) for todo in todos}
-            for task in [task for task in listed_before if task not in listed]:  # (a list is sent whole:
-                tasks.tick(task)  # an item it no longer holds was dropped, and stayed pending for good)
-            listed_before = listed
+            if whole:  # (a list sent whole: an item it no longer holds was dropped, and stayed pending for good;
+                for task in [task for task in listed_before if task not in listed]:  # ``merge: true``, Cursor's
+                    tasks.tick(task)  # update of some items, leaves the others as they are)
+                listed_before = listed
+            else:
+                listed_before |= listed
             for todo in todos:
                 if todo["status"] in _TODO_CLOSED:
                     tasks.tick(_task(todo["content"]))
@@ -807,15 +811,16 @@ def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds:
 _TODO_CLOSED = frozenset({"completed", "cancelled", "canceled"})  # a todo item's statuses that leave it done
 
 
-def _todo_lists(event: dict[str, Any]) -> Iterable[list[dict[str, str]]]:
+def _todo_lists(event: dict[str, Any]) -> Iterable[tuple[list[dict[str, str]], bool]]:
     """The item lists of an assistant's todo-list calls (``{"todos": [{"content", "status"}, ...]}``),
-    one per call: each the whole list as it is now."""
+    one per call, and whether it is the whole list as it is now (not ``"merge": true``)."""
     for call in tool_calls(event):
         arguments = _arguments(call.get("arguments"))
-        todos = arguments.get("todos") if isinstance(arguments, dict) else None
-        if isinstance(todos, list):
-            yield [{"content": todo["content"], "status": str(todo.get("status", "pending"))} for todo in todos
-                   if isinstance(todo, dict) and isinstance(todo.get("content"), str) and todo["content"].strip()]
+        if not isinstance(arguments, dict) or not isinstance(todos := arguments.get("todos"), list):
+            continue
+        yield ([{"content": todo["content"], "status": str(todo.get("status", "pending"))} for todo in todos
+                if isinstance(todo, dict) and isinstance(todo.get("content"), str) and todo["content"].strip()],
+               arguments.get("merge") is not True)
 
 
 class _OpenTasks:

@@ -784,6 +784,8 @@ def test_the_next_step_is_carried_through_a_batch_without_a_user_message() -> No
     ("grep -rn x src; echo done", True), ("git add -A && git commit -m wip", True),
     ("go test ./... && git commit -am wip", False), ("npm test && git push", False),
     ("git stash && pytest -q; git stash pop", False), ("export X=1; cat f", True),
+    ("[ -f x ] && cat x", True), ("(cd sub && cat f)", True), ("pwd && ls", True), ("mkdir -p out && ls out", True),
+    ("sleep 2; tail -50 log", True), ("which python && cat x", True),
 ])
 def test_a_command_is_taken_for_one_showing_content_by_its_pipelines_heads(command: str, content: bool) -> None:
     """Only the command string's start was looked at: ``cd /repo && git log`` listed commit subjects
@@ -917,6 +919,11 @@ def test_a_todo_lists_cancelled_and_dropped_items_leave_pending() -> None:
                              ("Migrate the db", "pending")]),
               todo_write(2, [("Rewrite with approach C", "in_progress"), ("Migrate the db", "cancelled")])]
     assert split_sections(extractive_summary(events, None))["Pending Tasks"] == "- [ ] Rewrite with approach C"
+    # a partial update (Cursor's ``merge: true``) leaves the items it does not list as they are
+    merged = todo_write(2, [("Try approach A", "completed")])
+    merged["toolCalls"][0]["arguments"]["merge"] = True
+    assert split_sections(extractive_summary([events[0], merged], None))["Pending Tasks"].splitlines() == [
+        "- [ ] Try approach B", "- [ ] Migrate the db"]
 
 
 def test_gits_own_failures_in_its_chatter_are_errors() -> None:
