@@ -679,6 +679,22 @@ def test_a_trim_loss_found_by_the_check_that_settles_a_lettered_xdel_is_lettered
     assert len(unread_letters(r)) == 2  # lettered once
 
 
+def test_a_trim_of_read_entries_only_at_the_check_that_settles_a_lettered_xdel_is_no_loss(
+        any_server: redis.Redis) -> None:
+    """The stream's first entry past the group's position is the next one to read, not a gap, when
+    the trim took read entries only: it was lettered as a loss."""
+    shard, r = _Shard(any_server), any_server
+    shard.add(*range(1, 6))
+    shard.read(count=2)
+    r.xdel(shard.stream, "3-0")
+    shard.trim()
+    shard.read()  # 4, 5: across the deleted 3
+    shard.add(6)
+    r.xtrim(shard.stream, maxlen=1, approximate=False)  # 6 kept: read entries only gone
+    shard.trim(2)
+    assert [(f[b"id"], f[b"after"]) for f in unread_letters(r)] == [(b"3-0", b"2-0")]
+
+
 def test_the_watchers_own_trims_and_deletions_of_read_entries_are_not_taken_for_unread_losses(
     r: redis.Redis, small: Settings,
 ) -> None:
