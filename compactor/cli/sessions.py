@@ -167,21 +167,24 @@ def _require_log(settings: Settings, session_id: str, cwd: str) -> None:
     another cwd is refused naming it, as the API does (exit 2: ``no session`` hid the mistake)."""
     import redis
 
-    from compactor.cli.common import redis_url_of
+    from compactor.serve import client_redis_url
     from compactor.store import SessionStore
+    from events.errors import InvalidConfig
     from events.log import SessionLog
     from producer.api_sessions import not_found
 
     if SessionLog(settings.data_dir, cwd, session_id).found():
         return
-    client = redis.Redis.from_url(redis_url_of(settings), socket_timeout=5, socket_connect_timeout=2)
-    try:  # (Redis unreachable: no session, the log is known to be missing)
+    missing = SessionNotFound(f"no session {session_id} under cwd {cwd} (data dir {settings.data_dir})")
+    try:  # (no Redis to ask, or it does not answer: no session, the log is known to be missing)
+        client = redis.Redis.from_url(client_redis_url(settings), socket_timeout=5, socket_connect_timeout=2)
+    except InvalidConfig:
+        raise missing from None
+    try:
         refusal = not_found(SessionStore(client, settings), session_id, cwd)
     finally:
         client.close()
-    if not isinstance(refusal, SessionNotFound):
-        raise refusal
-    raise SessionNotFound(f"no session {session_id} under cwd {cwd} (data dir {settings.data_dir})")
+    raise missing if isinstance(refusal, SessionNotFound) else refusal
 
 
 def context(

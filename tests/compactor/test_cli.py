@@ -1316,6 +1316,15 @@ def test_compact_under_another_cwd_than_the_sessions_names_it_exit_2(runner: Cli
     assert json.loads(result.stdout.splitlines()[-1])["didCompress"] is False
 
 
+def test_compact_of_unknown_session_with_no_redis_to_ask_is_still_no_session(runner: CliRunner,
+                                                                                tmp_path: Path) -> None:
+    """The embedded default, no serve running: asking Redis for the cwd the session is bound to
+    made a missing log a configuration error (exit 2, "redis.url: is empty ...")."""
+    result = runner.invoke(app, ["compact", SID, "--cwd", CWD, "--data-dir", str(tmp_path)], env={"REDIS_URL": ""})
+    assert result.exit_code == 1, result.output
+    assert "no session" in result.stderr and "redis.url" not in result.stderr
+
+
 def test_compact_that_cannot_queue_a_job_still_ends_with_a_compress_result(
         runner: CliRunner, settings: Settings, config: Path, r: redis.Redis, tmp_path: Path) -> None:
     """SPEC §7: ``compact`` always prints the CompressResult JSON as its last line: a bad session
