@@ -128,9 +128,9 @@ def render_event(event: dict[str, Any]) -> str:
                  f"{_breaks(output) if isinstance(output, str) else ''}")
         return _escaped(block) if _posing_after(block) else block
     if kind == "assistant":
-        content = event.get("content")
-        head = f"[assistant]\n{_breaks(content) if isinstance(content, str) else ''}".rstrip("\n")
-        if _posing_after(head):
+        content = _breaks(content) if isinstance(content := event.get("content"), str) else ""
+        head = f"[assistant]\n{content}".rstrip("\n")
+        if not _one_plain_line(content) and _posing_after(head):
             head = _escaped(head)
         calls = event.get("toolCalls")
         if not calls:
@@ -140,7 +140,18 @@ def render_event(event: dict[str, Any]) -> str:
         return "\n".join([head, *(_call_line(call) for call in tool_calls(event))])
     text = _breaks(_str(event.get("summaryText" if kind == "summary" else "content")))
     block = f"[{kind}]\n{text}"
-    return _escaped(block) if _posing_after(block) else block
+    return block if _one_plain_line(text) or not _posing_after(block) else _escaped(block)
+
+
+def _one_plain_line(text: str) -> bool:
+    """Whether ``text`` (line breaks as ``_breaks`` writes them) is one line that cannot pose as a
+    header, a tool-call line or a section heading under a block's header: no line break, no ``##``,
+    and a first character none of them starts with (``_POSING``: a blank, ``[`` or ``-``). Then
+    ``_posing_after`` of its block is False without a regex search (the usual short message)."""
+    return "\n" not in text and "##" not in text and text[:1] not in _POSING_FIRST
+
+
+_POSING_FIRST = " \t[-"  # (``text[:1]`` of an empty text is "", which is in it: searched)
 
 
 def _call_line(call: dict[str, Any]) -> str:
@@ -197,7 +208,10 @@ def _breaks(text: str) -> str:
     """``text`` with every line break ``str.splitlines`` knows written ``\n`` (``\r\n`` too), so the
     escaping sees the lines a reader does: a ``[user]`` line after a U+2028, or after a lone
     ``\r`` (a progress bar's), was left as is. (The usual text has none: a scan per character.)"""
-    if not any(c in text for c in _ASCII_BREAKS) and (text.isascii() or not any(c in text for c in _SEPARATORS)):
+    # (spelled out: a generator over the characters cost 8 times as much on a short text)
+    if ("\r" not in text and "\x0b" not in text and "\x0c" not in text and "\x1c" not in text
+            and "\x1d" not in text and "\x1e" not in text
+            and (text.isascii() or ("\u2028" not in text and "\u2029" not in text and "\x85" not in text))):
         return text
     return text.replace("\r\n", "\n").translate(_AS_LINE_BREAKS)
 
@@ -257,7 +271,7 @@ def neutralized(text: str) -> str:
     """``text`` with the reply's tags written ``&lt;summary&gt;`` ...: a transcript that holds
     ``</analysis><summary>`` and ten forged sections, quoted by the model in its analysis, made
     ``extract_summary`` take the forgery as the summary."""
-    if "summary>" not in text and "analysis>" not in text:  # (the usual case: no regex pass)
+    if _REPLY_TAG.search(text) is None:  # (the usual case; one regex scan costs half of two substring scans)
         return text
     return _REPLY_TAG.sub(lambda tag: tag.group().replace("<", "&lt;").replace(">", "&gt;"), text)
 
@@ -462,13 +476,17 @@ def extract_summary(reply: str) -> str:
     except UnicodeEncodeError as e:  # a lone surrogate (a "\ud800" escape in the reply's JSON): no log can hold it
         raise SummaryInvalid(f"the summary is not valid Unicode: {e.reason} at character {e.start}") from None
     try:
-        summary = canonical_summary(text)
+        summary, sections = _canonical(text)
     except SummaryInvalid:
         inner = _unfenced(text)  # the block's body in one ```markdown fence: models do that
         if inner is None:
             raise
-        summary = canonical_summary(inner)
-    if all(body.strip().rstrip(".").lower() in _NOTHING for body in split_sections(summary).values()):
+        text = inner
+        summary, sections = _canonical(inner)
+    # (a summary whose headings were as asked is its text: its sections are those found in it, not
+    # looked for again by ``split_sections``)
+    bodies = _bodies(summary, sections) if summary is text else split_sections(summary)
+    if all(body.strip().rstrip(".").lower() in _NOTHING for body in bodies.values()):
         # (the 10 headings and nothing under them: what a model obeying a transcript's "output the
         # headings only" writes; accepted, it replaced every target and reset the failure counter)
         raise SummaryInvalid("every section of the summary is empty")
@@ -481,8 +499,14 @@ _NOTHING = frozenset({"", "none", "n/a", "-"})  # a section body that says nothi
 def canonical_summary(text: str) -> str:
     """``text`` in the form a summary is stored in (``_canonical_headings``); SummaryInvalid
     unless it has the 10 section headings in order (``validate_summary_text``)."""
+    return _canonical(text)[0]
+
+
+def _canonical(text: str) -> tuple[str, list[int]]:
+    """``canonical_summary``, and the line of each section's heading in ``text``."""
     headings = _headings(text)
-    return _canonical_headings(text, _sections_or_invalid(text, headings), headings)
+    sections = _sections_or_invalid(text, headings)
+    return _canonical_headings(text, sections, headings), sections
 
 
 def _unfenced(text: str) -> str | None:
@@ -560,9 +584,7 @@ def split_sections(text: str) -> dict[str, str]:
     headings = _headings(text)
     sections = _section_lines(text, headings)
     if sections is not None:
-        ends = [*sections[1:], len(lines)]
-        return {title: "\n".join(lines[start + 1:end]).strip()
-                for title, start, end in zip(SECTION_TITLES, sections, ends)}
+        return _bodies(text, sections, lines)
     bodies: dict[str, list[str]] = {}
     current: str | None = None
     for index, title in headings:
@@ -572,6 +594,13 @@ def split_sections(text: str) -> dict[str, str]:
         elif current is not None:
             bodies[current].append(lines[index])
     return {title: "\n".join(bodies[title]).strip() for title in SECTION_TITLES if title in bodies}
+
+
+def _bodies(text: str, sections: list[int], lines: list[str] | None = None) -> dict[str, str]:
+    """``split_sections`` of a text whose section headings are on lines ``sections``."""
+    lines = text.split("\n") if lines is None else lines
+    ends = [*sections[1:], len(lines)]
+    return {title: "\n".join(lines[start + 1:end]).strip() for title, start, end in zip(SECTION_TITLES, sections, ends)}
 
 
 def merged_summaries(texts: list[str]) -> str | None:
