@@ -150,9 +150,9 @@ return acked
 #   tombstones behind it, and the counts rules then lettered the same loss again (caught up) or a
 #   loss that never was (a trim after): the first check once the group has read across the mark
 #   settles it and letters nothing, the counter set to A when caught up, else made unknown until the
-#   group reaches the end (Redis then sets it right; a trim loss in that window goes unseen, but one
-#   found by the settling check itself, the stream's first entry past the position and the counts
-#   short by more than one, is lettered with an unknown count).
+#   group reaches the end (Redis then sets it right; a trim loss in that window goes unseen, the one
+#   the settling check itself finds too: Valkey 8 has no count then, Redis 7.0's is short by each
+#   deleted entry read across, so a trim of read entries only could not be told from a loss).
 # Otherwise a loss the group read across between two checks is not seen. Then trims below the
 # oldest entry any group needs. -1: not our lease; else {trimmed, last delivered, entries lost (at least; 0:
 # unknown), highest id deleted} (the delivered id empty: no loss found).
@@ -202,12 +202,6 @@ if delivered then
       redis.call('XGROUP', 'SETID', KEYS[2], ARGV[2], delivered, 'ENTRIESREAD', added)
     elseif not (caught_up and added and read and added == read) then  -- (counted right: Valkey 8)
       redis.call('XGROUP', 'SETID', KEYS[2], ARGV[2], delivered)  -- unknown until it reaches the end
-    end
-    -- a trim past the position meanwhile: lettered, how many unknown. The first entry past the position
-    -- may be the next to read (a trim of read entries only), and Redis 7.0's count is short by the
-    -- entries deleted that it read across (one here at least): lettered when more than one is missing
-    if not caught_up and (first == nil or older(delivered, first)) and (not (added and read) or added - length > read + 1) then
-      found = true
     end
   elseif added and read and (first == nil or older(delivered, first)) and added - length > read then
     lost, found = added - length - read, true
