@@ -381,58 +381,49 @@ def _section_lines(text: str, headings: list[tuple[int, str | None]]) -> list[in
     Messages* made a valid reply invalid for good (the message stays in every later job's
     targets). The headings at the level the model wrote most of them are tried first: a quoted
     ``## Pending Tasks`` among ``###`` headings is text, not section 8's heading.
-    When a title is there more than once (a quote), the headings chosen are those that leave the
-    most sections a body and no text before the first (``_fullest``); of equals, the later ones.
-    Each heading chosen as the first of its title, a user message holding ``### Pending Tasks``,
-    ``### Current Work`` and ``### Optional Next Step``, quoted under *All User Messages*, became
-    sections 8-10 and the model's own became body text; each as the last, a pasted template of
-    the 10 headings there became sections 1-7, and the model's own 1-7 text before them."""
+    Each heading is the *last* of its title before the next section's, chosen from the end:
+    a quote can then pose only as the heading of the section it is quoted in, never as a later
+    one's. Chosen from the start, a user message holding ``### Pending Tasks``, ``### Current
+    Work`` and ``### Optional Next Step``, quoted under *All User Messages*, became sections 8-10
+    and the model's own became body text. A heading in a run of ``TEMPLATE_RUN`` or more heading
+    lines with nothing between them is a quoted template's (the 10 headings a user pasted) when
+    its title is outside one too: chosen from the end, such a template became sections 1-7, the
+    model's own 1-7 text before them."""
     lines = text.split("\n")
     titled = [(index, title, _level(lines[index])) for index, title in headings if title is not None]
     levels = [level for _, _, level in titled]
     usual = max(set(levels), key=levels.count) if levels else 0
-    content = [0]  # content[i]: the body lines (neither blank nor a heading's) among lines[:i]
-    for line, (_, title) in zip(lines, headings):
-        content.append(content[-1] + (title is None and bool(line.strip())))
-    for candidates in ([h for h in titled if h[2] == usual], titled):
-        chosen = _fullest([[index for index, title, _ in candidates if title == want] for want in SECTION_TITLES],
-                          content)
-        if chosen is not None:
-            return chosen
+    in_runs = _in_heading_runs(lines, headings)
+    at_usual = [h for h in titled if h[2] == usual]
+    outside = {title for index, title, _ in at_usual if index not in in_runs}  # (a title only in a run: kept)
+    preferred = [h for h in at_usual if h[0] not in in_runs or h[1] not in outside]
+    for candidates in (preferred, at_usual, titled):
+        chosen: list[int] = []
+        for index, title, _ in reversed(candidates):
+            if len(chosen) < len(SECTION_TITLES) and title == SECTION_TITLES[len(SECTION_TITLES) - 1 - len(chosen)]:
+                chosen.append(index)
+        if len(chosen) == len(SECTION_TITLES):
+            return chosen[::-1]
     return None
 
 
-MAX_HEADING_CHOICES = 100  # heading lines past which the sections are the last of each title, chosen from the end
+TEMPLATE_RUN = 3  # heading lines in a row (blank lines aside) that read as a quoted template, not sections
 
 
-def _fullest(occurrences: list[list[int]], content: list[int]) -> list[int] | None:
-    """One line of each of ``occurrences`` (the lines of each section's title, in order), increasing:
-    the choice with the most sections that have a body (``content``: ``_section_lines``'s counts)
-    and none of the text before the first, of equals the latest; None when there is none."""
-    if any(not lines for lines in occurrences):
-        return None
-    if sum(map(len, occurrences)) > MAX_HEADING_CHOICES:  # (a quadratic choice: the last of each, from the end)
-        chosen: list[int] = []
-        for lines in reversed(occurrences):
-            before = [line for line in lines if not chosen or line < chosen[-1]]
-            if not before:
-                return None
-            chosen.append(before[-1])
-        return chosen[::-1]
-
-    def body(after: int, before: int) -> int:  # 1 when a body line is between the two
-        return int(content[before] - content[after + 1] > 0)
-
-    best = [(-int(content[line] > 0), line, [line]) for line in occurrences[0]]  # (score, tie, lines)
-    for lines in occurrences[1:]:
-        choices = [max(((score + body(chain[-1], line), tie + line, [*chain, line])
-                        for score, tie, chain in best if chain[-1] < line), key=lambda c: c[:2], default=None)
-                   for line in lines]
-        best = [choice for choice in choices if choice is not None]
-        if not best:
-            return None
-    end = len(content) - 1
-    return max(best, key=lambda c: (c[0] + body(c[2][-1], end), c[1]))[2]
+def _in_heading_runs(lines: list[str], headings: list[tuple[int, str | None]]) -> set[int]:
+    """The heading lines in runs of ``TEMPLATE_RUN`` or more with only blank lines between them."""
+    runs: set[int] = set()
+    run: list[int] = []
+    for (index, title), line in zip(headings, lines):
+        if title is not None:
+            run.append(index)
+        elif line.strip():
+            if len(run) >= TEMPLATE_RUN:
+                runs.update(run)
+            run = []
+    if len(run) >= TEMPLATE_RUN:
+        runs.update(run)
+    return runs
 
 
 def _level(line: str) -> int:

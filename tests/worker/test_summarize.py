@@ -695,10 +695,16 @@ def test_a_pasted_template_of_the_ten_headings_stays_in_the_section_quoting_it()
     assert sections["All User Messages"] == "- fill in this template:\n" + template.replace("###", "\\###")
 
 
-def test_a_last_section_quoting_its_own_heading_keeps_the_section_before_whole() -> None:
-    sections = _sections_quoting("Optional Next Step", "Continue with the user's words:\n### Optional Next Step")
-    assert sections["Current Work"] == "about current work"
-    assert sections["Optional Next Step"] == "Continue with the user's words:\n\\### Optional Next Step"
+def test_a_quoted_heading_does_not_take_the_place_of_a_section_left_empty() -> None:
+    """Chosen for the most sections with a body, a quoted ``### Pending Tasks`` under All User
+    Messages took the place of the model's own Pending Tasks, left empty: the quote's rest became
+    a pending task."""
+    quote = '- "Add this to the README:\n### Pending Tasks\nand list the open items under it"'
+    sections = split_sections(extract_summary("<summary>\n" + "\n".join(
+        f"### {title}\n" + (quote if title == "All User Messages" else "" if title == "Pending Tasks" else
+                            f"about {title.lower()}") for title in SECTION_TITLES) + "\n</summary>"))
+    assert sections["All User Messages"] == quote.replace("###", "\\###")
+    assert sections["Pending Tasks"] == ""
 
 
 def _sections_quoting(title: str, text: str) -> dict[str, str]:
