@@ -73,7 +73,7 @@ def llm_compact(session_id: str, cwd: str, forced: bool = False, after: str | No
     the job ran before the log was written and failed ``SessionNotFound``)."""
     started = time.monotonic()  # (the job's timeout runs from here: the wait counts against it)
     context = current()
-    if after is not None and not wait_applied(context.redis, context.settings, session_id, after, AFTER_WAIT_S):
+    if after and not wait_applied(context.redis, context.settings, session_id, after, AFTER_WAIT_S):  # ("": none)
         logger.warning("entry %s of session=%s not applied after %.0f s: compacting the log as it is",
                        after, session_id, AFTER_WAIT_S, extra={"session_id": session_id})
     return _run("llm", session_id, cwd, forced=forced, started=started)

@@ -594,6 +594,13 @@ def _bodies(text: str, sections: list[int], lines: list[str] | None = None) -> d
     return {title: "\n".join(lines[start + 1:end]).strip() for title, start, end in zip(SECTION_TITLES, sections, ends)}
 
 
+def _headings_escaped(text: str) -> str:
+    """``text`` with a backslash before each markdown heading line outside a fenced block (a
+    script's ``# install deps`` in one stays as it is)."""
+    fenced = fenced_line_starts(text)
+    return _HEADING_LINE.sub(lambda at: at.group() if at.start() in fenced else _BACKSLASH[0], text)
+
+
 def merged_summaries(texts: list[str]) -> str | None:
     """One previous summary of the visible ones, in log order (more than one when a producer's
     summary did not replace the one before it): each section's bodies one after the other when
@@ -608,11 +615,11 @@ def merged_summaries(texts: list[str]) -> str | None:
     for text in texts:
         lines = _section_lines(text, _headings(text))
         if lines is None:
-            loose.append(_HEADING_LINE.sub(_BACKSLASH, text.strip()))  # (its headings would take others' place)
+            loose.append(_headings_escaped(text.strip()))  # (its headings would take others' place)
             continue
         whole.append(split_sections(text))
         if preamble := "\n".join(text.split("\n")[:lines[0]]).strip():
-            loose.append(_HEADING_LINE.sub(_BACKSLASH, preamble))
+            loose.append(_headings_escaped(preamble))
     if not whole:
         return "\n\n".join(texts)
     bodies = {title: [body for sections in whole if (body := sections[title]).rstrip(".").lower() not in _NOTHING]

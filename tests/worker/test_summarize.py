@@ -675,13 +675,14 @@ def test_visible_summaries_merge_section_by_section_a_free_text_under_the_user_m
     assert merged_summaries([older]) == older and merged_summaries([" "]) is None
     assert merged_summaries(["a", "b"]) == "a\n\nb"
     # one with 9 of the 10 sections, and a preamble: under All User Messages, their headings escaped
-    partial = summary_text("partial").replace("### Pending Tasks\n", "")
+    partial = summary_text("partial").replace("### Pending Tasks\n", "") + "\n```sh\n# install deps\n```"
     merged = merged_summaries(["A preamble\n### Notes\n" + older, partial])
     assert merged is not None
     sections = split_sections(merged)
     assert sections["Primary Request"] == "older: primary request"
     assert sections["All User Messages"].startswith("older: all user messages\nA preamble\n\\### Notes\n"
                                                     "\\### Primary Request\npartial: primary request")
+    assert "```sh\n# install deps\n```" in sections["All User Messages"]  # (a fence's lines as they are)
 
 
 def test_a_pasted_template_of_the_ten_headings_stays_in_the_section_quoting_it() -> None:
