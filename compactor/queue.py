@@ -148,12 +148,12 @@ return {outcome, id, cur or ''}
 """
 
 # KEYS: job claim, retrigger, claims index. ARGV: the forced job's id, session id, RQ job key
-# prefix, stale grace (s), the request's ``after`` ('' none). A forced
-# request, or the promotion of the one waiting. The claim free (or stale): claimed by the forced
-# job waiting if there is one, else by this one, and the recorded trigger cleared (the forced job
-# answers it) -> {'claimed', the id to queue}. Else the forced job waits as the trigger
-# ``forced:{id}`` -> {'waiting', id}, unless one already waits -> {'pending', its id}: the caller
-# joins it, its ``after`` kept on that job's hash if later than any kept there (``_with_joined_after``).
+# prefix, stale grace (s), the request's ``after`` ('' none). A forced request, or the promotion
+# of the one waiting. The claim free (or stale): claimed by the forced job waiting if there is
+# one, else by this one, and the recorded trigger cleared (the forced job answers it) ->
+# {'claimed', the id to queue}. Else the forced job waits as the trigger ``forced:{id}`` ->
+# {'waiting', id}, unless one already waits -> {'pending', its id}: the caller joins it, its
+# ``after`` kept on that job's hash if later than any kept there (``_with_joined_after``).
 _FORCE = _LUA_HELPERS + """
 local function later(a, b)
   if not b then return true end
