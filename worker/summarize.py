@@ -381,49 +381,62 @@ def _section_lines(text: str, headings: list[tuple[int, str | None]]) -> list[in
     Messages* made a valid reply invalid for good (the message stays in every later job's
     targets). The headings at the level the model wrote most of them are tried first: a quoted
     ``## Pending Tasks`` among ``###`` headings is text, not section 8's heading.
-    Each heading is the *last* of its title before the next section's, chosen from the end:
-    a quote can then pose only as the heading of the section it is quoted in, never as a later
-    one's. Chosen from the start, a user message holding ``### Pending Tasks``, ``### Current
-    Work`` and ``### Optional Next Step``, quoted under *All User Messages*, became sections 8-10
-    and the model's own became body text. A heading in a run of ``TEMPLATE_RUN`` or more heading
-    lines with nothing between them is a quoted template's (the 10 headings a user pasted) when
-    its title is outside one too: chosen from the end, such a template became sections 1-7, the
-    model's own 1-7 text before them."""
+    When a title is there more than once (a quote), the headings chosen leave the others, the
+    quotes, in as few sections as they can (the text before the first counting as one); of
+    equals, the later ones (``_quotes_together``). A quote is one block in one section: chosen
+    as the first of each title, a user's ``### Pending Tasks`` ... ``### Optional Next Step``
+    quoted under *All User Messages* became sections 8-10, the model's own text in the last;
+    as the last of each, a pasted summary there became sections 1-7, the model's own text
+    before them."""
     lines = text.split("\n")
     titled = [(index, title, _level(lines[index])) for index, title in headings if title is not None]
     levels = [level for _, _, level in titled]
     usual = max(set(levels), key=levels.count) if levels else 0
-    in_runs = _in_heading_runs(lines, headings)
-    at_usual = [h for h in titled if h[2] == usual]
-    outside = {title for index, title, _ in at_usual if index not in in_runs}  # (a title only in a run: kept)
-    preferred = [h for h in at_usual if h[0] not in in_runs or h[1] not in outside]
-    for candidates in (preferred, at_usual, titled):
-        chosen: list[int] = []
-        for index, title, _ in reversed(candidates):
-            if len(chosen) < len(SECTION_TITLES) and title == SECTION_TITLES[len(SECTION_TITLES) - 1 - len(chosen)]:
-                chosen.append(index)
-        if len(chosen) == len(SECTION_TITLES):
-            return chosen[::-1]
+    for candidates in ([h for h in titled if h[2] == usual], titled):
+        before = [0] * (len(lines) + 1)  # before[i]: the candidate heading lines among lines[:i]
+        for index, _, _ in candidates:
+            before[index + 1] = 1
+        for i in range(len(lines)):
+            before[i + 1] += before[i]
+        chosen = _quotes_together([[index for index, title, _ in candidates if title == want]
+                                   for want in SECTION_TITLES], before)
+        if chosen is not None:
+            return chosen
     return None
 
 
-TEMPLATE_RUN = 3  # heading lines in a row (blank lines aside) that read as a quoted template, not sections
+MAX_HEADING_CHOICES = 100  # heading lines past which each section's is the last of its title, chosen from the end
 
 
-def _in_heading_runs(lines: list[str], headings: list[tuple[int, str | None]]) -> set[int]:
-    """The heading lines in runs of ``TEMPLATE_RUN`` or more with only blank lines between them."""
-    runs: set[int] = set()
-    run: list[int] = []
-    for (index, title), line in zip(headings, lines):
-        if title is not None:
-            run.append(index)
-        elif line.strip():
-            if len(run) >= TEMPLATE_RUN:
-                runs.update(run)
-            run = []
-    if len(run) >= TEMPLATE_RUN:
-        runs.update(run)
-    return runs
+def _quotes_together(occurrences: list[list[int]], before: list[int]) -> list[int] | None:
+    """One line of each of ``occurrences`` (the lines of each section's title, in order), increasing:
+    the choice that leaves the heading lines not chosen in the fewest sections (``before``:
+    ``_section_lines``'s counts; the text before the first chosen counts as one), of equals the
+    latest; None when there is none."""
+    if any(not lines for lines in occurrences):
+        return None
+    if sum(map(len, occurrences)) > MAX_HEADING_CHOICES:  # (a quadratic choice: the last of each, from the end)
+        chosen: list[int] = []
+        for lines in reversed(occurrences):
+            earlier = [line for line in lines if not chosen or line < chosen[-1]]
+            if not earlier:
+                return None
+            chosen.append(earlier[-1])
+        return chosen[::-1]
+
+    def quoted(after: int, upto: int) -> int:  # 1 when a heading line not chosen is between the two
+        return int(before[upto] - before[after + 1] > 0)
+
+    best = [(-int(before[line] > 0), line, [line]) for line in occurrences[0]]  # (-sections, tie, lines)
+    for lines in occurrences[1:]:
+        choices = [max(((score - quoted(chain[-1], line), tie + line, [*chain, line])
+                        for score, tie, chain in best if chain[-1] < line), key=lambda c: c[:2], default=None)
+                   for line in lines]
+        best = [choice for choice in choices if choice is not None]
+        if not best:
+            return None
+    end = len(before) - 1
+    return max(best, key=lambda c: (c[0] - quoted(c[2][-1], end), c[1]))[2]
 
 
 def _level(line: str) -> int:

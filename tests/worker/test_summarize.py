@@ -714,3 +714,25 @@ def _sections_quoting(title: str, text: str) -> dict[str, str]:
     bodies[title] = text
     body = "\n".join(f"### {name}\n{bodies[name]}" for name in SECTION_TITLES)
     return split_sections(extract_summary(f"<summary>\n{body}\n</summary>"))
+
+
+@pytest.mark.parametrize("reply,title,expected", [
+    ('<summary>\n### Primary Request\nFix the login bug.\n### Key Technical Concepts\n- Flask\n### Files and Code Sections\n- app.py\n### Errors and Fixes\n- TypeError fixed\n### Problem Solving\n- done\n### Decision Rationale\n- kept Flask\n### All User Messages\n- "fix login"\n- "Here is what you wrote last time:\n### Pending Tasks\n- write docs\n### Current Work\n- refactor db layer\n"\n### Pending Tasks\n\n### Current Work\n\n### Optional Next Step\nRun the tests.\n</summary>\n', "Current Work", ""),  # the model's own sections 8-9 left empty, a quote of them in 7
+    ('<summary>\n### Primary Request\nThe user asked: "make the agent print\n### Key Technical Concepts\nas a section in its report", then asked to run the tests after that change.\n### Key Technical Concepts\n\n### Files and Code Sections\n\n### Errors and Fixes\n\n### Problem Solving\n\n### Decision Rationale\n\n### All User Messages\n- "make the agent print ### Key Technical Concepts as a section"\n- "run the tests"\n### Pending Tasks\n- run the tests\n### Current Work\n- report.py edited\n### Optional Next Step\nRun pytest.\n</summary>\n', "Key Technical Concepts", ""),  # section 1 quotes 2's heading, 2-6 left empty
+])
+def test_a_quote_stays_in_its_section_beside_sections_the_model_left_empty(reply: str, title: str,
+                                                                          expected: str) -> None:
+    """A run of 3 or more heading lines read as a quoted template: the model's own empty sections
+    made one, and a quote of their titles elsewhere took their place."""
+    sections = split_sections(extract_summary(reply))
+    assert sections[title] == expected
+    assert "\\###" in (sections["All User Messages"] + sections["Primary Request"])  # (the quote, escaped)
+
+
+def test_a_pasted_summary_under_the_user_messages_stays_there() -> None:
+    """A user pasting an earlier summary: each heading chosen as the last of its title, its
+    sections 1-7 became the summary's, the model's own 1-7 text before the first heading."""
+    sections = _sections_quoting("All User Messages", "- here is the last summary:\n" + summary_text("old"))
+    assert sections["Primary Request"] == "about primary request"
+    assert sections["Pending Tasks"] == "about pending tasks"
+    assert sections["All User Messages"].startswith("- here is the last summary:\n\\### Primary Request\nold: ")
