@@ -203,7 +203,8 @@ _CONTENT_COMMAND = re.compile(r"(?:grep|egrep|fgrep|rg|ag|ack|cat|bat|less|more|
 _COMMAND_PREFIX = re.compile(r"(?:\w+=\S*\s+)*(?:(?:sudo|env|command|exec|time|nice)\s+)*")  # (``GIT_PAGER=cat``)
 # a command that prints nothing of a run's (``cd repo``, ``|| true``, ``; echo done``)
 _NEUTRAL = re.compile(r"(?:true|false|:|echo|printf|exit|cd|pushd|popd|export|set|unset|alias|test|\[|\[\[|"
-                      r"pwd|mkdir|touch|sleep|which|type|clear)(?:\s|$)")  # (not ``source``: a script runs)
+                      r"pwd|mkdir|touch|sleep|which|type|clear)(?:\s|$)"  # (``source`` of a script runs it, but
+                      r"|(?:source|\.)\s+\S*(?:activate\S*|nvm\.sh|\S*env\S*|\S*rc)(?:\s|$)")  # one setting up its shell)
 _GIT_OPTIONS = re.compile(r"git\s+(?:(?:-C|-c|--git-dir|--work-tree)\s+\S+\s+|--no-pager\s+|-P\s+)+")
 _COMMAND_ARGUMENT = ("command", "cmd", "script", "commandLine", "shell_command")
 _SHELLS = frozenset({"sh", "bash", "zsh", "dash", "ksh"})

@@ -786,7 +786,8 @@ def test_the_next_step_is_carried_through_a_batch_without_a_user_message() -> No
     ("git stash && pytest -q; git stash pop", False), ("export X=1; cat f", True),
     ("[ -f x ] && cat x", True), ("(cd sub && cat f)", True), ("pwd && ls", True), ("mkdir -p out && ls out", True),
     ("sleep 2; tail -50 log", True), ("which python && cat x", True), ("cat setup.cfg; source ./run_tests.sh", False),
-    ("ls dist && . ./deploy.sh", False),
+    ("ls dist && . ./deploy.sh", False), ("source .venv/bin/activate && git log --oneline -5", True),
+    (". venv/bin/activate && grep -rn raise src", True), ("source ~/.nvm/nvm.sh && cat package.json", True),
 ])
 def test_a_command_is_taken_for_one_showing_content_by_its_pipelines_heads(command: str, content: bool) -> None:
     """Only the command string's start was looked at: ``cd /repo && git log`` listed commit subjects
