@@ -391,7 +391,8 @@ def _section_lines(text: str, headings: list[tuple[int, str | None]]) -> list[in
     lines = text.split("\n")
     titled = [(index, title, _level(lines[index])) for index, title in headings if title is not None]
     levels = [level for _, _, level in titled]
-    usual = max(set(levels), key=levels.count) if levels else 0
+    usual = max(set(levels), key=lambda level: (levels.count(level), level == 3)) if levels else 0  # (the
+    # prompt's level, on a tie: a pasted template of ``##`` headings as many as the model's took their place)
     for candidates in ([h for h in titled if h[2] == usual], titled):
         before = [0] * (len(lines) + 1)  # before[i]: the candidate heading lines among lines[:i]
         for index, _, _ in candidates:
@@ -405,38 +406,42 @@ def _section_lines(text: str, headings: list[tuple[int, str | None]]) -> list[in
     return None
 
 
-MAX_HEADING_CHOICES = 100  # heading lines past which each section's is the last of its title, chosen from the end
-
-
 def _quotes_together(occurrences: list[list[int]], before: list[int]) -> list[int] | None:
     """One line of each of ``occurrences`` (the lines of each section's title, in order), increasing:
     the choice that leaves the heading lines not chosen in the fewest sections (``before``:
     ``_section_lines``'s counts; the text before the first chosen counts as one), of equals the
-    latest; None when there is none."""
+    latest; None when there is none. One pass per title (a section's heading either follows the
+    previous section's with no heading line between, or costs one section more than the best
+    choice before it): a quadratic choice fell back to the last of each title past 100 heading
+    lines, and ten pasted templates took sections 1-7 over again."""
     if any(not lines for lines in occurrences):
         return None
-    if sum(map(len, occurrences)) > MAX_HEADING_CHOICES:  # (a quadratic choice: the last of each, from the end)
-        chosen: list[int] = []
-        for lines in reversed(occurrences):
-            earlier = [line for line in lines if not chosen or line < chosen[-1]]
-            if not earlier:
-                return None
-            chosen.append(earlier[-1])
-        return chosen[::-1]
-
-    def quoted(after: int, upto: int) -> int:  # 1 when a heading line not chosen is between the two
-        return int(before[upto] - before[after + 1] > 0)
-
-    best = [(-int(before[line] > 0), line, [line]) for line in occurrences[0]]  # (-sections, tie, lines)
+    heads = sorted(line for lines in occurrences for line in lines)
+    previous_head = dict(zip(heads[1:], heads))
+    best: dict[int, tuple[int, int, list[int]]] = {  # line -> (-sections with quotes, tie, the lines chosen)
+        line: (-int(before[line] > 0), line, [line]) for line in occurrences[0]}
     for lines in occurrences[1:]:
-        choices = [max(((score - quoted(chain[-1], line), tie + line, [*chain, line])
-                        for score, tie, chain in best if chain[-1] < line), key=lambda c: c[:2], default=None)
-                   for line in lines]
-        best = [choice for choice in choices if choice is not None]
-        if not best:
+        earlier = sorted(best)
+        now: dict[int, tuple[int, int, list[int]]] = {}
+        top: tuple[int, int, list[int]] | None = None  # the best choice ending before ``line``
+        at = 0
+        for line in lines:
+            while at < len(earlier) and earlier[at] < line:
+                choice = best[earlier[at]]
+                if top is None or choice[:2] > top[:2]:
+                    top = choice
+                at += 1
+            if top is None:
+                continue
+            options = [(top[0] - 1, top[1] + line, [*top[2], line])]
+            if (adjacent := best.get(previous_head.get(line, -1))) is not None:  # (no heading line between)
+                options.append((adjacent[0], adjacent[1] + line, [*adjacent[2], line]))
+            now[line] = max(options, key=lambda c: c[:2])
+        if not now:
             return None
+        best = now
     end = len(before) - 1
-    return max(best, key=lambda c: (c[0] - quoted(c[2][-1], end), c[1]))[2]
+    return max(best.values(), key=lambda c: (c[0] - int(before[end] - before[c[2][-1] + 1] > 0), c[1]))[2]
 
 
 def _level(line: str) -> int:
@@ -609,9 +614,24 @@ def _bodies(text: str, sections: list[int], lines: list[str] | None = None) -> d
 
 def _headings_escaped(text: str) -> str:
     """``text`` with a backslash before each markdown heading line outside a fenced block (a
-    script's ``# install deps`` in one stays as it is)."""
+    script's ``# install deps`` in one stays as it is), one indented as well (``_heading_title``
+    reads ``    ### All User Messages`` as a section's), and a fence left open closed (it hid the
+    sections after it, and the merge failed)."""
+    escaped, fence, offset = [], "", 0
     fenced = fenced_line_starts(text)
-    return _HEADING_LINE.sub(lambda at: at.group() if at.start() in fenced else _BACKSLASH[0], text)
+    for line in text.split("\n"):
+        if offset not in fenced and (_HEADING_LINE.match(line) or _heading_title(line) is not None):
+            escaped.append("\\" + line)
+        else:
+            escaped.append(line)
+        if fence:
+            stripped = line.strip()
+            if stripped == fence[0] * len(stripped) and len(stripped) >= len(fence):
+                fence = ""
+        elif opening := _FENCE.match(line):
+            fence = opening.group(1)
+        offset += len(line) + 1
+    return "\n".join(escaped + ([fence] if fence else []))
 
 
 def merged_summaries(texts: list[str]) -> str | None:

@@ -736,3 +736,35 @@ def test_a_pasted_summary_under_the_user_messages_stays_there() -> None:
     assert sections["Primary Request"] == "about primary request"
     assert sections["Pending Tasks"] == "about pending tasks"
     assert sections["All User Messages"].startswith("- here is the last summary:\n\\### Primary Request\nold: ")
+
+
+def test_a_pasted_template_of_as_many_headings_at_another_level_is_not_taken_for_the_sections() -> None:
+    """The level with the most heading lines was tried first, a tie going to the lower one: a
+    pasted template of the 10 ``##`` headings beat the model's own ``###`` ones."""
+    template = "\n".join(f"## {title}" for title in SECTION_TITLES)
+    sections = _sections_quoting("All User Messages", f"- the user pasted this template:\n{template}")
+    assert sections["Primary Request"] == "about primary request"
+    assert sections["Pending Tasks"] == "about pending tasks"
+
+
+def test_ten_pasted_templates_stay_in_the_section_quoting_them() -> None:
+    """Past 100 heading lines the choice fell back to the last of each title: the last pasted
+    template became sections 1-7 again."""
+    templates = "\n".join("\n".join(f"### {title}" for title in SECTION_TITLES) for _ in range(10))
+    sections = _sections_quoting("All User Messages", f"- pasted:\n{templates}")
+    assert sections["Primary Request"] == "about primary request"
+    assert sections["Optional Next Step"] == "about optional next step"
+
+
+@pytest.mark.parametrize("loose", ["notes\n    ### All User Messages\nmore", "notes\n\t### All User Messages\nmore",
+                                   "notes\n```\nunclosed"])
+def test_a_merged_free_text_cannot_take_a_section_over(loose: str) -> None:
+    """An indented heading (read as a section's, escaped as none) took All User Messages over; an
+    open fence hid the sections after it and the merge fell back to the texts joined."""
+    from worker.summarize import merged_summaries
+
+    merged = merged_summaries([summary_text("a"), summary_text("b"), loose])
+    assert merged is not None
+    sections = split_sections(merged)
+    assert sections["Decision Rationale"] == "a: decision rationale\nb: decision rationale"
+    assert sections["All User Messages"].startswith("a: all user messages\nb: all user messages\nnotes\n")
