@@ -391,8 +391,12 @@ def _section_lines(text: str, headings: list[tuple[int, str | None]]) -> list[in
     lines = text.split("\n")
     titled = [(index, title, _level(lines[index])) for index, title in headings if title is not None]
     levels = [level for _, _, level in titled]
-    usual = max(set(levels), key=lambda level: (levels.count(level), level == 3)) if levels else 0  # (the
-    # prompt's level, on a tie: a pasted template of ``##`` headings as many as the model's took their place)
+    first: dict[int, int] = {}
+    for index, _, level in titled:
+        first.setdefault(level, index)
+    # (on a tie, the level met first: the model's first heading comes before any quote in its sections; the
+    # lower level won, and a pasted template of ``##`` headings as many as the model's took their place)
+    usual = max(set(levels), key=lambda level: (levels.count(level), -first[level])) if levels else 0
     for candidates in ([h for h in titled if h[2] == usual], titled):
         before = [0] * (len(lines) + 1)  # before[i]: the candidate heading lines among lines[:i]
         for index, _, _ in candidates:

@@ -738,13 +738,21 @@ def test_a_pasted_summary_under_the_user_messages_stays_there() -> None:
     assert sections["All User Messages"].startswith("- here is the last summary:\n\\### Primary Request\nold: ")
 
 
-def test_a_pasted_template_of_as_many_headings_at_another_level_is_not_taken_for_the_sections() -> None:
+@pytest.mark.parametrize("own,quoted", [("###", "##"), ("##", "###"), ("####", "###")])
+@pytest.mark.parametrize("where", ["All User Messages", "Optional Next Step"])
+def test_a_pasted_template_of_as_many_headings_at_another_level_is_not_taken_for_the_sections(
+        own: str, quoted: str, where: str) -> None:
     """The level with the most heading lines was tried first, a tie going to the lower one: a
-    pasted template of the 10 ``##`` headings beat the model's own ``###`` ones."""
-    template = "\n".join(f"## {title}" for title in SECTION_TITLES)
-    sections = _sections_quoting("All User Messages", f"- the user pasted this template:\n{template}")
+    pasted template of the 10 ``##`` headings beat the model's own ``###`` ones (and the other way,
+    the level the prompt asks for, a ``###`` template beat a model's ``##``)."""
+    template = "\n".join(f"{quoted} {title}" for title in SECTION_TITLES)
+    bodies = {title: f"about {title.lower()}" for title in SECTION_TITLES}
+    bodies[where] = f"- the user pasted this template:\n{template}"
+    body = "\n".join(f"{own} {title}\n{bodies[title]}" for title in SECTION_TITLES)
+    sections = split_sections(extract_summary(f"<summary>\n{body}\n</summary>"))
     assert sections["Primary Request"] == "about primary request"
-    assert sections["Pending Tasks"] == "about pending tasks"
+    assert sections["Current Work"] == "about current work"
+    assert sections[where].startswith("- the user pasted this template:\n")
 
 
 def test_ten_pasted_templates_stay_in_the_section_quoting_them() -> None:
