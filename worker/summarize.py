@@ -355,18 +355,30 @@ def _headings(text: str) -> list[tuple[int, str | None]]:
 def fenced_line_starts(text: str) -> set[int]:
     """The offsets in ``text`` of the lines that start inside a fenced code block (the rules of
     ``_headings``): one pass, whatever the number of lines asked about."""
-    inside: set[int] = set()
-    fence, offset = "", 0
-    for line in text.split("\n"):
-        stripped = line.strip()
+    lines = text.split("\n")
+    inside, _ = _inside_fences(lines)
+    starts, offset = set(), 0
+    for line, fenced in zip(lines, inside):
+        if fenced:
+            starts.add(offset)
+        offset += len(line) + 1
+    return starts
+
+
+def _inside_fences(lines: list[str]) -> tuple[list[bool], str]:
+    """Per line, whether it is inside a fenced code block (its closing line too; the rules of
+    ``_headings``), and the fence left open after the last ("" when none)."""
+    inside: list[bool] = []
+    fence = ""
+    for line in lines:
+        inside.append(bool(fence))
         if fence:
-            inside.add(offset)
+            stripped = line.strip()
             if stripped == fence[0] * len(stripped) and len(stripped) >= len(fence):
                 fence = ""
         elif opening := _FENCE.match(line):
             fence = opening.group(1)
-        offset += len(line) + 1
-    return inside
+    return inside, fence
 
 
 def _first_headings(headings: list[tuple[int, str | None]]) -> list[str]:
@@ -552,13 +564,11 @@ def _canonical_headings(text: str, sections: list[int], headings: list[tuple[int
     lines = text.split("\n")
     changed = False
     chosen = set(sections)
-    fenced = fenced_line_starts(text) if "#" in text else set()
-    offset = 0
-    for (index, title), line in zip(headings, lines):
-        if index not in chosen and (title is not None or (_OTHER_HEADING.match(line) and offset not in fenced)):
+    fenced = _inside_fences(lines)[0] if "#" in text else [False] * len(lines)
+    for (index, title), line, inside in zip(headings, lines, fenced):
+        if index not in chosen and (title is not None or (_OTHER_HEADING.match(line) and not inside)):
             at = line.index("#")
             lines[index], changed = f"{line[:at]}\\{line[at:]}", True
-        offset += len(line) + 1
     for index, title in zip(sections, SECTION_TITLES):
         if lines[index] != f"### {title}":
             lines[index], changed = f"### {title}", True
@@ -621,20 +631,10 @@ def _headings_escaped(text: str) -> str:
     script's ``# install deps`` in one stays as it is), one indented as well (``_heading_title``
     reads ``    ### All User Messages`` as a section's), and a fence left open closed (it hid the
     sections after it, and the merge failed)."""
-    escaped, fence, offset = [], "", 0
-    fenced = fenced_line_starts(text)
-    for line in text.split("\n"):
-        if offset not in fenced and (_HEADING_LINE.match(line) or _heading_title(line) is not None):
-            escaped.append("\\" + line)
-        else:
-            escaped.append(line)
-        if fence:
-            stripped = line.strip()
-            if stripped == fence[0] * len(stripped) and len(stripped) >= len(fence):
-                fence = ""
-        elif opening := _FENCE.match(line):
-            fence = opening.group(1)
-        offset += len(line) + 1
+    lines = text.split("\n")
+    inside, fence = _inside_fences(lines)
+    escaped = [f"\\{line}" if not fenced and (_HEADING_LINE.match(line) or _heading_title(line) is not None)
+               else line for line, fenced in zip(lines, inside)]
     return "\n".join(escaped + ([fence] if fence else []))
 
 
@@ -654,7 +654,7 @@ def merged_summaries(texts: list[str]) -> str | None:
         if lines is None:
             loose.append(_headings_escaped(text.strip()))  # (its headings would take others' place)
             continue
-        whole.append(split_sections(text))
+        whole.append(_bodies(text, lines))
         if preamble := "\n".join(text.split("\n")[:lines[0]]).strip():
             loose.append(_headings_escaped(preamble))
     if not whole:
