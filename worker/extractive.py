@@ -203,8 +203,11 @@ _CONTENT_COMMAND = re.compile(r"(?:grep|egrep|fgrep|rg|ag|ack|cat|bat|less|more|
 _COMMAND_PREFIX = re.compile(r"(?:\w+=\S*\s+)*(?:(?:sudo|env|command|exec|time|nice)\s+)*")  # (``GIT_PAGER=cat``)
 # a command that prints nothing of a run's (``cd repo``, ``|| true``, ``; echo done``)
 _NEUTRAL = re.compile(r"(?:true|false|:|echo|printf|exit|cd|pushd|popd|export|set|unset|alias|test|\[|\[\[|"
-                      r"pwd|mkdir|touch|sleep|which|type|clear)(?:\s|$)"  # (``source`` of a script runs it, but
-                      r"|(?:source|\.)\s+\S*(?:activate\S*|nvm\.sh|\S*env\S*|\S*rc)(?:\s|$)")  # one setting up its shell)
+                      r"pwd|mkdir|touch|sleep|which|type|clear|cp|mv|rm|rmdir|ln|chmod|chown|chgrp)(?:\s|$)"  # (quiet
+                      # file commands: ``cp a b && cat b`` is content; their own failures are ``_COMMAND_SAID``'s)
+                      # (``source`` of a script runs it, but one setting up its shell does not: a venv's activate,
+                      # nvm.sh, an env or rc file, named by its file name: ``source run_env_tests.sh`` runs tests)
+                      r"|(?:source|\.)\s+(?:\S*/)?(?:activate(?:\.\w+)?|nvm\.sh|\.?\w*env(?:\.\w+)?|\.?\w+rc)(?:\s|$)")
 _GIT_OPTIONS = re.compile(r"git\s+(?:(?:-C|-c|--git-dir|--work-tree)\s+\S+\s+|--no-pager\s+|-P\s+)+")
 _COMMAND_ARGUMENT = ("command", "cmd", "script", "commandLine", "shell_command")
 _SHELLS = frozenset({"sh", "bash", "zsh", "dash", "ksh"})
@@ -685,6 +688,7 @@ def _shows_content(command: str) -> bool:
 # git's own failures in its chatter (a merge's or a push's): content-command rules would drop them
 _GIT_FAILED = re.compile(r"CONFLICT \(|Automatic merge failed|! \[(?:remote )?rejected\]|error: could not apply")
 _COMMAND_SAID = re.compile(r"(?:grep|egrep|fgrep|rg|ag|ack|cat|bat|head|tail|sed|awk|ls|find|fd|tree|git|fatal|"
+                           r"cp|mv|rm|rmdir|ln|chmod|chown|chgrp|mkdir|touch|bash|sh|zsh|"
                            r"error): ")  # the command's own message, not what it shows
 
 

@@ -788,6 +788,10 @@ def test_the_next_step_is_carried_through_a_batch_without_a_user_message() -> No
     ("sleep 2; tail -50 log", True), ("which python && cat x", True), ("cat setup.cfg; source ./run_tests.sh", False),
     ("ls dist && . ./deploy.sh", False), ("source .venv/bin/activate && git log --oneline -5", True),
     (". venv/bin/activate && grep -rn raise src", True), ("source ~/.nvm/nvm.sh && cat package.json", True),
+    ("cp config.example.py config.py && cat config.py", True), ("rm -f out.log && cat src/app.py", True),
+    ("chmod +x run.sh && cat run.sh", True), ("mv a b; ln -s b c; ls", True), ("source ~/.bashrc && ls", True),
+    ("source .env && cat x", True), ("source scripts/run_env_tests.sh && cat report.txt", False),
+    (". ./setup_env_and_test.sh; cat out.log", False), ("source ./src/config_rc_check.sh; ls", False),
 ])
 def test_a_command_is_taken_for_one_showing_content_by_its_pipelines_heads(command: str, content: bool) -> None:
     """Only the command string's start was looked at: ``cd /repo && git log`` listed commit subjects
@@ -934,3 +938,17 @@ def test_gits_own_failures_in_its_chatter_are_errors() -> None:
               " ! [rejected]        main -> main (fetch first)")
     errors = split_sections(extractive_summary(_run_output("git pull && git push", output), None))["Errors and Fixes"]
     assert len(errors.splitlines()) == 3 and "Auto-merging" not in errors
+
+
+@pytest.mark.parametrize("said", ["cp: cannot stat 'a.py': No such file or directory",
+                                  "rm: cannot remove 'x': Permission denied",
+                                  "bash: line 1: cd: build: No such file or directory"])
+def test_a_quiet_file_commands_own_failure_counts_beside_a_reader(said: str) -> None:
+    """``cp``, ``rm``, ``cd`` print nothing of a run's (``cp a b && cat b`` shows content), but
+    their own failure is one."""
+    events = [{"type": "assistant", "turnId": 1, "content": "", "toolCalls": [
+                  {"id": "c", "name": "bash", "arguments": {"command": "cd build && rm -f x && cp a.py b.py && cat b.py"}}]},
+              {"type": "tool_result", "turnId": 1, "toolCallId": "c", "toolName": "bash",
+               "output": f"{said}\n    raise ValueError('a line of the file')"}]
+    errors = split_sections(extractive_summary(events, None))["Errors and Fixes"]
+    assert errors == f"- [bash] {said}"
