@@ -148,12 +148,15 @@ return {outcome, id, cur or ''}
 """
 
 # KEYS: job claim, retrigger, claims index. ARGV: the forced job's id, session id, RQ job key
-# prefix, stale grace (s), the request's ``after`` ('' none). A forced request, or the promotion
-# of the one waiting. The claim free (or stale): claimed by the forced job waiting if there is
-# one, else by this one, and the recorded trigger cleared (the forced job answers it) ->
-# {'claimed', the id to queue}. Else the forced job waits as the trigger ``forced:{id}`` ->
-# {'waiting', id}, unless one already waits -> {'pending', its id}: the caller joins it, its
-# ``after`` kept on that job's hash if later than any kept there (``_with_joined_after``).
+# prefix, stale grace (s), the request's ``after`` ('' none), '1' for the promotion of the one
+# waiting ('' a request). A promotion of a job the trigger no longer names -> {'gone', id}: a
+# request or another promotion claimed for it and queued it already (claimed again, it was queued
+# twice, and RQ runs a job queued twice twice; or, once it had run, once more). The claim free
+# (or stale): claimed by the forced job waiting if there is one, else by this one, and the
+# recorded trigger cleared (the forced job answers it) -> {'claimed', the id to queue}. Else the
+# forced job waits as the trigger ``forced:{id}`` -> {'waiting', id}, unless one already waits
+# -> {'pending', its id}: the caller joins it, its ``after`` kept on that job's hash if later
+# than any kept there (``_with_joined_after``).
 _FORCE = _LUA_HELPERS + """
 local function later(a, b)
   if not b then return true end
@@ -165,7 +168,8 @@ local function later(a, b)
   return am > bm or (am == bm and as > bs)
 end
 local cur = redis.call('GET', KEYS[1])
-if cur and cur ~= ARGV[1] and not is_stale(cur, ARGV[3], ARGV[4]) then
+if ARGV[6] == '1' and redis.call('GET', KEYS[2]) ~= FORCED .. ARGV[1] then return {'gone', ARGV[1], cur or ''} end
+if cur and not is_stale(cur, ARGV[3], ARGV[4]) then
   local t = redis.call('GET', KEYS[2])
   if is_forced(t) then
     local waiting = string.sub(t, #FORCED + 1)
@@ -377,7 +381,7 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
 def promote_forced(client: redis.Redis, settings: Settings, session_id: str, job_id: str) -> bool:
     """Queue the forced job ``job_id`` that waited for the session's claim, if the claim is free
     now (else it keeps waiting, recorded); True when it was queued."""
-    outcome, claimed = _force(client, settings, session_id, job_id)
+    outcome, claimed = _force(client, settings, session_id, job_id, promote=True)
     if outcome != "claimed":
         return False
     _enqueue_forced(client, settings, session_id, claimed)
@@ -385,11 +389,11 @@ def promote_forced(client: redis.Redis, settings: Settings, session_id: str, job
 
 
 def _force(client: redis.Redis, settings: Settings, session_id: str, job_id: str,
-           after: str | None = None) -> tuple[str, str]:
-    """Run ``_FORCE`` for the forced job ``job_id`` (asked for after stream entry ``after``):
-    (outcome, the id of the job that answers)."""
+           after: str | None = None, *, promote: bool = False) -> tuple[str, str]:
+    """Run ``_FORCE`` for the forced job ``job_id`` (asked for after stream entry ``after``;
+    ``promote``: the job waiting, named by the trigger): (outcome, the id of the job that answers)."""
     reply: Any = client.eval(_FORCE, 3, *_session_keys(settings, session_id), job_id, session_id, Job.key_for(""),
-                             STALE_CLAIM_GRACE_S, after or "")
+                             STALE_CLAIM_GRACE_S, after or "", "1" if promote else "")
     outcome, answering, _ = (as_text(part) for part in reply)
     return outcome, answering
 

@@ -191,6 +191,30 @@ def test_a_waiting_forced_job_keeps_waiting_behind_a_job_that_took_the_free_clai
     assert Job.fetch(forced, connection=r).get_status() in (JobStatus.QUEUED, JobStatus.RATE_LIMITED)  # handed to RQ
 
 
+def test_a_waiting_forced_job_a_request_queued_is_not_queued_again_by_its_promotion(
+    r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ending job's promotion of the forced job its release handed back, late: a forced request
+    came between the two, claimed for the waiting job and queued it. Claimed again, it was queued
+    twice (RQ runs a job queued twice twice), and once it had run, queued once more."""
+    queued: list[str] = []
+    enqueued = queue_module._enqueued
+    monkeypatch.setattr(queue_module, "_enqueued", lambda sid, job_id, forced: (queued.append(job_id),
+                                                                               enqueued(sid, job_id, forced)))
+    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert auto and forced
+    assert release_pending(r, settings, "s1", auto) == f"{FORCED_TRIGGER}{forced}"
+    assert enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True) == forced  # a request claims for it
+    assert queued == [auto, forced]
+    assert promote_forced(r, settings, "s1", forced) is False  # the ending job's promotion, late
+    assert queued == [auto, forced] and pending_job_id(r, settings, "s1") == forced
+    Job.fetch(forced, connection=r).set_status(JobStatus.FINISHED)  # it ran
+    release_pending(r, settings, "s1", forced)
+    assert promote_forced(r, settings, "s1", forced) is False  # once it ran: not again
+    assert queued == [auto, forced] and pending_job_id(r, settings, "s1") is None
+
+
 def test_jobs_of_one_session_are_serialised_by_the_rate_limit(r: redis.Redis, settings: Settings) -> None:
     queue = compaction_queue(r, settings)
     ids = [queue.enqueue_call("worker.jobs.llm_compact", args=("s1", CWD), job_id=new_job_id("s1", "llm"),
