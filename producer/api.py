@@ -162,6 +162,16 @@ def _require_log(client: redis.Redis, settings: Settings, session_id: str, cwd: 
         raise not_found(SessionStore(client, settings), session_id, cwd)
 
 
+def _require_log_unless_waiting(client: redis.Redis, settings: Settings, session_id: str, cwd: str,
+                                after: str | None) -> None:
+    """``_require_log``, but for a session whose events sent before ``after`` still wait in its
+    shard (a new session's first events: its log does not exist yet). In a thread: the 404's
+    look at Redis, on the event loop, held every other request up while Redis was slow."""
+    if after is None or SessionLog(settings.data_dir, cwd, session_id).exists() or not _waiting_in_shard(
+            client, settings, session_id, cwd):
+        _require_log(client, settings, session_id, cwd)
+
+
 SENT_WINDOW_S = 600.0  # the uuids POST .../events published are remembered this long (Keys.sent)
 
 
@@ -344,9 +354,7 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
         parse_stream_id(body.after, "after")
         if wait:  # (wait=false answers at once: the job waits for them itself, AFTER_WAIT_S)
             await wait_settled(client, settings, sid, body.after, timeout, stop=request.app.state.stopping)
-    if body.after is None or SessionLog(settings.data_dir, cwd, sid).exists() or not await anyio.to_thread.run_sync(
-            _waiting_in_shard, client, settings, sid, cwd):  # (its events still wait: no 404 for them)
-        _require_log(client, settings, sid, cwd)
+    await anyio.to_thread.run_sync(_require_log_unless_waiting, client, settings, sid, cwd, body.after)
     job_id = await anyio.to_thread.run_sync(
         functools.partial(enqueue_forced_compaction, client, settings, sid, cwd, after=body.after))
     logger.info("forced compaction queued session=%s job=%s", sid, job_id)

@@ -1679,3 +1679,28 @@ def test_an_event_with_a_null_uuid_gets_one_like_an_event_without(client: TestCl
     assert response.status_code == 202, response.text
     [(_, fields)] = r.xrange(Keys().stream_for(SID))
     assert isinstance(json.loads(fields[b"event"])["uuid"], str)
+
+
+def test_a_forced_compaction_of_an_unknown_session_holds_no_other_request_up_while_redis_is_slow(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """The 404's look at Redis ran on the event loop: while Redis was slow every other request
+    waited behind it, the context (which needs no Redis) too."""
+    write_session(r, api_settings, 1)
+    answers: dict[str, Any] = {}
+
+    def compact_unknown() -> None:
+        answers["compact"] = client.post("/api/sessions/nosuch/compact", json={"cwd": CWD})
+
+    r.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+    try:
+        thread = threading.Thread(target=compact_unknown)
+        thread.start()
+        time.sleep(0.3)  # (the POST waits for Redis)
+        started = time.monotonic()
+        context = client.get(f"/api/sessions/{SID}/context", params={"cwd": CWD})
+        took = time.monotonic() - started
+        thread.join(10)
+    finally:
+        r.execute_command("CLIENT", "UNPAUSE")
+    assert context.status_code == 200 and took < 0.8, took
+    assert answers["compact"].status_code == 404
