@@ -663,7 +663,7 @@ class SessionStore:
         """
         needs_rebuild = False
         order: SessionState | None = state  # the turn order's reference; None: replay it when needed
-        highest: int | None = state.max_turn  # the highest visible turn so far; None: replay it when needed
+        current: int | None = state.current_turn_id  # the currentTurnId so far; None: replay it when needed
         ctx = self.settings.context
         # the session's encoding as each event comes (``events.state.fold``'s rule: a turn_end's model,
         # a session_meta's before any turn ended): a session_meta naming gpt-4o in the batch of turn 1
@@ -677,19 +677,19 @@ class SessionStore:
                     if order is None:  # (a whole log recounted, when the model's encoding changed)
                         order = _keeping_progress(replayed, progress)
                     _check_turn_order(order, event)
-                elif kind in COVERING:  # (a compact or summary leaves the highest turn as it was: no replay)
-                    if highest is None:
+                elif kind in COVERING:  # (a compact or summary leaves the current turn as it was: no replay)
+                    if current is None:
                         order = order if order is not None else _keeping_progress(replayed, progress)
-                        highest = order.max_turn
-                    check_covered_turns(highest, event)
+                        current = order.current_turn_id
+                    check_covered_turns(current, event)
             except InvalidEvent as e:
                 result.rejected.append((event, e))
                 continue
             if kind == "rollback":
-                highest = None
-            elif (highest is not None and kind in TURN_SCOPED_TYPES and isinstance(turn := event.get("turnId"), int)
-                  and turn > highest):  # (a turnId on another kind is an unknown extra field: SPEC §3)
-                highest = turn
+                current = None
+            elif (current is not None and kind in TURN_SCOPED_TYPES
+                  and isinstance(turn := event.get("turnId"), int)):  # (on another kind: an unknown extra field)
+                current = max(current, turn + 1 if kind == "turn_end" else turn)
             if isinstance(uuid := event.get("uuid"), str):  # taken once admitted: a refused one's is free
                 taken.add(uuid)
             model = event.get("model")

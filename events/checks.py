@@ -6,7 +6,7 @@
 - ``check_batch``: the uuid / turn order of a batch, as ``compactor.store``
   refuses it, seen from the batch alone (so a refusal is certain; what the
   batch cannot see, the store still checks).
-- ``check_covered_turns``: a summary / compact covers turns that happened (the
+- ``check_covered_turns``: a summary / compact covers turns that are over (the
   store's rule; ``check_past_turns`` applies it to a batch on a known session).
 - ``unique_keys`` / ``json_float``: ``json.loads`` hooks that keep what a decoder
   passes over silently for ``check_json`` to refuse: a key given twice in one JSON
@@ -173,7 +173,7 @@ def check_batch(events: Sequence[Mapping[str, Any]], *, new_session: bool = Fals
     current, reached_at = 1, -1
     for index, event in enumerate(events):
         if new_session and event.get("type") in COVERING:
-            check_covered_turns(max((t[0] for t in turns), default=0), event, index)
+            check_covered_turns(current, event, index)
         uuid = event.get("uuid")
         if isinstance(uuid, str):
             if uuid in seen:
@@ -196,32 +196,35 @@ def check_batch(events: Sequence[Mapping[str, Any]], *, new_session: bool = Fals
 COVERING = {"summary": "lastSummarizedTurnId", "compact": "endTurnId"}  # the last turn each event covers
 
 
-def check_covered_turns(highest: int, event: Mapping[str, Any], index: int | None = None) -> None:
-    """A summary or compact covers turns that happened: raise InvalidEvent for one past
-    ``highest``, the session's highest visible turn before it. A producer's
-    ``lastSummarizedTurnId: 1000000`` left every later turn out of the LLM's targets for good
-    (SPEC §5: the targets are the turns after it); a compact ahead of its turns elided their
-    outputs as they came."""
+def check_covered_turns(current: int, event: Mapping[str, Any], index: int | None = None) -> None:
+    """A summary or compact covers turns that are over: raise InvalidEvent for one that covers
+    ``current``, the session's currentTurnId before it (SPEC §3: a rollback lowers it), or a
+    turn after it. A producer's ``lastSummarizedTurnId: 1000000`` left every later turn out of
+    the LLM's targets for good (SPEC §5: the targets are the turns after it); a compact ahead of
+    its turns elided their outputs as they came; and one of the turn still running did both to
+    that turn's later events (its read_file result shown cut in the middle; its events after
+    the summary never summarized, the session over its window for good)."""
     field = COVERING.get(event.get("type"))  # type: ignore[arg-type]
     covered = event.get(field) if field else None
-    if field and isinstance(covered, int) and covered > highest:
-        raise InvalidEvent(field, f"is past the session's turns: {covered} > {highest}, its highest turn so far "
-                                  f"(a {event['type']} covers turns that happened)", index)
+    if field and isinstance(covered, int) and covered >= current:
+        raise InvalidEvent(field, f"is past the session's turns: {covered} > {current - 1}, the last turn that is "
+                                  f"over (currentTurnId {current}: a {event['type']} covers turns that are over, "
+                                  f"not one still running)", index)
 
 
-def check_past_turns(events: Sequence[Mapping[str, Any]], highest_before: int) -> None:
+def check_past_turns(events: Sequence[Mapping[str, Any]], current_before: int) -> None:
     """``check_covered_turns`` for each summary/compact of ``events`` appended to a session whose
-    highest visible turn is ``highest_before`` (a rollback among them ends the check: what it
-    hides is the store's to see)."""
-    highest = highest_before
+    currentTurnId is ``current_before`` (a rollback among them ends the check: what it hides is
+    the store's to see)."""
+    current = current_before
     for index, event in enumerate(events):
         kind, turn = event.get("type"), event.get("turnId")
         if kind == "rollback":
             return
         if kind in TURN_SCOPED_TYPES and isinstance(turn, int):
-            highest = max(highest, turn)
+            current = max(current, turn + 1 if kind == "turn_end" else turn)
         else:
-            check_covered_turns(highest, event, index)
+            check_covered_turns(current, event, index)
 
 
 def _current_turn(turns: Sequence[tuple[int, bool, int]]) -> tuple[int, int]:

@@ -262,7 +262,7 @@ def _refuse_backwards(client: redis.Redis, settings: Settings, store: SessionSto
             problem = InvalidEvent("turnId", f"goes backwards: {turn} < currentTurnId {current}", index)
             break
     try:  # a summary or compact past the session's turns, likewise
-        check_past_turns(wires, state.max_turn)
+        check_past_turns(wires, state.current_turn_id)
     except InvalidEvent as e:
         problem = e if problem is None or (e.index or 0) < (problem.index or 0) else problem
     if problem is None or not _settled(client, settings, store, state):
@@ -298,7 +298,7 @@ def _refuse_past_a_new_sessions_turns(client: redis.Redis, settings: Settings, s
     (the watcher writes the log before it acks). A summary sent as a new session's first event
     was a 202, then the watcher's dead letter."""
     try:
-        check_past_turns(wires, 0)
+        check_past_turns(wires, 1)  # (an empty log's currentTurnId)
     except InvalidEvent:
         if store.log(session_id, cwd).exists() or _waiting_in_shard(client, settings, session_id) \
                 or store.log(session_id, cwd).exists():

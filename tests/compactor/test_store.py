@@ -225,14 +225,35 @@ def test_a_summary_or_compact_past_the_sessions_turns_is_refused(store: SessionS
     else:
         rejected = [refusal for event in events for refusal in store.apply(SID, CWD, [event]).rejected]
     assert [(e["uuid"], str(err)) for e, err in rejected] == [
-        ("s-far", "lastSummarizedTurnId: is past the session's turns: 1000000 > 3, its highest turn so far "
-                  "(a summary covers turns that happened)"),
-        ("c-far", "endTurnId: is past the session's turns: 9 > 3, its highest turn so far (a compact covers "
-                  "turns that happened)"),
-        ("c-undone", "endTurnId: is past the session's turns: 3 > 1, its highest turn so far (a compact covers "
-                     "turns that happened)")]
+        ("s-far", "lastSummarizedTurnId: is past the session's turns: 1000000 > 3, the last turn that is over "
+                  "(currentTurnId 4: a summary covers turns that are over, not one still running)"),
+        ("c-far", "endTurnId: is past the session's turns: 9 > 3, the last turn that is over (currentTurnId 4: "
+                  "a compact covers turns that are over, not one still running)"),
+        ("c-undone", "endTurnId: is past the session's turns: 3 > 1, the last turn that is over (currentTurnId 2: "
+                     "a compact covers turns that are over, not one still running)")]
     log = store.log(SID, CWD)
     assert [e["uuid"] for e in log.read() if e["type"] in ("summary", "compact")] == ["s-ok", "c-ok"]
+    assert store.load(SID) == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
+
+
+@pytest.mark.parametrize("batched", [True, False], ids=["one batch", "one by one"])
+def test_a_summary_or_compact_of_the_turn_still_running_is_refused(store: SessionStore, batched: bool) -> None:
+    """Turn 3 running (no turn_end): a producer's compact of turns 1-3 elided turn 3's outputs as
+    they came, and its summary of them left turn 3's later events out of every LLM job's
+    targets (SPEC §5: they start after its lastSummarizedTurnId), the session over its window
+    for good. A turn is over at its turn_end, or once a later one started."""
+    store.apply(SID, CWD, [user(1, "a"), turn_end(1), user(2, "b"), user(3, "c")])  # (turn 2 over: 3 started)
+    events = [compact(3, "c-running"), summary(3, "s-running"), compact(2, "c-ok"), user(3, "more"),
+              turn_end(3), summary(3, "s-ok")]
+    if batched:
+        rejected = store.apply(SID, CWD, events).rejected
+    else:
+        rejected = [refusal for event in events for refusal in store.apply(SID, CWD, [event]).rejected]
+    assert [(e["uuid"], err.field) for e, err in rejected] == [("c-running", "endTurnId"),
+                                                                ("s-running", "lastSummarizedTurnId")]
+    assert "3 > 2, the last turn that is over (currentTurnId 3" in str(rejected[0][1])
+    log = store.log(SID, CWD)
+    assert [e["uuid"] for e in log.read() if e["type"] in ("summary", "compact")] == ["c-ok", "s-ok"]
     assert store.load(SID) == rebuild(SID, CWD, log.read(), store.settings.context, log.size())
 
 
@@ -243,7 +264,7 @@ def test_a_turn_id_on_an_event_outside_the_turns_does_not_raise_the_highest_turn
     batch it raised the highest turn a summary may cover, so a summary of turn 50 of a session
     at turn 1 was written (and left turns 2..50 out of every LLM job's targets), while sent
     alone it was refused."""
-    store.apply(SID, CWD, [user(1, "a")])
+    store.apply(SID, CWD, [user(1, "a"), turn_end(1)])
     meta = {"type": "session_meta", "uuid": "m", "timestamp": "2026-01-01T00:00:00Z", "turnId": 50}
     events = [compact(1, "c-ok"), meta, summary(50, "s-far")]
     if batched:

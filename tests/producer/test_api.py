@@ -1215,9 +1215,14 @@ def test_a_summary_past_the_sessions_turns_is_400(client: TestClient, r: redis.R
     response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": [far]})
     assert response.status_code == 400, response.text
     assert error_of(response)["message"] == (
-        "events[0].lastSummarizedTurnId: is past the session's turns: 1000000 > 3, its highest turn so far "
-        "(a summary covers turns that happened)")
-    batch = [{"type": "user", "turnId": 4, "content": "more"}, {**far, "lastSummarizedTurnId": 4}]
+        "events[0].lastSummarizedTurnId: is past the session's turns: 1000000 > 3, the last turn that is over "
+        "(currentTurnId 4: a summary covers turns that are over, not one still running)")
+    running = [{"type": "user", "turnId": 4, "content": "more"}, {**far, "lastSummarizedTurnId": 4}]
+    response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": running})
+    assert response.status_code == 400, response.text  # (turn 4 still running: its later events never summarized)
+    assert error_of(response)["message"].startswith("events[1].lastSummarizedTurnId: is past the session's turns: "
+                                                    "4 > 3, the last turn that is over (currentTurnId 4")
+    batch = [running[0], {"type": "turn_end", "turnId": 4, "model": "gpt-4"}, running[1]]
     assert client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": batch}).status_code == 202
 
 
@@ -1229,8 +1234,8 @@ def test_a_summary_as_a_new_sessions_first_event_is_400_unless_its_entries_wait(
     response = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": [far]})
     assert response.status_code == 400, response.text
     assert error_of(response)["message"] == (
-        "events[0].lastSummarizedTurnId: is past the session's turns: 1 > 0, its highest turn so far "
-        "(a summary covers turns that happened)")
+        "events[0].lastSummarizedTurnId: is past the session's turns: 1 > 0, the last turn that is over "
+        "(currentTurnId 1: a summary covers turns that are over, not one still running)")
     assert r.xlen(Keys().stream_for(SID)) == 0
     first = client.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": turn(1)})
     assert first.status_code == 202  # published, not yet applied (no watcher runs here): not certain

@@ -439,10 +439,10 @@ def test_a_scrape_waits_for_a_hung_redis_once_not_once_per_gauge(
     ("event: the key 'type' appears twice in one object (one of its values would be dropped)", "malformed"),
     ("event is 5000000 bytes, more than limits.maxEventBytes (4194304)", "too_large"),
     ("turnId: goes backwards: 1 < currentTurnId 3", "turn_order"),
-    ("lastSummarizedTurnId: is past the session's turns: 1000000 > 1, its highest turn so far (a summary "
-     "covers turns that happened)", "turn_order"),
-    ("endTurnId: is past the session's turns: 9 > 3, its highest turn so far (a compact covers turns that "
-     "happened)", "turn_order"),
+    ("lastSummarizedTurnId: is past the session's turns: 1000000 > 1, the last turn that is over (currentTurnId "
+     "2: a summary covers turns that are over, not one still running)", "turn_order"),
+    ("endTurnId: is past the session's turns: 9 > 3, the last turn that is over (currentTurnId 4: a compact "
+     "covers turns that are over, not one still running)", "turn_order"),
     ("cwd: session s is bound to cwd '/a', not '/b'", "cwd_conflict"),
     ("cwd: session s is logged under another cwd (/data/b/sessions/s.jsonl; no session_meta records which), "
      "not '/a'", "cwd_conflict"),
