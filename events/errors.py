@@ -66,6 +66,11 @@ class JobAbandoned(CompactorError):
     heartbeating: paused, frozen) and handed its session on: it writes nothing more."""
 
 
+class JobLost(CompactorError):
+    """A job waited for is no longer in Redis (a restart without persistence, FLUSHDB, a restore
+    of an older snapshot): it may have run all the same."""
+
+
 class SummaryInvalid(CompactorError):
     """The model's reply has no ``<summary>`` block with the 10 section headings in order."""
 

@@ -59,7 +59,7 @@ from compactor.shards import ShardCountMismatch, ShardGuard
 from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd
 from events.checks import check_past_turns
 from events.config import Settings
-from events.errors import InvalidEvent, InvalidInput, SessionNotFound
+from events.errors import InvalidEvent, InvalidInput, JobLost, SessionNotFound
 from events.log import SessionLog
 from events.models import EVENT_ADAPTER, TURN_SCOPED_TYPES, validate_cwd, validate_session_id
 from events.state import SessionState
@@ -361,8 +361,11 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
     if not wait:
         return _accepted(job_id)
     queue = Keys(settings.redis.prefix, settings.redis.shards).queue
-    job = await wait_for_job_async(client, job_id, queue, max(0.0, deadline - time.monotonic()),
-                                   stop=request.app.state.stopping)
+    try:
+        job = await wait_for_job_async(client, job_id, queue, max(0.0, deadline - time.monotonic()),
+                                       stop=request.app.state.stopping)
+    except JobLost as e:  # (a 404 said the session was unknown; the job may have run)
+        return error_response(500, str(e), "job_lost", headers={JOB_ID_HEADER: job_id})
     if job.status == "finished" and job.result is not None:
         response.headers[JOB_ID_HEADER] = job_id
         if job.llm_error is not None:

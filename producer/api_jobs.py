@@ -30,6 +30,7 @@ from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.job import Job, JobStatus
 
 from compactor.queue import JOB_FUNCTIONS
+from events.errors import JobLost
 from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, CompressResult
 from producer.api_errors import ApiError
 from producer.api_models import JobBody, LlmError
@@ -121,11 +122,12 @@ def wait_for_job(client: redis.Redis, job_id: str, queue: str, timeout_s: float)
     """Poll until the job ends or ``timeout_s`` passes; the last status seen. Redis unreachable
     meanwhile (restarted: the workers wait it out and run the job) is waited out too, up to the
     same deadline, where its error is raised: ``compactor compact`` printed "nothing compacted"
-    on a restart of a second, and the job it had queued then compacted."""
+    on a restart of a second, and the job it had queued then compacted. ``JobLost`` when the
+    job is gone from Redis (``job_id`` is one that was queued)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            body = job_body(client, job_id, queue)
+            body = _polled(client, job_id, queue)
         except (redis.ConnectionError, redis.TimeoutError):  # (BusyLoadingError too: a restart's load)
             if time.monotonic() >= deadline:
                 raise
@@ -138,11 +140,33 @@ def wait_for_job(client: redis.Redis, job_id: str, queue: str, timeout_s: float)
 
 async def wait_for_job_async(client: redis.Redis, job_id: str, queue: str, timeout_s: float,
                              stop: threading.Event | None = None) -> JobBody:
-    """``wait_for_job`` without blocking the event loop; it ends early once ``stop`` is set (the
-    API is stopping: the caller answers as for a wait that timed out, the job runs on)."""
+    """``wait_for_job`` without blocking the event loop (a Redis outage waited out the same way:
+    the API answered 503 at once, and a client that sent the request again paid a second LLM
+    call while the first job went on); it ends early once ``stop`` is set (the API is stopping:
+    the caller answers as for a wait that timed out, the job runs on)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        body = await anyio.to_thread.run_sync(job_body, client, job_id, queue)
+        try:
+            body = await anyio.to_thread.run_sync(_polled, client, job_id, queue)
+        except (redis.ConnectionError, redis.TimeoutError):
+            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+                raise
+            await asyncio.sleep(OUTAGE_POLL_INTERVAL_S)
+            continue
         if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline or (stop is not None and stop.is_set()):
             return body
         await asyncio.sleep(POLL_INTERVAL_S)
+
+
+def _polled(client: redis.Redis, job_id: str, queue: str) -> JobBody:
+    """``job_body`` of a job the caller queued: gone from Redis, ``JobLost`` (not ``job_body``'s 404
+    for an unknown job: ``compactor compact`` died with a traceback, and the API answered a 404, a
+    session unknown to its client, for a compaction that could still be running)."""
+    try:
+        return job_body(client, job_id, queue)
+    except ApiError as e:
+        if e.status != 404:
+            raise
+        raise JobLost(f"Redis lost compaction job {job_id} while it was waited for (a restart without persistence, "
+                      f"FLUSHDB, a restore of an older snapshot); it may have run all the same: the session's "
+                      f"context or history says") from e

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 import typer
+from rq.job import Job
 from typer.testing import CliRunner
 
 from compactor.cli import app
@@ -1164,6 +1165,22 @@ def test_compact_waits_out_a_redis_restart_while_its_job_is_queued(settings: Set
             server.stop()
     assert process.returncode == 0, err
     assert json.loads(out.splitlines()[-1])["didCompress"] is True
+
+
+def test_compact_whose_job_redis_lost_says_so_and_prints_the_json_last(
+        r: redis.Redis, settings: Settings, config: Path) -> None:
+    """Redis lost the job while ``compact`` waited for it (a restart without persistence, FLUSHDB):
+    it died with a traceback (the API's 404 for an unknown job) and printed no JSON line."""
+    write_session(r, settings, 3)
+    estimate = SessionStore(r, settings).load(SID).prompt_estimate  # type: ignore[union-attr]
+    process = queued_compact_process(r, settings, config)
+    [job_id] = compaction_queue(r, settings).job_ids
+    r.delete(Job.key_for(job_id))
+    out, err = process.communicate(timeout=30)
+    assert process.returncode == 1, err
+    assert json.loads(out.splitlines()[-1]) == {"didCompress": False, "released": 0, "promptEstimate": estimate}
+    assert "Traceback" not in err, err
+    assert f"compactor: Redis lost compaction job {job_id} while it was waited for" in err
 
 
 def test_compact_stopped_while_it_starts_still_prints_the_json_last(

@@ -1709,3 +1709,52 @@ def test_a_forced_compaction_of_an_unknown_session_holds_no_other_request_up_whi
         r.execute_command("CLIENT", "UNPAUSE")
     assert context.status_code == 200 and took < 0.8, took
     assert answers["compact"].status_code == 404
+
+
+def test_a_forced_compaction_whose_job_redis_lost_is_a_500_job_lost_not_a_404(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """Redis lost the job while the request waited for it (a restart without persistence, FLUSHDB):
+    the answer was a 404 "no job ...", an unknown session to its client, for a compaction that
+    could still run."""
+    write_session(r, api_settings, 3)
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(
+        response=client.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD})))
+    thread.start()
+    queue = compaction_queue(r, api_settings)
+    deadline = time.monotonic() + 10
+    while queue.count == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [job_id] = queue.job_ids
+    r.delete(Job.key_for(job_id))
+    thread.join(30)
+    response = box["response"]
+    assert response.status_code == 500, response.text
+    assert error_of(response)["code"] == "job_lost"
+    assert error_of(response)["message"].startswith(f"Redis lost compaction job {job_id} while it was waited for")
+    assert response.headers["X-Compactor-Job-Id"] == job_id
+
+
+def test_a_forced_compactions_wait_outlasts_a_redis_outage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis unreachable while the API waited for the job: a 503 at once, while the job went on (a
+    client sending the request again paid a second LLM call). Waited out as ``compactor compact``
+    does, up to the same deadline."""
+    import anyio
+
+    from producer import api_jobs
+    from producer.api_models import JobBody
+
+    calls: list[float] = []
+
+    def flaky(client: Any, job_id: str, queue: str) -> JobBody:
+        calls.append(time.monotonic())
+        if len(calls) <= 3:
+            raise redis.ConnectionError("Connection refused")
+        return JobBody(job_id=job_id, status="finished")
+
+    monkeypatch.setattr(api_jobs, "job_body", flaky)
+    body = anyio.run(api_jobs.wait_for_job_async, None, "j", "q", 10.0)
+    assert body.status == "finished" and len(calls) == 4
+    calls.clear()
+    with pytest.raises(redis.ConnectionError):  # (past the deadline: raised, a 503)
+        anyio.run(api_jobs.wait_for_job_async, None, "j", "q", 0.3)
