@@ -207,7 +207,7 @@ _NEUTRAL = re.compile(r"(?:true|false|:|echo|printf|exit|cd|pushd|popd|export|se
                       # file commands: ``cp a b && cat b`` is content; their own failures are ``_COMMAND_SAID``'s)
                       # (``source`` of a script runs it, but one setting up its shell does not: a venv's activate,
                       # nvm.sh, an env or rc file, named by its file name: ``source run_env_tests.sh`` runs tests)
-                      r"|(?:source|\.)\s+(?:\S*/)?(?:activate(?:\.\w+)?|nvm\.sh|\.?\w*env(?:\.\w+)?|\.?\w+rc)(?:\s|$)")
+                      r"|(?:source|\.)\s+[\"']?(?:\S*/)?(?:activate(?:\.\w+)?|nvm\.sh|\.?\w*env(?:\.\w+)?|\.?\w+rc)[\"']?(?:\s|$)")
 _GIT_OPTIONS = re.compile(r"git\s+(?:(?:-C|-c|--git-dir|--work-tree)\s+\S+\s+|--no-pager\s+|-P\s+)+")
 _COMMAND_ARGUMENT = ("command", "cmd", "script", "commandLine", "shell_command")
 _SHELLS = frozenset({"sh", "bash", "zsh", "dash", "ksh"})

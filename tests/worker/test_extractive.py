@@ -792,6 +792,8 @@ def test_the_next_step_is_carried_through_a_batch_without_a_user_message() -> No
     ("chmod +x run.sh && cat run.sh", True), ("mv a b; ln -s b c; ls", True), ("source ~/.bashrc && ls", True),
     ("source .env && cat x", True), ("source scripts/run_env_tests.sh && cat report.txt", False),
     (". ./setup_env_and_test.sh; cat out.log", False), ("source ./src/config_rc_check.sh; ls", False),
+    ('source "venv/bin/activate" && cat f', True), ('source "$HOME/.cargo/env" && cat f', True),
+    (". '$NVM_DIR/nvm.sh'; cat f", True), ('source "scripts/run_env_tests.sh" && cat f', False),
 ])
 def test_a_command_is_taken_for_one_showing_content_by_its_pipelines_heads(command: str, content: bool) -> None:
     """Only the command string's start was looked at: ``cd /repo && git log`` listed commit subjects
