@@ -47,6 +47,7 @@ from typing import Any, Literal
 
 import redis
 from rq import Queue
+from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.rate_limit import RateLimit
 from rq.utils import as_text
@@ -365,10 +366,18 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
                            status=JobStatus.CREATED)
     job.save()  # before the claim: once recorded as the trigger, the holder's end may queue it
     outcome, job_id = _force(client, settings, session_id, job.id, after)
+    if outcome == "claimed" and job_id != job.id:  # the forced job that waited: this request joins it
+        try:
+            _enqueue_forced(client, settings, session_id, job_id, after)
+        except NoSuchJobError:  # (gone from Redis, its claim freed: this request's own job instead)
+            outcome, job_id = _force(client, settings, session_id, job.id, after)
+        else:
+            job.delete()
+            return job_id
     if job_id != job.id:
         job.delete()
-    if outcome == "claimed":  # (the forced job that waited, when there was one: this request joins it)
-        _enqueue_forced(client, settings, session_id, job_id, after if job_id != job.id else None)
+    if outcome == "claimed":
+        _enqueue_forced(client, settings, session_id, job_id)
     else:
         if outcome != "waiting":  # (a job of its own that waits is counted enqueued once queued, not folded)
             metrics.JOBS_COALESCED.labels("forced").inc()
@@ -406,13 +415,32 @@ def _enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, jo
     queue = compaction_queue(client, settings)
     try:
         queue.enqueue_job(_with_joined_after(client, job_id, after))
-    except Exception:
-        _, retrigger, claims = _session_keys(settings, session_id)
-        release_pending(client, settings, session_id, job_id)
-        client.set(retrigger, FORCED_TRIGGER + job_id)
-        client.zadd(claims, {session_id: redis_now(client)})
+    except NoSuchJobError:  # its record is gone (evicted, deleted by hand): put back as the trigger, it failed
+        release_pending(client, settings, session_id, job_id)  # every later request and promotion for good
+        logger.error("forced job %s of session %s is gone from Redis: dropped", job_id, session_id,
+                     extra={"session_id": session_id, "job_id": job_id})
         raise
+    except Exception as e:
+        if not _queued_all_the_same(client, job_id):
+            _, retrigger, claims = _session_keys(settings, session_id)
+            release_pending(client, settings, session_id, job_id)
+            client.set(retrigger, FORCED_TRIGGER + job_id)
+            client.zadd(claims, {session_id: redis_now(client)})
+            raise
+        # (the enqueue landed and its reply was lost: put back as the trigger, it was queued again, and RQ
+        # runs a job queued twice twice)
+        logger.warning("forced job %s of session %s was queued, its enqueue's reply lost: %s", job_id, session_id,
+                       e, extra={"session_id": session_id, "job_id": job_id})
     _enqueued(session_id, job_id, True)
+
+
+def _queued_all_the_same(client: redis.Redis, job_id: str) -> bool:
+    """Whether the forced job ``job_id``, whose enqueue raised, is past RQ status ``created``."""
+    try:
+        status = client.hget(Job.key_for(job_id), "status")
+    except redis.RedisError:
+        return False
+    return status is not None and as_text(status) != JobStatus.CREATED
 
 
 def trigger_compactions(client: redis.Redis, settings: Settings, triggers: list[Trigger]) -> list[str | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -213,6 +214,42 @@ def test_a_waiting_forced_job_a_request_queued_is_not_queued_again_by_its_promot
     release_pending(r, settings, "s1", forced)
     assert promote_forced(r, settings, "s1", forced) is False  # once it ran: not again
     assert queued == [auto, forced] and pending_job_id(r, settings, "s1") is None
+
+
+def test_a_waiting_forced_job_gone_from_redis_is_dropped_and_the_request_queues_its_own(
+    r: redis.Redis, settings: Settings,
+) -> None:
+    """Its RQ record gone (evicted, deleted by hand), the waiting forced job's enqueue failed and
+    its trigger was put back: every later forced request and promotion of the session failed."""
+    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert auto and forced
+    r.delete(Job.key_for(forced))
+    release_pending(r, settings, "s1", auto)
+    request = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert request is not None and request != forced
+    assert pending_job_id(r, settings, "s1") == request and r.get(Keys().retrigger("s1")) is None
+    assert Job.fetch(request, connection=r).get_status() in (JobStatus.QUEUED, JobStatus.RATE_LIMITED)
+
+
+def test_a_forced_job_whose_enqueue_landed_with_its_reply_lost_is_not_put_back_to_wait(
+    r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The enqueue raised after it landed (its reply lost): put back as the waiting trigger, a
+    promotion queued it a second time, and RQ ran it twice."""
+    from rq import Queue
+
+    enqueue = Queue.enqueue_job
+
+    def landed_then_lost(self: Queue, job: Job, *args: Any, **kwargs: Any) -> Job:
+        enqueue(self, job, *args, **kwargs)
+        raise redis.ConnectionError("Connection reset by peer")
+
+    monkeypatch.setattr(Queue, "enqueue_job", landed_then_lost)
+    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)  # the request gets its job
+    assert forced is not None and pending_job_id(r, settings, "s1") == forced
+    assert r.get(Keys().retrigger("s1")) is None
+    assert promote_forced(r, settings, "s1", forced) is False
 
 
 def test_jobs_of_one_session_are_serialised_by_the_rate_limit(r: redis.Redis, settings: Settings) -> None:
