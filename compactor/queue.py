@@ -371,6 +371,9 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
             _enqueue_forced(client, settings, session_id, job_id, after)
         except NoSuchJobError:  # (gone from Redis, its claim freed: this request's own job instead)
             outcome, job_id = _force(client, settings, session_id, job.id, after)
+        except BaseException:
+            job.delete()
+            raise
         else:
             job.delete()
             return job_id
@@ -415,10 +418,10 @@ def _enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, jo
     queue = compaction_queue(client, settings)
     try:
         queue.enqueue_job(_with_joined_after(client, job_id, after))
-    except NoSuchJobError:  # its record is gone (evicted, deleted by hand): put back as the trigger, it failed
-        release_pending(client, settings, session_id, job_id)  # every later request and promotion for good
-        logger.error("forced job %s of session %s is gone from Redis: dropped", job_id, session_id,
-                     extra={"session_id": session_id, "job_id": job_id})
+    except NoSuchJobError:  # its record is gone (evicted, deleted by hand): dropped, its claim freed (put back as
+        release_pending(client, settings, session_id, job_id)  # the trigger, it failed every later request and
+        logger.warning("forced job %s of session %s is gone from Redis: dropped", job_id,  # promotion for good)
+                       session_id, extra={"session_id": session_id, "job_id": job_id})
         raise
     except Exception as e:
         if not _queued_all_the_same(client, job_id):

@@ -122,13 +122,14 @@ def wait_for_job(client: redis.Redis, job_id: str, queue: str, timeout_s: float)
     """Poll until the job ends or ``timeout_s`` passes; the last status seen. Redis unreachable
     meanwhile (restarted: the workers wait it out and run the job) is waited out too, up to the
     same deadline, where its error is raised: ``compactor compact`` printed "nothing compacted"
-    on a restart of a second, and the job it had queued then compacted. ``JobLost`` when the
-    job is gone from Redis (``job_id`` is one that was queued)."""
+    on a restart of a second, and the job it had queued then compacted. A job gone from Redis
+    (``job_id`` is one that was queued) is waited for too (a worker running it writes it back
+    when it ends), up to the deadline, where ``JobLost`` is raised."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             body = _polled(client, job_id, queue)
-        except (redis.ConnectionError, redis.TimeoutError):  # (BusyLoadingError too: a restart's load)
+        except (redis.ConnectionError, redis.TimeoutError, JobLost):  # (BusyLoadingError too: a restart's load)
             if time.monotonic() >= deadline:
                 raise
             time.sleep(OUTAGE_POLL_INTERVAL_S)
@@ -140,19 +141,25 @@ def wait_for_job(client: redis.Redis, job_id: str, queue: str, timeout_s: float)
 
 async def wait_for_job_async(client: redis.Redis, job_id: str, queue: str, timeout_s: float,
                              stop: threading.Event | None = None) -> JobBody:
-    """``wait_for_job`` without blocking the event loop (a Redis outage waited out the same way:
-    the API answered 503 at once, and a client that sent the request again paid a second LLM
-    call while the first job went on); it ends early once ``stop`` is set (the API is stopping:
-    the caller answers as for a wait that timed out, the job runs on)."""
+    """``wait_for_job`` without blocking the event loop; it ends early once ``stop`` is set (the
+    API is stopping: the caller answers as for a wait that timed out, the job runs on). A Redis
+    outage is waited out the same way (the API answered 503 at once, and a client that sent the
+    request again paid a second LLM call while the first job went on), and past the deadline or
+    at ``stop`` the last status seen is returned (``queued`` when none was): the caller answers
+    202 with the job id, as for any wait that ran out. ``JobLost`` past the deadline only."""
     deadline = time.monotonic() + timeout_s
+    last = JobBody(job_id=job_id, status=JobStatus.QUEUED.value)
     while True:
         try:
             body = await anyio.to_thread.run_sync(_polled, client, job_id, queue)
-        except (redis.ConnectionError, redis.TimeoutError):
-            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+        except (redis.ConnectionError, redis.TimeoutError, JobLost) as e:
+            if time.monotonic() >= deadline and isinstance(e, JobLost):
                 raise
+            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+                return last
             await asyncio.sleep(OUTAGE_POLL_INTERVAL_S)
             continue
+        last = body
         if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline or (stop is not None and stop.is_set()):
             return body
         await asyncio.sleep(POLL_INTERVAL_S)

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from rq import get_current_job
+from rq.exceptions import NoSuchJobError
 
 from compactor import metrics
 from compactor.applied import wait_applied
@@ -202,7 +203,10 @@ def finish(
             return None
         if trigger is not None and trigger.startswith(FORCED_TRIGGER):  # a forced job waited for this one
             forced = trigger[len(FORCED_TRIGGER):]
-            return forced if promote_forced(context.redis, context.settings, session_id, forced) else None
+            try:
+                return forced if promote_forced(context.redis, context.settings, session_id, forced) else None
+            except NoSuchJobError:  # (gone from Redis, dropped: the triggers it was to answer are re-checked)
+                pass
         enqueued = recheck(context, session_id, lock_wait_s=lock_wait_s)
         settle_trigger(context.redis, context.settings, session_id)
         return enqueued

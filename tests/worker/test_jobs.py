@@ -1577,6 +1577,25 @@ def test_a_trigger_coalesced_while_a_forced_job_waited_is_honoured_when_it_had_n
     assert pending_job_id(r, keep2, "s1") is None and stub.requests == []
 
 
+def test_a_waiting_forced_job_gone_from_redis_leaves_its_triggers_rechecked(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    """The triggers that came while a forced job waited are not recorded (it is to answer them). Its
+    record gone from Redis, its promotion failed: the session was left with no claim, no trigger
+    and no job until its next turn_end."""
+    keep2 = make_settings(settings, llm_timeout_seconds=5.0, compaction_model=STUB_MODEL, keep_recent_turns=2)
+    write_session(r, keep2, "s1", 2, window=400)  # turn 1 a micro candidate
+    auto = enqueue_compaction(r, keep2, "s1", CWD, "llm")
+    forced = enqueue_compaction(r, keep2, "s1", CWD, "llm", forced=True)
+    assert auto and forced and enqueue_compaction(r, keep2, "s1", CWD, "micro") is None  # not recorded
+    Job.fetch(auto, connection=r).cancel()
+    r.delete(Job.key_for(forced))
+    context = WorkerContext.build(keep2, r)
+    rechecked = worker_jobs.finish(context, "s1", auto)
+    assert rechecked is not None and rechecked != forced and pending_job_id(r, keep2, "s1") == rechecked
+    assert r.exists(Keys().retrigger("s1")) == 0
+
+
 def test_a_forced_job_waiting_for_a_job_whose_worker_died_is_queued_by_the_janitor_path(
     r: redis.Redis, wsettings: Settings,
 ) -> None:

@@ -232,6 +232,25 @@ def test_a_waiting_forced_job_gone_from_redis_is_dropped_and_the_request_queues_
     assert Job.fetch(request, connection=r).get_status() in (JobStatus.QUEUED, JobStatus.RATE_LIMITED)
 
 
+def test_a_request_joining_a_waiting_forced_job_leaves_no_job_of_its_own_when_the_enqueue_fails(
+    r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rq import Queue
+
+    def refused(self: Queue, job: Job, *args: Any, **kwargs: Any) -> Job:
+        raise redis.ConnectionError("Connection reset by peer")
+
+    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert auto and forced
+    release_pending(r, settings, "s1", auto)
+    monkeypatch.setattr(Queue, "enqueue_job", refused)
+    with pytest.raises(redis.ConnectionError):
+        enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)  # joins the waiting one, which fails
+    assert sorted(key.decode() for key in r.keys("rq:job:*")) == sorted([Job.key_for(auto), Job.key_for(forced)])
+    assert r.get(Keys().retrigger("s1")) == f"{FORCED_TRIGGER}{forced}".encode()  # still waiting
+
+
 def test_a_forced_job_whose_enqueue_landed_with_its_reply_lost_is_not_put_back_to_wait(
     r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
