@@ -126,6 +126,34 @@ BREAKER_OPENS = Counter(
     registry=REGISTRY)
 
 
+JOB_KINDS = ("micro", "llm")
+SUCCEEDED_OUTCOMES = ("compressed", "nothing_to_do")
+FAILED_OUTCOMES = ("llm_transient", "llm_permanent", "summary_invalid", "session_not_found", "error", "abandoned")
+
+
+def init_series() -> None:
+    """Give every series of the counters' fixed label sets a value (0) before its first count. A
+    labelled series only appeared at its first increment, and Prometheus takes a series that
+    first shows at 1 for no increase: the first job failure or dead letter of each kind after a
+    start never fired the alerts OPERATIONS suggests (``rate(compactor_jobs_failed_total[10m]) >
+    0``). Called by the service's processes (watcher, workers, API), not at import: a producer
+    importing the publisher left a metrics file of zeros in a shared directory per run."""
+    for kind in (*sorted(EVENT_TYPES), "other"):
+        _ingested(kind)
+    for reason in REASON_KINDS:
+        DEAD_LETTERED.labels(reason)
+    for kind in JOB_KINDS:
+        for forced in ("true", "false"):
+            JOBS_ENQUEUED.labels(kind, forced)
+        JOBS_COALESCED.labels(kind)
+        TOKENS_RELEASED.labels(kind)
+        for outcome in SUCCEEDED_OUTCOMES:
+            JOBS_SUCCEEDED.labels(kind, outcome)
+        for outcome in FAILED_OUTCOMES:
+            JOBS_FAILED.labels(kind, outcome)
+    JOBS_COALESCED.labels("forced")
+
+
 def multiprocess_dir() -> str | None:
     """The shared metrics directory when multi-process mode is on."""
     return os.environ.get(MULTIPROC_ENV) or None
@@ -230,7 +258,7 @@ def count_dead_letters(reasons: Iterable[str]) -> None:
 
 def observe_job(kind: str, outcome: str, seconds: float, released: int | None) -> None:
     """Record one finished job: success or failure by outcome, duration, tokens released."""
-    succeeded = outcome in ("compressed", "nothing_to_do")
+    succeeded = outcome in SUCCEEDED_OUTCOMES
     (JOBS_SUCCEEDED if succeeded else JOBS_FAILED).labels(kind, outcome).inc()
     JOB_SECONDS.labels(kind).observe(seconds)
     if released is not None and released > 0:

@@ -50,6 +50,7 @@ from rq.utils import as_text
 from starlette.routing import Mount, Route
 
 from compactor import __version__
+from compactor import metrics as compactor_metrics
 from compactor.applied import parse_stream_id
 from compactor.keys import Keys
 from compactor.queue import enqueue_forced_compaction
@@ -580,6 +581,7 @@ def create_app(settings: Settings, redis: redis.Redis | None = None) -> FastAPI:
     app.state.shard_guard = ShardGuard(Keys(settings.redis.prefix, settings.redis.shards), settings.watcher.lease_ms)
     from producer.status_page import STATUS_ROUTERS, install_status_page
 
+    compactor_metrics.init_series()  # (the counters of the API's own enqueues; alone, the process's series)
     app.state.registry = registry = CollectorRegistry()  # this app's HTTP metrics
     app.state.process_metrics = process = ProcessMetrics(registry)
     app.state.scrape_registry = scrape_registry(process, app.state.redis, settings)

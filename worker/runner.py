@@ -640,6 +640,7 @@ def main(settings: Settings, *, count: int | None = None, burst: bool = False) -
         raise ValueError("worker.runner.main needs settings.redis.url (start the embedded Redis first)")
     count = count or settings.worker.count
     _ping(settings.redis.url)
+    metrics.init_series()
     preload()
     freeze_heap()  # before forking too: the children share the frozen pages untouched by collections
     if count == 1:

@@ -657,6 +657,7 @@ def main(settings: Settings, *, name: str | None = None) -> None:
     client = redis.Redis.from_url(settings.redis.url)
     try:
         watcher = Watcher(client, settings, name=name)
+        metrics.init_series()
         prepare_heap()
         watcher.run(stop)
     finally:

@@ -72,6 +72,24 @@ def test_a_sessions_last_activity_is_in_redis_s_time_whatever_the_writers_clock(
     assert score is not None and abs(score - int(seconds)) < 5
 
 
+def test_a_batch_that_appends_nothing_is_no_activity(store: SessionStore, r: redis.Redis) -> None:
+    """A batch refused whole (a dead-lettered entry), a redelivery of what the log has, or a forced
+    job with nothing to write moved the session's last activity: to the top of every list, and
+    one sent only refused entries never idled out."""
+    store.apply(SID, CWD, [user(1, "a", "1-0"), turn_end(1, "1-1"), user(2, "b", "2-0")])
+    before = r.zscore(store.keys.sessions, SID)
+    ttl = r.ttl(store.keys.session(SID))
+    r.zadd(store.keys.sessions, {SID: 1_000.0})  # (long ago)
+    r.expire(store.keys.session(SID), 100)
+    result = store.apply(SID, CWD, [user(1, "late", "3-0")])  # turnId goes backwards: refused
+    assert [e["uuid"] for e, _ in result.rejected] == ["u1-late"] and not result.appended
+    store.apply(SID, CWD, [user(2, "b", "2-0")])  # a redelivery: a duplicate, nothing appended
+    assert r.zscore(store.keys.sessions, SID) == 1_000.0 and r.ttl(store.keys.session(SID)) <= 100
+    store.apply(SID, CWD, [turn_end(2, "4-0")])
+    assert r.zscore(store.keys.sessions, SID) > 1_000.0 and r.ttl(store.keys.session(SID)) > 100
+    assert before is not None and ttl > 100
+
+
 def test_a_new_sessions_first_append_stopped_by_a_timeout_leaves_no_log(
         store: SessionStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """Only a write failure removed the new session's empty log: one stopped by a job's timeout

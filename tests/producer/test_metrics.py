@@ -620,3 +620,43 @@ def test_containers_sharing_the_directory_each_as_pid_1_keep_their_counts(
     samples = _scraped(tmp_path, redis_url, env)
     assert value(samples, "compactor_events_ingested_total", type="user") == 6
     assert value(samples, "compactor_job_seconds_count", kind="micro") == 2
+
+
+FRESH_SCRAPE = """
+import sys
+from fastapi.testclient import TestClient
+import redis
+from events.config import Settings
+from producer.api import create_app
+settings = Settings.model_validate({"dataDir": sys.argv[1], "redis": {"url": sys.argv[2]}})
+with TestClient(create_app(settings, redis=redis.Redis.from_url(sys.argv[2])), base_url="http://127.0.0.1") as client:
+    print(client.get("/metrics").text)
+"""
+
+
+def test_every_counter_series_of_a_fixed_label_set_is_there_at_zero_from_the_start(
+        tmp_path: Path, redis_url: str) -> None:
+    """A labelled series appeared at its first increment, and Prometheus takes a series first seen
+    at 1 for no increase: the first job failure or dead letter of each kind after a start never
+    fired OPERATIONS' alerts (``rate(compactor_jobs_failed_total[10m]) > 0``)."""
+    env = {key: value for key, value in os.environ.items() if key != "PROMETHEUS_MULTIPROC_DIR"}
+    out = subprocess.run([sys.executable, "-c", FRESH_SCRAPE, str(tmp_path / "d"), redis_url], env=env,
+                         check=True, timeout=60, capture_output=True, text=True).stdout
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(out) for s in family.samples}
+    for name, labels in [("compactor_jobs_failed_total", {"kind": "llm", "outcome": "llm_transient"}),
+                         ("compactor_jobs_failed_total", {"kind": "micro", "outcome": "abandoned"}),
+                         ("compactor_jobs_succeeded_total", {"kind": "micro", "outcome": "compressed"}),
+                         ("compactor_entries_dead_lettered_total", {"reason": "turn_order"}),
+                         ("compactor_jobs_enqueued_total", {"kind": "llm", "forced": "true"}),
+                         ("compactor_jobs_coalesced_total", {"kind": "forced"}),
+                         ("compactor_events_ingested_total", {"type": "user"}),
+                         ("compactor_tokens_released_total", {"kind": "llm"})]:
+        assert samples.get((name, tuple(sorted(labels.items())))) == 0, (name, labels)
+
+
+def test_a_producer_importing_the_publisher_leaves_no_metrics_file_in_the_shared_directory(tmp_path: Path) -> None:
+    shared = metrics_dir(tmp_path)
+    subprocess.run([sys.executable, "-c", "import producer.publisher"], check=True, timeout=60,
+                   env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)})
+    assert list(shared.iterdir()) == []
