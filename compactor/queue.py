@@ -52,7 +52,6 @@ from rq.job import Job, JobStatus
 from rq.rate_limit import RateLimit
 from rq.utils import as_text
 
-from compactor import metrics
 from compactor.keys import Keys
 from compactor.applied import STREAM_ID_RE
 from compactor.store import bound_elsewhere, check_logged_cwd, stream_id_key
@@ -157,7 +156,9 @@ return {outcome, id, cur or ''}
 # recorded trigger cleared (the forced job answers it) -> {'claimed', the id to queue}. Else the
 # forced job waits as the trigger ``forced:{id}`` -> {'waiting', id}, unless one already waits
 # -> {'pending', its id}: the caller joins it, its ``after`` kept on that job's hash if later
-# than any kept there (``_with_joined_after``).
+# than any kept there (``_with_joined_after``). For a request, a waiting job whose RQ hash is
+# gone (evicted) is none: the request's own job takes its place (joined, the request waited
+# for a job that could never run, and was answered job_lost).
 _FORCE = _LUA_HELPERS + """
 local function later(a, b)
   if not b then return true end
@@ -169,14 +170,16 @@ local function later(a, b)
   return am > bm or (am == bm and as > bs)
 end
 local cur = redis.call('GET', KEYS[1])
-if ARGV[6] == '1' and redis.call('GET', KEYS[2]) ~= FORCED .. ARGV[1] then return {'gone', ARGV[1], cur or ''} end
+local t = redis.call('GET', KEYS[2])
+if ARGV[6] == '1' and t ~= FORCED .. ARGV[1] then return {'gone', ARGV[1], cur or ''} end
+local waiting = is_forced(t) and string.sub(t, #FORCED + 1) or nil
+if waiting and ARGV[6] ~= '1' and redis.call('EXISTS', ARGV[3] .. waiting) == 0 then
+  waiting = nil  -- its job gone from Redis (evicted): this request's own job takes its place
+end
 if cur and not is_stale(cur, ARGV[3], ARGV[4]) then
-  local t = redis.call('GET', KEYS[2])
-  if is_forced(t) then
-    local waiting = string.sub(t, #FORCED + 1)
+  if waiting then
     local hash = ARGV[3] .. waiting
-    if ARGV[5] ~= '' and redis.call('EXISTS', hash) == 1
-        and later(ARGV[5], redis.call('HGET', hash, 'JOINED_AFTER')) then
+    if ARGV[5] ~= '' and later(ARGV[5], redis.call('HGET', hash, 'JOINED_AFTER')) then
       redis.call('HSET', hash, 'JOINED_AFTER', ARGV[5])
     end
     return {'pending', waiting, cur}
@@ -185,9 +188,7 @@ if cur and not is_stale(cur, ARGV[3], ARGV[4]) then
   redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
   return {'waiting', ARGV[1], cur}
 end
-local id = ARGV[1]
-local t = redis.call('GET', KEYS[2])
-if is_forced(t) then id = string.sub(t, #FORCED + 1) end
+local id = waiting or ARGV[1]
 redis.call('SET', KEYS[1], id)
 redis.call('DEL', KEYS[2])
 redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[2])
@@ -383,6 +384,8 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
         _enqueue_forced(client, settings, session_id, job_id)
     else:
         if outcome != "waiting":  # (a job of its own that waits is counted enqueued once queued, not folded)
+            from compactor import metrics  # (not at import: see _enqueued)
+
             metrics.JOBS_COALESCED.labels("forced").inc()
         logger.info("forced compaction %s session=%s job=%s", "waits for the pending job" if outcome == "waiting"
                     else "joins the forced job already waiting", session_id, job_id,
@@ -515,6 +518,10 @@ def _enqueue_claimed(client: redis.Redis, settings: Settings, session_id: str, c
 
 def _enqueued(session_id: str, job_id: str, forced: bool) -> None:
     kind = _kind_of(job_id)
+    # (imported here, not with the module: a producer importing the publisher, PROMETHEUS_MULTIPROC_DIR set,
+    # left a metrics file of its own in the shared directory per run, read by every scrape)
+    from compactor import metrics
+
     metrics.JOBS_ENQUEUED.labels(kind, "true" if forced else "false").inc()
     logger.info("enqueued session=%s job=%s kind=%s forced=%s", session_id, job_id, kind, forced,
                 extra={"session_id": session_id, "job_id": job_id, "kind": kind, "forced": forced,
@@ -630,6 +637,8 @@ def _claimed(session_id: str, reply: Any) -> str | None:
         logger.debug("no job session=%s: breaker open", session_id)
         return None
     if outcome == "pending":
+        from compactor import metrics  # (not at import: see _enqueued)
+
         metrics.JOBS_COALESCED.labels(claimed).inc()  # here the trigger's kind
         logger.debug("coalesced session=%s kind=%s pending=%s", session_id, claimed, other)
         return None

@@ -40,7 +40,7 @@ from compactor.cli.common import (
     user_errors,
 )
 from events.config import DAY_S, Settings
-from events.errors import SessionNotFound
+from events.errors import CompactorError, SessionNotFound
 from events.models import validate_cwd, validate_session_id
 from producer.api_models import SessionBody
 
@@ -89,6 +89,8 @@ def compact(
             # (the imports in the block: RQ's and the API's took up to 0.8 s, and a Ctrl-C or SIGTERM
             # then ended the command with no JSON line)
             outside_the_stack()  # (before compactor.queue imports compactor.metrics)
+            import redis
+
             from compactor.keys import Keys
             from compactor.queue import enqueue_forced_compaction
             from producer.api_jobs import error_message, wait_for_job
@@ -101,7 +103,12 @@ def compact(
                 wait_s = timeout or settings.api.job_wait_seconds
                 job_id = enqueue_forced_compaction(client, settings, sid, cwd)
                 err_console.print(f"compaction job {job_id} queued; waiting (up to {wait_s:g}s)")
-                job = wait_for_job(client, job_id, Keys(settings.redis.prefix, settings.redis.shards).queue, wait_s)
+                try:
+                    job = wait_for_job(client, job_id, Keys(settings.redis.prefix, settings.redis.shards).queue,
+                                       wait_s)
+                except (redis.ConnectionError, redis.TimeoutError) as e:  # (still down at the deadline)
+                    raise CompactorError(f"Redis unreachable: {e}; compaction job {job_id} was queued and may "
+                                         f"still run: see GET /api/jobs/{job_id}") from e
     except (typer.Exit, KeyboardInterrupt):
         # SPEC §7: the CompressResult JSON is always the last line, when no job could run too (a bad
         # session id, no such session, Redis unreachable, a bad config: the reason is on stderr), and

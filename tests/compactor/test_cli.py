@@ -1188,6 +1188,25 @@ def test_compact_whose_job_redis_lost_says_so_and_prints_the_json_last(
     assert f"compactor: Redis lost compaction job {job_id} while it was waited for" in err
 
 
+def test_compact_with_redis_down_at_its_deadline_names_the_job_it_queued(
+        runner: CliRunner, r: redis.Redis, settings: Settings, config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It said "Redis unreachable" alone: the job it had queued, which may still run, went unnamed
+    (the API answers 202 with its id then)."""
+    from producer import api_jobs
+
+    def down(*args: Any) -> None:
+        raise redis.ConnectionError("Error 111 connecting")
+
+    write_session(r, settings, 3)
+    monkeypatch.setattr(api_jobs, "wait_for_job", down)
+    result = runner.invoke(app, ["compact", SID, "--cwd", CWD, *base_args(settings, config)])
+    assert result.exit_code == 1
+    [job_id] = compaction_queue(r, settings).job_ids
+    assert (f"Redis unreachable: Error 111 connecting; compaction job {job_id} was queued and may still run: "
+            f"see GET /api/jobs/{job_id}") in result.stderr
+    assert set(json.loads(result.stdout.splitlines()[-1])) == {"didCompress", "released", "promptEstimate"}
+
+
 def test_compact_stopped_while_it_starts_still_prints_the_json_last(
         runner: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:
     """Its first imports (RQ's, the API's: up to 0.8 s) ran before the signals were handled: a

@@ -251,6 +251,22 @@ def test_a_request_joining_a_waiting_forced_job_leaves_no_job_of_its_own_when_th
     assert r.get(Keys().retrigger("s1")) == f"{FORCED_TRIGGER}{forced}".encode()  # still waiting
 
 
+def test_a_request_while_the_claim_is_held_does_not_join_a_waiting_forced_job_gone_from_redis(
+    r: redis.Redis, settings: Settings,
+) -> None:
+    """Joined, the request waited for a job that could never run, and was answered job_lost."""
+    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert auto and forced
+    r.delete(Job.key_for(forced))
+    request = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert request is not None and request != forced
+    assert r.get(Keys().retrigger("s1")) == f"{FORCED_TRIGGER}{request}".encode()  # it waits in its place
+    assert Job.fetch(request, connection=r).get_status() == JobStatus.CREATED
+    release_pending(r, settings, "s1", auto)
+    assert promote_forced(r, settings, "s1", request) is True
+
+
 def test_a_forced_job_whose_enqueue_landed_with_its_reply_lost_is_not_put_back_to_wait(
     r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
