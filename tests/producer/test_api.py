@@ -799,6 +799,22 @@ def test_compact_whose_llm_fails_is_502(r: redis.Redis, api_settings: Settings,
     assert int(r.get(Keys().failures(SID)) or 0) == 1
 
 
+def compact_in_a_thread(test_client: TestClient, r: redis.Redis,
+                        settings: Settings) -> tuple[threading.Thread, dict[str, Any], str]:
+    """A forced compaction POSTed from a thread (its answer in the dict's ``response`` once joined),
+    returned once its job is queued, with the job's id."""
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(
+        response=test_client.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD})))
+    thread.start()
+    queue = compaction_queue(r, settings)
+    deadline = time.monotonic() + 10
+    while queue.count == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [job_id] = queue.job_ids
+    return thread, box, job_id
+
+
 def test_compact_whose_worker_died_is_500_job_abandoned(client: TestClient, r: redis.Redis,
                                                         api_settings: Settings) -> None:
     """A forced compaction whose worker was killed answered 502 ``compaction_failed``, SPEC §7's
@@ -807,15 +823,8 @@ def test_compact_whose_worker_died_is_500_job_abandoned(client: TestClient, r: r
     from rq.job_lifecycle import record_job_failure
 
     write_session(r, api_settings, 3)
-    box: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: box.update(
-        response=client.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD})))
-    thread.start()
     queue = compaction_queue(r, api_settings)
-    deadline = time.monotonic() + 10
-    while queue.count == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    [job_id] = queue.job_ids
+    thread, box, job_id = compact_in_a_thread(client, r, api_settings)
     job = Job.fetch(job_id, connection=r)
     queue.remove(job)
     with r.pipeline() as pipe:  # as RQ's cleanup of the started registry records a dead worker's job
@@ -1720,15 +1729,8 @@ def test_a_forced_compaction_whose_job_redis_lost_is_a_500_job_lost_not_a_404(
     write_session(r, api_settings, 3)
     with TestClient(create_app(with_api(api_settings, job_wait_seconds=1.5), redis=r)) as short:
         for comes_back in (True, False):  # (the lost one last: it keeps the session's RQ rate limit)
-            box: dict[str, Any] = {}
-            thread = threading.Thread(target=lambda: box.update(
-                response=short.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD})))
-            thread.start()
             queue = compaction_queue(r, api_settings)
-            deadline = time.monotonic() + 10
-            while queue.count == 0 and time.monotonic() < deadline:
-                time.sleep(0.02)
-            [job_id] = queue.job_ids
+            thread, box, job_id = compact_in_a_thread(short, r, api_settings)
             saved = r.hgetall(Job.key_for(job_id))
             r.delete(Job.key_for(job_id))
             if comes_back:
