@@ -527,12 +527,13 @@ class SessionStore:
             # had no state of was stored over the micro job's that ran meanwhile (a backlog after a
             # watcher restart), and status showed the session over its threshold, uncompacted, until
             # its next event
-            # (active: something appended, or a state rebuilt for a session Redis had none of; a batch refused
-            # whole, a redelivery, or a job that found nothing to write is no activity: it moved the session to
-            # the top of every list, and kept one sent only refused entries from ever idling out)
+            # (active: something appended, now or by a writer whose save was lost (caught up), or a state
+            # rebuilt for a session Redis had none of; a batch refused whole, a redelivery of what the state
+            # has seen, or a job that found nothing to write is no activity: it moved the session to the top
+            # of every list, and kept one sent only refused entries from ever idling out)
             self.save(state, pipe, if_newer=pipeline is not None and not shrunk,
                       uuids=_uuids(result.appended), create=log_uuids is not None,
-                      active=bool(result.appended) or log_uuids is not None)
+                      active=bool(result.appended) or log_uuids is not None or bool(caught_up))
             if pipeline is None:
                 pipe.execute()
             else:

@@ -88,6 +88,12 @@ def test_a_batch_that_appends_nothing_is_no_activity(store: SessionStore, r: red
     store.apply(SID, CWD, [turn_end(2, "4-0")])
     assert r.zscore(store.keys.sessions, SID) > 1_000.0 and r.ttl(store.keys.session(SID)) > 100
     assert before is not None and ttl > 100
+    r.zadd(store.keys.sessions, {SID: 1_000.0})
+    r.expire(store.keys.session(SID), 100)
+    lost = r.pipeline(transaction=False)  # a writer whose state save never reached Redis (it crashed)
+    assert store.apply(SID, CWD, [user(3, "c", "5-0")], pipeline=lost).appended
+    store.apply(SID, CWD, [user(3, "c", "5-0")])  # its redelivery: caught up from the log, appended once
+    assert r.zscore(store.keys.sessions, SID) > 1_000.0 and r.ttl(store.keys.session(SID)) > 100
 
 
 def test_a_new_sessions_first_append_stopped_by_a_timeout_leaves_no_log(
