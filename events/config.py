@@ -11,7 +11,7 @@ them all in one error.
 
 Environment variables override the file: ``REDIS_URL``, ``COMPACTION_DATA_DIR``,
 ``COMPACTION_API_TOKEN``, ``COMPACTION_API_PORT``, ``COMPACTION_API_HOST``,
-``COMPACTION_WORKERS``. A wrong value is an ``InvalidConfig`` naming the key at
+``COMPACTION_WORKERS``, ``COMPACTION_MODEL``, ``COMPACTION_FALLBACK_MODEL``. A wrong value is an ``InvalidConfig`` naming the key at
 start-up, and the variable when the value came from one (``api.port (from
 COMPACTION_API_PORT): ...``). ``redis.url`` is checked here as redis-py will read
 it (scheme, port, database), so no process starts on a URL its client refuses.
