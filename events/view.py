@@ -725,8 +725,11 @@ def llm_pass(
     previous = scan.summary
     start_after = _int(previous.get("lastSummarizedTurnId")) if previous else 0
     summarize = end_turn > start_after
-    # (one without a uuid cannot be replaced: folded in, it stayed, and came back in every summary after)
-    earlier = [summary for summary in reversed(scan.earlier) if type(summary.get("uuid")) is str] if summarize else []
+    # (one without a uuid cannot be replaced: folded in, it stayed, and came back in every summary after; one
+    # covering turns past ``end_turn`` (a producer's, before a later one of fewer turns) stays too: folded
+    # into a summary of fewer turns, a rollback of those turns no longer hid its text, SPEC §4.1)
+    earlier = [summary for summary in reversed(scan.earlier) if type(summary.get("uuid")) is str
+               and _int(summary.get("lastSummarizedTurnId")) <= end_turn] if summarize else []
     outputs = _Outputs(ctx, _merge_ranges(scan.compacts), micro=micro, before_turn=current - 1)
     min_chars = candidate_min_chars(ctx)
     tokens_of = _ElidedTokens(encoding)

@@ -1900,3 +1900,29 @@ def test_a_stopping_worker_appends_the_chunks_summarized_and_calls_no_more(
     ends = [e["lastSummarizedTurnId"] for e in read_log(small, "s1") if e["type"] == "summary"]
     assert len(ends) == len(stub.requests) > 1  # one call a job: each stopped after its first chunk
     assert ends == sorted(set(ends))  # (each went on from the last; the re-checks stop under the threshold)
+
+
+def test_an_earlier_summary_of_more_turns_than_the_job_summarizes_is_not_folded_in(
+    r: redis.Redis, settings: Settings,
+) -> None:
+    """A producer's summary A of turns up to 5, then one B of turns up to 2 (the latest): a job
+    summarizing turns up to 4 folded A into its own (lastSummarizedTurnId 4), so a rollback of
+    turn 5 no longer hid A's text (SPEC §4.1 hides a summary covering an undone turn)."""
+    keep2 = make_settings(settings, compaction_model="extractive", keep_recent_turns=2)
+    write_session(r, keep2, "s1", 6, window=100_000)  # currentTurnId 7: endTurn 4
+    store = SessionStore(r, keep2)
+    store.apply("s1", CWD, [
+        {"type": "summary", "uuid": "sA", "lastSummarizedTurnId": 5, "replaces": ["u3", "a3", "t3", "u5", "a5", "t5"],
+         "summaryText": summary_text("TURN5-SECRET")},
+        {"type": "summary", "uuid": "sB", "lastSummarizedTurnId": 2, "replaces": ["u1", "a1", "t1", "u2", "a2", "t2"],
+         "summaryText": summary_text("turns one and two")}])
+    install(WorkerContext.build(keep2, r))
+    assert llm_compact("s1", CWD, forced=True)["didCompress"]
+    new = _summaries(keep2, "s1")[-1]
+    assert new["lastSummarizedTurnId"] == 4 and "sB" in new["replaces"] and "sA" not in new["replaces"]
+    assert "TURN5-SECRET" not in new["summaryText"]
+    store.apply("s1", CWD, [{"type": "rollback", "throughTurnId": 5, "reason": "undo", "uuid": "rb"}])
+    view = build_view(read_log(keep2, "s1"), keep2.context)
+    assert not any("TURN5-SECRET" in str(message.get("content")) for message in view.messages)
+    assert store.load("s1") == rebuild("s1", CWD, read_log(keep2, "s1"), keep2.context,
+                                       SessionLog(keep2.data_dir, CWD, "s1").size())
