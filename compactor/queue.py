@@ -39,6 +39,7 @@ The RQ functions take a Redis client with ``decode_responses=False`` (RQ pickles
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -366,7 +367,12 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     job = queue.create_job(**_job_spec(settings, session_id, cwd, new_job_id(session_id, "llm"), True, after),
                            status=JobStatus.CREATED)
     job.save()  # before the claim: once recorded as the trigger, the holder's end may queue it
-    outcome, job_id = _force(client, settings, session_id, job.id, after)
+    try:
+        outcome, job_id = _force(client, settings, session_id, job.id, after)
+    except BaseException:  # (kept, it stayed ``created`` with no TTL for good; a claim or trigger the script
+        with contextlib.suppress(Exception):  # made all the same, its reply lost, finds it gone and is
+            job.delete()  # dropped: a stale claim, a waiting job no request joins and its promotion drops)
+        raise
     if outcome == "claimed" and job_id != job.id:  # the forced job that waited: this request joins it
         try:
             _enqueue_forced(client, settings, session_id, job_id, after)
@@ -417,7 +423,8 @@ def _enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, jo
                     after: str | None = None) -> None:
     """RQ-enqueue the forced job ``job_id`` (created already, its claim made), the ``after`` of the
     requests that joined it while it waited folded in (``after``: one more's). On an error the
-    claim is freed and the job recorded as waiting again, so the janitor queues it later."""
+    claim stays the job's and the janitor queues it later (``queue_unqueued_claim``); a job gone
+    from Redis is dropped, its claim freed."""
     queue = compaction_queue(client, settings)
     try:
         queue.enqueue_job(_with_joined_after(client, job_id, after))
@@ -428,13 +435,14 @@ def _enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, jo
         raise
     except Exception as e:
         if not _queued_all_the_same(client, job_id):
-            _, retrigger, claims = _session_keys(settings, session_id)
-            release_pending(client, settings, session_id, job_id)
-            client.set(retrigger, FORCED_TRIGGER + job_id)
-            client.zadd(claims, {session_id: redis_now(client)})
+            # the claim stays the job's: the janitor queues a claimed job still ``created`` past the grace
+            # (``queue_unqueued_claim``), as after an enqueuer stopped between the two. (Freed, and the job put
+            # back as the waiting trigger, one whose enqueue had landed, its reply and the status read lost,
+            # was queued again by the next promotion: RQ ran it twice.)
+            logger.warning("forced job %s of session %s not queued (%s): left claimed, for the worker janitor",
+                           job_id, session_id, e, extra={"session_id": session_id, "job_id": job_id})
             raise
-        # (the enqueue landed and its reply was lost: put back as the trigger, it was queued again, and RQ
-        # runs a job queued twice twice)
+        # (the enqueue landed and its reply was lost)
         logger.warning("forced job %s of session %s was queued, its enqueue's reply lost: %s", job_id, session_id,
                        e, extra={"session_id": session_id, "job_id": job_id})
     _enqueued(session_id, job_id, True)

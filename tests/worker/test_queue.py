@@ -22,7 +22,9 @@ from compactor.queue import (
     parse_job_id,
     pending_job_id,
     promote_forced,
+    queue_unqueued_claim,
     rate_limit_for,
+    redis_now,
     release_pending,
     sessions_to_look_at,
     settle_trigger,
@@ -248,7 +250,12 @@ def test_a_request_joining_a_waiting_forced_job_leaves_no_job_of_its_own_when_th
     with pytest.raises(redis.ConnectionError):
         enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)  # joins the waiting one, which fails
     assert sorted(key.decode() for key in r.keys("rq:job:*")) == sorted([Job.key_for(auto), Job.key_for(forced)])
-    assert r.get(Keys().retrigger("s1")) == f"{FORCED_TRIGGER}{forced}".encode()  # still waiting
+    # left claimed, still ``created``: the worker janitor queues it past the grace (not put back to wait: one
+    # whose enqueue had landed, its reply lost, was queued again by the next promotion)
+    assert pending_job_id(r, settings, "s1") == forced and r.get(Keys().retrigger("s1")) is None
+    monkeypatch.undo()
+    assert queue_unqueued_claim(r, settings, "s1", forced, redis_now(r) + STALE_CLAIM_GRACE_S + 1)
+    assert Job.fetch(forced, connection=r).get_status() in (JobStatus.QUEUED, JobStatus.RATE_LIMITED)
 
 
 def test_a_request_while_the_claim_is_held_does_not_join_a_waiting_forced_job_gone_from_redis(
@@ -285,6 +292,27 @@ def test_a_forced_job_whose_enqueue_landed_with_its_reply_lost_is_not_put_back_t
     assert forced is not None and pending_job_id(r, settings, "s1") == forced
     assert r.get(Keys().retrigger("s1")) is None
     assert promote_forced(r, settings, "s1", forced) is False
+    # the status read that tells it fails too: the claim stays the job's, nothing is put back to wait
+    monkeypatch.setattr(queue_module, "_queued_all_the_same", lambda client, job_id: False)
+    with pytest.raises(redis.ConnectionError):
+        enqueue_compaction(r, settings, "s2", CWD, "llm", forced=True)
+    [second] = [job_id for job_id in compaction_queue(r, settings).job_ids if job_id.endswith("-s2")]
+    assert pending_job_id(r, settings, "s2") == second and r.get(Keys().retrigger("s2")) is None
+    assert promote_forced(r, settings, "s2", second) is False
+    assert not queue_unqueued_claim(r, settings, "s2", second, redis_now(r) + STALE_CLAIM_GRACE_S + 1)
+
+
+def test_a_forced_request_whose_claim_script_fails_leaves_no_job_behind(
+    r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its job, saved before the script, stayed ``created`` with no TTL, named by nothing, for good."""
+    def timed_out(*args: Any, **kwargs: Any) -> tuple[str, str]:
+        raise redis.TimeoutError("Timeout reading from socket")
+
+    monkeypatch.setattr(queue_module, "_force", timed_out)
+    with pytest.raises(redis.TimeoutError):
+        enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert r.keys("rq:job:*") == []
 
 
 def test_jobs_of_one_session_are_serialised_by_the_rate_limit(r: redis.Redis, settings: Settings) -> None:
