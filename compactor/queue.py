@@ -369,21 +369,18 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     job.save()  # before the claim: once recorded as the trigger, the holder's end may queue it
     try:
         outcome, job_id = _force(client, settings, session_id, job.id, after)
-    except BaseException:  # (kept, it stayed ``created`` with no TTL for good; a claim or trigger the script
+        if outcome == "claimed" and job_id != job.id:  # the forced job that waited: this request joins it
+            try:
+                _enqueue_forced(client, settings, session_id, job_id, after)
+            except NoSuchJobError:  # (gone from Redis, its claim freed: this request's own job instead)
+                outcome, job_id = _force(client, settings, session_id, job.id, after)
+            else:
+                job.delete()
+                return job_id
+    except BaseException:  # (kept, it stayed ``created`` with no TTL for good; a claim or trigger a script
         with contextlib.suppress(Exception):  # made all the same, its reply lost, finds it gone and is
             job.delete()  # dropped: a stale claim, a waiting job no request joins and its promotion drops)
         raise
-    if outcome == "claimed" and job_id != job.id:  # the forced job that waited: this request joins it
-        try:
-            _enqueue_forced(client, settings, session_id, job_id, after)
-        except NoSuchJobError:  # (gone from Redis, its claim freed: this request's own job instead)
-            outcome, job_id = _force(client, settings, session_id, job.id, after)
-        except BaseException:
-            job.delete()
-            raise
-        else:
-            job.delete()
-            return job_id
     if job_id != job.id:
         job.delete()
     if outcome == "claimed":

@@ -663,6 +663,10 @@ class Compactor:
         chunks = self.chunks(targets.events, previous_text, window, encoding,
                              reading.target_tokens if encoding == view.encoding else None, running=lambda: running)
         done = 0
+        # (a stop never leaves a folded summary covering more turns than the new one: in its text, and
+        # replaced, its turns past the new lastSummarizedTurnId were no longer hidden by their rollback)
+        folded_through = max((_int_turn(summary.get("lastSummarizedTurnId")) for summary in targets.earlier_summaries),
+                             default=0)
         for chunk in chunks:
             # the whole targets in one call: the pass rendered them already
             transcript = "\n\n".join(reading.blocks) if chunk is targets.events else render_transcript(chunk)
@@ -674,8 +678,9 @@ class Compactor:
                                      f"(a quarter of the session's {view.window}-token window, at least "
                                      f"{MIN_SUMMARY_LIMIT_TOKENS})")
             done += len(chunk)
-            if done >= len(targets.events) or run is None or turn_of(targets.events[done]) - 1 <= targets.start_after:
-                continue  # (all summarized; or no turn boundary past the previous summary's yet)
+            if (done >= len(targets.events) or run is None
+                    or turn_of(targets.events[done]) - 1 <= max(targets.start_after, folded_through - 1)):
+                continue  # (all summarized; or no turn boundary past the previous summaries' yet)
             if run.deadline is not None and time.monotonic() + self.ctx.llm_timeout_seconds > run.deadline:
                 why = "another LLM call might outlast the job's timeout"
             elif STOPPING.is_set():
@@ -879,6 +884,10 @@ def _new_line(kind: str, **fields: Any) -> dict[str, Any]:
     uuid, the time, then the fields), without the pydantic round trip: the worker's values
     (turn ids and uuids read from the log, the checked summary text) need no validation."""
     return {"uuid": str(uuid.uuid4()), "timestamp": iso_time(redis_time_s()), "type": kind, **fields}
+
+
+def _int_turn(value: Any) -> int:
+    return value if type(value) is int else 0
 
 
 def _covered(reading: LlmPass, covered: int) -> tuple[list[str], int]:

@@ -1926,3 +1926,31 @@ def test_an_earlier_summary_of_more_turns_than_the_job_summarizes_is_not_folded_
     assert not any("TURN5-SECRET" in str(message.get("content")) for message in view.messages)
     assert store.load("s1") == rebuild("s1", CWD, read_log(keep2, "s1"), keep2.context,
                                        SessionLog(keep2.data_dir, CWD, "s1").size())
+
+
+def test_a_job_stopped_at_its_deadline_never_folds_in_a_summary_of_more_turns_than_it_covers(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub,
+) -> None:
+    """Stopped after a chunk (another LLM call might outlast the job's timeout), a job summarized the
+    turns up to 3 and replaced a producer's summary of turns up to 5 it had folded in: a rollback
+    of turn 5 no longer hid that summary's text (SPEC §4.1)."""
+    keep2 = make_settings(wsettings, keep_recent_turns=2)
+    words = " ".join(f"line{i}" for i in range(700))
+    events: list[dict[str, Any]] = [{"type": "session_meta", "sessionId": "s1", "cwd": CWD, "model": STUB_MODEL,
+                                     "uuid": "meta"}]
+    for n in range(1, 9):  # currentTurnId 9: endTurn 6; each turn a chunk or more in a 4 000-token window
+        events += turn(n, output=words, tool="run_tests", window=4000)
+    store = SessionStore(r, keep2)
+    store.apply("s1", CWD, events)
+    store.apply("s1", CWD, [
+        {"type": "summary", "uuid": "sA", "lastSummarizedTurnId": 5, "replaces": ["u3", "a3", "t3", "u5"],
+         "summaryText": summary_text("TURN5-SECRET")},  # (turn 5's a5 and t5 left: targets after turn 4's)
+        {"type": "summary", "uuid": "sB", "lastSummarizedTurnId": 2, "replaces": ["u1", "a1", "t1", "u2", "a2", "t2"],
+         "summaryText": summary_text("turns one and two")}])
+    context = WorkerContext.build(keep2, r)
+    install(context)
+    run = JobRun("", deadline=time.monotonic() - 1)  # past: it stops at the first turn boundary it may
+    assert context.compactor.llm("s1", CWD, forced=True, run=run).did_compress
+    new = _summaries(keep2, "s1")[-1]
+    assert run.covered is not None  # (stopped early)
+    assert "sA" in new["replaces"] and new["lastSummarizedTurnId"] >= 5

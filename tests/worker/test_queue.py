@@ -315,6 +315,31 @@ def test_a_forced_request_whose_claim_script_fails_leaves_no_job_behind(
     assert r.keys("rq:job:*") == []
 
 
+def test_a_request_whose_second_claim_script_fails_leaves_no_job_behind(
+    r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The waiting job it claimed for gone before its enqueue, the request claims for its own job:
+    that second script failing left its own job ``created`` with no TTL, named by nothing."""
+    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert auto and forced
+    release_pending(r, settings, "s1", auto)
+    real, calls = queue_module._force, []
+
+    def force(*args: Any, **kwargs: Any) -> tuple[str, str]:
+        calls.append(args[3])
+        if len(calls) == 1:
+            claimed = real(*args, **kwargs)  # claims the waiting job for this request
+            r.delete(Job.key_for(forced))  # gone before its enqueue
+            return claimed
+        raise redis.TimeoutError("Timeout reading from socket")
+
+    monkeypatch.setattr(queue_module, "_force", force)
+    with pytest.raises(redis.TimeoutError):
+        enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert len(calls) == 2 and not r.exists(Job.key_for(calls[1]))
+
+
 def test_jobs_of_one_session_are_serialised_by_the_rate_limit(r: redis.Redis, settings: Settings) -> None:
     queue = compaction_queue(r, settings)
     ids = [queue.enqueue_call("worker.jobs.llm_compact", args=("s1", CWD), job_id=new_job_id("s1", "llm"),
