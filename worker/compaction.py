@@ -665,8 +665,8 @@ class Compactor:
         done = 0
         # (a stop never leaves a folded summary covering more turns than the new one: in its text, and
         # replaced, its turns past the new lastSummarizedTurnId were no longer hidden by their rollback)
-        folded_through = max((_int_turn(summary.get("lastSummarizedTurnId")) for summary in targets.earlier_summaries),
-                             default=0)
+        folded_through = max((through for summary in targets.earlier_summaries
+                              if type(through := summary.get("lastSummarizedTurnId")) is int), default=0)
         for chunk in chunks:
             # the whole targets in one call: the pass rendered them already
             transcript = "\n\n".join(reading.blocks) if chunk is targets.events else render_transcript(chunk)
@@ -884,10 +884,6 @@ def _new_line(kind: str, **fields: Any) -> dict[str, Any]:
     uuid, the time, then the fields), without the pydantic round trip: the worker's values
     (turn ids and uuids read from the log, the checked summary text) need no validation."""
     return {"uuid": str(uuid.uuid4()), "timestamp": iso_time(redis_time_s()), "type": kind, **fields}
-
-
-def _int_turn(value: Any) -> int:
-    return value if type(value) is int else 0
 
 
 def _covered(reading: LlmPass, covered: int) -> tuple[list[str], int]:
