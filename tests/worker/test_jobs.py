@@ -1932,7 +1932,7 @@ def test_a_job_stopped_at_its_deadline_never_folds_in_a_summary_of_more_turns_th
     r: redis.Redis, wsettings: Settings, stub: LLMStub,
 ) -> None:
     """Stopped after a chunk (another LLM call might outlast the job's timeout), a job summarized the
-    turns up to 3 and replaced a producer's summary of turns up to 5 it had folded in: a rollback
+    turns up to 4 and replaced a producer's summary of turns up to 5 it had folded in: a rollback
     of turn 5 no longer hid that summary's text (SPEC §4.1)."""
     keep2 = make_settings(wsettings, keep_recent_turns=2)
     words = " ".join(f"line{i}" for i in range(700))
