@@ -43,6 +43,14 @@ def started(r: redis.Redis, job_id: str | None) -> str:
     return job_id
 
 
+def forced_waiting(r: redis.Redis, settings: Settings) -> tuple[str, str]:
+    """Session s1's automatic job holding the claim and a forced job waiting behind it: their ids."""
+    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
+    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert auto and forced
+    return auto, forced
+
+
 def test_second_automatic_trigger_is_coalesced_and_recorded(r: redis.Redis, settings: Settings) -> None:
     first = enqueue_compaction(r, settings, "s1", CWD, "micro")
     second = enqueue_compaction(r, settings, "s1", CWD, "llm")
@@ -180,9 +188,7 @@ def test_a_forced_job_is_queued_waiting_for_the_latest_entry_of_the_requests_it_
 def test_a_waiting_forced_job_keeps_waiting_behind_a_job_that_took_the_free_claim_first(
     r: redis.Redis, settings: Settings,
 ) -> None:
-    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
-    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
-    assert auto and forced
+    auto, forced = forced_waiting(r, settings)
     assert release_pending(r, settings, "s1", auto) == f"{FORCED_TRIGGER}{forced}"
     other = enqueue_compaction(r, settings, "s1", CWD, "llm")  # a watcher trigger wins the race
     assert other is not None and pending_job_id(r, settings, "s1") == other
@@ -204,9 +210,7 @@ def test_a_waiting_forced_job_a_request_queued_is_not_queued_again_by_its_promot
     enqueued = queue_module._enqueued
     monkeypatch.setattr(queue_module, "_enqueued", lambda sid, job_id, forced: (queued.append(job_id),
                                                                                enqueued(sid, job_id, forced)))
-    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
-    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
-    assert auto and forced
+    auto, forced = forced_waiting(r, settings)
     assert release_pending(r, settings, "s1", auto) == f"{FORCED_TRIGGER}{forced}"
     assert enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True) == forced  # a request claims for it
     assert queued == [auto, forced]
@@ -223,9 +227,7 @@ def test_a_waiting_forced_job_gone_from_redis_is_dropped_and_the_request_queues_
 ) -> None:
     """Its RQ record gone (evicted, deleted by hand), the waiting forced job's enqueue failed and
     its trigger was put back: every later forced request and promotion of the session failed."""
-    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
-    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
-    assert auto and forced
+    auto, forced = forced_waiting(r, settings)
     r.delete(Job.key_for(forced))
     release_pending(r, settings, "s1", auto)
     request = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
@@ -242,9 +244,7 @@ def test_a_request_joining_a_waiting_forced_job_leaves_no_job_of_its_own_when_th
     def refused(self: Queue, job: Job, *args: Any, **kwargs: Any) -> Job:
         raise redis.ConnectionError("Connection reset by peer")
 
-    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
-    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
-    assert auto and forced
+    auto, forced = forced_waiting(r, settings)
     release_pending(r, settings, "s1", auto)
     monkeypatch.setattr(Queue, "enqueue_job", refused)
     with pytest.raises(redis.ConnectionError):
@@ -262,9 +262,7 @@ def test_a_request_while_the_claim_is_held_does_not_join_a_waiting_forced_job_go
     r: redis.Redis, settings: Settings,
 ) -> None:
     """Joined, the request waited for a job that could never run, and was answered job_lost."""
-    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
-    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
-    assert auto and forced
+    auto, forced = forced_waiting(r, settings)
     r.delete(Job.key_for(forced))
     request = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
     assert request is not None and request != forced
@@ -320,9 +318,7 @@ def test_a_request_whose_second_claim_script_fails_leaves_no_job_behind(
 ) -> None:
     """The waiting job it claimed for gone before its enqueue, the request claims for its own job:
     that second script failing left its own job ``created`` with no TTL, named by nothing."""
-    auto = enqueue_compaction(r, settings, "s1", CWD, "micro")
-    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
-    assert auto and forced
+    auto, forced = forced_waiting(r, settings)
     release_pending(r, settings, "s1", auto)
     real, calls = queue_module._force, []
 
