@@ -335,21 +335,9 @@ _FENCE = re.compile(r"^ {0,3}(`{3,}(?![^`]*`)|~{3,})")
 def _headings(text: str) -> list[tuple[int, str | None]]:
     """Per line of ``text``: its index and the section title it is a heading of (None: a body
     line). A line inside a fenced code block (markdown ``` or ~~~) is never a heading."""
-    lines: list[tuple[int, str | None]] = []
-    fence = ""
-    for index, line in enumerate(text.split("\n")):  # (not ``splitlines``: see ``split_sections``)
-        if fence:
-            if line.strip() == fence[0] * len(line.strip()) and len(line.strip()) >= len(fence):
-                fence = ""  # the closing fence: as long at least, of the same character, nothing else
-            lines.append((index, None))
-            continue
-        opening = _FENCE.match(line)
-        if opening:
-            fence = opening.group(1)
-            lines.append((index, None))
-            continue
-        lines.append((index, _heading_title(line)))
-    return lines
+    lines = text.split("\n")  # (not ``splitlines``: see ``split_sections``)
+    inside, _ = _inside_fences(lines)  # (a fence's opening line is no heading either: ``_heading_title``)
+    return [(index, None if fenced else _heading_title(line)) for index, (line, fenced) in enumerate(zip(lines, inside))]
 
 
 def fenced_line_starts(text: str) -> set[int]:
@@ -375,7 +363,7 @@ def _inside_fences(lines: list[str]) -> tuple[list[bool], str]:
         if fence:
             stripped = line.strip()
             if stripped == fence[0] * len(stripped) and len(stripped) >= len(fence):
-                fence = ""
+                fence = ""  # the closing fence: as long at least, of the same character, nothing else
         elif opening := _FENCE.match(line):
             fence = opening.group(1)
     return inside, fence
