@@ -604,14 +604,26 @@ def split_sections(text: str) -> dict[str, str]:
             bodies[current] = []
         elif current is not None:
             bodies[current].append(lines[index])
-    return {title: "\n".join(bodies[title]).strip() for title in SECTION_TITLES if title in bodies}
+    return {title: _body(bodies[title]) for title in SECTION_TITLES if title in bodies}
 
 
 def _bodies(text: str, sections: list[int], lines: list[str] | None = None) -> dict[str, str]:
     """``split_sections`` of a text whose section headings are on lines ``sections``."""
     lines = text.split("\n") if lines is None else lines
     ends = [*sections[1:], len(lines)]
-    return {title: "\n".join(lines[start + 1:end]).strip() for title, start, end in zip(SECTION_TITLES, sections, ends)}
+    return {title: _body(lines[start + 1:end]) for title, start, end in zip(SECTION_TITLES, sections, ends)}
+
+
+def _body(lines: list[str]) -> str:
+    """A section's lines without the blank lines around them and the blanks ending the last; the
+    first line keeps its indentation (stripped, a code line indented four spaces that reads
+    `````` became a fence: the sections after it were hidden, and the summary carried whole)."""
+    start, end = 0, len(lines)
+    while start < end and not lines[start].strip():
+        start += 1
+    while end > start and not lines[end - 1].strip():
+        end -= 1
+    return "\n".join(lines[start:end]).rstrip()
 
 
 def _headings_escaped(text: str) -> str:

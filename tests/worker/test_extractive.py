@@ -405,6 +405,22 @@ def test_headings_a_previous_summary_quotes_stay_quotes_through_rolls() -> None:
     assert all(text in messages for text in ('- "thanks"', "NEW MESSAGE 5", "NEW MESSAGE 6")), messages
 
 
+def test_a_section_starting_with_an_indented_code_line_is_carried_as_its_section() -> None:
+    """A valid LLM summary whose All User Messages starts with ``    ``` see the snippet`` (code
+    indented four spaces, not a fence): its sections were read stripped, the line became a fence
+    that hid the sections after it, and the whole summary was carried nested as one message."""
+    sections = {title: f"- {title.lower()} item" for title in SECTION_TITLES}
+    sections["All User Messages"] = '    ``` see the snippet\n- "please fix src/app.py"\n- "thanks"'
+    previous = "\n\n".join(f"### {title}\n{body}" for title, body in sections.items())
+    validate_summary_text(previous)
+    assert split_sections(previous)["All User Messages"] == sections["All User Messages"]
+    text = extractive_summary([{"type": "user", "turnId": 3, "content": "next request"},
+                               {"type": "assistant", "turnId": 3, "content": "ok"}], previous, limit_tokens=4000)
+    rolled = split_sections(text)
+    assert "### " not in rolled["All User Messages"], rolled["All User Messages"]  # no summary nested in it
+    assert rolled["Pending Tasks"].startswith("- pending tasks item"), rolled["Pending Tasks"]
+
+
 def test_files_keep_the_most_recently_named_through_rolls() -> None:
     """The first 60 paths ever named were kept: a rolling summary still listed turn 1's files after
     79 turns on others, and never the file being edited now."""
