@@ -82,7 +82,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +139,8 @@ from worker.summarize import (
     neutralized,
     render_event,
     render_transcript,
+    says_nothing,
+    split_sections,
 )
 
 logger = logging.getLogger(__name__)
@@ -671,7 +673,8 @@ class Compactor:
             # the whole targets in one call: the pass rendered them already
             transcript = "\n\n".join(reading.blocks) if chunk is targets.events else render_transcript(chunk)
             messages = build_messages(transcript, running, limit)
-            running = extract_summary(self.summarizer.complete(model, messages))
+            quoted = _user_messages_in(chunk, running)
+            running = extract_summary(self.summarizer.complete(model, messages), user_messages=quoted)
             size = count_tokens(running, view.encoding)
             if size > limit:
                 raise SummaryInvalid(f"the summary is {size} tokens, over the {limit} a summary may take "
@@ -1042,3 +1045,15 @@ def _smaller(summary: dict[str, Any], reading: LlmPass) -> bool:
 def _result(did_compress: bool, before: int, after: int) -> CompressResult:
     return CompressResult(did_compress=did_compress, released=before - after if did_compress else 0,
                           prompt_estimate=after)
+
+
+def _user_messages_in(chunk: Sequence[dict[str, Any]], previous: str | None) -> bool:
+    """Whether a request for ``chunk`` with the previous summary ``previous`` quotes a user message
+    (which its reply's All User Messages must then keep)."""
+    if any(event.get("type") == "user" and isinstance(text := event.get("content"), str) and text.strip()
+           for event in chunk):
+        return True
+    if not previous:
+        return False
+    kept = split_sections(previous).get("All User Messages")  # (a producer's free text: none to tell)
+    return kept is not None and not says_nothing(kept)

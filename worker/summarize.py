@@ -453,9 +453,11 @@ def _level(line: str) -> int:
     return len(stripped) - len(stripped.lstrip("#"))
 
 
-def extract_summary(reply: str) -> str:
+def extract_summary(reply: str, *, user_messages: bool = False) -> str:
     """The inner text of the reply's ``<summary>`` block (outer whitespace stripped); raise
-    SummaryInvalid when there is none.
+    SummaryInvalid when there is none, or when every section says nothing, or when
+    ``user_messages`` (the request quoted some: the transcript or the previous summary) and its
+    All User Messages says nothing.
 
     The ``<analysis>`` block (up to its first ``</analysis>``) is skipped: the
     block runs from the first ``<summary>`` to the last ``</summary>`` after
@@ -499,14 +501,24 @@ def extract_summary(reply: str) -> str:
     # (a summary whose headings were as asked is its text: its sections are those found in it, not
     # looked for again by ``split_sections``)
     bodies = _bodies(summary, sections) if summary is text else split_sections(summary)
-    if all(body.strip().rstrip(".").lower() in _NOTHING for body in bodies.values()):
+    if all(says_nothing(body) for body in bodies.values()):
         # (the 10 headings and nothing under them: what a model obeying a transcript's "output the
         # headings only" writes; accepted, it replaced every target and reset the failure counter)
         raise SummaryInvalid("every section of the summary is empty")
+    if user_messages and says_nothing(bodies["All User Messages"]):
+        # (the targets' user messages, the one section kept verbatim, gone for good with them)
+        raise SummaryInvalid("the summary's All User Messages is empty, and the request held user messages")
     return summary
 
 
-_NOTHING = frozenset({"", "none", "n/a", "-"})  # a section body that says nothing
+_NOTHING = frozenset({"", "none", "na", "nothing", "noneyet", "notapplicable", "empty", "null", "nil", "tbd"})
+_NOT_WORDS = re.compile(r"[\W_]+")
+
+
+def says_nothing(body: str) -> bool:
+    """Whether a section's body says nothing: empty, or only "None", "N/A", "(none)", "- None yet.",
+    "—" and the like (marks, bullets and spacing aside; "- None" passed for something)."""
+    return len(body) < 40 and _NOT_WORDS.sub("", body).lower() in _NOTHING
 
 
 def canonical_summary(text: str) -> str:
@@ -659,7 +671,7 @@ def merged_summaries(texts: list[str]) -> str | None:
             loose.append(_headings_escaped(preamble))
     if not whole:
         return "\n\n".join(texts)
-    bodies = {title: [body for sections in whole if (body := sections[title]).rstrip(".").lower() not in _NOTHING]
+    bodies = {title: [body for sections in whole if not says_nothing(body := sections[title])]
               for title in SECTION_TITLES}
     bodies["All User Messages"] += loose
     merged = "\n\n".join(f"### {title}\n" + ("\n".join(bodies[title]) or "None.") for title in SECTION_TITLES)

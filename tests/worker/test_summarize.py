@@ -597,8 +597,16 @@ def test_a_reply_of_the_headings_alone_is_invalid() -> None:
     nones = "\n".join(f"### {title}\nNone." for title in SECTION_TITLES)
     with pytest.raises(SummaryInvalid, match="every section"):
         extract_summary(f"<summary>\n{nones}\n</summary>")
+    for nothing in ("- None", "(none)", "—", "None yet.", "* N/A", "`None`"):  # ("- None" passed for something)
+        said = "\n".join(f"### {title}\n{nothing}" for title in SECTION_TITLES)
+        with pytest.raises(SummaryInvalid, match="every section"):
+            extract_summary(f"<summary>\n{said}\n</summary>")
     one = nones.replace("### Current Work\nNone.", "### Current Work\nEditing src/app.py")
     assert "Editing src/app.py" in extract_summary(f"<summary>\n{one}\n</summary>")
+    with pytest.raises(SummaryInvalid, match="All User Messages is empty, and the request held user messages"):
+        extract_summary(f"<summary>\n{one}\n</summary>", user_messages=True)
+    kept = one.replace("### All User Messages\nNone.", '### All User Messages\n- "fix it"')
+    assert '- "fix it"' in extract_summary(f"<summary>\n{kept}\n</summary>", user_messages=True)
 
 
 def test_a_crlf_reply_is_stored_with_one_kind_of_line_break() -> None:
