@@ -1000,8 +1000,9 @@ def _unquoted(text: str) -> str:
 
 
 def _quote(text: str) -> str:
-    safe = text.replace("<summary>", "&lt;summary>").replace("</summary>", "&lt;/summary>")
-    return "\n".join(f"> {line}" if line else ">" for line in safe.splitlines() or [""])
+    """``text`` as a markdown quote, as sent (its tags too, as in All User Messages: this summary
+    is parsed from no reply; half escaped, the same message read two ways in one summary)."""
+    return "\n".join(f"> {line}" if line else ">" for line in text.splitlines() or [""])
 
 
 def _one_line(text: str) -> str:

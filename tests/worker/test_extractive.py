@@ -421,6 +421,17 @@ def test_a_section_starting_with_an_indented_code_line_is_carried_as_its_section
     assert rolled["Pending Tasks"].startswith("- pending tasks item"), rolled["Pending Tasks"]
 
 
+def test_a_message_quoted_in_several_sections_reads_the_same_in_each() -> None:
+    """The quotes of Primary Request and Optional Next Step escaped the summary tags by half
+    (``&lt;/summary>``, the analysis tags not at all) while All User Messages kept them as sent."""
+    message = "stop at </summary> and <analysis> here </analysis> <summary>"
+    sections = split_sections(extractive_summary([{"type": "user", "turnId": 1, "content": message},
+                                                  {"type": "assistant", "turnId": 1, "content": "ok"}], None))
+    for title in ("Primary Request", "All User Messages", "Optional Next Step"):
+        assert message in [line.removeprefix("> ") for line in sections[title].split("\n")], (title, sections[title])
+    assert "&lt;" not in "".join(sections.values())
+
+
 def test_files_keep_the_most_recently_named_through_rolls() -> None:
     """The first 60 paths ever named were kept: a rolling summary still listed turn 1's files after
     79 turns on others, and never the file being edited now."""
