@@ -87,7 +87,7 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool, started: float |
     started = time.monotonic() if started is None else started
     outcome = "error"
     result: CompressResult | None = None
-    llm_failed = False
+    llm_failed = write_failed = False
     run = JobRun(job_id)
     if job is not None and isinstance(job.timeout, (int, float)) and job.timeout > 0:
         run.deadline = started + job.timeout  # (a chunked summary stops short of it: JobRun.covered)
@@ -113,6 +113,9 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool, started: float |
     except JobAbandoned:
         outcome = "abandoned"  # (counted by the janitor that declared it so)
         raise
+    except LogWriteFailed:
+        write_failed = True
+        raise
     finally:
         if result is None and outcome != "abandoned":  # failed: its micro step, if it took one (whatever failed it)
             result = _keep_micro_step(job, run)
@@ -135,7 +138,11 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool, started: float |
         # (the re-check waits FINISH_LOCK_WAIT_S at most for the log's lock, then leaves it to the janitor:
         # a job past its timeout, no alarm armed any more, waited for a paused process's lock as long as
         # that one was stopped, 16 minutes, its worker held and still "started")
-        finish(context, session_id, job_id, released=run, lock_wait_s=FINISH_LOCK_WAIT_S,
+        # (a job that could not write its lines (disk full, EIO) leaves the session to the janitor's
+        # re-check, STALE_CLAIM_GRACE_S later: its trigger used up, an automatic one's session stayed
+        # over its threshold for good once the disk was fine again; re-checked at once, it paid for
+        # another LLM call the full disk threw away)
+        finish(context, session_id, job_id, released=run, lock_wait_s=FINISH_LOCK_WAIT_S, retry_later=write_failed,
                forced_without_compaction=(forced and not compressed and not llm_failed) or run.covered is not None)
 
 
@@ -172,6 +179,7 @@ def _job_fields(session_id: str, job_id: str, kind: str, forced: bool, outcome: 
 def finish(
     context: WorkerContext, session_id: str, job_id: str, *, abandoned: bool = False,
     released: JobRun | None = None, forced_without_compaction: bool = False, lock_wait_s: float | None = None,
+    retry_later: bool = False,
 ) -> str | None:
     """Free the session's claim held by ``job_id`` and honour a coalesced trigger.
 
@@ -186,6 +194,8 @@ def finish(
     compacted answered them: it took the micro step and summarized all it could.
     ``lock_wait_s``: how long the re-check waits for the session log's lock (None: as long as
     it takes); past it (a paused process holds it) a trigger is kept for the janitor.
+    ``retry_later``: the job could not write to the log; the session is left to the janitor's
+    re-check (a trigger kept) rather than re-checked now, unless a forced job waits for it.
     Returns the id of the job enqueued by the re-check, if any. Never raises: a
     failure here is logged, and the trigger stays recorded for the janitor.
     """
@@ -199,14 +209,20 @@ def finish(
             trigger = released.trigger
         else:
             trigger = release_pending(context.redis, context.settings, session_id, job_id)
+        forced_waits = trigger is not None and trigger.startswith(FORCED_TRIGGER)
+        if retry_later and not forced_waits:
+            keep_trigger(context.redis, context.settings, session_id)
+            return None
         if trigger is None and not (abandoned or forced_without_compaction):
             return None
-        if trigger is not None and trigger.startswith(FORCED_TRIGGER):  # a forced job waited for this one
+        if trigger is not None and forced_waits:  # a forced job waited for this one
             forced = trigger[len(FORCED_TRIGGER):]
             try:
                 return forced if promote_forced(context.redis, context.settings, session_id, forced) else None
             except NoSuchJobError:  # (gone from Redis, dropped: the triggers it was to answer are re-checked)
-                pass
+                if retry_later:
+                    keep_trigger(context.redis, context.settings, session_id)
+                    return None
         enqueued = recheck(context, session_id, lock_wait_s=lock_wait_s)
         settle_trigger(context.redis, context.settings, session_id)
         return enqueued

@@ -1675,6 +1675,39 @@ def test_the_janitors_recheck_of_a_log_a_paused_process_holds_is_deferred_not_wa
     assert job_id is not None and "-llm-" in job_id and compaction_queue(r, wsettings).job_ids == [job_id]
 
 
+def test_a_job_that_could_not_write_leaves_its_session_to_the_janitor(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An automatic job whose summary's append failed (disk full): its trigger used up, nothing
+    re-checked the session, which stayed over its threshold for good once the disk was fine. It
+    is left to the janitor now (not re-checked at once: another LLM call the full disk threw away)."""
+    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
+    from events.errors import LogWriteFailed
+    from worker.runner import run_janitor
+
+    write_session(r, wsettings, "s1", 4, tool="list_dir", window=300)  # over its LLM threshold
+    real_append = SessionLog.append
+
+    def disk_full(log: SessionLog, events: list[dict[str, Any]]) -> int:
+        if any(event.get("type") == "summary" for event in events):
+            raise LogWriteFailed(f"{log.path}: cannot append: [Errno 28] No space left on device")
+        return real_append(log, events)
+
+    monkeypatch.setattr(SessionLog, "append", disk_full)
+    job = _run(r, wsettings, "s1")
+    assert job.get_status() == JobStatus.FAILED and "No space left" in str(job.latest_result().exc_string)  # type: ignore[union-attr]
+    assert len(stub.requests) == 1 and compaction_queue(r, wsettings).count == 0  # (no second call at once)
+    assert r.get(Keys().retrigger("s1")) is not None and r.zscore(Keys().claims, "s1") is not None
+    monkeypatch.setattr(SessionLog, "append", real_append)  # the disk fine again
+    r.delete(Keys().janitor)  # (the burst worker's run of it)
+    r.zadd(Keys().claims, {"s1": redis_now(r) - STALE_CLAIM_GRACE_S - 1})
+    run_janitor(WorkerContext.build(wsettings, r))
+    job_id = pending_job_id(r, wsettings, "s1")
+    assert job_id is not None and "-llm-" in job_id
+    run_burst(r, wsettings)
+    assert len(_summaries(wsettings, "s1")) == 1
+
+
 @pytest.mark.timeout(90)
 def test_a_job_past_its_timeout_leaves_a_locked_logs_recheck_to_the_janitor(
     r: redis.Redis, wsettings: Settings, stub: LLMStub,
