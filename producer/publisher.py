@@ -155,6 +155,7 @@ class Publisher:
         uuids = [event["uuid"] for event in batch.events]
         sync_clock(self.redis)  # (the window in Redis's time: an API whose clock was 11 minutes ahead
         # of another's published a retry again, and one behind pruned the others' records)
+        unanswered = False  # a transaction whose connection failed: it may have published the batch
         with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
@@ -162,6 +163,12 @@ class Publisher:
                     now = redis_time_s()
                     scores = pipe.zmscore(key, uuids) if uuids else []
                     sent = {i for i, score in enumerate(scores) if score is not None and float(score) > now - window_s}
+                    if sent and unanswered:  # (perhaps its own: said duplicates, a batch published whole
+                        # was answered accepted 0, with no stream id)
+                        pipe.reset()  # type: ignore[no-untyped-call]
+                        raise redis.ConnectionError(
+                            "Redis did not answer the transaction publishing the batch, and its events are "
+                            "found sent since: it may have taken them; send the batch again as it was")
                     fresh = batch.without(sent)
                     pipe.multi()
                     _queue_xadds(pipe, fresh)
@@ -174,7 +181,10 @@ class Publisher:
                     ids = [_as_str(entry_id) for entry_id in replies[:len(fresh.payloads)]]
                     self._sent(batch.session_id, ids)
                     return ids, sent
-                except redis.WatchError:  # (another send to the session meanwhile: look again)
+                except redis.WatchError as e:  # (another send to the session meanwhile: look again)
+                    # redis-py says a connection lost while watching a WatchError too (EXEC sent, its
+                    # reply not read: a socket timeout while Redis stalled)
+                    unanswered = unanswered or str(e) != _WATCHED_KEY_CHANGED
                     continue
 
     def end_turn(
@@ -245,6 +255,7 @@ class Publisher:
 
 IDEMPOTENCY_KEY_MAX = 255
 SENT_KEPT = 10_000  # uuids send_unsent remembers per session, at most (the newest)
+_WATCHED_KEY_CHANGED = "Watched variable changed."  # redis-py's WatchError of an EXEC refused (other: a lost connection)
 LAST_IDS_KEPT = 10_000  # sessions whose last sent stream id a publisher remembers (the newest)
 
 

@@ -379,3 +379,59 @@ def test_the_window_of_sent_uuids_is_kept_in_redis_time(r: redis.Redis, settings
     publisher.send_unsent(publisher.prepare("s1", CWD, [{**user(1), "uuid": "u-1"}]), 600)  # (the API's send)
     score = r.zscore(Keys().sent("s1"), "u-1")
     assert score is not None and abs(score - skewed()[0]) <= 2
+
+
+def test_a_batch_whose_transaction_reply_was_lost_is_not_answered_as_duplicates(
+    r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Redis stalled past the socket timeout while it ran the EXEC: redis-py said the lost reply as
+    a WatchError, the loop looked again, found the batch's own uuids sent, and answered every
+    event a duplicate (accepted 0, no stream id) for a batch it had published whole."""
+    import threading
+    import time
+
+    from producer import publisher as publisher_module
+
+    def connected(timeout_s: float) -> redis.Redis:
+        pool = r.connection_pool
+        return redis.Redis(connection_pool=redis.ConnectionPool(
+            connection_class=pool.connection_class, **{**pool.connection_kwargs, "socket_timeout": timeout_s}))
+
+    client, staller = connected(1.0), connected(30.0)
+    stalls: list[threading.Thread] = []
+    real_queue = publisher_module._queue_xadds
+
+    def stalled_before_exec(pipe: Any, batch: Any) -> None:
+        real_queue(pipe, batch)
+        if not stalls:  # the first attempt only: Redis busy 1.5 s from right before its EXEC
+            stall = threading.Thread(target=staller.eval, args=(_BUSY_MS, 0, 1_500))
+            stalls.append(stall)
+            stall.start()
+            time.sleep(0.2)
+
+    monkeypatch.setattr(publisher_module, "_queue_xadds", stalled_before_exec)
+    publisher = Publisher(client, settings)
+    batch = publisher.prepare("s1", CWD, [{**user(1), "uuid": f"u-{i}"} for i in range(3)])
+    try:
+        with pytest.raises(redis.ConnectionError, match="it may have taken them; send the batch again as it was"):
+            publisher.send_unsent(batch, 600)
+    finally:
+        stalls[0].join()
+        client.close()
+        staller.close()
+    assert len(entries(r, settings, "s1")) == 3  # (published, once: what the 503 says may have happened)
+    again = Publisher(r, settings)
+    assert again.send_unsent(batch, 600) == ([], {0, 1, 2})  # the retry the 503 asks for: duplicates now
+
+
+_BUSY_MS = """
+local found, lib = pcall(function() return os end)
+local function now_ms()  -- (Valkey 8 freezes TIME inside a script; Redis 7 has no os)
+  if found and lib then return lib.clock() * 1000 end
+  local t = redis.call('TIME')
+  return t[1] * 1000 + t[2] / 1000
+end
+local start = now_ms()
+while now_ms() - start < tonumber(ARGV[1]) do end
+return 1
+"""
