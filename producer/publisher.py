@@ -165,7 +165,7 @@ class Publisher:
                     sent = {i for i, score in enumerate(scores) if score is not None and float(score) > now - window_s}
                     if sent and unanswered:  # (perhaps its own: said duplicates, a batch published whole
                         # was answered accepted 0, with no stream id)
-                        pipe.reset()  # type: ignore[no-untyped-call]
+                        pipe.reset()
                         raise redis.ConnectionError(
                             "Redis did not answer the transaction publishing the batch, and its events are "
                             "found sent since: it may have taken them; send the batch again as it was")
