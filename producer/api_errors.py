@@ -392,6 +392,21 @@ def _encoded_separator(scope: Scope) -> JSONResponse | None:
     return error_response(400, f"{field}: holds an encoded '/' or '\\' (%2F, %5C), which no id can hold")
 
 
+_ONCE_ONLY = (b"authorization", b"host")  # headers whose copies could be read two ways (RFC 9110: one value each)
+
+
+def _repeated(path: str, repeated: set[bytes]) -> JSONResponse | None:
+    """A 400 for a request giving ``Authorization`` or ``Host`` more than once (the last one was
+    read: a wrong token first and the right one after passed, where a proxy checking the first
+    would have refused it)."""
+    if path in PUBLIC_PATHS:
+        return None
+    for name in _ONCE_ONLY:
+        if name in repeated:
+            return error_response(400, f"{name.decode().title()}: is given more than once: send it once")
+    return None
+
+
 def _empty_id(path: str) -> JSONResponse | None:
     """A 400 for an API path whose id segment is empty (``/api/sessions//context``,
     ``/api/jobs/``): it matched no route, and the bare 404 read as an unknown route, not as the
@@ -467,9 +482,15 @@ class RequestGuard:
             return
         if scope["method"] == "HEAD":  # what GET answers, without the body (RFC 9110: every GET route)
             scope, send = {**scope, "method": "GET"}, _without_body(send)
-        headers = {k.lower(): v for k, v in scope["headers"]}
-        refusal = (self._refuse(scope["path"], headers) or _encoded_separator(scope) or _empty_id(scope["path"])
-                   or _undecodable_query(scope))
+        headers: dict[bytes, bytes] = {}
+        repeated: set[bytes] = set()
+        for name, value in scope["headers"]:
+            name = name.lower()
+            if name in headers:
+                repeated.add(name)
+            headers[name] = value
+        refusal = (_repeated(scope["path"], repeated) or self._refuse(scope["path"], headers) or _encoded_separator(scope)
+                   or _empty_id(scope["path"]) or _undecodable_query(scope))
         if refusal is not None:
             await refusal(scope, receive, send)
             return

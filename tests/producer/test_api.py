@@ -320,6 +320,18 @@ def test_right_token_passes_and_healthz_needs_none(secured: TestClient) -> None:
     assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
 
 
+def test_an_authorization_or_host_header_given_twice_is_refused(secured: TestClient, client: TestClient) -> None:
+    """The last of two Authorization headers was read: a wrong token then the right one passed
+    (a proxy checking the first would have refused it)."""
+    for pair in (["Bearer wrong", "Bearer s3cret"], ["Bearer s3cret", "Bearer s3cret"]):
+        response = secured.get("/api/jobs/abc", headers=[("Authorization", value) for value in pair])
+        assert response.status_code == 400, pair
+        assert error_of(response)["message"] == "Authorization: is given more than once: send it once"
+    hosts = client.get("/api/jobs/abc", headers=[("Host", "evil.example"), ("Host", "127.0.0.1")])
+    assert hosts.status_code == 400 and error_of(hosts)["message"].startswith("Host: is given more than once")
+    assert secured.get("/healthz", headers=[("Authorization", "a"), ("Authorization", "b")]).status_code == 200
+
+
 def test_no_token_configured_means_no_auth(client: TestClient) -> None:
     assert client.get("/api/jobs/abc").status_code == 404
 
