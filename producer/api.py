@@ -42,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
 import anyio.to_thread
+import orjson
 import redis
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -60,7 +61,7 @@ from compactor.shards import ShardCountMismatch, ShardGuard
 from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd
 from events.checks import check_past_turns
 from events.config import Settings
-from events.errors import InvalidEvent, InvalidInput, JobLost, SessionNotFound
+from events.errors import InvalidEvent, InvalidInput, JobLost, LogCorrupted, SessionNotFound
 from events.log import SessionLog
 from events.models import EVENT_ADAPTER, TURN_SCOPED_TYPES, validate_cwd, validate_session_id
 from events.state import SessionState
@@ -208,6 +209,8 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
         # no file: LogCorrupted naming it, a 500, not a 202 the watcher holds back)
         log = store.log(session_id, cwd)
         check_logged_cwd(session_id, cwd, log.first_of_type("session_meta"))
+        if not log.exists():  # a new session: bound by its first entry waiting in the stream, if any
+            _check_waiting_cwd(client, settings, session_id, cwd)
         # ... and the log holds a retry's uuids, which the uuid index Redis lost with the state (or
         # its idle TTL) no longer does: the retry was "accepted", then dead-lettered by the watcher.
         # Searched for in the log as it is (no lock, nothing created), until the watcher applies the
@@ -225,6 +228,16 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
             raise
         raise e.at([i for i in range(len(wires) + len(duplicates)) if i not in duplicates][e.index]) from e
     return duplicates
+
+
+def _check_waiting_cwd(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> None:
+    """A 400 ``cwd`` when the session, new (no state, no log), has entries waiting in its shard
+    and the first was sent with another cwd, which the watcher will bind it to: the batch was a
+    202, then the watcher's dead letter. (Two first batches sent at once still both pass.)"""
+    waiting = _waiting_entries(client, settings, session_id)
+    first = as_text(waiting[0].get(b"cwd", b"")) if waiting else cwd
+    if first != cwd:
+        raise bound_elsewhere(session_id, first, cwd)
 
 
 def _check_new_events(client: redis.Redis, settings: Settings, store: SessionStore, session_id: str, cwd: str,
@@ -266,9 +279,41 @@ def _refuse_backwards(client: redis.Redis, settings: Settings, store: SessionSto
         check_past_turns(wires, state.current_turn_id)
     except InvalidEvent as e:
         problem = e if problem is None or (e.index or 0) < (problem.index or 0) else problem
-    if problem is None or not _settled(client, settings, store, state):
+    if problem is None:
+        return
+    if problem.field == "turnId" and _only_rising(client, settings, store, state):
+        raise problem  # (what waits cannot lower currentTurnId: it goes backwards whatever it is)
+    if not _settled(client, settings, store, state):
         return
     raise problem
+
+
+def _only_rising(client: redis.Redis, settings: Settings, store: SessionStore, state: SessionState) -> bool:
+    """Whether nothing the watcher has yet to fold into ``state`` can lower the session's
+    ``currentTurnId``: no rollback among the session's entries waiting in its shard, nor among
+    the log's lines past the state's size (the lines of a save on its way). Without one a turn
+    only rises, so an event below the stored ``currentTurnId`` certainly goes backwards: published
+    with a 202 beside events that were applied, it was dead-lettered, the batch half applied."""
+    waiting = _waiting_entries(client, settings, state.session_id)
+    if waiting is None or any(_is_rollback(fields.get(b"event", b"")) for fields in waiting):
+        return False
+    log = store.log(state.session_id, state.cwd)
+    size = log.complete_size()
+    if size < state.log_size:  # (cut back or replaced under its state: the watcher rebuilds it)
+        return False
+    try:
+        return size == state.log_size or not any(event.get("type") == "rollback"
+                                                 for event in log.read(state.log_size))
+    except LogCorrupted:
+        return False
+
+
+def _is_rollback(event: bytes) -> bool:
+    try:
+        parsed = orjson.loads(event)
+    except orjson.JSONDecodeError:
+        return False  # (dead-lettered: it lowers nothing)
+    return isinstance(parsed, dict) and parsed.get("type") == "rollback"
 
 
 def _settled(client: redis.Redis, settings: Settings, store: SessionStore, state: SessionState) -> bool:
@@ -311,6 +356,13 @@ def _waiting_in_shard(client: redis.Redis, settings: Settings, session_id: str, 
     """Whether an entry of ``session_id`` (sent with ``cwd``, when given) may not be applied yet:
     one in its shard not delivered to the watchers' group, or delivered and not acked (True when
     more than ``UNAPPLIED_SCAN`` entries would have to be looked through)."""
+    waiting = _waiting_entries(client, settings, session_id)
+    return waiting is None or any(cwd is None or as_text(fields.get(b"cwd", b"")) == cwd for fields in waiting)
+
+
+def _waiting_entries(client: redis.Redis, settings: Settings, session_id: str) -> list[dict[bytes, bytes]] | None:
+    """The fields of the entries of ``session_id`` that may not be applied yet (``_waiting_in_shard``),
+    in stream order; None when more than ``UNAPPLIED_SCAN`` entries would have to be looked through."""
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     stream = keys.stream_for(session_id)
     groups = {as_text(g["name"]): g for g in client.xinfo_groups(stream)} if client.exists(stream) else {}
@@ -319,15 +371,14 @@ def _waiting_in_shard(client: redis.Redis, settings: Settings, session_id: str, 
     undelivered: list[Any] = client.xrange(stream, f"({after}", "+", count=UNAPPLIED_SCAN) or []
     pending: list[Any] = client.xpending_range(stream, keys.group, "-", "+", UNAPPLIED_SCAN) if group else []
     if len(undelivered) >= UNAPPLIED_SCAN or len(pending) >= UNAPPLIED_SCAN:
-        return True
+        return None
     entries = list(undelivered)
     if pending:
         pipe = client.pipeline(transaction=False)
         for item in pending:
             pipe.xrange(stream, item["message_id"], item["message_id"])
-        entries += [entry for reply in pipe.execute() for entry in reply]
-    return any(as_text((fields or {}).get(b"session", b"")) == session_id
-               and (cwd is None or as_text((fields or {}).get(b"cwd", b"")) == cwd) for _, fields in entries)
+        entries = [entry for reply in pipe.execute() for entry in reply] + entries  # (pending ones are older)
+    return [fields for _, fields in entries if fields and as_text(fields.get(b"session", b"")) == session_id]
 
 
 sessions = APIRouter(prefix="/api/sessions", tags=["sessions"], responses=ERRORS, route_class=JsonBodyRoute)

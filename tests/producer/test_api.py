@@ -1102,6 +1102,39 @@ def test_the_check_past_a_rollback_counts_no_token(
     assert error_of(response)["message"].startswith("events[2].turnId: goes backwards: 2 < currentTurnId 3")
 
 
+def test_a_turn_going_backwards_is_400_while_what_waits_can_only_raise_the_turn(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """An agent's two batches sent faster than the watcher applied them: the second, holding an
+    event of an earlier turn, was a 202 (the first still waited), then half applied: its event
+    of turn 2 dead-lettered, the rest logged. Without a rollback waiting (in the stream, or in the
+    log's lines past the state) the turn only rises: it goes backwards whatever is applied first."""
+    write_session(r, api_settings, 3)  # currentTurnId 4
+    path = f"/api/sessions/{SID}/events"
+    first = [*turn(4), {"type": "user", "turnId": 5, "content": "next"}]
+    assert client.post(path, json={"cwd": CWD, "events": first}).status_code == 202  # (waits in the stream)
+    second = [{"type": "assistant", "turnId": 2, "content": "late"}, {"type": "user", "turnId": 6, "content": "on"}]
+    response = client.post(path, json={"cwd": CWD, "events": second})
+    assert response.status_code == 400, response.text
+    assert error_of(response)["message"] == "events[0].turnId: goes backwards: 2 < currentTurnId 4"
+    assert r.xlen(Keys().stream_for(SID)) == len(first)
+    r.delete(Keys().stream_for(SID))
+    with SessionStore(r, api_settings).log(SID, CWD).path.open("ab") as log:  # a line the state has not seen
+        log.write(b'{"type":"rollback","throughTurnId":1,"reason":"undo","uuid":"late-rollback"}\n')
+    assert client.post(path, json={"cwd": CWD, "events": second}).status_code == 202  # (it may lower the turn)
+
+
+def test_a_new_sessions_batch_with_another_cwd_than_its_first_waiting_one_is_400(
+        client: TestClient, r: redis.Redis) -> None:
+    """A new session's first batch still in the stream (no state, no log yet): a second batch sent
+    with another cwd was a 202, then the watcher's dead letter (bound to the first's cwd)."""
+    path = "/api/sessions/fresh/events"
+    assert client.post(path, json={"cwd": "/qa", "events": turn(1)}).status_code == 202
+    response = client.post(path, json={"cwd": "/qb", "events": turn(2)})
+    assert response.status_code == 400, response.text
+    assert error_of(response)["message"] == "cwd: session fresh is bound to cwd '/qa', not '/qb'"
+    assert client.post(path, json={"cwd": "/qa", "events": turn(2)}).status_code == 202
+
+
 def test_on_a_settled_session_the_api_refuses_a_batch_iff_the_watcher_would_refuse_part_of_it(
         client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
     """On a session whose state is its log's, the API's 400 and the watcher's dead letters agree,
