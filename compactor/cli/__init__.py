@@ -56,7 +56,8 @@ PANELS: dict[str, tuple[Callable[..., None], ...]] = {
 }
 for panel, commands in PANELS.items():
     for command in commands:
-        app.command(rich_help_panel=panel)(command)
+        app.command(rich_help_panel=panel, cls=sessions.CompactCommand if command is sessions.compact else None)(
+            command)
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperCommand
 
 from compactor.cli.common import (
     ConfigOpt,
@@ -139,6 +140,27 @@ def compact(
         fail(f"compaction job {job_id} {job.status}: {shown(error_message(job.error))}")  # (a provider's text)
     fail(f"compaction job {job_id} still {WAIT_WORDS.get(job.status, job.status)} after {wait_s:g}s; "
          f"see GET /api/jobs/{job_id}")
+
+
+# click's UsageError (of the click typer vendors since 0.22, or of click itself before)
+UsageError: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
+
+class CompactCommand(TyperCommand):
+    """``compact``'s command: its arguments refused before it runs (a missing ``--cwd``, an empty
+    ``--config``, ``--timeout 0``) end stdout with the nothing-compacted JSON line too (SPEC §7:
+    always its last line; a script's ``| tail -1 | jq`` read the usage error's nothing)."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except typer.Exit as e:
+            if e.exit_code:  # (an option's own check; 0: --help)
+                print_json(_nothing_compacted(None, None, "", ""))
+            raise
+        except UsageError:
+            print_json(_nothing_compacted(None, None, "", ""))
+            raise
 
 
 def _nothing_compacted(client: Any, settings: Settings | None, session_id: str, cwd: str) -> dict[str, Any]:

@@ -1288,6 +1288,22 @@ def test_compact_of_failed_job_exits_1_with_the_error(r: redis.Redis, settings: 
     assert result["didCompress"] is False and result["released"] == 0 and result["promptEstimate"] > 0
 
 
+@pytest.mark.parametrize("args", [
+    ["s1"],  # no --cwd
+    ["s1", "--cwd", "/p", "--config", ""],
+    ["s1", "--cwd", "/p", "--data-dir", ""],
+    ["s1", "--cwd", "/p", "--timeout", "0"],
+    ["s1", "--cwd", "/p", "--timeout", "x"],
+], ids=["no-cwd", "empty-config", "empty-data-dir", "timeout-0", "timeout-x"])
+def test_compact_refusing_its_arguments_still_prints_the_json_last(args: list[str]) -> None:
+    """SPEC §7: always the last line. Arguments refused while they were parsed (click's usage
+    errors, an option's own check) ended the command before its body: nothing on stdout."""
+    result = CliRunner().invoke(app, ["compact", *args])
+    assert result.exit_code == 2, result.output
+    assert json.loads(result.stdout.splitlines()[-1]) == {"didCompress": False, "released": 0, "promptEstimate": 0}
+    assert "didCompress" not in CliRunner().invoke(app, ["compact", "--help"]).stdout  # (--help: the help alone)
+
+
 def _run_jobs_with_the_llm_refusing(r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
                                     **context: Any) -> Settings:
     """Every queued job, run here with ``openai/stub-model`` answering 401 (and ``context``'s
