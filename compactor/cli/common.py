@@ -152,23 +152,38 @@ def usable_data_dir(settings: Settings, option: Path | None = None, config: Path
     its ``--config``, the file named in front when the value is the file's), before a process
     starts (logs, the embedded Redis and its socket live there)."""
     from compactor.serve import PARENT_PID_ENV
-    from events.config import file_with_key
     from events.log import keep_data_dir
 
-    from_env = os.environ.get("COMPACTION_DATA_DIR")
-    if option is not None and not _from_env("COMPACTION_DATA_DIR", option):
-        name = f"dataDir (from {OPTION_OF_ENV['COMPACTION_DATA_DIR']})"
-    elif from_env:
-        name = "dataDir (from COMPACTION_DATA_DIR)"
-    else:
-        file = file_with_key(config, "dataDir")
-        name = f"{file}: dataDir" if file is not None else "dataDir"
+    name = _data_dir_named(option, config)
     if not (os.environ.get(PARENT_PID_ENV) and settings.data_dir.is_dir()):
         usable_dir(settings.data_dir, name)
     # else a child of serve (or demo), which checked it at its start: one restarted while the disk
     # is full or read-only exited 2 each time, and serve gave up and stopped the whole stack (the
     # processes running meanwhile hold their sessions through it)
     keep_data_dir(settings.data_dir)
+    return settings
+
+
+def _data_dir_named(option: Path | None, config: Path | None) -> str:
+    """``dataDir`` as an error names it: with the option, variable or file its value came from."""
+    from events.config import file_with_key
+
+    if option is not None and not _from_env("COMPACTION_DATA_DIR", option):
+        return f"dataDir (from {OPTION_OF_ENV['COMPACTION_DATA_DIR']})"
+    if os.environ.get("COMPACTION_DATA_DIR"):
+        return "dataDir (from COMPACTION_DATA_DIR)"
+    file = file_with_key(config, "dataDir")
+    return f"{file}: dataDir" if file is not None else "dataDir"
+
+
+def readable_data_dir(settings: Settings, option: Path | None = None, config: Path | None = None) -> Settings:
+    """``settings`` unless their ``dataDir`` is there and no directory (exit 2 naming it): for a
+    command that only reads logs (``api``, ``context``), which creates nothing. (One on a file
+    answered every session as unknown, a mistake said as "no session".) A data dir not there yet
+    is none of its concern: the watcher creates it."""
+    if settings.data_dir.exists() and not settings.data_dir.is_dir():
+        fail(f"invalid configuration: {_data_dir_named(option, config)}: {settings.data_dir} is not a directory",
+             EXIT_CONFIG)
     return settings
 
 

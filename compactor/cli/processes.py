@@ -38,6 +38,7 @@ from compactor.cli.common import (
     redis_url_of,
     shards_or_exit,
     setup_logging,
+    readable_data_dir,
     usable_data_dir,
     user_errors,
 )
@@ -163,8 +164,9 @@ def api(
     from producer.api import create_app
 
     setup_logging(log_level, log_format)
-    settings = _with_redis(load(config, redis_url=redis_url, data_dir=data_dir,
-                                COMPACTION_API_HOST=host, COMPACTION_API_PORT=port))
+    settings = _with_redis(readable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir,
+                                                  COMPACTION_API_HOST=host, COMPACTION_API_PORT=port),
+                                             data_dir, config))
     sock = api_socket(settings.api.host, settings.api.port,  # before uvicorn, which exits 3 on a bind error
                       host_key=origin_named("api.host", host, "COMPACTION_API_HOST"),
                       port_key=origin_named("api.port", port, "COMPACTION_API_PORT"))

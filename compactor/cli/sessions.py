@@ -38,6 +38,7 @@ from compactor.cli.common import (
     load,
     outside_the_stack,
     print_json,
+    readable_data_dir,
     user_errors,
 )
 from events.config import DAY_S, Settings
@@ -228,7 +229,7 @@ def context(
     outside_the_stack()  # (before producer.api_sessions imports compactor.metrics)
     from producer.api_sessions import context_body
 
-    settings = load(config, data_dir=data_dir, redis=False)
+    settings = readable_data_dir(load(config, data_dir=data_dir, redis=False), data_dir, config)
     with user_errors():
         body = context_body(settings, session, cwd)
     if json_out:
