@@ -39,7 +39,6 @@ The RQ functions take a Redis client with ``decode_responses=False`` (RQ pickles
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -366,8 +365,8 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     queue = compaction_queue(client, settings)
     job = queue.create_job(**_job_spec(settings, session_id, cwd, new_job_id(session_id, "llm"), True, after),
                            status=JobStatus.CREATED)
-    job.save()  # before the claim: once recorded as the trigger, the holder's end may queue it
     try:
+        job.save()  # before the claim: once recorded as the trigger, the holder's end may queue it
         outcome, job_id = _force(client, settings, session_id, job.id, after)
         if outcome == "claimed" and job_id != job.id:  # the forced job that waited: this request joins it
             try:
@@ -375,14 +374,13 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
             except NoSuchJobError:  # (gone from Redis, its claim freed: this request's own job instead)
                 outcome, job_id = _force(client, settings, session_id, job.id, after)
             else:
-                job.delete()
+                _delete_unused(job)
                 return job_id
     except BaseException:  # (kept, it stayed ``created`` with no TTL for good; a claim or trigger a script
-        with contextlib.suppress(Exception):  # made all the same, its reply lost, finds it gone and is
-            job.delete()  # dropped: a stale claim, a waiting job no request joins and its promotion drops)
-        raise
+        _delete_unused(job)  # made all the same, its reply lost, finds it gone and is dropped: a stale
+        raise  # claim, a waiting job no request joins and its promotion drops)
     if job_id != job.id:
-        job.delete()
+        _delete_unused(job)
     if outcome == "claimed":
         _enqueue_forced(client, settings, session_id, job_id)
     else:
@@ -394,6 +392,16 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
                     else "joins the forced job already waiting", session_id, job_id,
                     extra={"session_id": session_id, "job_id": job_id, "kind": "llm", "outcome": outcome})
     return job_id
+
+
+def _delete_unused(job: Job) -> None:
+    """Delete a request's own forced job that did not answer it (it joined another); a failure is
+    logged, not raised: the request was answered (raised, a request that had joined the waiting
+    job was a 503)."""
+    try:
+        job.delete()
+    except Exception as e:
+        logger.warning("forced job %s, not used, could not be deleted: %s", job.id, e, extra={"job_id": job.id})
 
 
 def promote_forced(client: redis.Redis, settings: Settings, session_id: str, job_id: str) -> bool:
@@ -422,9 +430,9 @@ def _enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, jo
     requests that joined it while it waited folded in (``after``: one more's). On an error the
     claim stays the job's and the janitor queues it later (``queue_unqueued_claim``); a job gone
     from Redis is dropped, its claim freed."""
-    queue = compaction_queue(client, settings)
     try:
-        queue.enqueue_job(_with_joined_after(client, job_id, after))
+        if not _enqueue_if_still_created(client, settings, session_id, job_id, after):
+            return  # (queued by another: the janitor and a stalled enqueuer, both; RQ ran it twice)
     except NoSuchJobError:  # its record is gone (evicted, deleted by hand): dropped, its claim freed (put back as
         release_pending(client, settings, session_id, job_id)  # the trigger, it failed every later request and
         logger.warning("forced job %s of session %s is gone from Redis: dropped", job_id,  # promotion for good)
@@ -684,18 +692,56 @@ def queue_unqueued_claim(client: redis.Redis, settings: Settings, session_id: st
     claimed_at = client.zscore(Keys(settings.redis.prefix, settings.redis.shards).claims, session_id)
     if claimed_at is None or now - claimed_at <= STALE_CLAIM_GRACE_S:
         return False
-    compaction_queue(client, settings).enqueue_job(_with_joined_after(client, job_id))
+    if not _enqueue_if_still_created(client, settings, session_id, job_id):
+        return False
     _enqueued(session_id, job_id, True)
     return True
+
+
+def _enqueue_if_still_created(client: redis.Redis, settings: Settings, session_id: str, job_id: str,
+                              after: str | None = None) -> bool:
+    """RQ-enqueue the claimed forced job ``job_id`` (``after``: see ``_with_joined_after``) if it is
+    still ``created`` and the session's claim still its own, in one transaction watching both: False
+    when another queued it first. (A request or promotion stalled past the grace between its claim
+    and its enqueue (SIGSTOP, a frozen container) was overtaken by the janitor's
+    ``queue_unqueued_claim``; both enqueued the job, and RQ ran it twice.) ``NoSuchJobError`` when
+    the job is gone from Redis."""
+    queue = compaction_queue(client, settings)
+    together = getattr(queue, "_enqueue_rate_limited_job", None)
+    claim_key = Keys(settings.redis.prefix, settings.redis.shards).job(session_id)
+    with client.pipeline(transaction=True) as pipe:
+        while True:
+            try:
+                pipe.watch(Job.key_for(job_id), claim_key)  # type: ignore[no-untyped-call]
+                status, claim = pipe.hget(Job.key_for(job_id), "status"), pipe.get(claim_key)
+                if status is None:
+                    raise NoSuchJobError(f"no such job: {job_id}")
+                if as_text(status) != JobStatus.CREATED or claim is None or as_text(claim) != job_id:
+                    logger.info("forced job %s of session %s was queued by another: not again", job_id, session_id,
+                                extra={"session_id": session_id, "job_id": job_id})
+                    return False
+                job = _with_joined_after(client, job_id, after)
+                if together is None:  # (another RQ: its own enqueue, unguarded)
+                    pipe.reset()
+                    queue.enqueue_job(job)
+                    return True
+                pipe.multi()
+                pipe.sadd(queue.redis_queues_keys, queue.key)
+                job.origin = queue.name
+                together(job, pipeline=pipe)
+                pipe.execute()
+                return True
+            except redis.WatchError:  # (its status or the claim changed meanwhile: looked at again)
+                continue
 
 
 def _with_joined_after(client: redis.Redis, job_id: str, after: str | None = None) -> Job:
     """The forced job ``job_id``, about to be queued, waiting for the latest ``after`` of its own,
     ``after`` and those of the requests that joined it while it waited (``_FORCE`` keeps the latest
     on its hash): it waited for the first request's alone, and a joining caller's last events could
-    be left out of the compaction it was answered with. Set in the job's arguments before it is
-    queued (no worker has it yet; no request joins it since its claim), so a worker of any version
-    runs it."""
+    be left out of the compaction it was answered with. Set in the job's arguments (saved by the
+    enqueue) before it is queued (no worker has it yet; no request joins it since its claim), so a
+    worker of any version runs it."""
     job = Job.fetch(job_id, connection=client)
     joined = as_text(client.hget(job.key, JOINED_AFTER_FIELD) or b"")
     own = job.kwargs.get("after")
@@ -703,7 +749,6 @@ def _with_joined_after(client: redis.Redis, job_id: str, after: str | None = Non
                  key=stream_id_key, default=None)
     if latest is not None and latest != own and job.kwargs.get("forced"):
         job.kwargs = {**job.kwargs, "after": latest}
-        job.save()
     return job
 
 

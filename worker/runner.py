@@ -583,14 +583,20 @@ def _free_stale_claims(context: WorkerContext) -> list[str]:
     freed = []
     now = redis_now(client)  # (the claims' clock: a worker's own may be off)
     for session_id in sessions_to_look_at(client, settings, STALE_CLAIM_GRACE_S, now):
-        claim = pending_job_id(client, settings, session_id)
-        if claim is not None and not claim_is_stale(client, claim, now):
-            if queue_unqueued_claim(client, settings, session_id, claim, now):
-                logger.warning("forced job queued session=%s job=%s: claimed, its enqueue interrupted",
-                               session_id, claim, extra={"session_id": session_id, "job_id": claim,
-                                                         "outcome": "unqueued_claim"})
-                freed.append(claim)
-            continue  # a live job still owns the session
+        try:
+            claim = pending_job_id(client, settings, session_id)
+            if claim is not None and not claim_is_stale(client, claim, now):
+                if queue_unqueued_claim(client, settings, session_id, claim, now):
+                    logger.warning("forced job queued session=%s job=%s: claimed, its enqueue interrupted",
+                                   session_id, claim, extra={"session_id": session_id, "job_id": claim,
+                                                             "outcome": "unqueued_claim"})
+                    freed.append(claim)
+                continue  # a live job still owns the session
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise  # (Redis gone: every session's would fail; the pass ends, the next one tries again)
+        except Exception:  # (one session's: the oldest first, it ended every pass before the others, for good)
+            logger.exception("janitor skipped session=%s", session_id, extra={"session_id": session_id})
+            continue
         logger.warning("stale claim freed session=%s job=%s", session_id, claim,
                        extra={"session_id": session_id, "job_id": claim, "outcome": "stale_claim"})
         finish(context, session_id, claim or "", abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)

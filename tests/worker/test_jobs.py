@@ -1708,6 +1708,33 @@ def test_a_job_that_could_not_write_leaves_its_session_to_the_janitor(
     assert len(_summaries(wsettings, "s1")) == 1
 
 
+def test_one_sessions_error_does_not_end_the_janitors_pass_for_the_others(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sessions are looked at oldest first, with no guard per session: one whose look raised
+    (a job's hash gone between two reads) ended every pass there, the others never freed."""
+    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
+    from worker import runner
+    from worker.runner import run_janitor
+
+    queue = compaction_queue(r, wsettings)
+    from compactor.queue import _job_spec, new_job_id
+
+    stuck = new_job_id("s1", "llm")
+    queue.create_job(**_job_spec(wsettings, "s1", CWD, stuck, True), status=JobStatus.CREATED).save()
+    r.set(Keys().job("s1"), stuck)
+    r.set(Keys().job("s2"), "00000000000000000001-llm-s2")  # the claim of a job long gone
+    r.zadd(Keys().claims, {"s1": redis_now(r) - STALE_CLAIM_GRACE_S - 2, "s2": redis_now(r) - STALE_CLAIM_GRACE_S - 1})
+
+    def broken(*args: Any, **kwargs: Any) -> bool:
+        raise ValueError("a bug in one session's look")
+
+    monkeypatch.setattr(runner, "queue_unqueued_claim", broken)
+    run_janitor(WorkerContext.build(wsettings, r))
+    assert pending_job_id(r, wsettings, "s2") is None  # freed all the same
+    assert pending_job_id(r, wsettings, "s1") == stuck
+
+
 @pytest.mark.timeout(90)
 def test_a_job_past_its_timeout_leaves_a_locked_logs_recheck_to_the_janitor(
     r: redis.Redis, wsettings: Settings, stub: LLMStub,

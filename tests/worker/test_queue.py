@@ -236,17 +236,34 @@ def test_a_waiting_forced_job_gone_from_redis_is_dropped_and_the_request_queues_
     assert Job.fetch(request, connection=r).get_status() in (JobStatus.QUEUED, JobStatus.RATE_LIMITED)
 
 
+def enqueue_failing(monkeypatch: pytest.MonkeyPatch, *, landed: bool) -> None:
+    """Every forced job's enqueue (its transaction) fails with a connection reset: before it is
+    sent, or (``landed``) after Redis ran it, its reply lost."""
+    from rq import Queue
+
+    enqueue = Queue._enqueue_rate_limited_job
+
+    def failing(self: Queue, job: Job, pipeline: Any = None, **kwargs: Any) -> Job:
+        queued = enqueue(self, job, pipeline=pipeline, **kwargs)
+        execute = pipeline.execute
+
+        def reset(*args: Any, **kwargs: Any) -> Any:
+            if landed:
+                execute(*args, **kwargs)
+            raise redis.ConnectionError("Connection reset by peer")
+
+        pipeline.execute = reset
+        return queued
+
+    monkeypatch.setattr(Queue, "_enqueue_rate_limited_job", failing)
+
+
 def test_a_request_joining_a_waiting_forced_job_leaves_no_job_of_its_own_when_the_enqueue_fails(
     r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from rq import Queue
-
-    def refused(self: Queue, job: Job, *args: Any, **kwargs: Any) -> Job:
-        raise redis.ConnectionError("Connection reset by peer")
-
     auto, forced = forced_waiting(r, settings)
     release_pending(r, settings, "s1", auto)
-    monkeypatch.setattr(Queue, "enqueue_job", refused)
+    enqueue_failing(monkeypatch, landed=False)
     with pytest.raises(redis.ConnectionError):
         enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)  # joins the waiting one, which fails
     assert sorted(key.decode() for key in r.keys("rq:job:*")) == sorted([Job.key_for(auto), Job.key_for(forced)])
@@ -277,15 +294,7 @@ def test_a_forced_job_whose_enqueue_landed_with_its_reply_lost_is_not_put_back_t
 ) -> None:
     """The enqueue raised after it landed (its reply lost): put back as the waiting trigger, a
     promotion queued it a second time, and RQ ran it twice."""
-    from rq import Queue
-
-    enqueue = Queue.enqueue_job
-
-    def landed_then_lost(self: Queue, job: Job, *args: Any, **kwargs: Any) -> Job:
-        enqueue(self, job, *args, **kwargs)
-        raise redis.ConnectionError("Connection reset by peer")
-
-    monkeypatch.setattr(Queue, "enqueue_job", landed_then_lost)
+    enqueue_failing(monkeypatch, landed=True)
     forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)  # the request gets its job
     assert forced is not None and pending_job_id(r, settings, "s1") == forced
     assert r.get(Keys().retrigger("s1")) is None
@@ -462,3 +471,39 @@ def test_settling_a_session_never_drops_a_waiting_forced_job(r: redis.Redis, set
     r.set(Keys().retrigger("s1"), "llm")
     settle_trigger(r, settings, "s1")
     assert r.get(Keys().retrigger("s1")) is None
+
+
+@pytest.mark.parametrize("ended", [False, True], ids=["still-queued", "ran-already"])
+def test_a_stalled_forced_enqueue_overtaken_by_the_janitor_does_not_queue_the_job_again(
+    r: redis.Redis, settings: Settings, ended: bool,
+) -> None:
+    """A request (or promotion) that stalled past the grace between its claim and its enqueue
+    (SIGSTOP, a frozen container): the janitor queued the claimed job meanwhile, and the request,
+    resumed, queued it again: RQ ran it twice (a second LLM call, the first result overwritten)."""
+    queue = compaction_queue(r, settings)
+    forced = queue_module.new_job_id("s1", "llm")
+    queue.create_job(**queue_module._job_spec(settings, "s1", CWD, forced, True), status=JobStatus.CREATED).save()
+    outcome, claimed = queue_module._force(r, settings, "s1", forced)
+    assert (outcome, claimed) == ("claimed", forced)  # ... and its enqueuer stalls here
+    assert queue_unqueued_claim(r, settings, "s1", forced, redis_now(r) + STALE_CLAIM_GRACE_S + 1)
+    assert queue.job_ids == [forced]
+    if ended:  # a worker ran it meanwhile
+        queue.remove(forced)
+        r.hset(Job.key_for(forced), "status", JobStatus.FINISHED.value)
+    queue_module._enqueue_forced(r, settings, "s1", forced)  # the enqueuer resumes
+    assert queue.job_ids == ([] if ended else [forced])
+    assert Job.fetch(forced, connection=r).get_status() == (JobStatus.FINISHED if ended else JobStatus.QUEUED)
+
+
+def test_a_request_that_joined_the_waiting_forced_job_is_answered_when_its_own_jobs_delete_fails(
+    r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The join landed, then the delete of the request's own job (unused) failed: the request was
+    answered 503, though the job it joined would answer it."""
+    _, forced = forced_waiting(r, settings)
+
+    def reset(self: Job, *args: Any, **kwargs: Any) -> None:
+        raise redis.ConnectionError("Connection reset by peer")
+
+    monkeypatch.setattr(Job, "delete", reset)
+    assert enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True) == forced
