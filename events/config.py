@@ -399,13 +399,23 @@ def file_with_key(explicit: str | os.PathLike[str] | None, key: str) -> Path | N
         return None
 
 
+def _yaml_text(data: bytes) -> str:
+    """A YAML file's text: UTF-8, or UTF-16 with its byte order mark, as YAML allows (PowerShell 5's
+    ``>`` writes UTF-16LE: it was "not valid YAML: 'utf-8' codec can't decode byte 0xff")."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return data.decode("utf-16")
+    return data.decode("utf-8-sig" if data.startswith(b"\xef\xbb\xbf") else "utf-8")
+
+
 def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
     if not path.exists():
+        if path.is_symlink():  # (a ./codingcode.yaml linking to a file moved away: the defaults, said nowhere)
+            raise InvalidConfig(str(path), f"config file not found: a broken symbolic link to {os.readlink(path)}")
         if required:
             raise InvalidConfig(str(path), "config file not found")
         return {}
     try:
-        loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))  # (``safe_load``, keeping its node tree)
+        loader = yaml.SafeLoader(_yaml_text(path.read_bytes()))  # (``safe_load``, keeping its node tree)
         try:
             node = loader.get_single_node()
             # (before constructing, which splices a merge key's ``<<: *defaults`` pairs into the node
@@ -418,6 +428,8 @@ def _read_yaml(path: Path, required: bool) -> dict[str, Any]:
         raise InvalidConfig(str(path), _yaml_problem(e)) from e
     except UnicodeDecodeError as e:
         raise InvalidConfig(str(path), f"is not valid YAML: {e}") from e
+    except RecursionError as e:  # (a traceback, from a file the service would otherwise ignore most of)
+        raise InvalidConfig(str(path), "is not valid YAML: nested too deeply") from e
     except OSError as e:  # a directory, no permission, ...
         raise InvalidConfig(str(path), f"cannot be read: {e.strerror or e}") from e
     if data is None:

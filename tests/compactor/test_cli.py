@@ -450,6 +450,27 @@ def test_a_config_path_that_cannot_be_read_is_one_line_and_exit_2(runner: CliRun
                                                   "Is a directory"]
 
 
+def test_a_config_file_nested_too_deeply_or_a_broken_link_is_said_and_utf16_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """600 nested brackets were a RecursionError traceback; a ./codingcode.yaml linking to a file
+    moved away was the defaults, said nowhere; a UTF-16 file (PowerShell 5's ``>``) was "not valid
+    YAML: 'utf-8' codec can't decode byte 0xff"."""
+    from events.config import load_settings
+    from events.errors import InvalidConfig
+
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("x: " + "[" * 3000 + "]" * 3000 + "\n")
+    with pytest.raises(InvalidConfig, match="is not valid YAML: nested too deeply"):
+        load_settings(deep, environ={})
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "codingcode.yaml").symlink_to(tmp_path / "moved.yaml")
+    with pytest.raises(InvalidConfig, match=r"config file not found: a broken symbolic link to .*moved\.yaml"):
+        load_settings(None, environ={})
+    wide = tmp_path / "wide.yaml"
+    wide.write_bytes("context:\n  keepRecentTurns: 3\n".encode("utf-16"))  # (with its byte order mark)
+    assert load_settings(wide, environ={}).context.keep_recent_turns == 3
+
+
 def test_a_key_or_section_with_no_value_takes_its_default(tmp_path: Path) -> None:
     from events.config import Settings, load_settings
 
