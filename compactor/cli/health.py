@@ -157,11 +157,16 @@ def health(
         settings = loaded
     else:
         settings = load(config, redis_url=redis_url, data_dir=data_dir)
-    if api_url == API_FROM_CONFIG:  # (the image's healthcheck: whatever port and address a mounted config gives)
+    unknown_port = api_url == API_FROM_CONFIG and settings.api.port == 0
+    if unknown_port:  # (port 0 was checked, "Connection refused": the API's port is one chosen at its start)
+        api_url = None
+    elif api_url == API_FROM_CONFIG:  # (the image's healthcheck: whatever port and address a mounted config gives)
         host = settings.api.host
         api_url = "http://" + host_port(WILDCARD_HOSTS.get(host, host), settings.api.port)
     report = run_checks(settings, api_url=api_url, workers=workers, watcher=watcher,
                         host=socket.gethostname() if this_host else None)
+    if unknown_port:
+        report["api"] = "error: api.port is 0 (a free port the API chose at its start): give --api URL"
     healthy = all(value.startswith("ok") for value in report.values())
     if json_out:
         print_json({"healthy": healthy, "checks": report})

@@ -1482,6 +1482,17 @@ def test_health_check_without_a_redis_to_use_is_unhealthy_and_silent(
                   "equal to 1"}}
 
 
+def test_health_of_the_configs_api_on_port_0_says_to_give_its_url(runner: CliRunner, tmp_path: Path) -> None:
+    """It checked port 0 and said "Connection refused": port 0 is one the API chose at its start."""
+    config = tmp_path / "c.yaml"
+    config.write_text("api: {port: 0}\n")
+    result = runner.invoke(app, ["health", "--json", "--api", "config", "--config", str(config),
+                                 "--redis-url", "redis://127.0.0.1:1"])
+    assert result.exit_code == 1
+    assert json.loads(result.stdout)["checks"]["api"] == (
+        "error: api.port is 0 (a free port the API chose at its start): give --api URL")
+
+
 @pytest.mark.parametrize(("args", "said"), [
     (["--api", "http://127.0.0.1:99999"], "Port out of range"),  # it was a refused connection: unhealthy
     (["--api", "127.0.0.1:8080"], "is not an http(s) URL of the API"),
