@@ -122,6 +122,18 @@ class ContextSettings(_Section):
             raise ValueError(f"{name!r}: the built-in summarizer is written {EXTRACTIVE!r}")
         return name
 
+    @field_validator("compactable_tools")
+    @classmethod
+    def _tool_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        """A name no tool can have (empty, or with spaces around it: ``" read_file"``) matched no
+        output, silently: the outputs of that tool were never elided."""
+        for index, name in enumerate(names):
+            if not name.strip():
+                raise ValueError(f"item {index} is empty: a tool name it would match has none")
+            if name != name.strip():
+                raise ValueError(f"item {index}: {name!r} has spaces around it: write {name.strip()!r}")
+        return names
+
     @model_validator(mode="after")
     def _thresholds_ordered(self) -> ContextSettings:
         if self.micro_compact_threshold > self.compaction_threshold:
@@ -552,8 +564,12 @@ def _reason(detail: ErrorDetails) -> str:
         return f"must be a section (keys and values), not {_yaml_kind(value)}"
     if detail["type"] == "extra_forbidden":
         key = str(detail["loc"][-1]) if detail["loc"] else ""
-        spelt = to_camel(key)
-        return "unknown key" + (f" (the file spells it {spelt})" if spelt != key and spelt in _all_keys() else "")
+        known = {_folded(name): name for name in _all_keys()}
+        spelt = known.get(_folded(key))  # (CompactionThreshold, compaction-threshold: only one was said)
+        if spelt is not None and spelt != key:
+            return f"unknown key (the file spells it {spelt})"
+        close = difflib.get_close_matches(key, sorted(known.values()), n=1, cutoff=MISSPELT_CUTOFF)
+        return "unknown key" + (f" (did you mean {close[0]}?)" if close else "")
     return detail["msg"].removeprefix("Value error, ")
 
 

@@ -172,6 +172,15 @@ def test_ctrl_c_while_the_command_line_loads_exits_130_without_a_traceback() -> 
     ("context:\n  fallbackModel: Extractive\n",
      "context.fallbackModel: 'Extractive': the built-in summarizer is written 'extractive'"),
     ("context:\n  fallbackModel: gpt 4o\n", "context.fallbackModel: 'gpt 4o' holds a space"),
+    # loaded, and that tool's outputs were never elided
+    ("context:\n  compactableTools: [read_file, ' run_tests']\n",
+     "context.compactableTools: item 1: ' run_tests' has spaces around it: write 'run_tests'"),
+    ("context:\n  compactableTools: ['']\n", "context.compactableTools: item 0 is empty"),
+    # a typo was a bare "unknown key"
+    ("context:\n  compactionThreshhold: 0.5\n",
+     "context.compactionThreshhold: unknown key (did you mean compactionThreshold?)"),
+    ("context:\n  compaction-threshold: 0.5\n",
+     "context.compaction-threshold: unknown key (the file spells it compactionThreshold)"),
     # YAML keeps a repeated key's last value: the first section's settings were dropped unsaid
     ("context:\n  maxFailures: 5\nagentKey: 1\ncontext:\n  keepRecentTurns: 2\n",
      "context: given twice in {file} (lines 1 and 4): YAML keeps the last"),
