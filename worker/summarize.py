@@ -492,12 +492,18 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
         raise SummaryInvalid(f"the summary is not valid Unicode: {e.reason} at character {e.start}") from None
     try:
         summary, sections = _canonical(text)
-    except SummaryInvalid:
-        inner = _unfenced(text)  # the block's body in one ```markdown fence: models do that
-        if inner is None:
-            raise
-        text = inner
-        summary, sections = _canonical(inner)
+    except SummaryInvalid as invalid:
+        # the block's body in one ```markdown fence (models do that), or a fence a quote left open
+        for candidate in (_unfenced(text), _fences_closed(text)):
+            if candidate is not None:
+                try:
+                    summary, sections = _canonical(candidate)
+                except SummaryInvalid:
+                    continue
+                text = candidate
+                break
+        else:
+            raise invalid from None
     # (a summary whose headings were as asked is its text: its sections are those found in it, not
     # looked for again by ``split_sections``)
     bodies = _bodies(summary, sections) if summary is text else split_sections(summary)
@@ -532,6 +538,49 @@ def _canonical(text: str) -> tuple[str, list[int]]:
     headings = _headings(text)
     sections = _sections_or_invalid(text, headings)
     return _canonical_headings(text, sections, headings), sections
+
+
+def _fences_closed(text: str) -> str | None:
+    """``text`` with each fence never closed closed again right before the first section heading
+    after it (a line at column 0 that ``_heading_title`` reads), else None when there is none.
+    A model quoting a user's message that opened a fence and never closed it (a paste cut short)
+    hid every section after the quote: the reply was refused at each retry, the breaker opened.
+    The transcript's own heading lines reach the model escaped (``data_text``), so such a line is
+    the model's section, not a quote."""
+    lines = text.split("\n")
+    if not _inside_fences(lines)[1]:  # (every fence closed: nothing to do)
+        return None
+    longest = _longest_closings(lines)
+    out: list[str] = []
+    fence, changed, opened = "", False, -1
+    for index, line in enumerate(lines):
+        if fence:
+            stripped = line.strip()
+            if stripped == fence[0] * len(stripped) and len(stripped) >= len(fence):
+                fence = ""
+            elif (line.startswith("#") and _heading_title(line) is not None
+                  and longest[fence[0]][index] < len(fence)):  # (no line after closes it)
+                if opened == len(out) - 1:
+                    del out[-1]  # (nothing inside: a ```markdown opening the summary, never closed)
+                else:
+                    out.append(fence)
+                fence, changed = "", True
+        elif opening := _FENCE.match(line):
+            fence, opened = opening.group(1), len(out)
+        out.append(line)
+    return "\n".join(out) if changed else None
+
+
+def _longest_closings(lines: list[str]) -> dict[str, list[int]]:
+    """Per fence character, per line index: the longest line of that character alone from there
+    on (the longest fence a later line could close)."""
+    longest = {"`": [0] * (len(lines) + 1), "~": [0] * (len(lines) + 1)}
+    for index in range(len(lines) - 1, -1, -1):
+        stripped = lines[index].strip()
+        for char, after in longest.items():
+            mark = len(stripped) if stripped and stripped == char * len(stripped) else 0
+            after[index] = max(after[index + 1], mark)
+    return longest
 
 
 def _unfenced(text: str) -> str | None:
