@@ -103,6 +103,10 @@ class Keys:
     def sent(self, session_id: str) -> str:
         return f"{self.prefix}:sent:{session_id}"
 
+    def bound(self, session_id: str) -> str:
+        """The cwd a session's first published batch was sent with (``SET NX``, 10 minutes)."""
+        return f"{self.prefix}:cwd:{session_id}"
+
     def lease(self, shard: int) -> str:
         return f"{self.prefix}:lease:{shard}"
 

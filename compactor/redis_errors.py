@@ -24,6 +24,14 @@ _REFUSAL = re.compile(r"(?:^|error: )(?:MISCONF|NOREPLICAS|READONLY|OOM|LOADING|
 
 
 HEALTH_PROBE_MS = 60_000
+_WATCHED_KEY_CHANGED = "Watched variable changed."  # redis-py's WatchError of an EXEC refused
+
+
+def connection_lost(error: redis.WatchError) -> bool:
+    """Whether a ``WatchError`` says a connection lost while watching (redis-py says it so too: a
+    socket timeout while Redis stalled, perhaps after it ran an EXEC sent), not a watched key
+    another client changed."""
+    return str(error) != _WATCHED_KEY_CHANGED
 
 
 def probe_writes(client: redis.Redis, key: str) -> None:

@@ -231,13 +231,13 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
 
 
 def _check_waiting_cwd(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> None:
-    """A 400 ``cwd`` when the session, new (no state, no log), has entries waiting in its shard
-    and the first was sent with another cwd, which the watcher will bind it to: the batch was a
-    202, then the watcher's dead letter. (Two first batches sent at once still both pass.)"""
-    waiting = _waiting_entries(client, settings, session_id)
-    first = as_text(waiting[0].get(b"cwd", b"")) if waiting else cwd
-    if first != cwd:
-        raise bound_elsewhere(session_id, first, cwd)
+    """A 400 ``cwd`` when the session, new (no state, no log), had a batch published with another
+    cwd in the last 10 minutes (``Keys.bound``, set by the publishers), which the watcher will bind
+    it to: the batch was a 202, then the watcher's dead letter. (Two first batches sent at once
+    both pass; so does one after a producer's raw XADD, which sets no such key.)"""
+    bound = client.get(Keys(settings.redis.prefix, settings.redis.shards).bound(session_id))
+    if bound is not None and as_text(bound) != cwd:
+        raise bound_elsewhere(session_id, as_text(bound), cwd)
 
 
 def _check_new_events(client: redis.Redis, settings: Settings, store: SessionStore, session_id: str, cwd: str,

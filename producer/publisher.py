@@ -37,6 +37,7 @@ from pydantic import BaseModel
 
 from compactor.applied import parse_stream_id
 from compactor.keys import Keys
+from compactor.redis_errors import connection_lost
 from compactor.queue import check_bound_cwd, enqueue_compaction, redis_time_s, sync_clock
 from events.config import Settings
 from events.errors import InvalidEvent, InvalidInput
@@ -128,7 +129,8 @@ class Publisher:
             return []
         pipe = self.redis.pipeline(transaction=True)
         _queue_xadds(pipe, batch)
-        ids = [_as_str(entry_id) for entry_id in pipe.execute()]
+        pipe.set(self.keys.bound(batch.session_id), batch.cwd, nx=True, ex=BOUND_TTL_S)
+        ids = [_as_str(entry_id) for entry_id in pipe.execute()[:len(batch.payloads)]]
         logger.debug("published session=%s events=%d stream=%s last=%s",
                      batch.session_id, len(ids), batch.stream, ids[-1])
         self._sent(batch.session_id, ids)
@@ -155,15 +157,16 @@ class Publisher:
         uuids = [event["uuid"] for event in batch.events]
         sync_clock(self.redis)  # (the window in Redis's time: an API whose clock was 11 minutes ahead
         # of another's published a retry again, and one behind pruned the others' records)
-        unanswered = False  # a transaction whose connection failed: it may have published the batch
+        unanswered: set[int] = set()  # the events of a transaction sent, its reply lost: perhaps published
         with self.redis.pipeline(transaction=True) as pipe:
             while True:
+                attempted: set[int] = set()
                 try:
                     pipe.watch(key)  # type: ignore[no-untyped-call]
                     now = redis_time_s()
                     scores = pipe.zmscore(key, uuids) if uuids else []
                     sent = {i for i, score in enumerate(scores) if score is not None and float(score) > now - window_s}
-                    if sent and unanswered:  # (perhaps its own: said duplicates, a batch published whole
+                    if sent & unanswered:  # (perhaps its own: said duplicates, a batch published whole
                         # was answered accepted 0, with no stream id)
                         pipe.reset()
                         raise redis.ConnectionError(
@@ -177,14 +180,17 @@ class Publisher:
                         pipe.zremrangebyscore(key, "-inf", f"({now - window_s}")
                         pipe.zremrangebyrank(key, 0, -SENT_KEPT - 1)
                         pipe.expire(key, int(window_s) + 1)
+                        pipe.set(self.keys.bound(batch.session_id), batch.cwd, nx=True, ex=BOUND_TTL_S)
+                    attempted = set(range(len(uuids))) - sent
                     replies = pipe.execute()
                     ids = [_as_str(entry_id) for entry_id in replies[:len(fresh.payloads)]]
                     self._sent(batch.session_id, ids)
                     return ids, sent
                 except redis.WatchError as e:  # (another send to the session meanwhile: look again)
-                    # redis-py says a connection lost while watching a WatchError too (EXEC sent, its
-                    # reply not read: a socket timeout while Redis stalled)
-                    unanswered = unanswered or str(e) != _WATCHED_KEY_CHANGED
+                    # redis-py says a connection lost while watching a WatchError too: the EXEC's (sent,
+                    # its reply not read: a socket timeout while Redis stalled) leaves its events unsure
+                    if connection_lost(e):
+                        unanswered |= attempted
                     continue
 
     def end_turn(
@@ -255,7 +261,7 @@ class Publisher:
 
 IDEMPOTENCY_KEY_MAX = 255
 SENT_KEPT = 10_000  # uuids send_unsent remembers per session, at most (the newest)
-_WATCHED_KEY_CHANGED = "Watched variable changed."  # redis-py's WatchError of an EXEC refused (other: a lost connection)
+BOUND_TTL_S = 600  # how long a session's first published cwd is kept for the API's check (Keys.bound)
 LAST_IDS_KEPT = 10_000  # sessions whose last sent stream id a publisher remembers (the newest)
 
 

@@ -140,7 +140,6 @@ from worker.summarize import (
     render_event,
     render_transcript,
     says_nothing,
-    split_sections,
 )
 
 logger = logging.getLogger(__name__)
@@ -673,7 +672,7 @@ class Compactor:
             # the whole targets in one call: the pass rendered them already
             transcript = "\n\n".join(reading.blocks) if chunk is targets.events else render_transcript(chunk)
             messages = build_messages(transcript, running, limit)
-            quoted = _user_messages_in(chunk, running)
+            quoted = _user_messages_in(chunk)
             running = extract_summary(self.summarizer.complete(model, messages), user_messages=quoted)
             size = count_tokens(running, view.encoding)
             if size > limit:
@@ -1047,13 +1046,10 @@ def _result(did_compress: bool, before: int, after: int) -> CompressResult:
                           prompt_estimate=after)
 
 
-def _user_messages_in(chunk: Sequence[dict[str, Any]], previous: str | None) -> bool:
-    """Whether a request for ``chunk`` with the previous summary ``previous`` quotes a user message
-    (which its reply's All User Messages must then keep)."""
-    if any(event.get("type") == "user" and isinstance(text := event.get("content"), str) and text.strip()
-           for event in chunk):
-        return True
-    if not previous:
-        return False
-    kept = split_sections(previous).get("All User Messages")  # (a producer's free text: none to tell)
-    return kept is not None and not says_nothing(kept)
+def _user_messages_in(chunk: Sequence[dict[str, Any]]) -> bool:
+    """Whether ``chunk`` holds a user message that says something (``says_nothing``: a message "?"
+    or "none", quoted whole, is a reply's placeholder too), which its summary's All User Messages
+    must then keep. (The previous summary's are not asked for: a model's own words there, "No
+    user messages were sent.", read as messages, had the next reply's "None." refused.)"""
+    return any(event.get("type") == "user" and isinstance(text := event.get("content"), str)
+               and not says_nothing(text) for event in chunk)

@@ -68,7 +68,7 @@ from events.errors import SummaryInvalid
 from events.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD_TOKENS, arguments_json, count_tokens, event_tokens
 from events.view import str_or_empty as _str
 from events.view import tool_calls
-from worker.summarize import SECTION_TITLES, canonical_summary, fenced_line_starts, split_sections
+from worker.summarize import SECTION_TITLES, canonical_summary, fenced_line_starts, says_nothing, split_sections
 
 EXTRACTIVE_MODEL = EXTRACTIVE  # (named in events.config, which refuses a misspelling)
 MAX_FILES = 60
@@ -463,7 +463,7 @@ _MESSAGE_ITEM = re.compile(rf"^(?:{_WHOLE_ITEM}|{_ELIDED_ITEM})", re.MULTILINE |
 def _carried_messages(body: str | None) -> list[str | _Message]:
     """A previous *All User Messages* body as items: the messages this module wrote (whole or
     cut) parsed back, any other text (an LLM's) as it is."""
-    body = "" if body is None or body == "None." else body
+    body = "" if body is None or says_nothing(body) else body
     parts: list[str | _Message] = []
     end = 0
     fenced = fenced_line_starts(body)
@@ -501,7 +501,7 @@ def _foreign_items(text: str) -> list[str]:
 
 def _primary_request(previous: dict[str, str], users: list[str], bounds: Bounds) -> str:
     carried = previous.get("Primary Request", "None.")
-    if carried != "None.":
+    if not says_nothing(carried):  # (exactly "None." it was: an indented or "- None" one was carried)
         if len(carried) <= bounds.request_chars:
             return carried
         return _quote(_elide(_unquoted(carried), bounds.request_chars))
@@ -887,7 +887,7 @@ def _current_work(previous: dict[str, str], assistants: list[dict[str, Any]], bo
             text = _quote(_elide(content, bounds.current_work_chars)) if content else ""
             return "\n".join(part for part in [text, *calls] if part)
     carried = previous.get("Current Work", "None.")
-    if carried == "None.":
+    if says_nothing(carried):
         return ""
     # (quoted: another summary's, carried as it is, held a ``### Optional Next Step`` line that took
     # that section's place)
@@ -899,7 +899,7 @@ def _next_step(previous: dict[str, str], users: list[str], bounds: Bounds) -> st
     (a batch of tool calls alone, mid-turn, erased it: ``None.``)."""
     if not users:
         carried = previous.get("Optional Next Step", "None.")
-        return "" if carried == "None." else carried
+        return "" if says_nothing(carried) else carried
     return "Continue with the most recent user request:\n" + _quote(_elide(users[-1], bounds.request_chars))
 
 

@@ -517,14 +517,21 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
     return summary
 
 
-_NOTHING = frozenset({"", "none", "na", "nothing", "noneyet", "notapplicable", "empty", "null", "nil", "tbd"})
-_NOT_WORDS = re.compile(r"[\W_]+")
+_NOTHING = frozenset({
+    "none", "n/a", "na", "nothing", "none yet", "none so far", "nothing yet", "nothing so far", "not applicable",
+    "empty", "null", "nil", "tbd", "no messages", "no user messages",
+})  # what a section saying nothing says (marks around it aside)
+_ONE_BULLET = re.compile(r"^(?:[-*+\u2022]|\d{1,2}[.)])(?:[ \t]+|$)")
 
 
 def says_nothing(body: str) -> bool:
-    """Whether a section's body says nothing: empty, or only "None", "N/A", "(none)", "- None yet.",
-    "—" and the like (marks, bullets and spacing aside; "- None" passed for something)."""
-    return len(body) < 40 and _NOT_WORDS.sub("", body).lower() in _NOTHING
+    """Whether a section's body says nothing: empty, a dash, or "None", "N/A", "None yet"... as one
+    line, with a bullet, brackets, emphasis or a full stop around it ("- None", "(none)", "`None`":
+    only "None.", "N/A" and "-" were). A quote says something: ``- "none"`` is a user's message."""
+    if len(body) > 60:
+        return False
+    text = " ".join(_ONE_BULLET.sub("", body.strip()).strip(" \t*_`()[]").rstrip(".!").split()).lower()
+    return text in _NOTHING or all(c in "-\u2013\u2014" for c in text)
 
 
 def canonical_summary(text: str) -> str:

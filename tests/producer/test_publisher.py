@@ -387,7 +387,6 @@ def test_a_batch_whose_transaction_reply_was_lost_is_not_answered_as_duplicates(
     """Redis stalled past the socket timeout while it ran the EXEC: redis-py said the lost reply as
     a WatchError, the loop looked again, found the batch's own uuids sent, and answered every
     event a duplicate (accepted 0, no stream id) for a batch it had published whole."""
-    import threading
     import time
 
     from producer import publisher as publisher_module
@@ -397,17 +396,18 @@ def test_a_batch_whose_transaction_reply_was_lost_is_not_answered_as_duplicates(
         return redis.Redis(connection_pool=redis.ConnectionPool(
             connection_class=pool.connection_class, **{**pool.connection_kwargs, "socket_timeout": timeout_s}))
 
-    client, staller = connected(1.0), connected(30.0)
-    stalls: list[threading.Thread] = []
+    client, staller = connected(1.5), connected(30.0)
+    stalling = staller.connection_pool.get_connection()  # (connected now: sending the stall is one write)
+    stalled: list[bool] = []
     real_queue = publisher_module._queue_xadds
 
     def stalled_before_exec(pipe: Any, batch: Any) -> None:
         real_queue(pipe, batch)
-        if not stalls:  # the first attempt only: Redis busy 1.5 s from right before its EXEC
-            stall = threading.Thread(target=staller.eval, args=(_BUSY_MS, 0, 1_500))
-            stalls.append(stall)
-            stall.start()
-            time.sleep(0.2)
+        if not stalled:  # the first attempt only: Redis busy 3 s from right before its EXEC, which times out
+            # at 1.5 s; the next WATCH waits for the rest, less than 1.5 s (the stall started before the EXEC)
+            stalling.send_command("EVAL", _BUSY_MS, 0, 3_000)
+            stalled.append(True)
+            time.sleep(0.3)
 
     monkeypatch.setattr(publisher_module, "_queue_xadds", stalled_before_exec)
     publisher = Publisher(client, settings)
@@ -416,12 +416,43 @@ def test_a_batch_whose_transaction_reply_was_lost_is_not_answered_as_duplicates(
         with pytest.raises(redis.ConnectionError, match="it may have taken them; send the batch again as it was"):
             publisher.send_unsent(batch, 600)
     finally:
-        stalls[0].join()
+        if stalled:
+            stalling.read_response()
+        staller.connection_pool.release(stalling)
         client.close()
         staller.close()
     assert len(entries(r, settings, "s1")) == 3  # (published, once: what the 503 says may have happened)
     again = Publisher(r, settings)
     assert again.send_unsent(batch, 600) == ([], {0, 1, 2})  # the retry the 503 asks for: duplicates now
+
+
+def test_a_connection_lost_before_the_transaction_leaves_a_retrys_duplicates_said_as_such(
+    r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection lost while the uuids were looked up (no EXEC sent) is a WatchError too: taken for
+    a lost EXEC reply, a retry holding two events sent before was a 503 "it may have taken them"
+    (nothing of it was), not a 202 publishing the other two."""
+    from producer import publisher as publisher_module
+
+    client = redis.Redis(connection_pool=redis.ConnectionPool(
+        connection_class=r.connection_pool.connection_class, **r.connection_pool.connection_kwargs))
+    publisher = Publisher(client, settings)
+    events = [{**user(1), "uuid": f"u-{i}"} for i in range(4)]
+    publisher.send_unsent(publisher.prepare("s1", CWD, events[:2]), 600)
+    real_time, killed = publisher_module.redis_time_s, []
+
+    def connection_lost() -> float:  # between the WATCH and the lookup of the uuids
+        if not killed:
+            killed.append(r.client_kill_filter(_type="normal", skipme=True))
+        return real_time()
+
+    monkeypatch.setattr(publisher_module, "redis_time_s", connection_lost)
+    try:
+        ids, sent = publisher.send_unsent(publisher.prepare("s1", CWD, events), 600)
+    finally:
+        client.close()
+    assert killed and len(ids) == 2 and sent == {0, 1}
+    assert len(entries(r, settings, "s1")) == 4
 
 
 _BUSY_MS = """
