@@ -432,6 +432,20 @@ def test_a_message_quoted_in_several_sections_reads_the_same_in_each() -> None:
     assert "&lt;" not in "".join(sections.values())
 
 
+def test_a_carried_none_in_any_form_gives_way_to_the_new_request() -> None:
+    """A previous Primary Request "    None." (its indentation kept) or "- None" was carried as the
+    request (exactly "None." gave way), and the new request was never named."""
+    for nothing in ("    None.", "- None", "N/A"):
+        sections = {title: f"- {title.lower()} item" for title in SECTION_TITLES}
+        sections["Primary Request"] = sections["Optional Next Step"] = nothing
+        previous = "\n\n".join(f"### {title}\n{body}" for title, body in sections.items())
+        rolled = split_sections(extractive_summary([{"type": "assistant", "turnId": 3, "content": "ok"}], previous))
+        assert rolled["Optional Next Step"] in ("", "None."), (nothing, rolled["Optional Next Step"])
+        rolled = split_sections(extractive_summary([{"type": "user", "turnId": 3, "content": "fix the login bug"},
+                                                    {"type": "assistant", "turnId": 3, "content": "ok"}], previous))
+        assert rolled["Primary Request"] == "> fix the login bug", (nothing, rolled["Primary Request"])
+
+
 def test_files_keep_the_most_recently_named_through_rolls() -> None:
     """The first 60 paths ever named were kept: a rolling summary still listed turn 1's files after
     79 turns on others, and never the file being edited now."""

@@ -626,6 +626,20 @@ def test_a_reply_of_the_headings_alone_is_invalid() -> None:
         extract_summary(f"<summary>\n{one}\n</summary>", user_messages=True)
     kept = one.replace("### All User Messages\nNone.", '### All User Messages\n- "fix it"')
     assert '- "fix it"' in extract_summary(f"<summary>\n{kept}\n</summary>", user_messages=True)
+    for quoted in ('- "?"', '- "none"', "👍"):  # a user's message that reads like nothing, quoted: something
+        said = one.replace("### All User Messages\nNone.", f"### All User Messages\n{quoted}")
+        assert quoted in extract_summary(f"<summary>\n{said}\n</summary>", user_messages=True)
+
+
+def test_a_request_asks_for_its_user_messages_only_when_one_says_something() -> None:
+    """A request whose only message was "?" or "none" had the model's faithful quote of it refused
+    (read as saying nothing); the previous summary's prose ("No user messages were sent.") had the
+    next reply's "None." refused."""
+    from worker.compaction import _user_messages_in
+
+    assert _user_messages_in([{"type": "user", "turnId": 1, "content": "fix the login bug"}])
+    assert not _user_messages_in([{"type": "user", "turnId": 1, "content": text} for text in ("none", "N/A", " ")])
+    assert not _user_messages_in([{"type": "assistant", "turnId": 1, "content": "fix the login bug"}])
 
 
 def test_a_crlf_reply_is_stored_with_one_kind_of_line_break() -> None:
