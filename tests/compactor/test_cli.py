@@ -309,7 +309,7 @@ def test_the_file_takes_its_keys_only_as_spelt_in_camel_case(
     config.write_text("context:\n  keepRecnetTurns: 3\n")
     result = runner.invoke(app, ["api", "--config", str(config)])
     assert result.stderr.strip().splitlines() == [
-        f"compactor: invalid configuration: {config}: context.keepRecnetTurns: unknown key"]
+        f"compactor: invalid configuration: {config}: context.keepRecnetTurns: unknown key (did you mean keepRecentTurns?)"]
 
 
 def test_a_value_of_the_wrong_shape_is_named_in_yaml_words(runner: CliRunner, tmp_path: Path) -> None:
