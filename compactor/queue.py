@@ -53,6 +53,7 @@ from rq.rate_limit import RateLimit
 from rq.utils import as_text
 
 from compactor.keys import Keys
+from compactor.redis_errors import connection_lost
 from compactor.applied import STREAM_ID_RE
 from compactor.store import bound_elsewhere, check_logged_cwd, stream_id_key
 from events.config import Settings
@@ -709,14 +710,20 @@ def _enqueue_if_still_created(client: redis.Redis, settings: Settings, session_i
     queue = compaction_queue(client, settings)
     together = getattr(queue, "_enqueue_rate_limited_job", None)
     claim_key = Keys(settings.redis.prefix, settings.redis.shards).job(session_id)
+    unanswered = False  # an EXEC sent, its reply lost (redis-py says it a WatchError): perhaps queued by it
     with client.pipeline(transaction=True) as pipe:
         while True:
+            executing = False
             try:
                 pipe.watch(Job.key_for(job_id), claim_key)  # type: ignore[no-untyped-call]
                 status, claim = pipe.hget(Job.key_for(job_id), "status"), pipe.get(claim_key)
                 if status is None:
                     raise NoSuchJobError(f"no such job: {job_id}")
                 if as_text(status) != JobStatus.CREATED or claim is None or as_text(claim) != job_id:
+                    if unanswered:  # (its own EXEC's, most likely: counted queued, as _queued_all_the_same does)
+                        logger.warning("forced job %s of session %s was queued, its enqueue's reply lost", job_id,
+                                       session_id, extra={"session_id": session_id, "job_id": job_id})
+                        return True
                     logger.info("forced job %s of session %s was queued by another: not again", job_id, session_id,
                                 extra={"session_id": session_id, "job_id": job_id})
                     return False
@@ -729,9 +736,11 @@ def _enqueue_if_still_created(client: redis.Redis, settings: Settings, session_i
                 pipe.sadd(queue.redis_queues_keys, queue.key)
                 job.origin = queue.name
                 together(job, pipeline=pipe)
+                executing = True
                 pipe.execute()
                 return True
-            except redis.WatchError:  # (its status or the claim changed meanwhile: looked at again)
+            except redis.WatchError as e:  # (its status or the claim changed meanwhile: looked at again)
+                unanswered = unanswered or (executing and connection_lost(e))
                 continue
 
 

@@ -507,3 +507,31 @@ def test_a_request_that_joined_the_waiting_forced_job_is_answered_when_its_own_j
 
     monkeypatch.setattr(Job, "delete", reset)
     assert enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True) == forced
+
+
+def test_a_forced_enqueue_whose_exec_reply_was_lost_counts_it_queued(
+    r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """redis-py says an EXEC whose reply was lost (a socket timeout while Redis stalled) as a
+    WatchError: the loop looked again, found the job queued (by its own EXEC) and took it for
+    another's: not counted, and logged as queued by another."""
+    from rq import Queue
+
+    enqueue = Queue._enqueue_rate_limited_job
+
+    def reply_lost(self: Queue, job: Job, pipeline: Any = None, **kwargs: Any) -> Job:
+        queued = enqueue(self, job, pipeline=pipeline, **kwargs)
+        execute = pipeline.execute
+
+        def lost(*args: Any, **kwargs: Any) -> Any:
+            execute(*args, **kwargs)
+            raise redis.WatchError("A TimeoutError occurred while watching one or more keys")  # (as redis-py does)
+
+        pipeline.execute = lost
+        return queued
+
+    monkeypatch.setattr(Queue, "_enqueue_rate_limited_job", reply_lost)
+    counted: list[str] = []
+    monkeypatch.setattr(queue_module, "_enqueued", lambda sid, job_id, forced: counted.append(job_id))
+    forced = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True)
+    assert counted == [forced] and compaction_queue(r, settings).job_ids == [forced]
