@@ -395,6 +395,25 @@ class SessionLog:
                 f.seek(start)
             return f.read()
 
+    def check_room(self, need: int) -> None:
+        """Raise LogWriteFailed when an append of ``need`` bytes certainly fails now: the file
+        system is read-only, or has fewer bytes free (for this process: root may use the blocks
+        kept for it). Call under the lock. (A job called its LLM, then failed to write the summary,
+        once per janitor pass while the disk stayed full: each call paid for and thrown away.)"""
+        fd = self._lock_fd
+        if fd is None:
+            return
+        try:
+            fs = os.fstatvfs(fd)
+        except OSError:
+            return  # (the append says what is wrong, if anything)
+        if fs.f_flag & os.ST_RDONLY:
+            raise LogWriteFailed(f"{self.path}: cannot append: [Errno 30] Read-only file system")
+        free = (fs.f_bfree if os.geteuid() == 0 else fs.f_bavail) * fs.f_frsize
+        if free < need:
+            raise LogWriteFailed(f"{self.path}: cannot append: [Errno 28] No space left on device "
+                                 f"({free} bytes free, {need} needed)")
+
     def bytes_before(self, end: int, length: int) -> bytes:
         """The (at most) ``length`` bytes of the log before byte ``end`` (fewer at its start;
         through the lock's descriptor when held)."""

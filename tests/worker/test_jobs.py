@@ -1708,6 +1708,29 @@ def test_a_job_that_could_not_write_leaves_its_session_to_the_janitor(
     assert len(_summaries(wsettings, "s1")) == 1
 
 
+@pytest.mark.parametrize("flag, free_blocks, said", [
+    (0, 1, "[Errno 28] No space left on device (4096 bytes free"),
+    (os.ST_RDONLY, 10**9, "[Errno 30] Read-only file system"),
+], ids=["disk-full", "read-only"])
+def test_a_job_calls_no_llm_for_a_summary_the_disk_cannot_take(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch,
+    flag: int, free_blocks: int, said: str,
+) -> None:
+    """While the disk stayed full, each janitor pass queued the job again, which paid for an LLM
+    call and threw its summary away. It fails before the call now, its session left to the janitor."""
+    import types
+
+    from events import log as log_module
+
+    write_session(r, wsettings, "s1", 4, tool="list_dir", window=300)  # over its LLM threshold
+    monkeypatch.setattr(log_module.os, "fstatvfs", lambda fd: types.SimpleNamespace(
+        f_flag=flag, f_bfree=free_blocks, f_bavail=free_blocks, f_frsize=4096))
+    job = _run(r, wsettings, "s1")
+    assert job.get_status() == JobStatus.FAILED and said in str(job.latest_result().exc_string)  # type: ignore[union-attr]
+    assert stub.requests == [] and _summaries(wsettings, "s1") == []
+    assert r.get(Keys().retrigger("s1")) is not None  # (for the janitor)
+
+
 def test_one_sessions_error_does_not_end_the_janitors_pass_for_the_others(
     r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
