@@ -181,9 +181,11 @@ def readable_data_dir(settings: Settings, option: Path | None = None, config: Pa
     command that only reads logs (``api``, ``context``), which creates nothing. (One on a file
     answered every session as unknown, a mistake said as "no session".) A data dir not there yet
     is none of its concern: the watcher creates it."""
-    if settings.data_dir.exists() and not settings.data_dir.is_dir():
-        fail(f"invalid configuration: {_data_dir_named(option, config)}: {settings.data_dir} is not a directory",
-             EXIT_CONFIG)
+    path = settings.data_dir
+    existing = next((p for p in (path, *path.parents) if p.exists()), path)
+    if existing.exists() and not existing.is_dir():  # (it, or a file on its way: /srv/a-file/data)
+        what = f"{path} is not a directory" if existing == path else f"{path}: {existing}, on its way, is not a directory"
+        fail(f"invalid configuration: {_data_dir_named(option, config)}: {what}", EXIT_CONFIG)
     return settings
 
 

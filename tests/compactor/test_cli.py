@@ -396,6 +396,10 @@ def test_a_reader_on_a_data_dir_that_is_a_file_is_refused_not_told_no_session(
         f"compactor: invalid configuration: dataDir (from --data-dir): {a_file} is not a directory"]
     missing = runner.invoke(app, ["context", "s1", "--cwd", "/p", "--data-dir", str(tmp_path / "none")])
     assert missing.exit_code == 1 and "no session" in missing.stderr  # (not there yet: no concern of a reader)
+    under = runner.invoke(app, ["context", "s1", "--cwd", "/p", "--data-dir", str(a_file / "data")])
+    assert under.exit_code == 2 and under.stderr.strip().splitlines() == [
+        f"compactor: invalid configuration: dataDir (from --data-dir): {a_file / 'data'}: {a_file}, on its way, "
+        "is not a directory"]
 
 
 def test_a_demo_data_dir_that_cannot_be_used_is_one_line_and_exit_2(runner: CliRunner, tmp_path: Path) -> None:
