@@ -113,6 +113,8 @@ _PATH = re.compile(
     # Windows: from a drive (C:\src\app), or relative with an extension (src\app\main.py); its
     # basename alone was listed
     r"[A-Za-z]:\\(?:[\w.-]+\\)*[\w.-]*[\w-]\\?|(?:\.{1,2}\\)?(?:[\w.-]+\\)+[\w.-]+\.[A-Za-z0-9]{1,8}"
+    # ... from a drive with forward slashes (C:/Users/me/app.py was listed as /Users/me/app.py: another path)
+    rf"|[A-Za-z]:/(?:{_SEGMENT}+/)*{_SEGMENT}*[\w-]/?"
     rf"|(?:~|\.{{1,2}})?/?(?:{_SEGMENT}+/)+{_SEGMENT}+\.[A-Za-z0-9]{{1,8}}"
     # a bare name, dotted ones too (``app.component.ts``, ``index.d.ts``; a framework's, ``Next.js``, is
     # dropped: ``_paths``)
@@ -148,8 +150,14 @@ _SOURCE_EXTENSIONS = frozenset("py pyi ipynb js mjs cjs ts mts cts tsx jsx go rs
 
 
 def _paths(text: str) -> list[str]:
-    """The paths ``text`` names, in order."""
+    """The paths ``text`` names, in order (a ``file://`` URL's path too: it was dropped, or its
+    basename listed)."""
+    if "file://" in text:
+        text = _FILE_URL.sub(" ", text)
     return [path for match in _PATH.finditer(text) if not _library_or_member(path := match.group(1))]
+
+
+_FILE_URL = re.compile(r"\bfile://(?:localhost)?(?=/)")
 
 
 def _library_or_member(path: str) -> bool:

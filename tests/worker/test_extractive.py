@@ -74,6 +74,15 @@ def test_windows_paths_are_listed_whole_not_as_their_basename() -> None:
                       "- D:\\work\\proj\\"]
 
 
+def test_drive_paths_with_forward_slashes_and_file_urls_are_listed_as_their_paths() -> None:
+    """``C:/Users/me/app.py`` was listed as ``/Users/me/app.py`` (another path), ``file:///srv/site/
+    index.html`` dropped and ``file:///home/u/x.py`` listed as ``x.py``."""
+    events = [{"type": "user", "turnId": 1, "content": "open C:/Users/me/app.py, file:///srv/site/index.html "
+                                                        "and file:///home/u/x.py; not http://example.com/a/b.html"}]
+    listed = split_sections(extractive_summary(events, None))["Files and Code Sections"].splitlines()
+    assert listed == ["- C:/Users/me/app.py", "- /srv/site/index.html", "- /home/u/x.py"]
+
+
 def test_files_errors_and_current_work_are_extracted() -> None:
     sections = split_sections(extractive_summary(EVENTS, None))
     for path in ("tests/test_app.py", "src/app/main.py", "README.md"):
