@@ -620,7 +620,14 @@ def _errors(previous: dict[str, str], events: Sequence[dict[str, Any]], results:
     carried = _carried(previous.get("Errors and Fixes"))
     lines: list[str] = []
     shown = _content_results(events)
-    for event in results:
+    wanted = {id(event) for event in results}
+    for event in events:
+        if event.get("type") == "user":  # an error the user pasted or quoted (SPEC §1: "with user feedback")
+            lines.extend(f"- [user] {_clip(line.strip(), bounds.line_chars)}" for line in _str(event.get("content"))
+                         .splitlines() if _ERROR_PRINTED.match(line) or _compiler_said(line))
+            continue
+        if id(event) not in wanted:
+            continue
         content = _str(event.get("toolName", "")).lower() in _CONTENT_TOOLS
         command = not content and id(event) in shown
         lines_out = (outputs.get(id(event)) or _str(event.get("output"))).splitlines()

@@ -83,6 +83,16 @@ def test_drive_paths_with_forward_slashes_and_file_urls_are_listed_as_their_path
     assert listed == ["- C:/Users/me/app.py", "- /srv/site/index.html", "- /home/u/x.py"]
 
 
+def test_an_error_the_user_pasted_is_listed_with_the_tools_errors() -> None:
+    """Only tool outputs were read: a user's pasted traceback gave Errors and Fixes ``None.``
+    (SPEC §1: every error met, with the user's feedback)."""
+    pasted = ("it crashes:\n```\nTraceback (most recent call last):\n  File \"app.py\", line 3\n"
+              "KeyError: 'user_id'\n```\nplease fix the error handling")
+    events = [{"type": "user", "turnId": 1, "content": pasted}, {"type": "assistant", "turnId": 1, "content": "ok"}]
+    listed = split_sections(extractive_summary(events, None))["Errors and Fixes"].splitlines()
+    assert listed == ["- [user] Traceback (most recent call last):", "- [user] KeyError: 'user_id'"]
+
+
 def test_files_errors_and_current_work_are_extracted() -> None:
     sections = split_sections(extractive_summary(EVENTS, None))
     for path in ("tests/test_app.py", "src/app/main.py", "README.md"):
