@@ -383,7 +383,14 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     if job_id != job.id:
         _delete_unused(job)
     if outcome == "claimed":
-        _enqueue_forced(client, settings, session_id, job_id)
+        try:
+            _enqueue_forced(client, settings, session_id, job_id)
+        except NoSuchJobError:
+            raise
+        except redis.RedisError:  # its own job, saved and claimed: the janitor queues it past the grace
+            # (``queue_unqueued_claim``), and it answers the request (raised, the request was a 503, and
+            # its retry's job waited behind this one: two compactions)
+            return job_id
     else:
         if outcome != "waiting":  # (a job of its own that waits is counted enqueued once queued, not folded)
             from compactor import metrics  # (not at import: see _enqueued)
