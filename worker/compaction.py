@@ -98,6 +98,7 @@ from events.errors import (
     CompactorError,
     JobAbandoned,
     LLMUnavailable,
+    LogWriteFailed,
     SessionNotFound,
     SummaryInvalid,
 )
@@ -144,8 +145,8 @@ from worker.summarize import (
 
 logger = logging.getLogger(__name__)
 
-SUMMARY_ROOM_BYTES_PER_TOKEN = 8  # the room a summary's line may take per token of its limit (4 bytes of text,
-SUMMARY_ROOM_SPARE_BYTES = 65_536  # JSON escapes), and for its other fields and a compact line
+SUMMARY_ROOM_BYTES = 65_536  # free bytes below which no LLM is called (a disk full, not one short of a summary
+# of the largest size allowed: one with a few hundred kB left still takes the usual summary of a few kB)
 PROMPT_FRAME_TOKENS = 200  # delimiters, the request lines and chat framing around the data
 BLOCK_HEADER_TOKENS = 6  # "[tool:name]\n" and the blank line, per transcript block
 MIN_CHUNK_BUDGET_TOKENS = 1_000  # below this a window is hopeless; chunk at this size anyway
@@ -422,8 +423,15 @@ class Compactor:
                 return _result(True, before, applied.state.prompt_estimate)
             snapshot = _Snapshot(state.log_size, events, reading, state, compact,
                                  log.bytes_before(state.log_size, SNAPSHOT_TAIL_BYTES))
-            # (a summary the disk cannot take: no LLM call paid for and thrown away; the janitor comes back)
-            log.check_room(SUMMARY_ROOM_BYTES_PER_TOKEN * self.summary_limit(state.window) + SUMMARY_ROOM_SPARE_BYTES)
+            try:  # (a disk that cannot take a summary: no LLM call paid for and thrown away; the janitor comes back)
+                log.check_room(SUMMARY_ROOM_BYTES)
+            except LogWriteFailed:
+                if compact is not None:  # (its micro step, a line, may still fit: what the job can do)
+                    view = build_view(events, self.ctx, messages=False, estimate=before)
+                    applied = self._micro_locked(session_id, cwd, log, events, view, cached=state, event=compact)
+                    if run is not None:
+                        run.micro_step = _result(True, before, applied.state.prompt_estimate)
+                raise
         session = _Session(state.model, state.window, state.encoding)
         try:
             summary_text, reset = self._summary_text(session_id, reading, session, breaker_open=breaker_open,

@@ -1709,7 +1709,7 @@ def test_a_job_that_could_not_write_leaves_its_session_to_the_janitor(
 
 
 @pytest.mark.parametrize("flag, free_blocks, said", [
-    (0, 1, "[Errno 28] No space left on device (4096 bytes free"),
+    (0, 15, "[Errno 28] No space left on device (61440 bytes free, 65536 needed)"),
     (os.ST_RDONLY, 10**9, "[Errno 30] Read-only file system"),
 ], ids=["disk-full", "read-only"])
 def test_a_job_calls_no_llm_for_a_summary_the_disk_cannot_take(
@@ -1722,13 +1722,16 @@ def test_a_job_calls_no_llm_for_a_summary_the_disk_cannot_take(
 
     from events import log as log_module
 
-    write_session(r, wsettings, "s1", 4, tool="list_dir", window=300)  # over its LLM threshold
+    write_session(r, wsettings, "s1", 4, window=1000)  # over its LLM threshold, outputs to elide
     monkeypatch.setattr(log_module.os, "fstatvfs", lambda fd: types.SimpleNamespace(
         f_flag=flag, f_bfree=free_blocks, f_bavail=free_blocks, f_frsize=4096))
     job = _run(r, wsettings, "s1")
     assert job.get_status() == JobStatus.FAILED and said in str(job.latest_result().exc_string)  # type: ignore[union-attr]
     assert stub.requests == [] and _summaries(wsettings, "s1") == []
     assert r.get(Keys().retrigger("s1")) is not None  # (for the janitor)
+    # its micro step, one line, was written all the same (the append itself tells whether it fits)
+    assert [e["type"] for e in read_log(wsettings, "s1")].count("compact") == 1
+    assert job.meta.get(worker_jobs.MICRO_STEP_FIELD, {}).get("didCompress") is True
 
 
 def test_one_sessions_error_does_not_end_the_janitors_pass_for_the_others(
