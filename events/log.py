@@ -409,6 +409,8 @@ class SessionLog:
             return  # (the append says what is wrong, if anything)
         if fs.f_flag & os.ST_RDONLY:
             raise LogWriteFailed(f"{self.path}: cannot append: [Errno 30] Read-only file system")
+        if fs.f_blocks == 0:  # (a file system that tells no sizes: a FUSE one without statfs says 0 of 0)
+            return
         free = (fs.f_bfree if os.geteuid() == 0 else fs.f_bavail) * fs.f_frsize
         if free < need:
             raise LogWriteFailed(f"{self.path}: cannot append: [Errno 28] No space left on device "

@@ -1724,7 +1724,7 @@ def test_a_job_calls_no_llm_for_a_summary_the_disk_cannot_take(
 
     write_session(r, wsettings, "s1", 4, window=1000)  # over its LLM threshold, outputs to elide
     monkeypatch.setattr(log_module.os, "fstatvfs", lambda fd: types.SimpleNamespace(
-        f_flag=flag, f_bfree=free_blocks, f_bavail=free_blocks, f_frsize=4096))
+        f_flag=flag, f_blocks=10**9, f_bfree=free_blocks, f_bavail=free_blocks, f_frsize=4096))
     job = _run(r, wsettings, "s1")
     assert job.get_status() == JobStatus.FAILED and said in str(job.latest_result().exc_string)  # type: ignore[union-attr]
     assert stub.requests == [] and _summaries(wsettings, "s1") == []
