@@ -141,6 +141,7 @@ from worker.summarize import (
     render_event,
     render_transcript,
     says_nothing,
+    with_messages_kept,
 )
 
 logger = logging.getLogger(__name__)
@@ -684,8 +685,8 @@ class Compactor:
             # the whole targets in one call: the pass rendered them already
             transcript = "\n\n".join(reading.blocks) if chunk is targets.events else render_transcript(chunk)
             messages = build_messages(transcript, running, limit)
-            quoted = _user_messages_in(chunk)
-            running = extract_summary(self.summarizer.complete(model, messages), user_messages=quoted)
+            summary = extract_summary(self.summarizer.complete(model, messages), user_messages=_user_messages_in(chunk))
+            running = with_messages_kept(summary, running)
             size = count_tokens(running, view.encoding)
             if size > limit:
                 raise SummaryInvalid(f"the summary is {size} tokens, over the {limit} a summary may take "

@@ -534,6 +534,25 @@ def says_nothing(body: str) -> bool:
     return text in _NOTHING or all(c in "-\u2013\u2014" for c in text)
 
 
+def with_messages_kept(summary: str, previous: str | None) -> str:
+    """``summary`` (valid) with the previous summary's All User Messages when its own says nothing
+    and the previous one's says something: a request holding no user message (a tool loop's
+    chunk) answered "None." there, and the messages the previous summary carried were gone with
+    it, replaced. (Refused instead, a previous section the model had worded "No user messages
+    were sent." had every later reply refused.)"""
+    if not previous:
+        return summary
+    lines = summary.split("\n")
+    heads = validate_summary_text(summary)
+    at = SECTION_TITLES.index("All User Messages")
+    if not says_nothing(_body(lines[heads[at] + 1:heads[at + 1]])):
+        return summary
+    kept = split_sections(previous).get("All User Messages")
+    if kept is None or says_nothing(kept):
+        return summary
+    return canonical_summary("\n".join([*lines[:heads[at] + 1], kept, "", *lines[heads[at + 1]:]]))
+
+
 def canonical_summary(text: str) -> str:
     """``text`` in the form a summary is stored in (``_canonical_headings``); SummaryInvalid
     unless it has the 10 section headings in order (``validate_summary_text``)."""

@@ -116,6 +116,29 @@ def test_second_compaction_sends_only_new_turns_and_the_previous_summary_it_repl
     assert [m["content"] for m in view_summaries] == [summary_text("second")]
 
 
+def test_a_reply_saying_none_for_a_request_without_user_messages_keeps_the_previous_ones(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """Turns of tool calls alone (no user message): a reply whose All User Messages says "None."
+    replaced the previous summary, and the user's messages it carried were gone for good."""
+    def tool_loop(*turns: int) -> None:  # turns of the agent's calls alone
+        SessionStore(r, wsettings).apply("s1", CWD, [event for n in turns for event in turn(n, output="short output")
+                                                     if event["type"] != "user"])
+
+    write_session(r, wsettings, "s1", 2, output="short output")
+    tool_loop(3, 4)
+    _run(r, wsettings, "s1", forced=True)
+    [first] = _summaries(wsettings, "s1")
+    assert "stub: all user messages" in first["summaryText"] and first["lastSummarizedTurnId"] >= 2
+    tool_loop(5, 6)
+    stub.reply = "<summary>\n" + summary_text("second").replace("second: all user messages", "None.") + "\n</summary>"
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.return_value()["didCompress"] is True
+    second = _summaries(wsettings, "s1")[-1]
+    assert first["uuid"] in second["replaces"]
+    assert split_sections(second["summaryText"])["All User Messages"] == "stub: all user messages"
+
+
 def test_a_producers_summary_left_beside_the_last_one_is_folded_in_and_replaced_with_it(
     r: redis.Redis, wsettings: Settings, stub: LLMStub
 ) -> None:
