@@ -1133,6 +1133,9 @@ def test_a_new_sessions_batch_with_another_cwd_than_its_first_waiting_one_is_400
     assert response.status_code == 400, response.text
     assert error_of(response)["message"] == "cwd: session fresh is bound to cwd '/qa', not '/qb'"
     assert client.post(path, json={"cwd": "/qa", "events": turn(2)}).status_code == 202
+    # a first batch the watcher dead-lettered whole (applied: none waits) binds nothing
+    r.delete(Keys().stream_for("fresh"))  # (as if read and acked, dead-lettered)
+    assert client.post(path, json={"cwd": "/qb", "events": turn(1)}).status_code == 202
     # an entry the watcher will dead-letter binds nothing: a producer's raw XADD of junk
     r.xadd(Keys().stream_for("junk"), {"session": "junk", "cwd": "/typo", "event": "{not json"})
     assert client.post("/api/sessions/junk/events", json={"cwd": "/qb", "events": turn(1)}).status_code == 202
