@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -494,8 +495,8 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
         summary, sections = _canonical(text)
     except SummaryInvalid as invalid:
         # the block's body in one ```markdown fence (models do that), or a fence a quote left open
-        for candidate in (_unfenced(text), _fences_closed(text)):
-            if candidate is not None:
+        for make in (_unfenced, _fences_closed, functools.partial(_fences_closed, at_any_heading=True)):
+            if (candidate := make(text)) is not None:
                 try:
                     summary, sections = _canonical(candidate)
                 except SummaryInvalid:
@@ -566,17 +567,19 @@ def _canonical(text: str) -> tuple[str, list[int]]:
     return _canonical_headings(text, sections, headings), sections
 
 
-def _fences_closed(text: str) -> str | None:
+def _fences_closed(text: str, *, at_any_heading: bool = False) -> str | None:
     """``text`` with each fence never closed closed again right before the first section heading
     after it (a line at column 0 that ``_heading_title`` reads), else None when there is none.
     A model quoting a user's message that opened a fence and never closed it (a paste cut short)
     hid every section after the quote: the reply was refused at each retry, the breaker opened.
     The transcript's own heading lines reach the model escaped (``data_text``), so such a line is
-    the model's section, not a quote."""
+    the model's section, not a quote. ``at_any_heading``: a fence open at such a heading is closed
+    there even when a later line would close it (the closing line of a code block in a later
+    section, read as this fence's, had the reply refused all the same)."""
     lines = text.split("\n")
-    if not _inside_fences(lines)[1]:  # (every fence closed: nothing to do)
+    if not at_any_heading and not _inside_fences(lines)[1]:  # (every fence closed: nothing to do)
         return None
-    longest = _longest_closings(lines)
+    longest = _longest_closings(lines) if not at_any_heading else None
     out: list[str] = []
     fence, changed, opened = "", False, -1
     for index, line in enumerate(lines):
@@ -585,7 +588,7 @@ def _fences_closed(text: str) -> str | None:
             if stripped == fence[0] * len(stripped) and len(stripped) >= len(fence):
                 fence = ""
             elif (line.startswith("#") and _heading_title(line) is not None
-                  and longest[fence[0]][index] < len(fence)):  # (no line after closes it)
+                  and (longest is None or longest[fence[0]][index] < len(fence))):  # (no line after closes it)
                 if opened == len(out) - 1:
                     del out[-1]  # (nothing inside: a ```markdown opening the summary, never closed)
                 else:

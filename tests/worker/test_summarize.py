@@ -259,6 +259,10 @@ def test_a_reply_quoting_a_message_whose_fence_is_never_closed_is_valid(indent: 
     assert sections["All User Messages"].startswith("- Here is the start of the script:")
     assert "print(os.getcwd())" in sections["All User Messages"]
     validate_summary_text(summary)  # (stored: read the same by every later reader)
+    # ... with a code block in a later section, whose closing line read as this fence's
+    blocked = "<summary>\n" + "\n\n".join(f"### {t}\n{bodies[t]}" for t in SECTION_TITLES).replace(
+        "### Current Work\n", "### Current Work\nEditing x.py:\n```python\nprint(1)\n```\n") + "\n</summary>"
+    assert split_sections(extract_summary(blocked))["Current Work"].endswith("```python\nprint(1)\n```\n- Current Work item")
     closed = summary_text("x").replace("### Current Work\n", "### Current Work\n```\n### Optional Next Step\n```\n")
     assert split_sections(extract_summary(f"<summary>\n{closed}\n</summary>"))["Current Work"].startswith("```")
 
