@@ -128,15 +128,25 @@ def test_the_three_processes_write_their_metrics_to_one_shared_directory(
     assert uid and f"uid={uid[1]}" in options["o"].split(",")  # writable by the image's user
 
 
+def test_the_generated_config_is_readable_by_the_images_user(compose: dict[str, Any]) -> None:
+    """Compose >= 2.34 writes an inline config's file root:root 0440 unless told a mode (compose
+    issues 12656, 12794): every compactor process, the image's uid 1000, exited 2 reading it, for
+    good under ``restart: unless-stopped``."""
+    [entry] = compose["x-compactor"]["configs"]
+    assert entry["target"] == compose["x-compactor"]["environment"]["CODINGCODE_CONFIG"]
+    assert entry.get("mode") is not None and entry["mode"] & 0o004, entry  # readable by others, uid 1000 too
+
+
 def test_the_generated_config_is_valid(compose: dict[str, Any], tmp_path: Path) -> None:
     from events.config import load_settings
 
     content = compose["configs"]["codingcode"]["content"]
     rendered = content.replace("${COMPACTION_MODEL:-}", "extractive").replace(
-        "${COMPACTION_FALLBACK_MODEL:-}", "")
+        "${COMPACTION_FALLBACK_MODEL-extractive}", "extractive")
     path = tmp_path / "codingcode.yaml"
     path.write_text(rendered)
-    assert load_settings(path, environ={}).context.compaction_model == "extractive"
+    settings = load_settings(path, environ={})
+    assert settings.context.compaction_model == "extractive" and settings.context.fallback_model == "extractive"
 
 
 def test_dockerfile_installs_the_console_script_and_runs_serve() -> None:
