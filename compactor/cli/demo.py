@@ -72,7 +72,12 @@ def demo(
     options = DemoOptions(sessions=sessions, turns=turns, context_window=window,
                           workers=workers, data_dir=data_dir)
     with interrupted_by_signals(), tempfile.TemporaryFile() as child_output, user_errors():
-        result = _run(settings, options, json_out, child_output)
+        try:
+            result = _run(settings, options, json_out, child_output)
+        except KeyboardInterrupt:  # (it exited 130 saying nothing, when not on a terminal)
+            err_console.print("compactor demo: interrupted; its processes are stopped and its temporary "
+                              "files removed", markup=False)
+            raise
     if json_out:
         print_json(result)
     else:
@@ -92,6 +97,9 @@ def _run(settings: Settings, options: DemoOptions, json_out: bool, child_output:
         with Live(live_view({}), console=err_console, refresh_per_second=4) as live:
             return run_demo(settings, options, output=child_output, on_tick=lambda n: live.update(live_view(n)))
     last: dict[str, Any] = {}
+    # (a pipe or a file: nothing was said until the end, 25 s to 2 minutes)
+    err_console.print(f"compactor demo: {options.sessions} simulated sessions of {options.turns} turns, "
+                      f"{options.workers} workers; the numbers when it ends (about a minute)", markup=False)
     result = run_demo(settings, options, output=child_output, on_tick=last.update)
     err_console.print(live_view(last))
     return result

@@ -112,6 +112,8 @@ def test_demo_into_one_file_ends_the_live_numbers_before_the_table(redis_url: st
                               stdout=out, stderr=subprocess.STDOUT, timeout=110)
     text = (tmp_path / "out").read_text()
     assert done.returncode == 0, text[-3000:]
+    # said at its start (nothing was until the end, up to two minutes on a first run)
+    assert text.startswith("compactor demo: 2 simulated sessions of 3 turns, "), text[:300]
     released = re.search(r"^failed jobs +\d+ +tokens released +(\d+) *$", text, re.M)
     assert released, text  # the live numbers' last line, ended
     assert re.search(rf"^ *2 sessions, \d+ events in .*; {released[1]} tokens released *$",
