@@ -543,6 +543,11 @@ def with_messages_kept(summary: str, previous: str | None) -> str:
     were sent." had every later reply refused.)"""
     if not previous:
         return summary
+    # (a stored summary's section headings are its only lines that read ``### Title``: see
+    # ``_canonical_headings``; so found, the usual summary costs two searches here)
+    start, end = summary.find("\n### All User Messages\n"), summary.find("\n### Pending Tasks\n")
+    if 0 <= start < end and not says_nothing(summary[start + len("\n### All User Messages\n"):end].strip()):
+        return summary
     lines = summary.split("\n")
     heads = validate_summary_text(summary)
     at = SECTION_TITLES.index("All User Messages")
