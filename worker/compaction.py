@@ -428,10 +428,16 @@ class Compactor:
                 log.check_room(SUMMARY_ROOM_BYTES)
             except LogWriteFailed:
                 if compact is not None:  # (its micro step, a line, may still fit: what the job can do)
-                    view = build_view(events, self.ctx, messages=False, estimate=before)
-                    applied = self._micro_locked(session_id, cwd, log, events, view, cached=state, event=compact)
-                    if run is not None:
-                        run.micro_step = _result(True, before, applied.state.prompt_estimate)
+                    try:
+                        view = build_view(events, self.ctx, messages=False, estimate=before)
+                        applied = self._micro_locked(session_id, cwd, log, events, view, cached=state, event=compact)
+                        if run is not None:
+                            run.micro_step = _result(True, before, applied.state.prompt_estimate)
+                    except LogWriteFailed:
+                        pass  # (it did not fit either: the room's error is the job's)
+                    except Exception:  # (the room's error is the job's: a janitor's retry follows it)
+                        logger.exception("micro step of an llm compaction with no room failed session=%s",
+                                         session_id)
                 raise
         session = _Session(state.model, state.window, state.encoding)
         try:
@@ -686,7 +692,12 @@ class Compactor:
             transcript = "\n\n".join(reading.blocks) if chunk is targets.events else render_transcript(chunk)
             messages = build_messages(transcript, running, limit)
             summary = extract_summary(self.summarizer.complete(model, messages), user_messages=_user_messages_in(chunk))
-            running = with_messages_kept(summary, running)
+            kept = with_messages_kept(summary, running)
+            if kept is not summary and count_tokens(kept, view.encoding) > limit:  # (the service's addition is
+                logger.warning("the previous summary's user messages not put back in the summary: over the "  # no
+                               "%d-token limit with them", limit)  # failure of the LLM's)
+                kept = summary
+            running = kept
             size = count_tokens(running, view.encoding)
             if size > limit:
                 raise SummaryInvalid(f"the summary is {size} tokens, over the {limit} a summary may take "

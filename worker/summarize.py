@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import logging
@@ -543,18 +544,22 @@ def with_messages_kept(summary: str, previous: str | None) -> str:
     were sent." had every later reply refused.)"""
     if not previous:
         return summary
-    # (a stored summary's section headings are its only lines that read ``### Title``: see
-    # ``_canonical_headings``; so found, the usual summary costs two searches here)
+    # (outside fenced blocks, a stored summary's section headings are its only lines that read
+    # ``### Title``: see ``_canonical_headings``; so found, the usual summary costs two searches)
     start, end = summary.find("\n### All User Messages\n"), summary.find("\n### Pending Tasks\n")
-    if 0 <= start < end and not says_nothing(summary[start + len("\n### All User Messages\n"):end].strip()):
+    if (0 <= start < end and "```" not in summary and "~~~" not in summary
+            and not says_nothing(summary[start + len("\n### All User Messages\n"):end].strip())):
         return summary
     lines = summary.split("\n")
     heads = validate_summary_text(summary)
     at = SECTION_TITLES.index("All User Messages")
     if not says_nothing(_body(lines[heads[at] + 1:heads[at + 1]])):
         return summary
-    kept = split_sections(previous).get("All User Messages")
-    if kept is None or says_nothing(kept):
+    sections = _section_lines(previous, _headings(previous))
+    if sections is None:  # (a producer's free text, or one cut to fit the request: its sections not all
+        return summary  # there, another section's lines, and the cut's mark, were taken for its messages)
+    kept = _bodies(previous, sections)["All User Messages"]
+    if says_nothing(kept):
         return summary
     return canonical_summary("\n".join([*lines[:heads[at] + 1], kept, "", *lines[heads[at + 1]:]]))
 
@@ -573,18 +578,29 @@ def _canonical(text: str) -> tuple[str, list[int]]:
 
 
 def _fences_closed(text: str, *, at_any_heading: bool = False) -> str | None:
-    """``text`` with each fence never closed closed again right before the first section heading
-    after it (a line at column 0 that ``_heading_title`` reads), else None when there is none.
-    A model quoting a user's message that opened a fence and never closed it (a paste cut short)
-    hid every section after the quote: the reply was refused at each retry, the breaker opened.
-    The transcript's own heading lines reach the model escaped (``data_text``), so such a line is
-    the model's section, not a quote. ``at_any_heading``: a fence open at such a heading is closed
-    there even when a later line would close it (the closing line of a code block in a later
-    section, read as this fence's, had the reply refused all the same)."""
+    """``text`` with each fence that a section heading finds open (a line at column 0 that
+    ``_heading_title`` reads) closed right before it, when no later line closes that fence but
+    one that ends another block (one opened with an info string, ```` ```python ````, after the
+    heading): else None when none is. A model quoting a user's message that opened a fence and
+    never closed it (a paste cut short) hid every section after the quote, up to the end or to
+    the closing line of a later section's code block: the reply was refused at each retry, the
+    breaker opened. The transcript's own heading lines reach the model escaped (``data_text``),
+    so such a heading is the model's, not a quote; a fence closed with no block opened inside it
+    is a quote (a pasted template's headings stay text). ``at_any_heading``: every fence a section
+    heading finds open is closed there (bare ```` ``` ```` lines both, the paste's closing
+    line is the later block's opening one: they cannot be told apart), and the result is None
+    when a section's title then heads more than one line (a quoted template's headings taking
+    the place of the model's own, which came after)."""
     lines = text.split("\n")
-    if not at_any_heading and not _inside_fences(lines)[1]:  # (every fence closed: nothing to do)
-        return None
-    longest = _longest_closings(lines) if not at_any_heading else None
+    closers: dict[str, list[tuple[int, int]]] = {"`": [], "~": []}  # per fence character: (line, length)
+    openers: dict[str, list[int]] = {"`": [], "~": []}  # lines opening a block with an info string
+    for index, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped and stripped[0] in closers:
+            if stripped == stripped[0] * len(stripped) and len(stripped) >= 3:
+                closers[stripped[0]].append((index, len(stripped)))
+            elif (opening := _FENCE.match(line)) and line.strip() != opening.group(1):
+                openers[stripped[0]].append(index)
     out: list[str] = []
     fence, changed, opened = "", False, -1
     for index, line in enumerate(lines):
@@ -593,7 +609,7 @@ def _fences_closed(text: str, *, at_any_heading: bool = False) -> str | None:
             if stripped == fence[0] * len(stripped) and len(stripped) >= len(fence):
                 fence = ""
             elif (line.startswith("#") and _heading_title(line) is not None
-                  and (longest is None or longest[fence[0]][index] < len(fence))):  # (no line after closes it)
+                  and (at_any_heading or not _closed_later(closers[fence[0]], openers[fence[0]], index, len(fence)))):
                 if opened == len(out) - 1:
                     del out[-1]  # (nothing inside: a ```markdown opening the summary, never closed)
                 else:
@@ -602,19 +618,25 @@ def _fences_closed(text: str, *, at_any_heading: bool = False) -> str | None:
         elif opening := _FENCE.match(line):
             fence, opened = opening.group(1), len(out)
         out.append(line)
-    return "\n".join(out) if changed else None
+    if not changed:
+        return None
+    closed = "\n".join(out)
+    if at_any_heading:
+        titles = [title for _, title in _headings(closed) if title is not None]
+        if len(titles) != len(set(titles)):
+            return None
+    return closed
 
 
-def _longest_closings(lines: list[str]) -> dict[str, list[int]]:
-    """Per fence character, per line index: the longest line of that character alone from there
-    on (the longest fence a later line could close)."""
-    longest = {"`": [0] * (len(lines) + 1), "~": [0] * (len(lines) + 1)}
-    for index in range(len(lines) - 1, -1, -1):
-        stripped = lines[index].strip()
-        for char, after in longest.items():
-            mark = len(stripped) if stripped and stripped == char * len(stripped) else 0
-            after[index] = max(after[index + 1], mark)
-    return longest
+def _closed_later(closers: list[tuple[int, int]], openers: list[int], after: int, length: int) -> bool:
+    """Whether a line after line ``after`` closes a fence of ``length`` that is open there, and
+    ends no block opened after ``after`` (``closers``, ``openers``: the text's, in order)."""
+    at = bisect.bisect_right(closers, (after, sys.maxsize))
+    closing = next((line for line, size in closers[at:] if size >= length), None)
+    if closing is None:
+        return False
+    inner = bisect.bisect_right(openers, after)
+    return not (inner < len(openers) and openers[inner] < closing)
 
 
 def _unfenced(text: str) -> str | None:

@@ -139,6 +139,32 @@ def test_a_reply_saying_none_for_a_request_without_user_messages_keeps_the_previ
     assert split_sections(second["summaryText"])["All User Messages"] == "stub: all user messages"
 
 
+def test_previous_messages_that_would_take_a_summary_over_its_limit_are_not_put_back(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """Put back, they took a valid 700-token reply over the 1 000-token limit: the job failed as an
+    invalid LLM reply at each retry (the service's addition counted as the LLM's failure), and the
+    breaker opened."""
+    def tool_loop(*turns: int) -> None:
+        SessionStore(r, wsettings).apply("s1", CWD, [event for n in turns for event in turn(n, output="short output")
+                                                     if event["type"] != "user"])
+
+    long_messages = "\n".join(f'- "message {i}: ' + "please keep this in mind " * 12 + '"' for i in range(8))
+    stub.reply = "<summary>\n" + summary_text("first").replace("first: all user messages", long_messages) + "\n</summary>"
+    write_session(r, wsettings, "s1", 2, output="short output")
+    tool_loop(3, 4)
+    _run(r, wsettings, "s1", forced=True)
+    [first] = _summaries(wsettings, "s1")
+    assert 600 < count_tokens(first["summaryText"], "cl100k_base") < 1_000
+    tool_loop(5, 6)
+    stub.reply = "<summary>\n" + summary_text("second").replace("second: all user messages", "None.").replace(
+        "second: current work", "second: current work " + "detail " * 650) + "\n</summary>"
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FINISHED, job.latest_result()
+    assert r.get(Keys().failures("s1")) is None
+    assert split_sections(_summaries(wsettings, "s1")[-1]["summaryText"])["All User Messages"] == "None."
+
+
 def test_a_producers_summary_left_beside_the_last_one_is_folded_in_and_replaced_with_it(
     r: redis.Redis, wsettings: Settings, stub: LLMStub
 ) -> None:

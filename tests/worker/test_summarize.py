@@ -267,6 +267,38 @@ def test_a_reply_quoting_a_message_whose_fence_is_never_closed_is_valid(indent: 
     assert split_sections(extract_summary(f"<summary>\n{closed}\n</summary>"))["Current Work"].startswith("```")
 
 
+def test_the_previous_messages_are_put_back_only_from_a_whole_previous_summary() -> None:
+    """A code block quoting ``### All User Messages`` in an earlier section fooled the quick look
+    (the messages were dropped); a previous summary cut to fit the request (its Pending Tasks
+    heading gone) had that section's lines and the cut's mark put back as the user's messages."""
+    from worker.summarize import with_messages_kept
+
+    def summary(**bodies: str) -> str:
+        return "\n\n".join(f"### {t}\n{bodies.get(t.replace(' ', '_'), t.lower() + ' text')}" for t in SECTION_TITLES)
+
+    previous = summary(All_User_Messages='- "please fix the login bug"')
+    fenced = summary(Files_and_Code_Sections="prompt.md:\n```markdown\n### All User Messages\n- verbatim\n"
+                                             "### Pending Tasks\n```", All_User_Messages="None.")
+    kept = with_messages_kept(extract_summary(f"<summary>\n{fenced}\n</summary>"), previous)
+    assert split_sections(kept)["All User Messages"] == '- "please fix the login bug"'
+    cut = previous.replace("### Pending Tasks\n", "[… 80 lines elided …]\n")
+    none = extract_summary(f"<summary>\n{summary(All_User_Messages='None.')}\n</summary>")
+    assert with_messages_kept(none, cut) is none
+    assert with_messages_kept(none, "the producer's free text") is none
+
+
+def test_a_reply_missing_a_section_is_not_completed_from_a_fenced_template_it_quotes() -> None:
+    """Closing every fence at a heading (to read a paste cut short) took a user's template, quoted in
+    a closed fence under All User Messages, for the sections the model left out: the reply was
+    valid, its sections the template's, the model's own Pending Tasks and Current Work in the last."""
+    template = "```markdown\n### Pending Tasks\n- (fill in)\n### Current Work\n- (fill in)\n### Optional Next Step\n- (fill in)\n```"
+    bodies = {title: f"- {title} item" for title in SECTION_TITLES if title != "Optional Next Step"}
+    bodies["All User Messages"] = f'- "use this template:"\n{template}'
+    reply = "<summary>\n" + "\n\n".join(f"### {t}\n{b}" for t, b in bodies.items()) + "\n</summary>"
+    with pytest.raises(SummaryInvalid, match="lacks section headings: Optional Next Step"):
+        extract_summary(reply)
+
+
 def test_a_heading_repeated_later_or_inside_a_code_fence_is_body_text() -> None:
     lines = []
     for title in SECTION_TITLES:
