@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 import re
+import urllib.parse
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ EXTRACTIVE_MODEL = EXTRACTIVE  # (named in events.config, which refuses a misspe
 MAX_FILES = 60
 MAX_ERROR_LINES = 30
 MAX_LINE_CHARS = 300
+MAX_PASTED_ERROR_CHARS = 2_000  # a longer line of a user's message is no pasted error line (not looked at: cost)
 MAX_CURRENT_WORK_CHARS = 4_000
 MAX_DECISIONS = 15
 MAX_PENDING = 30
@@ -150,14 +152,26 @@ _SOURCE_EXTENSIONS = frozenset("py pyi ipynb js mjs cjs ts mts cts tsx jsx go rs
 
 
 def _paths(text: str) -> list[str]:
-    """The paths ``text`` names, in order (a ``file://`` URL's path too: it was dropped, or its
-    basename listed)."""
-    if "file://" in text:
-        text = _FILE_URL.sub(" ", text)
+    """The paths ``text`` names, in order (a ``file://`` URL's path too, decoded: it was dropped,
+    or its basename listed; ``file:///C:/x`` is ``C:/x``)."""
+    if "file://" not in text:
+        return _plain_paths(text)
+    found: list[str] = []
+    start = 0
+    for url in _FILE_URL.finditer(text):
+        found += _plain_paths(text[start:url.start()])
+        path = urllib.parse.unquote(url.group(1).rstrip(".,;:!?"))  # (a sentence's end is no part of it)
+        found.append(path[1:] if _DRIVE_URL_PATH.match(path) else path)
+        start = url.end()
+    return found + _plain_paths(text[start:])
+
+
+def _plain_paths(text: str) -> list[str]:
     return [path for match in _PATH.finditer(text) if not _library_or_member(path := match.group(1))]
 
 
-_FILE_URL = re.compile(r"\bfile://(?:localhost)?(?=/)")
+_FILE_URL = re.compile(r"\bfile://(?:localhost)?(/[^\s\"'<>`()\[\]{}|]+)")  # its path, up to a blank or a quote
+_DRIVE_URL_PATH = re.compile(r"/[A-Za-z]:/")
 
 
 def _library_or_member(path: str) -> bool:
@@ -198,6 +212,13 @@ _SOME_FAILED = re.compile(r"(?i)\b[1-9]\d* (?:errors?|failures?|failed)\b|\b(?:e
 # the real failures out of the section. (A constant, ``FAILED = "failed"``, ``ERROR = 40``, is none.)
 _ERROR_PRINTED = re.compile(r"^\s*(?:Traceback \(most recent call last\)|(?:[A-Za-z_][\w.]*)?(?:Error|Exception)(?::|$)"
                             r"|(?:FATAL|ERROR|CRITICAL|FAILED)\b(?!\s*=)|panic:|Segmentation fault|E {2,}\S|npm ERR!)")
+# an error a user pasted: a traceback's first line, a named exception (``KeyError: 'id'``), a panic; not
+# a line of prose starting with ERROR, FAILED or Exception: (``FAILED payments must be retried``)
+_USER_PASTED_ERROR = re.compile(r"^\s*(?:Traceback \(most recent call last\)|[A-Za-z_][\w.]*[a-z_](?:Error|Exception)"
+                                r"(?::|$)|panic:|Segmentation fault|npm ERR!)")
+# a compiler's diagnostic quoted in prose (``tsc says src/a.ts(3,5): error TS2322``; not a count, "Found 2
+# errors in the docs")
+_DIAGNOSTIC_SAID = re.compile(r"\berror\[E?\d+\]|\berror TS\d+|^\S+:\d+(?::\d+)?: error\b|^\s*\d+:\d+\s+error\s")
 _FAILURE_SAID = re.compile(r"(?i)[ \t]*+(?:error\b|failed\b|file not found|no such file|permission denied|"
                            r"access denied|cannot\b|could not\b|unable to\b)")  # (a tool saying it failed)
 _CONTENT_TOOLS = frozenset({"read_file", "search_code", "search_files", "web_search", "fetch_url", "write_file",
@@ -624,7 +645,8 @@ def _errors(previous: dict[str, str], events: Sequence[dict[str, Any]], results:
     for event in events:
         if event.get("type") == "user":  # an error the user pasted or quoted (SPEC §1: "with user feedback")
             lines.extend(f"- [user] {_clip(line.strip(), bounds.line_chars)}" for line in _str(event.get("content"))
-                         .splitlines() if _ERROR_PRINTED.match(line) or _compiler_said(line))
+                         .splitlines() if len(line) <= MAX_PASTED_ERROR_CHARS and (
+                             _USER_PASTED_ERROR.match(line) or _DIAGNOSTIC.match(line) or _DIAGNOSTIC_SAID.search(line)))
             continue
         if id(event) not in wanted:
             continue

@@ -78,9 +78,11 @@ def test_drive_paths_with_forward_slashes_and_file_urls_are_listed_as_their_path
     """``C:/Users/me/app.py`` was listed as ``/Users/me/app.py`` (another path), ``file:///srv/site/
     index.html`` dropped and ``file:///home/u/x.py`` listed as ``x.py``."""
     events = [{"type": "user", "turnId": 1, "content": "open C:/Users/me/app.py, file:///srv/site/index.html "
-                                                        "and file:///home/u/x.py; not http://example.com/a/b.html"}]
+                                                        "and file:///home/u/x.py; not http://example.com/a/b.html; "
+                                                        "file:///D:/work/main.go and file:///home/u/my%20app/m.py."}]
     listed = split_sections(extractive_summary(events, None))["Files and Code Sections"].splitlines()
-    assert listed == ["- C:/Users/me/app.py", "- /srv/site/index.html", "- /home/u/x.py"]
+    assert listed == ["- C:/Users/me/app.py", "- /srv/site/index.html", "- /home/u/x.py", "- D:/work/main.go",
+                      "- /home/u/my app/m.py"]
 
 
 def test_an_error_the_user_pasted_is_listed_with_the_tools_errors() -> None:
@@ -91,6 +93,12 @@ def test_an_error_the_user_pasted_is_listed_with_the_tools_errors() -> None:
     events = [{"type": "user", "turnId": 1, "content": pasted}, {"type": "assistant", "turnId": 1, "content": "ok"}]
     listed = split_sections(extractive_summary(events, None))["Errors and Fixes"].splitlines()
     assert listed == ["- [user] Traceback (most recent call last):", "- [user] KeyError: 'user_id'"]
+    prose = ("ERROR level logs are too noisy in prod, lower them to WARNING.\nFAILED payments must be retried.\n"
+             "Exception: the admin page may stay as it is.\nFound 2 errors in the docs: typos.\n"
+             "tsc says src/a.ts(3,5): error TS2322: Type 'x' is not assignable")
+    listed = split_sections(extractive_summary([{"type": "user", "turnId": 1, "content": prose}], None))[
+        "Errors and Fixes"].splitlines()
+    assert listed == ["- [user] tsc says src/a.ts(3,5): error TS2322: Type 'x' is not assignable"]  # (prose is none)
 
 
 def test_files_errors_and_current_work_are_extracted() -> None:
