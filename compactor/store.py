@@ -180,10 +180,15 @@ def _not_applied(events: list[dict[str, Any]], last_applied: str | None) -> list
 class SessionStore:
     """Loads, saves and advances session state next to the logs."""
 
-    def __init__(self, client: redis.Redis, settings: Settings, *, lock_wait_s: float | None = None) -> None:
+    def __init__(self, client: redis.Redis, settings: Settings, *, lock_wait_s: float | None = None,
+                 stores_rebuilt: bool = True) -> None:
         self.redis = client
         self.settings = settings
         self.lock_wait_s = lock_wait_s  # of the logs this store opens (``SessionLog.lock_wait_s``)
+        # ``up_to_date`` stores a state it rebuilt (the service's readers); False: a one-off reader whose
+        # settings may be another's (``compactor status`` run without the stack's config rewrote every
+        # listed state under its own, and the watcher rewrote them back)
+        self.stores_rebuilt = stores_rebuilt
         self.keys = Keys(settings.redis.prefix, settings.redis.shards)
         # session -> (stored size, log size) of the last "log shrank" warned of: a rebuild that fails
         # (a corrupt line) leaves the state as it was, and each retry (once a second) warned again
@@ -210,7 +215,11 @@ class SessionStore:
             return state
         session_id = state.session_id
         try:
-            return self.refresh(session_id, state.cwd, self.log(session_id, state.cwd, create=False), active=False)
+            log = self.log(session_id, state.cwd, create=False)
+            if not self.stores_rebuilt:  # (read without the lock, stored nowhere)
+                size = log.complete_size()
+                return rebuild(session_id, state.cwd, log.read() if size else [], self.settings.context, size)
+            return self.refresh(session_id, state.cwd, log, active=False)
         except (SessionNotFound, LogCorrupted, LogWriteFailed, LogLocked, InvalidInput) as e:  # (LogWriteFailed: the lock
             # opens the log to write; a log this reader may not write, one read-only one, failed the whole list)
             logger.info("state of session=%s kept as stored (derived under other settings): %s", session_id, e)

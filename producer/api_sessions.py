@@ -172,15 +172,16 @@ def session_body(client: redis.Redis, settings: Settings, state: SessionState) -
 REFILL_PAGES = 4  # ``recent_session_bodies`` looks through at most this many times ``limit`` sessions
 
 
-def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int) -> list[tuple[SessionBody, float]]:
+def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int, *,
+                          stores_rebuilt: bool = True) -> list[tuple[SessionBody, float]]:
     """The ``limit`` most recently active sessions' bodies (of their stored states, rebuilt when
     derived under other settings: ``SessionStore.load_current``, or when the log shrank under
     them: ``_as_logged``) and last activity, most recent first, in three round trips (and one per
     pending job's status, one per rebuilt state; three more when sessions without a log leave
     places to fill): four per session made ``?limit=1000`` take ~0.5 s of the API's time on each
-    refresh."""
+    refresh. ``stores_rebuilt``: as ``SessionStore``'s (False: ``compactor status``)."""
     keys = Keys(settings.redis.prefix, settings.redis.shards)
-    store = SessionStore(client, settings, lock_wait_s=READER_LOCK_WAIT_S)
+    store = SessionStore(client, settings, lock_wait_s=READER_LOCK_WAIT_S, stores_rebuilt=stores_rebuilt)
     bodies: list[tuple[SessionBody, float]] = []
     seen: set[str] = set()  # (one that became active meanwhile moved up: listed once)
     start, limit = 0, max(limit, 1)

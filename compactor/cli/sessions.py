@@ -404,7 +404,8 @@ def session_bodies(client: Any, settings: Settings, limit: int) -> list[SessionB
     """The status of the ``limit`` most recently active sessions (stored state)."""
     from producer.api_sessions import recent_session_bodies
 
-    return [body for body, _ in recent_session_bodies(client, settings, limit)]
+    # (stored nowhere: its settings may not be the stack's, a status run without -c rewrote every state)
+    return [body for body, _ in recent_session_bodies(client, settings, limit, stores_rebuilt=False)]
 
 
 def fill_bar(estimate: int, micro: int, llm: int, window: int, width: int = BAR_WIDTH) -> Text:

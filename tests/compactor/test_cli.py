@@ -1006,6 +1006,26 @@ def test_status_json_and_table(runner: CliRunner, r: redis.Redis, settings: Sett
     assert "breaker open" in table.stdout  # the caption says what "open" means
 
 
+def test_status_under_other_settings_than_the_stacks_stores_nothing(
+        runner: CliRunner, r: redis.Redis, settings: Settings, tmp_path: Path) -> None:
+    """A state derived under other context settings was rebuilt and stored by ``compactor status``
+    under its own: one run without the stack's config rewrote every listed state (and the
+    watcher rewrote them back), each rebuild holding the session's writers up on its log's lock."""
+    from compactor.store import SessionStore
+
+    write_session(r, settings, 2)
+    stored = SessionStore(r, settings).load(SID)
+    assert stored is not None
+    other = tmp_path / "other.yaml"
+    other.write_text(f"context:\n  microCompactKeepChars: {settings.context.micro_compact_keep_chars + 7}\n")
+    result = runner.invoke(app, ["status", "--json", *base_args(settings, other)])
+    assert result.exit_code == 0, result.output
+    [row] = json.loads(result.stdout)
+    assert row["sessionId"] == SID and row["currentTurnId"] == 3  # (shown, rebuilt under its own settings)
+    after = SessionStore(r, settings).load(SID)
+    assert after is not None and after.settings == stored.settings and after.log_size == stored.log_size
+
+
 def test_status_with_no_session_in_redis_says_whether_the_data_dir_holds_logs(
         runner: CliRunner, r: redis.Redis, settings: Settings, config: Path, tmp_path: Path) -> None:
     """After Redis was emptied or replaced, ``status`` said "no sessions yet" over the logs."""
