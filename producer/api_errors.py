@@ -392,6 +392,20 @@ def _encoded_separator(scope: Scope) -> JSONResponse | None:
     return error_response(400, f"{field}: holds an encoded '/' or '\\' (%2F, %5C), which no id can hold")
 
 
+# on every answer: no MIME sniffing of a JSON transcript, no Referer to another site, no framing (the
+# status page in another site's invisible frame)
+SECURITY_HEADERS = ((b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"no-referrer"),
+                    (b"x-frame-options", b"DENY"))
+
+
+def _with_security_headers(send: Send) -> Send:
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
+        await send(message)
+    return sending
+
+
 _ONCE_ONLY = (b"authorization", b"host")  # headers whose copies could be read two ways (RFC 9110: one value each)
 
 
@@ -480,6 +494,7 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = _with_security_headers(send)
         if scope["method"] == "HEAD":  # what GET answers, without the body (RFC 9110: every GET route)
             scope, send = {**scope, "method": "GET"}, _without_body(send)
         headers: dict[bytes, bytes] = {}

@@ -397,7 +397,12 @@ pages = APIRouter(include_in_schema=False, route_class=JsonBodyRoute)  # (no bod
 def index() -> FileResponse:
     """The status page (behind the token when one is set, like every route but /healthz)."""
     return FileResponse(STATIC_DIR / "index.html", media_type="text/html; charset=utf-8",
-                        headers={"Cache-Control": "no-cache"})
+                        headers={"Cache-Control": "no-cache", "Content-Security-Policy": PAGE_POLICY})
+
+
+# the page's own files only, no inline script or style, no frame around it, no form, no <base>
+PAGE_POLICY = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+               "frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
 
 
 STATUS_ROUTERS = (status_api, pages)  # in the order ``install_status_page`` includes them

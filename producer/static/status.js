@@ -16,6 +16,7 @@ function el(tag, attrs = {}, ...children) {
   for (const [k, v] of Object.entries(attrs)) {
     if (k === "class") node.className = v;
     else if (k === "text") node.textContent = v;
+    else if (k === "style") node.style.cssText = v;  // (CSSOM: the page's policy refuses style attributes)
     else node.setAttribute(k, v);
   }
   for (const child of children) node.append(child);

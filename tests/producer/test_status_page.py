@@ -503,8 +503,9 @@ def test_legend_gives_the_configured_thresholds_where_the_ticks_are(sessions: Se
     legend = " ".join(page.locator(".legend").inner_text().replace("\xa0", " ").split())
     assert "over micro (40 %)" in legend and "over LLM (85 %)" in legend, legend
     bar = page.locator(f'#sessions tr[data-session="{BUSY}"] .bar')  # a 4000-token window
-    assert bar.locator(".micro-mark").get_attribute("style") == "left:40%"
-    assert bar.locator(".llm-mark").get_attribute("style") == "left:85%"
+    # (set through the CSSOM: the page's policy refuses style attributes, and the ticks stayed at 0)
+    assert bar.locator(".micro-mark").evaluate("e => e.style.left") == "40%"
+    assert bar.locator(".llm-mark").evaluate("e => e.style.left") == "85%"
 
 
 @pytest.mark.slow
@@ -618,3 +619,16 @@ def test_page_survives_a_cut_link_credentials_in_its_url_and_a_late_overview(
     page.wait_for_selector("#session-page:not([hidden])")
     time.sleep(2.5)  # the late overview has come back
     assert page.locator("#session-page").is_visible() and page.locator("#overview-page").is_hidden()
+
+
+def test_the_page_forbids_framing_inline_code_and_sniffing(sessions: Settings, serve_api: Any) -> None:
+    """No policy, no framing rule: another site could show the page in an invisible frame, and a
+    transcript answered as JSON could be sniffed as something else."""
+    base = serve_api(sessions)
+    page = httpx.get(base + "/")
+    policy = page.headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in policy and "script-src 'self'" in policy and "unsafe-inline" not in policy
+    for response in (page, httpx.get(base + "/static/status.js"), httpx.get(base + "/api/overview"),
+                     httpx.get(base + "/api/sessions/none?cwd=/x")):
+        assert response.headers["x-content-type-options"] == "nosniff", response.url
+        assert response.headers["x-frame-options"] == "DENY" and response.headers["referrer-policy"] == "no-referrer"
