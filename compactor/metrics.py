@@ -128,6 +128,7 @@ BREAKER_OPENS = Counter(
 
 JOB_KINDS = ("micro", "llm")
 SUCCEEDED_OUTCOMES = ("compressed", "nothing_to_do")
+LLM_CALL_OUTCOMES = ("ok", "error")
 FAILED_OUTCOMES = ("llm_transient", "llm_permanent", "summary_invalid", "session_not_found", "error", "abandoned")
 
 
@@ -151,7 +152,10 @@ def init_series() -> None:
             JOBS_SUCCEEDED.labels(kind, outcome)
         for outcome in FAILED_OUTCOMES:
             JOBS_FAILED.labels(kind, outcome)
+        JOB_SECONDS.labels(kind)  # (the histograms too: a dashboard of them said "no data", not 0)
     JOBS_COALESCED.labels("forced")
+    for outcome in LLM_CALL_OUTCOMES:
+        LLM_CALL_SECONDS.labels(outcome)
 
 
 def multiprocess_dir() -> str | None:

@@ -651,7 +651,10 @@ def test_every_counter_series_of_a_fixed_label_set_is_there_at_zero_from_the_sta
                          ("compactor_jobs_enqueued_total", {"kind": "llm", "forced": "true"}),
                          ("compactor_jobs_coalesced_total", {"kind": "forced"}),
                          ("compactor_events_ingested_total", {"type": "user"}),
-                         ("compactor_tokens_released_total", {"kind": "llm"})]:
+                         ("compactor_tokens_released_total", {"kind": "llm"}),
+                         # the histograms too (a dashboard of them said "no data" until the first call)
+                         ("compactor_job_seconds_count", {"kind": "micro"}),
+                         ("compactor_llm_call_seconds_count", {"outcome": "error"})]:
         assert samples.get((name, tuple(sorted(labels.items())))) == 0, (name, labels)
 
 
