@@ -209,7 +209,7 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
         # no file: LogCorrupted naming it, a 500, not a 202 the watcher holds back)
         log = store.log(session_id, cwd)
         check_logged_cwd(session_id, cwd, log.first_of_type("session_meta"))
-        if not log.exists():  # a new session: bound by its first entry waiting in the stream, if any
+        if not log.exists():  # a new session: bound by the first batch published for it, if it still waits
             _check_waiting_cwd(client, settings, session_id, cwd)
         # ... and the log holds a retry's uuids, which the uuid index Redis lost with the state (or
         # its idle TTL) no longer does: the retry was "accepted", then dead-lettered by the watcher.

@@ -35,10 +35,10 @@ from compactor.cli.common import (
     fail,
     load,
     origin_named,
+    readable_data_dir,
     redis_url_of,
     shards_or_exit,
     setup_logging,
-    readable_data_dir,
     usable_data_dir,
     user_errors,
 )
