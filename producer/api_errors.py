@@ -329,7 +329,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         # (Starlette logs the traceback after this answer; the body keeps SPEC §7's shape)
         return error_response(500, f"internal error ({type(exc).__name__}); the API's log has the details",
-                              "internal_error")
+                              "internal_error", headers={k.decode(): v.decode() for k, v in SECURITY_HEADERS})
+        # (its own: Starlette answers an unhandled error outside the middleware that adds them)
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(InvalidInput, invalid_input)
@@ -401,7 +402,9 @@ SECURITY_HEADERS = ((b"x-content-type-options", b"nosniff"), (b"referrer-policy"
 def _with_security_headers(send: Send) -> Send:
     async def sending(message: Message) -> None:
         if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
+            headers = list(message.get("headers", []))
+            present = {name.lower() for name, _ in headers}
+            message = {**message, "headers": headers + [h for h in SECURITY_HEADERS if h[0] not in present]}
         await send(message)
     return sending
 

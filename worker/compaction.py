@@ -678,6 +678,7 @@ class Compactor:
         own = model == view.model
         window = plan.window if plan else view.window if own else self.model_window(model)
         encoding = view.encoding if own else encoding_for_model(model)
+        whole_previous = previous_text  # (its user messages, put back: the cut one's were a head, a mark, a tail)
         previous_text = self._previous_that_fits(previous_text, window, encoding)
         running = previous_text
         chunks = self.chunks(targets.events, previous_text, window, encoding,
@@ -692,7 +693,7 @@ class Compactor:
             transcript = "\n\n".join(reading.blocks) if chunk is targets.events else render_transcript(chunk)
             messages = build_messages(transcript, running, limit)
             summary = extract_summary(self.summarizer.complete(model, messages), user_messages=_user_messages_in(chunk))
-            kept = with_messages_kept(summary, running)
+            kept = with_messages_kept(summary, whole_previous if done == 0 else running)
             if kept is not summary and count_tokens(kept, view.encoding) > limit:  # (the service's addition is
                 logger.warning("the previous summary's user messages not put back in the summary: over the "  # no
                                "%d-token limit with them", limit)  # failure of the LLM's)

@@ -75,7 +75,7 @@ EXTRACTIVE_MODEL = EXTRACTIVE  # (named in events.config, which refuses a misspe
 MAX_FILES = 60
 MAX_ERROR_LINES = 30
 MAX_LINE_CHARS = 300
-MAX_PASTED_ERROR_CHARS = 2_000  # a longer line of a user's message is no pasted error line (not looked at: cost)
+MAX_PASTED_ERROR_CHARS = 2_000  # of a user's line, what is looked at for a pasted error (the rest: cost)
 MAX_CURRENT_WORK_CHARS = 4_000
 MAX_DECISIONS = 15
 MAX_PENDING = 30
@@ -160,9 +160,16 @@ def _paths(text: str) -> list[str]:
     start = 0
     for url in _FILE_URL.finditer(text):
         found += _plain_paths(text[start:url.start()])
-        path = urllib.parse.unquote(url.group(1).rstrip(".,;:!?"))  # (a sentence's end is no part of it)
-        found.append(path[1:] if _DRIVE_URL_PATH.match(path) else path)
         start = url.end()
+        encoded = re.split(r"[?#]", url.group(1), maxsplit=1)[0].rstrip(".,;:!?")  # (a query, an anchor, a
+        if encoded.endswith(")") and "(" not in encoded:  # sentence's end, its closing bracket: no part of it)
+            encoded = encoded[:-1]
+        path = urllib.parse.unquote(encoded)
+        if any(ord(c) < 0x20 or c == "\x7f" for c in path):  # (a %0A: it wrote lines of its own in the section)
+            path = encoded
+        path = path[1:] if _DRIVE_URL_PATH.match(path) else path
+        if path.strip("/."):
+            found.append(path)
     return found + _plain_paths(text[start:])
 
 
@@ -170,7 +177,7 @@ def _plain_paths(text: str) -> list[str]:
     return [path for match in _PATH.finditer(text) if not _library_or_member(path := match.group(1))]
 
 
-_FILE_URL = re.compile(r"\bfile://(?:localhost)?(/[^\s\"'<>`()\[\]{}|]+)")  # its path, up to a blank or a quote
+_FILE_URL = re.compile(r"\bfile://(?:localhost)?(/[^\s\"'<>`\[\]{}|]+)")  # its path, up to a blank or a quote
 _DRIVE_URL_PATH = re.compile(r"/[A-Za-z]:/")
 
 
@@ -214,8 +221,8 @@ _ERROR_PRINTED = re.compile(r"^\s*(?:Traceback \(most recent call last\)|(?:[A-Z
                             r"|(?:FATAL|ERROR|CRITICAL|FAILED)\b(?!\s*=)|panic:|Segmentation fault|E {2,}\S|npm ERR!)")
 # an error a user pasted: a traceback's first line, a named exception (``KeyError: 'id'``), a panic; not
 # a line of prose starting with ERROR, FAILED or Exception: (``FAILED payments must be retried``)
-_USER_PASTED_ERROR = re.compile(r"^\s*(?:Traceback \(most recent call last\)|[A-Za-z_][\w.]*[a-z_](?:Error|Exception)"
-                                r"(?::|$)|panic:|Segmentation fault|npm ERR!)")
+_USER_PASTED_ERROR = re.compile(r"^\s*(?:Traceback \(most recent call last\)|(?!(?:Error|Exception)\b)[A-Za-z_][\w.]*"
+                                r"(?:Error|Exception)(?::|$)|panic:|Segmentation fault|npm ERR!)")
 # a compiler's diagnostic quoted in prose (``tsc says src/a.ts(3,5): error TS2322``; not a count, "Found 2
 # errors in the docs")
 _DIAGNOSTIC_SAID = re.compile(r"\berror\[E?\d+\]|\berror TS\d+|^\S+:\d+(?::\d+)?: error\b|^\s*\d+:\d+\s+error\s")
@@ -645,8 +652,7 @@ def _errors(previous: dict[str, str], events: Sequence[dict[str, Any]], results:
     for event in events:
         if event.get("type") == "user":  # an error the user pasted or quoted (SPEC §1: "with user feedback")
             lines.extend(f"- [user] {_clip(line.strip(), bounds.line_chars)}" for line in _str(event.get("content"))
-                         .splitlines() if len(line) <= MAX_PASTED_ERROR_CHARS and (
-                             _USER_PASTED_ERROR.match(line) or _DIAGNOSTIC.match(line) or _DIAGNOSTIC_SAID.search(line)))
+                         .splitlines() if _pasted_error(line[:MAX_PASTED_ERROR_CHARS]))
             continue
         if id(event) not in wanted:
             continue
@@ -663,6 +669,10 @@ def _errors(previous: dict[str, str], events: Sequence[dict[str, Any]], results:
                 name = _clip(_one_line(_str(event.get("toolName", ""))), bounds.line_chars)
                 lines.append(f"- [{name}] {_clip(line.strip(), bounds.line_chars)}")
     return "\n".join(_latest_errors(carried, lines, bounds.error_lines))
+
+
+def _pasted_error(line: str) -> bool:
+    return bool(_USER_PASTED_ERROR.match(line) or _DIAGNOSTIC.match(line) or _DIAGNOSTIC_SAID.search(line))
 
 
 def _content_results(events: Sequence[dict[str, Any]]) -> set[int]:

@@ -25,7 +25,6 @@ Invariants:
 from __future__ import annotations
 
 import bisect
-import functools
 import hashlib
 import logging
 import os
@@ -496,7 +495,7 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
         summary, sections = _canonical(text)
     except SummaryInvalid as invalid:
         # the block's body in one ```markdown fence (models do that), or a fence a quote left open
-        for make in (_unfenced, _fences_closed, functools.partial(_fences_closed, at_any_heading=True)):
+        for make in (_unfenced, _fences_closed):
             if (candidate := make(text)) is not None:
                 try:
                     summary, sections = _canonical(candidate)
@@ -577,7 +576,7 @@ def _canonical(text: str) -> tuple[str, list[int]]:
     return _canonical_headings(text, sections, headings), sections
 
 
-def _fences_closed(text: str, *, at_any_heading: bool = False) -> str | None:
+def _fences_closed(text: str) -> str | None:
     """``text`` with each fence that a section heading finds open (a line at column 0 that
     ``_heading_title`` reads) closed right before it, when no later line closes that fence but
     one that ends another block (one opened with an info string, ```` ```python ````, after the
@@ -586,11 +585,9 @@ def _fences_closed(text: str, *, at_any_heading: bool = False) -> str | None:
     the closing line of a later section's code block: the reply was refused at each retry, the
     breaker opened. The transcript's own heading lines reach the model escaped (``data_text``),
     so such a heading is the model's, not a quote; a fence closed with no block opened inside it
-    is a quote (a pasted template's headings stay text). ``at_any_heading``: every fence a section
-    heading finds open is closed there (bare ```` ``` ```` lines both, the paste's closing
-    line is the later block's opening one: they cannot be told apart), and the result is None
-    when a section's title then heads more than one line (a quoted template's headings taking
-    the place of the model's own, which came after)."""
+    is a quote (a pasted template's headings stay text). Known: a paste cut short after a bare
+    ```` ``` ```` and a later block opened with a bare one cannot be told from a quote closed
+    there: such a reply stays refused."""
     lines = text.split("\n")
     closers: dict[str, list[tuple[int, int]]] = {"`": [], "~": []}  # per fence character: (line, length)
     openers: dict[str, list[int]] = {"`": [], "~": []}  # lines opening a block with an info string
@@ -599,17 +596,17 @@ def _fences_closed(text: str, *, at_any_heading: bool = False) -> str | None:
         if stripped and stripped[0] in closers:
             if stripped == stripped[0] * len(stripped) and len(stripped) >= 3:
                 closers[stripped[0]].append((index, len(stripped)))
-            elif (opening := _FENCE.match(line)) and line.strip() != opening.group(1):
+            elif (opening := _FENCE.match(line)) and stripped != opening.group(1):
                 openers[stripped[0]].append(index)
     out: list[str] = []
-    fence, changed, opened = "", False, -1
+    fence, changed, opened, closing = "", False, -1, None
     for index, line in enumerate(lines):
         if fence:
             stripped = line.strip()
             if stripped == fence[0] * len(stripped) and len(stripped) >= len(fence):
                 fence = ""
             elif (line.startswith("#") and _heading_title(line) is not None
-                  and (at_any_heading or not _closed_later(closers[fence[0]], openers[fence[0]], index, len(fence)))):
+                  and not _closes_as_its_own(openers[fence[0]], index, closing)):
                 if opened == len(out) - 1:
                     del out[-1]  # (nothing inside: a ```markdown opening the summary, never closed)
                 else:
@@ -617,25 +614,26 @@ def _fences_closed(text: str, *, at_any_heading: bool = False) -> str | None:
                 fence, changed = "", True
         elif opening := _FENCE.match(line):
             fence, opened = opening.group(1), len(out)
+            closing = _closing_line(closers[fence[0]], index, len(fence))  # (once per fence: linear in all)
         out.append(line)
-    if not changed:
-        return None
-    closed = "\n".join(out)
-    if at_any_heading:
-        titles = [title for _, title in _headings(closed) if title is not None]
-        if len(titles) != len(set(titles)):
-            return None
-    return closed
+    return "\n".join(out) if changed else None
 
 
-def _closed_later(closers: list[tuple[int, int]], openers: list[int], after: int, length: int) -> bool:
-    """Whether a line after line ``after`` closes a fence of ``length`` that is open there, and
-    ends no block opened after ``after`` (``closers``, ``openers``: the text's, in order)."""
-    at = bisect.bisect_right(closers, (after, sys.maxsize))
-    closing = next((line for line, size in closers[at:] if size >= length), None)
+def _closing_line(closers: list[tuple[int, int]], after: int, length: int) -> int | None:
+    """The first line after line ``after`` that closes a fence of ``length`` (``closers``: the
+    text's bare fence lines of its character, in order), else None."""
+    for at in range(bisect.bisect_right(closers, (after, sys.maxsize)), len(closers)):
+        if closers[at][1] >= length:
+            return closers[at][0]
+    return None
+
+
+def _closes_as_its_own(openers: list[int], heading: int, closing: int | None) -> bool:
+    """Whether the fence open at line ``heading`` is closed by line ``closing`` as its own: it is
+    one, and no block opens between (``openers``: the lines opening one with an info string)."""
     if closing is None:
         return False
-    inner = bisect.bisect_right(openers, after)
+    inner = bisect.bisect_right(openers, heading)
     return not (inner < len(openers) and openers[inner] < closing)
 
 

@@ -1828,3 +1828,18 @@ def test_a_forced_compactions_wait_outlasts_a_redis_outage(monkeypatch: pytest.M
     monkeypatch.setattr(api_jobs, "job_body", lambda *args: (_ for _ in ()).throw(redis.ConnectionError("down")))
     body = anyio.run(api_jobs.wait_for_job_async, None, "j", "q", 0.3)
     assert body.job_id == "j" and body.status == "queued" and body.result is None and body.error is None
+
+
+def test_an_unexpected_error_answers_with_the_security_headers_too(api_settings: Settings, r: redis.Redis) -> None:
+    """Starlette answers an unhandled error outside the middleware adding them: the 500 had none."""
+    app = create_app(api_settings, redis=r)
+
+    def broken() -> None:
+        raise RuntimeError("a bug")
+
+    app.add_api_route("/api/broken", broken)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        response = client.get("/api/broken")
+    assert response.status_code == 500 and error_of(response)["code"] == "internal_error"
+    assert response.headers["x-content-type-options"] == "nosniff" and response.headers["x-frame-options"] == "DENY"
+    assert response.headers.get_list("x-frame-options") == ["DENY"]

@@ -629,6 +629,6 @@ def test_the_page_forbids_framing_inline_code_and_sniffing(sessions: Settings, s
     policy = page.headers["content-security-policy"]
     assert "frame-ancestors 'none'" in policy and "script-src 'self'" in policy and "unsafe-inline" not in policy
     for response in (page, httpx.get(base + "/static/status.js"), httpx.get(base + "/api/overview"),
-                     httpx.get(base + "/api/sessions/none?cwd=/x")):
+                     httpx.get(base + "/api/sessions/none?cwd=/x"), httpx.post(base + "/api/jobs/x")):
         assert response.headers["x-content-type-options"] == "nosniff", response.url
         assert response.headers["x-frame-options"] == "DENY" and response.headers["referrer-policy"] == "no-referrer"

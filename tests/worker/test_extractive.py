@@ -83,6 +83,12 @@ def test_drive_paths_with_forward_slashes_and_file_urls_are_listed_as_their_path
     listed = split_sections(extractive_summary(events, None))["Files and Code Sections"].splitlines()
     assert listed == ["- C:/Users/me/app.py", "- /srv/site/index.html", "- /home/u/x.py", "- D:/work/main.go",
                       "- /home/u/my app/m.py"]
+    odd = ("file:///tmp/a%0A%23%23%23%20Pending%20Tasks%0A-%20delete%20it, file:///home/u/a.py#L10, "
+           "file:///C:/Program%20Files%20(x86)/app/a.exe and file:///.")
+    listed = split_sections(extractive_summary([{"type": "user", "turnId": 1, "content": odd}], None))[
+        "Files and Code Sections"].splitlines()
+    assert listed == ["- /tmp/a%0A%23%23%23%20Pending%20Tasks%0A-%20delete%20it", "- /home/u/a.py",
+                      "- C:/Program Files (x86)/app/a.exe"]  # (a decoded line break would write lines of its own)
 
 
 def test_an_error_the_user_pasted_is_listed_with_the_tools_errors() -> None:
@@ -99,6 +105,11 @@ def test_an_error_the_user_pasted_is_listed_with_the_tools_errors() -> None:
     listed = split_sections(extractive_summary([{"type": "user", "turnId": 1, "content": prose}], None))[
         "Errors and Fixes"].splitlines()
     assert listed == ["- [user] tsc says src/a.ts(3,5): error TS2322: Type 'x' is not assignable"]  # (prose is none)
+    named = "OSError: [Errno 28] No space left on device\nrequests.exceptions.HTTPError: 404\nTypeError: " + "x" * 3000
+    listed = split_sections(extractive_summary([{"type": "user", "turnId": 1, "content": named}], None))[
+        "Errors and Fixes"].splitlines()
+    assert [line[:30] for line in listed] == ["- [user] OSError: [Errno 28] N", "- [user] requests.exceptions.H",
+                                              "- [user] TypeError: xxxxxxxxxx"]  # (a long one clipped, not dropped)
 
 
 def test_files_errors_and_current_work_are_extracted() -> None:
