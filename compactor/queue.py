@@ -53,7 +53,7 @@ from rq.rate_limit import RateLimit
 from rq.utils import as_text
 
 from compactor.keys import Keys
-from compactor.redis_errors import connection_lost
+from compactor.redis_errors import connection_lost, is_refusal
 from compactor.applied import STREAM_ID_RE
 from compactor.store import bound_elsewhere, check_logged_cwd, stream_id_key
 from events.config import Settings
@@ -385,12 +385,14 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     if outcome == "claimed":
         try:
             _enqueue_forced(client, settings, session_id, job_id)
-        except NoSuchJobError:
-            raise
-        except redis.RedisError:  # its own job, saved and claimed: the janitor queues it past the grace
-            # (``queue_unqueued_claim``), and it answers the request (raised, the request was a 503, and
-            # its retry's job waited behind this one: two compactions)
+        except (redis.ConnectionError, redis.TimeoutError):  # its own job, saved and claimed: the janitor
+            # queues it past the grace (``queue_unqueued_claim``), and it answers the request (raised, the
+            # request was a 503, and its retry's job waited behind this one: two compactions)
             return job_id
+        except redis.ResponseError as e:  # (the same for Redis refusing for now; not for a bug, an ACL)
+            if is_refusal(e):
+                return job_id
+            raise
     else:
         if outcome != "waiting":  # (a job of its own that waits is counted enqueued once queued, not folded)
             from compactor import metrics  # (not at import: see _enqueued)

@@ -335,9 +335,14 @@ def _refuse_around_a_rollback(client: redis.Redis, settings: Settings, store: Se
     against what the rollback leaves (the log replayed, as the watcher will), when the state is
     settled. A batch ``[rollback 4, user 2]`` was a 202: the rollback applied, the user event
     dead-lettered (goes backwards: 2 < 4), the client told "accepted"."""
-    if not _settled(client, settings, store, state):
+    settled = _settled(client, settings, store, state)
+    if not settled and not _only_rising(client, settings, store, state):
         return
-    refused = store.refusals(state, list(wires), taken)
+    # (what waits without a rollback only raises the turn: a turn going backwards past the batch's own
+    # rollback does so whatever is applied first; not a summary or compact past the turns, which one
+    # waiting may end)
+    refused = [(event, error) for event, error in store.refusals(state, list(wires), taken)
+               if settled or error.field == "turnId"]
     if refused:
         event, error = refused[0]
         raise error.at(next(i for i, wire in enumerate(wires) if wire is event))

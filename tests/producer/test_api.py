@@ -1117,6 +1117,11 @@ def test_a_turn_going_backwards_is_400_while_what_waits_can_only_raise_the_turn(
     assert response.status_code == 400, response.text
     assert error_of(response)["message"] == "events[0].turnId: goes backwards: 2 < currentTurnId 4"
     assert r.xlen(Keys().stream_for(SID)) == len(first)
+    # ... past the batch's own rollback too ([rollback 3, user 2]: 2 < 3 whatever waits applies first)
+    rolled = [{"type": "rollback", "throughTurnId": 3, "reason": "undo"}, {"type": "user", "turnId": 2, "content": "x"}]
+    response = client.post(path, json={"cwd": CWD, "events": rolled})
+    assert response.status_code == 400, response.text
+    assert error_of(response)["message"].startswith("events[1].turnId: goes backwards: 2 < currentTurnId")
     r.delete(Keys().stream_for(SID))
     with SessionStore(r, api_settings).log(SID, CWD).path.open("ab") as log:  # a line the state has not seen
         log.write(b'{"type":"rollback","throughTurnId":1,"reason":"undo","uuid":"late-rollback"}\n')
