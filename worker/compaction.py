@@ -537,9 +537,8 @@ class Compactor:
                        reading.targets.start_after, extra={"session_id": session_id})
         if reset:
             self.failures.reset(session_id)
-        if snapshot.compact is None:
-            before = snapshot.state.prompt_estimate
-            return _result(False, before, before)
+        if snapshot.compact is None:  # (the log's estimate as it is now: lines came during the call)
+            return _result(False, 0, self.store.current(session_id, cwd, log).prompt_estimate)
         applied = self._micro_again(session_id, cwd, log)
         return _result(bool(applied.appended), applied.before, applied.state.prompt_estimate)
 

@@ -165,6 +165,26 @@ def test_previous_messages_that_would_take_a_summary_over_its_limit_are_not_put_
     assert split_sections(_summaries(wsettings, "s1")[-1]["summaryText"])["All User Messages"] == "None."
 
 
+def test_a_summary_not_appended_for_being_no_smaller_reports_the_estimate_of_the_log_as_it_is(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """An automatic job whose long reply is not appended (no smaller than what it replaces) and that
+    had no micro step answered the estimate from before its LLM call: a turn that came during the
+    call was left out (its stored state and a rebuild said more)."""
+    write_session(r, wsettings, "s1", 5, output="short", window=150)
+
+    def reply(_body: dict[str, Any]) -> str:  # a turn lands during the call
+        SessionStore(r, wsettings).apply("s1", CWD, turn(6, output="y " * 300, window=150))
+        return "<summary>\n" + summary_text("long " * 20) + "\n</summary>"
+
+    stub.reply = reply
+    result = _run(r, wsettings, "s1").return_value()
+    assert result["didCompress"] is False and _summaries(wsettings, "s1") == []
+    stored = SessionStore(r, wsettings).load("s1")
+    assert stored is not None and result["promptEstimate"] == stored.prompt_estimate
+    assert result["promptEstimate"] == rebuild("s1", CWD, read_log(wsettings, "s1"), wsettings.context, 0).prompt_estimate
+
+
 def test_a_producers_summary_left_beside_the_last_one_is_folded_in_and_replaced_with_it(
     r: redis.Redis, wsettings: Settings, stub: LLMStub
 ) -> None:
