@@ -97,10 +97,17 @@ def _run(settings: Settings, options: DemoOptions, json_out: bool, child_output:
         with Live(live_view({}), console=err_console, refresh_per_second=4) as live:
             return run_demo(settings, options, output=child_output, on_tick=lambda n: live.update(live_view(n)))
     last: dict[str, Any] = {}
-    # (a pipe or a file: nothing was said until the end, 25 s to 2 minutes)
-    err_console.print(f"compactor demo: {options.sessions} simulated sessions of {options.turns} turns, "
-                      f"{options.workers} workers; the numbers when it ends (about a minute)", markup=False)
-    result = run_demo(settings, options, output=child_output, on_tick=last.update)
+    said: list[bool] = []
+
+    def ticked(numbers: dict[str, Any]) -> None:
+        if not said:  # its first numbers: the stack is up (a pipe or a file: nothing was said until the end,
+            # 25 s to 2 minutes; said before the start, a start that failed said two lines)
+            said.append(True)
+            err_console.print(f"compactor demo: {options.sessions} simulated sessions of {options.turns} turns, "
+                              f"{options.workers} workers; the numbers when it ends (about a minute)", markup=False)
+        last.update(numbers)
+
+    result = run_demo(settings, options, output=child_output, on_tick=ticked)
     err_console.print(live_view(last))
     return result
 
