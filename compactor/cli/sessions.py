@@ -304,12 +304,14 @@ def status(
     console = _table_console()
     if bodies:
         console.print(status_table(bodies, console.width, total=total, limit=limit))
-    shown = {b.session_id for b in bodies}
+    listed = {b.session_id for b in bodies}
     now = datetime.now(UTC)
     for sid, h in sorted(held.items(), key=lambda item: item[1].since):
-        if sid not in shown:  # (its log cannot be read, or it is not among the rows: named here)
+        if sid not in listed:  # (its log cannot be read, or it is not among the rows: named here)
             since = _age(now - datetime.fromtimestamp(h.since, UTC))
-            console.print(Text(f"held back, not in the table: {sid} since {since}: {h.error}", style="red"))
+            # (escaped: the error quotes a path of an agent's cwd, whose control characters went to the terminal)
+            console.print(Text(f"held back, not in the table: {one_line(sid)} since {since}: {one_line(h.error)}",
+                               style="red"))
 
 
 LOGS_COUNTED = 10_000  # log files counted at most when Redis knows no session

@@ -1721,3 +1721,9 @@ def test_status_names_a_held_back_session_it_has_no_row_for(runner: CliRunner, r
     [line] = [line for line in result.stdout.splitlines() if "broken" in line]
     assert line.startswith("held back, not in the table: broken since 1m") and "Is a directory" in line
     assert any(row.strip().startswith(SID) for row in result.stdout.splitlines())
+    # an error quoting an agent's path with control characters reaches no terminal as they are
+    r.register_script(HOLD)(keys=[keys.held], args=["broken", 90, 150, "/w/\x1b]0;pwned\x07x: [Errno 5] EIO", "w:1",
+                                                    keys.shard_of("broken")])
+    result = runner.invoke(app, ["status", *base_args(settings, config)], env={"COLUMNS": "200"})
+    [line] = [line for line in result.stdout.splitlines() if "broken" in line]
+    assert "\x1b" not in line and "\\x1b]0;pwned\\x07" in line, line
