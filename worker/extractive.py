@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 import urllib.parse
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -162,11 +163,11 @@ def _paths(text: str) -> list[str]:
         found += _plain_paths(text[start:url.start()])
         start = url.end()
         encoded = re.split(r"[?#]", url.group(1), maxsplit=1)[0].rstrip(".,;:!?")  # (a query, an anchor, a
-        if encoded.endswith(")") and "(" not in encoded:  # sentence's end, its closing bracket: no part of it)
-            encoded = encoded[:-1]
+        while encoded.endswith(")") and encoded.count(")") > encoded.count("("):  # sentence's end, the bracket
+            encoded = encoded[:-1].rstrip(".,;:!?")  # closing a link around it: no part of it; (x86) is)
         path = urllib.parse.unquote(encoded)
-        if any(ord(c) < 0x20 or c == "\x7f" for c in path):  # (a %0A: it wrote lines of its own in the section)
-            path = encoded
+        if len(path.splitlines()) != 1 or any(unicodedata.category(c) == "Cc" for c in path):  # (a %0A, %E2%80%A8:
+            path = encoded  # it wrote lines of its own in the section, or split in two in the next summary)
         path = path[1:] if _DRIVE_URL_PATH.match(path) else path
         if path.strip("/."):
             found.append(path)

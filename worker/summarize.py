@@ -598,6 +598,9 @@ def _fences_closed(text: str) -> str | None:
                 closers[stripped[0]].append((index, len(stripped)))
             elif (opening := _FENCE.match(line)) and stripped != opening.group(1):
                 openers[stripped[0]].append(index)
+    # per fence character and length: the closing line found last (openings only move forward through
+    # the text, so each search goes on from there: linear in all)
+    found: dict[tuple[str, int], tuple[int, int | None]] = {}
     out: list[str] = []
     fence, changed, opened, closing = "", False, -1, None
     for index, line in enumerate(lines):
@@ -614,17 +617,25 @@ def _fences_closed(text: str) -> str | None:
                 fence, changed = "", True
         elif opening := _FENCE.match(line):
             fence, opened = opening.group(1), len(out)
-            closing = _closing_line(closers[fence[0]], index, len(fence))  # (once per fence: linear in all)
+            closing = _closing_line(closers[fence[0]], index, len(fence), found, fence[0])
         out.append(line)
     return "\n".join(out) if changed else None
 
 
-def _closing_line(closers: list[tuple[int, int]], after: int, length: int) -> int | None:
+def _closing_line(closers: list[tuple[int, int]], after: int, length: int,
+                  found: dict[tuple[str, int], tuple[int, int | None]], char: str) -> int | None:
     """The first line after line ``after`` that closes a fence of ``length`` (``closers``: the
-    text's bare fence lines of its character, in order), else None."""
+    text's bare fence lines of its character, in order), else None. ``found`` keeps the last
+    answer per (character, length): asked in the text's order, each closing line is looked at
+    once per length (a search per fence from its opening went over the same lines again)."""
+    if (last := found.get((char, length))) is not None:
+        if last[1] is None or last[1] > after:  # (none past an earlier line; or still the first past this one)
+            return last[1]
     for at in range(bisect.bisect_right(closers, (after, sys.maxsize)), len(closers)):
         if closers[at][1] >= length:
+            found[(char, length)] = (at, closers[at][0])
             return closers[at][0]
+    found[(char, length)] = (len(closers), None)
     return None
 
 
