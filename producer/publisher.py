@@ -95,8 +95,15 @@ class Publisher:
     def publish(self, session_id: str, cwd: str, events: EventLike | Sequence[EventLike], *,
                 idempotency_key: str | None = None) -> list[str]:
         """Validate all events, then XADD them in one transaction; return their stream ids.
-        ``idempotency_key``: see ``prepare``."""
-        return self.send(self.prepare(session_id, cwd, events, idempotency_key=idempotency_key))
+        ``idempotency_key``: see ``prepare``. A batch of more than ``limits.maxBodyBytes`` as JSON
+        is refused, as the HTTP API refuses it (ten 4 MiB events in one transaction held every
+        shard's watcher up for 18 s)."""
+        batch = self.prepare(session_id, cwd, events, idempotency_key=idempotency_key)
+        size, limit = sum(len(payload) for payload in batch.payloads), self.settings.limits.max_body_bytes
+        if size > limit:
+            raise InvalidInput("events", f"are {size} bytes as JSON, more than limits.maxBodyBytes ({limit}): "
+                                         "publish them in smaller batches (each applied in order all the same)")
+        return self.send(batch)
 
     def prepare(self, session_id: str, cwd: str, events: EventLike | Sequence[EventLike], *,
                 idempotency_key: str | None = None) -> PreparedBatch:
@@ -202,7 +209,13 @@ class Publisher:
         event: dict[str, Any] = {"type": "turn_end", "turnId": turn_id, "model": model}
         if context_window is not None:
             event["contextWindow"] = context_window
-        return self.publish(session_id, cwd, event, idempotency_key=idempotency_key)[0]
+        try:
+            return self.publish(session_id, cwd, event, idempotency_key=idempotency_key)[0]
+        except InvalidInput as e:  # (named as its argument: "events[0].turnId" named no argument of this call)
+            argument = _END_TURN_ARGUMENTS.get(e.field) if e.index == 0 else None
+            if argument is None:
+                raise
+            raise InvalidInput(argument, e.reason) from e
 
     def request_compaction(self, session_id: str, cwd: str, forced: bool = True, *,
                            after: str | None = None) -> str | None:
@@ -252,14 +265,16 @@ class Publisher:
         except TypeError as e:  # orjson: a value JSON cannot hold
             raise InvalidEvent("event", f"is not JSON-serialisable: {e}", index) from e
         limit = self.settings.limits.max_event_bytes
-        if len(payload) > limit:
+        if len(payload) > limit:  # (as JSON: its escapes counted, a text's line breaks two bytes each)
             added = not (isinstance(data, dict) and data.get("uuid"))  # (46 bytes the watcher reads too)
-            raise InvalidEvent("event", f"is {len(payload)} bytes, more than limits.maxEventBytes ({limit})"
-                               + (" with the uuid it was given" if added else ""), index)
+            by_uuid = added and len(payload) - len(f',"uuid":"{wire["uuid"]}"') <= limit
+            raise InvalidEvent("event", f"is {len(payload)} bytes as JSON, more than limits.maxEventBytes ({limit})"
+                               + (" with the uuid it was given" if by_uuid else ""), index)
         return wire, payload
 
 
 IDEMPOTENCY_KEY_MAX = 255
+_END_TURN_ARGUMENTS = {"turnId": "turn_id", "model": "model", "contextWindow": "context_window"}
 SENT_KEPT = 10_000  # uuids send_unsent remembers per session, at most (the newest)
 BOUND_TTL_S = 600  # how long a session's first published cwd is kept for the API's check (Keys.bound)
 LAST_IDS_KEPT = 10_000  # sessions whose last sent stream id a publisher remembers (the newest)

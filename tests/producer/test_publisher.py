@@ -177,6 +177,30 @@ def test_publish_rejects_an_event_over_max_event_bytes(r: redis.Redis, settings:
     with pytest.raises(InvalidEvent, match=r"\(1024\) with the uuid it was given$"):
         publisher.publish("s1", CWD, near)
     assert publisher.publish("s1", CWD, {**near, "uuid": "u2"})
+    # over by its escapes, far beyond a uuid: the uuid is not blamed
+    with pytest.raises(InvalidEvent, match=r"bytes as JSON, more than limits.maxEventBytes \(1024\)$"):
+        publisher.publish("s1", CWD, user(3, "\n" * 700))
+
+
+def test_publish_refuses_a_batch_the_api_would_refuse(r: redis.Redis, settings: Settings) -> None:
+    """No batch limit: ten 4 MiB events went in one transaction (the API refuses such a body, 413),
+    and every shard's watcher waited 18 s behind it."""
+    small = settings.model_copy(update={"limits": settings.limits.model_copy(
+        update={"max_event_bytes": 1024, "max_body_bytes": 4096})})
+    publisher = Publisher(r, small)
+    with pytest.raises(InvalidInput, match=r"^events: are \d+ bytes as JSON, more than limits.maxBodyBytes \(4096\)"):
+        publisher.publish("s1", CWD, [user(1, "x" * 900) for _ in range(6)])
+    assert entries(r, settings, "s1") == []
+    assert len(publisher.publish("s1", CWD, [user(1, "x" * 900) for _ in range(3)])) == 3
+
+
+def test_end_turn_names_its_own_arguments(r: redis.Redis, settings: Settings) -> None:
+    """It said ``events[0].turnId``: the call has no events."""
+    publisher = Publisher(r, settings)
+    with pytest.raises(InvalidInput, match=r"^turn_id: "):
+        publisher.end_turn("s1", CWD, 0, "gpt-4o")
+    with pytest.raises(InvalidInput, match=r"^context_window: "):
+        publisher.end_turn("s1", CWD, 1, "gpt-4o", context_window=0)
 
 
 def test_end_turn_publishes_a_turn_end(r: redis.Redis, settings: Settings) -> None:
