@@ -99,10 +99,12 @@ class Publisher:
         is refused, as the HTTP API refuses it (ten 4 MiB events in one transaction held every
         shard's watcher up for 18 s)."""
         batch = self.prepare(session_id, cwd, events, idempotency_key=idempotency_key)
-        size, limit = sum(len(payload) for payload in batch.payloads), self.settings.limits.max_body_bytes
-        if size > limit:
-            raise InvalidInput("events", f"are {size} bytes as JSON, more than limits.maxBodyBytes ({limit}): "
-                                         "publish them in smaller batches (each applied in order all the same)")
+        limit = self.settings.limits.max_body_bytes
+        if len(batch.payloads) > 1 and sum(len(payload) for payload in batch.payloads) > limit:
+            # (the stream's payloads, uuids and defaults in: within a few per cent of the API's body)
+            size = sum(len(payload) for payload in batch.payloads)
+            raise InvalidInput("events", f"are {size} bytes as written to the stream, more than limits.maxBodyBytes "
+                                         f"({limit}): publish them in smaller batches (each applied in order all the same)")
         return self.send(batch)
 
     def prepare(self, session_id: str, cwd: str, events: EventLike | Sequence[EventLike], *,
@@ -215,7 +217,7 @@ class Publisher:
             argument = _END_TURN_ARGUMENTS.get(e.field) if e.index == 0 else None
             if argument is None:
                 raise
-            raise InvalidInput(argument, e.reason) from e
+            raise type(e)(argument, e.reason) from e  # (the same class: InvalidEvent is caught as such)
 
     def request_compaction(self, session_id: str, cwd: str, forced: bool = True, *,
                            after: str | None = None) -> str | None:

@@ -166,8 +166,8 @@ def _paths(text: str) -> list[str]:
         while encoded.endswith(")") and encoded.count(")") > encoded.count("("):  # sentence's end, the bracket
             encoded = encoded[:-1].rstrip(".,;:!?")  # closing a link around it: no part of it; (x86) is)
         path = urllib.parse.unquote(encoded)
-        if len(path.splitlines()) != 1 or any(unicodedata.category(c) == "Cc" for c in path):  # (a %0A, %E2%80%A8:
-            path = encoded  # it wrote lines of its own in the section, or split in two in the next summary)
+        if path.splitlines() != [path] or any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in path):  # (a
+            path = encoded  # %0A, %E2%80%A8: lines of its own in the section, or cut at it in the next summary)
         path = path[1:] if _DRIVE_URL_PATH.match(path) else path
         if path.strip("/."):
             found.append(path)

@@ -188,7 +188,7 @@ def test_publish_refuses_a_batch_the_api_would_refuse(r: redis.Redis, settings: 
     small = settings.model_copy(update={"limits": settings.limits.model_copy(
         update={"max_event_bytes": 1024, "max_body_bytes": 4096})})
     publisher = Publisher(r, small)
-    with pytest.raises(InvalidInput, match=r"^events: are \d+ bytes as JSON, more than limits.maxBodyBytes \(4096\)"):
+    with pytest.raises(InvalidInput, match=r"^events: are \d+ bytes as written to the stream, more than limits.maxBodyBytes"):
         publisher.publish("s1", CWD, [user(1, "x" * 900) for _ in range(6)])
     assert entries(r, settings, "s1") == []
     assert len(publisher.publish("s1", CWD, [user(1, "x" * 900) for _ in range(3)])) == 3
@@ -197,7 +197,7 @@ def test_publish_refuses_a_batch_the_api_would_refuse(r: redis.Redis, settings: 
 def test_end_turn_names_its_own_arguments(r: redis.Redis, settings: Settings) -> None:
     """It said ``events[0].turnId``: the call has no events."""
     publisher = Publisher(r, settings)
-    with pytest.raises(InvalidInput, match=r"^turn_id: "):
+    with pytest.raises(InvalidEvent, match=r"^turn_id: "):  # (the class callers caught it as)
         publisher.end_turn("s1", CWD, 0, "gpt-4o")
     with pytest.raises(InvalidInput, match=r"^context_window: "):
         publisher.end_turn("s1", CWD, 1, "gpt-4o", context_window=0)
