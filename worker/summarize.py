@@ -457,8 +457,8 @@ def _level(line: str) -> int:
 def extract_summary(reply: str, *, user_messages: bool = False) -> str:
     """The inner text of the reply's ``<summary>`` block (outer whitespace stripped); raise
     SummaryInvalid when there is none, or when every section says nothing, or when
-    ``user_messages`` (the request quoted some: the transcript or the previous summary) and its
-    All User Messages says nothing.
+    ``user_messages`` (the request's transcript held one that says something) and its All User
+    Messages says nothing.
 
     The ``<analysis>`` block (up to its first ``</analysis>``) is skipped: the
     block runs from the first ``<summary>`` to the last ``</summary>`` after

@@ -97,7 +97,7 @@ def compact(
             from compactor.queue import enqueue_forced_compaction
             from producer.api_jobs import error_message, wait_for_job
 
-            settings = load(config, redis_url=redis_url, data_dir=data_dir)
+            settings = readable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir, config)
             with user_errors():
                 sid, cwd = validate_session_id(session), validate_cwd(cwd)
                 _require_log(settings, sid, cwd)
@@ -287,7 +287,7 @@ def status(
     from compactor.keys import Keys
 
     outside_the_stack()
-    settings = load(config, redis_url=redis_url, data_dir=data_dir)
+    settings = readable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir, config)
     client = connect(settings)
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     with user_errors():

@@ -382,7 +382,8 @@ def test_a_data_dir_that_cannot_be_used_is_one_line_and_exit_2(runner: CliRunner
         f"compactor: invalid configuration: dataDir (from --data-dir): {a_file} is not a directory"]
 
 
-@pytest.mark.parametrize("command", [["api", "--port", "0"], ["context", "s1", "--cwd", "/p"]])
+@pytest.mark.parametrize("command", [["api", "--port", "0"], ["context", "s1", "--cwd", "/p"],
+                                     ["compact", "s1", "--cwd", "/p"], ["status"]])
 def test_a_reader_on_a_data_dir_that_is_a_file_is_refused_not_told_no_session(
         runner: CliRunner, tmp_path: Path, command: list[str]) -> None:
     """``api`` started on it and answered every session 404 (``context``: "no session"), the
@@ -390,7 +391,7 @@ def test_a_reader_on_a_data_dir_that_is_a_file_is_refused_not_told_no_session(
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     result = runner.invoke(app, [*command, "--data-dir", str(a_file), "--redis-url", "redis://127.0.0.1:1"]
-                           if command[0] == "api" else [*command, "--data-dir", str(a_file)])
+                           if command[0] != "context" else [*command, "--data-dir", str(a_file)])
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines() == [
         f"compactor: invalid configuration: dataDir (from --data-dir): {a_file} is not a directory"]
