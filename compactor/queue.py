@@ -172,6 +172,8 @@ local function later(a, b)
 end
 local cur = redis.call('GET', KEYS[1])
 local t = redis.call('GET', KEYS[2])
+-- a request's script run again (redis-py resends it when its reply was lost): its claim landed
+if ARGV[6] ~= '1' and cur == ARGV[1] then return {'claimed', ARGV[1], ''} end
 if ARGV[6] == '1' and t ~= FORCED .. ARGV[1] then return {'gone', ARGV[1], cur or ''} end
 local waiting = is_forced(t) and string.sub(t, #FORCED + 1) or nil
 if waiting and ARGV[6] ~= '1' and redis.call('EXISTS', ARGV[3] .. waiting) == 0 then

@@ -591,12 +591,21 @@ class Compactor:
             return text, False
         return text, plan.model != EXTRACTIVE_MODEL
 
-    def _handed_on(self, session_id: str, run: JobRun | None) -> bool:
+    def check_not_handed_on(self, session_id: str, run: JobRun) -> None:
+        """Raise JobAbandoned when ``run``'s job, about to start, was declared abandoned already and
+        its session handed on (``_handed_on`` without its wait): one handed to a worker that was
+        frozen then (its clock starts at its start) ran when the worker resumed, beside the
+        session's next job, its LLM call paid for."""
+        if run.job_id and self._handed_on(session_id, run, started=True):
+            raise _abandoned(run, "it did not run")
+
+    def _handed_on(self, session_id: str, run: JobRun | None, *, started: bool = False) -> bool:
         """Whether ``run``'s job was declared abandoned while it ran (its worker paused or frozen past
         its heartbeats) and its session handed on: another job claims the session, or none does
         and RQ failed this one (the janitor's ``AbandonedJobError``: the job that replaced it is
-        done). Asked only of a job that ran long enough for that (``may_have_been_abandoned``)."""
-        if run is None or not run.may_have_been_abandoned():
+        done). Asked only of a job that ran long enough for that (``may_have_been_abandoned``),
+        or (``started``) of one starting."""
+        if run is None or not (started or run.may_have_been_abandoned()):
             return False
         claim = pending_job_id(self.store.redis, self.settings, session_id)
         if claim is not None:

@@ -92,6 +92,8 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool, started: float |
     if job is not None and isinstance(job.timeout, (int, float)) and job.timeout > 0:
         run.deadline = started + job.timeout  # (a chunked summary stops short of it: JobRun.covered)
     try:
+        if job is not None:  # (run by RQ: a job's claim is its own at its start, unless it was handed on)
+            context.compactor.check_not_handed_on(session_id, run)
         if kind == "micro":
             result = context.compactor.micro(session_id, cwd, run=run)
         else:

@@ -496,6 +496,21 @@ def test_a_key_the_provider_quotes_is_in_no_job_result_and_no_log_line(
     assert key not in logged and key[8:] not in logged
 
 
+def test_a_job_handed_on_before_it_started_does_not_run(r: redis.Redis, wsettings: Settings, stub: LLMStub) -> None:
+    """A job handed to a worker that was frozen (popped, then SIGSTOP) was declared abandoned by the
+    janitor and its session handed on; resumed, the worker ran it beside the session's next job (its
+    clock starts at its start, so the check after 10 s never came), an LLM call paid for."""
+    write_session(r, wsettings, "s1", 3)
+    job_id = enqueue_compaction(r, wsettings, "s1", CWD, "llm", forced=True)
+    assert job_id is not None
+    r.set(Keys().job("s1"), "99999999999999999999-llm-s1")  # the janitor handed the session on
+    run_burst(r, wsettings)
+    job = Job.fetch(job_id, connection=r)
+    assert job.get_status() == JobStatus.FAILED and stub.requests == [] and _summaries(wsettings, "s1") == []
+    error = (job.latest_result().exc_string or "").strip().splitlines()[-1]  # type: ignore[union-attr]
+    assert "JobAbandoned" in error and "it did not run" in error, error
+
+
 @pytest.mark.parametrize("handed_on", ["to a successor", "freed", "kept"])
 def test_a_job_declared_abandoned_while_it_ran_appends_no_summary(
     r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch, handed_on: str,

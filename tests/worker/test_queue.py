@@ -550,3 +550,19 @@ def test_a_forced_request_whose_own_enqueue_fails_is_answered_with_its_job_for_t
     monkeypatch.undo()
     assert queue_unqueued_claim(r, settings, "s1", forced, redis_now(r) + STALE_CLAIM_GRACE_S + 1)
     assert compaction_queue(r, settings).job_ids == [forced]
+
+
+def test_a_forced_request_whose_claim_script_ran_twice_is_queued_not_left_waiting_for_itself(
+    r: redis.Redis, settings: Settings,
+) -> None:
+    """redis-py resends a script whose reply was lost: run again, the request's claim (landed the
+    first time) named its own job, not stale, so it waited for itself, unqueued until the janitor
+    (30-38 s on an idle session), and the promotion then claimed it once it had ended."""
+    queue = compaction_queue(r, settings)
+    forced = queue_module.new_job_id("s1", "llm")
+    queue.create_job(**queue_module._job_spec(settings, "s1", CWD, forced, True), status=JobStatus.CREATED).save()
+    assert queue_module._force(r, settings, "s1", forced)[0] == "claimed"  # (its reply lost)
+    assert queue_module._force(r, settings, "s1", forced) == ("claimed", forced)  # resent
+    assert r.get(Keys().retrigger("s1")) is None and pending_job_id(r, settings, "s1") == forced
+    queue_module._enqueue_forced(r, settings, "s1", forced)
+    assert queue.job_ids == [forced]
