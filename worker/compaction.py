@@ -597,7 +597,9 @@ class Compactor:
         frozen then (its clock starts at its start) ran when the worker resumed, beside the
         session's next job, its LLM call paid for."""
         if run.job_id and self._handed_on(session_id, run, started=True):
-            raise _abandoned(run, "it did not run")
+            raise JobAbandoned(f"job {run.job_id} did not run: at its start its session was another job's (its "
+                               "worker frozen past its heartbeats, the janitor handed the session on; or its claim "
+                               "freed after an enqueue whose reply was lost, and taken by a later job)")
 
     def _handed_on(self, session_id: str, run: JobRun | None, *, started: bool = False) -> bool:
         """Whether ``run``'s job was declared abandoned while it ran (its worker paused or frozen past

@@ -508,7 +508,7 @@ def test_a_job_handed_on_before_it_started_does_not_run(r: redis.Redis, wsetting
     job = Job.fetch(job_id, connection=r)
     assert job.get_status() == JobStatus.FAILED and stub.requests == [] and _summaries(wsettings, "s1") == []
     error = (job.latest_result().exc_string or "").strip().splitlines()[-1]  # type: ignore[union-attr]
-    assert "JobAbandoned" in error and "it did not run" in error, error
+    assert "JobAbandoned" in error and "did not run: at its start its session was another job's" in error, error
 
 
 @pytest.mark.parametrize("handed_on", ["to a successor", "freed", "kept"])
