@@ -100,9 +100,8 @@ class Publisher:
         shard's watcher up for 18 s)."""
         batch = self.prepare(session_id, cwd, events, idempotency_key=idempotency_key)
         limit = self.settings.limits.max_body_bytes
-        if len(batch.payloads) > 1 and sum(len(payload) for payload in batch.payloads) > limit:
-            # (the stream's payloads, uuids and defaults in: within a few per cent of the API's body)
-            size = sum(len(payload) for payload in batch.payloads)
+        size = sum(len(payload) for payload in batch.payloads)  # (uuids and defaults in: within a few per cent
+        if len(batch.payloads) > 1 and size > limit:  # of the API's body)
             raise InvalidInput("events", f"are {size} bytes as written to the stream, more than limits.maxBodyBytes "
                                          f"({limit}): publish them in smaller batches (each applied in order all the same)")
         return self.send(batch)

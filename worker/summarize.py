@@ -362,12 +362,17 @@ def _inside_fences(lines: list[str]) -> tuple[list[bool], str]:
     for line in lines:
         inside.append(bool(fence))
         if fence:
-            stripped = line.strip()
-            if stripped == fence[0] * len(stripped) and len(stripped) >= len(fence):
-                fence = ""  # the closing fence: as long at least, of the same character, nothing else
+            if _closes(line, fence):
+                fence = ""
         elif opening := _FENCE.match(line):
             fence = opening.group(1)
     return inside, fence
+
+
+def _closes(line: str, fence: str) -> bool:
+    """Whether ``line`` closes ``fence``: as long at least, of the same character, nothing else."""
+    stripped = line.strip()
+    return stripped == fence[0] * len(stripped) and len(stripped) >= len(fence)
 
 
 def _first_headings(headings: list[tuple[int, str | None]]) -> list[str]:
@@ -600,13 +605,12 @@ def _fences_closed(text: str) -> str | None:
                 openers[stripped[0]].append(index)
     # per fence character and length: the closing line found last (openings only move forward through
     # the text, so each search goes on from there: linear in all)
-    found: dict[tuple[str, int], tuple[int, int | None]] = {}
+    found: dict[tuple[str, int], int | None] = {}
     out: list[str] = []
     fence, changed, opened, closing = "", False, -1, None
     for index, line in enumerate(lines):
         if fence:
-            stripped = line.strip()
-            if stripped == fence[0] * len(stripped) and len(stripped) >= len(fence):
+            if _closes(line, fence):
                 fence = ""
             elif (line.startswith("#") and _heading_title(line) is not None
                   and not _closes_as_its_own(openers[fence[0]], index, closing)):
@@ -623,20 +627,18 @@ def _fences_closed(text: str) -> str | None:
 
 
 def _closing_line(closers: list[tuple[int, int]], after: int, length: int,
-                  found: dict[tuple[str, int], tuple[int, int | None]], char: str) -> int | None:
+                  found: dict[tuple[str, int], int | None], char: str) -> int | None:
     """The first line after line ``after`` that closes a fence of ``length`` (``closers``: the
     text's bare fence lines of its character, in order), else None. ``found`` keeps the last
     answer per (character, length): asked in the text's order, each closing line is looked at
     once per length (a search per fence from its opening went over the same lines again)."""
-    if (last := found.get((char, length))) is not None:
-        if last[1] is None or last[1] > after:  # (none past an earlier line; or still the first past this one)
-            return last[1]
-    for at in range(bisect.bisect_right(closers, (after, sys.maxsize)), len(closers)):
-        if closers[at][1] >= length:
-            found[(char, length)] = (at, closers[at][0])
-            return closers[at][0]
-    found[(char, length)] = (len(closers), None)
-    return None
+    if (char, length) in found:
+        last = found[(char, length)]
+        if last is None or last > after:  # (none past an earlier line; or still the first past this one)
+            return last
+    found[(char, length)] = next((closers[at][0] for at in range(bisect.bisect_right(closers, (after, sys.maxsize)),
+                                                                  len(closers)) if closers[at][1] >= length), None)
+    return found[(char, length)]
 
 
 def _closes_as_its_own(openers: list[int], heading: int, closing: int | None) -> bool:
@@ -655,8 +657,7 @@ def _unfenced(text: str) -> str | None:
     opening = _FENCE.match(lines[0]) if len(lines) >= 3 else None
     if opening is None:
         return None
-    fence, closing = opening.group(1), lines[-1].strip()
-    if not (closing == fence[0] * len(closing) and len(closing) >= len(fence)):
+    if not _closes(lines[-1], opening.group(1)):
         return None
     return "\n".join(lines[1:-1]).strip()
 
