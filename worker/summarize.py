@@ -230,7 +230,7 @@ def data_text(text: str, *, headings: bool = True) -> str:
     ``[tool:x]``, ...) or a tool-call line (``-> tool call``): the prompt says such a line is text;
     and, unless ``headings`` is False, before each that reads as a section heading. (A previous
     summary is sent with its headings as they are: escaped, every roll showed the model a summary
-    whose 10 headings were ``\###``, and a reply that copied that shape was invalid.)"""
+    whose 10 headings were ``\\###``, and a reply that copied that shape was invalid.)"""
     text = _breaks(text)
     after = _posing_after(text) if headings else _POSING_AFTER.search(text) is not None
     if (text.startswith(("[", "-> ")) and _POSING_AT.match(text)) or after:
@@ -369,10 +369,16 @@ def _inside_fences(lines: list[str]) -> tuple[list[bool], str]:
     return inside, fence
 
 
+# A fence's closing line (CommonMark): indented 3 spaces at most, no tab, nothing after but blanks. One
+# indented further is the block's content (markdown quoted in a docstring): read as a closing line it
+# ended the block early, and the block's own closing line then opened a fence over every later section.
+_CLOSER = re.compile(r" {0,3}(`{3,}|~{3,})[ \t]*")
+
+
 def _closes(line: str, fence: str) -> bool:
     """Whether ``line`` closes ``fence``: as long at least, of the same character, nothing else."""
-    stripped = line.strip()
-    return stripped == fence[0] * len(stripped) and len(stripped) >= len(fence)
+    closing = _CLOSER.fullmatch(line)
+    return closing is not None and closing.group(1)[0] == fence[0] and len(closing.group(1)) >= len(fence)
 
 
 def _first_headings(headings: list[tuple[int, str | None]]) -> list[str]:
@@ -599,8 +605,8 @@ def _fences_closed(text: str) -> str | None:
     for index, line in enumerate(lines):
         stripped = line.strip()
         if stripped and stripped[0] in closers:
-            if stripped == stripped[0] * len(stripped) and len(stripped) >= 3:
-                closers[stripped[0]].append((index, len(stripped)))
+            if closing := _CLOSER.fullmatch(line):
+                closers[stripped[0]].append((index, len(closing.group(1))))
             elif (opening := _FENCE.match(line)) and stripped != opening.group(1):
                 openers[stripped[0]].append(index)
     # per fence character and length: the closing line found last (openings only move forward through

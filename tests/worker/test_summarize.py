@@ -326,6 +326,23 @@ def test_a_line_of_inline_code_is_no_fence(inline: str) -> None:
     assert split_sections(extract_summary(f"<summary>\n{body}\n</summary>")) == bodies
 
 
+@pytest.mark.parametrize("indent", ["    ", "\t"])
+def test_a_fence_line_indented_past_three_spaces_is_the_blocks_content(indent: str) -> None:
+    """Markdown quoted inside a code block (a docstring's ```), indented 4 spaces or a tab: read as
+    the block's closing line (CommonMark: it is content), it ended the block early. The block's own
+    closing line then opened a fence: a later section's bare ``` block closed it and every heading
+    between was code (the reply refused, a failure counted at each retry); without one, the
+    section was stored with a ``` line added, a fence open over every later section for a reader."""
+    docstring = f'Docs generator:\n```python\nDOC = """\n{indent}```\n{indent}pip install x\n{indent}```\n"""\n```'
+    bodies = {title: f"about {title.lower()}" for title in SECTION_TITLES}
+    bodies["Key Technical Concepts"] = docstring
+    body = "\n".join(f"### {title}\n{bodies[title]}" for title in SECTION_TITLES)
+    assert split_sections(extract_summary(f"<summary>\n{body}\n</summary>")) == bodies
+    bodies["Errors and Fixes"] = "Test failed:\n```\nAssertionError: 1 != 2\n```\nFixed the off-by-one."
+    body = "\n".join(f"### {title}\n{bodies[title]}" for title in SECTION_TITLES)
+    assert split_sections(extract_summary(f"<summary>\n{body}\n</summary>")) == bodies
+
+
 def test_a_long_heading_like_line_is_read_in_linear_time() -> None:
     """A producer's summary holding one 300 kB line ``## notes      ...end`` took the heading
     pattern ~880 s (quadratic: 40 k characters took 17 s): every extractive job of the session
