@@ -235,14 +235,15 @@ def _check_waiting_cwd(client: redis.Redis, settings: Settings, session_id: str,
     cwd in the last 10 minutes (``Keys.bound``, set by the publishers) of which an entry still
     waits, which the watcher will bind it to: the batch was a 202, then the watcher's dead letter.
     (Two first batches sent at once both pass; so does one after a producer's raw XADD, which
-    sets no such key.) The usual batch costs one GET."""
+    sets no such key; and so does one while the shard's backlog is past ``UNAPPLIED_SCAN``: not
+    certain, the watcher decides, as for the turns.) The usual batch costs one GET."""
     bound = client.get(Keys(settings.redis.prefix, settings.redis.shards).bound(session_id))
     if bound is None or as_text(bound) == cwd:
         return
     # ... and an entry of it still waits (a batch the watcher dead-lettered whole, a producer's first
     # mistake, bound nothing: its key alone refused the right cwd for 10 minutes)
     waiting = _waiting_entries(client, settings, session_id)
-    if waiting is None or any(as_text(fields.get(b"cwd", b"")) == as_text(bound) for fields in waiting):
+    if waiting is not None and any(as_text(fields.get(b"cwd", b"")) == as_text(bound) for fields in waiting):
         raise bound_elsewhere(session_id, as_text(bound), cwd)
 
 

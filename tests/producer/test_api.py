@@ -24,7 +24,7 @@ from events.config import Settings
 from events.errors import InvalidEvent, LogWriteFailed
 from events.log import SessionLog
 from events.checks import check_batch
-from producer.api import create_app, get_settings
+from producer.api import UNAPPLIED_SCAN, create_app, get_settings
 from compactor.llm_stub import STUB_MODEL, LLMStub
 from worker import context as worker_context
 from worker.context import WorkerContext
@@ -1141,6 +1141,15 @@ def test_a_new_sessions_batch_with_another_cwd_than_its_first_waiting_one_is_400
     # a first batch the watcher dead-lettered whole (applied: none waits) binds nothing
     r.delete(Keys().stream_for("fresh"))  # (as if read and acked, dead-lettered)
     assert client.post(path, json={"cwd": "/qb", "events": turn(1)}).status_code == 202
+    # ... and when the shard's backlog is too long to look through, the watcher decides: a 400 for the
+    # right cwd of a session none of whose entries waits depended on other sessions' traffic
+    lagging = "/api/sessions/lagging/events"
+    assert client.post(lagging, json={"cwd": "/qa", "events": turn(1)}).status_code == 202
+    stream = Keys().stream_for("lagging")
+    r.delete(stream)  # (dead-lettered whole)
+    for i in range(UNAPPLIED_SCAN):
+        r.xadd(stream, {"session": f"other-{i}", "cwd": "/x", "event": "{}"})
+    assert client.post(lagging, json={"cwd": "/qb", "events": turn(1)}).status_code == 202
     # an entry the watcher will dead-letter binds nothing: a producer's raw XADD of junk
     r.xadd(Keys().stream_for("junk"), {"session": "junk", "cwd": "/typo", "event": "{not json"})
     assert client.post("/api/sessions/junk/events", json={"cwd": "/qb", "events": turn(1)}).status_code == 202
