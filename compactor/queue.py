@@ -123,13 +123,16 @@ end
 # before it), but not a forced job's: that job still has to run. (The job hash is not among KEYS: fine on a single Redis,
 # which is what RQ needs anyway.)
 _CLAIM = _LUA_HELPERS + """
+local cur = redis.call('GET', KEYS[1])
+-- run again (redis-py resends a script whose reply was lost): its claim landed, so its job is queued
+-- now (answered 'pending', the claim waited unqueued for the janitor, past the grace)
+if cur and (cur == ARGV[1] or cur == ARGV[9]) then return {'claimed', cur, ''} end
 local kind, id = ARGV[2], ARGV[1]
 if ARGV[4] == '1' then
   local failures = tonumber(redis.call('GET', KEYS[4]) or '0') or 0
   if failures >= tonumber(ARGV[5]) then kind = ARGV[6]; id = ARGV[9] end
 end
 if kind == '' then return {'skipped', '', ''} end
-local cur = redis.call('GET', KEYS[1])
 local outcome = 'claimed'
 if cur then
   if not is_stale(cur, ARGV[7], ARGV[8]) then

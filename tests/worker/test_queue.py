@@ -378,6 +378,27 @@ def test_claim_without_a_job_is_kept_during_the_grace_period(r: redis.Redis, set
     assert enqueue_compaction(r, settings, "s1", CWD, "llm") is not None
 
 
+def test_a_trigger_whose_claim_script_ran_twice_gets_its_job_queued_not_coalesced(
+    r: redis.Redis, settings: Settings,
+) -> None:
+    """redis-py resends a script whose reply was lost: run again, the trigger's claim (landed the
+    first time) was a live claim, so the trigger was 'pending' behind its own job, which was never
+    queued: the session waited for the janitor (past the 30 s grace) for its compaction."""
+    job = new_job_id("s1", "llm")
+    assert queue_module._claim(r, settings, "s1", job, "llm") == job  # (its reply lost)
+    assert queue_module._claim(r, settings, "s1", job, "llm") == job  # resent: claimed, to be queued
+    assert r.get(Keys().retrigger("s1")) is None
+    # ... the breaker open, the job renamed to the breaker's kind: the same
+    r.set(Keys().failures("s2"), settings.context.max_failures)
+    job = new_job_id("s2", "llm")
+    renamed = queue_module._claim(r, settings, "s2", job, "llm", "micro")
+    assert renamed is not None and queue_module._kind_of(renamed) == "micro"
+    r.delete(Keys().failures("s2"))  # (a success in between: the resend's breaker check says closed)
+    assert queue_module._claim(r, settings, "s2", job, "llm", "micro") == renamed
+    # another job's live claim still coalesces
+    assert queue_module._claim(r, settings, "s2", new_job_id("s2", "llm"), "llm", "micro") is None
+
+
 @pytest.mark.parametrize("skew_s", [-60.0, 3600.0])
 def test_job_ids_are_stamped_in_redis_s_time_whatever_the_host_s_clock(
         r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch, skew_s: float) -> None:
