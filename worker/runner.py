@@ -92,6 +92,7 @@ from compactor.queue import (
 from compactor.serve import exit_with_parent, hangup_ignored
 from events.config import Settings
 from events.errors import CompactorError
+from events.models import escaped
 from events.tokens import get_encoding
 from worker import context as worker_context
 from worker.compaction import STOPPING
@@ -456,6 +457,13 @@ class CompactionWorker(SimpleWorker):
     def _wait(self, what: str, error: redis.RedisError) -> None:
         self.redis_wait.failed(what, error)
         time.sleep(self.redis_wait.next_wait())
+
+    def handle_job_failure(self, job: Job, queue: Queue, started_job_registry: Any = None, exc_string: str = "",
+                           execution: Execution | None = None) -> None:
+        """RQ's, with the job's error as valid text: a lone surrogate in it (quoted from a reply or a
+        provider's error) made RQ's store of the result raise, and the worker quit, the job left
+        ``started`` until declared abandoned (its real error lost)."""
+        super().handle_job_failure(job, queue, started_job_registry, escaped(exc_string), execution)
 
     def handle_exception(self, job: Job, *exc_info: Any) -> None:
         """RQ's handling of a failed job, but a failure the job classified and logged already

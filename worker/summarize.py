@@ -44,6 +44,7 @@ from compactor import metrics
 from compactor.llm_stub import LLMStub
 from events.errors import LLMUnavailable, SummaryInvalid
 from events.litellm_setup import load_litellm
+from events.models import escaped
 from events.tokens import arguments_json
 from events.view import tool_calls
 
@@ -999,6 +1000,7 @@ def classify_llm_error(error: BaseException, model: str) -> LLMUnavailable:
         transient = True  # unknown: assume the network, let the breaker bound the retries
     kind = "transient" if transient else "permanent"
     detail = without_secrets(str(error).strip()).splitlines()[0][:300] if str(error).strip() else name  # (masked whole)
+    detail = escaped(detail)  # (a gateway's message cut mid-pair: RQ could not store the job's error, the worker quit)
     if any(type(cause).__name__ == "JobTimeoutException" for cause in _causes(error)):  # RQ's, wrapped as a 500
         return LLMUnavailable(f"transient LLM failure (the job's worker.jobTimeoutSeconds ran out during the call, "
                               f"model {model}): {detail}", transient=True)

@@ -496,6 +496,50 @@ def test_a_key_the_provider_quotes_is_in_no_job_result_and_no_log_line(
     assert key not in logged and key[8:] not in logged
 
 
+def test_a_provider_error_quoting_a_lone_surrogate_fails_the_job_with_its_error(
+    r: redis.Redis, settings: Settings, stub: LLMStub,
+) -> None:
+    """A gateway's error message cut mid UTF-16 pair (``\\ud800``) was the job's error as it was:
+    RQ could not store the failure (``UnicodeEncodeError``) and the worker quit, the job left
+    ``started`` until declared abandoned (the LLM error lost: a forced request answered 500, not
+    502); with a fallback, the job's ``llmError`` made ``GET /api/jobs/{id}`` a 500."""
+    wsettings = make_settings(settings, llm_timeout_seconds=5.0, compaction_model="openai/stub-model")
+    write_session(r, wsettings, "s1", 3)
+    stub.script(StubResponse(status=500, text="upstream said \ud800 then stopped"))
+    job = _run(r, wsettings, "s1")  # (the worker ran to the end of its burst)
+    assert job.get_status() == JobStatus.FAILED
+    stored = str(job.latest_result().exc_string)  # type: ignore[union-attr]
+    assert "transient LLM failure" in stored and "upstream said \\ud800 then stopped" in stored, stored
+    assert r.get(Keys().failures("s1")) == b"1" and pending_job_id(r, wsettings, "s1") is None
+    fallback = make_settings(wsettings, fallback_model="extractive")
+    write_session(r, fallback, "s2", 3, output="short")
+    stub.script(StubResponse(status=500, text="upstream said \ud800 then stopped"))
+    job = _run(r, fallback, "s2", forced=True)
+    assert job.get_status() == JobStatus.FINISHED
+    error = job.return_value()["llmError"]["error"]
+    assert "upstream said \\ud800 then stopped" in error
+    error.encode("utf-8")  # (valid text: what the API answers with)
+
+
+def raise_with_a_lone_surrogate() -> None:
+    raise ValueError("a message cut mid-pair: \ud800")
+
+
+def test_any_jobs_error_with_a_lone_surrogate_is_stored_and_the_worker_goes_on(
+    r: redis.Redis, settings: Settings,
+) -> None:
+    """The worker's own net under every error's text: RQ's store of a failure raised on it, and
+    the worker quit (the job left ``started``)."""
+    job = compaction_queue(r, settings).enqueue(raise_with_a_lone_surrogate)
+    logging.disable(logging.CRITICAL)  # (RQ logs the error as raised: pytest-xdist cannot send that record)
+    try:
+        assert run_burst(r, settings)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert job.get_status() == JobStatus.FAILED
+    assert "a message cut mid-pair: \\ud800" in str(job.latest_result().exc_string)  # type: ignore[union-attr]
+
+
 def test_a_job_handed_on_before_it_started_does_not_run(r: redis.Redis, wsettings: Settings, stub: LLMStub) -> None:
     """A job handed to a worker that was frozen (popped, then SIGSTOP) was declared abandoned by the
     janitor and its session handed on; resumed, the worker ran it beside the session's next job (its
