@@ -66,12 +66,15 @@ def valid_summary_reply(body: dict[str, Any]) -> str:
 class StubResponse:
     """One scripted answer: ``text`` with ``status`` after ``delay_s`` (None text: the default reply;
     with an error status, ``text`` is the error's message);
-    with ``trickle_s``, the headers at once and the body 64 bytes at a time, ``trickle_s`` apart."""
+    with ``trickle_s``, the headers at once and the body 64 bytes at a time, ``trickle_s`` apart;
+    ``raw``: the body sent as it is, with ``content_type`` (a proxy's page, a stream, bad bytes)."""
 
     status: int = 200
     text: str | None = None
     delay_s: float = 0.0
     trickle_s: float = 0.0
+    raw: bytes | None = None
+    content_type: str = "application/json"
 
 
 @dataclass
@@ -223,17 +226,21 @@ def _handler_for(stub: LLMStub) -> type[BaseHTTPRequestHandler]:
             response = stub._record(RecordedRequest(self.path, dict(self.headers), body))
             if response.delay_s:
                 time.sleep(response.delay_s)
-            if response.status == 200:
+            if response.raw is not None:
+                self._send_bytes(response.status, response.raw, response.content_type, response.trickle_s)
+            elif response.status == 200:
                 text = stub._reply_text(response, body)
                 self._send(200, completion_body(text, str(body.get("model", "stub-model"))), response.trickle_s)
             else:
                 self._send(response.status, error_body(response.status, response.text), response.trickle_s)
 
         def _send(self, status: int, payload: dict[str, Any], trickle_s: float = 0.0) -> None:
-            data = json.dumps(payload).encode()
+            self._send_bytes(status, json.dumps(payload).encode(), "application/json", trickle_s)
+
+        def _send_bytes(self, status: int, data: bytes, content_type: str, trickle_s: float) -> None:
             try:
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(data)))
                 if not stub.keep_alive:
                     self.send_header("Connection", "close")

@@ -910,6 +910,8 @@ class LiteLLMSummarizer:
             response = call.result(self.timeout_s)
         except Exception as e:  # (RQ's JobTimeoutException too: raised in this thread, while it waits)
             metrics.LLM_CALL_SECONDS.labels("error").observe(time.monotonic() - started)
+            if _unreadable_reply(e):
+                raise SummaryInvalid(f"the reply is no chat completion (model {model}): {_detail(e)}") from None
             raise classify_llm_error(e, model) from None  # (the cause may quote a key: see without_secrets)
         metrics.LLM_CALL_SECONDS.labels("ok").observe(time.monotonic() - started)
         try:
@@ -999,12 +1001,37 @@ def classify_llm_error(error: BaseException, model: str) -> LLMUnavailable:
     else:
         transient = True  # unknown: assume the network, let the breaker bound the retries
     kind = "transient" if transient else "permanent"
-    detail = without_secrets(str(error).strip()).splitlines()[0][:300] if str(error).strip() else name  # (masked whole)
-    detail = escaped(detail)  # (a gateway's message cut mid-pair: RQ could not store the job's error, the worker quit)
+    detail = _detail(error)
     if any(type(cause).__name__ == "JobTimeoutException" for cause in _causes(error)):  # RQ's, wrapped as a 500
         return LLMUnavailable(f"transient LLM failure (the job's worker.jobTimeoutSeconds ran out during the call, "
                               f"model {model}): {detail}", transient=True)
     return LLMUnavailable(f"{kind} LLM failure ({name}, model {model}): {detail}", transient=transient)
+
+
+def _detail(error: BaseException) -> str:
+    """The first line of ``error``'s message (its type's name when it has none), keys masked and
+    surrogates written as ``\\udxxx`` (a gateway's message cut mid-pair: RQ could not store the
+    job's error, and the worker quit)."""
+    text = str(error).strip()
+    return escaped(without_secrets(text).splitlines()[0][:300] if text else type(error).__name__)  # (masked whole)
+
+
+# What litellm raises, as a 500, for an HTTP 200 whose body is no chat completion: not JSON, not
+# UTF-8, not of the shape (a proxy's HTML page, a server that only streams). No 5xx was answered:
+# reported as a transient "InternalServerError", an operator waited for a misconfiguration to pass.
+_UNREADABLE_CAUSES = frozenset({"JSONDecodeError", "UnicodeDecodeError", "ValidationError"})
+_UNREADABLE_SAID = ("Empty or invalid response from LLM endpoint", "provider returned 'choices'")
+
+
+def _unreadable_reply(error: BaseException) -> bool:
+    """Whether ``error`` is litellm's for a reply it could not read (``_UNREADABLE_CAUSES``),
+    with no HTTP status or network error among its causes."""
+    chain = _causes(error)
+    if any(type(c).__module__.partition(".")[0] in ("openai", "httpx", "httpcore") or isinstance(c, OSError)
+           for c in chain[1:]):
+        return False
+    return (any(type(c).__name__ in _UNREADABLE_CAUSES for c in chain)
+            or any(said in str(c) for c in chain for said in _UNREADABLE_SAID))
 
 
 # A key as providers word them in an error: OpenAI's and Anthropic's sk-..., Groq's gsk_...,

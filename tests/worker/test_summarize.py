@@ -412,6 +412,30 @@ def test_http_errors_are_classified_transient_or_permanent(stub: LLMStub, status
     assert len(stub.requests) == 1  # no hidden retries: failures are counted instead
 
 
+_COMPLETION = {"id": "x", "object": "chat.completion", "created": 1, "model": "stub-model"}
+
+
+@pytest.mark.parametrize("raw, content_type", [
+    (b"<html><body>Sign in to the proxy</body></html>", "text/html"),
+    (b'data: {"id": "x", "object": "chat.completion.chunk", "choices": []}\n\ndata: [DONE]\n\n', "text/event-stream"),
+    (b'{"id": "x", "choices": [', "application/json"),
+    (json.dumps({**_COMPLETION, "choices": [{"index": 0, "finish_reason": "stop", "message": {
+        "role": "assistant", "content": "caf\u00e9"}}]}).encode().replace(b"caf\\u00e9", b"caf\xe9"), "application/json"),
+    (json.dumps({**_COMPLETION, "choices": None}).encode(), "application/json"),
+], ids=["html-page", "a-stream", "torn-json", "latin-1", "choices-null"])
+def test_a_200_that_is_no_chat_completion_is_an_invalid_reply_not_a_transient_5xx(
+        stub: LLMStub, raw: bytes, content_type: str) -> None:
+    """litellm raises a 500 ``InternalServerError`` for a 200 whose body it cannot read: it was
+    counted as a transient failure (rate limit, 5xx, timeout: wait), though no 5xx came and it is
+    most often an ``api_base`` pointing at a proxy's page or a server that only streams."""
+    stub.script(StubResponse(raw=raw, content_type=content_type))
+    with pytest.raises(SummaryInvalid, match=r"^the reply is no chat completion \(model openai/stub-model\): "):
+        LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, build_messages("x", None))
+    stub.script(StubResponse(status=502, raw=b"<html>Bad Gateway</html>", content_type="text/html"))
+    with pytest.raises(LLMUnavailable, match="transient"):  # (a real 5xx, whatever its body)
+        LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, build_messages("x", None))
+
+
 def test_timeout_is_a_transient_failure(stub: LLMStub) -> None:
     stub.script(StubResponse(delay_s=3))
     with pytest.raises(LLMUnavailable) as caught:
