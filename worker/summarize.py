@@ -606,8 +606,8 @@ def _fences_closed(text: str) -> str | None:
     for index, line in enumerate(lines):
         stripped = line.strip()
         if stripped and stripped[0] in closers:
-            if closing := _CLOSER.fullmatch(line):
-                closers[stripped[0]].append((index, len(closing.group(1))))
+            if closer := _CLOSER.fullmatch(line):
+                closers[stripped[0]].append((index, len(closer.group(1))))
             elif (opening := _FENCE.match(line)) and stripped != opening.group(1):
                 openers[stripped[0]].append(index)
     # per fence character and length: the closing line found last (openings only move forward through
