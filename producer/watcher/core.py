@@ -371,6 +371,8 @@ class Watcher:
         if result.lost:
             self._lose(shard, "lease taken")
             return False
+        if result.deferred:  # (the read's budget went to other shards: read next round, as it is)
+            return False
         if result.no_group:  # Redis lost its data (a restart without persistence), the states with it:
             logger.warning("consumer group missing, recreating shard=%d", shard)
             self._sessions.clear()  # none cached is trusted; each is loaded, or rebuilt from its log

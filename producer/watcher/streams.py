@@ -50,6 +50,8 @@ NEW_ENTRIES = ">"
 PEL_START = "0-0"
 DEAD_LETTER_MAXLEN = 100_000  # approximate cap of {p}:dead
 ACK_CHUNK = 1000  # ids per XACK call inside the script (Lua's unpack limit)
+READ_CHUNK = 16  # entries per XREADGROUP inside the read script, at most
+READ_BUDGET_BYTES = 8 * 2**20  # the entries' bytes one read brings, all shards together (and one chunk past it)
 LETTERED_TTL_S = 30 * 86_400  # {p}:lettered:{n} outlives its last letter written ahead by this long
 
 
@@ -72,22 +74,47 @@ def entry_mark(fields: list[bytes]) -> str:
     return digest.hexdigest()
 
 
-# KEYS: per shard its lease and its stream; ARGV: owner, group, count, then per shard
-# its consumer and start id. Per shard: -1 not our lease; -2 no such group (NOGROUP);
-# {entries}: what was read; a string: nothing to read, the stream's top id.
+# KEYS: per shard its lease and its stream; ARGV: owner, group, count, byte budget, then per shard
+# its consumer, start id and first chunk's size. Per shard: -1 not our lease; -2 no such group (NOGROUP); -3 not read,
+# the call's budget spent on the shards before it; {entries}: what was read; a string: nothing to
+# read, the stream's top id. A shard is read in chunks of READ_CHUNK entries at most (fewer once the
+# entries are seen large, here or in the shard's last read) until ``count`` or the budget (the entries' bytes, all shards together): one read of
+# 256 entries per shard, each under maxEventBytes, was a reply of gigabytes, built inside Redis (every
+# client waited) past the watcher's socket timeout, and read again at each retry, for good.
 _READ = """
 local out = {}
+local count, budget, used = tonumber(ARGV[3]), tonumber(ARGV[4]), 0
 for i = 1, #KEYS / 2 do
   local lease, stream = KEYS[2 * i - 1], KEYS[2 * i]
   if redis.call('GET', lease) ~= ARGV[1] then
     out[i] = -1
+  elseif used >= budget then
+    out[i] = -3
   else
-    local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[2], ARGV[2 + 2 * i], 'COUNT', ARGV[3],
-                          'STREAMS', stream, ARGV[3 + 2 * i])
-    if type(r) == 'table' and r.err then
-      if string.find(r.err, 'NOGROUP', 1, true) then out[i] = -2 else return r end
-    elseif r and #r[1][2] > 0 then
-      out[i] = r[1][2]
+    local consumer, id, step = ARGV[2 + 3 * i], ARGV[3 + 3 * i], tonumber(ARGV[4 + 3 * i])
+    local got = {}
+    while #got < count and used < budget do
+      local ask = math.min(step, count - #got)
+      local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[2], consumer, 'COUNT', ask, 'STREAMS', stream, id)
+      if type(r) == 'table' and r.err then
+        if #got == 0 and string.find(r.err, 'NOGROUP', 1, true) then got = -2; break end
+        return r
+      end
+      if not r or #r[1][2] == 0 then break end
+      local entries, size = r[1][2], 0
+      for _, e in ipairs(entries) do
+        got[#got + 1] = e
+        if e[2] then for j = 1, #e[2] do size = size + #e[2][j] end end
+      end
+      used = used + size
+      if #entries < ask then break end
+      if id ~= '>' then id = entries[#entries][1] end
+      step = math.max(1, math.min(READ_CHUNK, math.floor((budget - used) * #entries / math.max(size, 1))))
+    end
+    if got == -2 then
+      out[i] = -2
+    elseif #got > 0 then
+      out[i] = got
     else
       local top = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
       if top[1] then out[i] = top[1][1] else out[i] = '0-0' end
@@ -95,7 +122,7 @@ for i = 1, #KEYS / 2 do
   end
 end
 return out
-"""
+""".replace("READ_CHUNK", str(READ_CHUNK))
 
 # KEYS: lease, stream, dead, lettered; ARGV: owner, group, dead maxlen, ahead ("1": the letters'
 # entries are not acked here: each is kept in lettered, id -> mark, until its ack), n ids, ids...,
@@ -236,6 +263,7 @@ class ReadResult:
     top: str = PEL_START
     lost: bool = False
     no_group: bool = False
+    deferred: bool = False  # not read: the read's budget went to the shards before it
 
 
 class ShardStreams:
@@ -246,6 +274,8 @@ class ShardStreams:
         self.keys = keys
         self.owner = owner
         self._read = client.register_script(_READ)
+        self._first = -1  # the shard (its place in the starts) the last read began with
+        self._entry_bytes: dict[int, float] = {}  # per shard, the mean size of the entries its last read brought
         self._ack = client.register_script(_ACK)
         self._trim = client.register_script(_TRIM)
 
@@ -273,27 +303,42 @@ class ShardStreams:
             if "BUSYGROUP" not in str(e):
                 raise
 
-    def read_many(self, starts: dict[int, str], count: int) -> dict[int, ReadResult]:
+    def read_many(self, starts: dict[int, str], count: int, budget: int | None = None) -> dict[int, ReadResult]:
         """Read up to ``count`` entries of each shard from its start id: one script call for
-        all the shards (a round with nothing new costs one call, not one per shard)."""
+        all the shards (a round with nothing new costs one call, not one per shard), up to
+        ``budget`` bytes of entries in all (``READ_BUDGET_BYTES``; and one chunk past it): the shards past it are
+        ``deferred``. Each call starts at the next shard, so a shard of large entries that
+        spends the budget does not keep the others waiting."""
         if not starts:
             return {}
         shards = list(starts)
+        self._first = (self._first + 1) % len(shards)
+        shards = shards[self._first:] + shards[:self._first]
         keys = [key for n in shards for key in (self.keys.lease(n), self.keys.stream(n))]
-        args: list[Any] = [self.owner, self.keys.group, count]
-        for n in shards:
-            args += [self.keys.consumer(n), starts[n]]
+        budget = READ_BUDGET_BYTES if budget is None else budget
+        args: list[Any] = [self.owner, self.keys.group, count, budget]
+        for n in shards:  # (a shard's first chunk: as many of its last read's entries as the budget takes)
+            size = self._entry_bytes.get(n)
+            args += [self.keys.consumer(n), starts[n],
+                     max(1, min(count, READ_CHUNK, READ_CHUNK if size is None else int(budget // size)))]
         try:
             reply = self.redis.evalsha(self._read.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts: nothing ran
             reply = self._read(keys=keys, args=args)
-        return {n: self._result(n, shard_reply) for n, shard_reply in zip(shards, reply)}
+        results = {n: self._result(n, shard_reply) for n, shard_reply in zip(shards, reply)}
+        for n, result in results.items():
+            if result.entries:
+                self._entry_bytes[n] = sum(len(item) for _, fields in result.entries
+                                           for item in fields or ()) / len(result.entries) or 1.0
+        return results
 
     def _result(self, shard: int, reply: Any) -> ReadResult:
         if reply == -2:
             return ReadResult([], no_group=True)
         if reply == -1:
             return ReadResult([], lost=True)
+        if reply == -3:
+            return ReadResult([], deferred=True)
         if isinstance(reply, (bytes, str)):
             return ReadResult([], top=as_text(reply))
         return ReadResult([(entry[0], entry[1] or None) for entry in reply])

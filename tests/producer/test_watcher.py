@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 import pytest
 import redis
+from rq.utils import as_text
 
 from compactor.keys import Keys
 from compactor.store import SessionStore
@@ -69,6 +70,63 @@ def test_two_sessions_per_shard_are_applied_in_order_exactly_once(
     assert last["uuid"] == entry_uuid(sessions[0], raw)
     assert first["timestamp"].endswith("Z")
     assert first["tokenCount"] == count_tokens(f"{sessions[0]} turn 1", "cl100k_base") + 4
+    watcher.close()
+
+
+def test_a_read_brings_a_bounded_number_of_bytes_beginning_at_the_next_shard_each_time(r: redis.Redis) -> None:
+    """One read of 256 entries per shard, each under maxEventBytes, was a reply of gigabytes built
+    inside Redis (every client waiting) past the watcher's socket timeout, and read again at each
+    retry: a backlog of large events wedged the watcher for good. A read stops once its entries
+    pass its byte budget (by one chunk at most); the shards after are read next time, first."""
+    from producer.watcher.streams import READ_CHUNK, ShardStreams
+
+    keys = Keys()
+    streams = ShardStreams(r, keys, "me")
+    size = 10_000
+    for n in (0, 1):
+        r.set(keys.lease(n), "me")
+        streams.ensure_group(n)
+        for i in range(100):
+            r.xadd(keys.stream(n), {"session": "x", "cwd": CWD, "event": f"{n}:{i}:" + "y" * size})
+
+    def read(starts: dict[int, str]) -> tuple[int, list[Any], int]:
+        results = streams.read_many(starts, 256, budget=50_000)
+        [(shard, entries)] = [(n, result.entries) for n, result in results.items() if result.entries]
+        [deferred] = [n for n, result in results.items() if result.deferred]
+        brought = sum(len(item) for _, fields in entries for item in fields)  # (flat: field, value, ...)
+        assert 50_000 <= brought <= 50_000 + READ_CHUNK * (size + 100), brought
+        return shard, entries, deferred
+
+    first, entries, other = read({0: ">", 1: ">"})
+    assert other != first
+    assert [fields[fields.index(b"event") + 1][:4] for _, fields in entries][:2] == [f"{first}:0:".encode(),
+                                                                                      f"{first}:1:".encode()]
+    again, more, _ = read({0: ">", 1: ">"})
+    assert again == other  # (the shard left out begins the next read)
+    # ... and a sweep of a PEL goes on from the last entry it brought, as far as the budget
+    sweep, swept, _ = read({first: "0-0", other: "0-0"} if again == 1 else {other: "0-0", first: "0-0"})
+    pending = [entry_id for entry_id, _ in (entries if sweep == first else more)]
+    assert swept and [entry_id for entry_id, _ in swept] == pending[:len(swept)]
+    [result] = streams.read_many({sweep: as_text(swept[-1][0])}, 256, budget=50_000).values()
+    assert [entry_id for entry_id, _ in result.entries][0] == pending[len(swept)]
+    # a shard's entries seen large, its next read starts in chunks the budget takes: past it by one entry
+    [result] = streams.read_many({first: ">"}, 256, budget=50_000).values()
+    assert 50_000 <= sum(len(item) for _, fields in result.entries for item in fields) < 50_000 + size + 100
+
+
+def test_a_backlog_of_large_events_is_applied_whole_in_bounded_reads(
+    r: redis.Redis, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reads cut short by their budget (here: one chunk per read) lose nothing and keep the order."""
+    from producer.watcher import streams
+
+    monkeypatch.setattr(streams, "READ_BUDGET_BYTES", 1)
+    settings = fast_settings(tmp_path / "data", redis_url, shards=2, batch_size=256)
+    sessions = sessions_on_shard(settings, 0, 2) + sessions_on_shard(settings, 1, 2)
+    published = publish_turns(Publisher(r, settings), sessions, turns=30)
+    watcher = Watcher(r, settings, name="w")
+    drain(watcher, r, settings)
+    assert_applied_once_in_order(settings, published)
     watcher.close()
 
 
