@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis
+from redis.exceptions import AuthenticationError, AuthorizationError
 from rq.utils import as_text
 
 from compactor.keys import Keys
@@ -68,9 +69,20 @@ def poll_pauses(timeout_s: float) -> Iterator[float]:
 
 def wait_applied(client: redis.Redis, settings: Settings, session_id: str, entry_id: str,
                  timeout_s: float) -> bool:
-    """``settled``, waiting for it up to ``timeout_s``; whether it is."""
+    """``settled``, waiting for it up to ``timeout_s``; whether it is. A look that a dropped
+    connection or a timeout cut short told nothing: the wait goes on (one dropped connection
+    failed a forced job before it compacted)."""
     for pause in poll_pauses(timeout_s):
-        if settled(client, settings, session_id, entry_id):
+        if _looked(client, settings, session_id, entry_id):
             return True
         time.sleep(pause)
-    return settled(client, settings, session_id, entry_id)
+    return _looked(client, settings, session_id, entry_id)
+
+
+def _looked(client: redis.Redis, settings: Settings, session_id: str, entry_id: str) -> bool:
+    try:
+        return settled(client, settings, session_id, entry_id)
+    except (AuthenticationError, AuthorizationError):  # (ConnectionErrors in redis-py: an operator's to fix)
+        raise
+    except (redis.ConnectionError, redis.TimeoutError):
+        return False

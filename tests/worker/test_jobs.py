@@ -32,6 +32,7 @@ from worker.compaction import JobRun
 from worker.context import WorkerContext, install
 from worker.failures import FailureCounter
 from worker import jobs as worker_jobs
+from worker import runner as worker_runner
 from worker.jobs import llm_compact, micro_compact, recheck
 from events.tokens import MESSAGE_OVERHEAD_TOKENS, count_tokens
 from worker.summarize import build_messages, extract_summary, render_transcript, split_sections, validate_summary_text
@@ -2033,6 +2034,60 @@ def test_a_compaction_requested_right_after_a_new_sessions_first_events_waits_fo
     job = Job.fetch(job_id, connection=r)
     assert job.get_status() == JobStatus.FINISHED, job.latest_result()
     assert job.return_value()["didCompress"] is True and len(stub.requests) == 1
+
+
+def test_a_connection_dropped_during_the_wait_for_the_after_entry_does_not_fail_the_forced_job(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One dropped connection while the job looked whether its ``after`` entry was applied failed
+    the forced job before it compacted (the request answered 502)."""
+    write_session(r, wsettings, "s1", 3)
+    stream, group = Keys().stream_for("s1"), Keys().group
+    r.xgroup_create(stream, group, id="0", mkstream=True)
+    applied = r.xadd(stream, {"session": "s1"}).decode()
+    r.xreadgroup(group, "c", {stream: ">"})
+    r.xack(stream, group, applied)
+    job_id = enqueue_compaction(r, wsettings, "s1", CWD, "llm", forced=True, after=applied)
+    real, dropped = redis.Redis.xinfo_groups, []
+
+    def drops_once(self: redis.Redis, name: Any) -> Any:
+        if not dropped:
+            dropped.append(name)
+            raise redis.ConnectionError("Connection closed by server.")
+        return real(self, name)
+
+    monkeypatch.setattr(redis.Redis, "xinfo_groups", drops_once)
+    run_burst(r, wsettings)
+    job = Job.fetch(job_id, connection=r)  # type: ignore[arg-type]
+    assert dropped and job.get_status() == JobStatus.FINISHED, job.latest_result()
+    assert job.return_value()["didCompress"] is True
+
+
+@pytest.mark.parametrize("where", ["after-the-commit", "before-the-commit"])
+def test_a_connection_dropped_while_a_jobs_success_is_recorded_does_not_fail_the_job(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch, where: str,
+) -> None:
+    """RQ records a job's success, then releases its rate-limit slot; a connection dropped there
+    (or before the record landed) fell into RQ's own ``except``, which recorded the job ``failed``:
+    a forced request answered 502, its summary in the log."""
+    from rq.rate_limit import RateLimitRegistry
+
+    monkeypatch.setattr(worker_runner.RedisWait, "next_wait", lambda self: 0.05)
+    write_session(r, wsettings, "s1", 3)
+    target, name = (RateLimitRegistry, "release_and_enqueue") if where == "after-the-commit" else (Job, "_handle_success")
+    real, dropped = getattr(target, name), []
+
+    def drops_once(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not dropped:
+            dropped.append(self)
+            raise redis.ConnectionError("Connection closed by server.")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(target, name, drops_once)
+    job = _run(r, wsettings, "s1", forced=True)
+    assert dropped and job.get_status() == JobStatus.FINISHED, job.latest_result()
+    assert job.return_value()["didCompress"] is True and len(_summaries(wsettings, "s1")) == 1
+    assert RateLimitRegistry.from_job(job).get_allowed_job_count() == 0  # (the session's slot freed)
 
 
 def test_in_a_small_window_the_previous_summary_keeps_half_of_what_the_frame_leaves(settings: Settings) -> None:
