@@ -602,6 +602,22 @@ redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[1])
 """
 
 
+# KEYS: retrigger, claims index; ARGV: session id, delay (s). A session whose re-check cannot use its
+# log (corrupt: its repair is an operator's): its recorded trigger looked at again past the delay.
+_DEFER = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  redis.call('ZADD', KEYS[2], 'XX', redis.call('TIME')[1] + tonumber(ARGV[2]), ARGV[1])
+end
+"""
+
+
+def defer_trigger(client: redis.Redis, settings: Settings, session_id: str, delay_s: float) -> None:
+    """Have the janitor re-check the session's recorded trigger (if any) ``delay_s`` from now, not
+    at its next pass: one whose log is corrupt was re-read and logged every 30 s, for good."""
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    client.eval(_DEFER, 2, keys.retrigger(session_id), keys.claims, session_id, int(delay_s))
+
+
 def keep_trigger(client: redis.Redis, settings: Settings, session_id: str) -> None:
     """Have the janitor re-check the session later (its re-check could not run now)."""
     client.eval(_KEEP, 3, *_session_keys(settings, session_id), session_id)
@@ -614,8 +630,9 @@ def redis_now(client: redis.Redis) -> float:
 
 
 def sessions_to_look_at(client: redis.Redis, settings: Settings, older_than_s: float,
-                        now: float | None = None) -> list[str]:
-    """Sessions whose claim or trigger has waited longer than ``older_than_s`` (oldest first).
+                        now: float | None = None, start: int = 0) -> list[str]:
+    """Sessions whose claim or trigger has waited longer than ``older_than_s`` (oldest first),
+    ``JANITOR_BATCH`` at most, from the ``start``-th.
 
     ``now``: Redis's clock (``redis_now``; asked for when not given). The claims are scored by
     it: a worker whose own clock lagged Redis's by a minute freed a dead job's claim a minute late.
@@ -623,7 +640,7 @@ def sessions_to_look_at(client: redis.Redis, settings: Settings, older_than_s: f
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     now = redis_now(client) if now is None else now
     found: list[bytes] = client.zrangebyscore(  # type: ignore[assignment]
-        keys.claims, "-inf", now - older_than_s, start=0, num=JANITOR_BATCH)
+        keys.claims, "-inf", now - older_than_s, start=start, num=JANITOR_BATCH)
     return [as_text(sid) for sid in found]
 
 

@@ -10,13 +10,20 @@ process without a context fails loudly instead of guessing a configuration.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis import Redis
 
 from events.config import Settings
 from worker.compaction import Compactor
 from worker.summarize import LiteLLMSummarizer, Summarizer
+
+
+@dataclass
+class JanitorPlace:
+    """Where in the index of stale claims this process's next janitor pass begins."""
+
+    start: int = 0
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,7 @@ class WorkerContext:
     settings: Settings
     redis: Redis  # decode_responses=False: shared with RQ
     compactor: Compactor
+    janitor: JanitorPlace = field(default_factory=JanitorPlace)
 
     @classmethod
     def build(

@@ -37,6 +37,7 @@ from compactor import metrics
 from compactor.applied import wait_applied
 from compactor.queue import (
     FORCED_TRIGGER,
+    defer_trigger,
     enqueue_compaction,
     keep_trigger,
     promote_forced,
@@ -59,6 +60,7 @@ from worker.context import WorkerContext, current
 
 logger = logging.getLogger(__name__)
 
+CORRUPT_RECHECK_S = 600.0  # a session whose log the re-check found corrupt: its trigger looked at again after this
 AFTER_WAIT_S = 10.0  # the longest a forced job waits for the watcher to apply the entry it was asked after
 
 
@@ -235,10 +237,18 @@ def finish(
         except Exception:
             logger.exception("finishing job failed session=%s job=%s", session_id, job_id)
         return None
-    except (LogCorrupted, LogWriteFailed) as e:  # (the log the job failed on: its error says it, a traceback
-        # chained twice over 50 lines said nothing more)
+    except LogWriteFailed as e:  # (the log the job failed on: its error says it, a traceback chained
+        # twice over 50 lines said nothing more; a trigger kept is re-checked at the janitor's next pass)
         logger.error("finishing job failed session=%s job=%s: the re-check cannot use the log: %s",
                      session_id, job_id, e)
+        return None
+    except LogCorrupted as e:  # (an operator's to repair: re-read and logged at every janitor pass, for good)
+        logger.error("finishing job failed session=%s job=%s: the re-check cannot use the log: %s; "
+                     "re-checked again in %.0f min", session_id, job_id, e, CORRUPT_RECHECK_S / 60)
+        try:
+            defer_trigger(context.redis, context.settings, session_id, CORRUPT_RECHECK_S)
+        except Exception:
+            logger.exception("finishing job failed session=%s job=%s", session_id, job_id)
         return None
     except Exception:
         logger.exception("finishing job failed session=%s job=%s", session_id, job_id)

@@ -87,6 +87,7 @@ from compactor.queue import (
     queue_unqueued_claim,
     redis_now,
     redis_time_s,
+    JANITOR_BATCH,
     sessions_to_look_at,
     sync_clock,
 )
@@ -111,6 +112,10 @@ JANITOR_INTERVAL_S = 5  # how often a worker process tries to run the janitor
 # thread that heartbeats the worker's own job, and a paused process holding the lock (the very one
 # whose job it recovered) held it there for good (its worker's own jobs then declared abandoned).
 JANITOR_LOCK_WAIT_S = 0.5
+# A janitor pass stops after this long, under its lock's life (JANITOR_INTERVAL_S - 0.5 s): one of
+# 200 sessions each waiting out its lock outlived the lock, and every worker ran a pass at once over
+# the same sessions, their keeper threads (their jobs' heartbeats) held up ~100 s.
+JANITOR_PASS_S = 3.0
 WORKER_TTL_S = 60  # RQ worker key TTL; the blocking dequeue returns every WORKER_TTL_S - 15 s
 RQ_MAINTENANCE_INTERVAL_S = 60  # RQ's own registry maintenance (finished/failed/... cleanup)
 RESPAWN_DELAY_S = 1.0  # before replacing a worker child that died
@@ -552,6 +557,7 @@ def run_janitor(context: WorkerContext, worker: CompactionWorker | None = None) 
     lock_key = keys.janitor
     if not client.set(lock_key, os.getpid(), nx=True, px=JANITOR_INTERVAL_S * 1000 - 500):
         return []
+    deadline = time.monotonic() + JANITOR_PASS_S  # (what is left goes to the next pass)
     queue = compaction_queue(client, settings)
     registry = StartedJobRegistry(queue=queue)
     expired = registry.get_expired_job_ids()
@@ -566,13 +572,15 @@ def run_janitor(context: WorkerContext, worker: CompactionWorker | None = None) 
         parsed = parse_job_id(job_id)
         if parsed is None:
             continue
+        if time.monotonic() >= deadline:  # (failed above: its claim is a stale one, freed by a later pass)
+            break
         metrics.JOBS_FAILED.labels(parsed[1], "abandoned").inc()
         logger.warning("abandoned job recovered session=%s job=%s", parsed[2], job_id,
                        extra={"session_id": parsed[2], "job_id": job_id, "kind": parsed[1],
                               "outcome": "abandoned"})
         finish(context, parsed[2], job_id, abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
         recovered.append(job_id)
-    recovered += _free_stale_claims(context)
+    recovered += _free_stale_claims(context, deadline)
     return recovered
 
 
@@ -610,12 +618,22 @@ def _fail_stranded(worker: SimpleWorker, queue: Queue) -> None:
     _StrandedJobs(queue.key, queue.connection).cleanup(worker, queue)
 
 
-def _free_stale_claims(context: WorkerContext) -> list[str]:
-    """Claims whose job never came or ended unnoticed, and triggers left unsettled: handle them."""
+def _free_stale_claims(context: WorkerContext, deadline: float | None = None) -> list[str]:
+    """Claims whose job never came or ended unnoticed, and triggers left unsettled: handle them,
+    up to ``deadline`` (``time.monotonic()``). Each pass goes on from where this process's last
+    one stopped, past the sessions it left as they were (a live job's claim, one that failed):
+    the 200 oldest were looked at again at each pass, and 200 live claims of a queue's backlog, or
+    failing sessions, hid every stale claim behind them (``WorkerContext.janitor``)."""
     client, settings = context.redis, context.settings
     freed = []
     now = redis_now(client)  # (the claims' clock: a worker's own may be off)
-    for session_id in sessions_to_look_at(client, settings, STALE_CLAIM_GRACE_S, now):
+    start = context.janitor.start
+    sessions = sessions_to_look_at(client, settings, STALE_CLAIM_GRACE_S, now, start=start)
+    kept, looked = 0, 0
+    for session_id in sessions:
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        looked += 1
         try:
             claim = pending_job_id(client, settings, session_id)
             if claim is not None and not claim_is_stale(client, claim, now):
@@ -624,16 +642,25 @@ def _free_stale_claims(context: WorkerContext) -> list[str]:
                                    session_id, claim, extra={"session_id": session_id, "job_id": claim,
                                                              "outcome": "unqueued_claim"})
                     freed.append(claim)
+                else:
+                    kept += 1
                 continue  # a live job still owns the session
         except (redis.ConnectionError, redis.TimeoutError):
             raise  # (Redis gone: every session's would fail; the pass ends, the next one tries again)
         except Exception:  # (one session's: the oldest first, it ended every pass before the others, for good)
             logger.exception("janitor skipped session=%s", session_id, extra={"session_id": session_id})
+            kept += 1
             continue
-        logger.warning("stale claim freed session=%s job=%s", session_id, claim,
-                       extra={"session_id": session_id, "job_id": claim, "outcome": "stale_claim"})
+        if claim is None:
+            logger.warning("unsettled trigger re-checked session=%s", session_id,
+                           extra={"session_id": session_id, "outcome": "unsettled_trigger"})
+        else:
+            logger.warning("stale claim freed session=%s job=%s", session_id, claim,
+                           extra={"session_id": session_id, "job_id": claim, "outcome": "stale_claim"})
         finish(context, session_id, claim or "", abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
         freed.append(claim or session_id)
+    # (looked at all the index had past the start: the next pass begins at its oldest again)
+    context.janitor.start = start + kept if looked < len(sessions) or len(sessions) == JANITOR_BATCH else 0
     return freed
 
 

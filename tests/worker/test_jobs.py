@@ -1890,6 +1890,90 @@ def test_one_sessions_error_does_not_end_the_janitors_pass_for_the_others(
     assert pending_job_id(r, wsettings, "s1") == stuck
 
 
+def test_live_claims_filling_the_janitors_batch_do_not_hide_a_stale_one_behind_them(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pass looked at the oldest ``JANITOR_BATCH`` sessions each time: as many live claims older
+    than the grace (a queue's backlog behind a slow LLM), or sessions whose look failed, hid every
+    stale claim behind them for as long as they stayed. Each pass goes on past those it left."""
+    from compactor import queue as queue_module
+    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
+    from worker import runner
+    from worker.runner import run_janitor
+
+    monkeypatch.setattr(runner, "JANITOR_BATCH", 3)
+    monkeypatch.setattr(queue_module, "JANITOR_BATCH", 3)
+    old = redis_now(r) - STALE_CLAIM_GRACE_S - 10
+    for n in range(3):  # live: queued, not started (a backlog)
+        job = enqueue_compaction(r, wsettings, f"live{n}", CWD, "micro")
+        assert job is not None
+        r.zadd(Keys().claims, {f"live{n}": old + n})
+    r.set(Keys().job("dead"), "00000000000000000001-llm-dead")  # the claim of a job long gone
+    r.zadd(Keys().claims, {"dead": old + 5})
+    context = WorkerContext.build(wsettings, r)
+    for _ in range(2):
+        r.delete(Keys().janitor)  # (the lock of the pass before)
+        run_janitor(context)
+    assert pending_job_id(r, wsettings, "dead") is None
+    assert all(pending_job_id(r, wsettings, f"live{n}") is not None for n in range(3))
+    assert context.janitor.start == 0  # (the end of the index reached: the next pass begins at its oldest)
+
+
+def test_a_session_whose_log_is_corrupt_is_re_checked_every_ten_minutes_not_every_pass(
+    r: redis.Redis, wsettings: Settings, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The janitor re-checked a session with a recorded trigger and a corrupt log at every pass
+    (every 30 s), for good: a misleading "stale claim freed ... job=None" and an ERROR each time,
+    until an operator repaired the log."""
+    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
+    from worker.jobs import CORRUPT_RECHECK_S
+    from worker.runner import run_janitor
+
+    write_session(r, wsettings, "s1", 2)
+    with SessionLog(wsettings.data_dir, CWD, "s1").path.open("ab") as log:
+        log.write(b"{not json\n")  # (a hand edit gone wrong)
+    r.set(Keys().retrigger("s1"), "llm")
+    r.zadd(Keys().claims, {"s1": redis_now(r) - STALE_CLAIM_GRACE_S - 1})
+    with caplog.at_level(logging.WARNING):
+        run_janitor(WorkerContext.build(wsettings, r))
+    assert "unsettled trigger re-checked session=s1" in caplog.text and "job=None" not in caplog.text
+    assert "re-checked again in 10 min" in caplog.text
+    score = r.zscore(Keys().claims, "s1")
+    assert score is not None and score > redis_now(r) + CORRUPT_RECHECK_S - 5  # (not looked at before then)
+    assert r.get(Keys().retrigger("s1")) == b"llm"  # (kept: answered once the log is repaired)
+
+
+def test_a_janitor_pass_stops_within_its_lock_and_the_next_goes_on_where_it_stopped(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """200 sessions whose logs a paused process held took 0.5 s each: a 100 s pass outlived its
+    4.5 s lock, every worker ran one at once over the same sessions, and their keeper threads
+    (their jobs' heartbeats) were held up as long."""
+    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
+    from worker import runner
+    from worker.runner import run_janitor
+
+    monkeypatch.setattr(runner, "JANITOR_PASS_S", 0.5)
+    real_finish = runner.finish
+
+    def slow_finish(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.2)  # (a locked log's wait)
+        return real_finish(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "finish", slow_finish)
+    old = redis_now(r) - STALE_CLAIM_GRACE_S - 10
+    for n in range(8):
+        r.set(Keys().job(f"s{n}"), f"0000000000000000000{n + 1}-llm-s{n}")
+        r.zadd(Keys().claims, {f"s{n}": old + n})
+    context = WorkerContext.build(wsettings, r)
+    started = time.monotonic()
+    first = run_janitor(context)
+    assert time.monotonic() - started < 1.5 and 0 < len(first) < 8
+    r.delete(Keys().janitor)
+    second = run_janitor(context)
+    assert not set(first) & set(second) and len(first) + len(second) <= 8
+
+
 @pytest.mark.timeout(90)
 def test_a_job_past_its_timeout_leaves_a_locked_logs_recheck_to_the_janitor(
     r: redis.Redis, wsettings: Settings, stub: LLMStub,
