@@ -466,11 +466,33 @@ def _level(line: str) -> int:
     return len(stripped) - len(stripped.lstrip("#"))
 
 
+# The end of a reasoning block a model served without its reasoning parsed out writes before its
+# reply (``<think>``, or only its end: the chat template opened it): its draft or its mention of
+# the reply's tags made a valid reply after it ambiguous, refused at each retry.
+_REASONING_END = re.compile(r"</(?:think|thinking|reasoning)>")
+
+
 def extract_summary(reply: str, *, user_messages: bool = False) -> str:
     """The inner text of the reply's ``<summary>`` block (outer whitespace stripped); raise
     SummaryInvalid when there is none, or when every section says nothing, or when
     ``user_messages`` (the request's transcript held one that says something) and its All User
-    Messages says nothing.
+    Messages says nothing. A reply refused so is read again past the end of a reasoning block
+    (``</think>``, ``</thinking>``, ``</reasoning>``) if it holds one.
+    """
+    try:
+        return _extracted(reply, user_messages)
+    except SummaryInvalid as invalid:
+        end = _REASONING_END.search(reply) if isinstance(reply, str) else None
+        if end is None:
+            raise
+        try:
+            return _extracted(reply[end.end():], user_messages)
+        except SummaryInvalid:
+            raise invalid from None
+
+
+def _extracted(reply: str, user_messages: bool) -> str:
+    """``extract_summary`` of the reply as it is.
 
     The ``<analysis>`` block (up to its first ``</analysis>``) is skipped: the
     block runs from the first ``<summary>`` to the last ``</summary>`` after

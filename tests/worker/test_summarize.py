@@ -209,6 +209,28 @@ def test_a_summary_block_before_the_analysis_is_found_too() -> None:
     mention = f"<summary>\n{body}\n</summary>\n<analysis>\nthe <summary> was first\n</analysis>\n"
     assert extract_summary(mention) == body
 
+@pytest.mark.parametrize("before", [
+    "<think>Draft:\n<summary>\n{draft}\n</summary>\nGood, now the reply.</think>\n",
+    "\n\n<think>\nThe format: <analysis>...</analysis> then <summary>...</summary>.\n</think>\n\n",
+    "Okay, the format is <analysis>...</analysis> followed by <summary>...</summary>.\n</think>\n\n",
+    "<reasoning>\nI will write the <summary> now.\n</reasoning>\n",
+    "<thinking>The <summary> comes last.</thinking>",
+], ids=["a-draft", "indented", "its-end-only", "reasoning", "thinking"])
+def test_a_reasoning_block_before_the_reply_is_passed_over(before: str) -> None:
+    """A reasoning model served without its reasoning parsed out writes it first: a draft, or the
+    reply's tags named, made the valid reply after it ambiguous (refused at each retry, the breaker
+    opened for a model that always answers so)."""
+    real = summary_text("real")
+    for reply in (f"<analysis>\nok\n</analysis>\n<summary>\n{real}\n</summary>", f"<summary>\n{real}\n</summary>"):
+        assert extract_summary(before.format(draft=summary_text("draft")) + reply) == real
+    # (a summary that names the tag in its own text is read as it is)
+    named = real.replace("real: current work", "real: current work: parsing </think> tags")
+    assert extract_summary(f"<summary>\n{named}\n</summary>") == named
+    # ... and past the reasoning, a reply refused is refused still
+    with pytest.raises(SummaryInvalid):
+        extract_summary(before.format(draft="(none yet)") + "I cannot summarize this.")
+
+
 
 @pytest.mark.parametrize("reply", [
     "",
