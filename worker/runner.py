@@ -79,6 +79,7 @@ from compactor import metrics
 from compactor.heap import freeze_heap
 from compactor.keys import Keys
 from compactor.queue import (
+    JANITOR_BATCH,
     STALE_CLAIM_GRACE_S,
     claim_is_stale,
     compaction_queue,
@@ -87,7 +88,6 @@ from compactor.queue import (
     queue_unqueued_claim,
     redis_now,
     redis_time_s,
-    JANITOR_BATCH,
     sessions_to_look_at,
     sync_clock,
 )
@@ -572,14 +572,13 @@ def run_janitor(context: WorkerContext, worker: CompactionWorker | None = None) 
         parsed = parse_job_id(job_id)
         if parsed is None:
             continue
-        if time.monotonic() >= deadline:  # (failed above: its claim is a stale one, freed by a later pass)
-            break
         metrics.JOBS_FAILED.labels(parsed[1], "abandoned").inc()
         logger.warning("abandoned job recovered session=%s job=%s", parsed[2], job_id,
                        extra={"session_id": parsed[2], "job_id": job_id, "kind": parsed[1],
                               "outcome": "abandoned"})
-        finish(context, parsed[2], job_id, abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
         recovered.append(job_id)
+        if time.monotonic() < deadline:  # (past it: failed above, its claim a stale one for a later pass)
+            finish(context, parsed[2], job_id, abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
     recovered += _free_stale_claims(context, deadline)
     return recovered
 
