@@ -373,7 +373,7 @@ def _inside_fences(lines: list[str]) -> tuple[list[bool], str]:
 # A fence's closing line (CommonMark): indented 3 spaces at most, no tab, nothing after but blanks. One
 # indented further is the block's content (markdown quoted in a docstring): read as a closing line it
 # ended the block early, and the block's own closing line then opened a fence over every later section.
-_CLOSER = re.compile(r" {0,3}(`{3,}|~{3,})[ \t]*")
+_CLOSER = re.compile(r" {0,3}(`{3,}|~{3,})[ \t\r]*")  # (\r: a producer's summary with CRLF line breaks)
 
 
 def _closes(line: str, fence: str) -> bool:

@@ -363,6 +363,10 @@ def test_a_fence_line_indented_past_three_spaces_is_the_blocks_content(indent: s
     bodies["Errors and Fixes"] = "Test failed:\n```\nAssertionError: 1 != 2\n```\nFixed the off-by-one."
     body = "\n".join(f"### {title}\n{bodies[title]}" for title in SECTION_TITLES)
     assert split_sections(extract_summary(f"<summary>\n{body}\n</summary>")) == bodies
+    # ... and one ending in \r (a producer's summary with CRLF line breaks, read as it is) still closes
+    crlf = body.replace("\n", "\r\n")
+    validate_summary_text(crlf)
+    assert list(split_sections(crlf)) == list(SECTION_TITLES)
 
 
 def test_a_long_heading_like_line_is_read_in_linear_time() -> None:
