@@ -602,11 +602,12 @@ redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[1])
 """
 
 
-# KEYS: retrigger, claims index; ARGV: session id, delay (s). A session whose re-check cannot use its
-# log (corrupt: its repair is an operator's): its recorded trigger looked at again past the delay.
+# KEYS: job claim, retrigger, claims index; ARGV: session id, delay (s). A session whose re-check
+# cannot use its log (corrupt: its repair is an operator's): its recorded trigger looked at again past
+# the delay, unless a job claimed the session meanwhile (its claim's age is the janitor's to watch).
 _DEFER = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  redis.call('ZADD', KEYS[2], 'XX', redis.call('TIME')[1] + tonumber(ARGV[2]), ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('ZADD', KEYS[3], 'XX', redis.call('TIME')[1] + tonumber(ARGV[2]), ARGV[1])
 end
 """
 
@@ -614,8 +615,7 @@ end
 def defer_trigger(client: redis.Redis, settings: Settings, session_id: str, delay_s: float) -> None:
     """Have the janitor re-check the session's recorded trigger (if any) ``delay_s`` from now, not
     at its next pass: one whose log is corrupt was re-read and logged every 30 s, for good."""
-    keys = Keys(settings.redis.prefix, settings.redis.shards)
-    client.eval(_DEFER, 2, keys.retrigger(session_id), keys.claims, session_id, int(delay_s))
+    client.eval(_DEFER, 3, *_session_keys(settings, session_id), session_id, int(delay_s))
 
 
 def keep_trigger(client: redis.Redis, settings: Settings, session_id: str) -> None:

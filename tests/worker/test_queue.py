@@ -399,6 +399,22 @@ def test_a_trigger_whose_claim_script_ran_twice_gets_its_job_queued_not_coalesce
     assert queue_module._claim(r, settings, "s2", new_job_id("s2", "llm"), "llm", "micro") is None
 
 
+def test_a_deferred_trigger_moves_only_while_no_job_claims_the_session(r: redis.Redis, settings: Settings) -> None:
+    """A session whose log is corrupt is looked at again in 10 minutes; a job that claimed it
+    meanwhile keeps its claim's age (the janitor's watch on it), not moved 10 minutes ahead."""
+    now = redis_now(r)
+    r.set(Keys().retrigger("s1"), "llm")
+    r.zadd(Keys().claims, {"s1": now - 100})
+    queue_module.defer_trigger(r, settings, "s1", 600)
+    assert r.zscore(Keys().claims, "s1") > now + 590  # type: ignore[operator]
+    r.zadd(Keys().claims, {"s1": now - 100})
+    r.set(Keys().job("s1"), new_job_id("s1", "llm"))
+    queue_module.defer_trigger(r, settings, "s1", 600)
+    assert r.zscore(Keys().claims, "s1") == now - 100
+    queue_module.defer_trigger(r, settings, "s2", 600)  # (not indexed: stays so)
+    assert r.zscore(Keys().claims, "s2") is None
+
+
 @pytest.mark.parametrize("skew_s", [-60.0, 3600.0])
 def test_job_ids_are_stamped_in_redis_s_time_whatever_the_host_s_clock(
         r: redis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch, skew_s: float) -> None:
