@@ -98,11 +98,13 @@ def client_redis_url(settings: Settings) -> str:
 
 def _owner_alive(directory: Path) -> bool:
     """Whether the ``serve`` recorded in ``{directory}/serve.pid`` (pid and start time,
-    so a reused pid does not count) is still running."""
+    so a reused pid does not count) is still running: a zombie is not (a supervisor that killed
+    it and started a new one before reaping it had the new one refused, "another serve runs")."""
     try:
         pid, started = (directory / SERVE_PID_FILE).read_text().split()
-        created: float = psutil.Process(int(pid)).create_time()
-        return abs(created - float(started)) < 0.01
+        process = psutil.Process(int(pid))
+        created: float = process.create_time()
+        return abs(created - float(started)) < 0.01 and process.status() != psutil.STATUS_ZOMBIE
     except (OSError, ValueError, psutil.Error):
         return False
 

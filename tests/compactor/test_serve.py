@@ -131,6 +131,24 @@ def test_a_redis_left_by_a_killed_serve_is_replaced_keeping_its_data(settings: S
         orphan.stop()
 
 
+def test_a_serve_killed_and_not_reaped_yet_owns_its_redis_no_more(settings: Settings, tmp_path: Path) -> None:
+    """A supervisor that SIGKILLs serve and starts it again before reaping the old one (a zombie,
+    whose start time psutil still reads) had the new one refused: "another `compactor serve`
+    already runs", exit 2, for as long as the old one stayed unreaped."""
+    directory = tmp_path / "redis"
+    directory.mkdir()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"])
+    try:
+        process = psutil.Process(child.pid)
+        (directory / serve.SERVE_PID_FILE).write_text(f"{child.pid} {process.create_time()}\n")
+        assert serve._owner_alive(directory)  # (alive: running, or about to exit)
+        wait_for(lambda: process.status() == psutil.STATUS_ZOMBIE, 10, "the child to exit, unreaped")
+        assert not serve._owner_alive(directory)
+    finally:
+        child.wait()
+    assert not serve._owner_alive(directory)  # (reaped)
+
+
 def test_an_orphaned_redis_that_does_not_stop_is_left_alone_and_serve_refused(
         settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """After 10 s of an orphan still answering, serve started a second server anyway: it took the
