@@ -31,7 +31,7 @@ from rq.job import Job, JobStatus
 
 from compactor.queue import JOB_FUNCTIONS
 from events.errors import JobLost
-from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, CompressResult
+from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, REQUEUED_AS_FIELD, CompressResult
 from producer.api_errors import ApiError
 from producer.api_models import JobBody, LlmError
 
@@ -43,6 +43,7 @@ _JOB_FUNCTIONS = frozenset(JOB_FUNCTIONS.values())
 JOB_ID_MAX = 160
 JOB_ID_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9_.:-]{{0,{JOB_ID_MAX - 1}}}$")
 POLL_INTERVAL_S = 0.05
+MAX_FOLLOWED = 3  # abandoned jobs' replacements a wait follows (the janitor queues one per job, once)
 OUTAGE_POLL_INTERVAL_S = 0.25  # while Redis does not answer, ``wait_for_job`` tries it again this often
 TERMINAL_STATUSES = frozenset({
     JobStatus.FINISHED.value, JobStatus.FAILED.value,
@@ -107,6 +108,9 @@ def job_body(client: redis.Redis, job_id: str, queue: str) -> JobBody:
         step = (job.meta or {}).get(MICRO_STEP_FIELD)
         if isinstance(step, dict):
             body.micro_step = CompressResult.model_validate(step)
+        requeued = (job.meta or {}).get(REQUEUED_AS_FIELD)
+        if isinstance(requeued, str) and requeued:
+            body.requeued_as = requeued
     return body
 
 
@@ -124,8 +128,10 @@ def wait_for_job(client: redis.Redis, job_id: str, queue: str, timeout_s: float)
     same deadline, where its error is raised: ``compactor compact`` printed "nothing compacted"
     on a restart of a second, and the job it had queued then compacted. A job gone from Redis
     (``job_id`` is one that was queued) is waited for too (a worker running it writes it back
-    when it ends), up to the deadline, where ``JobLost`` is raised."""
+    when it ends), up to the deadline, where ``JobLost`` is raised. A forced job abandoned mid-run
+    is followed to the one the janitor queued in its place (``requeued_as``): the body is its."""
     deadline = time.monotonic() + timeout_s
+    followed = 0
     while True:
         try:
             body = _polled(client, job_id, queue)
@@ -133,6 +139,9 @@ def wait_for_job(client: redis.Redis, job_id: str, queue: str, timeout_s: float)
             if time.monotonic() >= deadline:
                 raise
             time.sleep(OUTAGE_POLL_INTERVAL_S)
+            continue
+        if body.requeued_as and followed < MAX_FOLLOWED:  # (abandoned: the job queued in its place answers)
+            job_id, followed = body.requeued_as, followed + 1
             continue
         if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline:
             return body
@@ -149,6 +158,7 @@ async def wait_for_job_async(client: redis.Redis, job_id: str, queue: str, timeo
     202 with the job id, as for any wait that ran out. ``JobLost`` past the deadline only."""
     deadline = time.monotonic() + timeout_s
     last = JobBody(job_id=job_id, status=JobStatus.QUEUED.value)
+    followed = 0
     while True:
         try:
             body = await anyio.to_thread.run_sync(_polled, client, job_id, queue)
@@ -158,6 +168,10 @@ async def wait_for_job_async(client: redis.Redis, job_id: str, queue: str, timeo
             if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
                 return last
             await asyncio.sleep(OUTAGE_POLL_INTERVAL_S)
+            continue
+        if body.requeued_as and followed < MAX_FOLLOWED:  # (abandoned: the job queued in its place answers)
+            job_id, followed = body.requeued_as, followed + 1
+            last = JobBody(job_id=job_id, status=JobStatus.QUEUED.value)
             continue
         last = body
         if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline or (stop is not None and stop.is_set()):

@@ -100,6 +100,9 @@ class JobBody(_Body):
     micro_step: CompressResult | None = Field(
         None, description="on a failed LLM job: the micro step it applied before its LLM call failed (SPEC §5 "
                           "runs it first; the failure does not undo it): tokens released, the estimate after")
+    requeued_as: str | None = Field(
+        None, description="on a forced job whose worker died mid-job (abandoned): the forced job the janitor queued "
+                          "in its place, once, which answers the request (waits follow it)")
 
 
 class ContextBody(_Body):

@@ -83,6 +83,7 @@ from compactor.queue import (
     STALE_CLAIM_GRACE_S,
     claim_is_stale,
     compaction_queue,
+    enqueue_forced_compaction,
     parse_job_id,
     pending_job_id,
     queue_unqueued_claim,
@@ -94,7 +95,7 @@ from compactor.queue import (
 from compactor.serve import exit_with_parent, hangup_ignored
 from events.config import Settings
 from events.errors import CompactorError
-from events.models import escaped
+from events.models import REQUEUED_AS_FIELD, REQUEUED_FROM_FIELD, escaped
 from events.tokens import get_encoding
 from worker import context as worker_context
 from worker.compaction import STOPPING
@@ -562,6 +563,7 @@ def run_janitor(context: WorkerContext, worker: CompactionWorker | None = None) 
     registry = StartedJobRegistry(queue=queue)
     expired = registry.get_expired_job_ids()
     if expired:
+        _requeue_forced(context, expired)
         registry.cleanup()
     if worker is not None and worker.registered:  # (RQ counts the failure in the worker's key: created
         # before its registration, ``register_birth`` found it and the worker died at its start)
@@ -581,6 +583,40 @@ def run_janitor(context: WorkerContext, worker: CompactionWorker | None = None) 
             finish(context, parsed[2], job_id, abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
     recovered += _free_stale_claims(context, deadline)
     return recovered
+
+
+def _requeue_forced(context: WorkerContext, expired: list[str]) -> None:
+    """Queue a forced job in the place of each forced job among ``expired`` whose worker died while
+    it ran (still ``started``), once: the request it answers was accepted (a 202, or a wait cut by a
+    stopping API), and the session got no compaction from it (a serve stopped during a call longer
+    than its children's 15 s was the usual way). Made before RQ fails the dead one, so the new job
+    waits behind its claim and the record ``requeuedAs`` is there when a waiter sees it failed; a
+    job that is itself such a replacement is not queued again (a job that kills its worker each
+    time would run for good)."""
+    for job_id in expired:
+        try:
+            job = Job.fetch(job_id, connection=context.redis)
+            if job.get_status(refresh=False) != JobStatus.STARTED or not job.kwargs.get("forced"):
+                continue
+            session_id, cwd = job.args[0], job.args[1]
+            if (job.meta or {}).get(REQUEUED_FROM_FIELD):
+                logger.warning("abandoned forced job not queued again session=%s job=%s: it replaced %s already",
+                               session_id, job_id, job.meta[REQUEUED_FROM_FIELD], extra={"session_id": session_id})
+                continue
+            replacement = enqueue_forced_compaction(context.redis, context.settings, session_id, cwd,
+                                                    after=job.kwargs.get("after"))
+            job.meta[REQUEUED_AS_FIELD] = replacement
+            job.save_meta()  # type: ignore[no-untyped-call]
+            if replacement != job_id:
+                new = Job.fetch(replacement, connection=context.redis)
+                new.meta[REQUEUED_FROM_FIELD] = job_id
+                new.save_meta()  # type: ignore[no-untyped-call]
+            logger.warning("abandoned forced job queued again session=%s job=%s as=%s", session_id, job_id,
+                           replacement, extra={"session_id": session_id, "job_id": replacement})
+        except (redis.ConnectionError, redis.TimeoutError):
+            raise
+        except Exception:  # (one job's: the others' and the cleanup go on)
+            logger.exception("abandoned forced job %s not queued again", job_id)
 
 
 class _StrandedJobs(IntermediateQueue):

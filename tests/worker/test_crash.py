@@ -18,6 +18,7 @@ import redis
 from rq.job import Job, JobStatus
 
 from compactor.embedded import EmbeddedRedis
+from compactor.keys import Keys
 from compactor.queue import enqueue_compaction, pending_job_id
 from events.config import Settings, load_settings
 from compactor.llm_stub import STUB_MODEL, LLMStub
@@ -108,6 +109,42 @@ def test_killed_worker_leaves_no_stuck_session_and_no_duplicate_summary(
     lines = log_lines(wsettings, "s1")
     assert all(line.endswith(b"\n") for line in lines), output
     events = [json.loads(line) for line in lines]
+    assert sum(e["type"] == "summary" for e in events) == 1, output
+
+
+def test_a_forced_job_whose_worker_died_mid_call_is_queued_again_once_and_waits_follow_it(
+    r: redis.Redis, settings: Settings, stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
+) -> None:
+    """A forced compaction accepted (a 202, or a wait cut short by a stopping API) whose worker died
+    during the LLM call (a serve stopped: its children get 15 s, the call up to 120) was failed as
+    abandoned and never ran again; the session, under its thresholds, got no compaction. The
+    janitor queues a forced job in its place, once, and a wait on the first follows it."""
+    from compactor.queue import enqueue_forced_compaction
+    from producer.api_jobs import wait_for_job
+
+    config = _config(tmp_path, settings)
+    wsettings = load_settings(config, env_for_subprocess)
+    write_session(r, wsettings, "s1", 3)
+    stub.latency_s = 90
+    first = _start_worker(config, env_for_subprocess)
+    second: subprocess.Popen[bytes] | None = None
+    try:
+        forced = enqueue_forced_compaction(r, wsettings, "s1", CWD)
+        stub.wait_for_requests(1, timeout_s=60)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        stub.latency_s = 0
+        second = _start_worker(config, env_for_subprocess)
+        body = wait_for_job(r, forced, Keys(wsettings.redis.prefix, wsettings.redis.shards).queue, RECOVERY_LIMIT_S)
+        assert body.status == "finished" and body.job_id != forced, body
+        assert body.result is not None and body.result.did_compress
+        old = Job.fetch(forced, connection=r)
+        assert old.get_status() == JobStatus.FAILED and old.meta["requeuedAs"] == body.job_id
+        assert Job.fetch(body.job_id, connection=r).meta["requeuedFrom"] == forced
+    finally:
+        first.kill()
+        output = _stop(second) if second else ""
+    events = [json.loads(line) for line in log_lines(wsettings, "s1")]
     assert sum(e["type"] == "summary" for e in events) == 1, output
 
 
