@@ -274,7 +274,8 @@ class ShardStreams:
         self.keys = keys
         self.owner = owner
         self._read = client.register_script(_READ)
-        self._first = -1  # the shard (its place in the starts) the last read began with
+        self._first: int | None = None  # the shard the last read began with
+        self._next: int | None = None  # the first shard the last read deferred: the next one begins with it
         self._entry_bytes: dict[int, float] = {}  # per shard, the mean size of the entries its last read brought
         self._ack = client.register_script(_ACK)
         self._trim = client.register_script(_TRIM)
@@ -307,13 +308,19 @@ class ShardStreams:
         """Read up to ``count`` entries of each shard from its start id: one script call for
         all the shards (a round with nothing new costs one call, not one per shard), up to
         ``budget`` bytes of entries in all (``READ_BUDGET_BYTES``; and one chunk past it): the shards past it are
-        ``deferred``. Each call starts at the next shard, so a shard of large entries that
-        spends the budget does not keep the others waiting."""
+        ``deferred``. The next call starts at the first shard deferred (else at the shard after
+        this call's first), so a shard of large entries that spends the budget keeps no other
+        waiting more than one call (a turn by one shard each call left the shard after it
+        deferred 7 calls in 8)."""
         if not starts:
             return {}
         shards = list(starts)
-        self._first = (self._first + 1) % len(shards)
-        shards = shards[self._first:] + shards[:self._first]
+        if self._next in starts:
+            first = shards.index(self._next)
+        else:
+            first = (shards.index(self._first) + 1) % len(shards) if self._first in starts else 0
+        shards = shards[first:] + shards[:first]
+        self._first = shards[0]
         keys = [key for n in shards for key in (self.keys.lease(n), self.keys.stream(n))]
         budget = READ_BUDGET_BYTES if budget is None else budget
         args: list[Any] = [self.owner, self.keys.group, count, budget]
@@ -326,6 +333,7 @@ class ShardStreams:
         except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts: nothing ran
             reply = self._read(keys=keys, args=args)
         results = {n: self._result(n, shard_reply) for n, shard_reply in zip(shards, reply)}
+        self._next = next((n for n in shards if results[n].deferred), None)
         for n, result in results.items():
             if result.entries:
                 self._entry_bytes[n] = sum(len(item) for _, fields in result.entries

@@ -114,6 +114,28 @@ def test_a_read_brings_a_bounded_number_of_bytes_beginning_at_the_next_shard_eac
     assert 50_000 <= sum(len(item) for _, fields in result.entries for item in fields) < 50_000 + size + 100
 
 
+def test_a_shard_deferred_by_a_read_begins_the_next(r: redis.Redis) -> None:
+    """Each read began one shard further on: the shard right after one of large entries, which
+    spends each read's budget, was deferred 7 reads in 8 (its sessions' turns waited minutes)."""
+    from producer.watcher.streams import ShardStreams
+
+    keys = Keys()
+    streams = ShardStreams(r, keys, "me")
+    for n in range(4):
+        r.set(keys.lease(n), "me")
+        streams.ensure_group(n)
+        pipe = r.pipeline(transaction=False)
+        for i in range(100 if n == 0 else 1_500):
+            pipe.xadd(keys.stream(n), {"session": "x", "cwd": CWD, "event": "y" * (10_000 if n == 0 else 50)})
+        pipe.execute()
+    deferred_before: set[int] = set()
+    for _ in range(8):
+        results = streams.read_many({n: ">" for n in range(4)}, 256, budget=50_000)
+        deferred = {n for n, result in results.items() if result.deferred}
+        assert not deferred & deferred_before - {0}, (deferred, deferred_before)  # (a small shard: one read at most)
+        deferred_before = deferred
+
+
 def test_a_backlog_of_large_events_is_applied_whole_in_bounded_reads(
     r: redis.Redis, tmp_path: Path, redis_url: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
