@@ -54,7 +54,7 @@ from compactor import __version__
 from compactor import metrics as compactor_metrics
 from compactor.applied import parse_stream_id
 from compactor.keys import Keys
-from compactor.queue import enqueue_forced_compaction
+from compactor.queue import ABANDONED_WORDS, enqueue_forced_compaction
 from compactor.redis_errors import probe_writes
 from compactor.serve import client_redis_url
 from compactor.shards import ShardCountMismatch, ShardGuard
@@ -458,16 +458,11 @@ _JOB_FAILURES = {
 }
 
 
-# RQ's words for a job whose worker died: mid-job (the janitor's cleanup of the started registry)
-# or after taking it from the queue, before it started
-_ABANDONED = ("due to AbandonedJobError", "Job was stuck in intermediate queue")
-
-
 def _job_failure_status(error: str) -> tuple[int, str | None]:
     """The status and code of a forced compaction whose job failed with ``error`` (its last line).
     A job whose worker died is a 500 ``job_abandoned``, not SPEC §7's 502 (no LLM call failed; the
     janitor re-checks the session, so a retry of the request finds it compacted or compacts it)."""
-    if any(words in error for words in _ABANDONED):
+    if any(words in error for words in ABANDONED_WORDS):
         return 500, "job_abandoned"
     return _JOB_FAILURES.get(error.partition(":")[0], (502, None))
 

@@ -79,6 +79,7 @@ from compactor import metrics
 from compactor.heap import freeze_heap
 from compactor.keys import Keys
 from compactor.queue import (
+    ABANDONED_WORDS,
     JANITOR_BATCH,
     STALE_CLAIM_GRACE_S,
     claim_is_stale,
@@ -563,7 +564,6 @@ def run_janitor(context: WorkerContext, worker: CompactionWorker | None = None) 
     registry = StartedJobRegistry(queue=queue)
     expired = registry.get_expired_job_ids()
     if expired:
-        _requeue_forced(context, expired)
         registry.cleanup()
     if worker is not None and worker.registered:  # (RQ counts the failure in the worker's key: created
         # before its registration, ``register_birth`` found it and the worker died at its start)
@@ -580,43 +580,46 @@ def run_janitor(context: WorkerContext, worker: CompactionWorker | None = None) 
                               "outcome": "abandoned"})
         recovered.append(job_id)
         if time.monotonic() < deadline:  # (past it: failed above, its claim a stale one for a later pass)
+            _replace_abandoned(context, parsed[2], job_id)
             finish(context, parsed[2], job_id, abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
     recovered += _free_stale_claims(context, deadline)
     return recovered
 
 
-def _requeue_forced(context: WorkerContext, expired: list[str]) -> None:
-    """Queue a forced job in the place of each forced job among ``expired`` whose worker died while
-    it ran (still ``started``), once: the request it answers was accepted (a 202, or a wait cut by a
-    stopping API), and the session got no compaction from it (a serve stopped during a call longer
-    than its children's 15 s was the usual way). Made before RQ fails the dead one, so the new job
-    waits behind its claim and the record ``requeuedAs`` is there when a waiter sees it failed; a
-    job that is itself such a replacement is not queued again (a job that kills its worker each
-    time would run for good)."""
-    for job_id in expired:
-        try:
-            job = Job.fetch(job_id, connection=context.redis)
-            if job.get_status(refresh=False) != JobStatus.STARTED or not job.kwargs.get("forced"):
-                continue
-            session_id, cwd = job.args[0], job.args[1]
-            if (job.meta or {}).get(REQUEUED_FROM_FIELD):
-                logger.warning("abandoned forced job not queued again session=%s job=%s: it replaced %s already",
-                               session_id, job_id, job.meta[REQUEUED_FROM_FIELD], extra={"session_id": session_id})
-                continue
-            replacement = enqueue_forced_compaction(context.redis, context.settings, session_id, cwd,
-                                                    after=job.kwargs.get("after"))
-            job.meta[REQUEUED_AS_FIELD] = replacement
-            job.save_meta()  # type: ignore[no-untyped-call]
-            if replacement != job_id:
-                new = Job.fetch(replacement, connection=context.redis)
-                new.meta[REQUEUED_FROM_FIELD] = job_id
-                new.save_meta()  # type: ignore[no-untyped-call]
-            logger.warning("abandoned forced job queued again session=%s job=%s as=%s", session_id, job_id,
-                           replacement, extra={"session_id": session_id, "job_id": replacement})
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise
-        except Exception:  # (one job's: the others' and the cleanup go on)
-            logger.exception("abandoned forced job %s not queued again", job_id)
+def _replace_abandoned(context: WorkerContext, session_id: str, job_id: str) -> None:
+    """Queue a forced job in the place of ``job_id``, the session's claim, when it is a forced job
+    RQ failed as abandoned (its worker died: a serve stopped during a call longer than its
+    children's 15 s grace was the usual way), once: its request was accepted (a 202, or a wait cut
+    by a stopping API), and the session, maybe under its thresholds, got no compaction from it.
+    Whoever failed it (the janitor or RQ's own maintenance), the janitor frees its stale claim and
+    replaces it first. A replacement is not replaced in turn (a job that kills its worker each time
+    would run for good); one that joined a forced job already waiting is that job, whose own
+    request keeps its one replacement. Waits on the first follow it (``requeuedAs``)."""
+    try:
+        job = Job.fetch(job_id, connection=context.redis)
+        if not job.kwargs.get("forced") or job.get_status(refresh=False) != JobStatus.FAILED:
+            return
+        meta = job.meta or {}
+        if meta.get(REQUEUED_AS_FIELD):
+            return  # (replaced already: a pass before this one)
+        result = job.latest_result()
+        if result is None or not any(words in (result.exc_string or "") for words in ABANDONED_WORDS):
+            return  # (failed for a reason of its own: its request is answered with it)
+        if meta.get(REQUEUED_FROM_FIELD):
+            logger.warning("abandoned forced job not queued again session=%s job=%s: it replaced %s already",
+                           session_id, job_id, meta[REQUEUED_FROM_FIELD], extra={"session_id": session_id})
+            return
+        session, cwd = job.args[0], job.args[1]
+        replacement = enqueue_forced_compaction(context.redis, context.settings, session, cwd,
+                                                after=job.kwargs.get("after"), meta={REQUEUED_FROM_FIELD: job_id})
+        job.meta[REQUEUED_AS_FIELD] = replacement
+        job.save_meta()  # type: ignore[no-untyped-call]
+        logger.warning("abandoned forced job queued again session=%s job=%s as=%s", session_id, job_id,
+                       replacement, extra={"session_id": session_id, "job_id": replacement})
+    except (redis.ConnectionError, redis.TimeoutError):
+        raise
+    except Exception:  # (its request is answered job_abandoned, as before; the janitor goes on)
+        logger.exception("abandoned forced job %s not queued again", job_id)
 
 
 class _StrandedJobs(IntermediateQueue):
@@ -692,6 +695,7 @@ def _free_stale_claims(context: WorkerContext, deadline: float | None = None) ->
         else:
             logger.warning("stale claim freed session=%s job=%s", session_id, claim,
                            extra={"session_id": session_id, "job_id": claim, "outcome": "stale_claim"})
+            _replace_abandoned(context, session_id, claim)  # (failed by RQ's own maintenance: not seen above)
         finish(context, session_id, claim or "", abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
         freed.append(claim or session_id)
     # (looked at all the index had past the start: the next pass begins at its oldest again)

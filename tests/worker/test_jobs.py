@@ -19,7 +19,7 @@ import redis
 from rq.job import Job, JobStatus
 
 from compactor.keys import Keys
-from compactor.queue import compaction_queue, enqueue_compaction, pending_job_id
+from compactor.queue import compaction_queue, enqueue_compaction, enqueue_forced_compaction, pending_job_id
 from compactor.store import SessionStore
 from events.config import Settings
 from events.log import SessionLog
@@ -1888,6 +1888,91 @@ def test_one_sessions_error_does_not_end_the_janitors_pass_for_the_others(
     run_janitor(WorkerContext.build(wsettings, r))
     assert pending_job_id(r, wsettings, "s2") is None  # freed all the same
     assert pending_job_id(r, wsettings, "s1") == stuck
+
+
+def _abandon(r: redis.Redis, settings: Settings, job_id: str) -> None:
+    """What RQ's cleanup of the started registry (the janitor's, or any worker's maintenance) records
+    of a job whose worker died mid-job; its claim is then past the janitor's grace."""
+    from rq.job_lifecycle import record_job_failure
+
+    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
+
+    job = Job.fetch(job_id, connection=r)
+    compaction_queue(r, settings).remove(job)
+    with r.pipeline() as pipe:
+        record_job_failure(job, "Moved to FailedJobRegistry, due to AbandonedJobError, at 2026-12-06", pipe)
+        pipe.execute()
+    r.zadd(Keys().claims, {job.args[0]: redis_now(r) - STALE_CLAIM_GRACE_S - 1})
+
+
+def test_a_forced_job_failed_as_abandoned_is_replaced_once_and_a_wait_follows_it(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub,
+) -> None:
+    """A forced compaction accepted whose worker died (a serve stopped during a long LLM call) was
+    failed as abandoned and never ran again. Whoever failed it (RQ's maintenance on any worker
+    often comes first), the janitor queues a forced job in its place, once; a wait on the first,
+    begun before, follows it, and its answer is the replacement's."""
+    from producer.api_jobs import wait_for_job
+    from worker.runner import run_janitor
+
+    write_session(r, wsettings, "s1", 3)
+    first = enqueue_forced_compaction(r, wsettings, "s1", CWD)
+    _abandon(r, wsettings, first)
+    waited: dict[str, Any] = {}
+    waiter = threading.Thread(target=lambda: waited.update(body=wait_for_job(r, first, Keys().queue, 30)))
+    waiter.start()
+    time.sleep(0.5)  # (the wait sees it failed, abandoned: it gives the janitor time)
+    run_janitor(WorkerContext.build(wsettings, r))
+    replacement = Job.fetch(first, connection=r).meta["requeuedAs"]
+    assert Job.fetch(replacement, connection=r).meta["requeuedFrom"] == first
+    run_burst(r, wsettings)
+    waiter.join(30)
+    body = waited["body"]
+    assert body.job_id == replacement and body.status == "finished" and body.result.did_compress
+    assert len(_summaries(wsettings, "s1")) == 1
+    # the replacement abandoned in turn is not replaced (a job killing its worker each time), and a
+    # wait on it answers at once
+    write_session(r, wsettings, "s1", 2, first=4)
+    again = enqueue_forced_compaction(r, wsettings, "s1", CWD, meta={"requeuedFrom": "an-earlier-job"})
+    _abandon(r, wsettings, again)
+    r.delete(Keys().janitor)
+    run_janitor(WorkerContext.build(wsettings, r))
+    assert "requeuedAs" not in Job.fetch(again, connection=r).meta
+    started = time.monotonic()
+    assert wait_for_job(r, again, Keys().queue, 30).status == "failed" and time.monotonic() - started < 5
+
+
+def test_a_forced_job_replaced_by_joining_a_waiting_one_leaves_that_ones_own_replacement(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub,
+) -> None:
+    """The replacement of an abandoned forced job joined the forced job already waiting behind it,
+    and marked it a replacement: abandoned in turn, that job (another request's) was not replaced."""
+    from worker.runner import run_janitor
+
+    write_session(r, wsettings, "s1", 3)
+    first = enqueue_forced_compaction(r, wsettings, "s1", CWD)
+    waiting = enqueue_forced_compaction(r, wsettings, "s1", CWD)  # (another request: waits behind it)
+    assert waiting != first
+    _abandon(r, wsettings, first)
+    run_janitor(WorkerContext.build(wsettings, r))
+    assert Job.fetch(first, connection=r).meta["requeuedAs"] == waiting
+    assert "requeuedFrom" not in Job.fetch(waiting, connection=r).meta
+
+
+def test_a_forced_job_failed_for_its_own_reason_is_not_replaced(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub,
+) -> None:
+    from worker.runner import run_janitor
+
+    write_session(r, wsettings, "s1", 3)
+    stub.status = 401
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FAILED
+    r.set(Keys().job("s1"), job.id)  # (its claim left behind, past the grace)
+    r.zadd(Keys().claims, {"s1": 0})
+    run_janitor(WorkerContext.build(wsettings, r))
+    assert "requeuedAs" not in Job.fetch(job.id, connection=r).meta
+    assert compaction_queue(r, wsettings).count == 0
 
 
 def test_live_claims_filling_the_janitors_batch_do_not_hide_a_stale_one_behind_them(
