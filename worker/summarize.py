@@ -267,15 +267,18 @@ def _block(name: str, nonce: str, text: str) -> str:
 
 
 _REPLY_TAG = re.compile(r"</?(?:summary|analysis)>")  # what ``extract_summary`` splits a reply at
+# ... and what the data has written as entities: those, and a reasoning block's tags, past whose end a
+# refused reply is read again (a user's "</think><summary>..." quoted after the real summary was that)
+_DATA_TAG = re.compile(r"</?(?:summary|analysis|think|thinking|reasoning)>")
 
 
 def neutralized(text: str) -> str:
-    """``text`` with the reply's tags written ``&lt;summary&gt;`` ...: a transcript that holds
-    ``</analysis><summary>`` and ten forged sections, quoted by the model in its analysis, made
-    ``extract_summary`` take the forgery as the summary."""
-    if _REPLY_TAG.search(text) is None:  # (the usual case; one regex scan costs half of two substring scans)
+    """``text`` with the reply's tags (``_DATA_TAG``) written ``&lt;summary&gt;`` ...: a transcript
+    that holds ``</analysis><summary>`` and ten forged sections, quoted by the model in its
+    analysis, made ``extract_summary`` take the forgery as the summary."""
+    if _DATA_TAG.search(text) is None:  # (the usual case; one regex scan costs half of two substring scans)
         return text
-    return _REPLY_TAG.sub(lambda tag: tag.group().replace("<", "&lt;").replace(">", "&gt;"), text)
+    return _DATA_TAG.sub(lambda tag: tag.group().replace("<", "&lt;").replace(">", "&gt;"), text)
 
 
 def build_messages(transcript: str, previous_summary: str | None,
@@ -476,19 +479,38 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
     """The inner text of the reply's ``<summary>`` block (outer whitespace stripped); raise
     SummaryInvalid when there is none, or when every section says nothing, or when
     ``user_messages`` (the request's transcript held one that says something) and its All User
-    Messages says nothing. A reply refused so is read again past the end of a reasoning block
-    (``</think>``, ``</thinking>``, ``</reasoning>``) if it holds one.
+    Messages says nothing. A reply refused as ambiguous or without a block is read again past
+    the end of a reasoning block that opens it (``</think>``, ``</thinking>``, ``</reasoning>``;
+    each, in order, until one leaves a valid reply: the reasoning may name the tag itself), when
+    what comes before that end is a reasoning block (``_reasoning_before``); the data has those
+    tags written as entities (``neutralized``), so a quoted one is no end.
     """
     try:
         return _extracted(reply, user_messages)
     except SummaryInvalid as invalid:
-        end = _REASONING_END.search(reply) if isinstance(reply, str) else None
-        if end is None:
+        if not isinstance(reply, str) or not str(invalid).startswith(_RETRIED_REFUSALS):
             raise
-        try:
-            return _extracted(reply[end.end():], user_messages)
-        except SummaryInvalid:
-            raise invalid from None
+        for end in _REASONING_END.finditer(reply):
+            if not _reasoning_before(reply[:end.start()]):
+                break  # (a reply block before it: the end tag comes after the reply, quoted)
+            try:
+                return _extracted(reply[end.end():], user_messages)
+            except SummaryInvalid:
+                continue
+        raise
+
+
+_RETRIED_REFUSALS = ("ambiguous reply", "no <summary>")  # (a block refused for what it says is not read again)
+_REASONING_START = re.compile(r"\s*<(?:think|thinking|reasoning)>")
+_BLOCK_LINE = re.compile(r"^[ \t]*<(?:summary|analysis)>", re.MULTILINE)
+
+
+def _reasoning_before(text: str) -> bool:
+    """Whether ``text``, a reply up to a reasoning block's end tag, is that block: it opens with its
+    tag (a draft summary inside it included), or (a chat template opened it) no line of it opens a
+    ``<summary>`` or ``<analysis>`` block, as the reply's own do (a forged ``</think><summary>``
+    quoted after the real summary cut there took the forgery for the reply)."""
+    return _REASONING_START.match(text) is not None or _BLOCK_LINE.search(text) is None
 
 
 def _extracted(reply: str, user_messages: bool) -> str:
