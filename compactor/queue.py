@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis
-from rq import Queue
+from rq import Callback, Queue
 from rq.exceptions import NoSuchJobError
 from rq.job import Job, JobStatus
 from rq.rate_limit import RateLimit
@@ -76,6 +76,8 @@ AUTO_JOB_RESULT_TTL_S = 3_600
 AUTO_JOB_FAILURE_TTL_S = 86_400
 STALE_CLAIM_GRACE_S = 30.0  # a claim whose job hash is missing is stale after this
 JANITOR_BATCH = 200  # sessions the janitor looks at per run
+REPLACE_ABANDONED = "worker.jobs.replace_if_abandoned"  # a forced job's failure callback
+CALLBACK_TIMEOUT_S = 30
 # RQ's words for a job whose worker died: mid-job (its cleanup of the started registry, the
 # janitor's or its own maintenance's) or after taking it from the queue, before it started
 ABANDONED_WORDS = ("due to AbandonedJobError", "Job was stuck in intermediate queue")
@@ -358,14 +360,16 @@ def check_bound_cwd(client: redis.Redis, settings: Settings, session_id: str, cw
 
 
 def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_id: str, cwd: str, *,
-                              after: str | None = None, meta: dict[str, Any] | None = None) -> str:
+                              after: str | None = None, meta: dict[str, Any] | None = None,
+                              job_id: str | None = None) -> str:
     """A forced LLM compaction (SPEC §5: no thresholds, no breaker; still one job per session at a
     time): the id of the forced job that will answer it. That job is queued now when the session
     has no pending job; else it waits (RQ status ``created``) until the pending one ends; when a
     forced job already waits, this request joins it (its id is returned, no second job).
     ``after``: a stream entry id of the session; the job first waits (``worker.jobs.AFTER_WAIT_S``
     at most) for the watcher to apply it, so it compacts the events published before the request.
-    ``meta``: RQ meta of the request's own job, saved with it (not given to a job it joins).
+    ``meta``: RQ meta of the request's own job, saved with it (not given to a job it joins);
+    ``job_id``: that job's id (``new_job_id``), when the caller records it beforehand.
 
     A session bound to another cwd is refused here (``InvalidInput`` on ``cwd``), not by a job
     that fails: another spelling of the cwd (``/app/`` for ``/app``) finds the same log.
@@ -373,8 +377,8 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     check_bound_cwd(client, settings, session_id, cwd)
     sync_clock(client)
     queue = compaction_queue(client, settings)
-    job = queue.create_job(**_job_spec(settings, session_id, cwd, new_job_id(session_id, "llm"), True, after),
-                           status=JobStatus.CREATED)
+    job = queue.create_job(**_job_spec(settings, session_id, cwd, job_id or new_job_id(session_id, "llm"), True,
+                                       after), status=JobStatus.CREATED)
     job.meta.update(meta or {})
     try:
         job.save()  # before the claim: once recorded as the trigger, the holder's end may queue it
@@ -814,6 +818,8 @@ def _job_spec(settings: Settings, session_id: str, cwd: str, job_id: str, forced
         "failure_ttl": JOB_FAILURE_TTL_S if forced else AUTO_JOB_FAILURE_TTL_S,
         "description": f"{kind} compaction of {session_id}{' (forced)' if forced else ''}",
         "rate_limit": rate_limit_for(settings, session_id),
+        # (a forced job RQ finds abandoned is replaced then, before its failure is recorded: worker.jobs)
+        **({"on_failure": Callback(REPLACE_ABANDONED, timeout=CALLBACK_TIMEOUT_S)} if kwargs else {}),
     }
 
 

@@ -29,7 +29,7 @@ import redis
 from rq.exceptions import DeserializationError, NoSuchJobError
 from rq.job import Job, JobStatus
 
-from compactor.queue import ABANDONED_WORDS, JOB_FUNCTIONS
+from compactor.queue import JOB_FUNCTIONS
 from events.errors import JobLost
 from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, REQUEUED_AS_FIELD, REQUEUED_FROM_FIELD, CompressResult
 from producer.api_errors import ApiError
@@ -43,8 +43,7 @@ _JOB_FUNCTIONS = frozenset(JOB_FUNCTIONS.values())
 JOB_ID_MAX = 160
 JOB_ID_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9_.:-]{{0,{JOB_ID_MAX - 1}}}$")
 POLL_INTERVAL_S = 0.05
-MAX_FOLLOWED = 3  # abandoned jobs' replacements a wait follows (the janitor queues one per job, once)
-REPLACE_WAIT_S = 30.0  # how long a wait gives the janitor to replace a forced job abandoned by its worker
+MAX_FOLLOWED = 3  # abandoned jobs' replacements a wait follows (one per job, once)
 OUTAGE_POLL_INTERVAL_S = 0.25  # while Redis does not answer, ``wait_for_job`` tries it again this often
 TERMINAL_STATUSES = frozenset({
     JobStatus.FINISHED.value, JobStatus.FAILED.value,
@@ -135,7 +134,7 @@ def wait_for_job(client: redis.Redis, job_id: str, queue: str, timeout_s: float)
     when it ends), up to the deadline, where ``JobLost`` is raised. A forced job abandoned mid-run
     is followed to the one the janitor queued in its place (``requeued_as``): the body is its."""
     deadline = time.monotonic() + timeout_s
-    followed, abandoned = 0, dict[str, float]()  # (when this wait saw each job failed as abandoned)
+    followed = 0
     while True:
         try:
             body = _polled(client, job_id, queue)
@@ -147,8 +146,7 @@ def wait_for_job(client: redis.Redis, job_id: str, queue: str, timeout_s: float)
         if body.requeued_as and followed < MAX_FOLLOWED:  # (abandoned: the job queued in its place answers)
             job_id, followed = body.requeued_as, followed + 1
             continue
-        if ((body.status in TERMINAL_STATUSES and not _replacement_due(body, abandoned))
-                or time.monotonic() >= deadline):
+        if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline:
             return body
         time.sleep(POLL_INTERVAL_S)
 
@@ -163,7 +161,7 @@ async def wait_for_job_async(client: redis.Redis, job_id: str, queue: str, timeo
     202 with the job id, as for any wait that ran out. ``JobLost`` past the deadline only."""
     deadline = time.monotonic() + timeout_s
     last = JobBody(job_id=job_id, status=JobStatus.QUEUED.value)
-    followed, abandoned = 0, dict[str, float]()  # (when this wait saw each job failed as abandoned)
+    followed = 0
     while True:
         try:
             body = await anyio.to_thread.run_sync(_polled, client, job_id, queue)
@@ -179,22 +177,9 @@ async def wait_for_job_async(client: redis.Redis, job_id: str, queue: str, timeo
             last = JobBody(job_id=job_id, status=JobStatus.QUEUED.value)
             continue
         last = body
-        if ((body.status in TERMINAL_STATUSES and not _replacement_due(body, abandoned))
-                or time.monotonic() >= deadline or (stop is not None and stop.is_set())):
+        if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline or (stop is not None and stop.is_set()):
             return body
         await asyncio.sleep(POLL_INTERVAL_S)
-
-
-def _replacement_due(body: JobBody, seen: dict[str, float]) -> bool:
-    """Whether ``body`` is a forced job RQ failed as abandoned (its worker died) whose replacement
-    the janitor may still queue (it is no replacement itself), within ``REPLACE_WAIT_S`` of this
-    wait first seeing it failed: RQ's own maintenance fails such a job before the janitor replaces
-    it, and a wait that answered then answered ``job_abandoned`` for a request that compacted."""
-    if (body.status != JobStatus.FAILED.value or body.requeued_from or not body.error
-            or not any(words in body.error for words in ABANDONED_WORDS)):
-        return False
-    first = seen.setdefault(body.job_id, time.monotonic())
-    return time.monotonic() - first < REPLACE_WAIT_S
 
 
 def _polled(client: redis.Redis, job_id: str, queue: str) -> JobBody:

@@ -31,7 +31,8 @@ import time
 from typing import Any
 
 from rq import get_current_job
-from rq.exceptions import NoSuchJobError
+from rq.exceptions import AbandonedJobError, NoSuchJobError
+from rq.job import Job
 
 from compactor import metrics
 from compactor.applied import wait_applied
@@ -39,7 +40,9 @@ from compactor.queue import (
     FORCED_TRIGGER,
     defer_trigger,
     enqueue_compaction,
+    enqueue_forced_compaction,
     keep_trigger,
+    new_job_id,
     promote_forced,
     release_pending,
     settle_trigger,
@@ -53,7 +56,7 @@ from events.errors import (
     SessionNotFound,
     SummaryInvalid,
 )
-from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, CompressResult
+from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, REQUEUED_AS_FIELD, REQUEUED_FROM_FIELD, CompressResult
 from events.state import decide
 from worker.compaction import JobRun, LlmFailure
 from worker.context import WorkerContext, current
@@ -280,3 +283,47 @@ def recheck(context: WorkerContext, session_id: str, *, lock_wait_s: float | Non
         logger.debug("coalesced trigger no longer needed session=%s", session_id)
         return None
     return enqueue_compaction(context.redis, context.settings, session_id, state.cwd, kind)
+
+
+def replace_if_abandoned(job: Job, connection: Any, exc_type: Any, *exc: Any) -> None:
+    """RQ's failure callback of a forced job: when RQ finds it abandoned (its worker died while it
+    ran: a serve stopped during a call longer than its children's 15 s grace, a kill -9), a forced
+    job is queued in its place (``replace_abandoned``), before the failure is recorded, so a wait
+    on it never sees it failed without ``requeuedAs``. Never raises (RQ would record its error as
+    the job's)."""
+    if exc_type is AbandonedJobError:
+        replace_abandoned(job, "its worker died while it ran")
+
+
+def replace_abandoned(job: Job, why: str) -> str | None:
+    """Queue a forced job in the place of the forced ``job``, abandoned (``why``), once: its request
+    was accepted (a 202, or a wait cut by a stopping API), and the session, maybe under its
+    thresholds, got no compaction from it. A replacement is not replaced in turn (a job that kills
+    its worker each time would run for good); one that joined a forced job already waiting is that
+    job, whose own request keeps its replacement. Its id is recorded on ``job`` (``requeuedAs``)
+    first, then the job queued under it: waits follow it. The replacement's id, or None."""
+    session_id = job.args[0] if job.args else "?"
+    try:
+        meta = job.meta or {}
+        if not job.kwargs.get("forced") or meta.get(REQUEUED_AS_FIELD):
+            return None
+        if meta.get(REQUEUED_FROM_FIELD):
+            logger.warning("abandoned forced job not queued again session=%s job=%s (%s): it replaced %s already",
+                           session_id, job.id, why, meta[REQUEUED_FROM_FIELD], extra={"session_id": session_id})
+            return None
+        context = current()
+        replacement_id = new_job_id(session_id, "llm")
+        job.meta[REQUEUED_AS_FIELD] = replacement_id
+        job.save_meta()  # type: ignore[no-untyped-call]
+        replacement = enqueue_forced_compaction(context.redis, context.settings, session_id, job.args[1],
+                                                after=job.kwargs.get("after"), job_id=replacement_id,
+                                                meta={REQUEUED_FROM_FIELD: job.id})
+        if replacement != replacement_id:  # (it joined the forced job already waiting: that one answers)
+            job.meta[REQUEUED_AS_FIELD] = replacement
+            job.save_meta()  # type: ignore[no-untyped-call]
+        logger.warning("abandoned forced job queued again session=%s job=%s (%s) as=%s", session_id, job.id, why,
+                       replacement, extra={"session_id": session_id, "job_id": replacement})
+        return replacement
+    except Exception:  # (its request is answered job_abandoned, as before; RQ's handling goes on)
+        logger.exception("abandoned forced job %s not queued again session=%s", job.id, session_id)
+        return None

@@ -72,6 +72,7 @@ from rq.job import Job, JobStatus
 from rq.job_lifecycle import call_exception_handlers, format_exc_info
 from rq.rate_limit import RateLimitRegistry, release_slot
 from rq.registry import StartedJobRegistry
+from rq.timeouts import TimerDeathPenalty
 from rq.utils import as_text
 from rq.worker import WorkerStatus
 
@@ -79,12 +80,10 @@ from compactor import metrics
 from compactor.heap import freeze_heap
 from compactor.keys import Keys
 from compactor.queue import (
-    ABANDONED_WORDS,
     JANITOR_BATCH,
     STALE_CLAIM_GRACE_S,
     claim_is_stale,
     compaction_queue,
-    enqueue_forced_compaction,
     parse_job_id,
     pending_job_id,
     queue_unqueued_claim,
@@ -96,12 +95,12 @@ from compactor.queue import (
 from compactor.serve import exit_with_parent, hangup_ignored
 from events.config import Settings
 from events.errors import CompactorError
-from events.models import REQUEUED_AS_FIELD, REQUEUED_FROM_FIELD, escaped
+from events.models import escaped
 from events.tokens import get_encoding
 from worker import context as worker_context
 from worker.compaction import STOPPING
 from worker.context import WorkerContext
-from worker.jobs import finish
+from worker.jobs import finish, replace_abandoned
 from worker.redis_wait import RedisWait, is_transient
 from worker.summarize import warm_up_litellm
 
@@ -125,6 +124,7 @@ MAX_RESPAWNS = 5  # deaths of one worker child within RESPAWN_WINDOW_S that stop
 RESPAWN_WINDOW_S = 60.0
 REDIS_CHECK_TIMEOUT_S = 5.0
 STRANDED_AFTER_S = 10  # a job dequeued but not started this long: its worker died in between
+STRANDED_WORDS = "Job was stuck in intermediate queue"  # RQ's error for a job its worker died before starting
 SUCCESS_TRIES = 4  # tries at recording a job's success while Redis drops the connection (1 + 2 + 4 s apart)
 PRELOAD_ENCODINGS = ("cl100k_base", "o200k_base")
 
@@ -494,7 +494,11 @@ class CompactionWorker(SimpleWorker):
                            execution: Execution | None = None) -> None:
         """RQ's, with the job's error as valid text: a lone surrogate in it (quoted from a reply or a
         provider's error) made RQ's store of the result raise, and the worker quit, the job left
-        ``started`` until declared abandoned (its real error lost)."""
+        ``started`` until declared abandoned (its real error lost). A forced job RQ found stranded
+        (taken from the queue by a worker that died before starting it) is replaced first, as one
+        abandoned while it ran is by its failure callback (``worker.jobs.replace_if_abandoned``)."""
+        if exc_string.startswith(STRANDED_WORDS):
+            replace_abandoned(job, "its worker died before it started")
         super().handle_job_failure(job, queue, started_job_registry, escaped(exc_string), execution)
 
     def handle_exception(self, job: Job, *exc_info: Any) -> None:
@@ -561,7 +565,9 @@ def run_janitor(context: WorkerContext, worker: CompactionWorker | None = None) 
         return []
     deadline = time.monotonic() + JANITOR_PASS_S  # (what is left goes to the next pass)
     queue = compaction_queue(client, settings)
-    registry = StartedJobRegistry(queue=queue)
+    # (its failure callbacks, a forced job's replacement, under a timer: this is the keeper's thread,
+    # where RQ's default alarm signal cannot be set, and the callback failed unrun)
+    registry = StartedJobRegistry(queue=queue, death_penalty_class=TimerDeathPenalty)
     expired = registry.get_expired_job_ids()
     if expired:
         registry.cleanup()
@@ -580,46 +586,9 @@ def run_janitor(context: WorkerContext, worker: CompactionWorker | None = None) 
                               "outcome": "abandoned"})
         recovered.append(job_id)
         if time.monotonic() < deadline:  # (past it: failed above, its claim a stale one for a later pass)
-            _replace_abandoned(context, parsed[2], job_id)
             finish(context, parsed[2], job_id, abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
     recovered += _free_stale_claims(context, deadline)
     return recovered
-
-
-def _replace_abandoned(context: WorkerContext, session_id: str, job_id: str) -> None:
-    """Queue a forced job in the place of ``job_id``, the session's claim, when it is a forced job
-    RQ failed as abandoned (its worker died: a serve stopped during a call longer than its
-    children's 15 s grace was the usual way), once: its request was accepted (a 202, or a wait cut
-    by a stopping API), and the session, maybe under its thresholds, got no compaction from it.
-    Whoever failed it (the janitor or RQ's own maintenance), the janitor frees its stale claim and
-    replaces it first. A replacement is not replaced in turn (a job that kills its worker each time
-    would run for good); one that joined a forced job already waiting is that job, whose own
-    request keeps its one replacement. Waits on the first follow it (``requeuedAs``)."""
-    try:
-        job = Job.fetch(job_id, connection=context.redis)
-        if not job.kwargs.get("forced") or job.get_status(refresh=False) != JobStatus.FAILED:
-            return
-        meta = job.meta or {}
-        if meta.get(REQUEUED_AS_FIELD):
-            return  # (replaced already: a pass before this one)
-        result = job.latest_result()
-        if result is None or not any(words in (result.exc_string or "") for words in ABANDONED_WORDS):
-            return  # (failed for a reason of its own: its request is answered with it)
-        if meta.get(REQUEUED_FROM_FIELD):
-            logger.warning("abandoned forced job not queued again session=%s job=%s: it replaced %s already",
-                           session_id, job_id, meta[REQUEUED_FROM_FIELD], extra={"session_id": session_id})
-            return
-        session, cwd = job.args[0], job.args[1]
-        replacement = enqueue_forced_compaction(context.redis, context.settings, session, cwd,
-                                                after=job.kwargs.get("after"), meta={REQUEUED_FROM_FIELD: job_id})
-        job.meta[REQUEUED_AS_FIELD] = replacement
-        job.save_meta()  # type: ignore[no-untyped-call]
-        logger.warning("abandoned forced job queued again session=%s job=%s as=%s", session_id, job_id,
-                       replacement, extra={"session_id": session_id, "job_id": replacement})
-    except (redis.ConnectionError, redis.TimeoutError):
-        raise
-    except Exception:  # (its request is answered job_abandoned, as before; the janitor goes on)
-        logger.exception("abandoned forced job %s not queued again", job_id)
 
 
 class _StrandedJobs(IntermediateQueue):
@@ -695,7 +664,6 @@ def _free_stale_claims(context: WorkerContext, deadline: float | None = None) ->
         else:
             logger.warning("stale claim freed session=%s job=%s", session_id, claim,
                            extra={"session_id": session_id, "job_id": claim, "outcome": "stale_claim"})
-            _replace_abandoned(context, session_id, claim)  # (failed by RQ's own maintenance: not seen above)
         finish(context, session_id, claim or "", abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
         freed.append(claim or session_id)
     # (looked at all the index had past the start: the next pass begins at its oldest again)

@@ -26,6 +26,7 @@ from events.log import SessionLog
 from events.state import decide, rebuild
 from events.view import LlmTargets, build_view
 from compactor.llm_stub import STUB_MODEL, LLMStub, StubResponse, summary_text, valid_summary_reply
+from tests.support import wait_for
 from tests.worker.conftest import CWD, log_lines, make_settings, read_log, run_burst, turn, write_session
 from worker import compaction as worker_compaction
 from worker.compaction import JobRun
@@ -1890,39 +1891,51 @@ def test_one_sessions_error_does_not_end_the_janitors_pass_for_the_others(
     assert pending_job_id(r, wsettings, "s1") == stuck
 
 
-def _abandon(r: redis.Redis, settings: Settings, job_id: str) -> None:
-    """What RQ's cleanup of the started registry (the janitor's, or any worker's maintenance) records
-    of a job whose worker died mid-job; its claim is then past the janitor's grace."""
-    from rq.job_lifecycle import record_job_failure
+def _left_by_a_dead_worker(r: redis.Redis, settings: Settings, job_id: str) -> None:
+    """A job a worker took and died running: ``started``, its execution expired in RQ's registry."""
+    from rq.registry import StartedJobRegistry
 
-    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
-
+    queue = compaction_queue(r, settings)
     job = Job.fetch(job_id, connection=r)
-    compaction_queue(r, settings).remove(job)
-    with r.pipeline() as pipe:
-        record_job_failure(job, "Moved to FailedJobRegistry, due to AbandonedJobError, at 2026-12-06", pipe)
-        pipe.execute()
-    r.zadd(Keys().claims, {job.args[0]: redis_now(r) - STALE_CLAIM_GRACE_S - 1})
+    queue.remove(job)
+    job.set_status(JobStatus.STARTED)
+    r.zadd(StartedJobRegistry(queue=queue).key, {f"{job_id}:a-dead-execution": 1})
 
 
-def test_a_forced_job_failed_as_abandoned_is_replaced_once_and_a_wait_follows_it(
-    r: redis.Redis, wsettings: Settings, stub: LLMStub,
+@pytest.mark.parametrize("found_by", ["the janitor", "RQ's maintenance", "a trigger first"])
+def test_a_forced_job_abandoned_by_its_worker_is_replaced_once_and_a_wait_follows_it(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, found_by: str,
 ) -> None:
     """A forced compaction accepted whose worker died (a serve stopped during a long LLM call) was
-    failed as abandoned and never ran again. Whoever failed it (RQ's maintenance on any worker
-    often comes first), the janitor queues a forced job in its place, once; a wait on the first,
-    begun before, follows it, and its answer is the replacement's."""
+    failed as abandoned and never ran again. Whoever finds it abandoned (the janitor, in its
+    keeper thread, or RQ's maintenance on any worker), a forced job is queued in its place, once,
+    recorded before the failure is; a wait on the first, begun before, follows it."""
+    from rq.registry import clean_registries
+
+    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
     from producer.api_jobs import wait_for_job
     from worker.runner import run_janitor
 
     write_session(r, wsettings, "s1", 3)
     first = enqueue_forced_compaction(r, wsettings, "s1", CWD)
-    _abandon(r, wsettings, first)
+    _left_by_a_dead_worker(r, wsettings, first)
     waited: dict[str, Any] = {}
     waiter = threading.Thread(target=lambda: waited.update(body=wait_for_job(r, first, Keys().queue, 30)))
     waiter.start()
-    time.sleep(0.5)  # (the wait sees it failed, abandoned: it gives the janitor time)
-    run_janitor(WorkerContext.build(wsettings, r))
+    context = WorkerContext.build(wsettings, r)
+    install(context)
+    if found_by == "the janitor":  # (in a thread, as the keeper runs it: RQ's alarm signal cannot be set there)
+        janitor = threading.Thread(target=run_janitor, args=(context,))
+        janitor.start()
+        janitor.join(30)
+    elif found_by == "RQ's maintenance":
+        clean_registries(compaction_queue(r, wsettings))
+        r.zadd(Keys().claims, {"s1": redis_now(r) - STALE_CLAIM_GRACE_S - 1})  # (its claim, past the grace)
+        run_janitor(context)
+    else:  # (the watcher's next trigger takes the failed job's claim before any janitor looks at it)
+        clean_registries(compaction_queue(r, wsettings))
+        assert enqueue_compaction(r, wsettings, "s1", CWD, "micro") is not None
+    wait_for(lambda: compaction_queue(r, wsettings).count == 1, 10, "a job queued")
     replacement = Job.fetch(first, connection=r).meta["requeuedAs"]
     assert Job.fetch(replacement, connection=r).meta["requeuedFrom"] == first
     run_burst(r, wsettings)
@@ -1930,16 +1943,20 @@ def test_a_forced_job_failed_as_abandoned_is_replaced_once_and_a_wait_follows_it
     body = waited["body"]
     assert body.job_id == replacement and body.status == "finished" and body.result.did_compress
     assert len(_summaries(wsettings, "s1")) == 1
-    # the replacement abandoned in turn is not replaced (a job killing its worker each time), and a
-    # wait on it answers at once
-    write_session(r, wsettings, "s1", 2, first=4)
+
+
+def test_a_replacement_abandoned_in_turn_is_not_replaced(r: redis.Redis, wsettings: Settings) -> None:
+    """(A job that kills its worker each time would run for good.) A wait on it answers at once."""
+    from producer.api_jobs import wait_for_job
+    from worker.runner import run_janitor
+
+    write_session(r, wsettings, "s1", 3)
     again = enqueue_forced_compaction(r, wsettings, "s1", CWD, meta={"requeuedFrom": "an-earlier-job"})
-    _abandon(r, wsettings, again)
-    r.delete(Keys().janitor)
-    run_janitor(WorkerContext.build(wsettings, r))
-    assert "requeuedAs" not in Job.fetch(again, connection=r).meta
-    started = time.monotonic()
-    assert wait_for_job(r, again, Keys().queue, 30).status == "failed" and time.monotonic() - started < 5
+    _left_by_a_dead_worker(r, wsettings, again)
+    install(context := WorkerContext.build(wsettings, r))
+    run_janitor(context)
+    assert "requeuedAs" not in Job.fetch(again, connection=r).meta and compaction_queue(r, wsettings).count == 0
+    assert wait_for_job(r, again, Keys().queue, 30).status == "failed"
 
 
 def test_a_forced_job_replaced_by_joining_a_waiting_one_leaves_that_ones_own_replacement(
@@ -1953,10 +1970,12 @@ def test_a_forced_job_replaced_by_joining_a_waiting_one_leaves_that_ones_own_rep
     first = enqueue_forced_compaction(r, wsettings, "s1", CWD)
     waiting = enqueue_forced_compaction(r, wsettings, "s1", CWD)  # (another request: waits behind it)
     assert waiting != first
-    _abandon(r, wsettings, first)
-    run_janitor(WorkerContext.build(wsettings, r))
+    _left_by_a_dead_worker(r, wsettings, first)
+    install(context := WorkerContext.build(wsettings, r))
+    run_janitor(context)
     assert Job.fetch(first, connection=r).meta["requeuedAs"] == waiting
     assert "requeuedFrom" not in Job.fetch(waiting, connection=r).meta
+    assert compaction_queue(r, wsettings).job_ids == [waiting]  # (promoted once the first's claim was freed)
 
 
 def test_a_forced_job_failed_for_its_own_reason_is_not_replaced(
