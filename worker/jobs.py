@@ -26,6 +26,7 @@ Each job logs one line: session, job, kind, outcome, duration.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -315,9 +316,15 @@ def replace_abandoned(job: Job, why: str) -> str | None:
         replacement_id = new_job_id(session_id, "llm")
         job.meta[REQUEUED_AS_FIELD] = replacement_id
         job.save_meta()  # type: ignore[no-untyped-call]
-        replacement = enqueue_forced_compaction(context.redis, context.settings, session_id, job.args[1],
-                                                after=job.kwargs.get("after"), job_id=replacement_id,
-                                                meta={REQUEUED_FROM_FIELD: job.id})
+        try:
+            replacement = enqueue_forced_compaction(context.redis, context.settings, session_id, job.args[1],
+                                                    after=job.kwargs.get("after"), job_id=replacement_id,
+                                                    meta={REQUEUED_FROM_FIELD: job.id})
+        except Exception:  # (no replacement: the record taken back, or waits followed it to a job never made)
+            job.meta.pop(REQUEUED_AS_FIELD, None)
+            with contextlib.suppress(Exception):
+                job.save_meta()  # type: ignore[no-untyped-call]
+            raise
         if replacement != replacement_id:  # (it joined the forced job already waiting: that one answers)
             job.meta[REQUEUED_AS_FIELD] = replacement
             job.save_meta()  # type: ignore[no-untyped-call]

@@ -1959,6 +1959,28 @@ def test_a_replacement_abandoned_in_turn_is_not_replaced(r: redis.Redis, wsettin
     assert wait_for_job(r, again, Keys().queue, 30).status == "failed"
 
 
+def test_a_replacement_that_cannot_be_queued_leaves_no_record_to_follow(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The replacement's id is written first: one whose enqueue then failed left waits following it
+    to a job never made (a 500 job_lost at their deadline, not the job_abandoned it was)."""
+    from worker.runner import run_janitor
+
+    write_session(r, wsettings, "s1", 3)
+    first = enqueue_forced_compaction(r, wsettings, "s1", CWD)
+    _left_by_a_dead_worker(r, wsettings, first)
+
+    def refused(*args: Any, **kwargs: Any) -> str:
+        raise redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'")
+
+    monkeypatch.setattr(worker_jobs, "enqueue_forced_compaction", refused)
+    install(context := WorkerContext.build(wsettings, r))
+    run_janitor(context)
+    job = Job.fetch(first, connection=r)
+    assert job.get_status() == JobStatus.FAILED and "requeuedAs" not in job.meta
+    assert "AbandonedJobError" in (job.latest_result().exc_string or "")  # type: ignore[union-attr]
+
+
 def test_a_forced_job_replaced_by_joining_a_waiting_one_leaves_that_ones_own_replacement(
     r: redis.Redis, wsettings: Settings, stub: LLMStub,
 ) -> None:
