@@ -72,7 +72,7 @@ from rq.job import Job, JobStatus
 from rq.job_lifecycle import call_exception_handlers, format_exc_info
 from rq.rate_limit import RateLimitRegistry, release_slot
 from rq.registry import StartedJobRegistry
-from rq.timeouts import TimerDeathPenalty
+from rq.timeouts import JobTimeoutException, TimerDeathPenalty
 from rq.utils import as_text
 from rq.worker import WorkerStatus
 
@@ -567,7 +567,7 @@ def run_janitor(context: WorkerContext, worker: CompactionWorker | None = None) 
     queue = compaction_queue(client, settings)
     # (its failure callbacks, a forced job's replacement, under a timer: this is the keeper's thread,
     # where RQ's default alarm signal cannot be set, and the callback failed unrun)
-    registry = StartedJobRegistry(queue=queue, death_penalty_class=TimerDeathPenalty)
+    registry = StartedJobRegistry(queue=queue, death_penalty_class=_CallbackTimer)
     expired = registry.get_expired_job_ids()
     if expired:
         registry.cleanup()
@@ -586,9 +586,37 @@ def run_janitor(context: WorkerContext, worker: CompactionWorker | None = None) 
                               "outcome": "abandoned"})
         recovered.append(job_id)
         if time.monotonic() < deadline:  # (past it: failed above, its claim a stale one for a later pass)
+            _replace_without_callback(context, job_id)
             finish(context, parsed[2], job_id, abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
     recovered += _free_stale_claims(context, deadline)
     return recovered
+
+
+class _CallbackTimedOut(JobTimeoutException):
+    """A failure callback run by the janitor past its timeout."""
+
+
+class _CallbackTimer(TimerDeathPenalty):
+    """RQ's timer penalty (the janitor's thread cannot set RQ's alarm signal) on an exception class
+    of its own: RQ's sets its message on the class it is given, ``JobTimeoutException``, for the
+    whole process, and every later job timeout of the worker read "(30 seconds)", the callback's."""
+
+    def __init__(self, timeout: Any, exception: Any = None, **kwargs: Any) -> None:
+        super().__init__(timeout, _CallbackTimedOut, **kwargs)  # type: ignore[no-untyped-call]
+
+
+def _replace_without_callback(context: WorkerContext, job_id: str) -> None:
+    """``replace_abandoned`` for a forced job queued before forced jobs had their failure callback
+    (by the release before this one: an upgrade's restart abandons such jobs), which RQ's cleanup
+    just failed as abandoned."""
+    try:
+        job = Job.fetch(job_id, connection=context.redis)
+        if job.failure_callback is None and job.get_status(refresh=False) == JobStatus.FAILED:
+            replace_abandoned(job, "its worker died while it ran")
+    except (redis.ConnectionError, redis.TimeoutError):
+        raise
+    except Exception:
+        logger.exception("abandoned forced job %s not queued again", job_id)
 
 
 class _StrandedJobs(IntermediateQueue):

@@ -1959,6 +1959,28 @@ def test_a_replacement_abandoned_in_turn_is_not_replaced(r: redis.Redis, wsettin
     assert wait_for_job(r, again, Keys().queue, 30).status == "failed"
 
 
+def test_a_forced_job_queued_before_the_failure_callback_is_replaced_and_job_timeouts_keep_their_words(
+    r: redis.Redis, wsettings: Settings,
+) -> None:
+    """An upgrade's restart abandons forced jobs the release before queued, with no failure
+    callback: the janitor replaces them itself. And the timer under which it runs callbacks set
+    its message on RQ's JobTimeoutException for the whole process: every later job timeout of the
+    worker read "Task exceeded maximum timeout value (30 seconds)"."""
+    from rq.timeouts import JobTimeoutException
+
+    from worker.runner import run_janitor
+
+    write_session(r, wsettings, "s1", 3)
+    first = enqueue_forced_compaction(r, wsettings, "s1", CWD)
+    r.hdel(Job.key_for(first), "failure_callback_name")  # (as the release before queued it)
+    _left_by_a_dead_worker(r, wsettings, first)
+    install(context := WorkerContext.build(wsettings, r))
+    run_janitor(context)
+    replacement = Job.fetch(first, connection=r).meta["requeuedAs"]
+    assert compaction_queue(r, wsettings).job_ids == [replacement]
+    assert str(JobTimeoutException("Task exceeded maximum timeout value (600 seconds)")).endswith("(600 seconds)")
+
+
 def test_a_replacement_that_cannot_be_queued_leaves_no_record_to_follow(
     r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
