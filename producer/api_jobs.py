@@ -132,20 +132,24 @@ def wait_for_job(client: redis.Redis, job_id: str, queue: str, timeout_s: float)
     on a restart of a second, and the job it had queued then compacted. A job gone from Redis
     (``job_id`` is one that was queued) is waited for too (a worker running it writes it back
     when it ends), up to the deadline, where ``JobLost`` is raised. A forced job abandoned mid-run
-    is followed to the one the janitor queued in its place (``requeued_as``): the body is its."""
+    is followed to the one the janitor queued in its place (``requeued_as``): the body is its
+    (or, when that one was never made, the abandoned job's own)."""
     deadline = time.monotonic() + timeout_s
-    followed = 0
+    followed, origin = 0, None
     while True:
         try:
             body = _polled(client, job_id, queue)
-        except (redis.ConnectionError, redis.TimeoutError, JobLost):  # (BusyLoadingError too: a restart's load)
+        except (redis.ConnectionError, redis.TimeoutError, JobLost) as e:  # (BusyLoadingError too: a restart's load)
+            if isinstance(e, JobLost) and origin is not None:
+                return origin  # (the replacement's id recorded, the replacement never made: an outage)
             if time.monotonic() >= deadline:
                 raise
             time.sleep(OUTAGE_POLL_INTERVAL_S)
             continue
         if body.requeued_as and followed < MAX_FOLLOWED:  # (abandoned: the job queued in its place answers)
-            job_id, followed = body.requeued_as, followed + 1
+            job_id, followed, origin = body.requeued_as, followed + 1, body
             continue
+        origin = None
         if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline:
             return body
         time.sleep(POLL_INTERVAL_S)
@@ -161,11 +165,13 @@ async def wait_for_job_async(client: redis.Redis, job_id: str, queue: str, timeo
     202 with the job id, as for any wait that ran out. ``JobLost`` past the deadline only."""
     deadline = time.monotonic() + timeout_s
     last = JobBody(job_id=job_id, status=JobStatus.QUEUED.value)
-    followed = 0
+    followed, origin = 0, None
     while True:
         try:
             body = await anyio.to_thread.run_sync(_polled, client, job_id, queue)
         except (redis.ConnectionError, redis.TimeoutError, JobLost) as e:
+            if isinstance(e, JobLost) and origin is not None:
+                return origin  # (the replacement's id recorded, the replacement never made: an outage)
             if time.monotonic() >= deadline and isinstance(e, JobLost):
                 raise
             if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
@@ -173,10 +179,10 @@ async def wait_for_job_async(client: redis.Redis, job_id: str, queue: str, timeo
             await asyncio.sleep(OUTAGE_POLL_INTERVAL_S)
             continue
         if body.requeued_as and followed < MAX_FOLLOWED:  # (abandoned: the job queued in its place answers)
-            job_id, followed = body.requeued_as, followed + 1
+            job_id, followed, origin = body.requeued_as, followed + 1, body
             last = JobBody(job_id=job_id, status=JobStatus.QUEUED.value)
             continue
-        last = body
+        last, origin = body, None
         if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline or (stop is not None and stop.is_set()):
             return body
         await asyncio.sleep(POLL_INTERVAL_S)

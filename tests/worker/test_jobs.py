@@ -2003,6 +2003,28 @@ def test_a_replacement_that_cannot_be_queued_leaves_no_record_to_follow(
     assert "AbandonedJobError" in (job.latest_result().exc_string or "")  # type: ignore[union-attr]
 
 
+def test_a_wait_following_a_replacement_never_made_answers_with_the_abandoned_job(
+    r: redis.Redis, wsettings: Settings,
+) -> None:
+    """Its id recorded, then an outage failed both its enqueue and the record's take-back: a wait
+    followed it to a job never made, and answered job_lost at its deadline."""
+    from rq.job_lifecycle import record_job_failure
+
+    from producer.api_jobs import wait_for_job
+
+    write_session(r, wsettings, "s1", 3)
+    first = enqueue_forced_compaction(r, wsettings, "s1", CWD)
+    job = Job.fetch(first, connection=r)
+    job.meta["requeuedAs"] = "00000000000000000001-llm-s1"
+    job.save_meta()
+    with r.pipeline() as pipe:
+        record_job_failure(job, "Moved to FailedJobRegistry, due to AbandonedJobError, at 2026-12-06", pipe)
+        pipe.execute()
+    started = time.monotonic()
+    body = wait_for_job(r, first, Keys().queue, 20)
+    assert body.job_id == first and body.status == "failed" and time.monotonic() - started < 5
+
+
 def test_a_forced_job_replaced_by_joining_a_waiting_one_leaves_that_ones_own_replacement(
     r: redis.Redis, wsettings: Settings, stub: LLMStub,
 ) -> None:
