@@ -75,12 +75,13 @@ def entry_mark(fields: list[bytes]) -> str:
 
 
 # KEYS: per shard its lease and its stream; ARGV: owner, group, count, byte budget, then per shard
-# its consumer, start id and first chunk's size. Per shard: -1 not our lease; -2 no such group (NOGROUP); -3 not read,
-# the call's budget spent on the shards before it; {entries}: what was read; a string: nothing to
-# read, the stream's top id. A shard is read in chunks of READ_CHUNK entries at most (fewer once the
-# entries are seen large, here or in the shard's last read) until ``count`` or the budget (the entries' bytes, all shards together): one read of
-# 256 entries per shard, each under maxEventBytes, was a reply of gigabytes, built inside Redis (every
-# client waited) past the watcher's socket timeout, and read again at each retry, for good.
+# its consumer, start id and first chunk's size. Per shard: -1 not our lease; -2 no such group
+# (NOGROUP); -3 not read, the call's budget spent on the shards before it; {entries}: what was read;
+# a string: nothing to read, the stream's top id. A shard is read in chunks of READ_CHUNK entries at
+# most (fewer once the entries are seen large, here or in the shard's last read) until ``count`` or
+# the budget (the entries' bytes, all shards together): one read of 256 entries per shard, each
+# under maxEventBytes, was a reply of gigabytes, built inside Redis (every client waited) past the
+# watcher's socket timeout, and read again at each retry, for good.
 _READ = """
 local out = {}
 local count, budget, used = tonumber(ARGV[3]), tonumber(ARGV[4]), 0
@@ -307,8 +308,8 @@ class ShardStreams:
     def read_many(self, starts: dict[int, str], count: int, budget: int | None = None) -> dict[int, ReadResult]:
         """Read up to ``count`` entries of each shard from its start id: one script call for
         all the shards (a round with nothing new costs one call, not one per shard), up to
-        ``budget`` bytes of entries in all (``READ_BUDGET_BYTES``; and one chunk past it): the shards past it are
-        ``deferred``. The next call starts at the first shard deferred (else at the shard after
+        ``budget`` bytes of entries in all (``READ_BUDGET_BYTES``; and one chunk past it): the
+        shards past it are ``deferred``. The next call starts at the first shard deferred (else at the shard after
         this call's first), so a shard of large entries that spends the budget keeps no other
         waiting more than one call (a turn by one shard each call left the shard after it
         deferred 7 calls in 8)."""
