@@ -612,18 +612,22 @@ redis.call('ZADD', KEYS[3], redis.call('TIME')[1], ARGV[1])
 
 
 # KEYS: job claim, retrigger, claims index; ARGV: session id, delay (s). A session whose re-check
-# cannot use its log (corrupt: its repair is an operator's): its recorded trigger looked at again past
-# the delay, unless a job claimed the session meanwhile (its claim's age is the janitor's to watch).
+# cannot use its log (corrupt: its repair is an operator's): a trigger recorded (unless one is) and
+# looked at again past the delay, unless a job claimed the session meanwhile (its claim's age is the
+# janitor's to watch).
 _DEFER = """
-if redis.call('EXISTS', KEYS[1]) == 0 and redis.call('EXISTS', KEYS[2]) == 1 then
-  redis.call('ZADD', KEYS[3], 'XX', redis.call('TIME')[1] + tonumber(ARGV[2]), ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('SET', KEYS[2], 'micro', 'NX')
+  redis.call('ZADD', KEYS[3], redis.call('TIME')[1] + tonumber(ARGV[2]), ARGV[1])
 end
 """
 
 
 def defer_trigger(client: redis.Redis, settings: Settings, session_id: str, delay_s: float) -> None:
-    """Have the janitor re-check the session's recorded trigger (if any) ``delay_s`` from now, not
-    at its next pass: one whose log is corrupt was re-read and logged every 30 s, for good."""
+    """Have the janitor re-check the session ``delay_s`` from now, not at its next pass (a trigger
+    kept, or recorded when there was none): one whose log is corrupt was re-read and logged every
+    30 s, for good; one with no trigger left the janitor's index, and once its log was repaired
+    nothing re-checked it before its next event."""
     client.eval(_DEFER, 3, *_session_keys(settings, session_id), session_id, int(delay_s))
 
 
