@@ -80,7 +80,8 @@ REPLACE_ABANDONED = "worker.jobs.replace_if_abandoned"  # a forced job's failure
 CALLBACK_TIMEOUT_S = 30
 # RQ's words for a job whose worker died: mid-job (its cleanup of the started registry, the
 # janitor's or its own maintenance's) or after taking it from the queue, before it started
-ABANDONED_WORDS = ("due to AbandonedJobError", "Job was stuck in intermediate queue")
+STRANDED_WORDS = "Job was stuck in intermediate queue"
+ABANDONED_WORDS = ("due to AbandonedJobError", STRANDED_WORDS)
 ENDED_STATUSES = frozenset({
     JobStatus.FINISHED, JobStatus.FAILED, JobStatus.STOPPED, JobStatus.CANCELED,
 })

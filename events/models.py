@@ -230,7 +230,7 @@ EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 # failed LLM call: {kind, error, model, fallback} (``worker.compaction.LlmFailure``)
 LLM_ERROR_FIELD = "llmError"
 MICRO_STEP_FIELD = "microStep"  # a failed LLM job's meta: the CompressResult of the micro step it applied
-REQUEUED_AS_FIELD = "requeuedAs"  # an abandoned forced job's meta: the forced job the janitor queued in its place
+REQUEUED_AS_FIELD = "requeuedAs"  # an abandoned forced job's meta: the forced job queued in its place
 REQUEUED_FROM_FIELD = "requeuedFrom"  # ... and that job's: the one it replaces (it is not queued again itself)
 
 

@@ -430,7 +430,7 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
                                        stop=request.app.state.stopping)
     except JobLost as e:  # (a 404 said the session was unknown; the job may have run)
         return error_response(500, str(e), "job_lost", headers={JOB_ID_HEADER: job_id})
-    job_id = job.job_id  # (a job abandoned mid-run: the one the janitor queued in its place, followed)
+    job_id = job.job_id  # (a job abandoned mid-run: the one queued in its place, followed)
     if job.status == "finished" and job.result is not None:
         response.headers[JOB_ID_HEADER] = job_id
         if job.llm_error is not None:

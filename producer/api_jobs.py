@@ -132,7 +132,7 @@ def wait_for_job(client: redis.Redis, job_id: str, queue: str, timeout_s: float)
     on a restart of a second, and the job it had queued then compacted. A job gone from Redis
     (``job_id`` is one that was queued) is waited for too (a worker running it writes it back
     when it ends), up to the deadline, where ``JobLost`` is raised. A forced job abandoned mid-run
-    is followed to the one the janitor queued in its place (``requeued_as``): the body is its
+    is followed to the one queued in its place (``requeued_as``): the body is its
     (or, when that one was never made, the abandoned job's own)."""
     deadline = time.monotonic() + timeout_s
     followed, origin = 0, None

@@ -101,10 +101,10 @@ class JobBody(_Body):
         None, description="on a failed LLM job: the micro step it applied before its LLM call failed (SPEC §5 "
                           "runs it first; the failure does not undo it): tokens released, the estimate after")
     requeued_as: str | None = Field(
-        None, description="on a forced job whose worker died (abandoned): the forced job the janitor queued in its "
+        None, description="on a forced job whose worker died (abandoned): the forced job queued in its "
                           "place, which answers the request (waits follow it)")
     requeued_from: str | None = Field(
-        None, description="on a forced job the janitor queued in the place of an abandoned one: that job (this "
+        None, description="on a forced job queued in the place of an abandoned one: that job (this "
                           "one is not replaced in turn)")
 
 

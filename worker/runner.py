@@ -82,6 +82,7 @@ from compactor.keys import Keys
 from compactor.queue import (
     JANITOR_BATCH,
     STALE_CLAIM_GRACE_S,
+    STRANDED_WORDS,
     claim_is_stale,
     compaction_queue,
     parse_job_id,
@@ -124,7 +125,6 @@ MAX_RESPAWNS = 5  # deaths of one worker child within RESPAWN_WINDOW_S that stop
 RESPAWN_WINDOW_S = 60.0
 REDIS_CHECK_TIMEOUT_S = 5.0
 STRANDED_AFTER_S = 10  # a job dequeued but not started this long: its worker died in between
-STRANDED_WORDS = "Job was stuck in intermediate queue"  # RQ's error for a job its worker died before starting
 SUCCESS_TRIES = 4  # tries at recording a job's success while Redis drops the connection (1 + 2 + 4 s apart)
 PRELOAD_ENCODINGS = ("cl100k_base", "o200k_base")
 

@@ -137,7 +137,7 @@ def compact(
         print_json(step.model_dump(by_alias=True))
     else:
         print_json(_nothing_compacted(client, settings, sid, cwd))
-    job_id = job.job_id  # (a job abandoned mid-run: the one the janitor queued in its place, followed)
+    job_id = job.job_id  # (a job abandoned mid-run: the one queued in its place, followed)
     if job.error is not None:
         fail(f"compaction job {job_id} {job.status}: {shown(error_message(job.error))}")  # (a provider's text)
     fail(f"compaction job {job_id} still {WAIT_WORDS.get(job.status, job.status)} after {wait_s:g}s; "
