@@ -643,19 +643,48 @@ def redis_now(client: redis.Redis) -> float:
     return float(seconds) + micros / 1e6
 
 
+# KEYS: claims index; ARGV: the max score, a count, and the place (a
+# session id and its score then; none: the index's start). Entries of the index from the one past
+# the place, ``count`` at most, with their scores, up to the max score. The place is found by the
+# session's rank while it is still there with the same score; else the pass goes on at the first
+# with that score (sessions claimed in the same second share it: a few looked at again, none
+# skipped, whereas a rank kept from a pass before skipped as many as were settled meanwhile).
+_LOOK_AT = """
+local start = 0
+if ARGV[3] then
+  local score = redis.call('ZSCORE', KEYS[1], ARGV[3])
+  if score and tonumber(score) == tonumber(ARGV[4]) then
+    start = redis.call('ZRANK', KEYS[1], ARGV[3]) + 1
+  else
+    start = redis.call('ZCOUNT', KEYS[1], '-inf', '(' .. ARGV[4])
+  end
+end
+local found = redis.call('ZRANGE', KEYS[1], start, start + tonumber(ARGV[2]) - 1, 'WITHSCORES')
+local out = {}
+for i = 1, #found, 2 do
+  if tonumber(found[i + 1]) > tonumber(ARGV[1]) then break end
+  out[#out + 1] = found[i]
+  out[#out + 1] = found[i + 1]
+end
+return out
+"""
+
+
 def sessions_to_look_at(client: redis.Redis, settings: Settings, older_than_s: float,
-                        now: float | None = None, start: int = 0) -> list[str]:
+                        now: float | None = None, after: tuple[float, str] | None = None,
+                        ) -> list[tuple[str, float]]:
     """Sessions whose claim or trigger has waited longer than ``older_than_s`` (oldest first),
-    ``JANITOR_BATCH`` at most, from the ``start``-th.
+    with their scores, ``JANITOR_BATCH`` at most, past ``after`` (the score and id of the last one
+    a pass before looked at).
 
     ``now``: Redis's clock (``redis_now``; asked for when not given). The claims are scored by
     it: a worker whose own clock lagged Redis's by a minute freed a dead job's claim a minute late.
     """
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     now = redis_now(client) if now is None else now
-    found: list[bytes] = client.zrangebyscore(  # type: ignore[assignment]
-        keys.claims, "-inf", now - older_than_s, start=start, num=JANITOR_BATCH)
-    return [as_text(sid) for sid in found]
+    place = () if after is None else (after[1], repr(after[0]))
+    found = client.eval(_LOOK_AT, 1, keys.claims, repr(now - older_than_s), JANITOR_BATCH, *place)
+    return [(as_text(found[i]), float(found[i + 1])) for i in range(0, len(found), 2)]
 
 
 def pending_job_id(client: redis.Redis, settings: Settings, session_id: str) -> str | None:

@@ -21,9 +21,10 @@ from worker.summarize import LiteLLMSummarizer, Summarizer
 
 @dataclass
 class JanitorPlace:
-    """Where in the index of stale claims this process's next janitor pass begins."""
+    """Where in the index of stale claims this process's next janitor pass begins: past the
+    score and session id of the last one its pass before looked at (None: at the oldest)."""
 
-    start: int = 0
+    after: tuple[float, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -656,47 +656,53 @@ def _fail_stranded(worker: SimpleWorker, queue: Queue) -> None:
 def _free_stale_claims(context: WorkerContext, deadline: float | None = None) -> list[str]:
     """Claims whose job never came or ended unnoticed, and triggers left unsettled: handle them,
     up to ``deadline`` (``time.monotonic()``). Each pass goes on from where this process's last
-    one stopped, past the sessions it left as they were (a live job's claim, one that failed):
+    one stopped, past the sessions it looked at (a live job's claim, one that failed, one freed):
     the 200 oldest were looked at again at each pass, and 200 live claims of a queue's backlog, or
-    failing sessions, hid every stale claim behind them (``WorkerContext.janitor``)."""
+    failing sessions, hid every stale claim behind them. The place is a score and a session id,
+    not a rank: sessions settled meanwhile before it moved every later one back, and a rank
+    skipped as many until a pass wrapped around (``WorkerContext.janitor``)."""
     client, settings = context.redis, context.settings
-    freed = []
+    freed: list[str] = []
     now = redis_now(client)  # (the claims' clock: a worker's own may be off)
-    start = context.janitor.start
-    sessions = sessions_to_look_at(client, settings, STALE_CLAIM_GRACE_S, now, start=start)
-    kept, looked = 0, 0
-    for session_id in sessions:
+    sessions = sessions_to_look_at(client, settings, STALE_CLAIM_GRACE_S, now, after=context.janitor.after)
+    looked = 0
+    for session_id, score in sessions:
         if deadline is not None and time.monotonic() >= deadline:
             break
+        _look_at(context, session_id, now, freed)  # (Redis gone: raised, the place kept)
         looked += 1
-        try:
-            claim = pending_job_id(client, settings, session_id)
-            if claim is not None and not claim_is_stale(client, claim, now):
-                if queue_unqueued_claim(client, settings, session_id, claim, now):
-                    logger.warning("forced job queued session=%s job=%s: claimed, its enqueue interrupted",
-                                   session_id, claim, extra={"session_id": session_id, "job_id": claim,
-                                                             "outcome": "unqueued_claim"})
-                    freed.append(claim)
-                else:
-                    kept += 1
-                continue  # a live job still owns the session
-        except (redis.ConnectionError, redis.TimeoutError):
-            raise  # (Redis gone: every session's would fail; the pass ends, the next one tries again)
-        except Exception:  # (one session's: the oldest first, it ended every pass before the others, for good)
-            logger.exception("janitor skipped session=%s", session_id, extra={"session_id": session_id})
-            kept += 1
-            continue
-        if claim is None:
-            logger.warning("unsettled trigger re-checked session=%s", session_id,
-                           extra={"session_id": session_id, "outcome": "unsettled_trigger"})
-        else:
-            logger.warning("stale claim freed session=%s job=%s", session_id, claim,
-                           extra={"session_id": session_id, "job_id": claim, "outcome": "stale_claim"})
-        finish(context, session_id, claim or "", abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
-        freed.append(claim or session_id)
-    # (looked at all the index had past the start: the next pass begins at its oldest again)
-    context.janitor.start = start + kept if looked < len(sessions) or len(sessions) == JANITOR_BATCH else 0
+        context.janitor.after = (score, session_id)
+    if looked == len(sessions) < JANITOR_BATCH:  # (all the index had past the place: the next pass
+        context.janitor.after = None  # begins at its oldest again)
     return freed
+
+
+def _look_at(context: WorkerContext, session_id: str, now: float, freed: list[str]) -> None:
+    """Free the session's claim if stale, or re-check its unsettled trigger; what it frees goes
+    into ``freed``."""
+    client, settings = context.redis, context.settings
+    try:
+        claim = pending_job_id(client, settings, session_id)
+        if claim is not None and not claim_is_stale(client, claim, now):
+            if queue_unqueued_claim(client, settings, session_id, claim, now):
+                logger.warning("forced job queued session=%s job=%s: claimed, its enqueue interrupted",
+                               session_id, claim, extra={"session_id": session_id, "job_id": claim,
+                                                         "outcome": "unqueued_claim"})
+                freed.append(claim)
+            return  # a live job still owns the session
+    except (redis.ConnectionError, redis.TimeoutError):
+        raise  # (Redis gone: every session's would fail; the pass ends, the next one tries again)
+    except Exception:  # (one session's: the oldest first, it ended every pass before the others, for good)
+        logger.exception("janitor skipped session=%s", session_id, extra={"session_id": session_id})
+        return
+    if claim is None:
+        logger.warning("unsettled trigger re-checked session=%s", session_id,
+                       extra={"session_id": session_id, "outcome": "unsettled_trigger"})
+    else:
+        logger.warning("stale claim freed session=%s job=%s", session_id, claim,
+                       extra={"session_id": session_id, "job_id": claim, "outcome": "stale_claim"})
+    finish(context, session_id, claim or "", abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
+    freed.append(claim or session_id)
 
 
 def _clean_rate_limits(client: redis.Redis, prefix: str) -> None:

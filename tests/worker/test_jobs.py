@@ -2086,7 +2086,65 @@ def test_live_claims_filling_the_janitors_batch_do_not_hide_a_stale_one_behind_t
         run_janitor(context)
     assert pending_job_id(r, wsettings, "dead") is None
     assert all(pending_job_id(r, wsettings, f"live{n}") is not None for n in range(3))
-    assert context.janitor.start == 0  # (the end of the index reached: the next pass begins at its oldest)
+    assert context.janitor.after is None  # (the end of the index reached: the next pass begins at its oldest)
+
+
+def test_sessions_settled_before_the_janitors_place_do_not_make_it_skip_later_ones(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The place a pass went on from was a rank in the index: a session settled meanwhile before it
+    (its job done) moved every later one back, and the next pass began past as many, a stale claim
+    among them left until a pass wrapped around (with a backlog of thousands, minutes)."""
+    from compactor import queue as queue_module
+    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
+    from worker import runner
+    from worker.runner import run_janitor
+
+    monkeypatch.setattr(runner, "JANITOR_BATCH", 3)
+    monkeypatch.setattr(queue_module, "JANITOR_BATCH", 3)
+    old = redis_now(r) - STALE_CLAIM_GRACE_S - 10
+    for n in range(4):  # live: queued, not started (a backlog)
+        job = enqueue_compaction(r, wsettings, f"live{n}", CWD, "micro")
+        assert job is not None
+        r.zadd(Keys().claims, {f"live{n}": old + n})
+    r.set(Keys().job("dead"), "00000000000000000001-llm-dead")  # the claim of a job long gone
+    r.zadd(Keys().claims, {"dead": old + 5})
+    context = WorkerContext.build(wsettings, r)
+    run_janitor(context)  # live0..live2 looked at
+    assert pending_job_id(r, wsettings, "dead") is not None
+    r.zrem(Keys().claims, "live0", "live1")  # (their jobs done meanwhile)
+    r.delete(Keys().janitor)  # (the lock of the pass before)
+    run_janitor(context)  # live3, then dead
+    assert pending_job_id(r, wsettings, "dead") is None
+    assert all(pending_job_id(r, wsettings, f"live{n}") is not None for n in range(4))
+
+
+def test_the_janitors_place_goes_past_sessions_tied_on_their_score_in_the_index_s_order(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sessions claimed at the same instant share a score: the place is the score and the id, so a
+    pass goes on past the ids it looked at among them and no further."""
+    from compactor import queue as queue_module
+    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
+    from worker import runner
+    from worker.runner import run_janitor
+
+    monkeypatch.setattr(runner, "JANITOR_BATCH", 2)
+    monkeypatch.setattr(queue_module, "JANITOR_BATCH", 2)
+    old = redis_now(r) - STALE_CLAIM_GRACE_S - 10
+    for sid in ("a", "b", "c"):
+        job = enqueue_compaction(r, wsettings, sid, CWD, "micro")
+        assert job is not None
+        r.zadd(Keys().claims, {sid: old})
+    r.set(Keys().job("d"), "00000000000000000001-llm-d")  # the claim of a job long gone, tied too
+    r.zadd(Keys().claims, {"d": old})
+    context = WorkerContext.build(wsettings, r)
+    run_janitor(context)  # a, b
+    assert context.janitor.after == (old, "b")
+    r.delete(Keys().janitor)
+    run_janitor(context)  # c, d
+    assert pending_job_id(r, wsettings, "d") is None
+    assert pending_job_id(r, wsettings, "c") is not None
 
 
 def test_a_session_whose_log_is_corrupt_is_re_checked_every_ten_minutes_not_every_pass(

@@ -443,7 +443,7 @@ def test_the_janitor_ages_claims_by_redis_s_clock_not_the_worker_s(
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + skew_s)
     monkeypatch.setattr(time, "time_ns", lambda: int((real() + skew_s) * 1e9))
-    assert sessions_to_look_at(r, settings, STALE_CLAIM_GRACE_S) == ["old"]
+    assert [sid for sid, _ in sessions_to_look_at(r, settings, STALE_CLAIM_GRACE_S)] == ["old"]
     seconds, micros = r.time()
     redis_ns = (int(seconds) * 1_000_000 + int(micros)) * 1000
     minted = lambda age_s: f"{redis_ns - int(age_s * 1e9):020d}-llm-old"  # noqa: E731 - stamped by Redis's clock
