@@ -23,6 +23,8 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
     {p}:claims                  zset: sessionId -> when its claim/trigger needs a look (unix s);
                                 the worker janitor frees claims whose job never came or died
     {p}:janitor                 string: lock held by the one worker janitor running now
+    {p}:replaced:{jobId}        string: set (NX, 1 day) by the one process replacing an abandoned
+                                forced job: RQ's maintenance and the janitor found it at once
     {p}:health                  string: written by each health check (Redis must take writes)
     {p}:orphans                 string: lock held by the watcher dead-lettering the entries of
                                 streams past redis.shards (producer.watcher.orphans)
@@ -152,6 +154,9 @@ class Keys:
     @property
     def janitor(self) -> str:
         return f"{self.prefix}:janitor"
+
+    def replaced(self, job_id: str) -> str:
+        return f"{self.prefix}:replaced:{job_id}"
 
     @property
     def health(self) -> str:

@@ -36,6 +36,7 @@ from rq.exceptions import AbandonedJobError, NoSuchJobError
 from rq.job import Job
 
 from compactor import metrics
+from compactor.keys import Keys
 from compactor.applied import wait_applied
 from compactor.queue import (
     FORCED_TRIGGER,
@@ -65,6 +66,7 @@ from worker.context import WorkerContext, current
 logger = logging.getLogger(__name__)
 
 CORRUPT_RECHECK_S = 600.0  # a session whose log the re-check found corrupt: its trigger looked at again after this
+REPLACED_TTL_S = 86_400  # how long the mark of an abandoned forced job's one replacement stays
 AFTER_WAIT_S = 10.0  # the longest a forced job waits for the watcher to apply the entry it was asked after
 
 
@@ -313,7 +315,12 @@ def replace_abandoned(job: Job, why: str) -> str | None:
                            session_id, job.id, why, meta[REQUEUED_FROM_FIELD], extra={"session_id": session_id})
             return None
         context = current()
-        replacement_id = new_job_id(session_id, "llm")
+        guard = Keys(context.settings.redis.prefix, context.settings.redis.shards).replaced(job.id)
+        # (one replacement: RQ's maintenance and the janitor each clean the registry up, and one
+        # fetched the job before the other recorded its replacement, both were queued)
+        if not context.redis.set(guard, replacement_id := new_job_id(session_id, "llm"), nx=True,
+                                 ex=REPLACED_TTL_S):
+            return None
         job.meta[REQUEUED_AS_FIELD] = replacement_id
         job.save_meta()  # type: ignore[no-untyped-call]
         try:
@@ -324,6 +331,8 @@ def replace_abandoned(job: Job, why: str) -> str | None:
             job.meta.pop(REQUEUED_AS_FIELD, None)
             with contextlib.suppress(Exception):
                 job.save_meta()  # type: ignore[no-untyped-call]
+            with contextlib.suppress(Exception):
+                context.redis.delete(guard)
             raise
         if replacement != replacement_id:  # (it joined the forced job already waiting: that one answers)
             job.meta[REQUEUED_AS_FIELD] = replacement

@@ -36,7 +36,8 @@ def test_shard_is_crc32_of_utf8_session_id_modulo_shards() -> None:
 def test_a_custom_prefix_is_used_by_every_key() -> None:
     k = Keys(prefix="acme")
     built = [k.stream(0), k.dead, k.failures("s"), k.session("s"), k.uuids("s"), k.sessions, k.lease(0),
-             k.fence(0), k.watchers, k.claims, k.janitor, k.job("s"), k.retrigger("s"), k.group, k.queue]
+             k.fence(0), k.watchers, k.claims, k.janitor, k.job("s"), k.retrigger("s"), k.group, k.queue,
+             k.replaced("j")]
     assert all(key.startswith("acme") and "compaction" not in key for key in built)
     assert all("::" not in key for key in built)
 

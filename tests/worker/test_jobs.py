@@ -1945,6 +1945,39 @@ def test_a_forced_job_abandoned_by_its_worker_is_replaced_once_and_a_wait_follow
     assert len(_summaries(wsettings, "s1")) == 1
 
 
+def test_two_cleanups_finding_one_abandoned_job_at_once_replace_it_once(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RQ's maintenance (a worker's main thread) and the janitor (another worker's keeper thread)
+    both clean the registry up: one that fetched the job before the other recorded its replacement
+    queued a second one (both ran; the job's ``requeuedAs`` named the second, the first answered)."""
+    import rq.registry
+    from rq.registry import clean_registries
+
+    from worker.runner import run_janitor
+
+    write_session(r, wsettings, "s1", 3)
+    first = enqueue_forced_compaction(r, wsettings, "s1", CWD)
+    _left_by_a_dead_worker(r, wsettings, first)
+    install(context := WorkerContext.build(wsettings, r))
+    real = rq.registry.execute_failure_callback
+    seen: dict[str, Any] = {}
+
+    def janitor_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is threading.main_thread() and not seen:
+            janitor = threading.Thread(target=run_janitor, args=(context,))  # (the job fetched, STARTED)
+            janitor.start()
+            janitor.join(30)
+            seen["replacement"] = Job.fetch(first, connection=r).meta["requeuedAs"]
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rq.registry, "execute_failure_callback", janitor_meanwhile)
+    clean_registries(compaction_queue(r, wsettings))
+    assert Job.fetch(first, connection=r).meta["requeuedAs"] == seen["replacement"]
+    assert compaction_queue(r, wsettings).job_ids == [seen["replacement"]]
+    assert r.get(Keys().retrigger("s1")) is None  # (no second forced job waiting behind it)
+
+
 def test_a_replacement_abandoned_in_turn_is_not_replaced(r: redis.Redis, wsettings: Settings) -> None:
     """(A job that kills its worker each time would run for good.) A wait on it answers at once."""
     from producer.api_jobs import wait_for_job
