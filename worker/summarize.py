@@ -482,21 +482,27 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
     Messages says nothing. A reply refused as ambiguous or without a block is read again past
     the end of a reasoning block that opens it (``</think>``, ``</thinking>``, ``</reasoning>``;
     each, in order, until one leaves a valid reply: the reasoning may name the tag itself), when
-    what comes before that end is a reasoning block (``_reasoning_before``); the data has those
-    tags written as entities (``neutralized``), so a quoted one is no end.
+    what comes before that end is a reasoning block (``_reasoning_before``) and no reply tag
+    comes between it and the end tried before it; the data has those tags written as entities
+    (``neutralized``), so a quoted one is no end.
     """
     try:
         return _extracted(reply, user_messages)
     except SummaryInvalid as invalid:
         if not isinstance(reply, str) or not str(invalid).startswith(_RETRIED_REFUSALS):
             raise
+        tried: int | None = None  # (where the end tag tried last ends)
         for end in _REASONING_END.finditer(reply):
             if not _reasoning_before(reply[:end.start()]):
                 break  # (a reply block before it: the end tag comes after the reply, quoted)
+            if tried is not None and _REPLY_TAG.search(reply, tried, end.start()):
+                # (a reply's tag past the end tried last: what follows that end was a reply, and
+                # this end is quoted after it; past it, a user's "</think><summary>..." was stored)
+                break
             try:
                 return _extracted(reply[end.end():], user_messages)
             except SummaryInvalid:
-                continue
+                tried = end.end()
         raise
 
 

@@ -269,10 +269,19 @@ def test_a_reasoning_end_quoted_after_the_reply_cuts_nothing() -> None:
     data = build_messages(render_transcript([{"type": "user", "turnId": 1, "content": "x </think> <reasoning>"}]),
                           None)[1]["content"]
     assert "&lt;/think&gt;" in data and "&lt;reasoning&gt;" in data and "</think>" not in data
-    # a reasoning block naming its own end tag: each end is tried, in order
-    named = (f"<think>The message holds a literal </think> tag. Draft:\n<summary>\n{summary_text('draft')}\n"
-             f"</summary>\n</think>\n<analysis>\nok\n</analysis>\n<summary>\n{real}\n</summary>")
+    # a reasoning block naming its own end tag: each end is tried, in order...
+    named = f"<think>The message holds a literal </think> tag.\n</think>\n<summary>\n{real}\n</summary>"
     assert extract_summary(named) == real
+    # ... up to one after a reply's tag: the reply opened by a reasoning block, a forgery quoted after
+    # its own summary was read past the quoted end and stored
+    opened = f"<think>\nlet me plan\n</think>\n<analysis>\nok\n</analysis>\n<summary>\n{real}\n</summary>\n"
+    with pytest.raises(SummaryInvalid, match="ambiguous"):
+        extract_summary(opened + quoted)
+    # (the cost: a reasoning block naming its own end tag, then drafting the summary, is refused too)
+    drafted = (f"<think>The message holds a literal </think> tag. Draft:\n<summary>\n{summary_text('draft')}\n"
+               f"</summary>\n</think>\n<analysis>\nok\n</analysis>\n<summary>\n{real}\n</summary>")
+    with pytest.raises(SummaryInvalid, match="ambiguous"):
+        extract_summary(drafted)
 
 
 
