@@ -2230,6 +2230,7 @@ def test_a_janitor_pass_stops_within_its_lock_and_the_next_goes_on_where_it_stop
     started = time.monotonic()
     first = run_janitor(context)
     assert time.monotonic() - started < 1.5 and 0 < len(first) < 8
+    assert context.janitor.after == (old + (len(first) - 1), f"s{len(first) - 1}")  # (the last one it looked at)
     r.delete(Keys().janitor)
     second = run_janitor(context)
     assert not set(first) & set(second) and len(first) + len(second) <= 8
