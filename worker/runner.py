@@ -585,8 +585,8 @@ def run_janitor(context: WorkerContext, worker: CompactionWorker | None = None) 
                        extra={"session_id": parsed[2], "job_id": job_id, "kind": parsed[1],
                               "outcome": "abandoned"})
         recovered.append(job_id)
+        _replace_without_callback(context, job_id)  # (two round trips: past the deadline too, or never)
         if time.monotonic() < deadline:  # (past it: failed above, its claim a stale one for a later pass)
-            _replace_without_callback(context, job_id)
             finish(context, parsed[2], job_id, abandoned=True, lock_wait_s=JANITOR_LOCK_WAIT_S)
     recovered += _free_stale_claims(context, deadline)
     return recovered

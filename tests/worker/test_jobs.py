@@ -2014,6 +2014,25 @@ def test_a_forced_job_queued_before_the_failure_callback_is_replaced_and_job_tim
     assert str(JobTimeoutException("Task exceeded maximum timeout value (600 seconds)")).endswith("(600 seconds)")
 
 
+def test_a_forced_job_queued_before_the_failure_callback_is_replaced_past_the_janitors_time_too(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past its time a pass fails the abandoned jobs it found and leaves their claims to a later
+    pass: a job of the release before, with no callback, was failed and never replaced."""
+    from worker import runner
+    from worker.runner import run_janitor
+
+    monkeypatch.setattr(runner, "JANITOR_PASS_S", 0.0)
+    write_session(r, wsettings, "s1", 3)
+    first = enqueue_forced_compaction(r, wsettings, "s1", CWD)
+    r.hdel(Job.key_for(first), "failure_callback_name")  # (as the release before queued it)
+    _left_by_a_dead_worker(r, wsettings, first)
+    install(context := WorkerContext.build(wsettings, r))
+    run_janitor(context)
+    assert Job.fetch(first, connection=r).get_status() == JobStatus.FAILED
+    assert "requeuedAs" in Job.fetch(first, connection=r).meta
+
+
 def test_a_replacement_that_cannot_be_queued_leaves_no_record_to_follow(
     r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
