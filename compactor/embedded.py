@@ -263,7 +263,9 @@ def keep(parent_pid: int, url: str, server_pid: int, grace_s: float) -> None:
         if not psutil.pid_exists(server_pid):
             return
         time.sleep(KEEPER_POLL_S)
-    client = redis.Redis.from_url(url, socket_timeout=5.0, retry=Retry(NoBackoff(), 0))
+    # (one connection, never replaced: the pool's took a connection the old server had closed for
+    # a new one, and the SHUTDOWN checked against the old server's pid reached a serve's started since)
+    client = redis.Redis.from_url(url, socket_timeout=5.0, retry=Retry(NoBackoff(), 0), single_connection_client=True)
     try:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and len(client.client_list()) > 1:  # (the parent's children, stopping)

@@ -4,8 +4,9 @@ Invariants:
 - With ``redis.url`` empty, one embedded Redis (AOF on) runs under
   ``{dataDir}/.redis``; a second ``serve`` on the same data dir refuses to start
   instead of sharing its files, and a Redis orphaned by a killed ``serve``
-  (its ``serve.pid`` is gone) is shut down cleanly and replaced. CLI commands run next to a ``serve`` find that
-  server through its unix socket (``client_redis_url``).
+  (the process ``serve.pid`` names is gone, or a zombie) is shut down cleanly and replaced, at once, under
+  the old children still stopping (they reconnect to the new server on the same socket). CLI commands run
+  next to a ``serve`` find that server through its unix socket (``client_redis_url``).
 - Every child gets the same effective settings: they are written once to a
   private (0600) config file passed with ``--config``, and the environment
   overrides are removed from the children's environment so nothing differs.

@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import redis
 
 from compactor.embedded import EmbeddedRedis
@@ -72,3 +73,30 @@ def test_the_server_runs_in_a_session_of_its_own_and_its_socket_goes_with_it(tmp
     finally:
         server.kill()
     assert not server.socket.exists()
+
+
+def test_the_keeper_shuts_down_no_server_started_since_on_the_same_socket(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between the keeper's check that the server is still its own (``INFO``) and its ``SHUTDOWN``,
+    its client's pool replaced a connection the old server had closed by a new one: a serve started
+    meanwhile on the same data dir had its own server shut down under it."""
+    from compactor.embedded import keep
+
+    old = EmbeddedRedis(tmp_path / "r", persist=False).start()
+    new = EmbeddedRedis(tmp_path / "r", persist=False)
+    real_info = redis.Redis.info
+    old_pid = old.pid
+
+    def restarted_after(self: redis.Redis, *args: object, **kwargs: object) -> object:
+        reply = real_info(self, *args, **kwargs)  # (the old server's own, still)
+        old.stop()  # ... then it stops and a new serve's starts on its socket
+        new.start()
+        return reply
+
+    monkeypatch.setattr(redis.Redis, "info", restarted_after)
+    try:
+        assert old_pid is not None
+        keep(parent_pid=-1, url=old.url, server_pid=old_pid, grace_s=0.0)  # (its serve gone)
+        assert new.ping()
+    finally:
+        new.stop()
