@@ -93,7 +93,7 @@ from compactor.queue import (
     sessions_to_look_at,
     sync_clock,
 )
-from compactor.serve import exit_with_parent, hangup_ignored
+from compactor.serve import exit_with_parent, hangup_ignored, stop_signals_handled
 from events.config import Settings
 from events.errors import CompactorError
 from events.models import escaped
@@ -748,12 +748,25 @@ def main(settings: Settings, *, count: int | None = None, burst: bool = False) -
     count = count or settings.worker.count
     _ping(settings.redis.url)
     metrics.init_series()
-    preload()
+    try:
+        with stop_signals_handled(_stopped_before_any_job):  # (the preload takes seconds: a stop signal
+            preload()  # killed the process, 143 not the clean stop's 0, with nothing to clean up)
+    except _StoppedBeforeAnyJob:
+        logger.info("stopped during the preload, before any job")
+        return
     freeze_heap()  # before forking too: the children share the frozen pages untouched by collections
     if count == 1:
         run_worker(settings, burst=burst)
         return
     _Supervisor(settings, count, burst).run()
+
+
+class _StoppedBeforeAnyJob(Exception):
+    """A stop signal during the preload."""
+
+
+def _stopped_before_any_job(signum: int, frame: Any) -> None:
+    raise _StoppedBeforeAnyJob
 
 
 def _ping(url: str) -> None:

@@ -114,31 +114,40 @@ def test_python_dash_m_runs_the_cli() -> None:
     assert all(command in done.stdout for command in COMMANDS)
 
 
-# Sends the child a SIGINT as it first imports pydantic (which the command line needs, the entry
+# Sends the child a signal as it first imports pydantic (which the command line needs, the entry
 # point itself not), then runs the installed console script as pip's wrapper does.
-CTRL_C_WHILE_IMPORTING = """
+SIGNAL_WHILE_IMPORTING = """
 import importlib.abc, os, signal, sys
 from importlib.metadata import entry_points
 
-class CtrlC(importlib.abc.MetaPathFinder):
+class Stop(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name == "pydantic":
             sys.meta_path.remove(self)
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.{signal})
         return None
 
-sys.meta_path.insert(0, CtrlC())
+sys.meta_path.insert(0, Stop())
 (script,) = [e for e in entry_points(group="console_scripts") if e.name == "compactor"]
-sys.argv = ["compactor", "status", "--json"]
+sys.argv = ["compactor", *{argv!r}]
 sys.exit(script.load()())
 """
 
 
-def test_ctrl_c_while_the_command_line_loads_exits_130_without_a_traceback() -> None:
-    # (it printed a KeyboardInterrupt traceback of the imports: the first half second of every command)
-    done = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_IMPORTING], check=False, capture_output=True,
-                          text=True, timeout=60)
-    assert (done.returncode, done.stderr) == (130, "")
+@pytest.mark.parametrize("signal_name,code", [("SIGINT", 130), ("SIGTERM", 143), ("SIGHUP", 129)])
+@pytest.mark.parametrize("argv", [["status", "--json"], ["compact", "s1", "--cwd", "/w", "--json"]])
+def test_a_stop_signal_while_the_command_line_loads_exits_as_later_without_a_traceback(
+        signal_name: str, code: int, argv: list[str]) -> None:
+    """Ctrl-C printed a KeyboardInterrupt traceback of the imports (the first half second of every
+    command), and SIGTERM or SIGHUP killed the command there: ``compact`` then printed no
+    CompressResult JSON, which SPEC §7 makes its last line always."""
+    script = SIGNAL_WHILE_IMPORTING.format(signal=signal_name, argv=argv)
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (code, "")
+    if argv[0] == "compact":
+        assert json.loads(done.stdout.splitlines()[-1]) == {"didCompress": False, "released": 0, "promptEstimate": 0}
+    else:
+        assert done.stdout == ""
 
 
 @pytest.mark.parametrize("yaml_text,fragment", [

@@ -2590,3 +2590,28 @@ def test_a_job_stopped_at_its_deadline_never_folds_in_a_summary_of_more_turns_th
     new = _summaries(keep2, "s1")[-1]
     assert run.covered is not None  # (stopped early)
     assert "sA" in new["replaces"] and new["lastSummarizedTurnId"] >= 5
+
+
+def test_a_stop_signal_during_the_workers_preload_is_a_clean_stop(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The preload (litellm, the encodings) takes seconds before RQ's handlers are in place: a
+    SIGTERM or a closed terminal then killed ``compactor work`` (143, not a clean stop's 0)."""
+    from worker import runner
+
+    def preload_stopped() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    def killed(signum: int, frame: Any) -> None:
+        pytest.fail("the SIGTERM reached the process's handler: it would have died")
+
+    monkeypatch.setattr(runner, "preload", preload_stopped)
+    monkeypatch.setattr(runner, "run_worker", lambda *args, **kwargs: pytest.fail("a worker started"))
+    previous = signal.signal(signal.SIGTERM, killed)
+    try:
+        started = time.monotonic()
+        runner.main(wsettings, count=1)
+        assert time.monotonic() - started < 4
+    finally:
+        signal.signal(signal.SIGTERM, previous)
