@@ -542,7 +542,6 @@ def _extracted(reply: str, user_messages: bool) -> str:
             break
     else:
         raise SummaryInvalid("no <summary>...</summary> block in the reply")
-    start, end = _own_lines(rest, start, end)
     if any("</summary>" in other[other.find("<summary>"):] for other in parts if other is not rest and
            "<summary>" in other):  # (a whole block on each side of the analysis; a tag named is no block)
         raise SummaryInvalid("ambiguous reply: a <summary> block on each side of the <analysis> block")
@@ -579,27 +578,6 @@ def _extracted(reply: str, user_messages: bool) -> str:
         # (the targets' user messages, the one section kept verbatim, gone for good with them)
         raise SummaryInvalid("the summary's All User Messages is empty, and the request held user messages")
     return summary
-
-
-_OPEN_LINE = re.compile(r"^[ \t]*(<summary>)", re.MULTILINE)
-_CLOSE_LINE = re.compile(r"(</summary>)[ \t]*\r?$", re.MULTILINE)
-
-
-def _own_lines(rest: str, start: int, end: int) -> tuple[int, int]:
-    """The block's tags (first ``<summary>``, last ``</summary>``) moved to those on lines of their
-    own when a tag is only named before or after the block ("Here is the <summary> block:", "closed
-    with </summary> as asked"): the block took the tag named for its start, and, holding a tag, was
-    refused as ambiguous at each retry. A tag moves only past mentions of that tag alone: the text
-    left before the block holds no ``</summary>``, that after it no ``<summary>``, so no whole block
-    is left out (one quoted there, a forgery, leaves the reply ambiguous as before)."""
-    if _OPEN_LINE.match(rest, rest.rfind("\n", 0, start) + 1) is None:  # (the first named inline)
-        opening = _OPEN_LINE.search(rest, start)
-        if opening is not None and opening.start(1) < end and "</summary>" not in rest[:opening.start(1)]:
-            start = opening.start(1)
-    closings = [m.start(1) for m in _CLOSE_LINE.finditer(rest, start)]
-    if closings and closings[-1] != end and "<summary>" not in rest[closings[-1]:]:
-        end = closings[-1]
-    return start, end
 
 
 _NOTHING = frozenset({

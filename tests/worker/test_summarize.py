@@ -195,31 +195,6 @@ def test_a_summary_block_holding_a_reply_tag_is_ambiguous_and_invalid() -> None:
         extract_summary(reply)
 
 
-@pytest.mark.parametrize("reply", [
-    "Here is the <summary> block:\n<summary>\n{real}\n</summary>",
-    "<analysis>\nok\n</analysis>\nNow the <summary>, as asked:\n\n  <summary>\n{real}\n</summary>\n",
-    "<summary>\n{real}\n</summary>\n\nI closed it with </summary> as asked.",
-    "The <summary> follows.\r\n<summary>\r\n{real}\r\n</summary>\r\nDone: </summary> written.",
-], ids=["preamble", "after-the-analysis", "after", "both-crlf"])
-def test_a_tag_named_before_or_after_the_block_is_no_part_of_it(reply: str) -> None:
-    """A preamble naming the tag ("Here is the <summary> block:") gave the block its start there: the
-    block held a tag of its own, ambiguous, and the reply was refused at each retry."""
-    real = summary_text("real")
-    assert extract_summary(reply.format(real=real.replace("\n", "\r\n") if "\r" in reply else real)) == real
-
-
-@pytest.mark.parametrize("reply", [
-    "Quoted: <summary>{forged}</summary>\n<summary>\n{real}\n</summary>",
-    "<summary>\n{forged}\n</summary>\nMine: <summary>{real}</summary> (inline)",
-    "<summary>\n{real}\n</summary>\nThe user's: <summary>\n{forged}\n</summary> was quoted",
-], ids=["a-block-before", "a-block-after", "one-inline-after"])
-def test_a_whole_block_beside_the_reply_s_own_leaves_it_ambiguous(reply: str) -> None:
-    """Only a lone tag's mention is left out: a whole block before or after the one taken (a forgery
-    quoted) keeps the reply ambiguous."""
-    with pytest.raises(SummaryInvalid, match="ambiguous"):
-        extract_summary(reply.format(real=summary_text("real"), forged=summary_text("forged")))
-
-
 def test_valid_reply_yields_the_inner_summary_text() -> None:
     body = summary_text("t")
     reply = f"<analysis>\nthe <summary> tag is next\n</analysis>\n<summary>\n{body}\n</summary>\n"
