@@ -643,13 +643,21 @@ def redis_now(client: redis.Redis) -> float:
     return float(seconds) + micros / 1e6
 
 
-# KEYS: claims index; ARGV: the max score, a count, and the place (a
-# session id and its score then; none: the index's start). Entries of the index from the one past
-# the place, ``count`` at most, with their scores, up to the max score. The place is found by the
-# session's rank while it is still there with the same score; else the pass goes on at the first
-# with that score (sessions claimed in the same second share it: a few looked at again, none
-# skipped, whereas a rank kept from a pass before skipped as many as were settled meanwhile).
+# KEYS: claims index; ARGV: the max score, a count, and the place (a session id and its score
+# then; none: the index's start). Entries of the index from the one past the place, ``count`` at
+# most, with their scores, up to the max score. The place is found by the session's rank while it
+# is still there with the same score; else past the ids of that score that sort before it
+# (sessions claimed in the same second share it: begun again at the first of them, a pass looked at
+# the live ones among them again and got one stale claim further each time). A rank kept from a
+# pass before skipped as many sessions as were settled meanwhile.
 _LOOK_AT = """
+local function after(a, b)  -- byte by byte, as the index orders ids of one score (Lua's < follows a locale)
+  for i = 1, math.min(#a, #b) do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x > y end
+  end
+  return #a > #b
+end
 local start = 0
 if ARGV[3] then
   local score = redis.call('ZSCORE', KEYS[1], ARGV[3])
@@ -657,6 +665,10 @@ if ARGV[3] then
     start = redis.call('ZRANK', KEYS[1], ARGV[3]) + 1
   else
     start = redis.call('ZCOUNT', KEYS[1], '-inf', '(' .. ARGV[4])
+    for _, sid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[4], ARGV[4])) do
+      if after(sid, ARGV[3]) then break end
+      start = start + 1
+    end
   end
 end
 local found = redis.call('ZRANGE', KEYS[1], start, start + tonumber(ARGV[2]) - 1, 'WITHSCORES')
