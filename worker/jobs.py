@@ -321,9 +321,9 @@ def replace_abandoned(job: Job, why: str) -> str | None:
         if not context.redis.set(guard, replacement_id := new_job_id(session_id, "llm"), nx=True,
                                  ex=REPLACED_TTL_S):
             return None
-        job.meta[REQUEUED_AS_FIELD] = replacement_id
-        job.save_meta()  # type: ignore[no-untyped-call]
-        try:
+        try:  # (the guard taken back on any failure: set, the other cleaner would replace it no more)
+            job.meta[REQUEUED_AS_FIELD] = replacement_id
+            job.save_meta()  # type: ignore[no-untyped-call]
             replacement = enqueue_forced_compaction(context.redis, context.settings, session_id, job.args[1],
                                                     after=job.kwargs.get("after"), job_id=replacement_id,
                                                     meta={REQUEUED_FROM_FIELD: job.id})

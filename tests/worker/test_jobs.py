@@ -1978,6 +1978,34 @@ def test_two_cleanups_finding_one_abandoned_job_at_once_replace_it_once(
     assert r.get(Keys().retrigger("s1")) is None  # (no second forced job waiting behind it)
 
 
+def test_a_replacement_whose_record_could_not_be_written_is_left_to_the_other_cleaner(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The one-replacement mark stayed set when the job's record then failed (a dropped connection):
+    the other cleaner, which had fetched the job too, made no replacement, and none was made."""
+    from worker.jobs import replace_abandoned
+
+    write_session(r, wsettings, "s1", 3)
+    first = enqueue_forced_compaction(r, wsettings, "s1", CWD)
+    _left_by_a_dead_worker(r, wsettings, first)
+    install(WorkerContext.build(wsettings, r))
+    mine, theirs = Job.fetch(first, connection=r), Job.fetch(first, connection=r)
+    real = Job.save_meta
+    writes: list[Job] = []
+
+    def dropped_once(self: Job) -> None:
+        writes.append(self)
+        if len(writes) == 1:
+            raise redis.ConnectionError("Connection reset by peer")
+        real(self)
+
+    monkeypatch.setattr(Job, "save_meta", dropped_once)
+    assert replace_abandoned(mine, "its worker died while it ran") is None
+    replacement = replace_abandoned(theirs, "its worker died while it ran")
+    assert replacement is not None and Job.fetch(first, connection=r).meta["requeuedAs"] == replacement
+    assert Job.fetch(replacement, connection=r).meta["requeuedFrom"] == first  # (queued behind the claim)
+
+
 def test_a_replacement_abandoned_in_turn_is_not_replaced(r: redis.Redis, wsettings: Settings) -> None:
     """(A job that kills its worker each time would run for good.) A wait on it answers at once."""
     from producer.api_jobs import wait_for_job
@@ -2169,6 +2197,34 @@ def test_sessions_settled_before_the_janitors_place_do_not_make_it_skip_later_on
     run_janitor(context)  # live3, then dead
     assert pending_job_id(r, wsettings, "dead") is None
     assert all(pending_job_id(r, wsettings, f"live{n}") is not None for n in range(4))
+
+
+def test_stale_claims_tied_with_live_ones_are_freed_a_batch_a_pass(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Claims are scored by the second: when the last session a pass looked at was freed, the next
+    began again at the first of its second, the live ones looked at again, one stale claim further
+    a pass (with 199 live claims ahead, one freed every 5 s instead of ~200)."""
+    from compactor import queue as queue_module
+    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
+    from worker import runner
+    from worker.runner import run_janitor
+
+    monkeypatch.setattr(runner, "JANITOR_BATCH", 3)
+    monkeypatch.setattr(queue_module, "JANITOR_BATCH", 3)
+    old = float(int(redis_now(r) - STALE_CLAIM_GRACE_S - 10))
+    for sid in ("a", "b"):  # live: queued, not started (a backlog claimed in one second)
+        assert enqueue_compaction(r, wsettings, sid, CWD, "micro") is not None
+        r.zadd(Keys().claims, {sid: old})
+    dead = [f"d{n}" for n in range(6)] + ["\u00e9"]  # (é: UTF-8's bytes sort it past d*, as Redis orders it)
+    for sid in dead:  # the claims of jobs long gone, in that second too
+        r.set(Keys().job(sid), f"00000000000000000001-llm-{sid}")
+        r.zadd(Keys().claims, {sid: old})
+    context = WorkerContext.build(wsettings, r)
+    for _ in range(3):  # a, b, d0 / d1, d2, d3 / d4, d5, é
+        r.delete(Keys().janitor)
+        run_janitor(context)
+    assert [sid for sid in dead if pending_job_id(r, wsettings, sid) is not None] == []
 
 
 def test_the_janitors_place_goes_past_sessions_tied_on_their_score_in_the_index_s_order(
