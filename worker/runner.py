@@ -275,6 +275,14 @@ class CompactionWorker(SimpleWorker):
         STOPPING.set()
         super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
 
+    def request_force_stop(self, signum: int, frame: Any) -> None:
+        """RQ's cold shutdown (the job in hand cut, failed) on a second Ctrl-C only: a SIGTERM once
+        the warm stop began is the same stop (the supervisor passes a hang-up or a Ctrl-C on as
+        SIGTERM; ``serve``, ``docker stop`` and systemd send one to every process), which RQ took
+        for a cold stop when it came a second or more after the first signal (a loaded VM)."""
+        if signum == signal.SIGINT:
+            super().request_force_stop(signum, frame)  # type: ignore[no-untyped-call]
+
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """The execution TTL: short, since the keeper heartbeats running jobs."""
         return EXECUTION_TTL_S

@@ -2671,3 +2671,31 @@ def test_a_stop_signal_during_the_workers_preload_is_a_clean_stop(
         assert time.monotonic() - started < 4
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_after_the_warm_stop_began_is_the_same_stop_and_a_second_ctrl_c_a_cold_one(
+    r: redis.Redis, wsettings: Settings,
+) -> None:
+    """A closed terminal's SIGHUP reaches the workers and their supervisor, which passes it on as
+    SIGTERM: RQ took that second signal for a cold stop when it came a second or more after the
+    first (a loaded VM), and the job in hand was cut and failed."""
+    from datetime import timedelta
+
+    from rq.exceptions import StopRequested
+
+    from worker.compaction import STOPPING
+    from worker.runner import CompactionWorker
+
+    worker = CompactionWorker.for_settings(r, wsettings)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(StopRequested):  # (idle: RQ's loop ends at once)
+            worker.request_stop(signal.SIGHUP, None)
+        worker._shutdown_requested_date -= timedelta(seconds=2)  # type: ignore[attr-defined,operator]
+        worker.request_force_stop(signal.SIGTERM, None)  # (the supervisor's, late: no cold stop)
+        with pytest.raises(SystemExit):
+            worker.request_force_stop(signal.SIGINT, None)  # (a second Ctrl-C: cold)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        STOPPING.clear()
