@@ -27,8 +27,11 @@ from tests.worker.conftest import CWD, log_lines, write_session
 from worker import context as worker_context
 
 RECOVERY_LIMIT_S = 60.0
+# A worker's start (Python, the imports, litellm's warm-up and the encodings, RQ's registration)
+# before its first job: over 60 s on a 2-core VM at a load of 20 (the preload alone took 52 s).
+START_S = 120.0
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def _config(tmp_path: Path, settings: Settings) -> Path:
@@ -42,7 +45,9 @@ def _config(tmp_path: Path, settings: Settings) -> Path:
 
 def _start_worker(config: Path, env: dict[str, str], count: int = 1, burst: bool = False,
                   nohup: bool = False) -> subprocess.Popen[bytes]:
-    """``nohup``: started with SIGHUP ignored, as ``nohup`` starts a command."""
+    """``nohup``: started with SIGHUP ignored, as ``nohup`` starts a command; else with SIGHUP's
+    default, whatever this test run inherited (run under ``nohup`` itself, a worker meant to stop
+    at a hang-up ignored it)."""
     code = (
         "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
         "from events.config import load_settings\nfrom worker.runner import main\n"
@@ -50,7 +55,7 @@ def _start_worker(config: Path, env: dict[str, str], count: int = 1, burst: bool
     )
     return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(Path(__file__).parents[2]),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) if nohup else None)
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN if nohup else signal.SIG_DFL))
 
 
 def _wait_job(r: redis.Redis, job_id: str, timeout_s: float) -> Job:
@@ -86,7 +91,7 @@ def test_killed_worker_leaves_no_stuck_session_and_no_duplicate_summary(
     try:
         stuck = enqueue_compaction(r, wsettings, "s1", CWD, "llm")
         assert stuck is not None
-        stub.wait_for_requests(1, timeout_s=60)
+        stub.wait_for_requests(1, timeout_s=START_S)
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
         killed_at = time.monotonic()
@@ -130,7 +135,7 @@ def test_a_forced_job_whose_worker_died_mid_call_is_queued_again_once_and_waits_
     second: subprocess.Popen[bytes] | None = None
     try:
         forced = enqueue_forced_compaction(r, wsettings, "s1", CWD)
-        stub.wait_for_requests(1, timeout_s=60)
+        stub.wait_for_requests(1, timeout_s=START_S)
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
         stub.latency_s = 0
@@ -237,7 +242,8 @@ def test_a_closed_terminal_lets_the_workers_finish_their_jobs_and_exit(
     jobs = [enqueue_compaction(r, wsettings, sid, CWD, "llm") for sid in sessions]
     process = _start_worker(config, env_for_subprocess, count=count, nohup=nohup)
     try:
-        wait_for(lambda: len(stub.requests) == count or process.poll() is not None, 60, "the jobs' LLM calls")
+        wait_for(lambda: len(stub.requests) == count or process.poll() is not None, START_S,
+                 "the jobs' LLM calls")
         if count > 1:  # the supervisor forks its workers with no thread but its own (litellm's warm-up left
             # threads running, one importing modules: a fork then left a child's LLM call blocked for good)
             assert psutil.Process(process.pid).num_threads() == 1
@@ -264,7 +270,8 @@ def test_a_stop_while_a_dead_worker_is_being_replaced_stops_the_supervisor(
     ``compactor work`` ran on (``docker stop`` then SIGKILLs it mid-job)."""
     process = _start_worker(_config(tmp_path, settings), env_for_subprocess, count=2)
     try:
-        wait_for(lambda: len(r.keys("rq:worker:*")) >= 2 or process.poll() is not None, 60, "the workers to start")
+        wait_for(lambda: len(r.keys("rq:worker:*")) >= 2 or process.poll() is not None, START_S,
+                 "the workers to start")
         victim = psutil.Process(process.pid).children()[0]
         victim.kill()
         victim.wait(10)
@@ -343,7 +350,7 @@ def test_a_worker_rides_out_a_redis_that_refuses_writes_and_takes_jobs_again(
         try:
             first = enqueue_compaction(client, wsettings, "s1", CWD, "llm", forced=True)
             assert first is not None
-            stub.wait_for_requests(1, timeout_s=60)  # the LLM call is in flight
+            stub.wait_for_requests(1, timeout_s=START_S)  # the LLM call is in flight
             client.config_set("min-replicas-to-write", 1)
             try:
                 with pytest.raises(redis.ResponseError, match="NOREPLICAS"):
