@@ -281,7 +281,7 @@ class CompactionWorker(SimpleWorker):
         SIGTERM; ``serve``, ``docker stop`` and systemd send one to every process), which RQ took
         for a cold stop when it came a second or more after the first signal (a loaded VM)."""
         if signum == signal.SIGINT:
-            super().request_force_stop(signum, frame)  # type: ignore[no-untyped-call]
+            super().request_force_stop(signum, frame)
 
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         """The execution TTL: short, since the keeper heartbeats running jobs."""
@@ -756,10 +756,18 @@ def main(settings: Settings, *, count: int | None = None, burst: bool = False) -
     count = count or settings.worker.count
     _ping(settings.redis.url)
     metrics.init_series()
+    stopped: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        stopped.append(signum)
+        raise _StoppedBeforeAnyJob
+
     try:
-        with stop_signals_handled(_stopped_before_any_job):  # (the preload takes seconds: a stop signal
-            preload()  # killed the process, 143 not the clean stop's 0, with nothing to clean up)
+        with stop_signals_handled(stop):  # (the preload takes seconds: a stop signal killed the
+            preload()  # process, 143 not the clean stop's 0, with nothing to clean up)
     except _StoppedBeforeAnyJob:
+        pass
+    if stopped:  # (raised, or swallowed by a bare ``except`` in an import: recorded either way)
         logger.info("stopped during the preload, before any job")
         return
     freeze_heap()  # before forking too: the children share the frozen pages untouched by collections
@@ -769,12 +777,9 @@ def main(settings: Settings, *, count: int | None = None, burst: bool = False) -
     _Supervisor(settings, count, burst).run()
 
 
-class _StoppedBeforeAnyJob(Exception):
-    """A stop signal during the preload."""
-
-
-def _stopped_before_any_job(signum: int, frame: Any) -> None:
-    raise _StoppedBeforeAnyJob
+class _StoppedBeforeAnyJob(BaseException):
+    """A stop signal during the preload (not an ``Exception``: litellm's imports and its warm-up
+    catch those, and the stop was lost, the worker taking jobs)."""
 
 
 def _ping(url: str) -> None:
