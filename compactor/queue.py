@@ -664,10 +664,17 @@ if ARGV[3] then
   if score and tonumber(score) == tonumber(ARGV[4]) then
     start = redis.call('ZRANK', KEYS[1], ARGV[3]) + 1
   else
+    -- (a binary search among the ranks of that score: thousands claimed in one second are one
+    -- backlog's, and a walk over them all took 40 ms of Redis's time a pass for 10 000)
     start = redis.call('ZCOUNT', KEYS[1], '-inf', '(' .. ARGV[4])
-    for _, sid in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[4], ARGV[4])) do
-      if after(sid, ARGV[3]) then break end
-      start = start + 1
+    local past = redis.call('ZCOUNT', KEYS[1], '-inf', ARGV[4])
+    while start < past do
+      local middle = math.floor((start + past) / 2)
+      if after(redis.call('ZRANGE', KEYS[1], middle, middle)[1], ARGV[3]) then
+        past = middle
+      else
+        start = middle + 1
+      end
     end
   end
 end
