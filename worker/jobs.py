@@ -36,8 +36,8 @@ from rq.exceptions import AbandonedJobError, NoSuchJobError
 from rq.job import Job
 
 from compactor import metrics
-from compactor.keys import Keys
 from compactor.applied import wait_applied
+from compactor.keys import Keys
 from compactor.queue import (
     FORCED_TRIGGER,
     defer_trigger,
