@@ -155,8 +155,9 @@ def make_redis(settings: Settings) -> redis.Redis:
                                 socket_connect_timeout=REDIS_SOCKET_TIMEOUT_S)
 
 
-def _checked(session_id: str, cwd: str) -> tuple[str, str]:
-    return validate_session_id(session_id), validate_cwd(cwd)
+def _checked(session_id: str, cwd: str, *, new: bool = False) -> tuple[str, str]:
+    """``new``: the cwd comes in with events (``validate_cwd``: refused as the watcher refuses it)."""
+    return validate_session_id(session_id), validate_cwd(cwd, new=new)
 
 
 def _require_log(client: redis.Redis, settings: Settings, session_id: str, cwd: str) -> None:
@@ -495,7 +496,8 @@ def push_events(request: Request, session_id: str, body: EventsRequest, settings
         raise BadBody(f"Idempotency-Key: given {len(keys)} times; give it once")
     if idempotency_key is not None:
         check_idempotency_key(idempotency_key, "Idempotency-Key")
-    sid, cwd = _checked(session_id, body.cwd)
+    # (a control character in it: answered 202, then every entry dead-lettered by the watcher)
+    sid, cwd = _checked(session_id, body.cwd, new=True)
     try:
         request.app.state.shard_guard.check(client)
     except ShardCountMismatch as e:  # (every event would be dead-lettered as wrong_shard)

@@ -114,7 +114,8 @@ class Publisher:
         again under the same key (a retry after a lost reply) carries the same uuids and is applied
         once."""
         session_id = validate_session_id(session_id)
-        cwd = validate_cwd(cwd)  # (no events come in: a session logged before the control-character rule is one)
+        cwd = validate_cwd(cwd, new=True)  # (as the watcher checks it: a control character in it was
+        # published, then every entry dead-lettered)
         session_log_path(self.settings.data_dir, cwd, session_id)  # a cwd no log can live under: refused now
         if idempotency_key is not None:
             check_idempotency_key(idempotency_key)
@@ -231,7 +232,8 @@ class Publisher:
         wait in the stream): a job for a session with no log fails ``SessionNotFound``, where the
         HTTP API's ``compact`` answers 404 first."""
         session_id = validate_session_id(session_id)
-        cwd = validate_cwd(cwd)  # (no events come in: a session logged before the control-character rule is one)
+        cwd = validate_cwd(cwd, new=True)  # (as the watcher checks it: a control character in it was
+        # published, then every entry dead-lettered)
         session_log_path(self.settings.data_dir, cwd, session_id)  # a cwd no log can live under: refused now
         if not forced:  # (a forced request checks the binding where it claims the session; a job under
             check_bound_cwd(self.redis, self.settings, session_id, cwd)  # another spelling only failed later)

@@ -371,6 +371,7 @@ def test_event_for_another_session_is_400(client: TestClient, r: redis.Redis) ->
 @pytest.mark.parametrize("sid,cwd,fragment", [
     ("bad.id", CWD, "sessionId"), ("a b", CWD, "sessionId"), ("-bad", CWD, "sessionId"), (SID, "relative/dir", "cwd"),
     (SID, "/..", "cwd"),  # absolute, but it encodes to no usable directory name
+    (SID, "/home/me/a\tb", "cwd: must not contain a control character"),  # (a 202, then dead-lettered)
 ])
 def test_bad_session_id_or_cwd_is_400(client: TestClient, sid: str, cwd: str,
                                       fragment: str) -> None:

@@ -153,6 +153,8 @@ def test_publish_drops_matching_session_id_and_cwd_from_the_event(r: redis.Redis
     ("bad id", CWD, "sessionId"), ("-lead", CWD, "sessionId"), ("s1", "relative/dir", "cwd"), ("s1", "", "cwd"),
     # absolute, but no log can live under them: the watcher would dead-letter every event
     ("s1", "/", "cwd"), ("s1", "/..", "cwd"), ("s1", "/" + "d" * 300, "cwd"),
+    # a control character: published, then every entry dead-lettered by the watcher
+    ("s1", "/home/me/a\tb", "cwd"), ("s1", "/home/me/\x1b[31m", "cwd"), ("s1", "/home/me/a\x85", "cwd"),
 ])
 def test_publish_rejects_bad_session_id_or_cwd(
     r: redis.Redis, settings: Settings, session_id: str, cwd: str, field: str
