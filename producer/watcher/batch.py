@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -163,7 +164,7 @@ class BatchOutcome:
         left. (One written ahead in an earlier try is not written again either: ``ShardStreams.ack``.)"""
         extra = dead_letter_fields(self.stream, entry_id, reason, fields)
         logger.warning("dead-lettered session=%s stream=%s id=%s reason=%s", _shown(extra["session_id"]),
-                       self.stream, entry_id, reason, extra=extra)
+                       self.stream, entry_id, _one_line(reason), extra=extra)
         self.reasons.append(reason)
         if not written:
             self.dead.append(self.letter(entry_id, reason, fields))
@@ -214,6 +215,16 @@ def _shown(session_id: str | None) -> str:
     if session_id is None:
         return "-"
     return session_id if SESSION_ID_RE.fullmatch(session_id) else repr(session_id)
+
+
+_BREAKING = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def _one_line(reason: str) -> str:
+    """A reason as a text log line shows it: its control characters escaped. It names the JSON keys
+    and tool-call ids a producer chose: one holding a line break and an escape sequence forged a
+    second log record, colours on the operator's terminal."""
+    return _BREAKING.sub(lambda m: f"\\u{ord(m.group()):04x}", reason)
 
 
 def runs(entries: list[Entry]) -> Iterator[list[Entry]]:

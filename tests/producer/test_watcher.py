@@ -1235,3 +1235,19 @@ def test_a_watcher_warns_when_redis_may_evict_any_key(r: redis.Redis, fast: Sett
     with caplog.at_level(logging.WARNING, logger="producer.watcher.core"):
         Watcher(r, fast, name="w2").run_once()
     assert not any("maxmemory-policy" in rec.getMessage() for rec in caplog.records)
+
+
+def test_a_dead_letter_reason_naming_a_producers_key_stays_one_log_line(
+    r: redis.Redis, fast: Settings, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A reason names the JSON keys and tool-call ids a producer chose: a key holding a line break
+    and an escape sequence forged a second record in the text log, colours on the terminal."""
+    keys = Keys(fast.redis.prefix, fast.redis.shards)
+    event = {"type": "user", "turnId": 1, "content": "x", "a\nFAKE ERROR forged\x1b[31m": 2**64}
+    r.xadd(keys.stream_for("s1"), {"session": "s1", "cwd": CWD, "event": json.dumps(event)})
+    with caplog.at_level(logging.WARNING, logger="producer.watcher"):
+        drain(Watcher(r, fast, name="w"), r, fast)
+    [line] = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("dead-lettered")]
+    assert "\n" not in line and "\x1b" not in line and "FAKE ERROR forged\\u001b[31m" in line
+    [(_, letter)] = r.xrange(keys.dead)
+    assert "a\nFAKE ERROR forged\x1b[31m" in letter[b"reason"].decode()  # (the letter keeps it as it was)
