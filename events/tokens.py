@@ -293,7 +293,7 @@ def model_max_input_tokens(model: str) -> int | None:
         info = _catalog_entry(load_litellm(), model)
         value = info.get("max_input_tokens")
     except Exception:  # litellm raises plain Exception (or ModelNotMappedError) for unknown models
-        logger.debug("no model info for %s", model, exc_info=True)
+        logger.debug("no model info for %r", model, exc_info=True)  # (%r: a producer's name, line breaks and all)
         return None
     return value if isinstance(value, int) and value > 0 else None
 
