@@ -93,16 +93,30 @@ def check_json(value: object, where: Sequence[str | int] = ()) -> None:
     """
     if _plainly_holdable(value):
         return
-    stack: list[tuple[object, tuple[str | int, ...]]] = [(value, tuple(where))]
+    # (each value's place as a link to its container's: a path tuple per value held the depth
+    # times the items, 2 GB for a 2 MB list of numbers nested 200 deep)
+    stack: list[tuple[object, _Place]] = [(value, None)]
     while stack:
-        item, path = stack.pop()
+        item, place = stack.pop()
         problem = _value_problem(item)
         if problem is not None:
-            raise InvalidEvent(escaped(json_path(path)) or "body", problem)
+            raise InvalidEvent(escaped(json_path((*where, *_path(place)))) or "body", problem)
         if isinstance(item, dict):
-            stack.extend((v, (*path, k)) for k, v in reversed(item.items()))
+            stack.extend((v, (place, k)) for k, v in reversed(item.items()))
         elif isinstance(item, (list, tuple)):
-            stack.extend((v, (*path, i)) for i, v in reversed(list(enumerate(item))))
+            stack.extend((v, (place, i)) for i, v in reversed(list(enumerate(item))))
+
+
+_Place = tuple[Any, str | int] | None  # (the container's place, the key or index in it); None: the top
+
+
+def _path(place: _Place) -> list[str | int]:
+    """The keys and indexes from the top down to ``place``."""
+    parts: list[str | int] = []
+    while place is not None:
+        place, key = place
+        parts.append(key)
+    return parts[::-1]
 
 
 def _plainly_holdable(value: object) -> bool:

@@ -235,6 +235,25 @@ def test_check_json_accepts_what_the_log_can_store() -> None:
     check_json({"a": [2**64 - 1, -(2**63), 1.5, "é😀", None, True, {"": []}]})
 
 
+def test_check_json_of_a_wide_deep_value_holds_memory_for_its_depth_not_its_depth_times_its_items() -> None:
+    """The pass that names the bad value kept a path tuple per value: a list of 200 000 numbers 200
+    deep, a 1 MB body, held ~2 GB (one body or stream entry took the API or the watcher down)."""
+    import tracemalloc
+
+    value: Any = [1] * 200_000 + [2**64]
+    for _ in range(200):
+        value = [value]
+    tracemalloc.start()
+    try:
+        with pytest.raises(InvalidEvent) as caught:
+            check_json(value, ("event",))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(caught.value).startswith("event" + "[0]" * 200 + "[200000]: is an integer outside")
+    assert peak < 64 * 2**20, peak
+
+
 def test_check_batch_refuses_a_repeated_uuid_and_a_turn_going_backwards() -> None:
     with pytest.raises(InvalidEvent) as caught:
         check_batch([{"type": "user", "turnId": 1, "uuid": "u"}, {"type": "summary", "uuid": "u"}])
