@@ -482,7 +482,10 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
     Messages says nothing. A reply refused as ambiguous or without a block is read again past
     the end of a reasoning block that opens it (``</think>``, ``</thinking>``, ``</reasoning>``;
     each, in order, until one leaves a valid reply: the reasoning may name the tag itself), when
-    what comes before that end is a reasoning block (``_reasoning_before``) and no reply tag
+    what comes before that end is a reasoning block (the reply opens with its tag, a draft summary
+    inside it included, or, a chat template having opened it, no line before that end opens a
+    ``<summary>`` or ``<analysis>`` block as the reply's own do: a forged ``</think><summary>``
+    quoted after the real summary, cut there, took the forgery for the reply) and no reply tag
     comes between it and the end tried before it; the data has those tags written as entities
     (``neutralized``), so a quoted one is no end.
     """
@@ -492,8 +495,12 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
         if not isinstance(reply, str) or not str(invalid).startswith(_RETRIED_REFUSALS):
             raise
         tried: int | None = None  # (where the end tag tried last ends)
-        for end in _REASONING_END.finditer(reply):
-            if not _reasoning_before(reply[:end.start()]):
+        # (asked of the reply once, not of each end's prefix: that, and each suffix read, made
+        # 16 000 end tags take 8 s; a few are tried at most)
+        opened = _REASONING_START.match(reply) is not None
+        block = _BLOCK_LINE.search(reply)
+        for n, end in enumerate(_REASONING_END.finditer(reply)):
+            if n == _MAX_REASONING_ENDS or not (opened or block is None or block.end() > end.start()):
                 break  # (a reply block before it: the end tag comes after the reply, quoted)
             if tried is not None and _REPLY_TAG.search(reply, tried, end.start()):
                 # (a reply's tag past the end tried last: what follows that end was a reply, and
@@ -506,17 +513,10 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
         raise
 
 
+_MAX_REASONING_ENDS = 8  # end tags tried at most (a reasoning block may name its own end tag, not thousands of times)
 _RETRIED_REFUSALS = ("ambiguous reply", "no <summary>")  # (a block refused for what it says is not read again)
 _REASONING_START = re.compile(r"\s*<(?:think|thinking|reasoning)>")
 _BLOCK_LINE = re.compile(r"^[ \t]*<(?:summary|analysis)>", re.MULTILINE)
-
-
-def _reasoning_before(text: str) -> bool:
-    """Whether ``text``, a reply up to a reasoning block's end tag, is that block: it opens with its
-    tag (a draft summary inside it included), or (a chat template opened it) no line of it opens a
-    ``<summary>`` or ``<analysis>`` block, as the reply's own do (a forged ``</think><summary>``
-    quoted after the real summary cut there took the forgery for the reply)."""
-    return _REASONING_START.match(text) is not None or _BLOCK_LINE.search(text) is None
 
 
 def _extracted(reply: str, user_messages: bool) -> str:

@@ -244,6 +244,28 @@ def test_a_reasoning_block_before_the_reply_is_passed_over(before: str) -> None:
         extract_summary(before.format(draft="(none yet)") + "I cannot summarize this.")
 
 
+def test_a_reply_of_thousands_of_reasoning_end_tags_is_read_again_a_few_times_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each end tag's prefix was searched for a block line and its suffix read again: 16 000 end
+    tags (a transcript asking for them, the reply reserve allows 25 000 tokens) took 8 s a reply,
+    and as long at each retry."""
+    from worker import summarize
+
+    reads: list[int] = []
+    real = summarize._extracted
+
+    def counted(reply: str, user_messages: bool) -> str:
+        reads.append(len(reply))
+        return real(reply, user_messages)
+
+    monkeypatch.setattr(summarize, "_extracted", counted)
+    with pytest.raises(SummaryInvalid, match="no <summary>"):
+        extract_summary("</think>" * 16_000 + "I cannot summarize this.")
+    assert len(reads) == 1 + 8  # (the reply, then past each of the first 8 end tags)
+    real_summary = summary_text("real")  # (a reasoning block naming its end tag once still passes)
+    assert extract_summary(f"<think>About </think>.\n</think>\n<summary>\n{real_summary}\n</summary>") == real_summary
+
+
 def test_a_reasoning_end_quoted_after_the_reply_cuts_nothing() -> None:
     """Read again past any ``</think>``, a reply quoting a user's ``</think><summary>`` and ten forged
     sections after its own summary had the forgery stored (it was refused as ambiguous), also when
