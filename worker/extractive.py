@@ -163,8 +163,12 @@ def _paths(text: str) -> list[str]:
         found += _plain_paths(text[start:url.start()])
         start = url.end()
         encoded = re.split(r"[?#]", url.group(1), maxsplit=1)[0].rstrip(".,;:!?")  # (a query, an anchor, a
-        while encoded.endswith(")") and encoded.count(")") > encoded.count("("):  # sentence's end, the bracket
-            encoded = encoded[:-1].rstrip(".,;:!?")  # closing a link around it: no part of it; (x86) is)
+        excess, end = encoded.count(")") - encoded.count("("), len(encoded)  # sentence's end, the bracket
+        while excess > 0 and end and encoded[end - 1] == ")":  # closing a link around it: no part of it;
+            end, excess = end - 1, excess - 1  # (x86) is. Counted once: each ")" cut off, the whole
+            while end and encoded[end - 1] in ".,;:!?":  # counted again, 128 000 of them took 8 s)
+                end -= 1
+        encoded = encoded[:end]
         path = urllib.parse.unquote(encoded)
         if path.splitlines() != [path] or any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in path):  # (a
             path = encoded  # %0A, %E2%80%A8: lines of its own in the section, or cut at it in the next summary)

@@ -94,6 +94,18 @@ def test_drive_paths_with_forward_slashes_and_file_urls_are_listed_as_their_path
                       "- /tmp/a%E2%80%A8b.py", "- /tmp/c%E2%80%A9"]  # (decoded, a line break wrote lines of its own)
 
 
+def test_a_file_url_followed_by_a_run_of_closing_brackets_is_read_in_linear_time() -> None:
+    """Each ``)`` past the URL's own was cut off one at a time and the whole path counted again: an
+    event of ``file:///`` and 128 000 ``)`` took 8 s for its paths and 16 s for a summary (hours at
+    the 4 MiB event limit: a poison event for every extractive job of its session)."""
+    from worker.extractive import _paths
+
+    started = time.monotonic()
+    assert _paths("see file:///srv/a.py" + ")" * 400_000 + ", ok.") == ["/srv/a.py"]
+    assert time.monotonic() - started < 5  # (quadratic: minutes; linear: milliseconds)
+    assert _paths("[x](file:///srv/notes_(draft).md)).") == ["/srv/notes_(draft).md"]
+
+
 def test_an_error_the_user_pasted_is_listed_with_the_tools_errors() -> None:
     """Only tool outputs were read: a user's pasted traceback gave Errors and Fixes ``None.``
     (SPEC §1: every error met, with the user's feedback)."""
