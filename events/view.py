@@ -537,15 +537,29 @@ def _mergeable(message: Message) -> bool:
 
 
 def _merge(messages: list[Message]) -> list[Message]:
-    """Merge adjacent user messages and adjacent plain assistant messages."""
+    """Merge adjacent user messages and adjacent plain assistant messages (each run's contents
+    joined once: added one at a time, 4 000 messages of 4 KB in one turn took 7 s a view)."""
     merged: list[Message] = []
+    run: list[Message] = []
     for message in messages:
-        if merged and _mergeable(message) and _mergeable(merged[-1]) and merged[-1]["role"] == message["role"]:
-            previous = merged[-1]
-            merged[-1] = {**previous, "content": previous["content"] + MERGE_SEPARATOR + message["content"]}
-        else:
-            merged.append(message)
+        if not (run and _mergeable(message) and message["role"] == run[0]["role"]):
+            _close(run, merged)
+            run = [message] if _mergeable(message) else []
+            if not run:
+                merged.append(message)
+            continue
+        run.append(message)
+    _close(run, merged)
     return merged
+
+
+def _close(run: list[Message], merged: list[Message]) -> None:
+    """Append a run of mergeable messages of one role as one message (the first's, its content the
+    run's joined)."""
+    if len(run) == 1:
+        merged.append(run[0])
+    elif run:
+        merged.append({**run[0], "content": MERGE_SEPARATOR.join(message["content"] for message in run)})
 
 
 def _summary_message(summary: Event) -> Message:
