@@ -744,6 +744,7 @@ def llm_pass(
     # into a summary of fewer turns, a rollback of those turns no longer hid its text, SPEC §4.1)
     earlier = [summary for summary in reversed(scan.earlier) if type(summary.get("uuid")) is str
                and _int(summary.get("lastSummarizedTurnId")) <= end_turn] if summarize else []
+    earlier_ids = {id(summary) for summary in earlier}  # (a search of the list per summary: 16 000 took 3 s)
     outputs = _Outputs(ctx, _merge_ranges(scan.compacts), micro=micro, before_turn=current - 1)
     min_chars = candidate_min_chars(ctx)
     tokens_of = _ElidedTokens(encoding)
@@ -800,7 +801,7 @@ def llm_pass(
                 kept_min = turn
         elif kind == "summary":
             uuid = event.get("uuid")
-            if summarize and isinstance(uuid, str) and (event is previous or any(event is e for e in earlier)):
+            if summarize and isinstance(uuid, str) and (event is previous or id(event) in earlier_ids):
                 continue  # replaced by the new summary
             others.append(uuid)
             kept += stamped_tokens(event, encoding)
