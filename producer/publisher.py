@@ -232,8 +232,7 @@ class Publisher:
         wait in the stream): a job for a session with no log fails ``SessionNotFound``, where the
         HTTP API's ``compact`` answers 404 first."""
         session_id = validate_session_id(session_id)
-        cwd = validate_cwd(cwd, new=True)  # (as the watcher checks it: a control character in it was
-        # published, then every entry dead-lettered)
+        cwd = validate_cwd(cwd)  # (no events come in: a session logged before the control-character rule is one)
         session_log_path(self.settings.data_dir, cwd, session_id)  # a cwd no log can live under: refused now
         if not forced:  # (a forced request checks the binding where it claims the session; a job under
             check_bound_cwd(self.redis, self.settings, session_id, cwd)  # another spelling only failed later)

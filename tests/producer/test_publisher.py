@@ -15,6 +15,7 @@ from compactor.keys import Keys
 from compactor.queue import parse_job_id, pending_job_id
 from events.config import Settings
 from events.errors import InvalidEvent, InvalidInput
+from events.log import session_log_path
 from events.models import AssistantEvent, UserEvent
 from producer.publisher import Publisher
 from producer.watcher import Watcher
@@ -249,6 +250,22 @@ def test_request_compaction_refuses_another_spelling_of_the_cwd_and_a_cwd_no_log
             publisher.request_compaction("s1", cwd, forced=forced)
         assert refused.value.field == "cwd"
     assert pending_job_id(r, settings, "s1") is None
+
+
+def test_a_session_logged_under_a_cwd_with_a_control_character_is_still_compacted_not_sent_events(
+        r: redis.Redis, settings: Settings) -> None:
+    """A cwd with a tab was valid before the control-character rule: its session's log stays
+    readable and compactable (by the API, the CLI and the publisher alike), though no event of it
+    can come in any more (the watcher refuses it, so the publisher does)."""
+    legacy = "/srv/proj\tlegacy"
+    path = session_log_path(settings.data_dir, legacy, "s1")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps({"type": "user", "turnId": 1, "content": "hi",
+                                   "uuid": "00000000-0000-4000-8000-000000000001"}) + b"\n")
+    publisher = Publisher(r, settings)
+    assert publisher.request_compaction("s1", legacy, forced=True)
+    with pytest.raises(InvalidEvent, match="control character"):
+        publisher.publish("s1", legacy, [user(2)])
 
 
 def test_publish_keeps_unknown_fields_whose_value_is_null(r: redis.Redis, settings: Settings) -> None:
