@@ -46,7 +46,7 @@ from events.log import SessionLog, first_time
 from events.models import TURN_SCOPED_TYPES
 from events.state import SessionState, fold, rebuild, rebuild_with_view, stored_state
 from events.tokens import TOKEN_COUNT_FIELD, TOKEN_ENCODING_FIELD, arguments_json, encoding_for_model, stamp
-from events.view import ContextView, extend_view
+from events.view import ContextView, VisibleTurns, extend_view
 
 logger = logging.getLogger(__name__)
 
@@ -511,7 +511,7 @@ class SessionStore:
                 taken = self.taken_uuids({session_id: fresh})[session_id]
             elif caught_up:  # looked up before the lock: a crashed writer's lines were not indexed then
                 taken.update(e["uuid"] for e in fresh if e.get("uuid") in caught_up)
-            needs_rebuild = self._admit(state, fresh, result, taken, lambda: self._replayed(log, known, result),
+            needs_rebuild = self._admit(state, fresh, result, taken, self._replayer(log, known, result),
                                         progress)
             if result.appended:
                 if guard is not None:
@@ -650,7 +650,7 @@ class SessionStore:
         turns after it are relative to what it leaves visible."""
         log = self.log(state.session_id, state.cwd)
         result = ApplyResult(state.copy(), before=state.prompt_estimate)
-        self._admit(result.state, list(events), result, set(taken), lambda: self._replayed(log, None, result),
+        self._admit(result.state, list(events), result, set(taken), self._replayer(log, None, result),
                     counted=False)
         return result.rejected
 
@@ -665,19 +665,22 @@ class SessionStore:
 
     def _admit(
         self, state: SessionState, events: list[dict[str, Any]], result: ApplyResult, taken: set[str],
-        replayed: Callable[[], SessionState], progress: Callable[[], None] | None = None, *, counted: bool = True,
+        replayed: Callable[[], VisibleTurns], progress: Callable[[], None] | None = None, *, counted: bool = True,
     ) -> bool:
         """Stamp and fold each acceptable event into ``state``; True when a rebuild is due.
 
         Once an event cannot be folded (a rollback, compact or summary: it changes
-        the past), ``state`` is left as it was, and the turn order of the events
-        after it is checked against ``replayed()``: the state of the log plus the
-        lines admitted so far, rebuilt, then folded on. So an event is refused or
-        not whatever batch it arrives in.
+        the past), ``state`` is left as it was. The turn order of the events is
+        checked against the currentTurnId as the batch goes; from a rollback on,
+        as ``replayed()`` keeps it: the visible turns of the log and of the lines
+        admitted so far, told each line admitted after (a rollback lowers it to
+        what it leaves visible). So an event is refused or not whatever batch it
+        arrives in.
         """
         needs_rebuild = False
-        order: SessionState | None = state  # the turn order's reference; None: replay it when needed
-        current: int | None = state.current_turn_id  # the currentTurnId so far; None: replay it when needed
+        order: SessionState | None = state  # folded while it can be; None: a rebuild is due
+        current = state.current_turn_id  # the currentTurnId so far
+        turns: VisibleTurns | None = None  # (from the first rollback on)
         ctx = self.settings.context
         # the session's encoding as each event comes (``events.state.fold``'s rule: a turn_end's model,
         # a session_meta's before any turn ended): a session_meta naming gpt-4o in the batch of turn 1
@@ -687,22 +690,19 @@ class SessionStore:
             try:
                 _check_unique(event, taken)
                 kind = event.get("type")
-                if kind in TURN_SCOPED_TYPES:
-                    if order is None:  # (a whole log recounted, when the model's encoding changed)
-                        order = _keeping_progress(replayed, progress)
-                    _check_turn_order(order, event)
-                elif kind in COVERING:  # (a compact or summary leaves the current turn as it was: no replay)
-                    if current is None:
-                        order = order if order is not None else _keeping_progress(replayed, progress)
-                        current = order.current_turn_id
+                if kind in COVERING:  # (a compact or summary leaves the current turn as it was)
                     check_covered_turns(current, event)
+                elif kind in TURN_SCOPED_TYPES:
+                    _check_turn_order(current, event)
             except InvalidEvent as e:
                 result.rejected.append((event, e))
                 continue
-            if kind == "rollback":
-                current = None
-            elif (current is not None and kind in TURN_SCOPED_TYPES
-                  and isinstance(turn := event.get("turnId"), int)):  # (on another kind: an unknown extra field)
+            if kind == "rollback" and turns is None:  # (the log read and its turns noted once: read and
+                turns = _keeping_progress(replayed, progress)  # rebuilt at each rollback, 128 took 26 s)
+            if turns is not None:
+                turns.add(event)
+                current = turns.current
+            elif kind in TURN_SCOPED_TYPES and isinstance(turn := event.get("turnId"), int):  # (``fold``'s rule)
                 current = max(current, turn + 1 if kind == "turn_end" else turn)
             if isinstance(uuid := event.get("uuid"), str):  # taken once admitted: a refused one's is free
                 taken.add(uuid)
@@ -722,12 +722,12 @@ class SessionStore:
                 order = None
         return needs_rebuild
 
-    def _replayed(self, log: SessionLog, known: list[dict[str, Any]] | None, result: ApplyResult) -> SessionState:
-        """The state of the log (``known``: its events, when the caller has them) plus the
-        lines admitted so far: rebuilt in memory, nothing written (call under the lock)."""
-        events = known if known is not None else log.read()
-        state = result.state
-        return rebuild(state.session_id, state.cwd, [*events, *result.appended], self.settings.context, 0)
+    @staticmethod
+    def _replayer(log: SessionLog, known: list[dict[str, Any]] | None,
+                  result: ApplyResult) -> Callable[[], VisibleTurns]:
+        """What returns the visible turns of the log (``known``: its events, when the caller has
+        them) and of the lines admitted so far (call under the lock)."""
+        return lambda: VisibleTurns([*(known if known is not None else log.read()), *result.appended])
 
     def _refuse_other_cwd(self, session_id: str, cwd: str, cached: SessionState | None, stored: Stored,
                           log: SessionLog, *, opens: bool = False) -> None:
@@ -868,9 +868,7 @@ def _first_session_meta(events: Iterable[dict[str, Any]]) -> dict[str, Any] | No
     return next((event for event in events if event.get("type") == "session_meta"), None)
 
 
-def _check_turn_order(state: SessionState, event: dict[str, Any]) -> None:
+def _check_turn_order(current: int, event: dict[str, Any]) -> None:
     turn = event.get("turnId")
-    if isinstance(turn, int) and turn < state.current_turn_id:
-        raise InvalidEvent(
-            "turnId", f"goes backwards: {turn} < currentTurnId {state.current_turn_id}"
-        )
+    if isinstance(turn, int) and turn < current:
+        raise InvalidEvent("turnId", f"goes backwards: {turn} < currentTurnId {current}")

@@ -45,7 +45,7 @@ appended, in one reverse and one forward pass; elided targets carry
 from __future__ import annotations
 
 import logging
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -666,6 +666,42 @@ def current_turn_id(events: list[Event]) -> int:
     """SPEC §3: the turn about to run (t + 1 after turn_end t, or a later turn in progress)."""
     scan = _scan(events)
     return _current_turn(scan.last_ended_turn, scan.max_turn)
+
+
+class VisibleTurns:
+    """``current_turn_id`` kept as events come, a rollback in O(what it hides): the visible turns
+    (distinct, ascending) and those ended. Built from a log's events once, then told each event
+    appended (its turns only grow, past the checks of turn order: an append each)."""
+
+    def __init__(self, events: list[Event]) -> None:
+        self.turns: list[int] = []
+        self.ended: list[int] = []
+        for event in events:
+            self.add(event)
+
+    def add(self, event: Event) -> None:
+        """One more event of the log: a turn seen, or a rollback hiding the turns it undoes."""
+        kind = event.get("type")
+        if kind in _TURN_SCOPED:
+            turn = event.get("turnId")
+            if type(turn) is int and turn > 0:  # (``_scan`` reads any other as 0: it counts for nothing)
+                _insert(self.turns, turn)
+                if kind == "turn_end":
+                    _insert(self.ended, turn)
+        elif kind == "rollback" and (through := _through(event)) is not _NO_ROLLBACK:
+            del self.turns[bisect_left(self.turns, through):]
+            del self.ended[bisect_left(self.ended, through):]
+
+    @property
+    def current(self) -> int:
+        return _current_turn(self.ended[-1] if self.ended else 0, self.turns[-1] if self.turns else 0)
+
+
+def _insert(turns: list[int], turn: int) -> None:
+    if not turns or turns[-1] < turn:
+        turns.append(turn)
+    elif turns[(at := bisect_left(turns, turn))] != turn:
+        turns.insert(at, turn)
 
 
 def session_model(events: list[Event]) -> str | None:
