@@ -1147,6 +1147,30 @@ def test_an_event_larger_than_a_chunk_is_cut_to_fit_the_window_whatever_its_text
         assert '"path":"a.txt"' in messages[1]["content"] and "-> tool call write_file(" in messages[1]["content"]
 
 
+def test_an_event_of_thousands_of_tool_calls_is_cut_in_a_few_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once the tries at cutting its texts failed, the cut shrank them by a tenth at a time, each
+    step rendered and counted: an event of 8 000 tool calls over its chunk was rendered 81 times
+    (6 s, in every job of its session)."""
+    from worker.compaction import CLIP_TRIES, _clipped
+
+    counts: list[int] = []
+    real = worker_compaction._rendered_tokens
+
+    def counted(event: dict[str, Any], encoding: str) -> int:
+        counts.append(1)
+        return real(event, encoding)
+
+    monkeypatch.setattr(worker_compaction, "_rendered_tokens", counted)
+    event = {"type": "assistant", "uuid": "a", "turnId": 1, "content": "c", "toolCalls": [
+        {"id": f"call_{n:06d}", "name": "read_file", "arguments": {"path": f"src/{n}/" + "y" * 60}}
+        for n in range(8_000)]}
+    clipped = _clipped(event, 100_000, "cl100k_base")
+    assert 0 < len(clipped["toolCalls"]) < 8_000 and clipped["tokenCount"] <= 100_000
+    assert len(counts) <= CLIP_TRIES + 1 + 13  # (the tries, the texts cut to nothing, the calls halved)
+
+
 def test_elided_targets_are_planned_at_their_shown_size_not_chunked(
     r: redis.Redis, settings: Settings, stub: LLMStub
 ) -> None:
