@@ -702,7 +702,7 @@ class SessionStore:
             if turns is not None:
                 turns.add(event)
                 current = turns.current
-            elif kind in TURN_SCOPED_TYPES and isinstance(turn := event.get("turnId"), int):  # (``fold``'s rule)
+            elif kind in TURN_SCOPED_TYPES and type(turn := event.get("turnId")) is int:  # (``fold``'s rule)
                 current = max(current, turn + 1 if kind == "turn_end" else turn)
             if isinstance(uuid := event.get("uuid"), str):  # taken once admitted: a refused one's is free
                 taken.add(uuid)
