@@ -704,3 +704,21 @@ def test_the_watchers_own_trims_and_deletions_of_read_entries_are_not_taken_for_
     drain(Watcher(r, small, name="w2"), r, small)
     assert r.xinfo_stream(stream)["max-deleted-entry-id"] == ids[-1].encode()
     assert unread_letters(r) == [] and dead_letters(r) == []
+
+
+def test_the_letter_of_an_entry_repeating_a_field_tens_of_thousands_of_times_is_built_in_linear_time() -> None:
+    """Each of the entry's fields was looked for in the list of its ``session``/``cwd``/``event``
+    fields: 80 000 ``event`` fields (a 720 KB entry) took minutes to letter, past the shard's lease,
+    before the ack: the entry was read again at each takeover and its shard stopped for good."""
+    import time
+
+    from producer.watcher.batch import BatchOutcome
+
+    fields = [b"session", b"s1", b"cwd", CWD.encode(), *[b"event", b"{}"] * 80_000, b"x", b"y"]
+    started = time.monotonic()
+    letter = BatchOutcome("compaction:events:0").letter("1-0", "field 'event' given 80000 times", fields)
+    assert time.monotonic() - started < 5  # (quadratic: minutes; linear: milliseconds)
+    flat = letter.fields
+    names = flat[:-6:2]
+    assert names[:3] == [b"session", b"cwd", b"event"] and len(names) == 1_000 + 1  # (and fieldsDropped)
+    assert flat[flat.index(b"fieldsDropped") + 1] == str(80_003 - 1_000).encode()
