@@ -263,6 +263,20 @@ def test_check_batch_refuses_a_repeated_uuid_and_a_turn_going_backwards() -> Non
     assert str(caught.value).startswith("events[1].turnId: goes backwards: 2 < currentTurnId 3")
 
 
+def test_check_batch_of_thousands_of_rollbacks_runs_in_linear_time() -> None:
+    """Each rollback copied the batch's visible turns and counted the current turn again: 20 000
+    events and 20 000 rollbacks (2 MB, under the body limit) held an API thread 19 s."""
+    import time
+
+    batch = [{"type": "user", "turnId": n} for n in range(1, 20_001)]
+    batch += [{"type": "rollback", "throughTurnId": 30_000}] * 20_000
+    started = time.monotonic()
+    check_batch([*batch, {"type": "user", "turnId": 20_000}])
+    assert time.monotonic() - started < 5  # (quadratic: ~20 s; linear: tens of milliseconds)
+    with pytest.raises(InvalidEvent, match=r"goes backwards: 2 < currentTurnId 3, reached at events\[2\]"):
+        check_batch([*batch[:4], {"type": "rollback", "throughTurnId": 4}, {"type": "user", "turnId": 2}])
+
+
 def test_check_batch_follows_the_current_turn_as_the_log_would() -> None:
     check_batch([{"type": "user", "turnId": 4}, {"type": "assistant", "turnId": 4}, {"type": "turn_end", "turnId": 4},
                  {"type": "user", "turnId": 6}, {"type": "rollback", "throughTurnId": 1},
