@@ -22,6 +22,7 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.measure import Measurement
 from rich.panel import Panel
+from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 from typer.core import TyperCommand
@@ -57,6 +58,7 @@ STATUS_COLUMNS = ("turn", "context", "tokens", "failures", "job", "last compacti
 NARROW_DROP_ORDER = ("last compaction", "context", "job", "turn", "tokens", "failures")  # to keep the session's
 UNCROPPED_COLUMNS = 10_000  # the table's width when stdout is no terminal: as wide as its content
 CONTENT_PREVIEW_CHARS = 600
+FULL_PANEL_CHARS = 100_000  # a message longer (``context --full``) is printed under a rule, not in a panel
 # RQ's statuses as an operator reads them: a job not yet running is "queued", whether RQ calls it
 # queued, created (a forced job waiting behind the session's pending job), deferred or scheduled.
 WAIT_WORDS = {"created": "queued", "deferred": "queued", "scheduled": "queued", "started": "running"}
@@ -241,7 +243,7 @@ def context(
                   f"currentTurnId [bold]{body.current_turn_id}[/]  "
                   f"messages {len(body.messages)}")
     for message in body.messages:
-        console.print(_message_panel(message, full))
+        _print_message(console, message, full)
 
 
 # C0 controls but the line break and the tab, DEL, C1: shown as escapes, never sent to the terminal
@@ -261,7 +263,12 @@ def one_line(text: str) -> str:
     return shown(text).replace("\t", "\\t").replace("\n", "\\n")
 
 
-def _message_panel(message: dict[str, Any], full: bool) -> Panel:
+_COLORS = {"system": "magenta", "user": "green", "assistant": "cyan", "tool": "yellow"}
+
+
+def _print_message(console: Console, message: dict[str, Any], full: bool) -> None:
+    """One message in a panel; a long one (``--full``) under a rule of its title instead, as it is
+    (in a panel rich laid out each of its lines: 1 million lines of an output took over 2 minutes)."""
     role = str(message.get("role", "?"))
     title = shown(role + (f" ({message['name']})" if message.get("name") else ""))
     lines = [str(message.get("content") or "")]
@@ -271,9 +278,13 @@ def _message_panel(message: dict[str, Any], full: bool) -> Panel:
     text = shown("\n".join(line for line in lines if line))
     if not full and len(text) > CONTENT_PREVIEW_CHARS:
         text = text[:CONTENT_PREVIEW_CHARS] + f" … (+{len(text) - CONTENT_PREVIEW_CHARS} chars)"
-    colors = {"system": "magenta", "user": "green", "assistant": "cyan", "tool": "yellow"}
+    color = _COLORS.get(role, "white")
+    if len(text) > FULL_PANEL_CHARS:
+        console.print(Rule(Text(title), align="left", style=color))
+        console.file.write(text + "\n")  # (no markup read, no wrapping: its control characters escaped)
+        return
     # (the title a Text too: a tool name is the agent's, and rich read ``tool[/]`` as markup and raised)
-    return Panel(Text(text), title=Text(title), title_align="left", border_style=colors.get(role, "white"))
+    console.print(Panel(Text(text), title=Text(title), title_align="left", border_style=color))
 
 
 def status(

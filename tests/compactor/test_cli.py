@@ -957,6 +957,25 @@ def test_context_rendered_for_humans(runner: CliRunner, tmp_path: Path) -> None:
     assert "promptEstimate 12" in result.stdout and "hello world" in result.stdout
 
 
+def test_context_full_prints_a_message_of_a_million_lines_under_its_title_in_linear_time(
+        runner: CliRunner, tmp_path: Path) -> None:
+    """In a panel rich laid out each line of the message: an output of 1 million short lines (a
+    2 MB event) took over a minute to print with ``--full``."""
+    import time
+
+    hand_written_log(tmp_path / "data")
+    path = SessionLog(tmp_path / "data", CWD, SID).path
+    path.write_text(path.read_text() + json.dumps(
+        {"type": "user", "uuid": "u2", "turnId": 2, "content": "a\n" * 1_000_000 + "[red]the end\x1b[2J"}) + "\n")
+    started = time.monotonic()
+    result = runner.invoke(app, ["context", SID, "--cwd", CWD, "--full", "--data-dir", str(tmp_path / "data")],
+                           env={"COLUMNS": "100"})
+    assert time.monotonic() - started < 20  # (in a panel: about a minute)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("a\n") >= 1_000_000 and "[red]the end\\x1b[2J" in result.stdout  # (as sent, escaped)
+    assert "user " in result.stdout and "hello world" in result.stdout
+
+
 @pytest.mark.parametrize("tool", ["tool[/]", "[red]evil"])
 def test_context_shows_a_tool_name_as_sent_not_as_markup(runner: CliRunner, tmp_path: Path, tool: str) -> None:
     """``tool[/]`` (a name the service accepts) made the panel's title raise rich's MarkupError;
