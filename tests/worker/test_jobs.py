@@ -2044,17 +2044,22 @@ def test_a_replacement_abandoned_in_turn_is_not_replaced(r: redis.Redis, wsettin
     assert wait_for_job(r, again, Keys().queue, 30).status == "failed"
 
 
+@pytest.mark.parametrize("past_its_time", [False, True], ids=["in its time", "past its time"])
 def test_a_forced_job_queued_before_the_failure_callback_is_replaced_and_job_timeouts_keep_their_words(
-    r: redis.Redis, wsettings: Settings,
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch, past_its_time: bool,
 ) -> None:
     """An upgrade's restart abandons forced jobs the release before queued, with no failure
-    callback: the janitor replaces them itself. And the timer under which it runs callbacks set
-    its message on RQ's JobTimeoutException for the whole process: every later job timeout of the
-    worker read "Task exceeded maximum timeout value (30 seconds)"."""
+    callback: the janitor replaces them itself (past its time too: a pass then fails the abandoned
+    jobs it found and leaves their claims to a later one, and such a job was never replaced). And
+    the timer under which it runs callbacks set its message on RQ's JobTimeoutException for the
+    whole process: every later job timeout of the worker read "(30 seconds)"."""
     from rq.timeouts import JobTimeoutException
 
+    from worker import runner
     from worker.runner import run_janitor
 
+    if past_its_time:
+        monkeypatch.setattr(runner, "JANITOR_PASS_S", 0.0)
     write_session(r, wsettings, "s1", 3)
     first = enqueue_forced_compaction(r, wsettings, "s1", CWD)
     r.hdel(Job.key_for(first), "failure_callback_name")  # (as the release before queued it)
@@ -2062,27 +2067,9 @@ def test_a_forced_job_queued_before_the_failure_callback_is_replaced_and_job_tim
     install(context := WorkerContext.build(wsettings, r))
     run_janitor(context)
     replacement = Job.fetch(first, connection=r).meta["requeuedAs"]
+    assert Job.fetch(first, connection=r).get_status() == JobStatus.FAILED
     assert compaction_queue(r, wsettings).job_ids == [replacement]
     assert str(JobTimeoutException("Task exceeded maximum timeout value (600 seconds)")).endswith("(600 seconds)")
-
-
-def test_a_forced_job_queued_before_the_failure_callback_is_replaced_past_the_janitors_time_too(
-    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Past its time a pass fails the abandoned jobs it found and leaves their claims to a later
-    pass: a job of the release before, with no callback, was failed and never replaced."""
-    from worker import runner
-    from worker.runner import run_janitor
-
-    monkeypatch.setattr(runner, "JANITOR_PASS_S", 0.0)
-    write_session(r, wsettings, "s1", 3)
-    first = enqueue_forced_compaction(r, wsettings, "s1", CWD)
-    r.hdel(Job.key_for(first), "failure_callback_name")  # (as the release before queued it)
-    _left_by_a_dead_worker(r, wsettings, first)
-    install(context := WorkerContext.build(wsettings, r))
-    run_janitor(context)
-    assert Job.fetch(first, connection=r).get_status() == JobStatus.FAILED
-    assert "requeuedAs" in Job.fetch(first, connection=r).meta
 
 
 def test_a_replacement_that_cannot_be_queued_leaves_no_record_to_follow(
@@ -2164,27 +2151,35 @@ def test_a_forced_job_failed_for_its_own_reason_is_not_replaced(
     assert compaction_queue(r, wsettings).count == 0
 
 
+def _a_backlog_before_a_dead_claim(r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+                                   live: int) -> WorkerContext:
+    """A janitor's batch of 3; ``live`` claims past the grace of jobs queued, not started (a
+    backlog), ``live0``... oldest first, then ``dead``'s, of a job long gone; a worker's context."""
+    from compactor import queue as queue_module
+    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
+    from worker import runner
+
+    monkeypatch.setattr(runner, "JANITOR_BATCH", 3)
+    monkeypatch.setattr(queue_module, "JANITOR_BATCH", 3)
+    old = redis_now(r) - STALE_CLAIM_GRACE_S - 10
+    for n in range(live):
+        job = enqueue_compaction(r, wsettings, f"live{n}", CWD, "micro")
+        assert job is not None
+        r.zadd(Keys().claims, {f"live{n}": old + n})
+    r.set(Keys().job("dead"), "00000000000000000001-llm-dead")
+    r.zadd(Keys().claims, {"dead": old + 5})
+    return WorkerContext.build(wsettings, r)
+
+
 def test_live_claims_filling_the_janitors_batch_do_not_hide_a_stale_one_behind_them(
     r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A pass looked at the oldest ``JANITOR_BATCH`` sessions each time: as many live claims older
     than the grace (a queue's backlog behind a slow LLM), or sessions whose look failed, hid every
     stale claim behind them for as long as they stayed. Each pass goes on past those it left."""
-    from compactor import queue as queue_module
-    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
-    from worker import runner
     from worker.runner import run_janitor
 
-    monkeypatch.setattr(runner, "JANITOR_BATCH", 3)
-    monkeypatch.setattr(queue_module, "JANITOR_BATCH", 3)
-    old = redis_now(r) - STALE_CLAIM_GRACE_S - 10
-    for n in range(3):  # live: queued, not started (a backlog)
-        job = enqueue_compaction(r, wsettings, f"live{n}", CWD, "micro")
-        assert job is not None
-        r.zadd(Keys().claims, {f"live{n}": old + n})
-    r.set(Keys().job("dead"), "00000000000000000001-llm-dead")  # the claim of a job long gone
-    r.zadd(Keys().claims, {"dead": old + 5})
-    context = WorkerContext.build(wsettings, r)
+    context = _a_backlog_before_a_dead_claim(r, wsettings, monkeypatch, live=3)
     for _ in range(2):
         r.delete(Keys().janitor)  # (the lock of the pass before)
         run_janitor(context)
@@ -2199,21 +2194,9 @@ def test_sessions_settled_before_the_janitors_place_do_not_make_it_skip_later_on
     """The place a pass went on from was a rank in the index: a session settled meanwhile before it
     (its job done) moved every later one back, and the next pass began past as many, a stale claim
     among them left until a pass wrapped around (with a backlog of thousands, minutes)."""
-    from compactor import queue as queue_module
-    from compactor.queue import STALE_CLAIM_GRACE_S, redis_now
-    from worker import runner
     from worker.runner import run_janitor
 
-    monkeypatch.setattr(runner, "JANITOR_BATCH", 3)
-    monkeypatch.setattr(queue_module, "JANITOR_BATCH", 3)
-    old = redis_now(r) - STALE_CLAIM_GRACE_S - 10
-    for n in range(4):  # live: queued, not started (a backlog)
-        job = enqueue_compaction(r, wsettings, f"live{n}", CWD, "micro")
-        assert job is not None
-        r.zadd(Keys().claims, {f"live{n}": old + n})
-    r.set(Keys().job("dead"), "00000000000000000001-llm-dead")  # the claim of a job long gone
-    r.zadd(Keys().claims, {"dead": old + 5})
-    context = WorkerContext.build(wsettings, r)
+    context = _a_backlog_before_a_dead_claim(r, wsettings, monkeypatch, live=4)
     run_janitor(context)  # live0..live2 looked at
     assert pending_job_id(r, wsettings, "dead") is not None
     r.zrem(Keys().claims, "live0", "live1")  # (their jobs done meanwhile)
