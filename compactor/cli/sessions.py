@@ -268,7 +268,7 @@ _COLORS = {"system": "magenta", "user": "green", "assistant": "cyan", "tool": "y
 
 def _print_message(console: Console, message: dict[str, Any], full: bool) -> None:
     """One message in a panel; a long one (``--full``) under a rule of its title instead, as it is
-    (in a panel rich laid out each of its lines: 1 million lines of an output took over 2 minutes)."""
+    (in a panel rich laid out each of its lines: 1 million lines of an output took about a minute)."""
     role = str(message.get("role", "?"))
     title = shown(role + (f" ({message['name']})" if message.get("name") else ""))
     lines = [str(message.get("content") or "")]
