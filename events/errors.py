@@ -72,7 +72,13 @@ class JobLost(CompactorError):
 
 
 class SummaryInvalid(CompactorError):
-    """The model's reply has no ``<summary>`` block with the 10 section headings in order."""
+    """The model's reply has no ``<summary>`` block with the 10 section headings in order.
+    ``layout``: refused for where its blocks are (none, or ambiguous), not for what its block
+    says (``worker.summarize.extract_summary`` reads such a reply again past a reasoning block)."""
+
+    def __init__(self, message: str, *, layout: bool = False) -> None:
+        super().__init__(message)
+        self.layout = layout
 
 
 class LLMUnavailable(CompactorError):

@@ -492,7 +492,7 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
     try:
         return _extracted(reply, user_messages)
     except SummaryInvalid as invalid:
-        if not isinstance(reply, str) or not str(invalid).startswith(_RETRIED_REFUSALS):
+        if not isinstance(reply, str) or not invalid.layout:  # (one refused for what its block says: as it is)
             raise
         tried: int | None = None  # (where the end tag tried last ends)
         # (asked of the reply once, not of each end's prefix: that, and each suffix read, made
@@ -514,7 +514,6 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
 
 
 _MAX_REASONING_ENDS = 8  # end tags tried at most (a reasoning block may name its own end tag, not thousands of times)
-_RETRIED_REFUSALS = ("ambiguous reply", "no <summary>")  # (a block refused for what it says is not read again)
 _REASONING_START = re.compile(r"\s*<(?:think|thinking|reasoning)>")
 _BLOCK_LINE = re.compile(r"^[ \t]*<(?:summary|analysis)>", re.MULTILINE)
 
@@ -541,14 +540,16 @@ def _extracted(reply: str, user_messages: bool) -> str:
         if start >= 0 and end > start:
             break
     else:
-        raise SummaryInvalid("no <summary>...</summary> block in the reply")
+        raise SummaryInvalid("no <summary>...</summary> block in the reply", layout=True)
     if any("</summary>" in other[other.find("<summary>"):] for other in parts if other is not rest and
            "<summary>" in other):  # (a whole block on each side of the analysis; a tag named is no block)
-        raise SummaryInvalid("ambiguous reply: a <summary> block on each side of the <analysis> block")
+        raise SummaryInvalid("ambiguous reply: a <summary> block on each side of the <analysis> block",
+                             layout=True)
     text = rest[start + len("<summary>"):end].strip().replace("\r\n", "\n")  # (CRLF: headings rewritten, bodies
     tag = _REPLY_TAG.search(text)  # kept their \r: a summary stored with both line endings)
     if tag is not None:
-        raise SummaryInvalid(f"ambiguous reply: the <summary> block holds a {tag.group()} tag of its own")
+        raise SummaryInvalid(f"ambiguous reply: the <summary> block holds a {tag.group()} tag of its own",
+                             layout=True)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate (a "\ud800" escape in the reply's JSON): no log can hold it
