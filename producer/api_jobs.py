@@ -22,6 +22,7 @@ import logging
 import re
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import anyio.to_thread
@@ -135,21 +136,19 @@ def wait_for_job(client: redis.Redis, job_id: str, queue: str, timeout_s: float)
     is followed to the one queued in its place (``requeued_as``): the body is its
     (or, when that one was never made, the abandoned job's own)."""
     deadline = time.monotonic() + timeout_s
-    followed, origin = 0, None
+    following = _Following(job_id)
     while True:
         try:
-            body = _polled(client, job_id, queue)
+            body = _polled(client, following.job_id, queue)
         except (redis.ConnectionError, redis.TimeoutError, JobLost) as e:  # (BusyLoadingError too: a restart's load)
-            if isinstance(e, JobLost) and origin is not None:
-                return origin  # (the replacement's id recorded, the replacement never made: an outage)
+            if isinstance(e, JobLost) and following.origin is not None:
+                return following.origin
             if time.monotonic() >= deadline:
                 raise
             time.sleep(OUTAGE_POLL_INTERVAL_S)
             continue
-        if body.requeued_as and followed < MAX_FOLLOWED:  # (abandoned: the job queued in its place answers)
-            job_id, followed, origin = body.requeued_as, followed + 1, body
+        if following.follows(body):
             continue
-        origin = None
         if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline:
             return body
         time.sleep(POLL_INTERVAL_S)
@@ -165,27 +164,45 @@ async def wait_for_job_async(client: redis.Redis, job_id: str, queue: str, timeo
     202 with the job id, as for any wait that ran out. ``JobLost`` past the deadline only."""
     deadline = time.monotonic() + timeout_s
     last = JobBody(job_id=job_id, status=JobStatus.QUEUED.value)
-    followed, origin = 0, None
+    following = _Following(job_id)
     while True:
         try:
-            body = await anyio.to_thread.run_sync(_polled, client, job_id, queue)
+            body = await anyio.to_thread.run_sync(_polled, client, following.job_id, queue)
         except (redis.ConnectionError, redis.TimeoutError, JobLost) as e:
-            if isinstance(e, JobLost) and origin is not None:
-                return origin  # (the replacement's id recorded, the replacement never made: an outage)
+            if isinstance(e, JobLost) and following.origin is not None:
+                return following.origin
             if time.monotonic() >= deadline and isinstance(e, JobLost):
                 raise
             if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
                 return last
             await asyncio.sleep(OUTAGE_POLL_INTERVAL_S)
             continue
-        if body.requeued_as and followed < MAX_FOLLOWED:  # (abandoned: the job queued in its place answers)
-            job_id, followed, origin = body.requeued_as, followed + 1, body
-            last = JobBody(job_id=job_id, status=JobStatus.QUEUED.value)
+        if following.follows(body):
+            last = JobBody(job_id=following.job_id, status=JobStatus.QUEUED.value)
             continue
-        last, origin = body, None
+        last = body
         if body.status in TERMINAL_STATUSES or time.monotonic() >= deadline or (stop is not None and stop.is_set()):
             return body
         await asyncio.sleep(POLL_INTERVAL_S)
+
+
+@dataclass
+class _Following:
+    """The job a wait polls: a forced job abandoned mid-run is followed to the one queued in its
+    place (``MAX_FOLLOWED`` at most). ``origin``: the abandoned job last followed, until its
+    replacement is seen (one recorded but never made, an outage's: the wait answers with it)."""
+
+    job_id: str
+    followed: int = 0
+    origin: JobBody | None = None
+
+    def follows(self, body: JobBody) -> bool:
+        """Whether ``body`` was replaced: the wait polls its replacement next."""
+        if body.requeued_as and self.followed < MAX_FOLLOWED:
+            self.job_id, self.followed, self.origin = body.requeued_as, self.followed + 1, body
+            return True
+        self.origin = None
+        return False
 
 
 def _polled(client: redis.Redis, job_id: str, queue: str) -> JobBody:
