@@ -143,7 +143,7 @@ RedisDep = Annotated[redis.Redis, Depends(get_redis)]
 CwdQuery = Annotated[str, Query(description="absolute working directory of the session")]
 IdempotencyKey = Annotated[str | None, Header(
     alias="Idempotency-Key", description="the events without a uuid get one derived from this key, their "
-    "index and their content (timestamp aside): the same batch sent again with the same key (a retry) is "
+    "index and the batch's content (timestamps aside): the same batch sent again with the same key (a retry) is "
     "applied once, and another batch under a key used before is not taken for it",
     json_schema_extra={"minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"})]  # (checked by the Publisher)
 

@@ -126,8 +126,10 @@ class Publisher:
                                          f"them, not {type(events).__name__}")
         else:
             batch = list(events)
-        encoded = [self._encode(session_id, cwd, event, index, idempotency_key) for index, event in enumerate(batch)]
-        wires = tuple(wire for wire, _ in encoded)
+        wires = tuple(self._wire(session_id, cwd, event, index) for index, event in enumerate(batch))
+        key_digest = None if idempotency_key is None else batch_digest(wires)
+        encoded = [self._encode(session_id, wire, index, idempotency_key, key_digest)
+                   for index, wire in enumerate(wires)]
         check_batch(wires)
         return PreparedBatch(session_id, cwd, self.keys.stream_for(session_id),
                              tuple(payload for _, payload in encoded), wires)
@@ -247,28 +249,35 @@ class Publisher:
                 after = self._last_ids.get(session_id)
         return enqueue_compaction(self.redis, self.settings, session_id, cwd, "llm", forced=forced, after=after)
 
-    def _encode(self, session_id: str, cwd: str, event: object, index: int,
-                idempotency_key: str | None) -> tuple[dict[str, Any], bytes]:
-        """The event as sent and the entry's ``event`` field: validated, identity fields checked
-        and dropped, size-limited."""
+    def _wire(self, session_id: str, cwd: str, event: object, index: int) -> dict[str, Any]:
+        """The event as sent: validated, its identity fields checked and dropped (no uuid added)."""
         try:
             data = _as_data(event)
             check_json(data)  # orjson would write NaN as null
             wire = to_wire(parse_event(data))
             _check_identity(wire, session_id, cwd)
-            # (the watcher would derive one from the entry id: a resent entry has another id, so the
-            # resent copy was applied as a second event)
-            if wire.get("uuid") is None:  # (none, or null: the watcher would derive one from the entry id)
-                wire["uuid"] = str(uuid.uuid4() if idempotency_key is None else
-                                   keyed_uuid(session_id, idempotency_key, index, wire))
-            payload = orjson.dumps(wire)
         except InvalidInput as e:
             raise e.at(index) from e
+        if wire.get("uuid") is None:  # (none, or null: the watcher would derive one from the entry id)
+            wire.pop("uuid", None)
+        return wire
+
+    def _encode(self, session_id: str, wire: dict[str, Any], index: int, idempotency_key: str | None,
+                key_digest: str | None) -> tuple[dict[str, Any], bytes]:
+        """The event as sent, a uuid given when it has none, and the entry's ``event`` field,
+        size-limited. ``key_digest``: the batch's ``batch_digest`` when it is sent under a key."""
+        added = "uuid" not in wire  # (46 bytes the watcher reads too)
+        # (the watcher would derive one from the entry id: a resent entry has another id, so the
+        # resent copy was applied as a second event)
+        if added:
+            wire["uuid"] = str(uuid.uuid4() if idempotency_key is None or key_digest is None else
+                               keyed_uuid(session_id, idempotency_key, index, key_digest))
+        try:
+            payload = orjson.dumps(wire)
         except TypeError as e:  # orjson: a value JSON cannot hold
-            raise InvalidEvent("event", f"is not JSON-serialisable: {e}", index) from e
+            raise _unwritable(e, index) from e
         limit = self.settings.limits.max_event_bytes
         if len(payload) > limit:  # (as JSON: its escapes counted, a text's line breaks two bytes each)
-            added = not (isinstance(data, dict) and data.get("uuid"))  # (46 bytes the watcher reads too)
             by_uuid = added and len(payload) - len(f',"uuid":"{wire["uuid"]}"') <= limit
             raise InvalidEvent("event", f"is {len(payload)} bytes as JSON, more than limits.maxEventBytes ({limit})"
                                + (" with the uuid it was given" if by_uuid else ""), index)
@@ -282,14 +291,38 @@ BOUND_TTL_S = 600  # how long a session's first published cwd is kept for the AP
 LAST_IDS_KEPT = 10_000  # sessions whose last sent stream id a publisher remembers (the newest)
 
 
-def keyed_uuid(session_id: str, key: str, index: int, wire: dict[str, Any]) -> uuid.UUID:
-    """The uuid of the event at ``index`` of a batch sent under idempotency ``key``: derived from the
-    key, the index and the event's content (its ``timestamp`` left out: a retry may stamp it again),
-    so a resent batch gets the same uuids (applied once), and a key reused for another batch (one
-    per turn, say) other ones: derived from the key and the index alone, that batch was dropped as
-    duplicates of the first, after ``publish`` had returned its stream ids."""
-    content = {name: value for name, value in wire.items() if name not in ("uuid", "timestamp")}
-    digest = hashlib.sha256(orjson.dumps(content, option=orjson.OPT_SORT_KEYS)).hexdigest()
+def batch_digest(wires: Sequence[dict[str, Any]]) -> str:
+    """The hex sha256 of a batch's events as written to the stream, in order, without their
+    ``timestamp`` (a retry may stamp them again) and without the uuids given to them
+    (``keyed_uuid``): compact JSON with sorted keys, one event per line."""
+    digest = hashlib.sha256()
+    for index, wire in enumerate(wires):
+        content = {name: value for name, value in wire.items() if name != "timestamp"}
+        try:
+            digest.update(orjson.dumps(content, option=orjson.OPT_SORT_KEYS) + b"\n")
+        except TypeError as e:  # orjson: a value JSON cannot hold
+            raise _unwritable(e, index) from e
+    return digest.hexdigest()
+
+
+MAX_JSON_DEPTH = 254  # the most nested objects and lists orjson writes (its recursion limit past it)
+
+
+def _unwritable(error: TypeError, index: int) -> InvalidEvent:
+    """orjson's refusal to write an event, named: "Recursion limit reached" says no limit."""
+    if "Recursion limit" in str(error):
+        return InvalidEvent("event", f"is nested too deeply to be written as JSON ({MAX_JSON_DEPTH} levels at most)",
+                            index)
+    return InvalidEvent("event", f"is not JSON-serialisable: {error}", index)
+
+
+def keyed_uuid(session_id: str, key: str, index: int, digest: str) -> uuid.UUID:
+    """The uuid of the event at ``index`` of a batch sent under idempotency ``key``, whose
+    ``batch_digest`` is ``digest``: a resent batch gets the same uuids (applied once), and a key
+    reused for another batch (one per turn, say) other ones, for all its events. (Derived from the
+    key and the index alone, that batch was dropped as duplicates of the first, after ``publish``
+    had returned its stream ids; from each event's own content, an event of the second batch equal
+    to the first's at the same place, a user's "yes", was.)"""
     return uuid.uuid5(uuid.NAMESPACE_URL, f"compactor:{session_id}:{key}:{index}:{digest}")
 
 

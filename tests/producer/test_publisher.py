@@ -386,6 +386,28 @@ def test_an_asyncio_client_is_refused_when_the_publisher_is_made(settings: Setti
         Publisher(redis.asyncio.Redis.from_url(settings.redis.url), settings)
 
 
+def test_a_key_reused_for_another_batch_gives_all_its_events_new_uuids(r: redis.Redis, settings: Settings) -> None:
+    """A key reused for another batch whose first event equals the first batch's (a user's "yes"
+    in the same turn): each uuid was derived from its own event's content, so that event got the
+    first batch's uuid and the second "yes" was dropped as its duplicate, half the batch lost."""
+    publisher = Publisher(r, settings)
+    assistant = {"type": "assistant", "turnId": 1}
+    first = publisher.publish("s1", CWD, [user(1, "yes"), {**assistant, "content": "ok 1"}], idempotency_key="t1")
+    again = publisher.publish("s1", CWD, [user(1, "yes"), {**assistant, "content": "ok 1"}], idempotency_key="t1")
+    other = publisher.publish("s1", CWD, [user(1, "yes"), {**assistant, "content": "ok 2"}], idempotency_key="t1")
+    sent = [orjson.loads(e[b"event"])["uuid"] for e in entries(r, settings, "s1")]
+    assert len(first) == len(again) == len(other) == 2
+    assert sent[:2] == sent[2:4] and not set(sent[4:]) & set(sent[:4])  # the retry the same; the other batch new
+    drain(Watcher(r, settings, name="w"), r, settings)
+    assert [line.get("content") for line in log_lines(settings, "s1")] == ["yes", "ok 1", "yes", "ok 2"]
+    # an event too deep for the encoder: the error says so, and its limit (orjson said "Recursion limit reached")
+    deep: Any = "x"
+    for _ in range(300):
+        deep = [deep]
+    with pytest.raises(InvalidEvent, match=r"^events\[1\]\.event: is nested too deeply to be written as JSON \(254"):
+        publisher.publish("s1", CWD, [user(2, "a"), {**user(2, "b"), "extra": deep}], idempotency_key="t2")
+
+
 def test_end_turn_under_an_idempotency_key_is_applied_once_when_retried(r: redis.Redis, settings: Settings) -> None:
     """A retried ``end_turn`` (a lost reply) was a second ``turn_end`` with a random uuid, dead-lettered
     as "turnId goes backwards"; under its key it is the same event, dropped as a resend."""
