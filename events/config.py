@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import difflib
 import functools
+import contextlib
 import hashlib
+import ipaddress
 import logging
 import math
 import os
@@ -39,7 +41,7 @@ from pydantic_core import ErrorDetails
 from redis import ConnectionPool, RedisError
 
 from events.errors import InvalidConfig
-from events.models import MAX_CONTEXT_WINDOW
+from events.models import MAX_CONTEXT_WINDOW, text_problem
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,19 @@ class _Section(BaseModel):
         if isinstance(value, bool) and info.field_name is not None \
                 and cls.model_fields[info.field_name].annotation in (int, float):
             raise ValueError("must be a number, not true/false")
+        return value
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """A string (or a list's) with a lone surrogate (``"\\ud800"`` in YAML; a byte not UTF-8 in an
+        environment variable, which Python reads as one) is refused at load: taken, it failed where it
+        was used, a token's every request a 500, a model's every job a transient failure."""
+        if isinstance(value, str) and (problem := text_problem(value)) is not None:
+            raise ValueError(problem)
+        for index, item in enumerate(value if isinstance(value, (list, tuple)) else ()):
+            if isinstance(item, str) and (problem := text_problem(item)) is not None:
+                raise ValueError(f"item {index}: {problem}")
         return value
 
 
@@ -252,13 +267,14 @@ def _check_redis_url(url: str) -> None:
         # (a password holding '#' ends the netloc there: its head was read, and shown, as the port)
         cut = "@" not in parts.netloc and ("@" in url or "#" in url)
         _check_port(parts.netloc.rpartition("@")[2].rpartition("]")[2].partition(":")[2], cut)
+        _check_host(parts.hostname or "")
     in_query = parse_qs(parts.query).get("db", [])
     in_path = [] if parts.scheme == "unix" else [unquote(parts.path).strip("/")]  # redis://host/2
     for db in in_query or in_path:  # as redis-py: ?db= wins over the path
         if db and not (db.isascii() and db.isdigit()):  # ("²" is a digit to isdigit, not to int)
             raise ValueError(f"the database must be a number, not {db!r}")
     try:  # the query's other settings (socket_timeout=, ...), as redis-py reads them; nothing connects
-        ConnectionPool.from_url(url).make_connection()
+        connection = ConnectionPool.from_url(url).make_connection()
     except ValueError as e:  # "Invalid value for 'socket_timeout' in connection URL."
         raise ValueError(str(e).rstrip(".")) from None
     except TypeError as e:  # "...__init__() got an unexpected keyword argument 'ssl_cert_reqs'"
@@ -266,6 +282,27 @@ def _check_redis_url(url: str) -> None:
         raise ValueError(f"the query setting {name} is not one a {parts.scheme}:// connection takes") from None
     except RedisError as e:  # "Invalid SSL Certificate Requirements Flag", "protocol must be either 2 or 3"
         raise ValueError(f"a query setting is refused: {e}") from None
+    for name in ("socket_timeout", "socket_connect_timeout"):  # (read as any float: the socket refused
+        # -1, nan or inf at the first command, a traceback from every command)
+        seconds = getattr(connection, name, None)
+        if seconds is not None and not (math.isfinite(seconds) and 0 < seconds <= DAY_S):
+            raise ValueError(f"the query setting {name} must be a number of seconds over 0 and at most "
+                             f"{DAY_S}, not {seconds}")
+
+
+def _check_host(host: str) -> None:
+    """ValueError when ``host`` (of a URL) is no IP address and no name a resolver is asked for: an
+    empty label (``a..b``) or one over 63 characters failed at the first command, with a traceback."""
+    if not host:
+        return
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host.partition("%")[0])  # (an IPv6 one may name its interface: fe80::1%eth0)
+        return
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        raise ValueError(f"the host {host!r} is not a host name (an empty label, or one over 63 characters)") \
+            from None
 
 
 def _check_port(port: str, cut: bool) -> None:

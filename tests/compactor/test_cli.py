@@ -185,6 +185,8 @@ def test_a_stop_signal_while_the_command_line_loads_exits_as_later_without_a_tra
     ("context:\n  compactableTools: [read_file, ' run_tests']\n",
      "context.compactableTools: item 1: ' run_tests' has spaces around it: write 'run_tests'"),
     ("context:\n  compactableTools: ['']\n", "context.compactableTools: item 0 is empty"),
+    ('api:\n  allowedHosts: ["a.example", "b\\ud800"]\n', "api.allowedHosts: item 1: contains a lone surrogate "
+                                                          "(\\ud800 at character 1)"),
     # a typo was a bare "unknown key"
     ("context:\n  compactionThreshhold: 0.5\n",
      "context.compactionThreshhold: unknown key (did you mean compactionThreshold?)"),
@@ -541,6 +543,14 @@ def test_bad_env_override_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
     ("unix://", "redis.url{src}: a unix:// URL needs the socket's absolute path (unix:///path/redis.sock)"),
     ("unix://relative.sock", "redis.url{src}: a unix:// URL needs the socket's absolute path "
                              "(unix:///path/redis.sock)"),
+    # loaded, then every command died at its first Redis call with a traceback (a UnicodeError from
+    # the resolver; the socket's ValueError), and ``compact`` printed no CompressResult line
+    ("redis://a..b:6379", "redis.url{src}: the host 'a..b' is not a host name (an empty label, or one over 63 "
+                          "characters)"),
+    ("redis://:s3cret@h/0?socket_timeout=-1", "redis.url{src}: the query setting socket_timeout must be a number "
+                                              "of seconds over 0 and at most 86400, not -1.0"),
+    ("redis://h?socket_connect_timeout=nan", "redis.url{src}: the query setting socket_connect_timeout must be a "
+                                             "number of seconds over 0 and at most 86400, not nan"),
 ])
 @pytest.mark.parametrize("source", ["file", "--redis-url", "REDIS_URL"])
 def test_a_bad_redis_url_is_one_line_and_exit_2_naming_where_it_came_from(
@@ -567,7 +577,8 @@ def test_a_bad_redis_url_is_one_line_and_exit_2_naming_where_it_came_from(
 
 @pytest.mark.parametrize("url", ["redis://h", "rediss://user:pw@h:6380/2", "redis://[::1]:6379?db=3",
                                  "unix:///tmp/r.sock?db=0", "redis://h:6379/", "redis://h?socket_timeout=2.5",
-                                 "rediss://h?ssl_cert_reqs=none"])
+                                 "rediss://h?ssl_cert_reqs=none", "redis://[fe80::1%25eth0]:6379",
+                                 "redis://m\u00fcnchen.example:6379", "redis://cafe.be"])
 def test_a_good_redis_url_loads(tmp_path: Path, url: str) -> None:
     from events.config import load_settings
 
@@ -579,6 +590,12 @@ def test_a_good_redis_url_loads(tmp_path: Path, url: str) -> None:
     ("COMPACTION_API_PORT", "abc", "api.port (from COMPACTION_API_PORT): Input should be a valid integer"),
     ("COMPACTION_WORKERS", "0", "worker.count (from COMPACTION_WORKERS): Input should be greater than or equal to 1"),
     ("COMPACTION_DATA_DIR", " ", "dataDir (from COMPACTION_DATA_DIR): must not be empty"),
+    # a byte not UTF-8 in a variable, which Python reads as a lone surrogate: loaded, every request
+    # sending a token (the right one too) was a 500, and every LLM job of that model failed
+    ("COMPACTION_API_TOKEN", "ab\udcff", "api.token (from COMPACTION_API_TOKEN): contains a lone surrogate "
+                                         "(\\udcff at character 2)"),
+    ("COMPACTION_MODEL", "openai/m\udcff", "context.compactionModel (from COMPACTION_MODEL): contains a lone"),
+    ("REDIS_URL", "redis://us\udcffer@h", "redis.url (from REDIS_URL): contains a lone surrogate"),
 ])
 def test_a_bad_environment_variable_is_named(runner: CliRunner, tmp_path: Path, var: str, value: str,
                                              why: str) -> None:
