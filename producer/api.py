@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import anyio.to_thread
 import orjson
@@ -435,7 +436,8 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
     if job.status == "finished" and job.result is not None:
         response.headers[JOB_ID_HEADER] = job_id
         if job.llm_error is not None:
-            response.headers[LLM_ERROR_HEADER] = f"{job.llm_error.kind}; fallback={job.llm_error.fallback}"
+            fallback = _header_text(job.llm_error.fallback)
+            response.headers[LLM_ERROR_HEADER] = f"{job.llm_error.kind}; fallback={fallback}"
         return job.result
     if job.error is not None:  # the job id in the header too, as on a 200: GET /api/jobs/{id} has the rest
         status, code = _job_failure_status(job.error)
@@ -445,6 +447,13 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
         return error_response(status, f"compaction job {job_id} {job.status}: {error_message(job.error)}{applied}", code,
                               headers={JOB_ID_HEADER: job_id})
     return _accepted(job_id)
+
+
+def _header_text(text: str) -> str:
+    """``text`` as a header value can hold it: percent-encoded (RFC 3986) past printable ASCII, and
+    its ``%``. (A fallback model named ``openai/模型`` made the 200 of a compaction that had been
+    appended a 500, no job id in it: Starlette writes header values as Latin-1.)"""
+    return quote(text, safe="".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%"))
 
 
 # A forced job that failed before any LLM call answers as the other session routes do for the

@@ -870,6 +870,27 @@ def test_compact_answered_by_the_fallback_says_which_llm_failure_it_answered_for
     assert job["llmError"]["model"] == STUB_MODEL and "error" not in job
 
 
+def test_compact_answered_by_a_fallback_named_past_latin_1_is_a_200_its_name_percent_encoded(
+        r: redis.Redis, api_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header carried the model's name raw: Starlette writes header values as Latin-1, and the
+    compaction, appended, was answered 500 without its job id (a retry compacted again)."""
+    from compactor.llm_stub import StubResponse
+
+    settings = with_context(api_settings, compaction_model=STUB_MODEL, llm_timeout_seconds=5.0,
+                            fallback_model="openai/\u6a21\u578b%")
+    write_session(r, settings, 3)
+    with LLMStub() as stub, TestClient(create_app(settings, redis=r)) as test_client:
+        monkeypatch.setenv("OPENAI_API_BASE", stub.base_url)
+        monkeypatch.setenv("OPENAI_API_KEY", "sk-stub")
+        stub.script(StubResponse(status=429))  # the compaction model's call; the fallback's answered
+        response = post_while_working(test_client, r, settings, f"/api/sessions/{SID}/compact", {"cwd": CWD})
+        assert response.status_code == 200 and response.json()["didCompress"] is True
+        assert response.headers["X-Compactor-LLM-Error"] == "transient; fallback=openai/%E6%A8%A1%E5%9E%8B%25"
+        job = test_client.get(f"/api/jobs/{response.headers['X-Compactor-Job-Id']}").json()
+    assert job["llmError"]["fallback"] == "openai/\u6a21\u578b%"  # (the JSON as it is)
+    assert [request.body["model"] for request in stub.requests] == ["stub-model", "\u6a21\u578b%"]
+
+
 def test_compact_times_out_into_202(r: redis.Redis, api_settings: Settings) -> None:
     settings = with_api(api_settings, job_wait_seconds=0.3)
     write_session(r, settings, 3)
