@@ -4,4 +4,20 @@
 modules here are the small shared vocabulary between producer and worker.
 """
 
+import os
+from typing import TextIO
+
 __version__ = "0.1.0"
+
+
+def write_or_drop(stream: TextIO, text: str) -> None:
+    """``text`` written to ``stream`` and flushed; when its reader is gone (EPIPE), dropped, and
+    ``stream``'s file pointed at /dev/null, so neither a later write nor the flush at exit fails
+    ("Exception ignored ... BrokenPipeError", a traceback, exit 1 or 120) (Python's recipe)."""
+    try:
+        stream.write(text)
+        stream.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)

@@ -12,6 +12,8 @@ import signal
 import sys
 from typing import Any
 
+from compactor import write_or_drop
+
 _EARLY_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # (SIGINT is Python's KeyboardInterrupt already)
 _NOTHING_COMPACTED = '{"didCompress":false,"released":0,"promptEstimate":0}'
 
@@ -38,7 +40,7 @@ def main() -> None:
         run()
     except KeyboardInterrupt:  # (before a command took over the signals: most often while importing)
         if not started and _command() == "compact":
-            print(_NOTHING_COMPACTED, flush=True)
+            write_or_drop(sys.stdout, _NOTHING_COMPACTED + "\n")
         raise SystemExit(128 + received[0] if received else 130) from None
 
 

@@ -53,6 +53,7 @@ import psutil
 import redis
 import yaml
 
+from compactor import write_or_drop
 from compactor.embedded import OWNER_LOCK_FILE, EmbeddedRedis
 from compactor.logging import json_configured
 from compactor.urls import listening_url, redacted
@@ -619,4 +620,4 @@ def announce(message: str, level: int = logging.INFO) -> None:
     if json_configured():
         logger.log(level, "%s", message)
     else:
-        print(f"compactor serve: {message}", file=sys.stderr, flush=True)
+        write_or_drop(sys.stderr, f"compactor serve: {message}\n")  # (its reader gone: serve stops all the same)

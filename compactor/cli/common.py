@@ -37,6 +37,8 @@ from events.errors import CompactorError, InvalidConfig, InvalidInput
 
 logger = logging.getLogger(__name__)
 
+# click's UsageError (of the click typer vendors since 0.22, or of click itself before)
+UsageError: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 LOG_FORMAT_ENV = "COMPACTION_LOG_FORMAT"
@@ -376,5 +378,7 @@ def user_errors() -> Iterator[None]:
 
 
 def print_json(data: Any) -> None:
-    """One line of JSON on stdout."""
-    typer.echo(json.dumps(data, ensure_ascii=False, separators=(",", ":")))
+    """One line of JSON on stdout, in ASCII: every other character escaped (``\\u009b``), so no
+    control character of a session's text (C1's CSI, a right-to-left override) reaches a terminal
+    raw, and any stdout encoding writes it (latin-1 failed on the first CJK character)."""
+    typer.echo(json.dumps(data, ensure_ascii=True, separators=(",", ":")))

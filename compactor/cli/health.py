@@ -23,17 +23,19 @@ import socket
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 from urllib.parse import urlsplit
 
 import redis
 import typer
+from typer.core import TyperCommand
 
 from compactor.cli.common import (
     ConfigOpt,
     DataDirOpt,
     JsonOpt,
     RedisUrlOpt,
+    UsageError,
     load,
     print_json,
 )
@@ -184,6 +186,28 @@ def _quiet_load(config: Path | None, redis_url: str | None, data_dir: Path | Non
             return load(config, redis_url=redis_url, data_dir=data_dir)
     except typer.Exit:
         return said.getvalue().strip().removeprefix("compactor: ") or "the configuration does not load"
+
+
+class HealthCommand(TyperCommand):
+    """``health``'s command: with ``--check``, its command line refused (an unknown option, an empty
+    ``--config`` or ``--data-dir``) is unhealthy too, exit 1, silently (``--json``: the report says
+    why): it exited 2, which Docker reserves, with a message."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        own = args[:args.index("--")] if "--" in args else list(args)  # (click's parser takes args up)
+        if "--check" not in own:
+            return super().parse_args(ctx, args)
+        said = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(said):  # (an option's own check says why there: ``fail``)
+                return super().parse_args(ctx, args)
+        except typer.Exit as e:
+            if not e.exit_code:  # (--help)
+                raise
+            error = said.getvalue().strip().removeprefix("compactor: ") or "the command line is refused"
+        except UsageError as e:
+            error = str(e)
+        _unhealthy_at_once("--json" in own, "options", error)
 
 
 def _unhealthy_at_once(json_out: bool, name: str, error: str) -> NoReturn:

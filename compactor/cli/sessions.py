@@ -32,6 +32,7 @@ from compactor.cli.common import (
     DataDirOpt,
     JsonOpt,
     RedisUrlOpt,
+    UsageError,
     connect,
     err_console,
     fail,
@@ -113,10 +114,11 @@ def compact(
                 except (redis.ConnectionError, redis.TimeoutError) as e:  # (still down at the deadline)
                     raise CompactorError(f"Redis unreachable: {e}; compaction job {job_id} was queued and may "
                                          f"still run: see GET /api/jobs/{job_id}") from e
-    except (typer.Exit, KeyboardInterrupt):
+    except (typer.Exit, KeyboardInterrupt, Exception):
         # SPEC §7: the CompressResult JSON is always the last line, when no job could run too (a bad
         # session id, no such session, Redis unreachable, a bad config: the reason is on stderr), and
-        # when the command is stopped (Ctrl-C, SIGTERM: a `timeout` around it) before its job ended
+        # when the command is stopped (Ctrl-C, SIGTERM: a `timeout` around it) before its job ended;
+        # and after an error no one foresaw (its traceback follows on stderr)
         print_json(_nothing_compacted(client, settings, session, cwd))
         raise
     if job.status == "finished" and job.result is not None:
@@ -144,10 +146,6 @@ def compact(
         fail(f"compaction job {job_id} {job.status}: {shown(error_message(job.error))}")  # (a provider's text)
     fail(f"compaction job {job_id} still {WAIT_WORDS.get(job.status, job.status)} after {wait_s:g}s; "
          f"see GET /api/jobs/{job_id}")
-
-
-# click's UsageError (of the click typer vendors since 0.22, or of click itself before)
-UsageError: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
 
 
 class CompactCommand(TyperCommand):

@@ -993,6 +993,34 @@ def test_context_full_prints_a_message_of_a_million_lines_under_its_title_in_lin
     assert "user " in result.stdout and "hello world" in result.stdout
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["context", SID, "--cwd", CWD], ["context", SID, "--cwd",
+                                  CWD, "--json"], ["health", "--json", "--redis-url", "redis://127.0.0.1:1"]])
+def test_output_to_a_closed_pipe_ends_the_command_with_141_silently(tmp_path: Path, args: list[str]) -> None:
+    """``compactor context ... | head -1``: typer's and rich's handling of EPIPE exit 1 silently,
+    which says Redis was unreachable or the session unknown; a Unix tool stops at SIGPIPE (141)."""
+    hand_written_log(tmp_path / "data")
+    process = subprocess.Popen([sys.executable, "-m", "compactor", *args, *(
+        ["--data-dir", str(tmp_path / "data")] if args[0] in ("context", "health") else [])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert process.stdout is not None
+    process.stdout.close()  # (before it writes: its import alone takes longer)
+    _, err = process.communicate(timeout=60)
+    assert (process.returncode, err) == (141, b"")
+
+
+def test_json_output_is_ascii_with_every_other_character_escaped(runner: CliRunner, tmp_path: Path) -> None:
+    """C1 controls (CSI, U+009B), DEL's neighbours and a right-to-left override reached a terminal
+    raw from ``--json`` (the human view escapes them), and a latin-1 stdout failed on a CJK one."""
+    hand_written_log(tmp_path / "data")
+    path = SessionLog(tmp_path / "data", CWD, SID).path
+    text = "csi\x9b31m rlo\u202eabc \u6a21\u578b \U0001f600"
+    path.write_text(path.read_text() + json.dumps({"type": "user", "uuid": "u2", "turnId": 2, "content": text}) + "\n")
+    result = runner.invoke(app, ["context", SID, "--cwd", CWD, "--json", "--data-dir", str(tmp_path / "data")])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.isascii() and "\\u009b" in result.stdout and "\\u202e" in result.stdout
+    assert json.loads(result.stdout)["messages"][-1]["content"] == text
+
+
 @pytest.mark.parametrize("tool", ["tool[/]", "[red]evil"])
 def test_context_shows_a_tool_name_as_sent_not_as_markup(runner: CliRunner, tmp_path: Path, tool: str) -> None:
     """``tool[/]`` (a name the service accepts) made the panel's title raise rich's MarkupError;
@@ -1214,6 +1242,25 @@ def test_compact_status_and_context_keep_out_of_the_stacks_shared_metrics(r: red
         assert done.returncode in (0, 1), done.stderr
     assert compaction_queue(r, settings).count == 1  # (the compact did enqueue)
     assert list(shared.iterdir()) == []
+
+
+def test_compact_failing_in_a_way_no_one_foresaw_still_prints_the_json_last(
+        runner: CliRunner, r: redis.Redis, settings: Settings, config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPEC §7: the JSON line is the last one whatever ends the command; an exception of no kind
+    ``compact`` handles (a ValueError from the Redis client, say) ended it with none."""
+    import compactor.queue
+
+    write_session(r, settings, 3)
+    estimate = SessionStore(r, settings).load(SID).prompt_estimate  # type: ignore[union-attr]
+
+    def broken(*_args: object, **_kwargs: object) -> str:
+        raise ValueError("Timeout value out of range")
+
+    monkeypatch.setattr(compactor.queue, "enqueue_forced_compaction", broken)
+    result = runner.invoke(app, ["compact", SID, "--cwd", CWD, *base_args(settings, config)])
+    assert result.exit_code == 1 and isinstance(result.exception, ValueError)
+    assert json.loads(result.stdout.splitlines()[-1]) == {"didCompress": False, "released": 0,
+                                                          "promptEstimate": estimate}
 
 
 @pytest.mark.parametrize("json_out", [False, True])
@@ -1588,6 +1635,27 @@ def test_health_refuses_a_wrong_command_line_as_such(runner: CliRunner, args: li
     assert reported.exit_code == 1
     [(name, error)] = json.loads(reported.stdout)["checks"].items()
     assert name == "options" and said in error
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--bogus"], "No such option: --bogus"),
+    (["--config", ""], "invalid configuration: --config: must not be empty"),
+    (["--data-dir", ""], "invalid configuration: dataDir (from --data-dir): must not be empty"),
+])
+def test_health_check_takes_a_command_line_click_refuses_for_unhealthy(runner: CliRunner, args: list[str],
+                                                                         said: str) -> None:
+    """Refused while the command line was parsed (an unknown option, an empty ``--config``), ``health
+    --check`` exited 2, which Docker reserves, with a message; ``--json`` printed no report."""
+    plain = runner.invoke(app, ["health", *args, "--redis-url", "redis://127.0.0.1:1"])
+    assert plain.exit_code == 2 and said in " ".join(plain.output.replace("│", " ").split())
+    checked = runner.invoke(app, ["health", "--check", *args, "--redis-url", "redis://127.0.0.1:1"])
+    assert (checked.exit_code, checked.stdout, checked.stderr) == (1, "", "")
+    reported = runner.invoke(app, ["health", *args, "--check", "--json", "--redis-url", "redis://127.0.0.1:1"])
+    assert (reported.exit_code, reported.stderr) == (1, "")
+    report = json.loads(reported.stdout)
+    assert report["healthy"] is False and list(report["checks"]) == ["options"]
+    assert report["checks"]["options"].startswith(f"error: {said}")
+    assert runner.invoke(app, ["health", "--check", "--help"]).exit_code == 0
 
 
 def test_health_checks_a_live_api(runner: CliRunner, settings: Settings, config: Path,
