@@ -286,8 +286,11 @@ def connect(settings: Settings, *, service: bool = False) -> redis.Redis:
         client.ping()
         if service:
             _access_or_exit(client, settings, url)
-    except (redis.RedisError, OSError) as e:
-        fail(f"Redis unreachable at {redacted(url)}: {e}")
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        # (redis-py's AuthenticationError is a ConnectionError: Redis answered, and refused)
+        fail(f"Redis {'refused' if isinstance(e, redis.AuthenticationError) else 'unreachable'} at {redacted(url)}: {e}")
+    except redis.RedisError as e:  # (an ACL's "no permissions to run the 'ping' command", ...)
+        fail(f"Redis refused at {redacted(url)}: {e}")
     return client
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -1656,6 +1657,18 @@ def test_health_check_takes_a_command_line_click_refuses_for_unhealthy(runner: C
     assert report["healthy"] is False and list(report["checks"]) == ["options"]
     assert report["checks"]["options"].startswith(f"error: {said}")
     assert runner.invoke(app, ["health", "--check", "--help"]).exit_code == 0
+
+
+def test_a_redis_refusing_the_login_is_said_to_refuse_not_to_be_unreachable(
+        runner: CliRunner, settings: Settings, config: Path) -> None:
+    """redis-py's AuthenticationError is a ConnectionError: a wrong password read "Redis unreachable"."""
+    parts = urlsplit(settings.redis.url)  # (the test server's unix socket)
+    url = f"unix://{parts.path}?{parts.query}&username=nobody&password=wrong"
+    result = runner.invoke(app, ["status", "--config", str(config), "--redis-url", url])
+    assert result.exit_code == 1, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("compactor: Redis refused at unix://"), line
+    assert "invalid username-password pair" in line, line
 
 
 def test_health_checks_a_live_api(runner: CliRunner, settings: Settings, config: Path,
