@@ -37,6 +37,11 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
                                 append): their letter is not written again by a retry, a takeover,
                                 a restart or the sweep of streams past redis.shards; a field goes
                                 with its entry's ack (the key: 30 days after its last letter)
+    {p}:claimed:{n}             set: ids of shard n's entries claimed from another consumer of the
+                                group (a hand-run reader's, an older deployment's) and not acked
+                                yet: applied out of order once later entries of their session were,
+                                they are dead-lettered, by this owner or the next (an id goes with
+                                its entry's ack; the key: 30 days after its last claim)
     {p}:failing                 zset: sessionId -> when its failure counter expires (unix s): the
                                 sessions with LLM failures counted, read by the breaker gauges
                                 (a SCAN of {p}:failures:* walked the whole keyspace per scrape)
@@ -114,6 +119,9 @@ class Keys:
 
     def lettered(self, shard: int) -> str:
         return f"{self.prefix}:lettered:{shard}"
+
+    def claimed(self, shard: int) -> str:
+        return f"{self.prefix}:claimed:{shard}"
 
     def unread_deleted(self, shard: int) -> str:
         return f"{self.prefix}:unread-deleted:{shard}"

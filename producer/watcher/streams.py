@@ -53,6 +53,7 @@ ACK_CHUNK = 1000  # ids per XACK call inside the script (Lua's unpack limit)
 READ_CHUNK = 16  # entries per XREADGROUP inside the read script, at most
 READ_BUDGET_BYTES = 8 * 2**20  # the entries' bytes one read brings, all shards together (and one chunk past it)
 LETTERED_TTL_S = 30 * 86_400  # {p}:lettered:{n} outlives its last letter written ahead by this long
+CLAIM_CHUNK = 1000  # entries of foreign consumers claimed per script call (Lua's unpack limit)
 
 
 class Letter(NamedTuple):
@@ -125,11 +126,45 @@ end
 return out
 """.replace("READ_CHUNK", str(READ_CHUNK))
 
-# KEYS: lease, stream, dead, lettered; ARGV: owner, group, dead maxlen, ahead ("1": the letters'
+# KEYS: lease, stream, dead, lettered, claimed; ARGV: owner, group, dead maxlen, ahead ("1": the letters'
 # entries are not acked here: each is kept in lettered, id -> mark, until its ack), n ids, ids...,
 # then per dead letter: its entry's id, its entry's mark, 2k, field1, value1, ... fieldk, valuek.
 # A letter whose entry is in lettered (the same id and mark) was written already (ahead, by this
 # watcher or one before it): it is not written again. -1: not our lease.
+# KEYS: lease, stream, claimed; ARGV: owner, group, our consumer, most, the other consumers' names...
+# Up to ``most`` entries pending under those consumers moved to ours (XCLAIM JUSTID: no payload
+# comes back), each id recorded in claimed (until its ack) in the same step: whoever reads the
+# shard next knows them for claimed ones, this watcher or, should it stop first, the next owner.
+# Returns {moved, ids XCLAIM dropped (deleted from the stream: Redis 7 drops them from the pending
+# list)}; -1: not our lease.
+_CLAIM = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local most = tonumber(ARGV[4])
+local moved, gone = 0, {}
+for c = 5, #ARGV do
+  if most <= 0 then break end
+  local pending = redis.call('XPENDING', KEYS[2], ARGV[2], '-', '+', most, ARGV[c])
+  if #pending > 0 then
+    local args = {'XCLAIM', KEYS[2], ARGV[2], ARGV[3], '0'}
+    for _, entry in ipairs(pending) do args[#args + 1] = entry[1] end
+    args[#args + 1] = 'JUSTID'
+    local got = redis.call(unpack(args))
+    local kept = {}
+    for _, id in ipairs(got) do kept[id] = true end
+    for _, entry in ipairs(pending) do
+      if not kept[entry[1]] then gone[#gone + 1] = entry[1] end
+    end
+    if #got > 0 then
+      redis.call('SADD', KEYS[3], unpack(got))
+      redis.call('EXPIRE', KEYS[3], LETTERED_TTL_S)
+    end
+    moved = moved + #got
+    most = most - #pending
+  end
+end
+return {moved, gone}
+""".replace("LETTERED_TTL_S", str(LETTERED_TTL_S))
+
 _ACK = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 local n = tonumber(ARGV[5])
@@ -148,10 +183,12 @@ end
 local acked = 0
 local first = 6
 local lettered = redis.call('EXISTS', KEYS[4]) == 1
+local claimed = redis.call('EXISTS', KEYS[5]) == 1
 while first < 6 + n do
   local last = math.min(first + ACK_CHUNK - 1, 5 + n)
   acked = acked + redis.call('XACK', KEYS[2], ARGV[2], unpack(ARGV, first, last))
   if lettered then redis.call('HDEL', KEYS[4], unpack(ARGV, first, last)) end
+  if claimed then redis.call('SREM', KEYS[5], unpack(ARGV, first, last)) end
   first = last + 1
 end
 return acked
@@ -279,6 +316,7 @@ class ShardStreams:
         self._next: int | None = None  # the first shard the last read deferred: the next one begins with it
         self._entry_bytes: dict[int, float] = {}  # per shard, the mean size of the entries its last read brought
         self._ack = client.register_script(_ACK)
+        self._claim = client.register_script(_CLAIM)
         self._trim = client.register_script(_TRIM)
 
     def _queue(self, pipe: Any, script: Any, keys: list[str], args: list[Any]) -> tuple[Any, list[str], list[Any]]:
@@ -379,7 +417,8 @@ class ShardStreams:
             args: list[Any] = [self.owner, self.keys.group, DEAD_LETTER_MAXLEN, int(ahead), len(ids), *ids]
             for letter in dead:
                 args += [letter.entry_id, letter.mark, len(letter.fields), *letter.fields]
-            keys = [self.keys.lease(n), self.keys.stream(n), self.keys.dead, self.keys.lettered(n)]
+            keys = [self.keys.lease(n), self.keys.stream(n), self.keys.dead, self.keys.lettered(n),
+                    self.keys.claimed(n)]
             calls.append(self._queue(pipe, self._ack, keys, args))
         replies = pipe.execute(raise_on_error=False) if len(pipe) else []
         acks = self._redo_missing(calls, replies[len(replies) - len(shards):])
@@ -423,47 +462,42 @@ class ShardStreams:
         return bool(self.redis.xread(streams, count=1, block=block_ms))
 
     def claim_foreign(self, shard: int, min_idle_ms: int) -> set[str]:
-        """Move every entry pending under another consumer name into ``shard-{n}``; the ids of
-        those that were another's (``SessionStore.apply``'s ``claimed``).
+        """Move every entry pending under another consumer name into ``shard-{n}``; the ids of the
+        shard's entries that were another's and are not acked yet (``{p}:claimed:{n}``, this take's
+        and an earlier owner's: ``SessionStore.apply``'s ``claimed``).
 
-        Such consumers left with nothing pending and idle ``min_idle_ms`` are deleted.
+        Claimed ``CLAIM_CHUNK`` at a time, ids only (the entries' payloads come through the
+        budgeted reads: XAUTOCLAIM of the whole pending list brought every pending entry, the
+        shard's own backlog too, in one reply, 800 MB to move one entry), each recorded in Redis
+        as it is moved (remembered in memory only, one whose claimer stopped before applying it
+        was written by the next owner after later entries of its session, out of order). Such
+        consumers left with nothing pending and idle ``min_idle_ms`` are deleted.
         """
         stream, group, mine = self.keys.stream(shard), self.keys.group, self.keys.consumer(shard)
         try:
             consumers = self.redis.xinfo_consumers(stream, group)
         except redis.ResponseError:
-            return set()
+            consumers = []
         foreign = [c for c in consumers if as_text(c["name"]) != mine]
-        moved, theirs = 0, set[str]()
-        if any(int(c["pending"]) for c in foreign):
-            for c in foreign:
-                if int(c["pending"]):
-                    pending = self.redis.xpending_range(stream, group, min="-", max="+", count=int(c["pending"]),
-                                                        consumername=c["name"])
-                    theirs.update(as_text(entry["message_id"]) for entry in pending)  # type: ignore[arg-type]
-            moved, deleted = self._autoclaim_all(stream, group, mine)
-            if deleted:
-                self._letter_deleted(shard, deleted)
+        names = [c["name"] for c in foreign if int(c["pending"])]
+        keys = [self.keys.lease(shard), stream, self.keys.claimed(shard)]
+        moved = 0
+        while names:
+            reply = self._claim(keys=keys, args=[self.owner, group, mine, CLAIM_CHUNK, *names])
+            if reply == -1:  # (the lease lost meanwhile: the shard's next owner claims the rest)
+                break
+            count, gone = int(reply[0]), [as_text(entry_id) for entry_id in reply[1]]
+            moved += count
+            if gone:
+                self._letter_deleted(shard, gone)
+            if count + len(gone) < CLAIM_CHUNK:
+                break
         for c in self.redis.xinfo_consumers(stream, group) if foreign else []:
             if as_text(c["name"]) != mine and int(c["pending"]) == 0 and int(c["idle"]) >= min_idle_ms:
                 self.redis.xgroup_delconsumer(stream, group, c["name"])
         if moved:
             logger.warning("claimed foreign entries shard=%d entries=%d", shard, moved)
-        return theirs
-
-    def _autoclaim_all(self, stream: str, group: str, consumer: str) -> tuple[int, list[str]]:
-        """XAUTOCLAIM the whole pending list, page by page (redis-py's ``justid=True`` drops the
-        next start id from the reply, so the entries are claimed whole): how many were moved,
-        and the ids of those deleted from the stream, which XAUTOCLAIM drops from the list."""
-        start, moved, deleted = PEL_START, 0, list[str]()
-        while True:
-            reply = self.redis.xautoclaim(stream, group, consumer, min_idle_time=0, start_id=start, count=1000)
-            start = as_text(reply[0])
-            moved += len(reply[1])
-            if len(reply) > 2:  # Redis 7: the ids it dropped
-                deleted += [as_text(entry_id) for entry_id in reply[2]]
-            if start == PEL_START:
-                return moved, deleted
+        return {as_text(entry_id) for entry_id in self.redis.smembers(self.keys.claimed(shard))}
 
     def _letter_deleted(self, shard: int, ids: list[str]) -> None:
         """Dead-letter the entries another consumer held that were deleted from the stream before

@@ -1127,6 +1127,42 @@ def test_an_entry_a_hand_run_reader_took_while_the_shard_was_owned_is_dead_lette
     assert r.xpending(stream, keys.group)["pending"] == 0
 
 
+def test_a_claimed_entry_whose_claimer_stopped_before_applying_it_is_dead_lettered_by_the_next_owner(
+    r: redis.Redis, fast: Settings,
+) -> None:
+    """The claim was remembered in the claimer's memory only: it stopped (or lost its lease)
+    before its first read, and the next owner, finding the entry pending under its own consumer,
+    took it for a lost stream's renumbered entry and wrote it after later entries of its session,
+    out of order, with no letter."""
+    keys = Keys(fast.redis.prefix, fast.redis.shards)
+    publisher = Publisher(r, fast)
+    first = Watcher(r, fast, name="first")
+    applied = publisher.publish("s1", CWD, [user(1, "one"), turn_end(1)])
+    drain(first, r, fast)
+    stream = keys.stream_for("s1")
+    [taken] = publisher.publish("s1", CWD, [user(2, "taken by a hand-run reader")])
+    assert r.xreadgroup(keys.group, "debug", {stream: ">"}, count=1)
+    applied += publisher.publish("s1", CWD, [{"type": "assistant", "turnId": 2, "content": "after it"}])
+    deadline = time.monotonic() + 20  # (in the same turn: no turn going backwards refuses it)
+    while len(log_lines(fast, "s1")) < 3:  # (not ``drain``: the reader's entry stays pending meanwhile)
+        assert time.monotonic() < deadline
+        first.run_once()
+    first.close()
+    claimer = Watcher(r, fast, name="claimer")
+    claimer._start()
+    claimer._tick()  # takes the shards: the entry claimed ...
+    assert r.xpending(stream, keys.group)["consumers"] == [
+        {"name": keys.consumer(keys.shard_of("s1")).encode(), "pending": 1}]
+    claimer.close()  # ... and it stops before its first read
+    drain(Watcher(r, fast, name="next"), r, fast)
+    assert [line["streamId"] for line in log_lines(fast, "s1")] == applied
+    [letter] = [fields for _, fields in r.xrange(keys.dead)]
+    assert letter[b"id"].decode() == taken
+    assert letter[b"reason"].decode().startswith(f"streamId: {taken} is not in the log, and later entries")
+    assert r.xpending(stream, keys.group)["pending"] == 0
+    assert not r.exists(keys.claimed(keys.shard_of("s1")))  # (forgotten with the entry's ack)
+
+
 def test_a_shard_whose_take_failed_is_taken_again_on_the_next_tick(
     r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
