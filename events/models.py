@@ -81,6 +81,9 @@ class _Wire(BaseModel):
 
 def _utc_timestamp(value: str | None) -> str | None:
     if value is not None and not _is_utc_timestamp(value):
+        if UTC_TIMESTAMP_RE.fullmatch(value) is not None:  # (the rule's form: "must be YYYY-MM-DD..." puzzled)
+            raise ValueError(f"{value[:19]} is no date and time that exists (a 30 February, an hour 24, a "
+                             "second 60)")
         raise ValueError(TIMESTAMP_RULE)
     return value
 
