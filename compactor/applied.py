@@ -39,6 +39,29 @@ def parse_stream_id(value: str, field: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
+# KEYS: stream. The id of the newest entry ever added to it (XINFO STREAM's last-generated-id,
+# without the first and last entries the reply carries), or false when there is no such stream.
+_LAST_GENERATED = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local info = redis.call('XINFO', 'STREAM', KEYS[1])
+for i = 1, #info, 2 do
+  if info[i] == 'last-generated-id' then return info[i + 1] end
+end
+return false
+"""
+
+
+def check_published(client: redis.Redis, settings: Settings, session_id: str, entry_id: str) -> None:
+    """InvalidInput naming ``after`` when ``entry_id`` is past the newest entry ever added to the
+    session's shard stream: no ``POST .../events`` answered it (a typo, another deployment's id),
+    and a wait for it could only run out (300 s for a forced compaction)."""
+    stream = Keys(settings.redis.prefix, settings.redis.shards).stream_for(session_id)
+    last = client.eval(_LAST_GENERATED, 1, stream)  # type: ignore[no-untyped-call]
+    if last and stream_id_key(as_text(last)) < parse_stream_id(entry_id, "after"):
+        raise InvalidInput("after", f"{entry_id} is past the newest entry of the session's stream "
+                                    f"({as_text(last)}): no event was published under it")
+
+
 def settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: str) -> bool:
     """Whether the watcher is done with entry ``entry_id`` of ``session_id``'s shard: delivered
     and acked, so applied to the log or dead-lettered."""

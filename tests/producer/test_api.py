@@ -746,9 +746,18 @@ def test_compact_after_an_entry_that_never_settles_answers_within_job_wait_secon
     answered past twice the time clients size their timeouts by."""
     write_session(r, api_settings, 2)
     with TestClient(create_app(with_api(api_settings, job_wait_seconds=2.0), redis=r)) as short:
+        [waiting] = short.post(f"/api/sessions/{SID}/events", json={"cwd": CWD, "events": [
+            {"type": "user", "turnId": 3, "content": "no watcher applies it"}]}).json()["streamIds"]
         started = time.monotonic()
-        answer = short.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD, "after": "99999999999999-0"})
+        answer = short.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD, "after": waiting})
         assert answer.status_code == 202 and time.monotonic() - started < 3.5, answer.text
+        # an id past the newest entry of the session's stream is no entry published: it was waited
+        # for, the whole jobWaitSeconds (300 s by default), then queued
+        started = time.monotonic()
+        future = short.post(f"/api/sessions/{SID}/compact", json={"cwd": CWD, "after": "99999999999999-0"})
+        assert future.status_code == 400 and time.monotonic() - started < 1.0, future.text
+        assert error_of(future)["message"] == (f"after: 99999999999999-0 is past the newest entry of the session's "
+                                               f"stream ({waiting}): no event was published under it")
 
 
 def test_a_log_another_process_keeps_locked_is_read_without_the_lock(
@@ -1645,7 +1654,9 @@ def test_context_after_a_stream_id_waits_for_the_watcher_to_apply_it(
         assert bad.status_code == 400
         assert error_of(bad)["message"].startswith(f"after: '{wrong}' is not a stream entry id")
     top = client.get(f"{path}/context", params={"cwd": CWD, "after": f"{2**64 - 1}-0", "timeout": 0})
-    assert top.status_code == 200
+    assert top.status_code == 400  # (past the stream's newest entry: no such entry was published)
+    assert error_of(top)["message"] == (f"after: {2**64 - 1}-0 is past the newest entry of the session's stream "
+                                        f"({pending[-1]}): no event was published under it")
 
 
 def test_context_after_the_first_events_of_a_new_session_is_an_empty_view_until_applied(
