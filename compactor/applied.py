@@ -56,7 +56,7 @@ def check_published(client: redis.Redis, settings: Settings, session_id: str, en
     session's shard stream: no ``POST .../events`` answered it (a typo, another deployment's id),
     and a wait for it could only run out (300 s for a forced compaction)."""
     stream = Keys(settings.redis.prefix, settings.redis.shards).stream_for(session_id)
-    last = client.eval(_LAST_GENERATED, 1, stream)  # type: ignore[no-untyped-call]
+    last = client.eval(_LAST_GENERATED, 1, stream)
     if last and stream_id_key(as_text(last)) < parse_stream_id(entry_id, "after"):
         raise InvalidInput("after", f"{entry_id} is past the newest entry of the session's stream "
                                     f"({as_text(last)}): no event was published under it")
