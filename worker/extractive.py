@@ -286,13 +286,11 @@ def extractive_summary(events: Sequence[dict[str, Any]], previous_summary: str |
     # a previous summary in no section (a producer's free text) is carried whole, as one item
     carried: list[str | _Message] = _carried_messages(previous.get("All User Messages")) \
         if previous or not previous_summary else [_Message(previous_summary)]
-    text = _summary(events, previous_summary, previous, carried, encoding, limit_tokens, outputs)
     try:
-        return canonical_summary(text)  # (a heading another summary's text quotes, carried, escaped)
+        return _summary(events, previous_summary, previous, carried, encoding, limit_tokens, outputs)
     except SummaryInvalid:  # a previous summary this module did not write split where it should not be
-        text = _summary(events, previous_summary, {}, [_Message(previous_summary or "")], encoding, limit_tokens,
+        return _summary(events, previous_summary, {}, [_Message(previous_summary or "")], encoding, limit_tokens,
                         outputs)
-    return canonical_summary(text)
 
 
 def _summary(events: Sequence[dict[str, Any]], previous_summary: str | None, previous: dict[str, str],
@@ -341,9 +339,14 @@ def _sections(events: Sequence[dict[str, Any]], previous: dict[str, str], users:
 
 
 def _render(sections: dict[str, str], messages: list[str | _Message]) -> str:
+    """The summary in the form it is stored in (``canonical_summary``: a heading line another
+    summary's text quotes, carried, escaped), so what is counted against a budget is what is
+    stored (escaped after the fit, 310 ``### a`` lines of a producer's summary carried raw took a
+    summary fitted to its 1 000-token limit to 1 307). SummaryInvalid for a previous summary
+    this module did not write that splits where it should not."""
     bodies = {**sections, "All User Messages": "\n".join(
         part if isinstance(part, str) else part.render() for part in messages)}
-    return "\n\n".join(f"### {title}\n{bodies[title] or 'None.'}" for title in SECTION_TITLES)
+    return canonical_summary("\n\n".join(f"### {title}\n{bodies[title] or 'None.'}" for title in SECTION_TITLES))
 
 
 def _replaced_tokens(events: Sequence[dict[str, Any]], previous_summary: str | None, encoding: str,

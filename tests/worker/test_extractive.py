@@ -49,6 +49,22 @@ def test_a_user_message_with_backtick_fences_and_headings_cannot_break_out() -> 
     assert split_sections(text)["Current Work"] == "None."
 
 
+@pytest.mark.parametrize("quoted", [150, 170, 180, 240])
+def test_a_producers_summary_quoting_headings_carried_stays_within_the_limit(quoted: int) -> None:
+    """The summary was fitted to its limit, then its stored form escaped each heading line a
+    producer's summary quoted and that was carried raw (``\\### a``): over the limit by a token a
+    line, 1 162 tokens for a limit of 1 000, appended as is."""
+    body = {title: "- item" for title in SECTION_TITLES}
+    body["Optional Next Step"] = "\n".join(f"### step {i}" for i in range(quoted))
+    previous = "\n\n".join(f"### {title}\n{body[title]}" for title in SECTION_TITLES)
+    loop = [{"type": "assistant", "turnId": 5, "content": "", "toolCalls": [
+        {"id": "c", "name": "read_file", "arguments": {"path": "a.py"}}]},
+        {"type": "tool_result", "turnId": 5, "toolCallId": "c", "toolName": "read_file", "output": "ok"}]
+    text = extractive_summary(loop, previous, limit_tokens=1_000)
+    validate_summary_text(text)
+    assert count_tokens(text, DEFAULT_ENCODING) <= 1_000
+
+
 def test_paths_without_extensions_path_arguments_and_crash_lines_are_extracted() -> None:
     events = [
         {"type": "user", "turnId": 1, "content": "see ~/project/bin/run and the Makefile"},
