@@ -28,6 +28,7 @@ import ipaddress
 import logging
 import math
 import os
+import re
 import string
 from fractions import Fraction
 from pathlib import Path
@@ -41,7 +42,7 @@ from pydantic_core import ErrorDetails
 from redis import ConnectionPool, RedisError
 
 from events.errors import InvalidConfig
-from events.models import MAX_CONTEXT_WINDOW, text_problem
+from events.models import MAX_CONTEXT_WINDOW, SURROGATE_RE, text_problem
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,17 @@ class _Section(BaseModel):
             raise ValueError("must be a number, not true/false")
         return value
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _surrogate_pairs_joined(cls, value: Any) -> Any:
+        """A character past U+FFFF that YAML holds as an escaped pair (``"\\ud83d\\ude00"``, as a
+        JSON writer escapes it: PyYAML leaves the two halves apart) is that character."""
+        if isinstance(value, str):
+            return _joined(value)
+        if isinstance(value, list):
+            return [_joined(item) if isinstance(item, str) else item for item in value]
+        return value
+
     @field_validator("*")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
@@ -104,6 +116,15 @@ class _Section(BaseModel):
             if isinstance(item, str) and (problem := text_problem(item)) is not None:
                 raise ValueError(f"item {index}: {problem}")
         return value
+
+
+def _joined(text: str) -> str:
+    """``text`` with each pair of surrogates that spells one character written as that character
+    (a lone surrogate kept, for ``_valid_unicode`` to refuse: a path's undecodable byte too)."""
+    if text.isascii() or SURROGATE_RE.search(text) is None:
+        return text
+    return re.sub("[\ud800-\udbff][\udc00-\udfff]",
+                  lambda pair: pair.group().encode("utf-16", "surrogatepass").decode("utf-16"), text)
 
 
 EXTRACTIVE = "extractive"  # the built-in summarizer's model name (``worker.extractive``)
@@ -267,7 +288,7 @@ def _check_redis_url(url: str) -> None:
         # (a password holding '#' ends the netloc there: its head was read, and shown, as the port)
         cut = "@" not in parts.netloc and ("@" in url or "#" in url)
         _check_port(parts.netloc.rpartition("@")[2].rpartition("]")[2].partition(":")[2], cut)
-        _check_host(parts.hostname or "")
+        _check_host(unquote(parts.hostname or ""))  # (as redis-py reads it: a%2E%2Eb is a..b)
     in_query = parse_qs(parts.query).get("db", [])
     in_path = [] if parts.scheme == "unix" else [unquote(parts.path).strip("/")]  # redis://host/2
     for db in in_query or in_path:  # as redis-py: ?db= wins over the path

@@ -498,7 +498,7 @@ def push_events(request: Request, session_id: str, body: EventsRequest, settings
     Retries: an event whose ``uuid`` the session has already is not published
     again (its index is in ``duplicates``). Send each event's ``uuid``, or an
     ``Idempotency-Key`` header (the events without a uuid get one derived from
-    it, their index and their content), and a batch sent again after a lost reply
+    it, their index and the whole batch's content), and a batch sent again after a lost reply
     or a 503 is applied once.
     """
     keys = request.headers.getlist("idempotency-key")

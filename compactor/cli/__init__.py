@@ -19,6 +19,7 @@ every few seconds) start in about half a second.
 from __future__ import annotations
 
 import os
+import select
 import sys
 from collections.abc import Callable
 
@@ -71,21 +72,43 @@ def main() -> None:
     """Console-script entry point. Output to a closed pipe (``compactor context ... | head -1``)
     ends the command with ``EXIT_STDOUT_CLOSED``, silently, as a Unix tool that SIGPIPE stops
     (typer's own handling exits 1, which says Redis was unreachable or the session unknown)."""
-    stdout = _file_identity(1)
+    stdout = _kept(1)  # (a copy: rich puts /dev/null on fd 1 when a pipe breaks)
     try:
         app(prog_name="compactor")
     except SystemExit as e:
-        # (on EPIPE, typer puts its PacifyFlushWrapper on stdout, rich dup2s /dev/null onto fd 1
-        # (its help, its tables), then each exits 1)
-        if e.code == 1 and (type(sys.stdout).__name__ == "PacifyFlushWrapper" or _file_identity(1) != stdout):
+        # (on EPIPE, typer puts its PacifyFlushWrapper on sys.stdout and rich /dev/null on fd 1, then each
+        # exits 1, whichever stream broke: stdout's own reader gone tells a closed stdout from a closed
+        # stderr, after which a command's exit 1 is its own)
+        broke = type(sys.stdout).__name__ == "PacifyFlushWrapper" or _identity(1) != _identity(stdout)
+        if e.code == 1 and broke and _reader_gone(stdout):
             raise SystemExit(EXIT_STDOUT_CLOSED) from None
         raise
+    finally:
+        if stdout is not None:
+            os.close(stdout)
 
 
-def _file_identity(fd: int) -> tuple[int, int] | None:
-    """The device and inode ``fd`` is open on, None when it is not open."""
+def _kept(fd: int) -> int | None:
+    """A duplicate of ``fd``, None when it is not open."""
     try:
-        found = os.fstat(fd)
+        return os.dup(fd)
     except OSError:
         return None
-    return found.st_dev, found.st_ino
+
+
+def _identity(fd: int | None) -> tuple[int, int] | None:
+    """The device and inode ``fd`` is open on, None when it is not open."""
+    try:
+        found = os.fstat(fd) if fd is not None else None
+    except OSError:
+        return None
+    return (found.st_dev, found.st_ino) if found is not None else None
+
+
+def _reader_gone(fd: int | None) -> bool:
+    """Whether ``fd`` is a pipe (or socket) whose reading end is closed (POLLERR)."""
+    if fd is None:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))

@@ -83,7 +83,18 @@ LogFormatOpt = Annotated[str | None, typer.Option(
     "--log-format", envvar=LOG_FORMAT_ENV, show_envvar=True,
     help="Log lines as 'text' (default) or 'json' (one object per line, with session/job fields).")]
 
-err_console = Console(stderr=True)
+class _StderrConsole(Console):
+    """rich's console on stderr, silenced when stderr's reader is gone: rich's own handling
+    exits 1 (and puts /dev/null on stdout's fd), and ``compact`` then printed no JSON line."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.file.fileno())
+        os.close(devnull)
+
+
+err_console = _StderrConsole(stderr=True)
 
 
 def fail(message: str, code: int = EXIT_FAILURE) -> NoReturn:
@@ -372,6 +383,8 @@ def user_errors() -> Iterator[None]:
         fail(str(e), EXIT_CONFIG)
     except CompactorError as e:
         fail(str(e) or type(e).__name__)
+    except redis.AuthenticationError as e:  # (a ConnectionError to redis-py: Redis answered, and refused)
+        fail(f"Redis refused: {e}")
     except (redis.ConnectionError, redis.TimeoutError) as e:
         fail(f"Redis unreachable: {e}")
     except redis.ResponseError as e:  # (MISCONF: its disk full; a permission: its ACL) - any other: a bug, traced

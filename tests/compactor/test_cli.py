@@ -548,6 +548,8 @@ def test_bad_env_override_is_exit_2(runner: CliRunner, tmp_path: Path) -> None:
     # the resolver; the socket's ValueError), and ``compact`` printed no CompressResult line
     ("redis://a..b:6379", "redis.url{src}: the host 'a..b' is not a host name (an empty label, or one over 63 "
                           "characters)"),
+    ("redis://a%2E%2Eb", "redis.url{src}: the host 'a..b' is not a host name (an empty label, or one over 63 "
+                         "characters)"),  # (redis-py reads the host percent-decoded)
     ("redis://:s3cret@h/0?socket_timeout=-1", "redis.url{src}: the query setting socket_timeout must be a number "
                                               "of seconds over 0 and at most 86400, not -1.0"),
     ("redis://h?socket_connect_timeout=nan", "redis.url{src}: the query setting socket_connect_timeout must be a "
@@ -579,12 +581,25 @@ def test_a_bad_redis_url_is_one_line_and_exit_2_naming_where_it_came_from(
 @pytest.mark.parametrize("url", ["redis://h", "rediss://user:pw@h:6380/2", "redis://[::1]:6379?db=3",
                                  "unix:///tmp/r.sock?db=0", "redis://h:6379/", "redis://h?socket_timeout=2.5",
                                  "rediss://h?ssl_cert_reqs=none", "redis://[fe80::1%25eth0]:6379",
-                                 "redis://m\u00fcnchen.example:6379", "redis://cafe.be"])
+                                 "redis://m\u00fcnchen.example:6379", "redis://cafe.be", "redis://redis_1:6379",
+                                 "redis://" + "%61" * 30 + ".example"])
 def test_a_good_redis_url_loads(tmp_path: Path, url: str) -> None:
     from events.config import load_settings
 
     (tmp_path / "c.yaml").write_text(f"redis: {{url: '{url}'}}\n")
     assert load_settings(tmp_path / "c.yaml", environ={}).redis.url == url
+
+
+def test_a_character_past_u_ffff_that_a_json_writer_escaped_as_a_pair_loads_as_itself(tmp_path: Path) -> None:
+    """A config written by ``json.dumps`` (YAML reads JSON) holds ``"\\ud83d\\ude00"`` for an emoji:
+    PyYAML leaves the two halves apart, and the lone-surrogate check refused a valid value."""
+    from events.config import load_settings
+
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"api": {"token": "tok-\U0001f600", "allowedHosts": ["h\U0001f600.example"]}}))
+    assert "\\ud83d\\ude00" in config.read_text()
+    settings = load_settings(config, environ={})
+    assert (settings.api.token, settings.api.allowed_hosts) == ("tok-\U0001f600", ["h\U0001f600.example"])
 
 
 @pytest.mark.parametrize("var,value,why", [
@@ -1007,6 +1022,25 @@ def test_output_to_a_closed_pipe_ends_the_command_with_141_silently(tmp_path: Pa
     process.stdout.close()  # (before it writes: its import alone takes longer)
     _, err = process.communicate(timeout=60)
     assert (process.returncode, err) == (141, b"")
+
+
+@pytest.mark.parametrize("args", [["status"], ["compact", SID, "--cwd", CWD]])
+def test_a_command_whose_stderr_reader_is_gone_exits_as_it_would_and_compact_prints_its_json(
+        tmp_path: Path, args: list[str]) -> None:
+    """typer and rich take an EPIPE on either stream for one on stdout: a closed stderr made a
+    command failing on its own (Redis unreachable) exit 141, and ``compact``'s message on stderr
+    ended it before its JSON line (SPEC §7)."""
+    out = tmp_path / "out"
+    with out.open("w") as stdout:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "compactor", *args, "--redis-url", "redis://127.0.0.1:1/0", "--data-dir",
+             str(tmp_path / "data")], stdout=stdout, stderr=subprocess.PIPE)
+        assert process.stderr is not None
+        process.stderr.close()
+        assert process.wait(timeout=60) == 1
+    if args[0] == "compact":
+        assert json.loads(out.read_text().splitlines()[-1]) == {"didCompress": False, "released": 0,
+                                                               "promptEstimate": 0}
 
 
 def test_json_output_is_ascii_with_every_other_character_escaped(runner: CliRunner, tmp_path: Path) -> None:
