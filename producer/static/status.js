@@ -6,16 +6,22 @@
 "use strict";
 
 const REFRESH_MS = 3000;
+const ANSWER_WITHIN_MS = 10000; // a fetch not answered by then is an error (a hung API stopped the polling unsaid)
 const HIDDEN_BY = { rollback: "undone by a rollback", summary: "replaced by a later summary" };
 const $ = (id) => document.getElementById(id);
 let previous = null; // the last overview sample, for rates
 let timer = null;
 
+// Unicode's bidirectional controls, shown as what they are: a cwd "/dl/\u202Eevil" read "/dl/live".
+const BIDI = /[\u061C\u200E\u200F\u202A-\u202E\u2066-\u2069]/g;
+const visible = (text) => String(text).replace(BIDI, (c) => `\u27E8U+${c.charCodeAt(0).toString(16).toUpperCase()}\u27E9`);
+
 function el(tag, attrs = {}, ...children) {
   const node = document.createElement(tag);
   for (const [k, v] of Object.entries(attrs)) {
     if (k === "class") node.className = v;
-    else if (k === "text") node.textContent = v;
+    else if (k === "text") node.textContent = visible(v);
+    else if (k === "title") node.title = visible(v);
     else if (k === "style") node.style.cssText = v;  // (CSSOM: the page's policy refuses style attributes)
     else node.setAttribute(k, v);
   }
@@ -26,8 +32,15 @@ function el(tag, attrs = {}, ...children) {
 async function api(path) {
   // (against the origin: a page opened as http://user:token@host/ had fetch refuse a relative path,
   // "a URL that includes credentials"; the browser still sends the credentials it was given)
-  const response = await fetch(new URL(path, location.origin),
-                               { headers: { Accept: "application/json" }, cache: "no-store" });
+  let response;
+  try {
+    response = await fetch(new URL(path, location.origin), { headers: { Accept: "application/json" },
+                                                           cache: "no-store",
+                                                           signal: AbortSignal.timeout(ANSWER_WITHIN_MS) });
+  } catch (e) {
+    if (e && e.name === "TimeoutError") throw new Error(`no answer from the API within ${ANSWER_WITHIN_MS / 1000} s`);
+    throw e;
+  }
   if (response.status === 401) throw new Error("token refused: reload the page to enter it again");
   const body = await response.json().catch(() => null);
   if (!response.ok) {
@@ -84,7 +97,7 @@ function perMinute(value) {
 function heldCard(o) {  // names them: one whose log cannot be read has no row below
   const node = card("sessions held back", fmt(o.sessionsHeldBack), o.sessionsHeldBack > 0, "held");
   if (o.heldBack.length) {
-    node.title = o.heldBack.map((h) => `${h.sessionId}: ${h.error} (${ago(h.since)})`).join("\n");
+    node.title = visible(o.heldBack.map((h) => `${h.sessionId}: ${h.error} (${ago(h.since)})`).join("\n"));
   }
   return node;
 }
@@ -162,7 +175,7 @@ function sessionsPath() {
 
 function renderSession(state, history) {
   $("session-id").textContent = history.sessionId;
-  $("session-cwd").textContent = history.cwd;
+  $("session-cwd").textContent = visible(history.cwd);
   $("session-state").replaceChildren(
     card("turn", fmt(state.currentTurnId)),
     card("estimate / window", `${fmt(state.promptEstimate)} / ${fmt(state.contextWindow)}`),
@@ -224,17 +237,22 @@ async function refresh() {
   const mine = ++generation;
   try {
     const session = route();
+    const held = selecting();  // (drawn again, the page lost the text being selected, every 3 s)
     if (session) {
       const q = `?cwd=${encodeURIComponent(session.cwd)}`;
       const id = encodeURIComponent(session.id);
       const [state, history] = await Promise.all([api(`/api/sessions/${id}${q}`),
                                                   api(`/api/sessions/${id}/history${q}`)]);
       if (mine !== generation) return;  // (the overview, answered late, was drawn over a session's page)
-      renderSession(state, history);
+      if (!held) renderSession(state, history);
     } else {
       const [o, sessions] = await Promise.all([api("/api/overview"), api(sessionsPath())]);
       if (mine !== generation) return;
-      renderOverview(o, sessions);
+      if (!held) renderOverview(o, sessions);
+    }
+    if (held) {
+      $("updated").textContent = "not redrawn while text is selected";
+      return;
     }
     $("overview-page").hidden = !!session;
     $("session-page").hidden = !session;
@@ -249,10 +267,15 @@ async function refresh() {
   }
 }
 
+function selecting() {  // text selected on the page shown (a hashchange draws the other page all the same)
+  const selection = window.getSelection();
+  return !!selection && !selection.isCollapsed && selection.toString() !== "";
+}
+
 function schedule() {
   clearTimeout(timer);
   timer = setTimeout(refresh, REFRESH_MS);
 }
 
-window.addEventListener("hashchange", () => { previous = null; refresh(); });
+window.addEventListener("hashchange", () => { previous = null; window.getSelection().removeAllRanges(); refresh(); });
 refresh();

@@ -621,6 +621,52 @@ def test_page_survives_a_cut_link_credentials_in_its_url_and_a_late_overview(
     assert page.locator("#session-page").is_visible() and page.locator("#overview-page").is_hidden()
 
 
+@pytest.mark.slow
+def test_page_keeps_a_selection_wraps_long_text_shows_bidi_controls_and_times_out_a_hung_api(
+        sessions: Settings, serve_api: Any, browser: Any, r: redis.Redis) -> None:
+    """Each refresh drew the page again, and the text an operator was selecting to copy was gone
+    within 3 s; a 200-character cwd pushed every row's numbers off the screen; a cwd holding a
+    right-to-left override read backwards ("/dl/\u202eevil" as "/dl/live"); and a fetch the API
+    never answered stopped the polling with no word, the page showing old data as current."""
+    long_cwd = "/home/dev/" + "x" * 200
+    SessionStore(r, sessions).apply("sess-long", long_cwd, [
+        {"uuid": "l-1", "type": "user", "turnId": 1, "content": "hi", "timestamp": "2025-01-01T00:00:00Z"}])
+    SessionStore(r, sessions).apply("sess-bidi", "/dl/\u202eevil\u202c", [
+        {"uuid": "b-1", "type": "user", "turnId": 1, "content": "hi", "timestamp": "2025-01-01T00:00:00Z"}])
+    keys = Keys(sessions.redis.prefix, sessions.redis.shards)
+    r.zadd(keys.sessions, {"sess-long": time.time(), "sess-bidi": time.time()})
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.goto(serve_api(sessions) + "/")
+    page.wait_for_selector('#sessions tr[data-session="sess-bidi"]')
+    assert page.locator('#sessions tr[data-session="sess-bidi"] .muted').inner_text() == \
+        "/dl/\u27e8U+202E\u27e9evil\u27e8U+202C\u27e9"
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1400
+    page.evaluate("""() => { const cell = document.querySelector('#sessions tr[data-session="sess-long"] .muted');
+                             window.getSelection().selectAllChildren(cell); }""")
+    time.sleep(2 * 3 + 1)  # two refreshes
+    assert page.evaluate("window.getSelection().toString()") == long_cwd
+    assert page.locator("#updated").inner_text() == "not redrawn while text is selected"
+    page.evaluate("window.getSelection().removeAllRanges()")
+    deadline = time.monotonic() + 10
+    while not page.locator("#updated").inner_text().startswith("updated"):  # (the policy refuses wait_for_function)
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    page.route("**/api/overview", lambda route: None)  # never answered
+    page.wait_for_selector("#error:not([hidden])", timeout=20_000)
+    assert page.locator("#error").inner_text() == "no answer from the API within 10 s"
+
+
+def test_the_pages_files_are_checked_again_at_every_load(sessions: Settings, serve_api: Any) -> None:
+    """With no Cache-Control, a browser kept status.js a tenth of its age (a day for a file ten
+    days old) and ran an upgraded page against the old script."""
+    base = serve_api(sessions)
+    for name in ("status.js", "status.css"):
+        response = httpx.get(f"{base}/static/{name}")
+        assert response.status_code == 200 and response.headers["cache-control"] == "no-cache"
+        again = httpx.get(f"{base}/static/{name}", headers={"If-None-Match": response.headers["etag"]})
+        assert again.status_code == 304 and again.headers["cache-control"] == "no-cache"
+
+
 def test_the_page_forbids_framing_inline_code_and_sniffing(sessions: Settings, serve_api: Any) -> None:
     """No policy, no framing rule: another site could show the page in an invisible frame, and a
     transcript answered as JSON could be sniffed as something else."""
