@@ -253,7 +253,8 @@ def api_socket(host: str, port: int, *, host_key: str = "api.host", port_key: st
                 time.sleep(0.1)
                 continue
             key = port_key if e.errno in (errno.EADDRINUSE, errno.EACCES) else host_key
-            fail(f"invalid configuration: {key}: cannot listen on {host_port(host, port)}: {e.strerror or e}",
+            hint = ("; choose another with --port or COMPACTION_API_PORT" if e.errno == errno.EADDRINUSE else "")
+            fail(f"invalid configuration: {key}: cannot listen on {host_port(host, port)}: {e.strerror or e}{hint}",
                  EXIT_CONFIG)
 
 

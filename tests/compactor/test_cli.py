@@ -879,7 +879,8 @@ def test_work_gives_up_on_a_worker_process_that_keeps_dying(settings: Settings,
 
 
 @pytest.mark.parametrize("host,key,reason", [
-    ("127.0.0.1", "api.port (from --port)", "Address already in use"),
+    ("127.0.0.1", "api.port (from --port)", "Address already in use; choose another with --port or "
+                                            "COMPACTION_API_PORT"),
     ("10.255.255.1", "api.host (from --host)", "Cannot assign requested address"),
     ("not a host", "api.host (from --host)", "Name or service not known"),
 ])

@@ -244,7 +244,7 @@ def test_serve_on_a_port_in_use_says_so_before_starting_anything(tmp_path: Path)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"compactor: invalid configuration: api.port (from --port): cannot listen on 127.0.0.1:{port}: "
-        "Address already in use"]
+        "Address already in use; choose another with --port or COMPACTION_API_PORT"]
     assert not (tmp_path / "data" / serve.EMBEDDED_DIR_NAME).exists()  # no Redis was started
 
 
