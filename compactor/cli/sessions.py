@@ -89,6 +89,7 @@ def compact(
     """
     settings: Settings | None = None
     client: Any = None
+    job_id: str | None = None
     try:
         with interrupted_by_signals():  # (stopped while it waits: the JSON line too, then 130 or 128+N)
             # (the imports in the block: RQ's and the API's took up to 0.8 s, and a Ctrl-C or SIGTERM
@@ -114,11 +115,16 @@ def compact(
                 except (redis.ConnectionError, redis.TimeoutError) as e:  # (still down at the deadline)
                     raise CompactorError(f"Redis unreachable: {e}; compaction job {job_id} was queued and may "
                                          f"still run: see GET /api/jobs/{job_id}") from e
-    except (typer.Exit, KeyboardInterrupt, Exception):
+    except (typer.Exit, KeyboardInterrupt, Exception) as stopped:
         # SPEC §7: the CompressResult JSON is always the last line, when no job could run too (a bad
         # session id, no such session, Redis unreachable, a bad config: the reason is on stderr), and
         # when the command is stopped (Ctrl-C, SIGTERM: a `timeout` around it) before its job ended;
         # and after an error no one foresaw (its traceback follows on stderr)
+        signalled = isinstance(stopped, KeyboardInterrupt) or (isinstance(stopped, typer.Exit)
+                                                               and stopped.exit_code > 128)  # (SIGTERM: 143)
+        if signalled and job_id is not None:  # (it said nothing: a second ``compact`` joined the same job unsaid)
+            err_console.print(f"stopped waiting: compaction job {job_id} was queued and runs on; see GET "
+                              f"/api/jobs/{job_id}", markup=False, soft_wrap=True)
         print_json(_nothing_compacted(client, settings, session, cwd))
         raise
     if job.status == "finished" and job.result is not None:

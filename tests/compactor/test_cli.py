@@ -1337,6 +1337,8 @@ def test_compact_stopped_while_it_waits_still_prints_the_json_last(
     assert process.returncode == code, err
     assert json.loads(out.splitlines()[-1]) == {"didCompress": False, "released": 0, "promptEstimate": estimate}
     assert "Traceback" not in err, err
+    [job_id] = compaction_queue(r, settings).job_ids  # (it said nothing of the job it had queued)
+    assert f"stopped waiting: compaction job {job_id} was queued and runs on; see GET /api/jobs/{job_id}" in err
 
 
 def test_compact_waits_out_a_redis_restart_while_its_job_is_queued(settings: Settings, config: Path) -> None:
