@@ -284,16 +284,25 @@ def validate_cwd(cwd: object, *, new: bool = False) -> str:
 
 
 def _first_error(error: ValidationError) -> InvalidEvent:
-    detail = error.errors(include_url=False)[0]
-    loc: list[str | int] = list(detail["loc"])
-    # The discriminated union puts the type tag first in the location; drop it.
-    if loc and loc[0] in EVENT_TYPES:
-        loc = loc[1:]
+    details = error.errors(include_url=False)
+    detail = details[0]
+    loc: list[str | int] = _without_tag(detail["loc"])
     ctx = detail.get("ctx") or {}
     if "wire_field" in ctx:  # a model validator names the field it refused
         loc.append(ctx["wire_field"])
     message = str(ctx["error"]) if detail["type"] == "value_error" else detail["msg"]  # no "Value error, "
+    if detail["type"] == "missing":  # the others missing beside it, named at once (a tool_result written
+        # from scratch took a round trip per field: toolName, then output)
+        others = (_without_tag(d["loc"]) for d in details[1:] if d["type"] == "missing")
+        beside = [json_path(other) for other in others if other[:-1] == loc[:-1]]
+        if beside:
+            message += f" (and {', '.join(beside)} too)"
     return InvalidEvent(json_path(loc) or "event", message)
+
+
+def _without_tag(loc: Sequence[str | int]) -> list[str | int]:
+    """An error's location without the type tag the discriminated union puts first."""
+    return list(loc[1:] if loc and loc[0] in EVENT_TYPES else loc)
 
 
 def json_path(parts: Sequence[str | int]) -> str:

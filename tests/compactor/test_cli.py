@@ -1826,7 +1826,7 @@ def test_dead_letters_lists_the_refused_entries_newest_first_with_their_reasons(
     assert body["total"] == 3 and body["complete"] is True
     assert sorted((d["session"], d["reason"], d["event"]) for d in body["letters"]) == [
         ("s1", "invalid UTF-8 in field 'event' at byte 0", "\ufffd not json"),
-        ("s1", "turnId: Field required", '{"type": "user"}'),
+        ("s1", "turnId: Field required (and content too)", '{"type": "user"}'),
         ("s2", "cwd: must be an absolute path", '{"type": "user", "turnId": 1}')]
     assert [d["letterId"] for d in body["letters"]] == sorted((d["letterId"] for d in body["letters"]), reverse=True)
     only = json.loads(runner.invoke(app, ["dead-letters", "--json", "--session", "s2", *args]).stdout)

@@ -144,6 +144,16 @@ def test_a_timestamp_in_any_form_but_the_documented_one_is_refused(sent: str) ->
     assert str(caught.value).startswith("timestamp: must be an ISO-8601 UTC date and time"), sent
 
 
+def test_the_fields_missing_beside_the_first_are_named_at_once() -> None:
+    """A tool result written from scratch took a round trip per missing field (toolName, then output)."""
+    with pytest.raises(InvalidEvent) as caught:
+        parse_event({"type": "tool_result", "turnId": 1, "toolCallId": "c1"})
+    assert str(caught.value) == "toolName: Field required (and output too)"
+    with pytest.raises(InvalidEvent) as caught:  # (those of another object are its own error's)
+        parse_event({"type": "assistant", "turnId": 1, "toolCalls": [{"id": "x"}, {}]})
+    assert str(caught.value) == "toolCalls[0].name: Field required"
+
+
 @pytest.mark.parametrize("sent", ["2024-02-30T12:00:00Z", "2024-01-01T24:00:00Z", "2023-02-29T00:00:00.5+00:00",
                                   "2024-01-01T12:00:60Z"])
 def test_a_timestamp_in_the_documented_form_that_does_not_exist_is_refused_as_such(sent: str) -> None:
