@@ -858,46 +858,33 @@ def test_compact_whose_worker_died_is_500_job_abandoned(client: TestClient, r: r
     assert response.headers["X-Compactor-Job-Id"] == job_id and "AbandonedJobError" in error_of(response)["message"]
 
 
+@pytest.mark.parametrize("fallback,shown", [("extractive", "extractive"),
+                                             ("openai/\u6a21\u578b%", "openai/%E6%A8%A1%E5%9E%8B%25")])
 def test_compact_answered_by_the_fallback_says_which_llm_failure_it_answered_for(
-        r: redis.Redis, api_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+        r: redis.Redis, api_settings: Settings, monkeypatch: pytest.MonkeyPatch, fallback: str, shown: str) -> None:
+    """A fallback named past Latin-1: the header carried its name raw, Starlette writes header
+    values as Latin-1, and the compaction, appended, was answered 500 without its job id."""
+    from compactor.llm_stub import StubResponse
+
     settings = with_context(api_settings, compaction_model=STUB_MODEL, llm_timeout_seconds=5.0,
-                            fallback_model="extractive")
+                            fallback_model=fallback)
     write_session(r, settings, 3)
     with LLMStub() as stub, TestClient(create_app(settings, redis=r)) as test_client:
         monkeypatch.setenv("OPENAI_API_BASE", stub.base_url)
         monkeypatch.setenv("OPENAI_API_KEY", "sk-stub")
-        stub.status = 429
+        stub.script(StubResponse(status=429))  # the compaction model's call; a fallback LLM's is answered
         response = post_while_working(test_client, r, settings, f"/api/sessions/{SID}/compact",
                                       {"cwd": CWD})
         assert response.status_code == 200
         assert set(response.json()) == {"didCompress", "released", "promptEstimate"}  # SPEC's CompressResult
         assert response.json()["didCompress"] is True
-        assert response.headers["X-Compactor-LLM-Error"] == "transient; fallback=extractive"
+        assert response.headers["X-Compactor-LLM-Error"] == f"transient; fallback={shown}"
         job = test_client.get(f"/api/jobs/{response.headers['X-Compactor-Job-Id']}").json()
     assert job["status"] == "finished" and job["result"] == response.json()
-    assert job["llmError"]["kind"] == "transient" and job["llmError"]["fallback"] == "extractive"
+    assert job["llmError"]["kind"] == "transient" and job["llmError"]["fallback"] == fallback  # (the JSON as is)
     assert job["llmError"]["model"] == STUB_MODEL and "error" not in job
-
-
-def test_compact_answered_by_a_fallback_named_past_latin_1_is_a_200_its_name_percent_encoded(
-        r: redis.Redis, api_settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The header carried the model's name raw: Starlette writes header values as Latin-1, and the
-    compaction, appended, was answered 500 without its job id (a retry compacted again)."""
-    from compactor.llm_stub import StubResponse
-
-    settings = with_context(api_settings, compaction_model=STUB_MODEL, llm_timeout_seconds=5.0,
-                            fallback_model="openai/\u6a21\u578b%")
-    write_session(r, settings, 3)
-    with LLMStub() as stub, TestClient(create_app(settings, redis=r)) as test_client:
-        monkeypatch.setenv("OPENAI_API_BASE", stub.base_url)
-        monkeypatch.setenv("OPENAI_API_KEY", "sk-stub")
-        stub.script(StubResponse(status=429))  # the compaction model's call; the fallback's answered
-        response = post_while_working(test_client, r, settings, f"/api/sessions/{SID}/compact", {"cwd": CWD})
-        assert response.status_code == 200 and response.json()["didCompress"] is True
-        assert response.headers["X-Compactor-LLM-Error"] == "transient; fallback=openai/%E6%A8%A1%E5%9E%8B%25"
-        job = test_client.get(f"/api/jobs/{response.headers['X-Compactor-Job-Id']}").json()
-    assert job["llmError"]["fallback"] == "openai/\u6a21\u578b%"  # (the JSON as it is)
-    assert [request.body["model"] for request in stub.requests] == ["stub-model", "\u6a21\u578b%"]
+    called = [] if fallback == "extractive" else [fallback.removeprefix("openai/")]
+    assert [request.body["model"] for request in stub.requests] == ["stub-model", *called]
 
 
 def test_compact_times_out_into_202(r: redis.Redis, api_settings: Settings) -> None:

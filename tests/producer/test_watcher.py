@@ -1105,26 +1105,9 @@ def test_an_entry_a_hand_run_reader_took_while_the_shard_was_owned_is_dead_lette
     """The reader takes an entry from the watchers' group while a watcher owns its shard; later
     entries of the session are applied; the next owner claims the entry, whose id is now below
     the last applied one: it was acked as a duplicate, in neither the log nor the dead letters."""
-    keys = Keys(fast.redis.prefix, fast.redis.shards)
-    publisher = Publisher(r, fast)
-    first = Watcher(r, fast, name="first")
-    applied = publisher.publish("s1", CWD, [user(1, "one"), turn_end(1)])
-    drain(first, r, fast)
-    stream = keys.stream_for("s1")
-    [taken] = publisher.publish("s1", CWD, [user(2, "taken by a hand-run reader")])
-    assert r.xreadgroup(keys.group, "debug", {stream: ">"}, count=1)
-    applied += publisher.publish("s1", CWD, [user(2, "after it"), turn_end(2)])
-    deadline = time.monotonic() + 20
-    while len(log_lines(fast, "s1")) < 4:  # (not ``drain``: the reader's entry stays pending meanwhile)
-        assert time.monotonic() < deadline
-        first.run_once()
-    first.close()  # its shards change hands: the next owner claims the entry
+    taken, applied = _an_entry_taken_by_hand(r, fast, [user(2, "after it"), turn_end(2)])
     drain(Watcher(r, fast, name="next"), r, fast)
-    assert [line["streamId"] for line in log_lines(fast, "s1")] == applied
-    [letter] = [fields for _, fields in r.xrange(keys.dead)]
-    assert letter[b"id"].decode() == taken
-    assert letter[b"reason"].decode().startswith(f"streamId: {taken} is not in the log, and later entries")
-    assert r.xpending(stream, keys.group)["pending"] == 0
+    _dead_lettered_out_of_order(r, fast, taken, applied)
 
 
 def test_a_claimed_entry_whose_claimer_stopped_before_applying_it_is_dead_lettered_by_the_next_owner(
@@ -1135,32 +1118,45 @@ def test_a_claimed_entry_whose_claimer_stopped_before_applying_it_is_dead_letter
     took it for a lost stream's renumbered entry and wrote it after later entries of its session,
     out of order, with no letter."""
     keys = Keys(fast.redis.prefix, fast.redis.shards)
+    # (in the same turn: no turn going backwards refuses it)
+    taken, applied = _an_entry_taken_by_hand(r, fast, [{"type": "assistant", "turnId": 2, "content": "after it"}])
+    claimer = Watcher(r, fast, name="claimer")
+    claimer._start()
+    claimer._tick()  # takes the shards: the entry claimed ...
+    assert r.xpending(keys.stream_for("s1"), keys.group)["consumers"] == [
+        {"name": keys.consumer(keys.shard_of("s1")).encode(), "pending": 1}]
+    claimer.close()  # ... and it stops before its first read
+    drain(Watcher(r, fast, name="next"), r, fast)
+    _dead_lettered_out_of_order(r, fast, taken, applied)
+    assert not r.exists(keys.claimed(keys.shard_of("s1")))  # (forgotten with the entry's ack)
+
+
+def _an_entry_taken_by_hand(r: redis.Redis, fast: Settings, later: list[dict[str, Any]]) -> tuple[str, list[str]]:
+    """A hand-run reader takes an entry of s1 from the watchers' group while a watcher owns its
+    shard, which then applies ``later`` and stops: the entry's id, and those of what was applied."""
+    keys = Keys(fast.redis.prefix, fast.redis.shards)
     publisher = Publisher(r, fast)
     first = Watcher(r, fast, name="first")
     applied = publisher.publish("s1", CWD, [user(1, "one"), turn_end(1)])
     drain(first, r, fast)
-    stream = keys.stream_for("s1")
     [taken] = publisher.publish("s1", CWD, [user(2, "taken by a hand-run reader")])
-    assert r.xreadgroup(keys.group, "debug", {stream: ">"}, count=1)
-    applied += publisher.publish("s1", CWD, [{"type": "assistant", "turnId": 2, "content": "after it"}])
-    deadline = time.monotonic() + 20  # (in the same turn: no turn going backwards refuses it)
-    while len(log_lines(fast, "s1")) < 3:  # (not ``drain``: the reader's entry stays pending meanwhile)
+    assert r.xreadgroup(keys.group, "debug", {keys.stream_for("s1"): ">"}, count=1)
+    applied += publisher.publish("s1", CWD, later)
+    deadline = time.monotonic() + 20
+    while len(log_lines(fast, "s1")) < len(applied):  # (not ``drain``: the reader's entry stays pending)
         assert time.monotonic() < deadline
         first.run_once()
-    first.close()
-    claimer = Watcher(r, fast, name="claimer")
-    claimer._start()
-    claimer._tick()  # takes the shards: the entry claimed ...
-    assert r.xpending(stream, keys.group)["consumers"] == [
-        {"name": keys.consumer(keys.shard_of("s1")).encode(), "pending": 1}]
-    claimer.close()  # ... and it stops before its first read
-    drain(Watcher(r, fast, name="next"), r, fast)
+    first.close()  # its shards change hands: the next owner claims the entry
+    return taken, applied
+
+
+def _dead_lettered_out_of_order(r: redis.Redis, fast: Settings, taken: str, applied: list[str]) -> None:
+    keys = Keys(fast.redis.prefix, fast.redis.shards)
     assert [line["streamId"] for line in log_lines(fast, "s1")] == applied
     [letter] = [fields for _, fields in r.xrange(keys.dead)]
     assert letter[b"id"].decode() == taken
     assert letter[b"reason"].decode().startswith(f"streamId: {taken} is not in the log, and later entries")
-    assert r.xpending(stream, keys.group)["pending"] == 0
-    assert not r.exists(keys.claimed(keys.shard_of("s1")))  # (forgotten with the entry's ack)
+    assert r.xpending(keys.stream_for("s1"), keys.group)["pending"] == 0
 
 
 def test_a_shard_whose_take_failed_is_taken_again_on_the_next_tick(
