@@ -51,20 +51,10 @@ return false
 """
 
 
-def check_published(client: redis.Redis, settings: Settings, session_id: str, entry_id: str) -> None:
-    """InvalidInput naming ``after`` when ``entry_id`` is past the newest entry ever added to the
-    session's shard stream: no ``POST .../events`` answered it (a typo, another deployment's id),
-    and a wait for it could only run out (300 s for a forced compaction)."""
-    stream = Keys(settings.redis.prefix, settings.redis.shards).stream_for(session_id)
-    last = client.eval(_LAST_GENERATED, 1, stream)
-    if last and stream_id_key(as_text(last)) < parse_stream_id(entry_id, "after"):
-        raise InvalidInput("after", f"{entry_id} is past the newest entry of the session's stream "
-                                    f"({as_text(last)}): no event was published under it")
-
-
 def settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: str) -> bool:
     """Whether the watcher is done with entry ``entry_id`` of ``session_id``'s shard: delivered
-    and acked, so applied to the log or dead-lettered."""
+    and acked, so applied to the log or dead-lettered; or none of that id can be in its stream
+    (past the newest entry ever added to it: nothing of it waits)."""
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     stream = keys.stream_for(session_id)
     try:
@@ -72,11 +62,14 @@ def settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: 
     except redis.ResponseError:  # no such stream: nothing of it waits (Redis lost it, or no event was sent)
         return True
     group = next((g for g in groups if as_text(g["name"]) == keys.group), None)
-    if group is None:  # (the watchers recreate it and read the stream again)
-        return False
     ms, seq = parse_stream_id(entry_id, "after")
-    if stream_id_key(as_text(group["last-delivered-id"])) < (ms, seq):
-        return False
+    if group is None or stream_id_key(as_text(group["last-delivered-id"])) < (ms, seq):
+        # not delivered yet (or the watchers are to recreate the group and read the stream again),
+        # unless no entry of that id can be in the stream: past the newest ever added, Redis lost
+        # it (a restart without persistence, an older snapshot restored: the event may be in the log
+        # already) or it was never published; waited for, it held a forced compaction 300 s
+        last = client.eval(_LAST_GENERATED, 1, stream)
+        return bool(last) and stream_id_key(as_text(last)) < (ms, seq)
     return not client.xpending_range(stream, keys.group, f"{ms}-{seq}", f"{ms}-{seq}", 1)
 
 

@@ -53,7 +53,7 @@ from starlette.routing import Mount, Route
 
 from compactor import __version__
 from compactor import metrics as compactor_metrics
-from compactor.applied import check_published, parse_stream_id
+from compactor.applied import parse_stream_id
 from compactor.keys import Keys
 from compactor.queue import ABANDONED_WORDS, enqueue_forced_compaction
 from compactor.redis_errors import probe_writes
@@ -418,7 +418,6 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
     # one for the job, answered past twice jobWaitSeconds)
     if body.after is not None:  # (a new session's first events sent just before: its log did not exist yet, a 404)
         parse_stream_id(body.after, "after")
-        await anyio.to_thread.run_sync(check_published, client, settings, sid, body.after)
         if wait:  # (wait=false answers at once: the job waits for them itself, AFTER_WAIT_S)
             await wait_settled(client, settings, sid, body.after, timeout, stop=request.app.state.stopping)
     await anyio.to_thread.run_sync(_require_log_unless_waiting, client, settings, sid, cwd, body.after)
@@ -534,7 +533,6 @@ async def get_context(
     unapplied = None
     if after is not None:
         parse_stream_id(after, "after")
-        await anyio.to_thread.run_sync(check_published, client, settings, sid, after)
         applied = await wait_settled(client, settings, sid, after, timeout, stop=request.app.state.stopping)
         if not applied:  # (no log yet: an empty view while the session's own entries wait in its shard)
             unapplied = functools.partial(_waiting_in_shard, client, settings, sid, cwd)

@@ -29,6 +29,10 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
+function late(e) {  // a fetch the timeout aborted, named as such
+  return e && e.name === "TimeoutError" ? new Error(`no answer from the API within ${ANSWER_WITHIN_MS / 1000} s`) : e;
+}
+
 async function api(path) {
   // (against the origin: a page opened as http://user:token@host/ had fetch refuse a relative path,
   // "a URL that includes credentials"; the browser still sends the credentials it was given)
@@ -38,15 +42,18 @@ async function api(path) {
                                                            cache: "no-store",
                                                            signal: AbortSignal.timeout(ANSWER_WITHIN_MS) });
   } catch (e) {
-    if (e && e.name === "TimeoutError") throw new Error(`no answer from the API within ${ANSWER_WITHIN_MS / 1000} s`);
-    throw e;
+    throw late(e);
   }
   if (response.status === 401) throw new Error("token refused: reload the page to enter it again");
-  const body = await response.json().catch(() => null);
+  const body = await response.json().catch((e) => {  // (a body cut short by the timeout is no answer either)
+    if (e && e.name === "TimeoutError") throw late(e);
+    return null;
+  });
   if (!response.ok) {
     const message = body && body.error ? body.error.message : response.statusText;
     throw new Error(`${response.status}: ${message}`);
   }
+  if (body === null) throw new Error(`${response.status}: the answer is no JSON`);  // (drawn, a TypeError)
   return body;
 }
 
@@ -237,17 +244,19 @@ async function refresh() {
   const mine = ++generation;
   try {
     const session = route();
-    const held = selecting();  // (drawn again, the page lost the text being selected, every 3 s)
+    let held = false;  // text selected when the answers came: not drawn (drawn, it was lost every 3 s)
     if (session) {
       const q = `?cwd=${encodeURIComponent(session.cwd)}`;
       const id = encodeURIComponent(session.id);
       const [state, history] = await Promise.all([api(`/api/sessions/${id}${q}`),
                                                   api(`/api/sessions/${id}/history${q}`)]);
       if (mine !== generation) return;  // (the overview, answered late, was drawn over a session's page)
+      held = selecting();
       if (!held) renderSession(state, history);
     } else {
       const [o, sessions] = await Promise.all([api("/api/overview"), api(sessionsPath())]);
       if (mine !== generation) return;
+      held = selecting();
       if (!held) renderOverview(o, sessions);
     }
     if (held) {
@@ -260,7 +269,7 @@ async function refresh() {
     $("updated").textContent = "updated " + new Date().toLocaleTimeString();
   } catch (e) {
     if (mine !== generation) return;
-    $("error").textContent = String(e.message || e);
+    $("error").textContent = visible(e.message || e);
     $("error").hidden = false;
   } finally {
     if (mine === generation) schedule();

@@ -12,6 +12,7 @@ import json
 import fcntl
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import threading
@@ -654,6 +655,28 @@ def test_page_keeps_a_selection_wraps_long_text_shows_bidi_controls_and_times_ou
     page.route("**/api/overview", lambda route: None)  # never answered
     page.wait_for_selector("#error:not([hidden])", timeout=20_000)
     assert page.locator("#error").inner_text() == "no answer from the API within 10 s"
+    # a 200 whose body never ends: the timeout cut the body's read, which was taken for no JSON and
+    # drawn: "Cannot read properties of null (reading 'counters')"
+    with socket.socket() as stalled:
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen()
+        held: list[socket.socket] = []
+
+        def answer_in_part() -> None:
+            connection, _ = stalled.accept()
+            held.append(connection)
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+
+        threading.Thread(target=answer_in_part, daemon=True).start()
+        page.unroute("**/api/overview")
+        port = stalled.getsockname()[1]
+        page.route("**/api/overview", lambda route: route.continue_(url=f"http://127.0.0.1:{port}/api/overview"))
+        page.evaluate("document.querySelector('#error').hidden = true")
+        page.wait_for_selector("#error:not([hidden])", timeout=20_000)
+        assert page.locator("#error").inner_text() == "no answer from the API within 10 s"
+        for connection in held:
+            connection.close()
 
 
 def test_the_pages_files_are_checked_again_at_every_load(sessions: Settings, serve_api: Any) -> None:
