@@ -367,7 +367,7 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     time): the id of the forced job that will answer it. That job is queued now when the session
     has no pending job; else it waits (RQ status ``created``) until the pending one ends; when a
     forced job already waits, this request joins it (its id is returned, no second job).
-    ``after``: a stream entry id of the session; the job first waits (``worker.jobs.AFTER_WAIT_S``
+    ``after``: a stream entry id of the session; the job first waits (``worker.jobs.after_wait_s``
     at most) for the watcher to apply it, so it compacts the events published before the request.
     ``meta``: RQ meta of the request's own job, saved with it (not given to a job it joins);
     ``job_id``: that job's id (``new_job_id``), when the caller records it beforehand.

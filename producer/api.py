@@ -418,7 +418,7 @@ async def compact(session_id: str, body: CompactRequest, settings: SettingsDep,
     # one for the job, answered past twice jobWaitSeconds)
     if body.after is not None:  # (a new session's first events sent just before: its log did not exist yet, a 404)
         parse_stream_id(body.after, "after")
-        if wait:  # (wait=false answers at once: the job waits for them itself, AFTER_WAIT_S)
+        if wait:  # (wait=false answers at once: the job waits for them itself, as long)
             await wait_settled(client, settings, sid, body.after, timeout, stop=request.app.state.stopping)
     await anyio.to_thread.run_sync(_require_log_unless_waiting, client, settings, sid, cwd, body.after)
     job_id = await anyio.to_thread.run_sync(

@@ -227,7 +227,7 @@ class Publisher:
         answers it, queued now or waiting for the session's pending job (never None); not forced:
         None when a job is already pending (the request is coalesced into it). A forced job first
         waits for the watcher to apply stream entry ``after`` (by default the last event of the
-        session this publisher sent), up to ``worker.jobs.AFTER_WAIT_S``: it compacts the events
+        session this publisher sent), up to ``worker.jobs.after_wait_s``: it compacts the events
         sent before the request (queued right after a new session's first events, it had run
         before the watcher wrote the log). The session's log
         is not looked for (a producer need not see the data dir, and its first events may still

@@ -59,6 +59,7 @@ from events.errors import (
     SummaryInvalid,
 )
 from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, REQUEUED_AS_FIELD, REQUEUED_FROM_FIELD, CompressResult
+from events.config import Settings
 from events.state import decide
 from worker.compaction import JobRun, LlmFailure
 from worker.context import WorkerContext, current
@@ -67,7 +68,6 @@ logger = logging.getLogger(__name__)
 
 CORRUPT_RECHECK_S = 600.0  # a session whose log the re-check found corrupt: its trigger looked at again after this
 REPLACED_TTL_S = 86_400  # how long the mark of an abandoned forced job's one replacement stays
-AFTER_WAIT_S = 10.0  # the longest a forced job waits for the watcher to apply the entry it was asked after
 
 
 def micro_compact(session_id: str, cwd: str) -> dict[str, Any]:
@@ -78,14 +78,26 @@ def micro_compact(session_id: str, cwd: str) -> dict[str, Any]:
 def llm_compact(session_id: str, cwd: str, forced: bool = False, after: str | None = None) -> dict[str, Any]:
     """RQ job: LLM compaction of one session (``forced`` skips thresholds and the breaker).
     ``after``: a stream entry id of the session the request was made after; the watcher is given
-    up to ``AFTER_WAIT_S`` to apply it first (queued right after a new session's first events,
+    up to ``after_wait_s`` to apply it first (queued right after a new session's first events,
     the job ran before the log was written and failed ``SessionNotFound``)."""
     started = time.monotonic()  # (the job's timeout runs from here: the wait counts against it)
     context = current()
-    if after and not wait_applied(context.redis, context.settings, session_id, after, AFTER_WAIT_S):  # ("": none)
+    wait_s = after_wait_s(context.settings, get_current_job())
+    if after and not wait_applied(context.redis, context.settings, session_id, after, wait_s):  # ("": none)
         logger.warning("entry %s of session=%s not applied after %.0f s: compacting the log as it is",
-                       after, session_id, AFTER_WAIT_S, extra={"session_id": session_id})
+                       after, session_id, wait_s, extra={"session_id": session_id})
     return _run("llm", session_id, cwd, forced=forced, started=started)
+
+
+def after_wait_s(settings: Settings, job: Job | None) -> float:
+    """How long a forced job waits for the watcher to apply its ``after`` entry: ``api.jobWaitSeconds``,
+    as the API's own wait does (``?wait=false`` leaves that wait to the job), and at most half the
+    job's timeout (the rest is its LLM calls'). (10 s, fixed: a watcher paused or restarting for
+    longer failed a new session's job ``SessionNotFound`` after its 202, or compacted an older
+    session without the events the request was made after.)"""
+    timeout = job.timeout if job is not None and isinstance(job.timeout, (int, float)) and job.timeout > 0 \
+        else settings.worker.job_timeout_seconds
+    return min(settings.api.job_wait_seconds, timeout / 2)
 
 
 def _run(kind: str, session_id: str, cwd: str, *, forced: bool, started: float | None = None) -> dict[str, Any]:

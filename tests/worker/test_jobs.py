@@ -957,13 +957,12 @@ def test_a_backlog_of_more_chunks_than_one_job_has_time_for_is_summarized_over_s
 
 @pytest.mark.slow
 def test_a_forced_jobs_wait_for_its_after_entry_counts_against_its_timeout(
-    r: redis.Redis, settings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch
+    r: redis.Redis, settings: Settings, stub: LLMStub
 ) -> None:
     """RQ's alarm runs from the job's start, the wait for the ``after`` entry included; the chunk
-    loop's deadline ran from after the wait (up to 10 s late): it began a call RQ killed, and a
+    loop's deadline ran from after the wait (up to the whole wait late): it began a call RQ killed, and a
     healthy LLM was counted a failure."""
-    monkeypatch.setattr(worker_jobs, "AFTER_WAIT_S", 2.0)
-    small = _slow_backlog(r, settings, stub, job_timeout_s=4)  # from 2 s on: a call, then 2.6 + 1.5 s > 4 s
+    small = _slow_backlog(r, settings, stub, job_timeout_s=4)  # waits 2 s (half the timeout): a call, then 2.6 + 1.5 s > 4 s
     r.xgroup_create(Keys().stream_for("s1"), Keys().group, id="0", mkstream=True)  # (no watcher reads it:
     never = f"{int(time.time() * 1000) + 3_600_000}-0"                          # this entry is never settled)
     job_id = enqueue_compaction(r, small, "s1", CWD, "llm", forced=True, after=never)
@@ -975,14 +974,42 @@ def test_a_forced_jobs_wait_for_its_after_entry_counts_against_its_timeout(
     assert len(_summaries(small, "s1")) >= 1
 
 
+@pytest.mark.slow
+def test_a_forced_job_waits_for_its_after_entry_as_long_as_the_api_would(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub
+) -> None:
+    """``?wait=false`` leaves the wait for ``after`` to the job, which gave up after 10 s: a new
+    session's first events applied by a watcher paused or restarting for longer, the job accepted
+    with a 202 failed ``SessionNotFound``."""
+    settings = wsettings.model_copy(update={"api": wsettings.api.model_copy(update={"job_wait_seconds": 20.0})})
+    stream, group = Keys().stream_for("s1"), Keys().group
+    r.xgroup_create(stream, group, id="0", mkstream=True)
+    first = r.xadd(stream, {"session": "s1"}).decode()
+    r.xreadgroup(group, "c", {stream: ">"})  # delivered to a watcher that stops before writing the log
+    job_id = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True, after=first)
+    assert job_id is not None
+
+    def watcher_back() -> None:
+        time.sleep(11)
+        write_session(r, settings, "s1", 3)
+        r.xack(stream, group, first)
+
+    late = threading.Thread(target=watcher_back)
+    late.start()
+    run_burst(r, settings)
+    late.join()
+    job = Job.fetch(job_id, connection=r)
+    assert job.get_status() == JobStatus.FINISHED, (job.latest_result().exc_string or "").splitlines()[-1:]  # type: ignore[union-attr]
+    assert len(_summaries(settings, "s1")) == 1
+
+
 def test_a_forced_request_joining_a_waiting_job_has_it_wait_for_the_joining_requests_entry(
-    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A second forced request joins the forced job already waiting: that job waited for the first
     request's ``after`` alone, so the second caller's last events could be missing from the
     compaction it was answered with."""
-    monkeypatch.setattr(worker_jobs, "AFTER_WAIT_S", 0.3)
+    wsettings = wsettings.model_copy(update={"api": wsettings.api.model_copy(update={"job_wait_seconds": 0.3})})
     write_session(r, wsettings, "s1", 3)
     stream, group = Keys().stream_for("s1"), Keys().group
     r.xgroup_create(stream, group, id="0", mkstream=True)
