@@ -20,9 +20,9 @@ A file that is not YAML is named with the line and column of the problem.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
-import contextlib
 import hashlib
 import ipaddress
 import logging

@@ -49,6 +49,7 @@ from compactor.queue import (
     release_pending,
     settle_trigger,
 )
+from events.config import Settings
 from events.errors import (
     JobAbandoned,
     LLMUnavailable,
@@ -59,7 +60,6 @@ from events.errors import (
     SummaryInvalid,
 )
 from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, REQUEUED_AS_FIELD, REQUEUED_FROM_FIELD, CompressResult
-from events.config import Settings
 from events.state import decide
 from worker.compaction import JobRun, LlmFailure
 from worker.context import WorkerContext, current

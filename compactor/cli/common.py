@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 # click's UsageError (of the click typer vendors since 0.22, or of click itself before)
 UsageError: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 LOG_FORMAT_ENV = "COMPACTION_LOG_FORMAT"
@@ -82,6 +83,7 @@ LogLevelOpt = Annotated[str, typer.Option(
 LogFormatOpt = Annotated[str | None, typer.Option(
     "--log-format", envvar=LOG_FORMAT_ENV, show_envvar=True,
     help="Log lines as 'text' (default) or 'json' (one object per line, with session/job fields).")]
+
 
 class _StderrConsole(Console):
     """rich's console on stderr, silenced when stderr's reader is gone: rich's own handling

@@ -126,11 +126,6 @@ end
 return out
 """.replace("READ_CHUNK", str(READ_CHUNK))
 
-# KEYS: lease, stream, dead, lettered, claimed; ARGV: owner, group, dead maxlen, ahead ("1": the letters'
-# entries are not acked here: each is kept in lettered, id -> mark, until its ack), n ids, ids...,
-# then per dead letter: its entry's id, its entry's mark, 2k, field1, value1, ... fieldk, valuek.
-# A letter whose entry is in lettered (the same id and mark) was written already (ahead, by this
-# watcher or one before it): it is not written again. -1: not our lease.
 # KEYS: lease, stream, claimed; ARGV: owner, group, our consumer, most, the other consumers' names...
 # Up to ``most`` entries pending under those consumers moved to ours (XCLAIM JUSTID: no payload
 # comes back), each id recorded in claimed (until its ack) in the same step: whoever reads the
@@ -165,6 +160,11 @@ end
 return {moved, gone}
 """.replace("LETTERED_TTL_S", str(LETTERED_TTL_S))
 
+# KEYS: lease, stream, dead, lettered, claimed; ARGV: owner, group, dead maxlen, ahead ("1": the letters'
+# entries are not acked here: each is kept in lettered, id -> mark, until its ack), n ids, ids...,
+# then per dead letter: its entry's id, its entry's mark, 2k, field1, value1, ... fieldk, valuek.
+# A letter whose entry is in lettered (the same id and mark) was written already (ahead, by this
+# watcher or one before it): it is not written again. -1: not our lease.
 _ACK = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 local n = tonumber(ARGV[5])
