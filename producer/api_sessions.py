@@ -26,7 +26,7 @@ from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.utils import as_text
 
-from compactor.applied import poll_pauses, settled
+from compactor.applied import Settling, poll_pauses
 from compactor.dead_letters import read_dead_letters
 from compactor.held import lease_holders, parse_held
 from compactor.keys import Keys
@@ -75,16 +75,17 @@ def context_body(settings: Settings, session_id: str, cwd: str, applied: bool | 
 
 async def wait_settled(client: redis.Redis, settings: Settings, session_id: str, entry_id: str, timeout_s: float,
                        stop: threading.Event | None = None) -> bool:
-    """``settled``, waiting for it up to ``timeout_s`` without holding a thread (each look is a
+    """``Settling``, waiting for it up to ``timeout_s`` without holding a thread (each look is a
     short call in one; 40 blocked waits took every thread of the API, /healthz's included);
     whether it is. Ends early, False, once ``stop`` is set (the API is stopping)."""
+    look = Settling(client, settings, session_id, entry_id)
     for pause in poll_pauses(timeout_s):
-        if await anyio.to_thread.run_sync(settled, client, settings, session_id, entry_id):
+        if await anyio.to_thread.run_sync(look):
             return True
         if stop is not None and stop.is_set():
             return False
         await anyio.sleep(pause)
-    return await anyio.to_thread.run_sync(settled, client, settings, session_id, entry_id)
+    return await anyio.to_thread.run_sync(look)
 
 
 def current_state(client: redis.Redis, settings: Settings, session_id: str,

@@ -61,7 +61,7 @@ from events.errors import (
 )
 from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, REQUEUED_AS_FIELD, REQUEUED_FROM_FIELD, CompressResult
 from events.state import decide
-from worker.compaction import JobRun, LlmFailure
+from worker.compaction import STOPPING, JobRun, LlmFailure
 from worker.context import WorkerContext, current
 
 logger = logging.getLogger(__name__)
@@ -83,9 +83,11 @@ def llm_compact(session_id: str, cwd: str, forced: bool = False, after: str | No
     started = time.monotonic()  # (the job's timeout runs from here: the wait counts against it)
     context = current()
     wait_s = after_wait_s(context.settings, get_current_job())
-    if after and not wait_applied(context.redis, context.settings, session_id, after, wait_s):  # ("": none)
-        logger.warning("entry %s of session=%s not applied after %.0f s: compacting the log as it is",
-                       after, session_id, wait_s, extra={"session_id": session_id})
+    if after and not wait_applied(context.redis, context.settings, session_id, after, wait_s,
+                                  stop=STOPPING.is_set):  # ("": none)
+        logger.warning("entry %s of session=%s not applied %s: compacting the log as it is", after, session_id,
+                       "(the worker is stopping)" if STOPPING.is_set() else f"after {wait_s:.0f} s",
+                       extra={"session_id": session_id})
     return _run("llm", session_id, cwd, forced=forced, started=started)
 
 

@@ -963,8 +963,8 @@ def test_a_forced_jobs_wait_for_its_after_entry_counts_against_its_timeout(
     loop's deadline ran from after the wait (up to the whole wait late): it began a call RQ killed, and a
     healthy LLM was counted a failure."""
     small = _slow_backlog(r, settings, stub, job_timeout_s=4)  # waits 2 s (half the timeout): a call, then 2.6 + 1.5 s > 4 s
-    r.xgroup_create(Keys().stream_for("s1"), Keys().group, id="0", mkstream=True)  # (no watcher reads it:
-    never = f"{int(time.time() * 1000) + 3_600_000}-0"                          # this entry is never settled)
+    r.xgroup_create(Keys().stream_for("s1"), Keys().group, id="0", mkstream=True)
+    never = r.xadd(Keys().stream_for("s1"), {"session": "s1"}).decode()  # (no watcher reads it: never settled)
     job_id = enqueue_compaction(r, small, "s1", CWD, "llm", forced=True, after=never)
     assert job_id is not None
     run_burst(r, small)
@@ -1001,6 +1001,41 @@ def test_a_forced_job_waits_for_its_after_entry_as_long_as_the_api_would(
     job = Job.fetch(job_id, connection=r)
     assert job.get_status() == JobStatus.FINISHED, (job.latest_result().exc_string or "").splitlines()[-1:]  # type: ignore[union-attr]
     assert len(_summaries(settings, "s1")) == 1
+
+
+def test_a_forced_jobs_wait_for_its_after_entry_ends_when_the_worker_is_told_to_stop(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Waiting up to api.jobWaitSeconds, a worker told to stop (SIGTERM: ``STOPPING``) held its stop
+    that long (serve's 15 s grace then killed it, the job abandoned); and each look asked Redis
+    for the stream's newest id, an XINFO STREAM copying the first and last entries (15 ms each
+    for 4 MiB ones: 30 waits saturated Redis)."""
+    from compactor import applied
+    from worker.compaction import STOPPING
+
+    settings = wsettings.model_copy(update={"api": wsettings.api.model_copy(update={"job_wait_seconds": 60.0})})
+    write_session(r, settings, "s1", 3)
+    stream, group = Keys().stream_for("s1"), Keys().group
+    r.xgroup_create(stream, group, id="0", mkstream=True)
+    waiting = r.xadd(stream, {"session": "s1"}).decode()  # (no watcher reads it)
+    looks: list[str] = []
+    real = applied.past_newest
+    monkeypatch.setattr(applied, "past_newest", lambda *args: looks.append(args[3]) or real(*args))
+    job_id = enqueue_compaction(r, settings, "s1", CWD, "llm", forced=True, after=waiting)
+    stopper = threading.Timer(2.0, STOPPING.set)
+    stopper.start()
+    started = time.monotonic()
+    try:
+        with caplog.at_level(logging.WARNING, logger="worker.jobs"):
+            run_burst(r, settings)
+    finally:
+        stopper.cancel()
+        STOPPING.clear()
+    assert time.monotonic() - started < 10
+    assert Job.fetch(job_id, connection=r).get_status() == JobStatus.FINISHED  # type: ignore[arg-type]
+    assert f"entry {waiting} of session=s1 not applied (the worker is stopping)" in caplog.text
+    assert looks == [waiting]  # (once in the 2 s: then every NEWEST_LOOK_S)
 
 
 def test_a_forced_request_joining_a_waiting_job_has_it_wait_for_the_joining_requests_entry(
