@@ -18,6 +18,11 @@ def write_or_drop(stream: TextIO, text: str) -> None:
         stream.write(text)
         stream.flush()
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, stream.fileno())
-        os.close(devnull)
+        to_devnull(stream.fileno())
+
+
+def to_devnull(fd: int) -> None:
+    """Point ``fd`` at /dev/null (its reader gone: later writes, and the flush at exit, succeed)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)

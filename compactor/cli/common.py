@@ -29,6 +29,7 @@ import redis
 import typer
 from rich.console import Console
 
+from compactor import to_devnull
 from compactor.logging import json_configured
 from compactor.redis_errors import AccessDenied, check_access, is_permission_error, is_refusal
 from compactor.urls import host_port, redacted
@@ -91,9 +92,7 @@ class _StderrConsole(Console):
 
     def on_broken_pipe(self) -> None:
         self.quiet = True
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self.file.fileno())
-        os.close(devnull)
+        to_devnull(self.file.fileno())
 
 
 err_console = _StderrConsole(stderr=True)

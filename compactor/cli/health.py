@@ -185,7 +185,7 @@ def _quiet_load(config: Path | None, redis_url: str | None, data_dir: Path | Non
         with contextlib.redirect_stderr(said):
             return load(config, redis_url=redis_url, data_dir=data_dir)
     except typer.Exit:
-        return said.getvalue().strip().removeprefix("compactor: ") or "the configuration does not load"
+        return _what(said, "the configuration does not load")
 
 
 class HealthCommand(TyperCommand):
@@ -204,10 +204,15 @@ class HealthCommand(TyperCommand):
         except typer.Exit as e:
             if not e.exit_code:  # (--help)
                 raise
-            error = said.getvalue().strip().removeprefix("compactor: ") or "the command line is refused"
+            error = _what(said, "the command line is refused")
         except UsageError as e:
             error = str(e)
         _unhealthy_at_once("--json" in own, "options", error)
+
+
+def _what(said: io.StringIO, otherwise: str) -> str:
+    """The one line a refusal wrote on the stderr ``said`` caught (``fail``'s), else ``otherwise``."""
+    return said.getvalue().strip().removeprefix("compactor: ") or otherwise
 
 
 def _unhealthy_at_once(json_out: bool, name: str, error: str) -> NoReturn:
