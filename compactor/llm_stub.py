@@ -67,7 +67,8 @@ class StubResponse:
     """One scripted answer: ``text`` with ``status`` after ``delay_s`` (None text: the default reply;
     with an error status, ``text`` is the error's message);
     with ``trickle_s``, the headers at once and the body 64 bytes at a time, ``trickle_s`` apart;
-    ``raw``: the body sent as it is, with ``content_type`` (a proxy's page, a stream, bad bytes)."""
+    ``raw``: the body sent as it is, with ``content_type`` (a proxy's page, a stream, bad bytes);
+    ``finish_reason``: the choice's ("length": a reply cut at the model's output limit)."""
 
     status: int = 200
     text: str | None = None
@@ -75,6 +76,7 @@ class StubResponse:
     trickle_s: float = 0.0
     raw: bytes | None = None
     content_type: str = "application/json"
+    finish_reason: str = "stop"
 
 
 @dataclass
@@ -179,7 +181,7 @@ class LLMStub:
         return self.reply(body) if callable(self.reply) else self.reply
 
 
-def completion_body(text: str, model: str) -> dict[str, Any]:
+def completion_body(text: str, model: str, finish_reason: str = "stop") -> dict[str, Any]:
     """An OpenAI chat.completion object answering ``text``."""
     return {
         "id": f"chatcmpl-stub-{time.time_ns()}",
@@ -189,7 +191,7 @@ def completion_body(text: str, model: str) -> dict[str, Any]:
         "choices": [{
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "finish_reason": "stop",
+            "finish_reason": finish_reason,
         }],
         "usage": {"prompt_tokens": 1, "completion_tokens": max(1, len(text) // 4),
                   "total_tokens": 1 + max(1, len(text) // 4)},
@@ -230,7 +232,8 @@ def _handler_for(stub: LLMStub) -> type[BaseHTTPRequestHandler]:
                 self._send_bytes(response.status, response.raw, response.content_type, response.trickle_s)
             elif response.status == 200:
                 text = stub._reply_text(response, body)
-                self._send(200, completion_body(text, str(body.get("model", "stub-model"))), response.trickle_s)
+                self._send(200, completion_body(text, str(body.get("model", "stub-model")), response.finish_reason),
+                           response.trickle_s)
             else:
                 self._send(response.status, error_body(response.status, response.text), response.trickle_s)
 

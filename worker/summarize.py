@@ -971,6 +971,12 @@ class LiteLLMSummarizer:
             raise SummaryInvalid("the reply has no message content") from e
         if not isinstance(content, str):
             raise SummaryInvalid("the reply has no message content")
+        if getattr(response.choices[0], "finish_reason", None) == "length" and not content.rstrip().endswith(
+                "</summary>"):
+            # (cut mid-analysis after a draft "<summary>...</summary>" the model went on to reject, the
+            # reply read as that draft: stored, it replaced the targets, and the failure counter was reset)
+            raise SummaryInvalid(f"the reply was cut at the model's output limit (finish_reason \"length\", model "
+                                 f"{model}) before its <summary> block ended it")
         return content
 
 
