@@ -736,7 +736,8 @@ class LlmPass:
     targets: LlmTargets
     compact_turns: tuple[int, int] | None  # the micro step's compact (start, end); None without
     blocks: list[str]  # ``render`` of each target as shown
-    target_tokens: int  # the targets' stamps (estimated where elided) + ``block_tokens`` each
+    target_tokens: int  # the targets' stamps (estimated where elided) + ``block_tokens`` each + ``call_tokens``
+    # per tool call (its line's frame, which no stamp counts)
     replaces: list[str]  # the targets' uuids, then the previous summary's
     encoding: str
     model: str | None
@@ -752,7 +753,7 @@ class LlmPass:
 
 def llm_pass(
     events: list[Event], ctx: ContextSettings, *, micro: bool, render: Callable[[Event], str],
-    block_tokens: int = 0,
+    block_tokens: int = 0, call_tokens: int = 0,
 ) -> LlmPass:
     """An LLM job's reading of its log, in one reverse pass (``_scan``) and one forward
     pass: a job's cost beyond reading its log is mostly passes over it (the forward one
@@ -766,6 +767,8 @@ def llm_pass(
     length, plus the per-message overhead), also one a compact already covered: no
     target is tokenized (stamps only size the prompt). What stays visible once the
     compact and the summary are appended is counted exactly, as ``build_view`` would.
+    ``block_tokens``, ``call_tokens``: what ``render`` adds to a target's stamp, per block
+    and per tool call.
     """
     scan = _scan(events)
     hidden = scan.hidden
@@ -817,6 +820,8 @@ def llm_pass(
                 if shown is None:
                     target = event
                     target_tokens += stamped + block_tokens
+                    if kind == "assistant" and type(calls := event.get("toolCalls")) is list:
+                        target_tokens += call_tokens * len(calls)
                 else:
                     estimate = -(-stamped * len(shown) // len(output)) + MESSAGE_OVERHEAD_TOKENS
                     target = {**event, "output": shown, TOKEN_COUNT_FIELD: estimate, TOKEN_ENCODING_FIELD: encoding}

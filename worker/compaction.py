@@ -150,6 +150,10 @@ SUMMARY_ROOM_BYTES = 65_536  # free bytes below which no LLM is called (a disk f
 # of the largest size allowed: one with a few hundred kB left still takes the usual summary of a few kB)
 PROMPT_FRAME_TOKENS = 200  # delimiters, the request lines and chat framing around the data
 BLOCK_HEADER_TOKENS = 6  # "[tool:name]\n" and the blank line, per transcript block
+# "-> tool call " and the parentheses and line break around a call's name and arguments (which its
+# event's stamp counts): 5 at most, measured (95 turns of 300 calls each went in one call of 255 560
+# tokens to a 200 000-token window, estimated without them; one 133 521 to a 128 000-token compactionModel)
+CALL_LINE_TOKENS = 5
 MIN_CHUNK_BUDGET_TOKENS = 1_000  # below this a window is hopeless; chunk at this size anyway
 CLIP_TRIES = 6  # counted cuts of an event larger than a chunk, to fill ~85-100 % of its budget
 SNAPSHOT_TAIL_BYTES = 4_096  # of the log an LLM job checks is still there before it appends its summary
@@ -406,7 +410,7 @@ class Compactor:
             # and something to summarize (with nothing, SPEC §5 fixes the answer: nothing written, DESIGN)
             over_micro = forced or before > self.ctx.micro_limit(state.window)
             reading = llm_pass(events, self.ctx, micro=over_micro and _has_old_candidate(state),
-                               render=render_event, block_tokens=BLOCK_HEADER_TOKENS)
+                               render=render_event, block_tokens=BLOCK_HEADER_TOKENS, call_tokens=CALL_LINE_TOKENS)
             compact = None
             if reading.compact_turns is not None:
                 compact = _new_line("compact", startTurnId=reading.compact_turns[0], endTurnId=reading.compact_turns[1])
@@ -1049,8 +1053,9 @@ def _shares(wants: list[int], keep: int) -> list[int]:
 
 
 def _events_tokens(events: list[dict[str, Any]], encoding: str) -> int:
-    """The events' stamps plus ``BLOCK_HEADER_TOKENS`` each (read inline): the estimate that
-    decides whether the targets go in one call (a chunk is sized by ``_sent_tokens``)."""
+    """The events' stamps plus ``BLOCK_HEADER_TOKENS`` each and ``CALL_LINE_TOKENS`` per tool call
+    (read inline): the estimate that decides whether the targets go in one call (a chunk is sized
+    by ``_sent_tokens``), as ``llm_pass`` makes it."""
     total = BLOCK_HEADER_TOKENS * len(events)
     for event in events:
         count = event.get(TOKEN_COUNT_FIELD)
@@ -1058,6 +1063,8 @@ def _events_tokens(events: list[dict[str, Any]], encoding: str) -> int:
             total += count
         else:
             total += stamped_tokens(event, encoding)
+        if event.get("type") == "assistant" and type(calls := event.get("toolCalls")) is list:
+            total += CALL_LINE_TOKENS * len(calls)
     return total
 
 

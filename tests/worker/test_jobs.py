@@ -1140,6 +1140,32 @@ def test_every_chunk_as_sent_fits_its_window(settings: Settings, kind: str) -> N
         assert sent <= window - reply, (sent, window - reply)
 
 
+def test_targets_of_many_tool_calls_go_in_one_call_only_when_their_rendered_prompt_fits(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    """Whether the targets go in one call was decided from their stamps, which leave out each
+    ``-> tool call name(args)`` line's frame (~5 tokens): 95 turns of 300 calls went in one call of
+    255 560 tokens to a 200 000-token window. Every request sent fits the window beside the reply."""
+    window, reserve = 10_000, 1_000
+    small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=reserve)
+    events: list[dict[str, Any]] = [{"type": "session_meta", "sessionId": "s1", "cwd": CWD, "model": STUB_MODEL}]
+    for n in range(1, 22):
+        events += [{"type": "user", "turnId": n, "content": f"please list step {n}", "uuid": f"u{n}"},
+                   {"type": "assistant", "turnId": n, "content": "listing", "uuid": f"a{n}",
+                    "toolCalls": [{"id": f"c{n}-{i}", "name": "ls", "arguments": {"p": "a"}} for i in range(50)]},
+                   {"type": "turn_end", "turnId": n, "model": STUB_MODEL, "contextWindow": window, "uuid": f"e{n}"}]
+    SessionStore(r, small).apply("s1", CWD, events)
+    replies = iter(f"<summary>\n{summary_text(f'chunk{i}')}\n</summary>" for i in range(1, 50))
+    stub.reply = lambda body: next(replies)
+    assert _run(r, small, "s1", forced=True).get_status() == JobStatus.FINISHED
+    assert len(stub.requests) > 1
+    for request in stub.requests:
+        sent = sum(count_tokens(str(m["content"]), "cl100k_base") + MESSAGE_OVERHEAD_TOKENS for m in request.messages)
+        assert sent <= window - reserve, (sent, window - reserve)
+    [summary] = _summaries(small, "s1")
+    assert summary["lastSummarizedTurnId"] == 20
+
+
 def test_a_chunk_is_budgeted_once_for_the_reply_and_at_the_running_summarys_real_size(
     r: redis.Redis, settings: Settings, stub: LLMStub
 ) -> None:
