@@ -16,7 +16,8 @@ Invariants:
   SIGTERM within ``PARENT_POLL_INTERVAL_S``, SIGKILL ``STOP_TIMEOUT_S`` later, as on a stop).
 - A child that dies is restarted after a short delay; one that dies
   ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S`` stops the whole stack with
-  a message naming it.
+  a message naming it. One that dies while the data dir has no id (moved,
+  unmounted) is restarted, uncounted, once the id is back.
 - Redis is PINGed every ``REDIS_CHECK_INTERVAL_S``. The embedded one missing
   ``REDIS_MISSES_TO_FAIL`` checks in a row stops the stack (exit 1: our own
   server died; whatever runs ``serve`` restarts it on its AOF). An external
@@ -54,10 +55,12 @@ import redis
 import yaml
 
 from compactor import write_or_drop
+from compactor.datadir import ID_FILE, data_dir_id
 from compactor.embedded import OWNER_LOCK_FILE, EmbeddedRedis
 from compactor.logging import json_configured
 from compactor.urls import listening_url, redacted
 from events.config import ENV_OVERRIDES, Settings
+from events.errors import InvalidConfig
 from events.errors import CompactorError, InvalidConfig
 
 logger = logging.getLogger(__name__)
@@ -298,6 +301,7 @@ class Child:
     process: subprocess.Popen[bytes] | None = None
     deaths: deque[float] = field(default_factory=deque)
     restart_at: float | None = None
+    awaits_data_dir: bool = False  # exited while the data dir was gone: restarted once it is back
 
 
 class ChildFailed(RuntimeError):
@@ -308,11 +312,13 @@ class Supervisor:
     """Starts, watches, restarts and stops the child processes."""
 
     def __init__(self, specs: list[ChildSpec], config: Path, *,
-                 output: Output = None) -> None:
+                 output: Output = None, data_dir: Path | None = None) -> None:
         self.children = [Child(spec) for spec in specs]
         self.config = config
         self.output = output
         self.env = child_env(os.getpid())
+        self.data_dir = data_dir  # whose id, once the children made it, is looked at when one exits
+        self.data_dir_id: str | None = None
 
     def _spawn(self, child: Child) -> None:
         argv = our_python("-m", "compactor", *child.spec.args, "--config", str(self.config))
@@ -327,9 +333,21 @@ class Supervisor:
             self._spawn(child)
 
     def check(self) -> None:
-        """Restart children that died; ChildFailed when one dies too often."""
+        """Restart children that died; ChildFailed when one dies too often. One that died while
+        the data dir was gone (moved, unmounted: its id file with it) is not counted, and is
+        restarted once it is back: the watcher stops on it (exit 2), and was restarted into a
+        data dir it created again, empty, refused there 5 times, and the stack shut down, the
+        data dir put back then moved inside the empty one."""
         now = time.monotonic()
+        if self.data_dir is not None and self.data_dir_id is None:
+            self.data_dir_id = self._data_dir_id_now()
         for child in self.children:
+            if child.awaits_data_dir:
+                if self._data_dir_id_now() is not None:
+                    logger.warning("the data dir %s is back; restarting %s", self.data_dir, child.spec.name)
+                    child.awaits_data_dir = False
+                    self._spawn(child)
+                continue
             if child.restart_at is not None:
                 if now >= child.restart_at:
                     self._spawn(child)
@@ -343,6 +361,11 @@ class Supervisor:
         tail = self._output_tail()
         if tail:  # (the demo's children write to a file of its own, gone when it ends: the reason with it)
             logger.warning("%s exited with code %s; the last lines the children wrote:\n%s", child.spec.name, code, tail)
+        if self.data_dir_id is not None and self._data_dir_id_now() is None:
+            logger.warning("%s exited with code %s while the data dir %s is gone (its %s with it: moved or "
+                           "unmounted?); restarted once it is back", child.spec.name, code, self.data_dir, ID_FILE)
+            child.process, child.awaits_data_dir = None, True
+            return
         child.deaths.append(now)
         while child.deaths and now - child.deaths[0] > RESTART_WINDOW_S:
             child.deaths.popleft()
@@ -352,6 +375,15 @@ class Supervisor:
         logger.warning("%s exited with code %s; restarting in %.0fs",
                        child.spec.name, code, RESTART_DELAY_S)
         child.restart_at = now + RESTART_DELAY_S
+
+    def _data_dir_id_now(self) -> str | None:
+        """The data dir's id as it is now: None when it has none (gone); one that cannot be read
+        (an I/O error) is taken for there."""
+        assert self.data_dir is not None
+        try:
+            return data_dir_id(self.data_dir)
+        except InvalidConfig:
+            return self.data_dir_id or ""
 
     def _output_tail(self) -> str:
         """The last ``OUTPUT_TAIL_LINES`` lines the children wrote to ``output``, when that is a file."""
@@ -449,7 +481,7 @@ def running_stack(settings: Settings, specs: list[ChildSpec], *,
         remove_stale_private_dirs()
         private = Path(tempfile.mkdtemp(prefix=private_dir_prefix()))
         config = write_effective_config(settings, redis_url, private)
-        supervisor = Supervisor(specs, config, output=output)
+        supervisor = Supervisor(specs, config, output=output, data_dir=settings.data_dir)
         supervisor.env[MULTIPROC_ENV] = str(metrics_dir(private))
         try:
             supervisor.start()

@@ -210,6 +210,40 @@ def test_supervisor_restarts_a_dying_child_then_gives_up(tmp_path: Path,
     assert len(pids) >= 2  # it was restarted before giving up
 
 
+def test_a_child_that_exits_while_the_data_dir_is_gone_is_restarted_once_it_is_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watcher stops on a data dir gone (exit 2): restarted at once, it created the data dir
+    again, empty, was refused there 5 times and the stack shut down, and the data dir put back
+    with ``mv`` went inside the empty one."""
+    monkeypatch.setattr(serve, "RESTART_DELAY_S", 0.0)
+    monkeypatch.setattr(serve, "MAX_RESTARTS", 2)
+    data, away = tmp_path / "data", tmp_path / "away"
+    data.mkdir()
+    (data / ".compactor-id").write_text("0123abcd\n")
+    supervisor = Supervisor([ChildSpec("flaky", ["no-such-command"])], tmp_path / "c.yaml",
+                            output=subprocess.DEVNULL, data_dir=data)
+    supervisor.check()  # (the id, as the children made it)
+    data.rename(away)
+    supervisor.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not supervisor.children[0].awaits_data_dir:
+            assert time.monotonic() < deadline
+            supervisor.check()
+            time.sleep(0.02)
+        for _ in range(20):  # not counted, not restarted, nothing created
+            supervisor.check()
+            time.sleep(0.02)
+        assert supervisor.pids() == {} and not data.exists()
+        away.rename(data)
+        with pytest.raises(ChildFailed, match="flaky exited 2 times"):  # back: restarted, and counted again
+            while time.monotonic() < deadline:
+                supervisor.check()
+                time.sleep(0.02)
+    finally:
+        supervisor.stop()
+
+
 def test_a_dying_childs_last_output_lines_are_logged_when_they_go_to_a_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The demo's children write to a temporary file of its own: "watcher exited with code 1;
