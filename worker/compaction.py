@@ -131,6 +131,7 @@ from events.view import (
 )
 from worker.extractive import EXTRACTIVE_MODEL, extractive_summary
 from worker.failures import FailureCounter
+from worker.redis_wait import is_transient
 from worker.summarize import (
     SYSTEM_PROMPT,
     Summarizer,
@@ -550,10 +551,20 @@ class Compactor:
         """Queue the release of ``run``'s claim after the writes on ``pipe`` and send them all;
         ``run.collect`` reads the replies once the job is done (call under the log's lock)."""
         queue_release(pipe, self.settings, session_id, run.job_id)  # last: after the save it follows
-        if Deferred.supported(self.store.redis):
-            run.sent = Deferred.pipeline(self.store.redis, pipe)
-        else:  # a single-connection client: no side channel
-            run.done, run.trigger = True, released_trigger(pipe.execute()[-1])
+        try:
+            if Deferred.supported(self.store.redis):
+                run.sent = Deferred.pipeline(self.store.redis, pipe)
+            else:  # a single-connection client: no side channel
+                run.done, run.trigger = True, released_trigger(pipe.execute()[-1])
+        except redis.RedisError as error:
+            # (Redis restarting as the job ended: what it appended is in the log, so the job succeeds;
+            # ``finish`` frees the claim in a round trip of its own, and the next writer catches the
+            # state up. Raised, the job failed with its summary written, and its replacement answered
+            # the forced request "nothing compressed".)
+            if not is_transient(error):
+                raise
+            logger.warning("the last writes failed session=%s job=%s: %s (the summary is in the log)",
+                           session_id, run.job_id, error)
 
     def _summary_text(
         self, session_id: str, reading: LlmPass, view: _Session, *, breaker_open: bool, run: JobRun | None = None,

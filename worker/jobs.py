@@ -31,6 +31,7 @@ import logging
 import time
 from typing import Any
 
+import redis
 from rq import get_current_job
 from rq.exceptions import AbandonedJobError, NoSuchJobError
 from rq.job import Job
@@ -63,6 +64,7 @@ from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, REQUEUED_AS_FIELD, 
 from events.state import decide
 from worker.compaction import STOPPING, JobRun, LlmFailure
 from worker.context import WorkerContext, current
+from worker.redis_wait import is_transient
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +173,23 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool, started: float |
 
 
 FINISH_LOCK_WAIT_S = 5.0  # a finished job's re-check waits this long for the log's lock, then the janitor's
+RELEASE_WAITS_S = (1.0, 2.0, 4.0)  # a claim's release is tried again this far apart while Redis drops connections
+
+
+def _release(context: WorkerContext, session_id: str, job_id: str) -> str | None:
+    """``release_pending``, tried again (``RELEASE_WAITS_S``, ~7 s in all, as the runner records the
+    job's success) while Redis drops the connection or refuses: a Redis restarting as the job ended
+    left the claim to the janitor, the session's next jobs held up meanwhile."""
+    for wait in (*RELEASE_WAITS_S, None):
+        try:
+            return release_pending(context.redis, context.settings, session_id, job_id)
+        except redis.RedisError as error:
+            if wait is None or not is_transient(error):
+                raise
+            logger.warning("freeing the claim failed session=%s job=%s: %s; again in %.0f s", session_id, job_id,
+                           error, wait)
+            time.sleep(wait)
+    return None  # (not reached)
 
 
 def _keep_micro_step(job: Any, run: JobRun) -> CompressResult | None:
@@ -232,7 +251,7 @@ def finish(
         if released is not None and released.done:
             trigger = released.trigger
         else:
-            trigger = release_pending(context.redis, context.settings, session_id, job_id)
+            trigger = _release(context, session_id, job_id)
         forced_waits = trigger is not None and trigger.startswith(FORCED_TRIGGER)
         if retry_later and not forced_waits:
             keep_trigger(context.redis, context.settings, session_id)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -608,3 +609,45 @@ def test_a_burst_worker_stops_at_once_and_leaves_no_listener(r: redis.Redis, wse
     assert time.monotonic() - started < 10
     assert not [t for t in threading.enumerate()
                 if type(t).__name__ == "PubSubWorkerThread" and t.is_alive() and t not in before]
+
+
+def test_a_redis_restart_as_a_job_ends_neither_fails_the_job_nor_loses_its_answer(
+    stub: LLMStub, settings: Settings, tmp_path: Path,
+) -> None:
+    """Redis restarting (its data kept) while a forced job's LLM call ran: the job appended its
+    summary, then the send of its last writes raised under the log's lock, the job failed and
+    was not recorded, and its replacement answered the forced request ``didCompress: false``.
+    Now the job succeeds with what it appended, and frees its claim once Redis is back."""
+    from compactor.llm_stub import valid_summary_reply
+    from tests.worker.conftest import make_settings, run_burst
+
+    with tempfile.TemporaryDirectory(prefix="restart-") as directory:
+        servers = [EmbeddedRedis(Path(directory), persist=True).start()]
+        try:
+            own = make_settings(settings.model_copy(update={"redis": settings.redis.model_copy(
+                update={"url": servers[0].url})}), compaction_model=STUB_MODEL)
+            client = redis.Redis.from_url(servers[0].url)
+            write_session(client, own, "s1", 3)
+
+            def restart() -> None:
+                servers.append(EmbeddedRedis(Path(directory), persist=True).start())
+
+            def reply(body: dict[str, object]) -> str:  # (the call in flight: Redis goes, back 2 s later)
+                servers[0].stop()
+                threading.Timer(2.0, restart).start()
+                return valid_summary_reply(body)
+
+            stub.reply, stub.latency_s = reply, 0.3
+            job_id = enqueue_compaction(client, own, "s1", CWD, "llm", forced=True)
+            assert job_id is not None
+            run_burst(client, own)
+            wait_for(lambda: len(servers) == 2, 30, "the restart")
+            job = _wait_job(client, job_id, 30)
+            assert job.get_status() == JobStatus.FINISHED, job.latest_result().exc_string  # type: ignore[union-attr]
+            assert job.return_value()["didCompress"] is True  # type: ignore[index]
+            assert pending_job_id(client, own, "s1") is None  # the claim freed
+            lines = log_lines(own, "s1")
+            assert sum(json.loads(line)["type"] == "summary" for line in lines) == 1
+        finally:
+            for server in servers:
+                server.stop()
