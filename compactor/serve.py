@@ -622,7 +622,10 @@ def serve(settings: Settings, *, workers: int, host: str | None = None,
         with running_stack(settings, specs) as stack:
             api_host, api_port = host or settings.api.host, settings.api.port if port is None else port
             where = listening_url(api_host, api_port)
-            _wait_for_api(stack, stop, api_host, api_port)  # a script reading the banner connects at once
+            # (a script reading the banner connects at once)
+            if _wait_for_api(stack, stop, api_host, api_port) == API_REFUSED_CODE:
+                announce("the API could not start (its error above); stopping", logging.ERROR)
+                return API_REFUSED_CODE
             announce(f"API {where}, watcher, {workers} worker(s); "
                      f"Redis {redacted(stack.redis_url)}; Ctrl-C to stop")
             code = supervise(stack, stop)
@@ -630,20 +633,41 @@ def serve(settings: Settings, *, workers: int, host: str | None = None,
     return code
 
 
-def _wait_for_api(stack: Stack, stop: _StopRequested, host: str, port: int) -> None:
-    """Until the API child accepts connections on ``host:port``, at most ``API_READY_TIMEOUT_S``;
-    no wait once it exited or a stop is asked for (``supervise`` takes over: restart, report)."""
+def _wait_for_api(stack: Stack, stop: _StopRequested, host: str, port: int) -> int | None:
+    """Until the API child listens on ``port`` (the listener its own: the port was free when
+    ``serve`` looked, but another process could take it before the child bound it, and a connect
+    took that one's for the API: the banner named another service's, and the child, refused the
+    port, was restarted until serve gave up, 40 s later, exit 1), at most ``API_READY_TIMEOUT_S``;
+    no wait once it exited (its exit code) or a stop is asked for (``supervise`` takes over)."""
     api = next((c for c in stack.supervisor.children if c.spec.name == "api"), None)
     connect_to = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
     deadline = time.monotonic() + API_READY_TIMEOUT_S
     while api is not None and stop.signal is None and time.monotonic() < deadline:
-        if api.process is None or api.process.poll() is not None:
-            return
+        if api.process is None or (code := api.process.poll()) is not None:
+            return code
+        if _listens(api.process.pid, port, connect_to):
+            return None
+        time.sleep(0.05)
+    return None
+
+
+API_REFUSED_CODE = 2  # the API child's exit for what no restart mends (its port taken, a bad host): serve's too
+
+
+def _listens(pid: int, port: int, connect_to: str) -> bool:
+    """Whether process ``pid`` listens on TCP ``port`` (a connect to ``connect_to`` succeeds, when
+    its sockets cannot be listed)."""
+    try:
+        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in psutil.Process(pid).net_connections(kind="tcp"))
+    except psutil.AccessDenied:
         try:
             socket.create_connection((connect_to, port), timeout=1.0).close()
-            return
+            return True
         except OSError:
-            time.sleep(0.05)
+            return False
+    except psutil.Error:  # (gone meanwhile: its exit is seen next)
+        return False
 
 
 def announce(message: str, level: int = logging.INFO) -> None:

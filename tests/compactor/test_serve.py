@@ -244,6 +244,31 @@ def test_a_child_that_exits_while_the_data_dir_is_gone_is_restarted_once_it_is_b
         supervisor.stop()
 
 
+@pytest.mark.parametrize("listens", [False, True], ids=["another-process-took-the-port", "its-own"])
+def test_the_api_is_ready_only_once_its_own_process_listens(tmp_path: Path, listens: bool) -> None:
+    """serve's port check closes its socket before the API child binds it: another process that took
+    the port meanwhile answered the readiness connect, the banner named that one's address, and the
+    child, refused the port, was restarted until serve gave up 40 s later, exit 1 (not 2)."""
+    other = socket.create_server(("127.0.0.1", 0))
+    port = other.getsockname()[1]
+    if listens:
+        other.close()
+        code = (f"import socket, time\ns = socket.create_server(('127.0.0.1', {port}))\ntime.sleep(30)\n")
+    else:
+        code = "import sys, time\ntime.sleep(1.0)\nsys.exit(2)\n"  # (what the API child does on a port in use)
+    child = serve.Child(ChildSpec("api", ["api"]), process=subprocess.Popen([sys.executable, "-c", code]))
+    supervisor = Supervisor([], tmp_path / "c.yaml")
+    supervisor.children = [child]
+    stack = serve.Stack("redis://unused", supervisor, tmp_path / "c.yaml")
+    started = time.monotonic()
+    try:
+        assert serve._wait_for_api(stack, serve._StopRequested(), "127.0.0.1", port) == (None if listens else 2)
+        assert (time.monotonic() - started < 0.9) if listens else (time.monotonic() - started >= 0.9)
+    finally:
+        other.close()
+        supervisor.stop()
+
+
 def test_a_dying_childs_last_output_lines_are_logged_when_they_go_to_a_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The demo's children write to a temporary file of its own: "watcher exited with code 1;
