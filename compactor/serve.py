@@ -96,9 +96,30 @@ def client_redis_url(settings: Settings) -> str:
         return settings.redis.url
     server = EmbeddedRedis(embedded_dir(settings))
     if server.socket.exists():
-        return server.url
+        if _listened_on(server.socket):
+            return server.url
+        raise InvalidConfig("redis.url", f"is empty and no `compactor serve` runs under {settings.data_dir} "
+                                         f"({server.socket} is a killed one's, left behind): start it, or set "
+                                         "REDIS_URL or redis.url")  # (it said "Redis unreachable", exit 1)
     raise InvalidConfig("redis.url", f"is empty and no `compactor serve` runs under "
                                      f"{settings.data_dir}: set REDIS_URL or redis.url")
+
+
+def _listened_on(path: Path) -> bool:
+    """Whether a server listens on the unix socket ``path`` (not one left by a killed process:
+    connection refused). Any other failure (a full backlog, permissions) counts as listened on:
+    the client's own connect says what it is."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True
+    finally:
+        probe.close()
 
 
 def _owner_alive(directory: Path) -> bool:

@@ -63,6 +63,11 @@ def test_client_redis_url_prefers_config_then_a_running_serve(settings: Settings
         serve.client_redis_url(local)
     with EmbeddedRedis(serve.embedded_dir(local), persist=False) as server:
         assert serve.client_redis_url(local) == server.url
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a socket file no server listens on: a killed
+    stale.bind(str(server.socket))  # serve's, left behind (it said "Redis unreachable", exit 1)
+    stale.close()
+    with pytest.raises(InvalidConfig, match=r"no `compactor serve` runs under .* is a killed one's, left behind"):
+        serve.client_redis_url(local)
 
 
 def test_a_second_embedded_redis_on_the_same_data_dir_is_refused(settings: Settings,
