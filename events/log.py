@@ -48,7 +48,8 @@ logger = logging.getLogger(__name__)
 
 LOG_SUFFIX = ".jsonl"
 TORN_SUFFIX = ".jsonl.torn"
-MAX_NAME_BYTES = 255  # NAME_MAX of common file systems
+MAX_NAME_BYTES = 255  # NAME_MAX of common file systems (a smaller one's, eCryptfs's 143, is asked: ``_limits``)
+PATH_MAX_BYTES = 4096  # Linux's PATH_MAX, its NUL included
 WRITE_CHUNK_BYTES = 1 << 22  # lines are batched into writes of about this size (whole lines only)
 TAIL_SCAN_BYTES = 1 << 16  # read backwards in blocks of this size to find the last newline
 UUID_SCAN_BLOCK_BYTES = 1 << 20  # ``uuids_among`` reads the log in blocks of about this size
@@ -87,21 +88,50 @@ def _project_dir_name(cwd: str) -> str:
 
 
 def session_log_path(data_dir: str | os.PathLike[str], cwd: str, session_id: str) -> Path:
-    """The log file of a session; validates both ids; the result is always inside ``data_dir``."""
+    """The log file of a session; validates both ids; the result is always inside ``data_dir``, and
+    a path the system takes (``InvalidEvent`` on ``cwd`` else: a path over ``PATH_MAX`` answered
+    every request of its session 500 and held its entries back for good, each retried)."""
     validate_session_id(session_id)  # letters, digits, ``_`` and ``-``: a plain file name
     root = os.path.abspath(os.path.expanduser(data_dir))
-    return _sessions_dir(root, cwd) / f"{session_id}{LOG_SUFFIX}"
+    directory, room = _sessions_dir(root, cwd)
+    if len(session_id) + len(TORN_SUFFIX) > room:  # (the longest of its files' names)
+        raise InvalidEvent("cwd", f"makes the path of session {session_id}'s log longer than the "
+                                  f"{_limits(root)[1] - 1} bytes the system takes (under a dataDir of "
+                                  f"{len(os.fsencode(root))} bytes)")
+    return directory / f"{session_id}{LOG_SUFFIX}"
 
 
 @functools.lru_cache(maxsize=4096)
-def _sessions_dir(root: str, cwd: str) -> Path:
+def _sessions_dir(root: str, cwd: str) -> tuple[Path, int]:
     """The ``sessions`` directory of ``cwd``'s project under the absolute ``root`` (checked to be
-    inside it). Cached: a worker or the watcher opens the logs of the same projects all day, and
-    the checks cost more than the read of a small log."""
-    directory = Path(root) / _project_dir_name(cwd) / "sessions"
+    inside it, its name within the file system's ``NAME_MAX``), and the bytes left for a file name
+    in it within ``PATH_MAX``. Cached: a worker or the watcher opens the logs of the same projects
+    all day, and the checks cost more than the read of a small log."""
+    name = _project_dir_name(cwd)
+    directory = Path(root) / name / "sessions"
     if os.path.commonpath([root, os.path.abspath(directory)]) != root:
         raise InvalidEvent("cwd", "resolves outside the data directory")
-    return directory
+    name_max, path_max = _limits(root)
+    if len(name.encode("utf-8")) > name_max:  # (eCryptfs: 143)
+        raise InvalidEvent("cwd", f"encodes to a directory name longer than the {name_max} bytes the data dir's "
+                                  "file system takes")
+    return directory, path_max - 1 - len(os.fsencode(directory)) - 1  # (the NUL, the "/")
+
+
+@functools.lru_cache(maxsize=64)
+def _limits(root: str) -> tuple[int, int]:
+    """``NAME_MAX`` and ``PATH_MAX`` (its NUL included) where ``root`` is, or would be (its
+    nearest existing directory's file system); 255 and 4096 where the system does not say."""
+    path = root
+    while True:
+        try:
+            return (min(os.pathconf(path, "PC_NAME_MAX"), MAX_NAME_BYTES),
+                    min(os.pathconf(path, "PC_PATH_MAX"), PATH_MAX_BYTES))
+        except (OSError, ValueError):
+            parent = os.path.dirname(path)
+            if parent == path:
+                return MAX_NAME_BYTES, PATH_MAX_BYTES
+            path = parent
 
 
 def _sibling(path: Path, suffix: str) -> Path:

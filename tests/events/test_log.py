@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from events.errors import InvalidEvent, LogCorrupted, LogLocked, LogWriteFailed
 from events.log import SessionLog, encode_project_path, keep_data_dir, session_log_path
+from events import log as log_module
 
 CWD = "/Users/Foo/my app"
 
@@ -67,6 +68,32 @@ def test_unusable_cwds_are_rejected_before_touching_disk(tmp_path: Path, cwd: st
     with pytest.raises(InvalidEvent) as info:
         SessionLog(data, cwd, "s1")
     assert info.value.field == "cwd"
+    assert not data.exists()
+
+
+def test_a_cwd_whose_log_path_the_system_cannot_take_is_refused_naming_cwd(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log path over PATH_MAX (a long dataDir and cwd), or a project name over the data dir's file
+    system's NAME_MAX (eCryptfs: 143), failed at every open with ENAMETOOLONG: the API answered 500,
+    the watcher held the session back for good, retrying its entries."""
+    data = tmp_path.joinpath(*["d" * 200] * ((3_800 - len(str(tmp_path))) // 201))
+    data = data / ("d" * (3_830 - len(str(data)) - 1))  # (3 830 bytes: a 250-byte project's log is 4 104)
+    session_log_path(data, "/" + "e" * 200, "s1")
+    with pytest.raises(InvalidEvent, match=r"longer than the 4095 bytes the system takes") as info:
+        SessionLog(data, "/" + "e" * 250, "s1")
+    assert info.value.field == "cwd"
+    real = os.pathconf
+    monkeypatch.setattr(os, "pathconf", lambda path, name: 143 if name == "PC_NAME_MAX" else real(path, name))
+    log_module._limits.cache_clear()
+    log_module._sessions_dir.cache_clear()
+    try:
+        session_log_path(tmp_path, "/" + "e" * 143, "s1")
+        with pytest.raises(InvalidEvent, match="longer than the 143 bytes the data dir's file system takes") as info:
+            session_log_path(tmp_path, "/" + "e" * 144, "s1")
+        assert info.value.field == "cwd"
+    finally:
+        log_module._limits.cache_clear()
+        log_module._sessions_dir.cache_clear()
     assert not data.exists()
 
 
