@@ -38,7 +38,7 @@ from rq.rate_limit import RateLimitRegistry
 
 from compactor.keys import Keys
 from compactor.queue import compaction_queue, parse_job_id
-from compactor.serve import ChildFailed, Output, running_stack, stack_specs
+from compactor.serve import DEMO_PREFIX, ChildFailed, Output, private_dir_prefix, running_stack, stack_specs
 from compactor.store import SessionStore
 from compactor.urls import redacted
 from events.config import EXTRACTIVE as EXTRACTIVE_MODEL
@@ -227,7 +227,7 @@ def _data_dir(options: DemoOptions, *, embedded: bool) -> Iterator[Path]:
     if options.data_dir is not None:
         yield options.data_dir
         return
-    path = Path(tempfile.mkdtemp(prefix="compactor-demo-"))
+    path = Path(tempfile.mkdtemp(prefix=private_dir_prefix(kind=DEMO_PREFIX)))  # (a killed demo's: swept)
     socket = path / EMBEDDED_SOCKET
     if embedded and len(os.fsencode(socket)) > MAX_SOCKET_PATH_BYTES:  # (as a dataDir that long is refused)
         path.rmdir()

@@ -59,7 +59,7 @@ from compactor.datadir import ID_FILE, data_dir_id
 from compactor.embedded import OWNER_LOCK_FILE, EmbeddedRedis
 from compactor.logging import json_configured
 from compactor.urls import listening_url, redacted
-from events.config import ENV_OVERRIDES, Settings
+from events.config import EMBEDDED_SOCKET, ENV_OVERRIDES, Settings
 from events.errors import InvalidConfig
 from events.errors import CompactorError, InvalidConfig
 
@@ -197,14 +197,16 @@ def start_embedded(settings: Settings) -> EmbeddedRedis:
 
 # + pid + "-" + start + "-": a stack's private dir (its effective config, token included)
 PRIVATE_PREFIX = "compactor-serve-"
+DEMO_PREFIX = "compactor-demo-"  # ... a demo's data dir (its logs and its Redis's AOF)
 
 
-def private_dir_prefix(pid: int | None = None) -> str:
-    """The name a serve's private dir starts with: its pid and its process's start time (in
-    1/100 s): in a container serve is always pid 1, and a restarted one took the dir a killed one
-    left (its API token in it) for its own: never removed."""
+def private_dir_prefix(pid: int | None = None, kind: str = PRIVATE_PREFIX) -> str:
+    """The name a serve's private dir (or, ``kind`` ``DEMO_PREFIX``, a demo's data dir) starts
+    with: its pid and its process's start time (in 1/100 s): in a container serve is always pid
+    1, and a restarted one took the dir a killed one left (its API token in it) for its own:
+    never removed."""
     pid = os.getpid() if pid is None else pid
-    return f"{PRIVATE_PREFIX}{pid}-{_started(pid)}-"
+    return f"{kind}{pid}-{_started(pid)}-"
 
 
 def _started(pid: int) -> int | None:
@@ -216,11 +218,13 @@ def _started(pid: int) -> int | None:
 
 def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
     """Remove the private dirs of stacks whose serve is gone (``kill -9``: its effective config,
-    API token included, stayed in the temp dir): no process has its pid, or the one that has
-    started at another time; the dirs removed."""
+    API token included, stayed in the temp dir), and the data dirs of demos gone (their logs and
+    AOF, megabytes each, stayed for good) once their Redis is down: no process has its pid, or
+    the one that has started at another time; the dirs removed."""
     removed = []
-    for path in Path(root or tempfile.gettempdir()).glob(f"{PRIVATE_PREFIX}*-*"):
-        parts = path.name[len(PRIVATE_PREFIX):].split("-")  # pid, start, mkdtemp's part (no "-" in it)
+    tmp = Path(root or tempfile.gettempdir())
+    for prefix, path in [(p, path) for p in (PRIVATE_PREFIX, DEMO_PREFIX) for path in tmp.glob(f"{p}*-*")]:
+        parts = path.name[len(prefix):].split("-")  # pid, start, mkdtemp's part (no "-" in it)
         pid, started = parts[0], parts[1] if len(parts) == 3 else ""  # (two: an earlier version's name)
         try:
             mine = path.is_dir() and path.stat().st_uid == os.getuid()
@@ -231,7 +235,8 @@ def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
         gone = not psutil.pid_exists(int(pid))
         if not gone and started.isdigit():
             gone = _started(int(pid)) != int(started)
-        if gone:
+        if gone and not ((socket_path := path / EMBEDDED_SOCKET).exists() and _listened_on(socket_path)):
+            # (a killed demo's Redis, until its keeper stops it, is left its files)
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed

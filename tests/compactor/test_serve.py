@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -492,6 +493,24 @@ def test_a_killed_serves_private_dir_is_removed_by_the_next_one(tmp_path: Path) 
         (path / "codingcode.yaml").write_text("api: {token: secret}\n")
     assert sorted(serve.remove_stale_private_dirs(tmp_path)) == sorted([gone, reused])
     assert not gone.exists() and not reused.exists() and alive.exists() and earlier.exists() and other.exists()
+    # a demo's data dir: a killed demo's stayed in the temp dir for good (its logs and AOF, megabytes)
+    root = Path(tempfile.mkdtemp(prefix="sw-", dir="/tmp"))  # (a unix socket's path: 107 bytes at most)
+    try:
+        demo = serve.private_dir_prefix(os.getpid(), serve.DEMO_PREFIX)
+        demo_gone, demo_alive = root / f"{demo.replace(str(os.getpid()), str(dead.pid), 1)}mno", root / f"{demo}pqr"
+        demo_served = root / f"{demo.replace(str(os.getpid()), str(dead.pid), 1)}stu"  # (its Redis not yet stopped)
+        for path in (demo_gone, demo_alive, demo_served):
+            (path / ".redis").mkdir(parents=True)
+        listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listening.bind(str(demo_served / ".redis" / "redis.sock"))
+        listening.listen()
+        try:
+            assert serve.remove_stale_private_dirs(root) == [demo_gone]
+        finally:
+            listening.close()
+        assert not demo_gone.exists() and demo_alive.exists() and demo_served.exists()
+    finally:
+        shutil.rmtree(root)
 
 
 def _line_with(process: subprocess.Popen[str], text: str) -> str:
