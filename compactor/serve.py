@@ -376,7 +376,12 @@ class Supervisor:
                 continue
             if child.restart_at is not None:
                 if now >= child.restart_at:
-                    self._spawn(child)
+                    if self.data_dir_id is not None and self._data_dir_id_now() is None:  # (gone meanwhile)
+                        logger.warning("%s not restarted while the data dir %s is gone; restarted once it is back",
+                                       child.spec.name, self.data_dir)
+                        child.restart_at, child.awaits_data_dir = None, True
+                    else:
+                        self._spawn(child)
                 continue
             code = child.process.poll() if child.process else None
             if code is None:

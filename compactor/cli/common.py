@@ -169,6 +169,9 @@ def usable_data_dir(settings: Settings, option: Path | None = None, config: Path
     from events.log import keep_data_dir
 
     name = _data_dir_named(option, config)
+    if os.environ.get(PARENT_PID_ENV) and not settings.data_dir.exists():  # (serve made it: gone since)
+        fail(f"invalid configuration: {name}: {settings.data_dir} is gone (removed, moved or unmounted while the "
+             "service ran): not created again", EXIT_CONFIG)  # (created, empty: the one put back went inside it)
     if not (os.environ.get(PARENT_PID_ENV) and settings.data_dir.is_dir()):
         usable_dir(settings.data_dir, name)
     # else a child of serve (or demo), which checked it at its start: one restarted while the disk

@@ -936,6 +936,23 @@ def test_a_child_of_serve_restarted_on_a_read_only_data_dir_starts(tmp_path: Pat
     assert usable_data_dir(settings) is settings
 
 
+def test_a_child_of_serve_does_not_create_its_data_dir_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """serve made the data dir: one gone since (moved, unmounted) was created again, empty, by each
+    child restarted, and the data dir put back with ``mv`` went inside it."""
+    from compactor.cli.common import usable_data_dir
+    from compactor.serve import PARENT_PID_ENV
+
+    settings = Settings.model_validate({"dataDir": str(tmp_path / "data")})
+    monkeypatch.setenv(PARENT_PID_ENV, str(os.getpid()))
+    with pytest.raises(typer.Exit) as stopped:
+        usable_data_dir(settings)
+    assert stopped.value.exit_code == 2 and not (tmp_path / "data").exists()
+    assert f"{tmp_path / 'data'} is gone (removed, moved or unmounted while the service ran)" in capsys.readouterr().err
+    monkeypatch.delenv(PARENT_PID_ENV)
+    assert usable_data_dir(settings) is settings and (tmp_path / "data").is_dir()  # (serve's own start makes it)
+
+
 def test_a_port_freed_within_a_few_seconds_is_waited_for() -> None:
     """The API of a serve killed with SIGKILL holds its port until it sees its parent gone (about
     a second): a serve restarted right after was refused, 'Address already in use', exit 2."""

@@ -250,6 +250,34 @@ def test_a_child_that_exits_while_the_data_dir_is_gone_is_restarted_once_it_is_b
         supervisor.stop()
 
 
+def test_a_restart_due_while_the_data_dir_is_gone_waits_for_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child that died just before the data dir went (its restart queued, a second later) was
+    started into the missing data dir, which it created again, empty."""
+    monkeypatch.setattr(serve, "RESTART_DELAY_S", 0.5)
+    data, away = tmp_path / "data", tmp_path / "away"
+    data.mkdir()
+    (data / ".compactor-id").write_text("0123abcd\n")
+    supervisor = Supervisor([ChildSpec("flaky", ["no-such-command"])], tmp_path / "c.yaml",
+                            output=subprocess.DEVNULL, data_dir=data)
+    supervisor.start()
+    try:
+        deadline = time.monotonic() + 60
+        while supervisor.children[0].restart_at is None:  # died, the data dir there: a restart queued
+            assert time.monotonic() < deadline
+            supervisor.check()
+            time.sleep(0.02)
+        data.rename(away)
+        spawned: list[str] = []
+        monkeypatch.setattr(supervisor, "_spawn", lambda child: spawned.append(child.spec.name))
+        while not supervisor.children[0].awaits_data_dir:
+            assert time.monotonic() < deadline
+            supervisor.check()
+            time.sleep(0.02)
+        assert spawned == [] and not data.exists()
+    finally:
+        supervisor.stop()
+
+
 @pytest.mark.parametrize("listens", [False, True], ids=["another-process-took-the-port", "its-own"])
 def test_the_api_is_ready_only_once_its_own_process_listens(tmp_path: Path, listens: bool) -> None:
     """serve's port check closes its socket before the API child binds it: another process that took
