@@ -260,6 +260,7 @@ class JobRun:
     deadline: float | None = None  # time.monotonic() the job's timeout ends at (RQ's), when known
     covered: int | None = None  # the targets summarized, when the chunks stopped short of the deadline
     micro_step: CompressResult | None = None  # a failed LLM job's micro step, applied (the job still fails)
+    reset_owed: bool = False  # the failures' reset was sent with the last writes, its reply not yet read
     started: float = field(default_factory=time.monotonic)
     started_at: float = field(default_factory=time.time)  # (the wall clock: a suspended VM stops the other)
 
@@ -280,7 +281,7 @@ class JobRun:
         sent, self.sent = self.sent, None
         if sent is not None:
             replies = sent.replies()
-            self.done, self.trigger = True, released_trigger(replies[-1])
+            self.done, self.trigger, self.reset_owed = True, released_trigger(replies[-1]), False
 
 
 @dataclass(frozen=True)
@@ -525,6 +526,7 @@ class Compactor:
                 if run is None:
                     pipe.execute()
                 else:
+                    run.reset_owed = reset  # (until the replies are read: ``finish`` does it again else)
                     self._send_last_writes(pipe, session_id, run)
         # released: what the append freed; the turns another writer added during the LLM call are in both
         return _result(True, applied.before, applied.state.prompt_estimate)
@@ -556,10 +558,11 @@ class Compactor:
                 run.sent = Deferred.pipeline(self.store.redis, pipe)
             else:  # a single-connection client: no side channel
                 run.done, run.trigger = True, released_trigger(pipe.execute()[-1])
+                run.reset_owed = False
         except redis.RedisError as error:
             # (Redis restarting as the job ended: what it appended is in the log, so the job succeeds;
-            # ``finish`` frees the claim in a round trip of its own, and the next writer catches the
-            # state up. Raised, the job failed with its summary written, and its replacement answered
+            # ``finish`` frees the claim, and forgets the failures, in round trips of its own, and the
+            # next writer catches the state up. Raised, the job failed with its summary written, and its replacement answered
             # the forced request "nothing compressed".)
             if not is_transient(error):
                 raise

@@ -29,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
 from rq import get_current_job
@@ -173,23 +174,25 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool, started: float |
 
 
 FINISH_LOCK_WAIT_S = 5.0  # a finished job's re-check waits this long for the log's lock, then the janitor's
-RELEASE_WAITS_S = (1.0, 2.0, 4.0)  # a claim's release is tried again this far apart while Redis drops connections
+T = TypeVar("T")
+RELEASE_WAITS_S = (1.0, 2.0, 4.0)  # a job's own last writes are tried again this far apart while Redis drops
+# connections or refuses
 
 
-def _release(context: WorkerContext, session_id: str, job_id: str) -> str | None:
-    """``release_pending``, tried again (``RELEASE_WAITS_S``, ~7 s in all, as the runner records the
-    job's success) while Redis drops the connection or refuses: a Redis restarting as the job ended
-    left the claim to the janitor, the session's next jobs held up meanwhile."""
+def _retried(write: Callable[[], T], what: str, session_id: str, job_id: str) -> T:
+    """``write()``, tried again (``RELEASE_WAITS_S``, ~7 s in all, as the runner records the job's
+    success) while Redis drops the connection or refuses: a Redis restarting as the job ended
+    left the claim to the janitor, the session's next jobs held up meanwhile. No wait once the
+    worker is told to stop: then the janitor's."""
     for wait in (*RELEASE_WAITS_S, None):
         try:
-            return release_pending(context.redis, context.settings, session_id, job_id)
+            return write()
         except redis.RedisError as error:
-            if wait is None or not is_transient(error):
+            if wait is None or STOPPING.is_set() or not is_transient(error):
                 raise
-            logger.warning("freeing the claim failed session=%s job=%s: %s; again in %.0f s", session_id, job_id,
-                           error, wait)
+            logger.warning("%s failed session=%s job=%s: %s; again in %.0f s", what, session_id, job_id, error, wait)
             time.sleep(wait)
-    return None  # (not reached)
+    raise AssertionError("not reached")
 
 
 def _keep_micro_step(job: Any, run: JobRun) -> CompressResult | None:
@@ -251,7 +254,12 @@ def finish(
         if released is not None and released.done:
             trigger = released.trigger
         else:
-            trigger = _release(context, session_id, job_id)
+            trigger = _retried(lambda: release_pending(context.redis, context.settings, session_id, job_id),
+                               "freeing the claim", session_id, job_id)
+        if released is not None and released.reset_owed:  # (a success: SPEC §5's reset, sent with the last
+            # writes, lost with them: the breaker stayed open a day after a forced job's success)
+            _retried(lambda: context.compactor.failures.reset(session_id), "forgetting the failures", session_id,
+                     job_id)
         forced_waits = trigger is not None and trigger.startswith(FORCED_TRIGGER)
         if retry_later and not forced_waits:
             keep_trigger(context.redis, context.settings, session_id)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import json
 import logging
 import os
 import re
@@ -541,6 +542,11 @@ def _extracted(reply: str, user_messages: bool) -> str:
             break
     else:
         raise SummaryInvalid("no <summary>...</summary> block in the reply", layout=True)
+    if end_analysis < 0 and 0 <= reply.find("<analysis>") < start and rest[end + len("</summary>"):].strip():
+        # (an analysis never closed, a summary block in it and text after: a draft the model went on
+        # to reject, cut there; read as the summary, the draft was stored)
+        raise SummaryInvalid("ambiguous reply: the <summary> block is inside an <analysis> block never closed, "
+                             "and text follows it (a draft?)", layout=True)
     if any("</summary>" in other[other.find("<summary>"):] for other in parts if other is not rest and
            "<summary>" in other):  # (a whole block on each side of the analysis; a tag named is no block)
         raise SummaryInvalid("ambiguous reply: a <summary> block on each side of the <analysis> block",
@@ -971,12 +977,13 @@ class LiteLLMSummarizer:
             raise SummaryInvalid("the reply has no message content") from e
         if not isinstance(content, str):
             raise SummaryInvalid("the reply has no message content")
-        if getattr(response.choices[0], "finish_reason", None) == "length" and not content.rstrip().endswith(
-                "</summary>"):
+        finish = getattr(response.choices[0], "finish_reason", None)
+        if finish not in (None, "stop") and not content.rstrip().rstrip("`").rstrip().endswith("</summary>"):
             # (cut mid-analysis after a draft "<summary>...</summary>" the model went on to reject, the
-            # reply read as that draft: stored, it replaced the targets, and the failure counter was reset)
-            raise SummaryInvalid(f"the reply was cut at the model's output limit (finish_reason \"length\", model "
-                                 f"{model}) before its <summary> block ended it")
+            # reply read as that draft: stored, it replaced the targets, and the failure counter was reset;
+            # a content filter cuts a reply as the output limit does)
+            raise SummaryInvalid(f"the reply was cut before its <summary> block ended it (finish_reason "
+                                 f"{json.dumps(str(finish)[:40])}, model {model})")
         return content
 
 

@@ -628,6 +628,7 @@ def test_a_redis_restart_as_a_job_ends_neither_fails_the_job_nor_loses_its_answe
                 update={"url": servers[0].url})}), compaction_model=STUB_MODEL)
             client = redis.Redis.from_url(servers[0].url)
             write_session(client, own, "s1", 3)
+            client.set(Keys().failures("s1"), 3, ex=86_400)  # (the breaker open: a success closes it, SPEC §5)
 
             def restart() -> None:
                 servers.append(EmbeddedRedis(Path(directory), persist=True).start())
@@ -646,6 +647,7 @@ def test_a_redis_restart_as_a_job_ends_neither_fails_the_job_nor_loses_its_answe
             assert job.get_status() == JobStatus.FINISHED, job.latest_result().exc_string  # type: ignore[union-attr]
             assert job.return_value()["didCompress"] is True  # type: ignore[index]
             assert pending_job_id(client, own, "s1") is None  # the claim freed
+            assert client.exists(Keys().failures("s1")) == 0  # (its reset went with the last writes, lost)
             lines = log_lines(own, "s1")
             assert sum(json.loads(line)["type"] == "summary" for line in lines) == 1
         finally:

@@ -449,11 +449,14 @@ def test_released_is_what_the_append_freed_when_turns_arrive_during_the_llm_call
      "All User Messages is empty", "invalid", "summary_invalid"),  # (the targets' user messages gone with them)
     (StubResponse(text=f"<analysis>\nA draft:\n<summary>\n{summary_text('t')}\n</summary>\nIt drops the user's "
                        "request; let me rewrite it prop", finish_reason="length"),
-     "cut at the model's output limit", "invalid", "summary_invalid"),  # (the rejected draft was stored)
+     "cut before its <summary> block ended it", "invalid", "summary_invalid"),  # (the rejected draft was stored)
+    (StubResponse(text=f"<analysis>\nA draft:\n<summary>\n{summary_text('t')}\n</summary>\nIt drops the user's "
+                       "request; let me rewrite it prop"),  # (cut with a reason litellm reads as "stop")
+     "inside an <analysis> block never closed", "invalid", "summary_invalid"),
     (StubResponse(status=500), "transient LLM failure", "transient", "llm_transient"),
     (StubResponse(delay_s=3), "transient LLM failure", "transient", "llm_transient"),
     (StubResponse(status=401), "permanent LLM failure", "permanent", "llm_permanent"),
-], ids=["malformed", "no-user-messages", "cut-after-a-draft", "http-500", "timeout", "http-401"])
+], ids=["malformed", "no-user-messages", "cut-after-a-draft", "a-draft-unsaid", "http-500", "timeout", "http-401"])
 def test_llm_failures_count_with_the_ttl_and_fail_the_job(
     r: redis.Redis, settings: Settings, stub: LLMStub, caplog: pytest.LogCaptureFixture,
     response: StubResponse, error: str, kind: str, outcome: str,

@@ -525,18 +525,23 @@ def test_a_200_that_is_no_chat_completion_is_an_invalid_reply_not_a_transient_5x
         LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, build_messages("x", None))
 
 
-def test_a_reply_cut_at_the_output_limit_is_invalid_unless_its_summary_block_ended_it(stub: LLMStub) -> None:
+def test_a_reply_cut_short_is_invalid_unless_its_summary_block_ended_it(stub: LLMStub) -> None:
     """Cut mid-analysis after a draft ``<summary>`` block the model went on to reject, a reply
-    was read as that draft (the block from its first ``<summary>`` to the last ``</summary>``)."""
+    was read as that draft (the block from its first ``<summary>`` to the last ``</summary>``):
+    at the output limit, by a content filter, or (a provider's reason litellm reads as "stop")
+    with nothing said."""
     draft = f"<analysis>\nA draft:\n<summary>\n{summary_text('draft')}\n</summary>\nThis drops a request; let me"
-    assert extract_summary(draft) == summary_text("draft")  # (what was stored)
-    stub.script(StubResponse(text=draft, finish_reason="length"))
-    with pytest.raises(SummaryInvalid, match=r"cut at the model's output limit \(finish_reason \"length\""):
-        LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, build_messages("x", None))
-    whole = f"<analysis>\nx\n</analysis>\n<summary>\n{summary_text('t')}\n</summary>\n"
-    stub.script(StubResponse(text=whole, finish_reason="length"), StubResponse(text=draft))
+    with pytest.raises(SummaryInvalid, match="inside an <analysis> block never closed, and text follows it"):
+        extract_summary(draft)
+    unclosed = f"<analysis>\nnotes\n<summary>\n{summary_text('t')}\n</summary>\n"  # (an analysis left open: as it is)
+    assert extract_summary(unclosed) == summary_text("t")
+    for reason in ("length", "content_filter"):
+        stub.script(StubResponse(text=draft, finish_reason=reason))
+        with pytest.raises(SummaryInvalid, match=f'cut before its <summary> block ended it \\(finish_reason "{reason}"'):
+            LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, build_messages("x", None))
+    whole = f"<analysis>\nx\n</analysis>\n<summary>\n{summary_text('t')}\n</summary>\n```\n"
+    stub.script(StubResponse(text=whole, finish_reason="length"))
     assert LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, build_messages("x", None)) == whole  # (it did end)
-    assert LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, build_messages("x", None)) == draft  # (not cut)
 
 
 def test_timeout_is_a_transient_failure(stub: LLMStub) -> None:
