@@ -1169,6 +1169,34 @@ def test_targets_of_many_tool_calls_go_in_one_call_only_when_their_rendered_prom
     assert summary["lastSummarizedTurnId"] == 20
 
 
+def test_targets_whose_transcript_outgrows_their_stamps_go_in_one_call_only_when_it_fits(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    """The stamps leave out what the transcript adds to a text: each reply tag written as an entity
+    (``<summary>``: ``&lt;summary&gt;``). 16 turns reading a C# file of 40 ``/// <summary>`` doc
+    comments, 22 % over their stamps, went in one request of 20 863 tokens to a 20 000-token window."""
+    window, reserve = 20_000, 2_000
+    small = make_settings(settings, compaction_model="openai/stub-model", summary_reserve_tokens=reserve)
+    source = "\n".join(f"    /// <summary>\n    /// Gets item {i}.\n    /// </summary>\n    public int Item{i}() => {i};"
+                       for i in range(40))
+    events: list[dict[str, Any]] = [{"type": "session_meta", "sessionId": "s1", "cwd": CWD, "model": STUB_MODEL}]
+    for n in range(1, 17):
+        events += [{"type": "user", "turnId": n, "content": f"read file {n}", "uuid": f"u{n}"},
+                   {"type": "assistant", "turnId": n, "content": "reading", "uuid": f"a{n}",
+                    "toolCalls": [{"id": f"c{n}", "name": "read", "arguments": {"p": f"F{n}.cs"}}]},
+                   {"type": "tool_result", "turnId": n, "toolCallId": f"c{n}", "toolName": "read", "output": source,
+                    "uuid": f"t{n}"},
+                   {"type": "turn_end", "turnId": n, "model": STUB_MODEL, "contextWindow": window, "uuid": f"e{n}"}]
+    SessionStore(r, small).apply("s1", CWD, events)
+    replies = iter(f"<summary>\n{summary_text(f'chunk{i}')}\n</summary>" for i in range(1, 50))
+    stub.reply = lambda body: next(replies)
+    assert _run(r, small, "s1", forced=True).get_status() == JobStatus.FINISHED
+    assert len(stub.requests) > 1
+    for request in stub.requests:
+        sent = sum(count_tokens(str(m["content"]), "cl100k_base") + MESSAGE_OVERHEAD_TOKENS for m in request.messages)
+        assert sent <= window - reserve, (sent, window - reserve)
+
+
 def test_a_chunk_is_budgeted_once_for_the_reply_and_at_the_running_summarys_real_size(
     r: redis.Redis, settings: Settings, stub: LLMStub
 ) -> None:
