@@ -21,7 +21,6 @@ import os
 import random
 import secrets
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,7 +37,7 @@ from rq.rate_limit import RateLimitRegistry
 
 from compactor.keys import Keys
 from compactor.queue import compaction_queue, parse_job_id
-from compactor.serve import DEMO_PREFIX, ChildFailed, Output, private_dir_prefix, running_stack, stack_specs
+from compactor.serve import ChildFailed, Output, running_stack, stack_specs, temporary_demo_dir
 from compactor.store import SessionStore
 from compactor.urls import redacted
 from events.config import EXTRACTIVE as EXTRACTIVE_MODEL
@@ -227,10 +226,11 @@ def _data_dir(options: DemoOptions, *, embedded: bool) -> Iterator[Path]:
     if options.data_dir is not None:
         yield options.data_dir
         return
-    path = Path(tempfile.mkdtemp(prefix=private_dir_prefix(kind=DEMO_PREFIX)))  # (a killed demo's: swept)
+    path, mark = temporary_demo_dir()  # (a killed demo's: swept by the next serve or demo)
     socket = path / EMBEDDED_SOCKET
     if embedded and len(os.fsencode(socket)) > MAX_SOCKET_PATH_BYTES:  # (as a dataDir that long is refused)
-        path.rmdir()
+        os.close(mark)
+        shutil.rmtree(path, ignore_errors=True)
         raise InvalidConfig("TMPDIR", f"too long for the embedded Redis: its socket {socket} would be "
                             f"{len(os.fsencode(socket))} bytes, and a unix socket's path takes at most "
                             f"{MAX_SOCKET_PATH_BYTES} (set a shorter TMPDIR, or pass --data-dir)")
@@ -238,6 +238,7 @@ def _data_dir(options: DemoOptions, *, embedded: bool) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+        os.close(mark)
 
 
 def _agents(options: DemoOptions) -> list[Agent]:

@@ -31,6 +31,7 @@ Invariants:
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -197,16 +198,28 @@ def start_embedded(settings: Settings) -> EmbeddedRedis:
 
 # + pid + "-" + start + "-": a stack's private dir (its effective config, token included)
 PRIVATE_PREFIX = "compactor-serve-"
-DEMO_PREFIX = "compactor-demo-"  # ... a demo's data dir (its logs and its Redis's AOF)
+DEMO_PREFIX = "compactor-demo-"  # a demo's temporary data dir (its logs and its Redis's AOF)
+DEMO_MARK = ".compactor-demo"  # in it, locked (flock) by the demo while it runs
 
 
-def private_dir_prefix(pid: int | None = None, kind: str = PRIVATE_PREFIX) -> str:
-    """The name a serve's private dir (or, ``kind`` ``DEMO_PREFIX``, a demo's data dir) starts
-    with: its pid and its process's start time (in 1/100 s): in a container serve is always pid
-    1, and a restarted one took the dir a killed one left (its API token in it) for its own:
-    never removed."""
+def private_dir_prefix(pid: int | None = None) -> str:
+    """The name a serve's private dir starts with: its pid and its process's start time (in
+    1/100 s): in a container serve is always pid 1, and a restarted one took the dir a killed one
+    left (its API token in it) for its own: never removed."""
     pid = os.getpid() if pid is None else pid
-    return f"{kind}{pid}-{_started(pid)}-"
+    return f"{PRIVATE_PREFIX}{pid}-{_started(pid)}-"
+
+
+def temporary_demo_dir() -> tuple[Path, int]:
+    """A new temporary data dir for a demo and the descriptor of its mark, locked for as long as
+    it stays open: a demo killed with SIGKILL left it (megabytes of logs and AOF) for good, and
+    ``remove_stale_private_dirs`` removes one whose mark nobody holds (no name tells it: a pid
+    in it was another process's in another pid namespace, and a directory an operator named so
+    looked like one)."""
+    path = Path(tempfile.mkdtemp(prefix=DEMO_PREFIX))
+    fd = os.open(path / DEMO_MARK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return path, fd
 
 
 def _started(pid: int) -> int | None:
@@ -223,8 +236,12 @@ def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
     the one that has started at another time; the dirs removed."""
     removed = []
     tmp = Path(root or tempfile.gettempdir())
-    for prefix, path in [(p, path) for p in (PRIVATE_PREFIX, DEMO_PREFIX) for path in tmp.glob(f"{p}*-*")]:
-        parts = path.name[len(prefix):].split("-")  # pid, start, mkdtemp's part (no "-" in it)
+    for path in tmp.glob(f"{DEMO_PREFIX}*"):
+        if _demo_gone(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    for path in tmp.glob(f"{PRIVATE_PREFIX}*-*"):
+        parts = path.name[len(PRIVATE_PREFIX):].split("-")  # pid, start, mkdtemp's part (no "-" in it)
         pid, started = parts[0], parts[1] if len(parts) == 3 else ""  # (two: an earlier version's name)
         try:
             mine = path.is_dir() and path.stat().st_uid == os.getuid()
@@ -235,11 +252,29 @@ def remove_stale_private_dirs(root: Path | None = None) -> list[Path]:
         gone = not psutil.pid_exists(int(pid))
         if not gone and started.isdigit():
             gone = _started(int(pid)) != int(started)
-        if gone and not ((socket_path := path / EMBEDDED_SOCKET).exists() and _listened_on(socket_path)):
-            # (a killed demo's Redis, until its keeper stops it, is left its files)
+        if gone:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def _demo_gone(path: Path) -> bool:
+    """Whether ``path`` is a demo's temporary data dir (its mark in it, ours) whose demo is gone
+    (the mark's lock free) and whose Redis is down (a killed demo's, until its keeper stops it)."""
+    try:
+        fd = os.open(path / DEMO_MARK, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False  # (no mark: not a demo's, or an earlier version's)
+    try:
+        if os.fstat(fd).st_uid != os.getuid():
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # (held: the demo runs)
+    finally:
+        os.close(fd)
+    socket_path = path / EMBEDDED_SOCKET
+    return not (socket_path.exists() and _listened_on(socket_path))
 
 
 def metrics_dir(private: Path) -> Path:

@@ -502,7 +502,8 @@ def test_serve_with_json_logs_writes_only_json_lines(tmp_path: Path) -> None:
     assert said[-1] == "stopped"
 
 
-def test_a_killed_serves_private_dir_is_removed_by_the_next_one(tmp_path: Path) -> None:
+def test_a_killed_serves_private_dir_is_removed_by_the_next_one(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """``kill -9`` of a serve left its private dir in the temp dir: the effective config, API token
     included. The next serve removes those of serves that are gone, and only those."""
     import subprocess
@@ -523,21 +524,29 @@ def test_a_killed_serves_private_dir_is_removed_by_the_next_one(tmp_path: Path) 
     assert not gone.exists() and not reused.exists() and alive.exists() and earlier.exists() and other.exists()
     # a demo's data dir: a killed demo's stayed in the temp dir for good (its logs and AOF, megabytes)
     root = Path(tempfile.mkdtemp(prefix="sw-", dir="/tmp"))  # (a unix socket's path: 107 bytes at most)
+    marks: list[int] = []
     try:
-        demo = serve.private_dir_prefix(os.getpid(), serve.DEMO_PREFIX)
-        demo_gone, demo_alive = root / f"{demo.replace(str(os.getpid()), str(dead.pid), 1)}mno", root / f"{demo}pqr"
-        demo_served = root / f"{demo.replace(str(os.getpid()), str(dead.pid), 1)}stu"  # (its Redis not yet stopped)
-        for path in (demo_gone, demo_alive, demo_served):
-            (path / ".redis").mkdir(parents=True)
+        monkeypatch.setattr(tempfile, "tempdir", str(root))
+        (demo_gone, gone_mark), (demo_alive, alive_mark), (demo_served, served_mark) = (
+            serve.temporary_demo_dir() for _ in range(3))
+        marks += [alive_mark, served_mark]
+        os.close(gone_mark)  # (its demo killed: the lock goes with it)
+        (demo_served / ".redis").mkdir()
         listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listening.bind(str(demo_served / ".redis" / "redis.sock"))
+        listening.bind(str(demo_served / ".redis" / "redis.sock"))  # (its Redis not yet stopped by its keeper)
         listening.listen()
+        os.close(served_mark)
+        marks.remove(served_mark)
+        named = root / "compactor-demo-2026-12-06"  # an operator's --data-dir, named so: no mark, kept
+        named.mkdir()
         try:
             assert serve.remove_stale_private_dirs(root) == [demo_gone]
         finally:
             listening.close()
-        assert not demo_gone.exists() and demo_alive.exists() and demo_served.exists()
+        assert not demo_gone.exists() and demo_alive.exists() and demo_served.exists() and named.exists()
     finally:
+        for mark in marks:
+            os.close(mark)
         shutil.rmtree(root)
 
 
