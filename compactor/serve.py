@@ -692,8 +692,9 @@ def serve(settings: Settings, *, workers: int, host: str | None = None,
             if _wait_for_api(stack, stop, api_host, api_port) == API_REFUSED_CODE:
                 announce("the API could not start (its error above); stopping", logging.ERROR)
                 return API_REFUSED_CODE
-            announce(f"API {where}, watcher, {workers} worker(s); "
-                     f"Redis {redacted(stack.redis_url)}; Ctrl-C to stop")
+            if stop.signal is None:  # (stopped meanwhile: no banner of a stack about to stop)
+                announce(f"API {where}, watcher, {workers} worker(s); "
+                         f"Redis {redacted(stack.redis_url)}; Ctrl-C to stop")
             code = supervise(stack, stop)
         announce("stopped")
     return code
@@ -724,8 +725,9 @@ def _listens(pid: int, port: int, connect_to: str) -> bool:
     """Whether process ``pid`` listens on TCP ``port`` (a connect to ``connect_to`` succeeds, when
     its sockets cannot be listed)."""
     try:
-        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-                   for c in psutil.Process(pid).net_connections(kind="tcp"))
+        process = psutil.Process(pid)
+        listing = getattr(process, "net_connections", None) or process.connections  # (psutil < 6: the old name)
+        return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in listing(kind="tcp"))
     except psutil.AccessDenied:
         try:
             socket.create_connection((connect_to, port), timeout=1.0).close()

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import unicodedata
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -861,21 +860,12 @@ def check_logged_cwd(session_id: str, cwd: str, meta: dict[str, Any] | None) -> 
 
 
 def bound_elsewhere(session_id: str, bound: str, cwd: str) -> InvalidEvent:
-    """The refusal of ``cwd`` for a session bound to ``bound`` (a 400 from the API). Two that read
-    the same (another Unicode normalization, an invisible character) are written escaped: the
-    refusal read "bound to cwd '/srv/café', not '/srv/café'"."""
-    if bound != cwd and _looks_alike(bound, cwd):
-        return InvalidEvent("cwd", f"session {session_id} is bound to cwd {ascii(bound)}, not {ascii(cwd)} "
-                                   "(the same to read: they differ in characters written escaped here)")
+    """The refusal of ``cwd`` for a session bound to ``bound`` (a 400 from the API). Either past
+    ASCII, both are written escaped: the refusal read "bound to cwd '/srv/café', not '/srv/café'"
+    (another Unicode normalization, a combining joiner, a Cyrillic letter)."""
+    if not (bound.isascii() and cwd.isascii()):
+        return InvalidEvent("cwd", f"session {session_id} is bound to cwd {ascii(bound)}, not {ascii(cwd)}")
     return InvalidEvent("cwd", f"session {session_id} is bound to cwd {bound!r}, not {cwd!r}")
-
-
-def _looks_alike(one: str, other: str) -> bool:
-    """Whether two strings read the same: equal once NFKC-normalized, format characters (zero
-    widths, bidi controls) dropped."""
-    def shown(text: str) -> str:
-        return "".join(c for c in unicodedata.normalize("NFKC", text) if unicodedata.category(c) != "Cf")
-    return shown(one) == shown(other)
 
 
 def _first_session_meta(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:

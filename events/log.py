@@ -121,17 +121,20 @@ def _sessions_dir(root: str, cwd: str) -> tuple[Path, int]:
 @functools.lru_cache(maxsize=64)
 def _limits(root: str) -> tuple[int, int]:
     """``NAME_MAX`` and ``PATH_MAX`` (its NUL included) where ``root`` is, or would be (its
-    nearest existing directory's file system); 255 and 4096 where the system does not say."""
+    nearest existing directory's file system); 255 and 4096 where the system does not say (no
+    limit, -1; or a FUSE file system's 0)."""
     path = root
     while True:
         try:
-            return (min(os.pathconf(path, "PC_NAME_MAX"), MAX_NAME_BYTES),
-                    min(os.pathconf(path, "PC_PATH_MAX"), PATH_MAX_BYTES))
+            name_max, path_max = os.pathconf(path, "PC_NAME_MAX"), os.pathconf(path, "PC_PATH_MAX")
         except (OSError, ValueError):
             parent = os.path.dirname(path)
             if parent == path:
                 return MAX_NAME_BYTES, PATH_MAX_BYTES
             path = parent
+            continue
+        return (min(name_max, MAX_NAME_BYTES) if name_max > 0 else MAX_NAME_BYTES,
+                min(path_max, PATH_MAX_BYTES) if path_max > 0 else PATH_MAX_BYTES)
 
 
 def _sibling(path: Path, suffix: str) -> Path:

@@ -278,8 +278,10 @@ def test_a_restart_due_while_the_data_dir_is_gone_waits_for_it(tmp_path: Path, m
         supervisor.stop()
 
 
-@pytest.mark.parametrize("listens", [False, True], ids=["another-process-took-the-port", "its-own"])
-def test_the_api_is_ready_only_once_its_own_process_listens(tmp_path: Path, listens: bool) -> None:
+@pytest.mark.parametrize("listens, psutil_5", [(False, False), (True, False), (True, True)],
+                         ids=["another-process-took-the-port", "its-own", "its-own-psutil-5"])
+def test_the_api_is_ready_only_once_its_own_process_listens(tmp_path: Path, listens: bool, psutil_5: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """serve's port check closes its socket before the API child binds it: another process that took
     the port meanwhile answered the readiness connect, the banner named that one's address, and the
     child, refused the port, was restarted until serve gave up 40 s later, exit 1 (not 2)."""
@@ -290,6 +292,16 @@ def test_the_api_is_ready_only_once_its_own_process_listens(tmp_path: Path, list
         code = (f"import socket, time\ns = socket.create_server(('127.0.0.1', {port}))\ntime.sleep(30)\n")
     else:
         code = "import sys, time\ntime.sleep(1.0)\nsys.exit(2)\n"  # (what the API child does on a port in use)
+    if psutil_5:  # (``net_connections`` came in psutil 6: serve died on 5.9, which pyproject allows)
+        real = psutil.Process
+
+        class Psutil5Process(real):  # type: ignore[misc,valid-type]
+            net_connections = None
+
+            def connections(self, kind: str = "inet") -> Any:
+                return real.net_connections(self, kind)
+
+        monkeypatch.setattr(psutil, "Process", Psutil5Process)
     child = serve.Child(ChildSpec("api", ["api"]), process=subprocess.Popen([sys.executable, "-c", code]))
     supervisor = Supervisor([], tmp_path / "c.yaml")
     supervisor.children = [child]

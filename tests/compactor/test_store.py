@@ -852,13 +852,13 @@ def test_a_long_rebuild_keeps_the_callers_progress(store: SessionStore, r: redis
     assert len(calls) >= 5, len(calls)  # every ~50 ms through the 0.5 s rebuild, not once per event
 
 
-@pytest.mark.parametrize("bound, cwd", [("/srv/caf\u00e9", "/srv/cafe\u0301"), ("/srv/app", "/srv/a\u200bpp"),
-                                        ("/srv/app", "/srv/\u202eapp")], ids=["nfc-nfd", "zero-width", "bidi"])
-def test_a_cwd_refused_for_one_that_reads_the_same_is_written_escaped(bound: str, cwd: str) -> None:
+@pytest.mark.parametrize("bound, cwd", [("/srv/caf\u00e9", "/srv/cafe\u0301"), ("/srv/app", "/srv/a\u034fpp"),
+                                        ("/srv/app", "/srv/\u0430pp")], ids=["nfc-nfd", "joiner", "cyrillic"])
+def test_a_cwd_refused_for_one_past_ascii_is_written_escaped(bound: str, cwd: str) -> None:
     """"session s1 is bound to cwd '/srv/café', not '/srv/café'": two paths that read the same."""
     from compactor.store import bound_elsewhere
 
     message = str(bound_elsewhere("s1", bound, cwd))
-    assert f"is bound to cwd {ascii(bound)}, not {ascii(cwd)} (the same to read" in message
+    assert f"is bound to cwd {ascii(bound)}, not {ascii(cwd)}" in message
     assert message.isascii()
     assert str(bound_elsewhere("s1", "/srv/app", "/srv/other")).endswith("is bound to cwd '/srv/app', not '/srv/other'")
