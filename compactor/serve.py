@@ -217,8 +217,17 @@ def temporary_demo_dir() -> tuple[Path, int]:
     in it was another process's in another pid namespace, and a directory an operator named so
     looked like one)."""
     path = Path(tempfile.mkdtemp(prefix=DEMO_PREFIX))
-    fd = os.open(path / DEMO_MARK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_SH)
+    try:  # (locked, then named: a sweep between the two found a new demo's mark free, and removed it)
+        fd = os.open(path / f"{DEMO_MARK}.new", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            os.rename(path / f"{DEMO_MARK}.new", path / DEMO_MARK)
+        except BaseException:
+            os.close(fd)
+            raise
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
     return path, fd
 
 

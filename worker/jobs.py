@@ -251,15 +251,19 @@ def finish(
                 released.collect()
             except Exception:  # the claim is freed below in a round trip of its own
                 logger.exception("the last writes failed session=%s job=%s", session_id, job_id)
+        if released is not None and released.reset_owed:  # (a success: SPEC §5's reset, sent with the last
+            # writes, lost with them: the breaker stayed open a day after a forced job's success; before the
+            # claim is freed, so that no failure of a job after this one is forgotten)
+            try:
+                _retried(lambda: context.compactor.failures.reset(session_id), "forgetting the failures",
+                         session_id, job_id)
+            except Exception:  # (the claim is freed all the same)
+                logger.exception("forgetting the failures failed session=%s job=%s", session_id, job_id)
         if released is not None and released.done:
             trigger = released.trigger
         else:
             trigger = _retried(lambda: release_pending(context.redis, context.settings, session_id, job_id),
                                "freeing the claim", session_id, job_id)
-        if released is not None and released.reset_owed:  # (a success: SPEC §5's reset, sent with the last
-            # writes, lost with them: the breaker stayed open a day after a forced job's success)
-            _retried(lambda: context.compactor.failures.reset(session_id), "forgetting the failures", session_id,
-                     job_id)
         forced_waits = trigger is not None and trigger.startswith(FORCED_TRIGGER)
         if retry_later and not forced_waits:
             keep_trigger(context.redis, context.settings, session_id)

@@ -516,6 +516,7 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
 
 _MAX_REASONING_ENDS = 8  # end tags tried at most (a reasoning block may name its own end tag, not thousands of times)
 _REASONING_START = re.compile(r"\s*<(?:think|thinking|reasoning)>")
+_ANALYSIS_LINE = re.compile(r"^[ \t]*<analysis>", re.MULTILINE)  # (one named in prose opens no block)
 _BLOCK_LINE = re.compile(r"^[ \t]*<(?:summary|analysis)>", re.MULTILINE)
 
 
@@ -542,7 +543,8 @@ def _extracted(reply: str, user_messages: bool) -> str:
             break
     else:
         raise SummaryInvalid("no <summary>...</summary> block in the reply", layout=True)
-    if end_analysis < 0 and 0 <= reply.find("<analysis>") < start and rest[end + len("</summary>"):].strip():
+    if (end_analysis < 0 and (opened := _ANALYSIS_LINE.search(reply)) is not None and opened.start() < start
+            and rest[end + len("</summary>"):].strip().strip("`").strip()):
         # (an analysis never closed, a summary block in it and text after: a draft the model went on
         # to reject, cut there; read as the summary, the draft was stored)
         raise SummaryInvalid("ambiguous reply: the <summary> block is inside an <analysis> block never closed, "

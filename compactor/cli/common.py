@@ -169,7 +169,12 @@ def usable_data_dir(settings: Settings, option: Path | None = None, config: Path
     from events.log import keep_data_dir
 
     name = _data_dir_named(option, config)
-    if os.environ.get(PARENT_PID_ENV) and not settings.data_dir.exists():  # (serve made it: gone since)
+    try:
+        there = settings.data_dir.exists()
+    except OSError as e:  # (a directory on its way that cannot be searched: a traceback)
+        fail(f"invalid configuration: {name}: {settings.data_dir} cannot be looked at: {e.strerror or e}",
+             EXIT_CONFIG)
+    if os.environ.get(PARENT_PID_ENV) and not there:  # (serve made it: gone since)
         fail(f"invalid configuration: {name}: {settings.data_dir} is gone (removed, moved or unmounted while the "
              "service ran): not created again", EXIT_CONFIG)  # (created, empty: the one put back went inside it)
     if not (os.environ.get(PARENT_PID_ENV) and settings.data_dir.is_dir()):

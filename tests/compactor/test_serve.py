@@ -562,6 +562,31 @@ def test_a_killed_serves_private_dir_is_removed_by_the_next_one(tmp_path: Path,
         shutil.rmtree(root)
 
 
+def test_a_demo_starting_while_a_sweep_runs_keeps_its_data_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its mark was created, then locked: a sweep between the two found it free and removed the
+    data dir of a demo just starting."""
+    root = Path(tempfile.mkdtemp(prefix="sw-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    real_flock = serve.fcntl.flock
+
+    def swept_first(fd: int, operation: int) -> None:
+        monkeypatch.setattr(serve.fcntl, "flock", real_flock)
+        serve.remove_stale_private_dirs(root)  # (another serve or demo starting at that instant)
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(serve.fcntl, "flock", swept_first)
+    try:
+        path, mark = serve.temporary_demo_dir()
+        try:
+            assert path.is_dir() and (path / serve.DEMO_MARK).is_file()
+            assert serve.remove_stale_private_dirs(root) == [] and path.is_dir()  # (held: the demo runs)
+        finally:
+            os.close(mark)
+        assert serve.remove_stale_private_dirs(root) == [path] and not path.exists()
+    finally:
+        shutil.rmtree(root)
+
+
 def _line_with(process: subprocess.Popen[str], text: str) -> str:
     """The first line of ``process``'s stderr holding ``text`` (what was read before it, on failure)."""
     assert process.stderr is not None

@@ -535,6 +535,9 @@ def test_a_reply_cut_short_is_invalid_unless_its_summary_block_ended_it(stub: LL
         extract_summary(draft)
     unclosed = f"<analysis>\nnotes\n<summary>\n{summary_text('t')}\n</summary>\n"  # (an analysis left open: as it is)
     assert extract_summary(unclosed) == summary_text("t")
+    assert extract_summary(f"```xml\n{unclosed}```\n") == summary_text("t")  # (in a fence)
+    named = f"I skip the <analysis> step here.\n<summary>\n{summary_text('t')}\n</summary>\nThanks."  # (in prose)
+    assert extract_summary(named) == summary_text("t")
     for reason in ("length", "content_filter"):
         stub.script(StubResponse(text=draft, finish_reason=reason))
         with pytest.raises(SummaryInvalid, match=f'cut before its <summary> block ended it \\(finish_reason "{reason}"'):
