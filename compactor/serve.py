@@ -549,6 +549,7 @@ def running_stack(settings: Settings, specs: list[ChildSpec], *,
     runs whole: a stop signal (a handler raising KeyboardInterrupt, as ``demo``'s) that comes
     meanwhile is held until it is done (it cut ``Supervisor.stop`` short: a child left running,
     the demo's keys deleted under it), and nothing lies between a start and its ``finally``."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)  # (here, once: a child never creates it, usable_data_dir)
     embedded = start_embedded(settings) if not settings.redis.url else None
     private: Path | None = None
     try:
