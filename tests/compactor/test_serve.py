@@ -216,6 +216,16 @@ def test_supervisor_restarts_a_dying_child_then_gives_up(tmp_path: Path,
     assert len(pids) >= 2  # it was restarted before giving up
 
 
+def _supervised_on_a_data_dir(tmp_path: Path) -> tuple[Path, Path, Supervisor]:
+    """A data dir with its id, where it goes when moved away, and a supervisor of a child that
+    always exits, on it (not started)."""
+    data, away = tmp_path / "data", tmp_path / "away"
+    data.mkdir()
+    (data / ".compactor-id").write_text("0123abcd\n")
+    return data, away, Supervisor([ChildSpec("flaky", ["no-such-command"])], tmp_path / "c.yaml",
+                                  output=subprocess.DEVNULL, data_dir=data)
+
+
 def test_a_child_that_exits_while_the_data_dir_is_gone_is_restarted_once_it_is_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The watcher stops on a data dir gone (exit 2): restarted at once, it created the data dir
@@ -223,11 +233,7 @@ def test_a_child_that_exits_while_the_data_dir_is_gone_is_restarted_once_it_is_b
     with ``mv`` went inside the empty one."""
     monkeypatch.setattr(serve, "RESTART_DELAY_S", 0.0)
     monkeypatch.setattr(serve, "MAX_RESTARTS", 2)
-    data, away = tmp_path / "data", tmp_path / "away"
-    data.mkdir()
-    (data / ".compactor-id").write_text("0123abcd\n")
-    supervisor = Supervisor([ChildSpec("flaky", ["no-such-command"])], tmp_path / "c.yaml",
-                            output=subprocess.DEVNULL, data_dir=data)
+    data, away, supervisor = _supervised_on_a_data_dir(tmp_path)
     supervisor.check()  # (the id, as the children made it)
     data.rename(away)
     supervisor.start()
@@ -254,11 +260,7 @@ def test_a_restart_due_while_the_data_dir_is_gone_waits_for_it(tmp_path: Path, m
     """A child that died just before the data dir went (its restart queued, a second later) was
     started into the missing data dir, which it created again, empty."""
     monkeypatch.setattr(serve, "RESTART_DELAY_S", 0.5)
-    data, away = tmp_path / "data", tmp_path / "away"
-    data.mkdir()
-    (data / ".compactor-id").write_text("0123abcd\n")
-    supervisor = Supervisor([ChildSpec("flaky", ["no-such-command"])], tmp_path / "c.yaml",
-                            output=subprocess.DEVNULL, data_dir=data)
+    data, away, supervisor = _supervised_on_a_data_dir(tmp_path)
     supervisor.start()
     try:
         deadline = time.monotonic() + 60
