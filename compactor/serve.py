@@ -61,7 +61,6 @@ from compactor.embedded import OWNER_LOCK_FILE, EmbeddedRedis
 from compactor.logging import json_configured
 from compactor.urls import listening_url, redacted
 from events.config import EMBEDDED_SOCKET, ENV_OVERRIDES, Settings
-from events.errors import InvalidConfig
 from events.errors import CompactorError, InvalidConfig
 
 logger = logging.getLogger(__name__)

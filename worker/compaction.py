@@ -562,8 +562,8 @@ class Compactor:
         except redis.RedisError as error:
             # (Redis restarting as the job ended: what it appended is in the log, so the job succeeds;
             # ``finish`` frees the claim, and forgets the failures, in round trips of its own, and the
-            # next writer catches the state up. Raised, the job failed with its summary written, and its replacement answered
-            # the forced request "nothing compressed".)
+            # next writer catches the state up. Raised, the job failed with its summary written, and
+            # its replacement answered the forced request "nothing compressed".)
             if not is_transient(error):
                 raise
             logger.warning("the last writes failed session=%s job=%s: %s (the summary is in the log)",
@@ -1089,7 +1089,7 @@ def _events_tokens(events: list[dict[str, Any]], encoding: str) -> int:
 
 
 def _sized(events: list[dict[str, Any]], encoding: str, estimate: int, room: int) -> int:
-    """``estimate`` (``_events_tokens``) when it is over ``room``, or within a third of it (what
+    """``estimate`` (``_events_tokens``) when it is over ``room``, or at most a third of it (what
     is sent is at most ``SENT_OVER_STAMPS`` times it); else the events counted as their blocks
     are sent (``_sent_tokens``): the stamps leave out what the transcript adds to a text, each
     reply tag written as an entity and each line that poses as a header escaped (16 turns of a
