@@ -39,16 +39,19 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import socket
+import tempfile
 from collections.abc import Iterable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, values
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, values
+from prometheus_client.mmap_dict import _INITIAL_MMAP_SIZE, MmapedDict
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 EVENT_TYPES = frozenset({"session_meta", "user", "assistant", "tool_result", "turn_end",
@@ -84,7 +87,65 @@ def _usable_multiprocess_dir() -> bool:
     return True
 
 
+class AllocatedDict(MmapedDict):
+    """prometheus_client's file of one process's values, its blocks allocated before they are
+    written through the mapping: the file is sparse, and on a full disk the first write to a
+    page with no block behind it killed the process (SIGBUS; the API at its first new route,
+    then every child restarted, and serve gave up). With no room at the start, the values go to
+    an unlinked file in ``/dev/shm`` (not in a scrape, one warning); a file that cannot grow
+    raises ``OSError`` (ENOSPC) where the value is first set, a Python error (its label sets are
+    few: the 64 KB it starts with are never outgrown here)."""
+
+    def __init__(self, filename: str, read_mode: bool = False) -> None:
+        fallback = None
+        if not read_mode:
+            try:
+                _allocate(filename, _INITIAL_MMAP_SIZE)
+            except OSError as e:
+                filename = fallback = _unshared(filename, e)
+        super().__init__(filename, read_mode)  # type: ignore[no-untyped-call]
+        if fallback is not None:
+            os.unlink(fallback)  # (mapped: it lives as long as the process)
+
+    def _init_value(self, key: str) -> None:
+        encoded = len(key.encode("utf-8"))
+        needed, capacity = self._used + 4 + encoded + (8 - (encoded + 4) % 8) + 16, self._capacity
+        while needed > capacity:
+            capacity *= 2
+        if capacity != self._capacity:
+            os.posix_fallocate(self._f.fileno(), 0, capacity)
+        super()._init_value(key)  # type: ignore[no-untyped-call]
+
+
+def _allocate(filename: str, size: int) -> None:
+    """``filename`` (created when missing) with its first ``size`` bytes allocated on disk."""
+    fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        if os.fstat(fd).st_size < size:
+            os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+
+
+def _unshared(filename: str, error: OSError) -> str:
+    """A file in memory (``/dev/shm``) for a process's values when ``filename`` has no room; raises
+    ``error`` when there is none there either."""
+    with contextlib.suppress(OSError):
+        if os.stat(filename).st_size == 0:
+            os.unlink(filename)  # (created, empty: a scrape reading it failed)
+    try:
+        fd, path = tempfile.mkstemp(prefix="compactor-metrics-", dir="/dev/shm")
+        os.close(fd)
+        _allocate(path, _INITIAL_MMAP_SIZE)
+    except OSError:
+        raise error from None
+    logging.getLogger(__name__).warning("no room for %s (%s): this process's metrics are not in a scrape",
+                                        filename, error.strerror or error)
+    return path
+
+
 if _usable_multiprocess_dir():  # before any metric (here or in the API) has a value
+    values.MmapedDict = AllocatedDict  # type: ignore[attr-defined]  # (the name MultiProcessValue opens files with)
     values.ValueClass = values.MultiProcessValue(  # type: ignore[no-untyped-call]
         process_identifier)
 
@@ -176,12 +237,15 @@ def prepare_multiprocess_dir(directory: Path) -> Path:
         prefix, _, pid = path.stem.rpartition("-")
         if not pid.isdigit():
             ours.append((path, None))  # not named by ``process_identifier``
-        elif prefix.endswith(f"_{HOST}"):
+        elif prefix.endswith(f"_{HOST}") and prefix[:-len(HOST) - 1] in _FILE_KINDS:  # (not host my_vm's for vm)
             ours.append((path, int(pid)))
     if not any(pid is not None and pid != os.getpid() and _writes(pid, path) for path, pid in ours):
         for path, _ in ours:
             path.unlink(missing_ok=True)
     return directory
+
+
+_FILE_KINDS = frozenset({"counter", "histogram", "summary", *(f"gauge_{mode}" for mode in Gauge._MULTIPROC_MODES)})
 
 
 def _writes(pid: int, path: Path) -> bool:

@@ -26,8 +26,11 @@ leave gauges out because of another's failure; each scrape's first collector res
 
 from __future__ import annotations
 
+import glob
 import logging
 import math
+import os
+import struct
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -35,6 +38,7 @@ from typing import Any
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, Metric
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.routing import BaseRoute, Match, Mount
@@ -291,15 +295,32 @@ class ProcessMetrics(Collector):
 
     def __init__(self, http_registry: CollectorRegistry) -> None:
         self.http_registry = http_registry
+        self.directory = process_metrics.multiprocess_dir()
         self.multiprocess = (MultiProcessCollector(None)  # type: ignore[no-untyped-call]
-                             if process_metrics.multiprocess_dir() else None)
+                             if self.directory else None)
+        self.unreadable: set[str] = set()  # (said once each)
 
     def collect(self) -> Iterator[Metric]:
         if self.multiprocess is not None:  # the HTTP metrics are in the shared files too
-            yield from self.multiprocess.collect()  # type: ignore[no-untyped-call]
+            files = [path for path in glob.glob(os.path.join(str(self.directory), "*.db")) if self._readable(path)]
+            yield from self.multiprocess.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
             return
         yield from process_metrics.REGISTRY.collect()
         yield from self.http_registry.collect()
+
+    def _readable(self, path: str) -> bool:
+        """Whether a process's file of values reads whole: one left empty or cut (a process killed
+        as it created it) made every scrape, and the overview, a 500."""
+        try:
+            list(MmapedDict.read_all_values_from_file(path))  # type: ignore[no-untyped-call]
+            return True
+        except FileNotFoundError:
+            return False  # (removed since: its process's stack ended)
+        except (OSError, RuntimeError, struct.error, UnicodeDecodeError) as e:
+            if path not in self.unreadable:
+                self.unreadable.add(path)
+                logger.warning("metrics file %s left out of the scrapes: %s", path, e)
+            return False
 
     def totals(self) -> dict[str, float]:
         """Each counter's value summed over its labels, by family name (no ``_total``)."""

@@ -490,12 +490,49 @@ def test_multiprocess_mode_aggregates_every_process(tmp_path: Path, redis_url: s
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)}
     for _ in range(2):
         subprocess.run([sys.executable, "-c", MULTIPROC_INC], env=env, check=True, timeout=60)
+    # a process killed as it created its file: left empty, or cut (every scrape, and the overview, a 500)
+    (shared / "counter_vm-999998.db").write_bytes(b"")
+    (shared / "histogram_vm-999998.db").write_bytes(b"\xff\x00\x00\x00\x00\x00\x00\x00\x10")
     samples = _scraped(tmp_path, redis_url, env)
     assert value(samples, "compactor_events_ingested_total", type="user") == 6
     assert value(samples, "compactor_job_seconds_count", kind="micro") == 2
     assert value(samples, "compactor_http_requests_total",
                  method="GET", route="/healthz", status="200") == 1
     assert value(samples, "compactor_redis_up") == 1
+
+
+ON_A_FULL_DISK = """
+import errno, os, sys
+real = os.posix_fallocate
+def full(fd, offset, length):  # (the shared directory's disk full: /dev/shm has room)
+    if os.readlink(f"/proc/self/fd/{fd}").startswith(sys.argv[1]):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real(fd, offset, length)
+os.posix_fallocate = full
+from compactor import metrics
+metrics.init_series()
+metrics.EVENTS_INGESTED.labels("user").inc(3)
+print(metrics.EVENTS_INGESTED.labels("user")._value.get())
+"""
+
+
+def test_a_process_metrics_files_take_their_disk_blocks_before_they_are_written(tmp_path: Path) -> None:
+    """They were sparse, written through a mapping: on a full disk the first write to a page with no
+    block behind it killed the process (SIGBUS: the API at its first new route, then each child
+    serve restarted, and serve gave up). Allocated, or kept in memory when there is no room."""
+    shared = metrics_dir(tmp_path)
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    subprocess.run([sys.executable, "-c", MULTIPROC_INC], env=env, check=True, timeout=60)
+    files = list(shared.glob("*.db"))
+    assert files and all(os.stat(f).st_blocks * 512 >= 65_536 for f in files), [
+        (f.name, os.stat(f).st_blocks) for f in files]
+    full = tmp_path / "full"
+    full.mkdir()
+    done = subprocess.run([sys.executable, "-c", ON_A_FULL_DISK, str(full)], capture_output=True, text=True,
+                          env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(full)}, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "3.0"), done.stderr
+    assert "this process's metrics are not in a scrape" in done.stderr
+    assert list(full.iterdir()) == []  # (no empty file left for a scrape to fail on)
 
 
 def test_a_stack_starting_on_a_shared_directory_keeps_the_files_of_live_processes(
@@ -530,8 +567,9 @@ def test_a_stack_starting_on_a_shared_directory_keeps_the_files_of_live_processe
         (shared / name).unlink()  # (not metrics files)
     assert value(_scraped(tmp_path, redis_url, env), "compactor_events_ingested_total", type="user") == 3
     (shared / "counter_other-host-7.db").write_bytes(b"")
+    (shared / f"counter_my_{HOST}-7.db").write_bytes(b"")  # (host my_vm's, for vm's: removed as its own)
     metrics_dir(tmp_path)  # a stack starting with none of this host's processes left: theirs are removed
-    assert [p.name for p in shared.glob("*.db")] == ["counter_other-host-7.db"]
+    assert sorted(p.name for p in shared.glob("*.db")) == sorted(["counter_other-host-7.db", f"counter_my_{HOST}-7.db"])
 
 
 def test_a_pid_reused_by_another_process_does_not_keep_dead_processes_files(tmp_path: Path) -> None:
