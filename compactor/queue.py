@@ -419,6 +419,9 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
     return job_id
 
 
+_ENDED_WAITING = frozenset({JobStatus.CANCELED, JobStatus.STOPPED, JobStatus.FAILED})  # a forced job's, unqueued
+
+
 def _delete_unused(job: Job) -> None:
     """Delete a request's own forced job that did not answer it (it joined another); a failure is
     logged, not raised: the request was answered (raised, a request that had joined the waiting
@@ -458,10 +461,10 @@ def _enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, jo
     try:
         if not _enqueue_if_still_created(client, settings, session_id, job_id, after):
             return  # (queued by another: the janitor and a stalled enqueuer, both; RQ ran it twice)
-    except NoSuchJobError:  # its record is gone (evicted, deleted by hand): dropped, its claim freed (put back as
-        release_pending(client, settings, session_id, job_id)  # the trigger, it failed every later request and
-        logger.warning("forced job %s of session %s is gone from Redis: dropped", job_id,  # promotion for good)
-                       session_id, extra={"session_id": session_id, "job_id": job_id})
+    except NoSuchJobError as e:  # its record is gone (evicted, deleted by hand), or it was cancelled: dropped, its
+        release_pending(client, settings, session_id, job_id)  # claim freed (put back as the trigger, it failed
+        logger.warning("forced job %s of session %s %s: dropped", job_id,  # every later request and promotion)
+                       session_id, e, extra={"session_id": session_id, "job_id": job_id})
         raise
     except Exception as e:
         if not _queued_all_the_same(client, job_id):
@@ -811,7 +814,10 @@ def _enqueue_if_still_created(client: redis.Redis, settings: Settings, session_i
                 pipe.watch(Job.key_for(job_id), claim_key)  # type: ignore[no-untyped-call]
                 status, claim = pipe.hget(Job.key_for(job_id), "status"), pipe.get(claim_key)
                 if status is None:
-                    raise NoSuchJobError(f"no such job: {job_id}")
+                    raise NoSuchJobError("is gone from Redis")
+                if as_text(status) in _ENDED_WAITING and claim is not None and as_text(claim) == job_id:
+                    # (cancelled while it waited: promoted all the same, its claim held up the session 30 s)
+                    raise NoSuchJobError(f"was {as_text(status)} while it waited")
                 if as_text(status) != JobStatus.CREATED or claim is None or as_text(claim) != job_id:
                     if unanswered:  # (its own EXEC's, most likely: counted queued, as _queued_all_the_same does)
                         logger.warning("forced job %s of session %s was queued, its enqueue's reply lost", job_id,

@@ -66,6 +66,7 @@ import rq.worker.base
 import rq.worker.worker_classes
 import rq.registry
 from rq import Queue, SimpleWorker, worker_registration
+from rq.command import parse_payload
 from rq.executions import Execution
 from rq.intermediate_queue import IntermediateQueue
 from rq.job import Job, JobStatus
@@ -125,6 +126,7 @@ MAX_RESPAWNS = 5  # deaths of one worker child within RESPAWN_WINDOW_S that stop
 RESPAWN_WINDOW_S = 60.0
 REDIS_CHECK_TIMEOUT_S = 5.0
 STRANDED_AFTER_S = 10  # a job dequeued but not started this long: its worker died in between
+UNSUPPORTED_COMMANDS = frozenset({"stop-job", "stop-execution", "kill-horse"})  # (RQ's, for a forking worker)
 SUCCESS_TRIES = 4  # tries at recording a job's success while Redis drops the connection (1 + 2 + 4 s apart)
 PRELOAD_ENCODINGS = ("cl100k_base", "o200k_base")
 
@@ -389,8 +391,17 @@ class CompactionWorker(SimpleWorker):
 
     def handle_payload(self, message: dict[str, Any]) -> None:
         """RQ's handling of a command, but a malformed one is logged and ignored: RQ's error
-        ended the channel's thread (the worker was deaf to commands until the keeper noticed)."""
+        ended the channel's thread (the worker was deaf to commands until the keeper noticed).
+        ``stop-job``, ``stop-execution`` and ``kill-horse`` stop nothing in a worker that runs its
+        jobs in its own process (no work horse): said so, a WARNING (stop-job was silent, and
+        kill-horse said "Worker is not working" in the middle of a job)."""
         try:
+            command = parse_payload(message).get("command")
+            if command in UNSUPPORTED_COMMANDS:
+                logger.warning("worker %s: rq's %s command stops nothing here (the worker runs its jobs in its own "
+                               "process, no work horse): job %s runs to its end; a SIGTERM stops the worker after "
+                               "its LLM call in hand", self.name, command, self.get_current_job_id())
+                return
             super().handle_payload(message)  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
         except Exception:
             logger.warning("worker %s: ignored a malformed command %r", self.name, message.get("data"), exc_info=True)

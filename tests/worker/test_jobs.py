@@ -1882,6 +1882,25 @@ def test_a_waiting_forced_job_gone_from_redis_leaves_its_triggers_rechecked(
     assert r.exists(Keys().retrigger("s1")) == 0
 
 
+def test_a_waiting_forced_job_cancelled_is_dropped_not_handed_the_claim(
+    r: redis.Redis, settings: Settings, stub: LLMStub, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Cancelled while it waited (``Job.cancel``, rq-dashboard), it was promoted all the same: the
+    session's claim went to a job that never runs ("was queued by another: not again") and held the
+    session up until the janitor freed it, 30 s on."""
+    keep2 = make_settings(settings, llm_timeout_seconds=5.0, compaction_model=STUB_MODEL, keep_recent_turns=2)
+    write_session(r, keep2, "s1", 2, window=400)
+    auto = enqueue_compaction(r, keep2, "s1", CWD, "llm")
+    forced = enqueue_compaction(r, keep2, "s1", CWD, "llm", forced=True)
+    assert auto and forced
+    Job.fetch(forced, connection=r).cancel()
+    with caplog.at_level(logging.WARNING):
+        rechecked = worker_jobs.finish(WorkerContext.build(keep2, r), "s1", auto)
+    assert pending_job_id(r, keep2, "s1") != forced and rechecked != forced
+    assert any(f"forced job {forced} of session s1 was canceled while it waited: dropped" in m.getMessage()
+               for m in caplog.records)
+
+
 def test_a_forced_job_waiting_for_a_job_whose_worker_died_is_queued_by_the_janitor_path(
     r: redis.Redis, wsettings: Settings,
 ) -> None:

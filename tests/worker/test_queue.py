@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -603,3 +604,21 @@ def test_a_forced_request_whose_claim_script_ran_twice_is_queued_not_left_waitin
     assert r.get(Keys().retrigger("s1")) is None and pending_job_id(r, settings, "s1") == forced
     queue_module._enqueue_forced(r, settings, "s1", forced)
     assert queue.job_ids == [forced]
+
+
+def test_rqs_stop_job_and_kill_horse_commands_are_said_to_stop_nothing(
+        r: redis.Redis, wsettings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+    """The worker runs its jobs in its own process (no work horse): rq's stop-job was silent (the job
+    ran on to its end) and kill-horse said "Worker is not working" in the middle of a job."""
+    import json
+
+    from worker.runner import CompactionWorker
+
+    worker = CompactionWorker.for_settings(r, wsettings)
+    with caplog.at_level(logging.INFO):
+        for command in ("stop-job", "kill-horse"):
+            worker.handle_payload({"data": json.dumps({"command": command, "job_id": "j1"}).encode()})
+    said = [m.getMessage() for m in caplog.records if m.levelno == logging.WARNING]
+    assert [m.split(": ")[1].split(" command")[0] for m in said] == ["rq's stop-job", "rq's kill-horse"], said
+    assert all("stops nothing here" in m and "runs to its end" in m for m in said)
+    assert not any("Worker is not working" in m.getMessage() for m in caplog.records)
