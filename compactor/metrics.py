@@ -40,6 +40,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -93,8 +94,9 @@ class AllocatedDict(MmapedDict):
     page with no block behind it killed the process (SIGBUS; the API at its first new route,
     then every child restarted, and serve gave up). With no room at the start, the values go to
     an unlinked file in ``/dev/shm`` (not in a scrape, one warning); a file that cannot grow
-    raises ``OSError`` (ENOSPC) where the value is first set, a Python error (its label sets are
-    few: the 64 KB it starts with are never outgrown here)."""
+    (the API's HTTP histogram outgrows its first 64 KB past ~20 routes) raises ``OSError``
+    (ENOSPC) where the series is first set, a Python error. A file system that cannot allocate
+    (no fallocate: ext2, NFSv3, some FUSE mounts) leaves the file sparse, as it was."""
 
     def __init__(self, filename: str, read_mode: bool = False) -> None:
         fallback = None
@@ -104,6 +106,7 @@ class AllocatedDict(MmapedDict):
             except OSError as e:
                 filename = fallback = _unshared(filename, e)
         super().__init__(filename, read_mode)  # type: ignore[no-untyped-call]
+        self._unlinked = fallback is not None
         if fallback is not None:
             os.unlink(fallback)  # (mapped: it lives as long as the process)
 
@@ -112,17 +115,22 @@ class AllocatedDict(MmapedDict):
         needed, capacity = self._used + 4 + encoded + (8 - (encoded + 4) % 8) + 16, self._capacity
         while needed > capacity:
             capacity *= 2
-        if capacity != self._capacity:
-            os.posix_fallocate(self._f.fileno(), 0, capacity)
+        if capacity != self._capacity and not self._unlinked:  # (through a descriptor of its own: glibc's
+            _allocate(self._f.name, capacity)  # emulation of fallocate, where the file system has none, refuses
+            # prometheus's O_APPEND one; the memory file's name is gone: opened, it made another)
         super()._init_value(key)  # type: ignore[no-untyped-call]
 
 
 def _allocate(filename: str, size: int) -> None:
-    """``filename`` (created when missing) with its first ``size`` bytes allocated on disk."""
+    """``filename`` (created when missing) with its first ``size`` bytes (its whole length, when
+    longer: one left sparse by an earlier version) allocated on disk; ``OSError`` when there is no
+    room (ENOSPC, EDQUOT), left sparse where the file system cannot allocate."""
     fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        if os.fstat(fd).st_size < size:
-            os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, 0, max(size, os.fstat(fd).st_size))
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise
     finally:
         os.close(fd)
 

@@ -167,8 +167,9 @@ return {outcome, id, cur or ''}
 # forced job waits as the trigger ``forced:{id}`` -> {'waiting', id}, unless one already waits
 # -> {'pending', its id}: the caller joins it, its ``after`` kept on that job's hash if later
 # than any kept there (``_with_joined_after``). For a request, a waiting job whose RQ hash is
-# gone (evicted) is none: the request's own job takes its place (joined, the request waited
-# for a job that could never run, and was answered job_lost).
+# gone (evicted), or that was cancelled (``_ENDED_WAITING``), is none: the request's own job
+# takes its place (joined, the request waited for a job that could never run, and was answered
+# job_lost, or a 502 for the cancelled one).
 _FORCE = _LUA_HELPERS + """
 local function later(a, b)
   if not b then return true end
@@ -185,8 +186,11 @@ local t = redis.call('GET', KEYS[2])
 if ARGV[6] ~= '1' and cur == ARGV[1] then return {'claimed', ARGV[1], ''} end
 if ARGV[6] == '1' and t ~= FORCED .. ARGV[1] then return {'gone', ARGV[1], cur or ''} end
 local waiting = is_forced(t) and string.sub(t, #FORCED + 1) or nil
-if waiting and ARGV[6] ~= '1' and redis.call('EXISTS', ARGV[3] .. waiting) == 0 then
-  waiting = nil  -- its job gone from Redis (evicted): this request's own job takes its place
+if waiting and ARGV[6] ~= '1' then
+  local status = redis.call('HGET', ARGV[3] .. waiting, 'status')
+  if not status or status == 'canceled' or status == 'stopped' or status == 'failed' then
+    waiting = nil  -- its job gone from Redis (evicted) or cancelled: this request's own job takes its place
+  end
 end
 if cur and not is_stale(cur, ARGV[3], ARGV[4]) then
   if waiting then

@@ -396,11 +396,14 @@ class CompactionWorker(SimpleWorker):
         jobs in its own process (no work horse): said so, a WARNING (stop-job was silent, and
         kill-horse said "Worker is not working" in the middle of a job)."""
         try:
-            command = parse_payload(message).get("command")
+            payload = parse_payload(message)
+            command = payload.get("command")
             if command in UNSUPPORTED_COMMANDS:
-                logger.warning("worker %s: rq's %s command stops nothing here (the worker runs its jobs in its own "
-                               "process, no work horse): job %s runs to its end; a SIGTERM stops the worker after "
-                               "its LLM call in hand", self.name, command, self.get_current_job_id())
+                running = self.get_current_job_id()
+                logger.warning("worker %s: rq's %s command%s stops nothing here (the worker runs its jobs in its own "
+                               "process, no work horse): %s; a SIGTERM stops the worker after its LLM call in hand",
+                               self.name, command, f" for job {payload['job_id']}" if payload.get("job_id") else "",
+                               f"job {running} runs to its end" if running else "no job runs")
                 return
             super().handle_payload(message)  # type: ignore[no-untyped-call]  # (untyped in RQ 3)
         except Exception:

@@ -504,14 +504,16 @@ def test_multiprocess_mode_aggregates_every_process(tmp_path: Path, redis_url: s
 ON_A_FULL_DISK = """
 import errno, os, sys
 real = os.posix_fallocate
-def full(fd, offset, length):  # (the shared directory's disk full: /dev/shm has room)
+def refused(fd, offset, length):  # (the shared directory's disk full, or one with no fallocate)
     if os.readlink(f"/proc/self/fd/{fd}").startswith(sys.argv[1]):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(getattr(errno, sys.argv[2]), os.strerror(getattr(errno, sys.argv[2])))
     return real(fd, offset, length)
-os.posix_fallocate = full
+os.posix_fallocate = refused
 from compactor import metrics
 metrics.init_series()
 metrics.EVENTS_INGESTED.labels("user").inc(3)
+for n in range(3_000):  # (past the file's first 64 KB: it grows)
+    metrics.DEAD_LETTERED.labels(f"reason-{n}").inc()
 print(metrics.EVENTS_INGESTED.labels("user")._value.get())
 """
 
@@ -528,11 +530,20 @@ def test_a_process_metrics_files_take_their_disk_blocks_before_they_are_written(
         (f.name, os.stat(f).st_blocks) for f in files]
     full = tmp_path / "full"
     full.mkdir()
-    done = subprocess.run([sys.executable, "-c", ON_A_FULL_DISK, str(full)], capture_output=True, text=True,
-                          env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(full)}, timeout=60)
+    in_memory = set(Path("/dev/shm").glob("compactor-metrics-*"))
+    done = subprocess.run([sys.executable, "-c", ON_A_FULL_DISK, str(full), "ENOSPC"], capture_output=True,
+                          text=True, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(full)}, timeout=60)
     assert (done.returncode, done.stdout.strip()) == (0, "3.0"), done.stderr
     assert "this process's metrics are not in a scrape" in done.stderr
     assert list(full.iterdir()) == []  # (no empty file left for a scrape to fail on)
+    assert set(Path("/dev/shm").glob("compactor-metrics-*")) == in_memory  # (unlinked, grown as such)
+    # a file system with no fallocate (ext2, NFSv3): left sparse, as before, and it grows
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    done = subprocess.run([sys.executable, "-c", ON_A_FULL_DISK, str(bare), "EOPNOTSUPP"], capture_output=True,
+                          text=True, env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(bare)}, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "3.0"), done.stderr
+    assert max(os.stat(f).st_size for f in bare.iterdir()) > 65_536 and "not in a scrape" not in done.stderr
 
 
 def test_a_stack_starting_on_a_shared_directory_keeps_the_files_of_live_processes(

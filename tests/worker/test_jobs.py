@@ -1899,6 +1899,13 @@ def test_a_waiting_forced_job_cancelled_is_dropped_not_handed_the_claim(
     assert pending_job_id(r, keep2, "s1") != forced and rechecked != forced
     assert any(f"forced job {forced} of session s1 was canceled while it waited: dropped" in m.getMessage()
                for m in caplog.records)
+    # a request after the cancel, the holder still running: it joined the cancelled job (a 502 at once)
+    holder = pending_job_id(r, keep2, "s1") or enqueue_compaction(r, keep2, "s1", CWD, "llm")
+    waiting = enqueue_compaction(r, keep2, "s1", CWD, "llm", forced=True)
+    assert holder and waiting and waiting != holder
+    Job.fetch(waiting, connection=r).cancel()
+    joined = enqueue_compaction(r, keep2, "s1", CWD, "llm", forced=True)
+    assert joined not in (None, waiting) and Job.fetch(joined, connection=r).get_status() == JobStatus.CREATED
 
 
 def test_a_forced_job_waiting_for_a_job_whose_worker_died_is_queued_by_the_janitor_path(

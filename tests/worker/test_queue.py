@@ -620,5 +620,5 @@ def test_rqs_stop_job_and_kill_horse_commands_are_said_to_stop_nothing(
             worker.handle_payload({"data": json.dumps({"command": command, "job_id": "j1"}).encode()})
     said = [m.getMessage() for m in caplog.records if m.levelno == logging.WARNING]
     assert [m.split(": ")[1].split(" command")[0] for m in said] == ["rq's stop-job", "rq's kill-horse"], said
-    assert all("stops nothing here" in m and "runs to its end" in m for m in said)
+    assert all("command for job j1 stops nothing here" in m and "no job runs" in m for m in said), said
     assert not any("Worker is not working" in m.getMessage() for m in caplog.records)
