@@ -95,8 +95,9 @@ class AllocatedDict(MmapedDict):
     then every child restarted, and serve gave up). With no room at the start, the values go to
     an unlinked file in ``/dev/shm`` (not in a scrape, one warning); a file that cannot grow
     (the API's HTTP histogram outgrows its first 64 KB past ~20 routes) raises ``OSError``
-    (ENOSPC) where the series is first set, a Python error. A file system that cannot allocate
-    (no fallocate: ext2, NFSv3, some FUSE mounts) leaves the file sparse, as it was."""
+    (ENOSPC) where the series is first set, a Python error. On a file system without fallocate
+    (ext2, NFSv3, some FUSE mounts) glibc writes each block instead (not through an O_APPEND
+    descriptor: EBADF); a libc that does not (musl) leaves the file sparse, as it was."""
 
     def __init__(self, filename: str, read_mode: bool = False) -> None:
         fallback = None
@@ -124,7 +125,8 @@ class AllocatedDict(MmapedDict):
 def _allocate(filename: str, size: int) -> None:
     """``filename`` (created when missing) with its first ``size`` bytes (its whole length, when
     longer: one left sparse by an earlier version) allocated on disk; ``OSError`` when there is no
-    room (ENOSPC, EDQUOT), left sparse where the file system cannot allocate."""
+    room (ENOSPC, EDQUOT), left sparse where it cannot be allocated (EOPNOTSUPP from a libc with
+    no fallback)."""
     fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         os.posix_fallocate(fd, 0, max(size, os.fstat(fd).st_size))

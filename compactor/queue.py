@@ -424,6 +424,8 @@ def enqueue_forced_compaction(client: redis.Redis, settings: Settings, session_i
 
 
 _ENDED_WAITING = frozenset({JobStatus.CANCELED, JobStatus.STOPPED, JobStatus.FAILED})  # a forced job's, unqueued
+# (the same three are written in ``_FORCE``)
+_ENDED_WORDS = {"canceled": "was cancelled", "stopped": "was stopped", "failed": "failed"}
 
 
 def _delete_unused(job: Job) -> None:
@@ -461,7 +463,7 @@ def _enqueue_forced(client: redis.Redis, settings: Settings, session_id: str, jo
     """RQ-enqueue the forced job ``job_id`` (created already, its claim made), the ``after`` of the
     requests that joined it while it waited folded in (``after``: one more's). On an error the
     claim stays the job's and the janitor queues it later (``queue_unqueued_claim``); a job gone
-    from Redis is dropped, its claim freed."""
+    from Redis, or cancelled while it waited, is dropped, its claim freed."""
     try:
         if not _enqueue_if_still_created(client, settings, session_id, job_id, after):
             return  # (queued by another: the janitor and a stalled enqueuer, both; RQ ran it twice)
@@ -806,7 +808,7 @@ def _enqueue_if_still_created(client: redis.Redis, settings: Settings, session_i
     when another queued it first. (A request or promotion stalled past the grace between its claim
     and its enqueue (SIGSTOP, a frozen container) was overtaken by the janitor's
     ``queue_unqueued_claim``; both enqueued the job, and RQ ran it twice.) ``NoSuchJobError`` when
-    the job is gone from Redis."""
+    the job is gone from Redis, or ended unqueued (``_ENDED_WAITING``: cancelled while it waited)."""
     queue = compaction_queue(client, settings)
     together = getattr(queue, "_enqueue_rate_limited_job", None)
     claim_key = Keys(settings.redis.prefix, settings.redis.shards).job(session_id)
@@ -821,7 +823,7 @@ def _enqueue_if_still_created(client: redis.Redis, settings: Settings, session_i
                     raise NoSuchJobError("is gone from Redis")
                 if as_text(status) in _ENDED_WAITING and claim is not None and as_text(claim) == job_id:
                     # (cancelled while it waited: promoted all the same, its claim held up the session 30 s)
-                    raise NoSuchJobError(f"was {as_text(status)} while it waited")
+                    raise NoSuchJobError(f"{_ENDED_WORDS.get(as_text(status), 'ended')} while it waited")
                 if as_text(status) != JobStatus.CREATED or claim is None or as_text(claim) != job_id:
                     if unanswered:  # (its own EXEC's, most likely: counted queued, as _queued_all_the_same does)
                         logger.warning("forced job %s of session %s was queued, its enqueue's reply lost", job_id,

@@ -95,9 +95,9 @@ def session_log_path(data_dir: str | os.PathLike[str], cwd: str, session_id: str
     root = os.path.abspath(os.path.expanduser(data_dir))
     directory, room = _sessions_dir(root, cwd)
     if len(session_id) + len(TORN_SUFFIX) > room:  # (the longest of its files' names)
-        raise InvalidEvent("cwd", f"makes the path of session {session_id}'s log longer than the "
-                                  f"{_limits(root)[1] - 1} bytes the system takes (under a dataDir of "
-                                  f"{len(os.fsencode(root))} bytes)")
+        raise InvalidEvent("cwd", f"makes the paths of session {session_id}'s files (its log, and the "
+                                  f"{TORN_SUFFIX} beside it) longer than the {_limits(root)[1] - 1} bytes the "
+                                  f"system takes (under a dataDir of {len(os.fsencode(root))} bytes)")
     return directory / f"{session_id}{LOG_SUFFIX}"
 
 

@@ -79,7 +79,7 @@ def test_a_cwd_whose_log_path_the_system_cannot_take_is_refused_naming_cwd(
     data = tmp_path.joinpath(*["d" * 200] * ((3_800 - len(str(tmp_path))) // 201))
     data = data / ("d" * (3_830 - len(str(data)) - 1))  # (3 830 bytes: a 250-byte project's log is 4 104)
     session_log_path(data, "/" + "e" * 200, "s1")
-    with pytest.raises(InvalidEvent, match=r"longer than the 4095 bytes the system takes") as info:
+    with pytest.raises(InvalidEvent, match=r"files \(its log, and the \.jsonl\.torn beside it\) longer than the 4095 bytes the system takes") as info:
         SessionLog(data, "/" + "e" * 250, "s1")
     assert info.value.field == "cwd"
     real = os.pathconf

@@ -1169,6 +1169,36 @@ def test_targets_of_many_tool_calls_go_in_one_call_only_when_their_rendered_prom
     assert summary["lastSummarizedTurnId"] == 20
 
 
+def test_targets_whose_estimate_overstates_their_calls_still_go_to_the_compaction_model_when_they_fit(
+    r: redis.Redis, settings: Settings, stub: LLMStub
+) -> None:
+    """The estimate counts 5 tokens per tool-call line, more than a short call's takes: targets over
+    ``compactionModel``'s room by it alone, but not as sent, went to the session's model (SPEC §5's
+    rule: that model's window too small)."""
+    from worker.compaction import PROMPT_FRAME_TOKENS, _events_tokens, _sent_tokens, _system_tokens
+
+    encoding, reserve = "cl100k_base", 1_000
+    small = make_settings(settings, compaction_model="openai/gpt-4", summary_reserve_tokens=reserve,  # 8 192
+                          keep_recent_turns=0)
+    room = 8_192 - _system_tokens(encoding) - PROMPT_FRAME_TOKENS - reserve
+    events: list[dict[str, Any]] = [{"type": "session_meta", "sessionId": "s1", "cwd": CWD, "model": STUB_MODEL}]
+    targets: list[dict[str, Any]] = []
+    for n in range(1, 200):  # until the estimate is over the room
+        turn = [{"type": "user", "turnId": n, "content": f"list {n}", "uuid": f"u{n}"},
+                {"type": "assistant", "turnId": n, "content": "ok", "uuid": f"a{n}",
+                 "toolCalls": [{"id": f"c{n}-{i}", "name": "x", "arguments": {}} for i in range(40)]}]
+        targets += turn
+        events += [*turn, {"type": "turn_end", "turnId": n, "model": STUB_MODEL, "contextWindow": 100_000,
+                           "uuid": f"e{n}"}]
+        if _events_tokens(targets, encoding) > room:
+            break
+    assert sum(_sent_tokens(e, encoding) for e in targets) <= room  # (as sent, they fit)
+    events += [{"type": "user", "turnId": n + 1, "content": "next", "uuid": "next"}]  # (the turn in progress)
+    SessionStore(r, small).apply("s1", CWD, events)
+    assert _run(r, small, "s1", forced=True).get_status() == JobStatus.FINISHED
+    assert [request.body["model"] for request in stub.requests] == ["gpt-4"]
+
+
 def test_targets_whose_transcript_outgrows_their_stamps_go_in_one_call_only_when_it_fits(
     r: redis.Redis, settings: Settings, stub: LLMStub
 ) -> None:
@@ -1897,7 +1927,7 @@ def test_a_waiting_forced_job_cancelled_is_dropped_not_handed_the_claim(
     with caplog.at_level(logging.WARNING):
         rechecked = worker_jobs.finish(WorkerContext.build(keep2, r), "s1", auto)
     assert pending_job_id(r, keep2, "s1") != forced and rechecked != forced
-    assert any(f"forced job {forced} of session s1 was canceled while it waited: dropped" in m.getMessage()
+    assert any(f"forced job {forced} of session s1 was cancelled while it waited: dropped" in m.getMessage()
                for m in caplog.records)
     # a request after the cancel, the holder still running: it joined the cancelled job (a 502 at once)
     holder = pending_job_id(r, keep2, "s1") or enqueue_compaction(r, keep2, "s1", CWD, "llm")
