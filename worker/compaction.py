@@ -187,8 +187,9 @@ STOPPING = threading.Event()
 def _abandoned(run: JobRun | None, what: str) -> JobAbandoned:
     """The error of a job found handed on (``Compactor._handed_on``), saying ``what`` it did not do."""
     job_id = run.job_id if run is not None else "?"
-    return JobAbandoned(f"job {job_id} was declared abandoned while it ran (its worker sent no heartbeat for "
-                        f"20 s: paused or frozen?) and its session handed on: {what}")
+    return JobAbandoned(f"job {job_id} no longer holds its session's claim: declared abandoned while it ran (its "
+                        f"worker sent no heartbeat for 20 s: paused or frozen?) and the session handed on, or run "
+                        f"again by hand (rq requeue) after its claim was freed: {what}")
 
 
 # A job's final writes (its append and state save) get at least this long, whatever is left of its

@@ -594,7 +594,7 @@ def test_a_job_declared_abandoned_while_it_ran_appends_no_summary(
         return
     assert job.get_status() == JobStatus.FAILED
     error = (job.latest_result().exc_string or "").strip().splitlines()[-1]  # type: ignore[union-attr]
-    assert "JobAbandoned" in error and "declared abandoned" in error, error
+    assert "JobAbandoned" in error and "no longer holds its session's claim: declared abandoned" in error, error
     assert _job_failure_status(error) == (500, "job_abandoned")  # a forced caller's answer, not an LLM's 502
     assert _summaries(wsettings, "s1") == []
     assert pending_job_id(r, wsettings, "s1") == successor  # the successor's claim is left alone
