@@ -698,10 +698,11 @@ def serve(settings: Settings, *, workers: int, host: str | None = None,
             api_host, api_port = host or settings.api.host, settings.api.port if port is None else port
             where = listening_url(api_host, api_port)
             # (a script reading the banner connects at once)
-            if _wait_for_api(stack, stop, api_host, api_port) == API_REFUSED_CODE:
+            waited = _wait_for_api(stack, stop, api_host, api_port)
+            if waited == API_REFUSED_CODE:
                 announce("the API could not start (its error above); stopping", logging.ERROR)
                 return API_REFUSED_CODE
-            if stop.signal is None:  # (stopped meanwhile: no banner of a stack about to stop)
+            if waited != "stopped":  # (stopped before the API listened: no banner of a stack never up)
                 announce(f"API {where}, watcher, {workers} worker(s); "
                          f"Redis {redacted(stack.redis_url)}; Ctrl-C to stop")
             code = supervise(stack, stop)
@@ -709,22 +710,29 @@ def serve(settings: Settings, *, workers: int, host: str | None = None,
     return code
 
 
-def _wait_for_api(stack: Stack, stop: _StopRequested, host: str, port: int) -> int | None:
+def _wait_for_api(stack: Stack, stop: _StopRequested, host: str, port: int) -> int | str | None:
     """Until the API child listens on ``port`` (the listener its own: the port was free when
     ``serve`` looked, but another process could take it before the child bound it, and a connect
     took that one's for the API: the banner named another service's, and the child, refused the
-    port, was restarted until serve gave up, 40 s later, exit 1), at most ``API_READY_TIMEOUT_S``;
-    no wait once it exited (its exit code) or a stop is asked for (``supervise`` takes over)."""
+    port, was restarted until serve gave up, 40 s later, exit 1), at most ``API_READY_TIMEOUT_S``
+    ("late"): "ready"; its exit code once it exited first (``supervise`` takes over); "stopped"
+    when a stop is asked for before it listens (looked at once more: one that came right after
+    the API was up, a script's that saw it answer, left the banner out)."""
     api = next((c for c in stack.supervisor.children if c.spec.name == "api"), None)
+    if api is None:
+        return "ready"
     connect_to = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
     deadline = time.monotonic() + API_READY_TIMEOUT_S
-    while api is not None and stop.signal is None and time.monotonic() < deadline:
+    while True:
         if api.process is None or (code := api.process.poll()) is not None:
             return code
         if _listens(api.process.pid, port, connect_to):
-            return None
+            return "ready"
+        if stop.signal is not None:
+            return "stopped"
+        if time.monotonic() >= deadline:
+            return "late"
         time.sleep(0.05)
-    return None
 
 
 API_REFUSED_CODE = 2  # the API child's exit for what no restart mends (its port taken, a bad host): serve's too

@@ -310,10 +310,34 @@ def test_the_api_is_ready_only_once_its_own_process_listens(tmp_path: Path, list
     stack = serve.Stack("redis://unused", supervisor, tmp_path / "c.yaml")
     started = time.monotonic()
     try:
-        assert serve._wait_for_api(stack, serve._StopRequested(), "127.0.0.1", port) == (None if listens else 2)
+        assert serve._wait_for_api(stack, serve._StopRequested(), "127.0.0.1", port) == ("ready" if listens else 2)
         assert (time.monotonic() - started < 0.9) if listens else (time.monotonic() - started >= 0.9)
     finally:
         other.close()
+        supervisor.stop()
+
+
+@pytest.mark.parametrize("listens", [True, False], ids=["up-then-stopped", "stopped-first"])
+def test_a_stop_during_the_wait_for_the_api_leaves_the_banner_out_only_if_it_never_listened(
+        tmp_path: Path, listens: bool) -> None:
+    """A stop that came right after the API was up (a script's, that saw it answer) left the banner
+    out; one before it listens leaves it out (no banner of a stack that never was up)."""
+    port = free_port()
+    code = (f"import socket, time\ns = socket.create_server(('127.0.0.1', {port}))\nprint('up', flush=True)\n"
+            "time.sleep(30)\n" if listens else "import time\nprint('up', flush=True)\ntime.sleep(30)\n")
+    child = serve.Child(ChildSpec("api", ["api"]), process=subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True))
+    supervisor = Supervisor([], tmp_path / "c.yaml")
+    supervisor.children = [child]
+    stop = serve._StopRequested()
+    try:
+        assert child.process is not None and child.process.stdout is not None
+        assert child.process.stdout.readline() == "up\n"
+        stop.signal = signal.SIGTERM
+        waited = serve._wait_for_api(serve.Stack("redis://unused", supervisor, tmp_path / "c.yaml"), stop,
+                                     "127.0.0.1", port)
+        assert waited == ("ready" if listens else "stopped")
+    finally:
         supervisor.stop()
 
 
