@@ -667,8 +667,8 @@ class Compactor:
         if target_tokens is None:
             target_tokens = _events_tokens(targets.events, view.encoding)
         frame = self.prompt_tokens([], targets.previous_summaries, view.encoding, 0)
-        target_tokens = _sized(targets.events, view.encoding, target_tokens,
-                               window - self.ctx.summary_reserve_tokens - frame)
+        target_tokens, _ = _sized(targets.events, view.encoding, target_tokens,
+                                  window - self.ctx.summary_reserve_tokens - frame)
         needed = frame + target_tokens
         if needed + self.ctx.summary_reserve_tokens > window:
             logger.info("compaction model %s too small (%d < %d): using session model %s",
@@ -805,9 +805,11 @@ class Compactor:
             events_tokens = _events_tokens(events, encoding)
         previous_tokens = count_tokens(previous_text or "", encoding)
         room = window - fixed - self.ctx.summary_reserve_tokens - previous_tokens
-        if _sized(events, encoding, events_tokens, room) <= room:
+        total, counted = _sized(events, encoding, events_tokens, room)
+        if total <= room:
             yield events
             return
+        sizes: list[int | None] = list(counted) if counted is not None else [None] * len(events)
         current = running or (lambda: previous_text)
         room = self._beside_frame_and_reply(window, encoding)
         position, count = 0, 0
@@ -816,7 +818,9 @@ class Compactor:
             chunk: list[dict[str, Any]] = []
             used = 0
             while position < len(events):
-                event, tokens = events[position], _sent_tokens(events[position], encoding)
+                event, tokens = events[position], sizes[position]  # (each counted once: the one a
+                if tokens is None:  # chunk had no room for is the next one's first)
+                    tokens = sizes[position] = _sent_tokens(event, encoding)
                 if tokens > budget:
                     event = _clipped(event, budget, encoding)
                     tokens = _sent_tokens(event, encoding)
@@ -1089,7 +1093,7 @@ def _events_tokens(events: list[dict[str, Any]], encoding: str) -> int:
     return total
 
 
-def _sized(events: list[dict[str, Any]], encoding: str, estimate: int, room: int) -> int:
+def _sized(events: list[dict[str, Any]], encoding: str, estimate: int, room: int) -> tuple[int, list[int] | None]:
     """``estimate`` (``_events_tokens``) when it is over twice ``room`` (it overstates a tool call's
     line by 3 tokens at most: ~1.6 times for events of calls alone), or at most a third of it (what
     is sent is at most ``SENT_OVER_STAMPS`` times it); else the events counted as their blocks
@@ -1098,10 +1102,12 @@ def _sized(events: list[dict[str, Any]], encoding: str, estimate: int, room: int
     C# file of 40 ``/// <summary>`` comments each, 22 % over their stamps, went in one request
     of 20 863 tokens to a 20 000-token window; one-line ``<summary>N</summary>`` comments are
     ~58 % over, inline ``</summary><analysis>`` 150 %). A real job near its window pays the
-    count (~0.2 s for 190 000 tokens) beside a call of seconds; one far from it does not."""
+    count (~0.2 s for 190 000 tokens) beside a call of seconds; one far from it does not. With
+    it, each event's count (``_sent_tokens``), for the chunks to reuse."""
     if estimate > 2 * room or estimate * SENT_OVER_STAMPS <= room:
-        return estimate
-    return sum(_sent_tokens(event, encoding) for event in events)
+        return estimate, None
+    sizes = [_sent_tokens(event, encoding) for event in events]
+    return sum(sizes), sizes
 
 
 SENT_OVER_STAMPS = 3  # a target's block as sent over its stamp, at most: a text of reply tags only (~2.5)
