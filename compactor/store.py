@@ -114,6 +114,23 @@ if stored_newer then return 0 end
 return 1
 """
 
+# KEYS: the active sessions' index. ARGV: the idle TTL (s). The sessions idle past it leave the
+# index, and its size is returned: a writer's save prunes it (``SAVE_STATE``), but after a week
+# with no write at all every session was still in it with its state expired: ``status`` said
+# none had a log in the data dir ("is it the data dir they were written to?"), the API listed
+# none while the overview and ``compactor_sessions`` counted them all.
+PRUNE_IDLE = """
+local now = redis.call('TIME')
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (tonumber(now[1]) - tonumber(ARGV[1])))
+return redis.call('ZCARD', KEYS[1])
+"""
+
+
+def known_sessions(client: redis.Redis, keys: Keys) -> int:
+    """How many sessions are active: written to within ``STATE_IDLE_TTL_S``, by Redis's clock (the
+    index's older members, whose states expired, pruned first)."""
+    return int(client.eval(PRUNE_IDLE, 1, keys.sessions, STATE_IDLE_TTL_S))
+
 
 class _Unread:
     """The default of ``stored``: the caller did not read the state; ``current`` does."""

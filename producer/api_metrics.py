@@ -50,6 +50,7 @@ from compactor.keys import Keys
 from rq.utils import as_text
 from compactor.shards import server_ms
 from compactor.queue import compaction_queue
+from compactor.store import known_sessions
 from events.config import Settings
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class RedisCollector(Collector):
         yield GaugeMetricFamily("compactor_failed_jobs", "jobs in the RQ failed-job registry",
                                 value=queue.failed_job_registry.count)
         yield GaugeMetricFamily("compactor_sessions", "sessions seen by the watcher",
-                                value=self.client.zcard(self.keys.sessions))
+                                value=known_sessions(self.client, self.keys))
         yield GaugeMetricFamily("compactor_dead_letters", "entries in the dead-letter stream",
                                 value=self.client.xlen(self.keys.dead))
         yield GaugeMetricFamily("compactor_sessions_held_back",

@@ -43,7 +43,7 @@ from compactor.held import held_sessions
 from compactor.keys import Keys
 from compactor.queue import check_bound_cwd, compaction_queue
 from compactor.shards import server_ms
-from compactor.store import SessionStore
+from compactor.store import SessionStore, known_sessions
 from events.config import ContextSettings, Settings
 from events.errors import SessionNotFound
 from events.log import SessionLog
@@ -320,7 +320,7 @@ def overview(request: Request, client: redis.Redis, settings: Settings) -> Overv
     process: ProcessMetrics = request.app.state.process_metrics
     totals = process.totals()
     return Overview(
-        sessions=client.zcard(keys.sessions), breakers_open=breakers, sessions_failing=failing,
+        sessions=known_sessions(client, keys), breakers_open=breakers, sessions_failing=failing,
         breakers_truncated=truncated,
         queued_jobs=queue.count, failed_jobs=queue.failed_job_registry.count,
         dead_letters=client.xlen(keys.dead), sessions_held_back=len(held),

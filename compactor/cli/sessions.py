@@ -301,6 +301,7 @@ def status(
     """Sessions by last activity: context fill against both thresholds, breaker, jobs."""
     from compactor.held import held_sessions
     from compactor.keys import Keys
+    from compactor.store import known_sessions
 
     outside_the_stack()
     settings = readable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir, config)
@@ -308,7 +309,7 @@ def status(
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     with user_errors():
         bodies = session_bodies(client, settings, limit)
-        total = int(client.zcard(keys.sessions))
+        total = known_sessions(client, keys)
         held = held_sessions(client, keys)
     if json_out:
         print_json([b.model_dump(by_alias=True) for b in bodies])
@@ -338,6 +339,7 @@ def _no_sessions(data_dir: Path, known: int, looked_at: int, recorded_key: str) 
     the data dir holds no log either (after Redis was emptied or replaced, it said so over hundreds
     of logs; on the wrong data dir, over all the sessions Redis knows)."""
     from compactor.datadir import ID_FILE
+    from compactor.store import STATE_IDLE_TTL_S
     from events.log import LOG_SUFFIX
 
     if known:
@@ -355,7 +357,8 @@ def _no_sessions(data_dir: Path, known: int, looked_at: int, recorded_key: str) 
         return "no sessions yet"
     count = f"{found}{'+' if found >= LOGS_COUNTED else ''} session log{'s' if found > 1 else ''}"
     return (f"no session known to Redis, but {data_dir} holds {count}: each is listed again at its "
-            f"session's next event or compaction (was Redis emptied or replaced?)")
+            f"session's next event or compaction (idle for {STATE_IDLE_TTL_S // 86_400} days, their state "
+            f"forgotten? or was Redis emptied or replaced?)")
 
 
 def dead_letters(

@@ -1165,7 +1165,8 @@ def test_status_with_no_session_in_redis_says_whether_the_data_dir_holds_logs(
     assert result.exit_code == 0
     assert result.stderr.strip() == (f"no session known to Redis, but {settings.data_dir} holds 2 session logs: "
                                      f"each is listed again at its session's next event or compaction "
-                                     f"(was Redis emptied or replaced?)")
+                                     f"(idle for 7 days, their state forgotten? or was Redis emptied or "
+                                     f"replaced?)")
     write_session(r, settings, 2)
     write_session(r, settings, 1, sid="other")
     elsewhere = tmp_path / "elsewhere"  # (the wrong data dir: Redis knows both, neither has a log there)
@@ -1252,6 +1253,29 @@ def test_status_piped_is_not_cropped_and_a_limited_list_says_of_how_many(
     SessionStore(r, settings).log("other", CWD).path.unlink()
     unlisted = runner.invoke(app, ["status", *base_args(settings, config)], env={"COLUMNS": None})
     assert "compactor: 3 session(s) (1 more without a log)" in unlisted.stdout.splitlines()[0], unlisted.output
+
+
+def test_status_of_sessions_idle_past_their_state_ttl_says_so(
+        runner: CliRunner, r: redis.Redis, settings: Settings, config: Path) -> None:
+    """A week with no write at all: the index still held the sessions whose states had expired,
+    and ``status`` said none had a log in the data dir ("is it the data dir they were written to?")."""
+    from compactor.store import STATE_IDLE_TTL_S
+
+    write_session(r, settings, 2)
+    write_session(r, settings, 1, sid="other")
+    keys = Keys()
+    r.delete(keys.session(SID), keys.uuids(SID))  # its state expired, as its TTL makes it a week after
+    r.zadd(keys.sessions, {SID: time.time() - STATE_IDLE_TTL_S - 60})  # its last write
+    table = runner.invoke(app, ["status", *base_args(settings, config)], env={"COLUMNS": None})
+    assert table.exit_code == 0, table.output
+    assert "compactor: 1 session(s)" in table.stdout.splitlines()[0], table.output  # (not "1 more without a log")
+    r.delete(keys.session("other"), keys.uuids("other"))
+    r.zadd(keys.sessions, {"other": time.time() - STATE_IDLE_TTL_S - 60})
+    idle = runner.invoke(app, ["status", *base_args(settings, config)])
+    assert idle.exit_code == 0
+    assert idle.stderr.strip() == (f"no session known to Redis, but {settings.data_dir} holds 2 session logs: "
+                                   f"each is listed again at its session's next event or compaction (idle for "
+                                   f"7 days, their state forgotten? or was Redis emptied or replaced?)")
 
 
 def test_status_with_unreachable_redis_exits_1(runner: CliRunner, tmp_path: Path) -> None:

@@ -1878,3 +1878,26 @@ def test_an_unexpected_error_answers_with_the_security_headers_too(api_settings:
     assert response.status_code == 500 and error_of(response)["code"] == "internal_error"
     assert response.headers["x-content-type-options"] == "nosniff" and response.headers["x-frame-options"] == "DENY"
     assert response.headers.get_list("x-frame-options") == ["DENY"]
+
+
+def test_sessions_idle_past_their_state_ttl_are_neither_listed_nor_counted(
+        api_settings: Settings, r: redis.Redis) -> None:
+    """After a week with no write at all, the active sessions' index still held every session
+    whose state had expired (only a writer's save pruned it): the list showed none of them while
+    the overview and ``compactor_sessions`` counted them all."""
+    from compactor.store import STATE_IDLE_TTL_S
+
+    write_session(r, api_settings, 2)
+    write_session(r, api_settings, 1, sid="other")
+    keys = Keys()
+    r.delete(keys.session(SID), keys.uuids(SID))  # its state expired, as its TTL makes it a week after
+    r.zadd(keys.sessions, {SID: time.time() - STATE_IDLE_TTL_S - 60})  # its last write
+    with TestClient(create_app(api_settings, redis=r)) as client:
+        rows = client.get("/api/sessions").json()
+        overview = client.get("/api/overview").json()
+        metrics = client.get("/metrics").text
+        one = client.get(f"/api/sessions/{SID}", params={"cwd": CWD})  # (its log is still there)
+    assert [row["sessionId"] for row in rows] == ["other"]
+    assert overview["sessions"] == 1 and "compactor_sessions 1.0" in metrics
+    assert one.status_code == 200 and one.json()["currentTurnId"] == 3
+    assert r.zrange(keys.sessions, 0, -1) == [b"other"]
