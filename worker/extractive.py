@@ -70,7 +70,14 @@ from events.errors import SummaryInvalid
 from events.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD_TOKENS, arguments_json, count_tokens, event_tokens
 from events.view import str_or_empty as _str
 from events.view import tool_calls
-from worker.summarize import SECTION_TITLES, canonical_summary, fenced_line_starts, says_nothing, split_sections
+from worker.summarize import (
+    SECTION_TITLES,
+    canonical_summary,
+    fenced_line_starts,
+    in_fenced_blocks,
+    says_nothing,
+    split_sections,
+)
 
 EXTRACTIVE_MODEL = EXTRACTIVE  # (named in events.config, which refuses a misspelling)
 MAX_FILES = 60
@@ -109,16 +116,24 @@ LAST_RESORT_LINE_CHARS = 60  # every line of a summary still over its limit is c
 # an item's text clipped by a bound (``- `` and its text of ``line_chars``) or by the last resort (the line)
 _CLIPPED_LENGTHS = frozenset({MAX_LINE_CHARS, TIGHT_BOUNDS.line_chars, MINIMAL_BOUNDS.line_chars,
                               LAST_RESORT_LINE_CHARS - 2})
-_SEGMENT = r"[\w.+-]"  # a path segment's characters (SvelteKit's ``+page``; ``[`` and ``@`` are not: a
-# markdown link's ``[src/app.py]`` and an agent's ``@src/app.py`` were listed with them)
+# a path segment's characters (SvelteKit's ``+page``), a scope's ``@`` (``node_modules/@types/node``) and a
+# route's bracketed or parenthesized name (Next.js's ``app/[id]``, ``[[...slug]]``, ``(auth)``): without them
+# ``app/[id]/page.tsx`` was listed as ``/page.tsx``, another path, and ``app/(auth)/login/page.tsx`` not at all.
+# A path does not start with ``@`` (an agent's ``@src/app.py`` is ``src/app.py``), nor right after a ``]``, a ``)``
+# (a segment bracketed otherwise is not taken for the root of the rest) or an ``@`` (each letter of
+# ``@a/@a/...`` was a start, scanned to the run's end: quadratic); a markdown link's
+# ``[src/app.py](src/app.py)`` is the path twice, without its brackets.
+_SEGMENT = r"(?:[\w.+-]|\[\[?[\w.+-]+\]\]?|\([\w.+-]+\))"
+_DIRECTORY = rf"@?{_SEGMENT}+/"  # (a scope's ``@`` opens a segment only: anywhere in one, a run of ``@a@a``
+# was scanned to its end from each of its letters)
 _PATH = re.compile(
-    r"(?<![\w/.<\\+-])("
+    r"(?<![\w/.<\\+\])@-])@?(?!@)("
     # Windows: from a drive (C:\src\app), or relative with an extension (src\app\main.py); its
     # basename alone was listed
     r"[A-Za-z]:\\(?:[\w.-]+\\)*[\w.-]*[\w-]\\?|(?:\.{1,2}\\)?(?:[\w.-]+\\)+[\w.-]+\.[A-Za-z0-9]{1,8}"
     # ... from a drive with forward slashes (C:/Users/me/app.py was listed as /Users/me/app.py: another path)
-    rf"|[A-Za-z]:/(?:{_SEGMENT}+/)*{_SEGMENT}*[\w-]/?"
-    rf"|(?:~|\.{{1,2}})?/?(?:{_SEGMENT}+/)+{_SEGMENT}+\.[A-Za-z0-9]{{1,8}}"
+    rf"|[A-Za-z]:/(?:{_DIRECTORY})*{_SEGMENT}*[\w-]/?"
+    rf"|(?:~|\.{{1,2}})?/?(?:{_DIRECTORY})+{_SEGMENT}+\.[A-Za-z0-9]{{1,8}}"
     # a bare name, dotted ones too (``app.component.ts``, ``index.d.ts``; a framework's, ``Next.js``, is
     # dropped: ``_paths``)
     r"|"
@@ -131,7 +146,7 @@ _PATH = re.compile(
     r"eslintrc|eslintignore|editorconfig|babelrc|bashrc|zshrc|profile|bash_profile|pylintrc|flake8|coveragerc|"
     r"python-version|node-version|tool-versions|pre-commit-config|golangci|clang-format|stylelintrc|"
     r"browserslistrc|htaccess|vimrc|tmux\.conf)(?:\.[\w-]+)*"
-    rf"|(?:~|\.{{1,2}})?/(?:{_SEGMENT}+/)*{_SEGMENT}*[\w-]/?"  # absolute, home or dot-relative, no extension needed
+    rf"|(?:~|\.{{1,2}})?/(?:{_DIRECTORY})*{_SEGMENT}*[\w-]/?"  # absolute, home or dot-relative, no extension needed
     # (``Dockerfile.dev`` was listed as ``Dockerfile``: another file)
     r"|(?:Makefile|Dockerfile|Containerfile|Procfile|Gemfile|Rakefile|Jenkinsfile|Vagrantfile|README|LICENSE)"
     r"(?:\.[\w-]+)?)"
@@ -555,7 +570,7 @@ def _primary_request(previous: dict[str, str], users: list[str], bounds: Bounds)
 def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]], bounds: Bounds) -> str:
     tools: Counter[str] = Counter()
     lines = []
-    for line in _carried(previous.get("Key Technical Concepts")):
+    for line in _carried(previous.get("Key Technical Concepts"), bounds.line_chars, whole=_TOOLS_USED):
         items = line[len(_TOOLS_USED):].split(", ")
         if items and (_MORE_TOOLS.fullmatch(items[-1]) or items[-1].endswith("...")):
             items = items[:-1]  # (an old ``+K more``, counting nothing, or a tail a tighter bound clipped)
@@ -653,7 +668,7 @@ def _unwrapped(item: str) -> str:
 
 def _errors(previous: dict[str, str], events: Sequence[dict[str, Any]], results: list[dict[str, Any]],
             bounds: Bounds, outputs: Mapping[int, str]) -> str:
-    carried = _carried(previous.get("Errors and Fixes"))
+    carried = _carried(previous.get("Errors and Fixes"), bounds.line_chars)
     lines: list[str] = []
     shown = _content_results(events)
     wanted = {id(event) for event in results}
@@ -803,7 +818,7 @@ def _problem_solving(previous: dict[str, str], events: Sequence[dict[str, Any]],
     """The previous summary's items (an LLM's included), then the range of turns summarized
     extractively so far (a rolling summary widens its own line) with this batch's counts."""
     lines, first = [], None
-    for line in _carried(previous.get("Problem Solving")):
+    for line in _carried(previous.get("Problem Solving"), bounds.line_chars):
         summarized = _SUMMARIZED.match(line)
         if summarized:
             first = int(summarized.group(1)) if first is None else min(first, int(summarized.group(1)))
@@ -823,7 +838,7 @@ _SUMMARIZED = re.compile(r"- turns (\d+)-\d+ summarized extractively \(no LLM\)"
 
 
 def _decisions(previous: dict[str, str], assistants: list[dict[str, Any]], bounds: Bounds) -> str:
-    lines = _carried(previous.get("Decision Rationale"))
+    lines = _carried(previous.get("Decision Rationale"), bounds.line_chars)
     for event in assistants:
         for sentence in re.split(r"(?<=[.!?])\s+|\n", _str(event.get("content"))):
             if _DECISION.search(sentence):
@@ -834,16 +849,15 @@ def _decisions(previous: dict[str, str], assistants: list[dict[str, Any]], bound
 def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: Bounds) -> str:
     """Open checkbox items and TODO / FIXME lines of the messages (not in their fenced code: a code
     block's ``# TODO`` is the code's), less those ticked later (``[x]``), carried ones included."""
-    tasks = _OpenTasks(_carried(previous.get("Pending Tasks")))
+    tasks = _OpenTasks(_carried(previous.get("Pending Tasks"), bounds.line_chars))
     listed_before: set[str] = set()  # the tasks of the last todo list seen in this batch
     for event in events:
         if event.get("type") not in ("user", "assistant"):
             continue
-        fenced = False
-        for line in _str(event.get("content")).splitlines():
-            if _FENCE.match(line):
-                fenced = not fenced
-                continue
+        lines = _str(event.get("content")).splitlines()
+        # (fences as the summary's own reading finds them: a toggle at any line starting ```, one of
+        # inline code (```npm install```) or indented 4 spaces, hid every task after it)
+        for line, fenced in zip(lines, in_fenced_blocks(lines)):
             if fenced:
                 continue
             done = _DONE.match(line)
@@ -1002,21 +1016,25 @@ def _path_arguments(event: dict[str, Any]) -> Iterable[str]:
                         yield _clip(path)
 
 
-def _carried(body: str | None) -> list[str]:
+def _carried(body: str | None, line_chars: int = MAX_LINE_CHARS, whole: str | None = None) -> list[str]:
     """The items of a previous section as ``- `` lines: this module's (``- ``), and an LLM's
     bullets (``* ``, ``+ ``, ``1. ``, nested ones too) and prose lines (only ``- `` lines were
     carried: an LLM summary's numbered or ``*`` lists, and its prose, were lost when the
-    extractive fallback took over); fence lines and ``None.`` are no items."""
+    extractive fallback took over); fence lines and ``None.`` are no items. Each item's text is
+    clipped to ``line_chars``, ``- `` ones too (kept as they were, an LLM's long ``- `` bullets
+    went past every bound, and the last resort clipped every line of the summary to 60 characters),
+    but for lines starting with ``whole`` (this module's, sized to the bound when written)."""
     lines = []
     for line in (body or "").splitlines():
         if line.startswith("- "):
-            lines.append(line)
+            lines.append(line if len(line) - 2 <= line_chars or (whole is not None and line.startswith(whole))
+                         else f"- {_clip(line[2:], line_chars)}")
             continue
         text = line.strip()
         if not text or text in ("None.", "None") or _FENCE.match(text):
             continue
         bullet = _BULLET.match(text)
-        lines.append(f"- {_clip(bullet.group(1) if bullet else text)}")
+        lines.append(f"- {_clip(bullet.group(1) if bullet else text, line_chars)}")
     return lines
 
 

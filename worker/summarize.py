@@ -359,6 +359,14 @@ def fenced_line_starts(text: str) -> set[int]:
     return starts
 
 
+def in_fenced_blocks(lines: list[str]) -> list[bool]:
+    """Per line, whether it belongs to a fenced code block: its opening line, its content or its
+    closing line (the rules of ``_headings``: a backtick line holding another backtick,
+    `` ```npm install``` ``, is inline code, and one indented 4 spaces is no fence)."""
+    inside, _ = _inside_fences(lines)
+    return [fenced or _FENCE.match(line) is not None for line, fenced in zip(lines, inside)]
+
+
 def _inside_fences(lines: list[str]) -> tuple[list[bool], str]:
     """Per line, whether it is inside a fenced code block (its closing line too; the rules of
     ``_headings``), and the fence left open after the last ("" when none)."""

@@ -122,6 +122,57 @@ def test_a_file_url_followed_by_a_run_of_closing_brackets_is_read_in_linear_time
     assert _paths("[x](file:///srv/notes_(draft).md)).") == ["/srv/notes_(draft).md"]
 
 
+def test_route_segments_and_package_scopes_are_part_of_the_path() -> None:
+    """Next.js's ``app/[id]/page.tsx`` was listed as ``/page.tsx`` (another path), ``app/(auth)/login/page.tsx``
+    as ``/login/page.tsx`` and ``src/@types/index.d.ts`` as ``types/index.d.ts``."""
+    from worker.extractive import _paths
+
+    text = ("The page at app/[id]/page.tsx crashes; also check app/(auth)/login/page.tsx, src/@types/index.d.ts, "
+            "app/[[...slug]]/page.tsx and node_modules/@tanstack/react-query/build/index.js.")
+    assert _paths(text) == ["app/[id]/page.tsx", "app/(auth)/login/page.tsx", "src/@types/index.d.ts",
+                            "app/[[...slug]]/page.tsx", "node_modules/@tanstack/react-query/build/index.js"]
+    # an agent's @mention, a markdown link and a segment bracketed otherwise: no other path made of them
+    assert _paths("@src/app.py, [src/a.py](src/a.py) and app/[id=x]/page.tsx") == ["src/app.py", "src/a.py", "src/a.py"]
+    started = time.monotonic()
+    for run in ("@a/" * 30_000, "a/@" * 30_000, "[a]/" * 30_000 + "x", "(a/" * 30_000):
+        _paths(run)
+    assert time.monotonic() - started < 3.0  # (each letter of ``@a/@a/...`` a start: minutes)
+
+
+def test_a_previous_summarys_long_dash_bullets_are_clipped_like_its_other_items() -> None:
+    """An LLM's earlier summary with ``- `` bullets of ~1 100 characters: they were carried whole (its ``* ``
+    bullets were clipped), went past every bound, and the last resort cut every line of the summary to
+    60 characters, the next step's too."""
+    note = ("Refactored the payment retry loop in src/payments/retry.py so that each attempt recomputes the "
+            "idempotency key from the order id and the attempt number; ") * 7
+    body = {title: f"- item for {title.lower()}" for title in SECTION_TITLES}
+    for title in ("Files and Code Sections", "Errors and Fixes", "Problem Solving", "Decision Rationale",
+                  "Key Technical Concepts"):
+        body[title] = "\n".join(f"- {i}: {note}" for i in range(2))
+    previous = "\n\n".join(f"### {title}\n{body[title]}" for title in SECTION_TITLES)
+    events: list[dict[str, Any]] = []
+    for turn in range(2, 8):
+        events += [{"type": "user", "turnId": turn, "content": f"Request {turn}: handle the refund path " * 4},
+                   {"type": "assistant", "turnId": turn, "content": "Done.", "toolCalls": []}]
+    sections = split_sections(extractive_summary(events, previous, limit_tokens=1000))
+    assert sections["Optional Next Step"].endswith("handle the refund path")  # (whole: no last resort)
+    assert all(len(line) <= 302 for title in SECTION_TITLES if title != "All User Messages"
+               for line in sections[title].splitlines())
+    assert sections["All User Messages"].count("- message:") == 6
+
+
+def test_a_line_of_inline_code_or_an_indented_fence_hides_no_later_task() -> None:
+    """``\u0060\u0060\u0060npm install\u0060\u0060\u0060`` (inline code) and an indented ``\u0060\u0060\u0060`` (a code
+    line) were taken for a fence that opened: the user's checkbox tasks after them were not pending."""
+    for message in ("Run this first:\n```npm install```\nThen:\n- [ ] add tests\n- [ ] update docs",
+                    "Here:\n    ```\n- [ ] add tests\n- [ ] update docs"):
+        summary = extractive_summary([{"type": "user", "turnId": 1, "content": message}], None)
+        assert split_sections(summary)["Pending Tasks"].splitlines() == ["- [ ] add tests", "- [ ] update docs"]
+    fenced = "```md\n- [ ] a task in a code block\n```\n- [ ] a real one"
+    summary = extractive_summary([{"type": "user", "turnId": 1, "content": fenced}], None)
+    assert split_sections(summary)["Pending Tasks"].splitlines() == ["- [ ] a real one"]
+
+
 def test_an_error_the_user_pasted_is_listed_with_the_tools_errors() -> None:
     """Only tool outputs were read: a user's pasted traceback gave Errors and Fixes ``None.``
     (SPEC §1: every error met, with the user's feedback)."""
