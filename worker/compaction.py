@@ -664,10 +664,14 @@ class Compactor:
         if not session_model:  # (no turn ended yet: the session's window is the default, not this model's)
             return Plan(model, self.model_window(model))
         window = self.model_window(model)
-        if target_tokens is None:
-            target_tokens = _events_tokens(targets.events, view.encoding)
-        frame = self.prompt_tokens([], targets.previous_summaries, view.encoding, 0)
-        target_tokens, _ = _sized(targets.events, view.encoding, target_tokens,
+        # counted as that model reads them: in the session's encoding, Hindi targets of ~44k o200k
+        # tokens counted ~151k, a compactionModel of a 128k window was taken for too small, and the other
+        # way round one was taken for large enough and its request sent in chunks past SPEC's reserve
+        encoding = encoding_for_model(model)
+        if target_tokens is None or encoding != view.encoding:
+            target_tokens = _events_tokens(targets.events, encoding)
+        frame = self.prompt_tokens([], targets.previous_summaries, encoding, 0)
+        target_tokens, _ = _sized(targets.events, encoding, target_tokens,
                                   window - self.ctx.summary_reserve_tokens - frame)
         needed = frame + target_tokens
         if needed + self.ctx.summary_reserve_tokens > window:

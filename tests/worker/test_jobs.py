@@ -35,7 +35,7 @@ from worker.failures import FailureCounter
 from worker import jobs as worker_jobs
 from worker import runner as worker_runner
 from worker.jobs import llm_compact, micro_compact, recheck
-from events.tokens import MESSAGE_OVERHEAD_TOKENS, count_tokens
+from events.tokens import MESSAGE_OVERHEAD_TOKENS, count_tokens, event_tokens
 from worker.summarize import build_messages, extract_summary, render_transcript, split_sections, validate_summary_text
 
 
@@ -261,7 +261,6 @@ def test_a_summary_is_appended_exactly_when_it_leaves_less_than_the_micro_step_a
     micro step alone left the session, or dropped though smaller. (A summary sized between them.)"""
     import random
 
-    from events.tokens import event_tokens
     from events.view import llm_pass
     from worker.compaction import BLOCK_HEADER_TOKENS, _new_line, render_event
 
@@ -1359,6 +1358,29 @@ def test_a_session_without_a_model_is_planned_in_the_summarizing_models_own_wind
     session = worker_compaction._Session(model=None, window=128_000, encoding="cl100k_base")
     plan = compactor.plan(targets, session)
     assert (plan.model, plan.window) == (planned, 128_000 if planned == "extractive" else 8_192)
+
+
+@pytest.mark.parametrize(("session_model", "session_encoding", "compaction", "planned"), [
+    ("anthropic/claude-x", "cl100k_base", "gpt-4o-mini", "gpt-4o-mini"),  # fits in its own tokens
+    ("gpt-4o", "o200k_base", "gpt-4-turbo", "gpt-4o"),  # does not, in its own tokens
+])
+def test_the_compaction_models_window_is_checked_in_its_own_tokens(
+    settings: Settings, session_model: str, session_encoding: str, compaction: str, planned: str,
+) -> None:
+    """Counted in the session's encoding, Hindi targets of ~44k o200k tokens were ~151k cl100k ones:
+    gpt-4o-mini (128 000) was taken for too small, and gpt-4-turbo (128 000) for large enough, its
+    request then sent in chunks short of SPEC §5's reserve where the session's model took it whole."""
+    hindi = "नमस्ते, यह एक परीक्षण वाक्य है जो हिंदी में लिखा गया है। संदर्भ प्रबंधन एक स्वतंत्र क्षेत्र है। "
+    events = [{"type": "user", "uuid": f"u{i}", "turnId": i + 1, "content": hindi * 40} for i in range(40)]
+    for event in events:  # stamped as the watcher stamps them, in the session's encoding
+        event.update({"tokenCount": event_tokens(event, session_encoding), "tokenEncoding": session_encoding})
+    ctx = settings.context.model_copy(update={"compaction_model": compaction})
+    compactor = worker_compaction.Compactor(
+        None, settings.model_copy(update={"context": ctx}), lambda: None)  # type: ignore[arg-type]
+    targets = LlmTargets(previous_summary=None, events=events, end_turn=40, start_after=0)
+    session = worker_compaction._Session(model=session_model, window=200_000, encoding=session_encoding)
+    stamps = sum(event["tokenCount"] for event in events)
+    assert compactor.plan(targets, session, stamps).model == planned
 
 
 def test_compaction_model_too_small_falls_back_to_the_session_model(
