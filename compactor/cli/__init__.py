@@ -18,6 +18,7 @@ every few seconds) start in about half a second.
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import sys
@@ -66,6 +67,9 @@ for panel, commands in PANELS.items():
 
 
 EXIT_STDOUT_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a command a closed pipe stopped
+# a write to stdout refused (``status --json > f`` on a full disk, ``> /dev/full``): said in one line, exit 1
+# (a traceback of typer's and click's frames, before)
+OUTPUT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EBADF})
 
 
 def main() -> None:
@@ -74,7 +78,16 @@ def main() -> None:
     (typer's own handling exits 1, which says Redis was unreachable or the session unknown)."""
     stdout = _kept(1)  # (a copy: rich puts /dev/null on fd 1 when a pipe breaks)
     try:
-        app(prog_name="compactor")
+        try:
+            app(prog_name="compactor")
+        finally:
+            if sys.stdout is not None:
+                sys.stdout.flush()  # (what is left buffered fails here, not at exit: "Exception ignored", 120)
+    except OSError as e:
+        if e.errno not in OUTPUT_ERRNOS or e.filename is not None:  # (a stream's write names no file)
+            raise
+        _say_unwritten(e)
+        raise SystemExit(1) from None
     except SystemExit as e:
         # (on EPIPE, typer puts its PacifyFlushWrapper on sys.stdout and rich /dev/null on fd 1, then each
         # exits 1, whichever stream broke: stdout's own reader gone tells a closed stdout from a closed
@@ -86,6 +99,20 @@ def main() -> None:
     finally:
         if stdout is not None:
             os.close(stdout)
+
+
+def _say_unwritten(error: OSError) -> None:
+    """The one line saying the output could not be written; the output is dropped (the error
+    would come again at exit, when Python flushes it)."""
+    try:
+        sys.stderr.write(f"compactor: cannot write the output: {error.strerror or error}\n")
+        sys.stderr.flush()
+    except OSError:
+        pass
+    try:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+    except OSError:
+        pass
 
 
 def _kept(fd: int) -> int | None:

@@ -382,13 +382,15 @@ def dead_letters(
         print_json(body.model_dump(by_alias=True))
         return
     if not body.letters:
-        whose = f" of session {session}" if session else ""
+        whose = f" of session {one_line(session)}" if session else ""
         looked = "" if body.complete else f" in the newest {body.scanned} of {body.total}"
-        err_console.print(f"no dead letters{whose}{looked}")
+        # (no markup: a malformed id, what the filter is for, is text: ``agent[/]1`` was a traceback,
+        # ``[bold]s-43`` read "no dead letters of session s-43")
+        err_console.print(f"no dead letters{whose}{looked}", markup=False, soft_wrap=True)
         return
     now = datetime.now(UTC)
     # (of a session: "1 of 3" read as 1 of that session's 3, where 3 counted every session's letters)
-    title = (f"{len(body.letters)} dead letter(s) of session {session} ({body.total} in all)" if session
+    title = (f"{len(body.letters)} dead letter(s) of session {one_line(session)} ({body.total} in all)" if session
              else f"{len(body.letters)} of {body.total} dead letter(s)")
     table = Table(title=Text(f"compactor: {title}, newest first"),
                   box=box.SIMPLE_HEAD, caption=None if body.complete else

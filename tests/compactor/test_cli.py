@@ -1042,6 +1042,21 @@ def test_output_to_a_closed_pipe_ends_the_command_with_141_silently(tmp_path: Pa
     assert (process.returncode, err) == (141, b"")
 
 
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["context", SID, "--cwd", CWD, "--json"],
+                                  ["health", "--json", "--redis-url", "redis://127.0.0.1:1"]])
+def test_output_to_a_full_disk_is_said_in_one_line_exit_1(tmp_path: Path, args: list[str]) -> None:
+    """``status --json > f`` on a full disk (``> /dev/full``): a traceback of typer's and click's frames."""
+    hand_written_log(tmp_path / "data")
+    with open("/dev/full", "w") as full:
+        process = subprocess.run([sys.executable, "-m", "compactor", *args, *(
+            ["--data-dir", str(tmp_path / "data")] if args[0] in ("context", "health") else [])],
+            stdout=full, stderr=subprocess.PIPE, env={**os.environ, "REDIS_URL": "redis://127.0.0.1:1/0"},
+            timeout=60)
+    said = process.stderr.decode().strip().splitlines()
+    assert (process.returncode, said[-1]) == (1, "compactor: cannot write the output: No space left on device")
+    assert "Traceback" not in process.stderr.decode()
+
+
 @pytest.mark.parametrize("args", [["status"], ["compact", SID, "--cwd", CWD]])
 def test_a_command_whose_stderr_reader_is_gone_exits_as_it_would_and_compact_prints_its_json(
         tmp_path: Path, args: list[str]) -> None:
@@ -1880,6 +1895,9 @@ def test_dead_letters_lists_the_refused_entries_newest_first_with_their_reasons(
     assert "1 dead letter(s) of session s2 (3 in all)" in of_s2.stdout  # (was "1 of 3": read as s2's 3)
     none = runner.invoke(app, ["dead-letters", "--session", "s9", *args])
     assert none.exit_code == 0 and "no dead letters of session s9" in none.output
+    for odd in ("agent[/]1", "[bold]s-43"):  # (a malformed id, what the filter is for: a traceback, another id)
+        none = runner.invoke(app, ["dead-letters", "--session", odd, *args])
+        assert none.exit_code == 0 and none.stderr.strip() == f"no dead letters of session {odd}", none.output
     r.xadd(keys.stream_for("s1"), {"session": "s1\nforged", "cwd": CWD, "event": b'{"type": "user"}'})
     drain(Watcher(r, settings, name="w2"), r, settings)
     table = runner.invoke(app, ["dead-letters", "--limit", "1", *args], env={"COLUMNS": "200"})
