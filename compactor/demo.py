@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from rq import Queue
+from rq import Queue, Worker
 from rq.defaults import RQ_KEY_PREFIX
 from rq.job import Job
 from rq.rate_limit import RateLimitRegistry
@@ -308,9 +308,12 @@ def _drive(client: redis.Redis, settings: Settings, agents: list[Agent], options
             raise errors[0]
         _wait(lambda: _settled(client, settings, agents, stats, options.turns), client, settings,
               agents, stats, started, on_tick, timeout_s=SETTLE_TIMEOUT_S, keep_up=keep_up,
-              progress=lambda: _progress(client, settings, agents, stats))
+              progress=lambda: _progress(client, settings, agents, stats), ready=lambda: _ready(client, settings))
     finally:
         stop.set()
+    if not any(turns for turns in _progress(client, settings, agents, stats)[0]):  # (zeros, exit 0, before)
+        raise DemoFailed(f"demo stopped: no event was applied within {SETTLE_CAP_S:.0f}s "
+                         f"({_not_ready(client, settings) or 'the watcher applied nothing'})")
     result = summary(client, settings, agents, stats, time.monotonic() - started)
     if on_tick:
         on_tick(result)
@@ -320,17 +323,19 @@ def _drive(client: redis.Redis, settings: Settings, agents: list[Agent], options
 def _wait(done: Callable[[], bool], client: redis.Redis, settings: Settings, agents: list[Agent],
           stats: JobStats, started: float, on_tick: Snapshot | None,
           timeout_s: float | None, keep_up: Callable[[], None],
-          progress: Callable[[], object] | None = None) -> None:
+          progress: Callable[[], object] | None = None, ready: Callable[[], bool] | None = None) -> None:
     """Until ``done``; with ``timeout_s``, until nothing moved for that long (``progress`` tells
-    what moved), ``SETTLE_CAP_S`` at most. A fixed 30 s ended a demo whose watcher a slow machine
-    took longer to restart than that: all turns published, none compacted, zeros reported."""
+    what moved) once the stack is ``ready``, ``SETTLE_CAP_S`` at most. A fixed 30 s ended a demo
+    whose watcher a slow machine took longer to restart than that: all turns published, none
+    compacted, zeros reported; and the wait for a move ran out while a loaded machine still
+    imported the watcher's modules (58 s from its start to its first lease)."""
     waited = time.monotonic()
     deadline = waited + timeout_s if timeout_s else None
     seen = progress() if progress else None
     while not done():
         keep_up()
         now = time.monotonic()
-        if progress is not None and timeout_s and (moved := progress()) != seen:
+        if progress is not None and timeout_s and ((moved := progress()) != seen or (ready and not ready())):
             seen, deadline = moved, min(now + timeout_s, waited + SETTLE_CAP_S)
         if deadline is not None and now > deadline:
             logger.warning("demo: jobs still pending after %.0fs; summarizing anyway", now - waited)
@@ -341,7 +346,22 @@ def _wait(done: Callable[[], bool], client: redis.Redis, settings: Settings, age
         time.sleep(0.25)
 
 
-def _progress(client: redis.Redis, settings: Settings, agents: list[Agent], stats: JobStats) -> object:
+def _ready(client: redis.Redis, settings: Settings) -> bool:
+    return not _not_ready(client, settings)
+
+
+def _not_ready(client: redis.Redis, settings: Settings) -> str:
+    """What the stack still lacks to make progress ("" when nothing): a watcher holding a shard
+    lease, a worker registered on the queue."""
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    if not any(client.exists(keys.lease(n)) for n in range(keys.shards)):
+        return "no watcher holds a shard lease yet"
+    if not Worker.count(connection=client, queue=compaction_queue(client, settings)):
+        return "no worker has started yet"
+    return ""
+
+
+def _progress(client: redis.Redis, settings: Settings, agents: list[Agent], stats: JobStats) -> tuple[Any, ...]:
     """What changes while the stack works: the turns in the sessions' states, the jobs ended."""
     store = SessionStore(client, settings)
     states = [store.load(agent.session_id) for agent in agents]

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import typer
@@ -42,7 +42,7 @@ from compactor.cli.common import (
 from compactor.keys import Keys
 from compactor.shards import server_ms
 from compactor.redis_errors import probe_writes
-from compactor.urls import WILDCARD_HOSTS, host_port
+from compactor.urls import WILDCARD_HOSTS, host_port, redacted
 from events.config import Settings
 from events.errors import InvalidConfig
 
@@ -64,10 +64,25 @@ def check_api(url: str, token: str) -> str:
 
     # (its UTF-8 bytes: httpx encodes a str header as ASCII, and a non-ASCII token failed every check)
     headers = {b"Authorization": b"Bearer " + token.encode()} if token else {}
-    response = httpx.get(url.rstrip("/") + "/healthz", headers=headers, timeout=CHECK_TIMEOUT_S)
+    probe = healthz_url(url)
+    try:
+        response = httpx.get(probe, headers=headers, timeout=CHECK_TIMEOUT_S)
+    except httpx.HTTPError as e:  # (the address said: "[Errno 111] Connection refused" named none)
+        raise RuntimeError(f"{redacted(probe)}: {e}") from None
     if response.status_code != 200:
-        raise RuntimeError(f"HTTP {response.status_code}")
+        raise RuntimeError(f"HTTP {response.status_code} from {redacted(probe)}")
     return "ok"
+
+
+def healthz_url(url: str) -> str:
+    """The API's ``/healthz`` under ``url`` (its base, or ``/healthz`` itself), its query kept
+    apart: ``…/healthz`` was asked for ``…/healthz/healthz`` (a 404), and ``http://h:8461?x=1``
+    for ``/?x=1/healthz``, the status page, which answered ok whatever the API's health."""
+    parts = urlsplit(url)
+    path = parts.path.rstrip("/")
+    if not path.endswith("/healthz"):
+        path += "/healthz"
+    return urlunsplit(parts._replace(path=path, fragment=""))
 
 
 def check_workers(client: redis.Redis, settings: Settings, host: str | None = None) -> str:

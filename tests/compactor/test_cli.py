@@ -1786,6 +1786,18 @@ def test_health_checks_a_live_api(runner: CliRunner, settings: Settings, config:
         wrong = runner.invoke(app, ["health", "--check", "--api", "http://127.0.0.1:9",
                                     *base_args(settings, config)])
         assert wrong.exit_code == 1
+        # /healthz given was asked for /healthz/healthz (a 404); a query was read as the status page's
+        for given in (f"http://127.0.0.1:{port}/healthz", f"http://127.0.0.1:{port}/?x=1"):
+            result = runner.invoke(app, ["health", "--json", "--api", given, *base_args(settings, config)],
+                                   env={"COMPACTION_API_TOKEN": token})
+            assert result.exit_code == 0 and json.loads(result.stdout)["checks"]["api"] == "ok", result.output
+        unhealthy = runner.invoke(app, ["health", "--json", "--api", f"http://127.0.0.1:{port}/elsewhere/",
+                                        *base_args(settings, config)])  # (no such route: said with where it asked)
+        assert json.loads(unhealthy.stdout)["checks"]["api"] == \
+            f"error: HTTP 401 from http://127.0.0.1:{port}/elsewhere/healthz"
+        refused = runner.invoke(app, ["health", "--json", "--api", "http://127.0.0.1:9",
+                                      *base_args(settings, config)])
+        assert json.loads(refused.stdout)["checks"]["api"].startswith("error: http://127.0.0.1:9/healthz: ")
     finally:
         server.should_exit = True
         thread.join(10)

@@ -344,3 +344,41 @@ def test_the_demo_waits_for_its_last_jobs_while_they_progress_and_no_longer_than
     assert 1.5 + 0.5 <= wait(moving_for=1.5, timeout=0.5) < 1.5 + 0.5 + 1.0  # idle 0.5 s after the last move
     monkeypatch.setattr(demo, "SETTLE_CAP_S", 1.0)
     assert 1.0 <= wait(moving_for=60, timeout=0.5) < 2.0  # moving for good: the cap ends it
+
+
+def test_the_demos_settle_wait_starts_once_a_watcher_and_a_worker_are_up(
+        r: Any, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a loaded machine a watcher took 58 s from its start to its first lease: the settle wait,
+    30 s without a move, ran out first, and the demo reported zeros for every session, exit 0."""
+    from compactor import demo
+    from compactor.demo import JobStats, _not_ready, _ready, _wait
+    from compactor.keys import Keys
+
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    assert _not_ready(r, settings) == "no watcher holds a shard lease yet"
+    started = time.monotonic()
+    up = threading.Timer(1.5, lambda: r.set(keys.lease(0), "w", px=60_000))  # the watcher's first lease
+    up.start()
+    _wait(lambda: False, r, settings, [], JobStats("none-"), started, None, timeout_s=0.5, keep_up=lambda: None,
+          progress=lambda: 0, ready=lambda: _ready(r, settings) or _not_ready(r, settings).startswith("no worker"))
+    assert 1.5 + 0.25 <= time.monotonic() - started < 1.5 + 0.5 + 1.0  # idle 0.5 s once it was up (0.25 s polls)
+    assert _not_ready(r, settings) == "no worker has started yet"
+    monkeypatch.setattr(demo, "SETTLE_CAP_S", 1.0)
+    r.delete(keys.lease(0))
+    started = time.monotonic()
+    _wait(lambda: False, r, settings, [], JobStats("none-"), started, None, timeout_s=0.5, keep_up=lambda: None,
+          progress=lambda: 0, ready=lambda: _ready(r, settings))
+    assert 1.0 <= time.monotonic() - started < 2.0  # never up: the cap ends it
+
+
+def test_a_demo_that_applied_no_event_fails_saying_why(
+        r: Any, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It reported zeros for every session and exited 0."""
+    from compactor import demo
+    from compactor.demo import DemoFailed, DemoOptions, _agents, _drive
+
+    monkeypatch.setattr(demo, "SETTLE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(demo, "SETTLE_CAP_S", 0.5)
+    agents = _agents(DemoOptions(sessions=1, turns=1))
+    with pytest.raises(DemoFailed, match=r"no event was applied within 0s \(no watcher holds a shard lease yet\)"):
+        _drive(r, settings, agents, DemoOptions(sessions=1, turns=1), None, lambda: None)
