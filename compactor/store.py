@@ -126,6 +126,21 @@ return redis.call('ZCARD', KEYS[1])
 """
 
 
+# ... and a page of the rest, most recent first (ARGV: the idle TTL, start, stop): one round trip
+RECENT_SESSIONS = """
+local now = redis.call('TIME')
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (tonumber(now[1]) - tonumber(ARGV[1])))
+return redis.call('ZREVRANGE', KEYS[1], ARGV[2], ARGV[3], 'WITHSCORES')
+"""
+
+
+def recent_sessions(client: redis.Redis, keys: Keys, start: int, stop: int) -> list[tuple[str, float]]:
+    """The active sessions ranked ``start`` to ``stop`` (inclusive) by last activity, most recent
+    first, with its time (unix s, Redis's clock); those idle past ``STATE_IDLE_TTL_S`` pruned first."""
+    flat = client.eval(RECENT_SESSIONS, 1, keys.sessions, STATE_IDLE_TTL_S, start, stop)
+    return [(as_text(flat[i]), float(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+
 def known_sessions(client: redis.Redis, keys: Keys) -> int:
     """How many sessions are active: written to within ``STATE_IDLE_TTL_S``, by Redis's clock (the
     index's older members, whose states expired, pruned first)."""

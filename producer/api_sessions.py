@@ -31,7 +31,7 @@ from compactor.dead_letters import read_dead_letters
 from compactor.held import lease_holders, parse_held
 from compactor.keys import Keys
 from compactor.queue import pending_job_id
-from compactor.store import READER_LOCK_WAIT_S, SessionStore, bound_elsewhere, check_logged_cwd, known_sessions
+from compactor.store import READER_LOCK_WAIT_S, SessionStore, bound_elsewhere, check_logged_cwd, recent_sessions
 from events.config import Settings
 from events.errors import CompactorError, InvalidInput, LogLocked, LogWriteFailed, SessionNotFound
 from events.log import SessionLog
@@ -188,13 +188,13 @@ def recent_session_bodies(client: redis.Redis, settings: Settings, limit: int, *
     start, limit = 0, max(limit, 1)
     # a session whose log is gone is left out and the next ones fill its place (the page showed "the
     # 0 most recently active of 10" under an empty table), looking through REFILL_PAGES pages at most
-    known_sessions(client, keys)  # (those idle past their states' TTL out first: listed, they had no state)
     while len(bodies) < limit and start < REFILL_PAGES * limit:
-        ranked: list[Any] = client.zrevrange(keys.sessions, start, start + limit - 1, withscores=True)
+        # (those idle past their states' TTL pruned first: listed, they had no state, "no log")
+        ranked = recent_sessions(client, keys, start, start + limit - 1)
         if not ranked:
             break
         start += len(ranked)
-        recent = [(sid, float(score)) for raw, score in ranked if (sid := as_text(raw)) not in seen]
+        recent = [(sid, score) for sid, score in ranked if sid not in seen]
         seen.update(sid for sid, _ in recent)
         bodies += _ranked_bodies(client, settings, store, keys, recent)[:limit - len(bodies)]
     return bodies

@@ -34,6 +34,10 @@ Invariants:
   another count is refused, ``ShardCountMismatch``, exit 2, not retried), and
   writes to the data dir it started on, which Redis records
   (``compactor.datadir.DataDirWatch``, each tick: ``DataDirChanged``, exit 2).
+- A shard whose stream key holds another type (``NotAStream``: a stray key, a
+  collision) is set aside: no cursor, so no read, wait or trim touches it; its
+  lease is kept (another watcher would only fail the same way), and it is taken
+  afresh at each tick until the key is fixed. The other shards go on.
 - On stop: the batch in hand is finished, leases are released, the watcher
   leaves the registry.
 """
@@ -74,7 +78,7 @@ from producer.watcher.batch import HELD_LOG_EVERY_S, BatchOutcome, ShardCursor, 
 from producer.watcher.entries import Entry, Rejected, decode_entry, misrouted, requalified_uuid
 from producer.watcher.leases import RENEW_FRACTION, LeaseLost, ShardLeases
 from producer.watcher.orphans import ORPHAN_SWEEP_INTERVAL_S, letter_orphans
-from producer.watcher.streams import RawEntry, ReadResult, ShardStreams, entry_mark
+from producer.watcher.streams import NotAStream, RawEntry, ReadResult, ShardStreams, entry_mark
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +92,7 @@ DEFAULT_ENCODING = "cl100k_base"
 # before it holds that session back and goes on: one paused holder had stopped every session's appends
 LOG_LOCK_WAIT_S = 0.5
 WARM_UP_MODEL = "gpt-4"  # any model litellm knows: the first lookup imports litellm
+NOT_A_STREAM_LOG_EVERY_S = 60.0  # a shard key holding another type is logged when met, then this often
 
 
 class Watcher:
@@ -113,6 +118,7 @@ class Watcher:
         self._next_held_prune = 0.0
         self._next_beat = 0.0  # (within a long round: renewals and heartbeat, ``_beat_if_due``)
         self._data_dir: DataDirWatch | None = None  # (at the start)
+        self._not_streams: dict[int, float] = {}  # shards set aside (``_set_aside``) -> last logged, monotonic
         self._hold_record = self.redis.register_script(HOLD)
         self._prune_held = self.redis.register_script(PRUNE)
 
@@ -162,7 +168,10 @@ class Watcher:
             self._data_dir = DataDirWatch(self.redis, self.settings)
             self._first_beat()  # (first: a shard count other live watchers do not share is refused
             for n in range(self.keys.shards):  # before this one creates any group or takes any lease)
-                self.streams.ensure_group(n)
+                try:
+                    self.streams.ensure_group(n)
+                except NotAStream as e:
+                    self._set_aside(e)
             self._warn_of_eviction()
             self._started = True
 
@@ -218,6 +227,8 @@ class Watcher:
             if n not in self.cursors:
                 try:
                     self._take(n)
+                except NotAStream as e:
+                    self._set_aside(e)
                 except redis.RedisError as e:  # (one line: a traceback each tick buried the reason, an ACL's)
                     logger.error("taking shard %d failed; retried next tick id=%s error=%s", n, self.id, e)
         for n in [n for n in self.cursors if n not in self.leases.owned]:
@@ -245,13 +256,26 @@ class Watcher:
         The states cached of its sessions are forgotten: a shard is taken again after its lease
         was lost, as when Redis restarted without its data (the states and uuid indexes gone,
         which a cached state matching its log would never have noticed)."""
+        self.streams.ensure_group(shard)  # (first: a key of another type is retried each tick, at one call)
         shard_of = self.store.keys.shard_of
         for sid in [sid for sid in self._sessions if shard_of(sid) == shard]:
             del self._sessions[sid]
-        self.streams.ensure_group(shard)
         claimed = self.streams.claim_foreign(shard, self.settings.watcher.claim_idle_ms)
         self.streams.trim(shard)  # (before reading: a producer's trim of unread entries is seen)
         self.cursors[shard] = ShardCursor(claimed=claimed)
+        if self._not_streams.pop(shard, None) is not None:
+            logger.warning("shard %d is read again: %s is a stream id=%s", shard, self.keys.stream(shard), self.id)
+
+    def _set_aside(self, error: NotAStream) -> None:
+        """A shard whose key holds another type: its cursor dropped (``_tick`` takes it again
+        each tick, which succeeds once the key is deleted or a stream); logged when met, then
+        every ``NOT_A_STREAM_LOG_EVERY_S`` (each try, each tick, logged it)."""
+        self.cursors.pop(error.shard, None)
+        now = time.monotonic()
+        logged = self._not_streams.get(error.shard)
+        if logged is None or now - logged >= NOT_A_STREAM_LOG_EVERY_S:
+            self._not_streams[error.shard] = now
+            logger.error("%s id=%s", error, self.id)
 
     def _trim_due(self) -> None:
         """Trim the owned stream trimmed longest ago, if due: one per tick, so the loop never
@@ -262,7 +286,10 @@ class Watcher:
         if due:
             _, n = min(due)
             self.cursors[n].trimmed_at = now
-            self.streams.trim(n)
+            try:
+                self.streams.trim(n)
+            except NotAStream as e:
+                self._set_aside(e)
 
     # -- reading ------------------------------------------------------------------
 
@@ -282,7 +309,10 @@ class Watcher:
         block = min(block_ms, until_tick_ms)
         tops = {n: c.top for n, c in self.cursors.items() if not c.sweeping}
         if tops:
-            self.streams.wait(tops, block)
+            try:
+                self.streams.wait(tops, block)
+            except NotAStream as e:  # (it turned since the read)
+                self._set_aside(e)
         else:
             self._stop.wait(block / 1000)
 
@@ -373,10 +403,17 @@ class Watcher:
             return False
         if result.deferred:  # (the read's budget went to other shards: read next round, as it is)
             return False
+        if result.not_stream:
+            self._set_aside(self.streams.not_a_stream(shard))
+            return False
         if result.no_group:  # Redis lost its data (a restart without persistence), the states with it:
             logger.warning("consumer group missing, recreating shard=%d", shard)
             self._sessions.clear()  # none cached is trusted; each is loaded, or rebuilt from its log
-            self.streams.ensure_group(shard)
+            try:
+                self.streams.ensure_group(shard)
+            except NotAStream as e:  # (it turned since the read)
+                self._set_aside(e)
+                return False
             cursor.restart_sweep()
             return False
         if not result.entries:

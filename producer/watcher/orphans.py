@@ -18,7 +18,9 @@ between the letters and the group's update letters those entries again on the
 next sweep. A stream whose shard lease is held is not swept: a live watcher
 reads it (one with a higher ``redis.shards`` is refused at the registry while
 another count is live, but one paused past its heartbeat may hold a lease
-still); its entries are swept once the lease is gone.
+still); its entries are swept once the lease is gone. A key there that holds
+another type (a stray key, a collision) is no stream of entries: it is logged
+(ERROR, at each sweep) and skipped, and the other streams are swept.
 """
 
 from __future__ import annotations
@@ -47,15 +49,22 @@ def orphan_streams(client: redis.Redis, keys: Keys) -> list[int]:
     """The ``n`` of the streams ``{p}:events:{n}`` with ``shards <= n < MAX_SHARDS``, or
     ``-MAX_SHARDS < n < 0`` (a producer whose CRC-32 is signed, as JavaScript's ``| 0`` or Java's
     ``int`` make it, and whose ``%`` keeps the sign: its entries were never read nor lettered),
-    whose shard lease no watcher holds: one round trip of EXISTS (a SCAN of the keyspace would
-    stall the watcher's loop with every session's keys)."""
+    whose shard lease no watcher holds: one round trip of TYPE and EXISTS (a SCAN of the keyspace
+    would stall the watcher's loop with every session's keys). Such a key of another type is
+    logged and left out."""
     shards = [*range(keys.shards, MAX_SHARDS), *range(-MAX_SHARDS + 1, 0)]
     pipe = client.pipeline(transaction=False)
     for n in shards:
-        pipe.exists(keys.stream(n))
+        pipe.type(keys.stream(n))
         pipe.exists(keys.lease(n))
     there = pipe.execute()
-    return [n for n, stream, leased in zip(shards, there[::2], there[1::2]) if stream and not leased]
+    found = [(n, as_text(kind)) for n, kind, leased in zip(shards, there[::2], there[1::2])
+             if as_text(kind) != "none" and not leased]
+    for n, kind in found:
+        if kind != "stream":
+            logger.error("%s holds a %s, not a stream: rename or delete it; it is not swept until then (%s)",
+                         keys.stream(n), kind, _where(keys, n))
+    return [n for n, kind in found if kind == "stream"]
 
 
 def letter_orphans(client: redis.Redis, keys: Keys, owner: str) -> int:

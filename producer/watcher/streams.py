@@ -27,6 +27,10 @@ Invariants:
   reader still works on is harmless. Such consumers are deleted only when they
   hold nothing and have been idle for ``claimIdleMs``. Valkey 8 / Redis < 8.4 have
   no ``XREADGROUP ... CLAIM``, so redis-py's ``claim_min_idle_time`` is not used.
+- A shard stream key holding another type (a stray ``SET``, a collision) fails
+  that shard alone: the read script answers -4 for it and the other shards are
+  read; ``ensure_group``, ``trim`` and ``wait`` raise ``NotAStream`` naming the
+  key and the shard (the caller sets the shard aside until the key is fixed).
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ def entry_mark(fields: list[bytes]) -> str:
 
 # KEYS: per shard its lease and its stream; ARGV: owner, group, count, byte budget, then per shard
 # its consumer, start id and first chunk's size. Per shard: -1 not our lease; -2 no such group
-# (NOGROUP); -3 not read, the call's budget spent on the shards before it; {entries}: what was read;
+# (NOGROUP); -3 not read, the call's budget spent on the shards before it; -4 the key holds another
+# type (WRONGTYPE: one stray key failed the read of every shard); {entries}: what was read;
 # a string: nothing to read, the stream's top id. A shard is read in chunks of READ_CHUNK entries at
 # most (fewer once the entries are seen large, here or in the shard's last read) until ``count`` or
 # the budget (the entries' bytes, all shards together): one read of 256 entries per shard, each
@@ -100,6 +105,7 @@ for i = 1, #KEYS / 2 do
       local r = redis.pcall('XREADGROUP', 'GROUP', ARGV[2], consumer, 'COUNT', ask, 'STREAMS', stream, id)
       if type(r) == 'table' and r.err then
         if #got == 0 and string.find(r.err, 'NOGROUP', 1, true) then got = -2; break end
+        if #got == 0 and string.find(r.err, 'WRONGTYPE', 1, true) then got = -4; break end
         return r
       end
       if not r or #r[1][2] == 0 then break end
@@ -113,8 +119,8 @@ for i = 1, #KEYS / 2 do
       if id ~= '>' then id = entries[#entries][1] end
       step = math.max(1, math.min(READ_CHUNK, math.floor((budget - used) * #entries / math.max(size, 1))))
     end
-    if got == -2 then
-      out[i] = -2
+    if got == -2 or got == -4 then
+      out[i] = got
     elseif #got > 0 then
       out[i] = got
     else
@@ -302,6 +308,25 @@ class ReadResult:
     lost: bool = False
     no_group: bool = False
     deferred: bool = False  # not read: the read's budget went to the shards before it
+    not_stream: bool = False  # not read: the key holds another type (``ShardStreams.not_a_stream``)
+
+
+class NotAStream(redis.ResponseError):
+    """A shard's stream key holds another type (WRONGTYPE): the shard cannot be read until the
+    key is renamed or deleted. A ``ResponseError``, so a caller that does not set the shard aside
+    still treats it as the Redis error it was."""
+
+    def __init__(self, shard: int, key: str, kind: str) -> None:
+        held = f"a {kind}" if kind != "none" else "another type"  # (none: deleted since)
+        super().__init__(f"{key} holds {held}, not a stream: rename or delete it; "
+                         f"shard {shard} is not read until then")
+        self.shard = shard
+        self.key = key
+
+
+def wrong_type(error: Exception) -> bool:
+    """Whether ``error`` is Redis's WRONGTYPE (a command, or a script's ``redis.call``)."""
+    return isinstance(error, redis.ResponseError) and "WRONGTYPE" in str(error)
 
 
 class ShardStreams:
@@ -334,12 +359,20 @@ class ShardStreams:
         return [script(keys=keys, args=args) if isinstance(reply, redis.exceptions.NoScriptError) else reply
                 for (script, keys, args), reply in zip(calls, replies)]
 
+    def not_a_stream(self, shard: int) -> NotAStream:
+        """The error for a shard whose key held another type, naming it (one ``TYPE`` call)."""
+        key = self.keys.stream(shard)
+        return NotAStream(shard, key, as_text(self.redis.type(key)))
+
     def ensure_group(self, shard: int) -> None:
-        """Create the shard's group (and stream) reading from the start; no-op when it exists."""
+        """Create the shard's group (and stream) reading from the start; no-op when it exists;
+        ``NotAStream`` when the key holds another type."""
         try:
             self.redis.xgroup_create(self.keys.stream(shard), self.keys.group, id="0", mkstream=True)
             logger.info("consumer group created shard=%d group=%s", shard, self.keys.group)
         except redis.ResponseError as e:
+            if wrong_type(e):
+                raise self.not_a_stream(shard) from e
             if "BUSYGROUP" not in str(e):
                 raise
 
@@ -386,6 +419,8 @@ class ShardStreams:
             return ReadResult([], lost=True)
         if reply == -3:
             return ReadResult([], deferred=True)
+        if reply == -4:
+            return ReadResult([], not_stream=True)
         if isinstance(reply, (bytes, str)):
             return ReadResult([], top=as_text(reply))
         return ReadResult([(entry[0], entry[1] or None) for entry in reply])
@@ -431,6 +466,8 @@ class ShardStreams:
         for n, reply in zip(shards, acks):
             if isinstance(reply, redis.ResponseError) and "NOGROUP" in str(reply):
                 continue  # Redis lost the group: nothing is pending any more
+            if wrong_type(reply):  # (the stream turned since the read, or {p}:dead: name the key)
+                raise self._wrong_keys(n) or reply
             if isinstance(reply, Exception):
                 raise reply
             result[n] = int(reply) >= 0
@@ -440,7 +477,13 @@ class ShardStreams:
         """Drop entries no group needs any more; the number trimmed. First dead-letter, once, the
         loss of entries deleted before the watchers' group read them (see ``UNREAD_DELETED``)."""
         keys = [self.keys.lease(shard), self.keys.stream(shard), self.keys.dead, self.keys.unread_deleted(shard)]
-        reply = self._trim(keys=keys, args=[self.owner, self.keys.group, DEAD_LETTER_MAXLEN, UNREAD_DELETED])
+        try:
+            reply = self._trim(keys=keys, args=[self.owner, self.keys.group, DEAD_LETTER_MAXLEN, UNREAD_DELETED])
+        except redis.ResponseError as e:
+            named = self._wrong_keys(shard) if wrong_type(e) else None
+            if named is None:
+                raise
+            raise named from e
         if reply == -1:
             return 0
         trimmed, delivered, lost, deleted = int(reply[0]), as_text(reply[1]), int(reply[2]), as_text(reply[3])
@@ -455,11 +498,38 @@ class ShardStreams:
         return trimmed
 
     def wait(self, tops: dict[int, str], block_ms: int) -> bool:
-        """Block until an entry newer than ``tops`` arrives on any shard; True when one did."""
+        """Block until an entry newer than ``tops`` arrives on any shard; True when one did.
+        ``NotAStream`` for a shard whose key holds another type (False: none does now)."""
         if not tops or block_ms <= 0:
             return False
         streams: dict[Any, Any] = {self.keys.stream(n): top for n, top in tops.items()}
-        return bool(self.redis.xread(streams, count=1, block=block_ms))
+        try:
+            return bool(self.redis.xread(streams, count=1, block=block_ms))
+        except redis.ResponseError as e:
+            if not wrong_type(e):
+                raise
+            pipe = self.redis.pipeline(transaction=False)
+            for key in streams:
+                pipe.type(key)
+            for n, kind in zip(tops, pipe.execute()):
+                if as_text(kind) not in ("stream", "none"):
+                    raise NotAStream(n, self.keys.stream(n), as_text(kind)) from e
+            return False
+
+    def _wrong_keys(self, shard: int) -> redis.ResponseError | None:
+        """A script's WRONGTYPE made plain: ``NotAStream`` when the shard's stream is the key at
+        fault, an error naming ``{p}:dead`` when that is (no letter can be written), else None."""
+        stream, dead = self.keys.stream(shard), self.keys.dead
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.type(stream)
+        pipe.type(dead)
+        kind, dead_kind = (as_text(reply) for reply in pipe.execute())
+        if kind not in ("stream", "none"):
+            return NotAStream(shard, stream, kind)
+        if dead_kind not in ("stream", "none"):
+            return redis.ResponseError(f"{dead} holds a {dead_kind}, not a stream: rename or delete it; "
+                                       "no entry can be dead-lettered until then")
+        return None
 
     def claim_foreign(self, shard: int, min_idle_ms: int) -> set[str]:
         """Move every entry pending under another consumer name into ``shard-{n}``; the ids of the

@@ -226,15 +226,16 @@ def test_reading_a_session_after_a_settings_change_leaves_its_last_activity(
     log and stored it as a write does: every listed session became active "now", the list's order
     scrambled and the 7-day retention restarted."""
     keys = Keys(sessions.redis.prefix, sessions.redis.shards)
-    r.zadd(keys.sessions, {BUSY: 1_000.0, BROKEN: 2_000.0})
+    busy, broken = float(int(time.time()) - 2_000), float(int(time.time()) - 1_000)  # (within the idle TTL)
+    r.zadd(keys.sessions, {BUSY: busy, BROKEN: broken})
     r.expire(keys.session(BUSY), 1_000)  # (the state ages as it did: a read is no write)
     changed = sessions.model_copy(update={"context": sessions.context.model_copy(
         update={"micro_compact_keep_chars": sessions.context.micro_compact_keep_chars + 1})})
     with TestClient(create_app(changed, r)) as client:
         rows = client.get("/api/sessions").json()
         assert client.get(f"/api/sessions/{BUSY}", params={"cwd": CWD}).status_code == 200
-    assert [(row["sessionId"], row["lastActivity"]) for row in rows] == [(BROKEN, 2_000.0), (BUSY, 1_000.0)]
-    assert r.zscore(keys.sessions, BUSY) == 1_000.0 and r.zscore(keys.sessions, BROKEN) == 2_000.0
+    assert [(row["sessionId"], row["lastActivity"]) for row in rows] == [(BROKEN, broken), (BUSY, busy)]
+    assert r.zscore(keys.sessions, BUSY) == busy and r.zscore(keys.sessions, BROKEN) == broken
     stored = SessionStore(r, changed).load(BUSY)
     assert stored is not None and stored.settings == changed.context.state_fingerprint  # rebuilt and stored
     assert 0 < r.ttl(keys.session(BUSY)) <= 1_000 and 0 < r.ttl(keys.uuids(BUSY)) <= 1_000
