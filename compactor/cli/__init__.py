@@ -84,8 +84,8 @@ def main() -> None:
             if sys.stdout is not None:
                 sys.stdout.flush()  # (what is left buffered fails here, not at exit: "Exception ignored", 120)
     except OSError as e:
-        if e.errno not in OUTPUT_ERRNOS or e.filename is not None:  # (a stream's write names no file)
-            raise
+        if e.errno not in OUTPUT_ERRNOS or e.filename is not None or not _in_output(e):
+            raise  # (a log's read failing EIO is no output's: its traceback, as before)
         _say_unwritten(e)
         raise SystemExit(1) from None
     except SystemExit as e:
@@ -99,6 +99,16 @@ def main() -> None:
     finally:
         if stdout is not None:
             os.close(stdout)
+
+
+def _in_output(error: OSError) -> bool:
+    """Whether ``error`` was raised writing the output: in typer's or click's ``echo``, rich's
+    console, or this module's last flush (a stream's write names no file, nor does a read's)."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_code.co_filename if tb is not None else ""
+    return where == __file__ or any(f"{os.sep}{package}{os.sep}" in where for package in ("typer", "click", "rich"))
 
 
 def _say_unwritten(error: OSError) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -1055,6 +1057,26 @@ def test_output_to_a_full_disk_is_said_in_one_line_exit_1(tmp_path: Path, args: 
     said = process.stderr.decode().strip().splitlines()
     assert (process.returncode, said[-1]) == (1, "compactor: cannot write the output: No space left on device")
     assert "Traceback" not in process.stderr.decode()
+
+
+def test_only_an_error_writing_the_output_is_said_as_one() -> None:
+    """A log's read failing EIO names no file either: it is no output's, and keeps its traceback."""
+    from compactor.cli import _in_output
+
+    def read_a_log() -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(OSError) as read:
+        read_a_log()
+    assert not _in_output(read.value)
+    full = open("/dev/full", "w")  # noqa: SIM115
+    try:
+        with pytest.raises(OSError) as written:
+            typer.echo("x", file=full)
+    finally:
+        with contextlib.suppress(OSError):  # (what it holds buffered fails again)
+            full.close()
+    assert _in_output(written.value)
 
 
 @pytest.mark.parametrize("args", [["status"], ["compact", SID, "--cwd", CWD]])
