@@ -121,13 +121,15 @@ _CLIPPED_LENGTHS = frozenset({MAX_LINE_CHARS, TIGHT_BOUNDS.line_chars, MINIMAL_B
 # ``app/[id]/page.tsx`` was listed as ``/page.tsx``, another path, and ``app/(auth)/login/page.tsx`` not at all.
 # A path does not start with ``@`` (an agent's ``@src/app.py`` is ``src/app.py``), nor right after a ``]``, a ``)``
 # (a segment bracketed otherwise is not taken for the root of the rest) or an ``@`` (each letter of
-# ``@a/@a/...`` was a start, scanned to the run's end: quadratic); a markdown link's
+# ``@a/@a/...`` was a start, scanned to the run's end: quadratic), nor at a ``[`` or ``(`` right after
+# one (each inner ``[`` of ``[[x]/[[x]/...`` was such a start); a markdown link's
 # ``[src/app.py](src/app.py)`` is the path twice, without its brackets.
-_SEGMENT = r"(?:[\w.+-]|\[\[?[\w.+-]+\]\]?|\([\w.+-]+\))"
+_SEGMENT = r"(?:[\w.+-]|(?<=[\w.+-])@(?=[\w.+-])|\[\[?[\w.+-]+\]\]?|\([\w.+-]+\))"  # (an ``@`` between
+# a segment's characters too: pnpm's ``.pnpm/react@18.2.0/``, Go's ``bar@v1.2.3/``)
 _DIRECTORY = rf"@?{_SEGMENT}+/"  # (a scope's ``@`` opens a segment only: anywhere in one, a run of ``@a@a``
 # was scanned to its end from each of its letters)
 _PATH = re.compile(
-    r"(?<![\w/.<\\+\])@-])@?(?!@)("
+    r"(?<![\w/.<\\+\])@-])(?!(?<=[\[(])[\[(])@?(?!@)("
     # Windows: from a drive (C:\src\app), or relative with an extension (src\app\main.py); its
     # basename alone was listed
     r"[A-Za-z]:\\(?:[\w.-]+\\)*[\w.-]*[\w-]\\?|(?:\.{1,2}\\)?(?:[\w.-]+\\)+[\w.-]+\.[A-Za-z0-9]{1,8}"
@@ -579,8 +581,8 @@ def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]], bounds
             for counted in counts:  # (none left: its one entry clipped by the last resort; dropped, not kept
                 assert counted is not None  # beside a new line counting again from 1)
                 tools[counted.group(1)] += int(counted.group(2))
-        else:  # (an LLM's own "- tools used: ..." line is carried as it is)
-            lines.append(line)
+        else:  # (an LLM's own "- tools used: ..." line is carried, clipped as its other items are)
+            lines.append(line if len(line) - 2 <= bounds.line_chars else f"- {_clip(line[2:], bounds.line_chars)}")
     for event in assistants:
         for call in tool_calls(event):
             if call.get("name"):
@@ -668,7 +670,9 @@ def _unwrapped(item: str) -> str:
 
 def _errors(previous: dict[str, str], events: Sequence[dict[str, Any]], results: list[dict[str, Any]],
             bounds: Bounds, outputs: Mapping[int, str]) -> str:
-    carried = _carried(previous.get("Errors and Fixes"), bounds.line_chars)
+    # (an item is ``[tool] `` and a line, each clipped to ``line_chars``: clipped to that whole, an error
+    # that came again was listed twice, carried clipped and new whole)
+    carried = _carried(previous.get("Errors and Fixes"), 2 * bounds.line_chars + 3)
     lines: list[str] = []
     shown = _content_results(events)
     wanted = {id(event) for event in results}

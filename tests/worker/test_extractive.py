@@ -133,8 +133,12 @@ def test_route_segments_and_package_scopes_are_part_of_the_path() -> None:
                             "app/[[...slug]]/page.tsx", "node_modules/@tanstack/react-query/build/index.js"]
     # an agent's @mention, a markdown link and a segment bracketed otherwise: no other path made of them
     assert _paths("@src/app.py, [src/a.py](src/a.py) and app/[id=x]/page.tsx") == ["src/app.py", "src/a.py", "src/a.py"]
+    # an @ between a segment's characters: pnpm's store, Go's module cache
+    assert _paths("node_modules/.pnpm/react@18.2.0/node_modules/react/index.js and mod/foo/bar@v1.2.3/x.go") == [
+        "node_modules/.pnpm/react@18.2.0/node_modules/react/index.js", "mod/foo/bar@v1.2.3/x.go"]
     started = time.monotonic()
-    for run in ("@a/" * 30_000, "a/@" * 30_000, "[a]/" * 30_000 + "x", "(a/" * 30_000):
+    for run in ("@a/" * 30_000, "a/@" * 30_000, "[a]/" * 30_000 + "x", "(a/" * 30_000, "[[a]/" * 30_000,
+                "((a)/" * 30_000, "a@a/" * 30_000):
         _paths(run)
     assert time.monotonic() - started < 3.0  # (each letter of ``@a/@a/...`` a start: minutes)
 
@@ -156,9 +160,25 @@ def test_a_previous_summarys_long_dash_bullets_are_clipped_like_its_other_items(
                    {"type": "assistant", "turnId": turn, "content": "Done.", "toolCalls": []}]
     sections = split_sections(extractive_summary(events, previous, limit_tokens=1000))
     assert sections["Optional Next Step"].endswith("handle the refund path")  # (whole: no last resort)
-    assert all(len(line) <= 302 for title in SECTION_TITLES if title != "All User Messages"
-               for line in sections[title].splitlines())
+    assert all(len(line) <= (2 * 300 + 5 if title == "Errors and Fixes" else 302)  # (``[tool] `` and a line)
+               for title in SECTION_TITLES if title != "All User Messages" for line in sections[title].splitlines())
     assert sections["All User Messages"].count("- message:") == 6
+
+
+def test_a_long_error_that_comes_again_is_listed_once() -> None:
+    """Carried items clipped to ``line_chars`` whole: an error item is ``[tool] `` and a line each clipped
+    to it, so the carried copy of a 295-character error was clipped and the new one not: listed twice."""
+    error = ("ValueError: " + "the configured retry budget was exceeded while contacting upstream " * 5)[:295].rstrip()
+
+    def batch(turn: int) -> list[dict[str, Any]]:  # (room: a long reply, so the summaries keep their full bounds)
+        return [{"type": "user", "turnId": turn, "content": f"run the tests {turn}"},
+                {"type": "assistant", "turnId": turn, "content": "running " + "filler words here " * 2000,
+                 "toolCalls": [{"id": f"c{turn}", "name": "Bash", "arguments": {"command": "pytest"}}]},
+                {"type": "tool_result", "turnId": turn, "toolCallId": f"c{turn}", "toolName": "Bash", "output": error}]
+    first = extractive_summary(batch(1), None)
+    assert split_sections(first)["Errors and Fixes"].splitlines() == [f"- [Bash] {error}"]
+    errors = split_sections(extractive_summary(batch(2), first))["Errors and Fixes"].splitlines()
+    assert errors == [f"- [Bash] {error}"]
 
 
 def test_a_line_of_inline_code_or_an_indented_fence_hides_no_later_task() -> None:
