@@ -409,6 +409,12 @@ def test_a_worker_started_while_redis_refuses_writes_waits_and_then_takes_jobs(
                 client.config_set("min-replicas-to-write", 0)
             assert _wait_job(client, job, 30).get_status() == JobStatus.FINISHED
             assert worker.poll() is None
+            # both registered: the one refused is served again (its next try can be 8 s off; the other,
+            # its preload slowed past the refusal on a loaded machine, took the job meanwhile)
+            from rq import Worker
+            deadline = time.monotonic() + 60
+            while Worker.count(connection=client) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
         finally:
             output = _stop(worker)
         assert "Redis does not serve worker=" in output and "again after" in output, output
