@@ -114,30 +114,24 @@ if stored_newer then return 0 end
 return 1
 """
 
-# KEYS: the active sessions' index. ARGV: the idle TTL (s). The sessions idle past it leave the
-# index, and its size is returned: a writer's save prunes it (``SAVE_STATE``), but after a week
-# with no write at all every session was still in it with its state expired: ``status`` said
-# none had a log in the data dir ("is it the data dir they were written to?"), the API listed
-# none while the overview and ``compactor_sessions`` counted them all.
+# KEYS: the active sessions' index. ARGV: the idle TTL (s), then optionally start and stop. The
+# sessions idle past the TTL leave the index, then its size is returned, or with start and stop
+# that page of it, most recent first, with the scores (one round trip): a writer's save prunes it
+# (``SAVE_STATE``), but after a week with no write at all every session was still in it with its
+# state expired: ``status`` said none had a log in the data dir ("is it the data dir they were
+# written to?"), the API listed none while the overview and ``compactor_sessions`` counted them all.
 PRUNE_IDLE = """
 local now = redis.call('TIME')
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (tonumber(now[1]) - tonumber(ARGV[1])))
+if ARGV[3] then return redis.call('ZREVRANGE', KEYS[1], ARGV[2], ARGV[3], 'WITHSCORES') end
 return redis.call('ZCARD', KEYS[1])
-"""
-
-
-# ... and a page of the rest, most recent first (ARGV: the idle TTL, start, stop): one round trip
-RECENT_SESSIONS = """
-local now = redis.call('TIME')
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (tonumber(now[1]) - tonumber(ARGV[1])))
-return redis.call('ZREVRANGE', KEYS[1], ARGV[2], ARGV[3], 'WITHSCORES')
 """
 
 
 def recent_sessions(client: redis.Redis, keys: Keys, start: int, stop: int) -> list[tuple[str, float]]:
     """The active sessions ranked ``start`` to ``stop`` (inclusive) by last activity, most recent
     first, with its time (unix s, Redis's clock); those idle past ``STATE_IDLE_TTL_S`` pruned first."""
-    flat = client.eval(RECENT_SESSIONS, 1, keys.sessions, STATE_IDLE_TTL_S, start, stop)
+    flat = client.eval(PRUNE_IDLE, 1, keys.sessions, STATE_IDLE_TTL_S, start, stop)
     return [(as_text(flat[i]), float(flat[i + 1])) for i in range(0, len(flat), 2)]
 
 

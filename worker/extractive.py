@@ -582,7 +582,7 @@ def _concepts(previous: dict[str, str], assistants: list[dict[str, Any]], bounds
                 assert counted is not None  # beside a new line counting again from 1)
                 tools[counted.group(1)] += int(counted.group(2))
         else:  # (an LLM's own "- tools used: ..." line is carried, clipped as its other items are)
-            lines.append(line if len(line) - 2 <= bounds.line_chars else f"- {_clip(line[2:], bounds.line_chars)}")
+            lines.append(_clipped_item(line, bounds.line_chars))
     for event in assistants:
         for call in tool_calls(event):
             if call.get("name"):
@@ -1031,8 +1031,7 @@ def _carried(body: str | None, line_chars: int = MAX_LINE_CHARS, whole: str | No
     lines = []
     for line in (body or "").splitlines():
         if line.startswith("- "):
-            lines.append(line if len(line) - 2 <= line_chars or (whole is not None and line.startswith(whole))
-                         else f"- {_clip(line[2:], line_chars)}")
+            lines.append(line if whole is not None and line.startswith(whole) else _clipped_item(line, line_chars))
             continue
         text = line.strip()
         if not text or text in ("None.", "None") or _FENCE.match(text):
@@ -1040,6 +1039,11 @@ def _carried(body: str | None, line_chars: int = MAX_LINE_CHARS, whole: str | No
         bullet = _BULLET.match(text)
         lines.append(f"- {_clip(bullet.group(1) if bullet else text, line_chars)}")
     return lines
+
+
+def _clipped_item(line: str, line_chars: int) -> str:
+    """A ``- `` item with its text clipped to ``line_chars`` (as it is when it fits)."""
+    return line if len(line) - 2 <= line_chars else f"- {_clip(line[2:], line_chars)}"
 
 
 _BULLET = re.compile(r"(?:[-*+]|\d{1,3}[.)])\s+(.*)")
