@@ -123,13 +123,20 @@ def not_found(store: SessionStore, session_id: str, cwd: str) -> Exception:
     when Redis holds it under another (POST .../events says so; these said 404 'no session'), else
     SPEC §7's 404 (also when Redis does not answer: the log is known to be missing, and the 503
     a client would retry on could never become anything but this 404)."""
+    state = bound_state(store, session_id, cwd)
+    if state is not None:
+        return bound_elsewhere(session_id, state.cwd, cwd)
+    return SessionNotFound(f"no session {session_id} under cwd {cwd}")
+
+
+def bound_state(store: SessionStore, session_id: str, cwd: str) -> SessionState | None:
+    """The session's stored state when Redis holds it under another cwd than ``cwd`` (None when
+    it holds it under that one, holds none, or does not answer)."""
     try:
         state = store.load(session_id)
     except redis.RedisError:
-        state = None
-    if state is not None and state.cwd != cwd:
-        return bound_elsewhere(session_id, state.cwd, cwd)
-    return SessionNotFound(f"no session {session_id} under cwd {cwd}")
+        return None
+    return state if state is not None and state.cwd != cwd else None
 
 
 def _pending(client: redis.Redis, settings: Settings, session_id: str) -> PendingJob | None:

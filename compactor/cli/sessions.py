@@ -90,6 +90,7 @@ def compact(
     settings: Settings | None = None
     client: Any = None
     job_id: str | None = None
+    elsewhere: int | None = None  # the estimate of a session bound to another cwd than --cwd
     try:
         with interrupted_by_signals():  # (stopped while it waits: the JSON line too, then 130 or 128+N)
             # (the imports in the block: RQ's and the API's took up to 0.8 s, and a Ctrl-C or SIGTERM
@@ -104,7 +105,9 @@ def compact(
             settings = readable_data_dir(load(config, redis_url=redis_url, data_dir=data_dir), data_dir, config)
             with user_errors():
                 sid, cwd = validate_session_id(session), validate_cwd(cwd)
-                _require_log(settings, sid, cwd)
+                refusal, elsewhere = _log_refusal(settings, sid, cwd)
+                if refusal is not None:
+                    raise refusal
                 client = connect(settings)
                 wait_s = timeout or settings.api.job_wait_seconds
                 job_id = enqueue_forced_compaction(client, settings, sid, cwd)
@@ -125,7 +128,7 @@ def compact(
         if signalled and job_id is not None:  # (it said nothing: a second ``compact`` joined the same job unsaid)
             err_console.print(f"stopped waiting: compaction job {job_id} was queued and runs on; see GET "
                               f"/api/jobs/{job_id}", markup=False, soft_wrap=True)
-        print_json(_nothing_compacted(client, settings, session, cwd))
+        print_json(_nothing_compacted(client, settings, session, cwd, elsewhere))
         raise
     if job.status == "finished" and job.result is not None:
         result = job.result
@@ -171,14 +174,17 @@ class CompactCommand(TyperCommand):
             raise
 
 
-def _nothing_compacted(client: Any, settings: Settings | None, session_id: str, cwd: str) -> dict[str, Any]:
-    """``{didCompress: false, released: 0, promptEstimate}``: the estimate as stored, else (Redis has
-    no state of the session, or does not answer) as the log gives it, else 0 (no settings, no valid
-    session, no log, or one that cannot be read: the reason of the failure is said on stderr)."""
+def _nothing_compacted(client: Any, settings: Settings | None, session_id: str, cwd: str,
+                       estimate: int | None = None) -> dict[str, Any]:
+    """``{didCompress: false, released: 0, promptEstimate}``: ``estimate`` when known (a session
+    bound to another cwd: its own), else the estimate as stored, else (Redis has no state of the
+    session, or does not answer) as the log gives it, else 0 (no settings, no valid session, no log,
+    or one that cannot be read: the reason of the failure is said on stderr)."""
     from events.models import CompressResult
 
-    return CompressResult(did_compress=False, released=0,
-                          prompt_estimate=_estimate_now(client, settings, session_id, cwd)).model_dump(by_alias=True)
+    if estimate is None:
+        estimate = _estimate_now(client, settings, session_id, cwd)
+    return CompressResult(did_compress=False, released=0, prompt_estimate=estimate).model_dump(by_alias=True)
 
 
 def _estimate_now(client: Any, settings: Settings | None, session_id: str, cwd: str) -> int:
@@ -199,29 +205,33 @@ def _estimate_now(client: Any, settings: Settings | None, session_id: str, cwd: 
         return 0
 
 
-def _require_log(settings: Settings, session_id: str, cwd: str) -> None:
-    """SessionNotFound unless the session has a log under ``cwd``; a session Redis holds under
-    another cwd is refused naming it, as the API does (exit 2: ``no session`` hid the mistake)."""
+def _log_refusal(settings: Settings, session_id: str, cwd: str) -> tuple[CompactorError | None, int | None]:
+    """None when the session has a log under ``cwd``, else what to raise: SessionNotFound, or, for a
+    session Redis holds under another cwd, the refusal naming that cwd, as the API does (exit 2: ``no
+    session`` hid the mistake), with that session's stored estimate (the JSON line's: the log under
+    ``--cwd`` is not the session's, and counted nothing)."""
     import redis
 
     from compactor.serve import client_redis_url
-    from compactor.store import SessionStore
+    from compactor.store import SessionStore, bound_elsewhere
     from events.errors import InvalidConfig
     from events.log import SessionLog
-    from producer.api_sessions import not_found
+    from producer.api_sessions import bound_state
 
     if SessionLog(settings.data_dir, cwd, session_id).found():
-        return
+        return None, None
     missing = SessionNotFound(f"no session {session_id} under cwd {cwd} (data dir {settings.data_dir})")
     try:  # (no Redis to ask, or it does not answer: no session, the log is known to be missing)
         client = redis.Redis.from_url(client_redis_url(settings), socket_timeout=5, socket_connect_timeout=2)
     except InvalidConfig:
-        raise missing from None
+        return missing, None
     try:
-        refusal = not_found(SessionStore(client, settings), session_id, cwd)
+        state = bound_state(SessionStore(client, settings), session_id, cwd)
     finally:
         client.close()
-    raise missing if isinstance(refusal, SessionNotFound) else refusal
+    if state is None:
+        return missing, None
+    return bound_elsewhere(session_id, state.cwd, cwd), state.prompt_estimate
 
 
 def context(

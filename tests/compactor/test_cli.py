@@ -1649,7 +1649,11 @@ def test_compact_under_another_cwd_than_the_sessions_names_it_exit_2(runner: Cli
     assert result.exit_code == 2, result.output
     assert f"session {SID} is bound to cwd '{CWD}', not '/elsewhere'" in result.stderr
     assert compaction_queue(r, settings).count == 0
-    assert json.loads(result.stdout.splitlines()[-1])["didCompress"] is False
+    # the session's own estimate, as for another spelling of its cwd (it was 0: the log under /elsewhere's)
+    estimate = SessionStore(r, settings).load(SID).prompt_estimate  # type: ignore[union-attr]
+    assert estimate > 0
+    assert json.loads(result.stdout.splitlines()[-1]) == {"didCompress": False, "released": 0,
+                                                          "promptEstimate": estimate}
 
 
 def test_compact_of_unknown_session_with_no_redis_to_ask_is_still_no_session(runner: CliRunner,
