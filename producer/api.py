@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
@@ -58,6 +57,7 @@ from compactor.keys import Keys
 from compactor.queue import ABANDONED_WORDS, enqueue_forced_compaction
 from compactor.redis_errors import probe_writes
 from compactor.serve import client_redis_url
+from compactor.signal_safe import SignalSafeEvent
 from compactor.shards import ShardCountMismatch, ShardGuard
 from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd
 from events.checks import check_past_turns
@@ -646,7 +646,7 @@ def create_app(settings: Settings, redis: redis.Redis | None = None) -> FastAPI:
     app = FastAPI(title="compactor", version=__version__, redirect_slashes=False,
                   description="Context compaction service for LLM coding agents (SPEC §7).")
     app.state.settings = settings
-    app.state.stopping = threading.Event()  # set on SIGTERM/SIGINT (``compactor api``): waits answer 202 at once
+    app.state.stopping = SignalSafeEvent()  # set on SIGTERM/SIGINT (``compactor api``): waits answer 202 at once
     app.state.redis = redis if redis is not None else make_redis(settings)
     app.state.shard_guard = ShardGuard(Keys(settings.redis.prefix, settings.redis.shards), settings.watcher.lease_ms)
     from producer.status_page import STATUS_ROUTERS, install_status_page

@@ -92,6 +92,7 @@ from rq.job import Job, JobStatus
 
 from compactor.deferred import Deferred
 from compactor.queue import pending_job_id, queue_release, redis_time_s, released_trigger
+from compactor.signal_safe import SignalSafeEvent
 from compactor.store import UNREAD, ApplyResult, SessionStore, Stored
 from events.config import ContextSettings, Settings
 from events.errors import (
@@ -181,7 +182,7 @@ ABANDON_CHECK_AFTER_S = 10.0
 # so it ends within one call of the stop (compose's ``stop_grace_period``, serve's 15 s to its
 # children): a fallback after a timed-out call, or a backlog's chunks, outlasted the grace, and the
 # job was SIGKILLed, then run again from the start.
-STOPPING = threading.Event()
+STOPPING = SignalSafeEvent()  # (set by a signal handler)
 
 
 def _abandoned(run: JobRun | None, what: str) -> JobAbandoned:

@@ -68,6 +68,7 @@ from compactor.keys import Keys
 from compactor.queue import UNCHECKED, Trigger, parse_job_id, trigger_compactions
 from compactor.serve import hangup_ignored
 from compactor.shards import ShardCountMismatch, gone_quiet
+from compactor.signal_safe import SignalSafeEvent
 from compactor.store import UNREAD, Lookup, SessionStore
 from events.config import Settings
 from events.errors import CompactorError, InvalidConfig, InvalidEvent, InvalidInput, LogLocked
@@ -684,7 +685,7 @@ def main(settings: Settings, *, name: str | None = None) -> None:
     """Run a watcher until SIGTERM/SIGINT (``compactor watch``); needs ``redis.url``."""
     if not settings.redis.url:
         raise InvalidConfig("redis.url", "the watcher alone needs a Redis URL (`compactor serve` embeds one)")
-    stop = threading.Event()
+    stop = SignalSafeEvent()
 
     def _stop(signum: int, _frame: FrameType | None) -> None:
         logger.info("watcher stopping signal=%s", signal.Signals(signum).name)
