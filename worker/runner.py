@@ -277,6 +277,14 @@ class CompactionWorker(SimpleWorker):
         STOPPING.set()
         super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
 
+    def set_shutdown_requested_date(self) -> None:
+        """RQ's record of when the stop was asked for (``rq info`` shows it), skipped while Redis
+        does not serve. RQ writes it from the stop signal's handler, so Redis's error was raised
+        wherever the main thread was: in the job in hand, whose LLM call was cut at once (the
+        job left to the janitor, run again from the start) by a warm stop during an outage."""
+        with self._unless_down("recording the stop request"):
+            super().set_shutdown_requested_date()  # type: ignore[no-untyped-call]
+
     def request_force_stop(self, signum: int, frame: Any) -> None:
         """RQ's cold shutdown (the job in hand cut, failed) on a second Ctrl-C only: a SIGTERM once
         the warm stop began is the same stop (the supervisor passes a hang-up or a Ctrl-C on as

@@ -376,6 +376,41 @@ def test_a_worker_rides_out_a_redis_that_refuses_writes_and_takes_jobs_again(
         assert sum(json.loads(line)["type"] == "summary" for line in log_lines(wsettings, "s2")) == 1
 
 
+def test_a_stop_while_redis_refuses_writes_still_lets_the_job_in_hand_finish(
+    stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
+) -> None:
+    """RQ records the stop's date from the signal handler; refused, its error was raised inside
+    the job in hand, which was cut mid-call (left to the janitor, its LLM call wasted) though
+    Redis served again a moment later. Now the job finishes its call and its writes, then the
+    worker stops."""
+    with tempfile.TemporaryDirectory(prefix="refusal-") as directory, EmbeddedRedis(Path(directory)) as server:
+        client = redis.Redis.from_url(server.url)
+        env = {**env_for_subprocess, "REDIS_URL": server.url}
+        config = tmp_path / "compactor.yaml"
+        config.write_text(json.dumps({"dataDir": str(tmp_path / "data"),
+                                      "context": {"compactionModel": STUB_MODEL, "llmTimeoutSeconds": 60}}))
+        wsettings = load_settings(config, env)
+        write_session(client, wsettings, "s1", 3)
+        stub.latency_s = 4
+        worker = _start_worker(config, env)
+        try:
+            job_id = enqueue_compaction(client, wsettings, "s1", CWD, "llm", forced=True)
+            assert job_id is not None
+            stub.wait_for_requests(1, timeout_s=START_S)  # the LLM call is in flight
+            client.config_set("min-replicas-to-write", 1)
+            try:
+                worker.send_signal(signal.SIGTERM)
+                time.sleep(1.0)
+            finally:
+                client.config_set("min-replicas-to-write", 0)
+            assert worker.wait(timeout=30) == 0
+        finally:
+            output = _stop(worker)
+        assert Job.fetch(job_id, connection=client).get_status() == JobStatus.FINISHED, output
+        assert [json.loads(line)["type"] for line in log_lines(wsettings, "s1")].count("summary") == 1, output
+        assert "recording the stop request" in output, output
+
+
 def _refusals(client: redis.Redis) -> int:
     """Writes Redis refused for want of replicas (``min-replicas-to-write``) so far."""
     return int(client.info("errorstats").get("errorstat_NOREPLICAS", {}).get("count", 0))
