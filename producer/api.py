@@ -57,8 +57,8 @@ from compactor.keys import Keys
 from compactor.queue import ABANDONED_WORDS, enqueue_forced_compaction
 from compactor.redis_errors import probe_writes
 from compactor.serve import client_redis_url
-from compactor.signal_safe import SignalSafeEvent
 from compactor.shards import ShardCountMismatch, ShardGuard
+from compactor.signal_safe import SignalSafeEvent
 from compactor.store import SessionStore, bound_elsewhere, check_logged_cwd
 from events.checks import check_past_turns
 from events.config import Settings
