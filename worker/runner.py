@@ -6,7 +6,8 @@ call), preloads the heavy imports (litellm, the tiktoken encodings) once, then
 runs one ``CompactionWorker`` per process: in this process when N is 1, else in N forked
 children that it supervises (a child that dies is replaced, unless one has died
 ``MAX_RESPAWNS`` times within ``RESPAWN_WINDOW_S``: then all stop and
-``WorkersFailed`` says why; SIGTERM/SIGINT are passed on and waited for). A
+``WorkersFailed`` says why; a stop signal is passed on, the first as a SIGTERM, a
+later Ctrl-C as itself, and the children waited for). A
 child whose supervisor was killed stops by itself, as ``serve``'s children do
 (``compactor.serve.exit_with_parent``): SIGTERM within a second, so it finishes
 its job, and SIGKILL 15 s later, abandoning it to the janitor below.
@@ -885,11 +886,16 @@ class _Supervisor:
             child.join(10)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Pass the stop on: the first as a SIGTERM (a warm stop), a later Ctrl-C as itself (a
+        cold one). A Ctrl-C reaches the children from the terminal too, and the copy passed on
+        as a SIGINT, coming a second or more later on a loaded VM, was a second Ctrl-C to them:
+        one Ctrl-C cut the jobs in hand."""
+        forwarded = signal.SIGINT if signum == signal.SIGINT and self.stopping else signal.SIGTERM
         self.stopping = True
         for child in self.children:
             if child.is_alive() and child.pid is not None:
                 try:
-                    os.kill(child.pid, signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM)
+                    os.kill(child.pid, forwarded)
                 except ProcessLookupError:
                     pass
 

@@ -262,6 +262,35 @@ def test_a_closed_terminal_lets_the_workers_finish_their_jobs_and_exit(
         assert job_id is not None and Job.fetch(job_id, connection=r).get_status() == JobStatus.FINISHED, output
 
 
+def test_one_ctrl_c_passed_on_late_by_the_supervisor_is_still_a_warm_stop(
+    r: redis.Redis, settings: Settings, stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,
+) -> None:
+    """A Ctrl-C reaches every process of the terminal's group: the workers (a warm stop) and
+    their supervisor, which passed it on as a SIGINT; on a loaded VM that copy came a second or
+    more after the terminal's, and RQ took it for a second Ctrl-C: the jobs in hand were cut,
+    failed. The supervisor passes its first stop on as a SIGTERM; a second Ctrl-C is still a cold stop."""
+    config = _config(tmp_path, settings)
+    wsettings = load_settings(config, env_for_subprocess)
+    stub.latency_s = 4
+    sessions = ["s0", "s1"]
+    for sid in sessions:
+        write_session(r, wsettings, sid, 3)
+    jobs = [enqueue_compaction(r, wsettings, sid, CWD, "llm") for sid in sessions]
+    process = _start_worker(config, env_for_subprocess, count=2)
+    try:
+        wait_for(lambda: len(stub.requests) == 2 or process.poll() is not None, START_S, "the jobs' LLM calls")
+        for child in psutil.Process(process.pid).children():
+            os.kill(child.pid, signal.SIGINT)  # (the terminal's)
+        time.sleep(1.5)
+        process.send_signal(signal.SIGINT)  # (the supervisor's, late)
+        assert process.wait(timeout=30) == 0
+    finally:
+        output = _stop(process)
+    for job_id in jobs:
+        assert job_id is not None and Job.fetch(job_id, connection=r).get_status() == JobStatus.FINISHED, output
+    assert "cold shut down" not in output, output
+
+
 @pytest.mark.slow
 def test_a_stop_while_a_dead_worker_is_being_replaced_stops_the_supervisor(
     r: redis.Redis, settings: Settings, stub: LLMStub, env_for_subprocess: dict[str, str], tmp_path: Path,

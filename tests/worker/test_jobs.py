@@ -2929,3 +2929,24 @@ def test_a_sigterm_after_the_warm_stop_began_is_the_same_stop_and_a_second_ctrl_
         for s, handler in saved.items():
             signal.signal(s, handler)
         STOPPING.clear()
+
+
+@pytest.mark.parametrize(("signals", "forwarded"), [
+    ((signal.SIGINT,), [signal.SIGTERM]),  # (the terminal's Ctrl-C reached the workers already)
+    ((signal.SIGINT, signal.SIGINT), [signal.SIGTERM, signal.SIGINT]),  # a second Ctrl-C: cold
+    ((signal.SIGHUP, signal.SIGINT), [signal.SIGTERM, signal.SIGINT]),
+    ((signal.SIGTERM, signal.SIGHUP), [signal.SIGTERM, signal.SIGTERM]),
+])
+def test_the_supervisor_passes_its_first_stop_on_as_sigterm_and_a_later_ctrl_c_as_itself(
+    wsettings: Settings, monkeypatch: pytest.MonkeyPatch, signals: tuple[int, ...], forwarded: list[int],
+) -> None:
+    """Its copy of a Ctrl-C went on as a SIGINT, a second one to workers that had the terminal's:
+    late, on a loaded VM, RQ cut their jobs (``test_one_ctrl_c_passed_on_late_...``)."""
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(worker_runner.os, "kill", lambda pid, signum: sent.append((pid, signum)))
+    child = type("Child", (), {"pid": 4242, "is_alive": lambda self: True})()
+    supervisor = worker_runner._Supervisor(wsettings, count=1, burst=False)
+    supervisor.children = [child]  # type: ignore[list-item]
+    for signum in signals:
+        supervisor._on_signal(signum, None)
+    assert sent == [(4242, signum) for signum in forwarded]
