@@ -274,8 +274,14 @@ class CompactionWorker(SimpleWorker):
 
     def request_stop(self, signum: int, frame: Any) -> None:
         """RQ's warm shutdown; the job in hand is told too (``worker.compaction.STOPPING``): it
-        makes no LLM call past the one it is in."""
+        makes no LLM call past the one it is in. A SIGHUP once the stop is under way is the same
+        stop (RQ points SIGINT and SIGTERM elsewhere after the first, not SIGHUP): a closed
+        terminal's hang-up after ``serve``'s SIGTERM ran RQ's handler again, which raised
+        ``StopRequested`` wherever the stopping worker was, in its teardown too: cut half-way,
+        a traceback, exit 1."""
         STOPPING.set()
+        if self._shutdown_requested_date is not None:
+            return
         super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
 
     def set_shutdown_requested_date(self) -> None:

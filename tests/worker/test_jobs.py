@@ -2931,6 +2931,30 @@ def test_a_sigterm_after_the_warm_stop_began_is_the_same_stop_and_a_second_ctrl_
         STOPPING.clear()
 
 
+def test_a_hang_up_after_the_stop_began_is_the_same_stop_not_one_raised_in_the_teardown(
+    r: redis.Redis, wsettings: Settings,
+) -> None:
+    """``serve``'s SIGTERM, then the closed terminal's SIGHUP a moment later, to an idle worker:
+    the second ran RQ's handler again, which raised ``StopRequested`` in the middle of the
+    worker's teardown (seen: in the keeper's stop), a traceback and exit 1."""
+    from rq.exceptions import StopRequested
+
+    from worker.compaction import STOPPING
+    from worker.runner import CompactionWorker
+
+    worker = CompactionWorker.for_settings(r, wsettings)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(StopRequested):  # (idle: RQ's loop ends at once)
+            worker.request_stop(signal.SIGTERM, None)
+        worker.request_stop(signal.SIGHUP, None)  # (the teardown goes on)
+        worker.request_stop(signal.SIGHUP, None)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        STOPPING.clear()
+
+
 @pytest.mark.parametrize(("signals", "forwarded"), [
     ((signal.SIGINT,), [signal.SIGTERM]),  # (the terminal's Ctrl-C reached the workers already)
     ((signal.SIGINT, signal.SIGINT), [signal.SIGTERM, signal.SIGINT]),  # a second Ctrl-C: cold
