@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -57,6 +59,19 @@ def _start_worker(config: Path, env: dict[str, str], count: int = 1, burst: bool
     return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(Path(__file__).parents[2]),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN if nohup else signal.SIG_DFL))
+
+
+@contextlib.contextmanager
+def _own_redis(tmp_path: Path, env_for_subprocess: dict[str, str],
+               ) -> Iterator[tuple[redis.Redis, dict[str, str], Path, Settings]]:
+    """A Redis of the test's own (one it may make refuse writes): a client, the environment and
+    a config file naming it, and the settings they give."""
+    with tempfile.TemporaryDirectory(prefix="refusal-") as directory, EmbeddedRedis(Path(directory)) as server:
+        env = {**env_for_subprocess, "REDIS_URL": server.url}
+        config = tmp_path / "compactor.yaml"
+        config.write_text(json.dumps({"dataDir": str(tmp_path / "data"),
+                                      "context": {"compactionModel": STUB_MODEL, "llmTimeoutSeconds": 60}}))
+        yield redis.Redis.from_url(server.url), env, config, load_settings(config, env)
 
 
 def _wait_job(r: redis.Redis, job_id: str, timeout_s: float) -> Job:
@@ -365,13 +380,7 @@ def test_a_worker_rides_out_a_redis_that_refuses_writes_and_takes_jobs_again(
     the first refused write of its own (the end of the job in flight, a heartbeat): the worker
     took no job again, even once Redis served. Now it waits and takes the next job; the job
     whose end could not be recorded left no torn line and at most one summary."""
-    with tempfile.TemporaryDirectory(prefix="refusal-") as directory, EmbeddedRedis(Path(directory)) as server:
-        client = redis.Redis.from_url(server.url)
-        env = {**env_for_subprocess, "REDIS_URL": server.url}
-        config = tmp_path / "compactor.yaml"
-        config.write_text(json.dumps({"dataDir": str(tmp_path / "data"),
-                                      "context": {"compactionModel": STUB_MODEL, "llmTimeoutSeconds": 60}}))
-        wsettings = load_settings(config, env)
+    with _own_redis(tmp_path, env_for_subprocess) as (client, env, config, wsettings):
         for session in ("s1", "s2"):
             write_session(client, wsettings, session, 3)
         stub.latency_s = 3
@@ -412,13 +421,7 @@ def test_a_stop_while_redis_refuses_writes_still_lets_the_job_in_hand_finish(
     the job in hand, which was cut mid-call (left to the janitor, its LLM call wasted) though
     Redis served again a moment later. Now the job finishes its call and its writes, then the
     worker stops."""
-    with tempfile.TemporaryDirectory(prefix="refusal-") as directory, EmbeddedRedis(Path(directory)) as server:
-        client = redis.Redis.from_url(server.url)
-        env = {**env_for_subprocess, "REDIS_URL": server.url}
-        config = tmp_path / "compactor.yaml"
-        config.write_text(json.dumps({"dataDir": str(tmp_path / "data"),
-                                      "context": {"compactionModel": STUB_MODEL, "llmTimeoutSeconds": 60}}))
-        wsettings = load_settings(config, env)
+    with _own_redis(tmp_path, env_for_subprocess) as (client, env, config, wsettings):
         write_session(client, wsettings, "s1", 3)
         stub.latency_s = 6  # (the refusal below lasts 1 s of it)
         worker = _start_worker(config, env)
