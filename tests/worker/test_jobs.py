@@ -2903,9 +2903,23 @@ def test_a_stop_signal_during_the_workers_preload_is_a_clean_stop(
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_a_sigterm_after_the_warm_stop_began_is_the_same_stop_and_a_second_ctrl_c_a_cold_one(
-    r: redis.Redis, wsettings: Settings,
-) -> None:
+@pytest.fixture
+def idle_worker(r: redis.Redis, wsettings: Settings) -> Iterator[Any]:
+    """A ``CompactionWorker`` whose stop handlers a test calls by hand; the process's SIGINT and
+    SIGTERM handlers (RQ repoints them on a stop) and ``STOPPING`` put back after."""
+    from worker.compaction import STOPPING
+    from worker.runner import CompactionWorker
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield CompactionWorker.for_settings(r, wsettings)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        STOPPING.clear()
+
+
+def test_a_sigterm_after_the_warm_stop_began_is_the_same_stop_and_a_second_ctrl_c_a_cold_one(idle_worker: Any) -> None:
     """A closed terminal's SIGHUP reaches the workers and their supervisor, which passes it on as
     SIGTERM: RQ took that second signal for a cold stop when it came a second or more after the
     first (a loaded VM), and the job in hand was cut and failed."""
@@ -2913,46 +2927,24 @@ def test_a_sigterm_after_the_warm_stop_began_is_the_same_stop_and_a_second_ctrl_
 
     from rq.exceptions import StopRequested
 
-    from worker.compaction import STOPPING
-    from worker.runner import CompactionWorker
-
-    worker = CompactionWorker.for_settings(r, wsettings)
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        with pytest.raises(StopRequested):  # (idle: RQ's loop ends at once)
-            worker.request_stop(signal.SIGHUP, None)
-        worker._shutdown_requested_date -= timedelta(seconds=2)  # type: ignore[attr-defined,operator]
-        worker.request_force_stop(signal.SIGTERM, None)  # (the supervisor's, late: no cold stop)
-        with pytest.raises(SystemExit):
-            worker.request_force_stop(signal.SIGINT, None)  # (a second Ctrl-C: cold)
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
-        STOPPING.clear()
+    with pytest.raises(StopRequested):  # (idle: RQ's loop ends at once)
+        idle_worker.request_stop(signal.SIGHUP, None)
+    idle_worker._shutdown_requested_date -= timedelta(seconds=2)
+    idle_worker.request_force_stop(signal.SIGTERM, None)  # (the supervisor's, late: no cold stop)
+    with pytest.raises(SystemExit):
+        idle_worker.request_force_stop(signal.SIGINT, None)  # (a second Ctrl-C: cold)
 
 
-def test_a_hang_up_after_the_stop_began_is_the_same_stop_not_one_raised_in_the_teardown(
-    r: redis.Redis, wsettings: Settings,
-) -> None:
+def test_a_hang_up_after_the_stop_began_is_the_same_stop_not_one_raised_in_the_teardown(idle_worker: Any) -> None:
     """``serve``'s SIGTERM, then the closed terminal's SIGHUP a moment later, to an idle worker:
     the second ran RQ's handler again, which raised ``StopRequested`` in the middle of the
     worker's teardown (seen: in the keeper's stop), a traceback and exit 1."""
     from rq.exceptions import StopRequested
 
-    from worker.compaction import STOPPING
-    from worker.runner import CompactionWorker
-
-    worker = CompactionWorker.for_settings(r, wsettings)
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        with pytest.raises(StopRequested):  # (idle: RQ's loop ends at once)
-            worker.request_stop(signal.SIGTERM, None)
-        worker.request_stop(signal.SIGHUP, None)  # (the teardown goes on)
-        worker.request_stop(signal.SIGHUP, None)
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
-        STOPPING.clear()
+    with pytest.raises(StopRequested):  # (idle: RQ's loop ends at once)
+        idle_worker.request_stop(signal.SIGTERM, None)
+    idle_worker.request_stop(signal.SIGHUP, None)  # (the teardown goes on)
+    idle_worker.request_stop(signal.SIGHUP, None)
 
 
 @pytest.mark.parametrize(("signals", "forwarded"), [
