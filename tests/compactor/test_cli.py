@@ -153,6 +153,41 @@ def test_a_stop_signal_while_the_command_line_loads_exits_as_later_without_a_tra
         assert done.stdout == ""
 
 
+# Sends the child a signal from the interpreter's teardown (a global's finalizer: the modules are
+# torn down after Python gave its signal handlers up), then runs the console script as pip's wrapper does.
+SIGNAL_WHILE_EXITING = """
+import os, signal, sys
+from importlib.metadata import entry_points
+
+class SentLate:
+    def __init__(self, kill, pid, signum):
+        self.kill, self.pid, self.signum = kill, pid, signum
+
+    def __del__(self):
+        self.kill(self.pid, self.signum)
+
+late = SentLate(os.kill, os.getpid(), signal.{signal})
+(script,) = [e for e in entry_points(group="console_scripts") if e.name == "compactor"]
+sys.argv = ["compactor", *{argv!r}]
+sys.exit(script.load()())
+"""
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP", "SIGINT"])
+@pytest.mark.parametrize(("argv", "code"), [(["--version"], 0),
+                                            (["health", "--json", "--redis-url", "redis://127.0.0.1:1"], 1)])
+def test_a_stop_signal_while_the_interpreter_exits_leaves_the_commands_exit_code(
+        tmp_path: Path, signal_name: str, argv: list[str], code: int) -> None:
+    """A process that had stopped cleanly was killed by a stop landing in its teardown, where
+    Python has put its handlers back to the default action (``work`` given SIGTERM then SIGHUP 3 ms
+    apart: exit 129, 1 run in 10): a supervisor took the clean stop for a crash."""
+    script = SIGNAL_WHILE_EXITING.format(signal=signal_name, argv=[*argv, *(
+        ["--data-dir", str(tmp_path / "data")] if argv[0] == "health" else [])])
+    done = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (code, "")
+    assert done.stdout.startswith("compactor " if code == 0 else '{"healthy":false')
+
+
 @pytest.mark.parametrize("yaml_text,fragment", [
     ("context:\n  microCompactThreshold: 2\n", "context.microCompactThreshold"),
     ("redis:\n  shard: 3\n", "redis.shard"),
