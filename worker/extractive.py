@@ -54,12 +54,13 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import unicodedata
 import urllib.parse
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +68,14 @@ import orjson
 
 from events.config import EXTRACTIVE
 from events.errors import SummaryInvalid
-from events.tokens import DEFAULT_ENCODING, MESSAGE_OVERHEAD_TOKENS, arguments_json, count_tokens, event_tokens
+from events.tokens import (
+    DEFAULT_ENCODING,
+    MESSAGE_OVERHEAD_TOKENS,
+    arguments_json,
+    count_tokens,
+    event_tokens,
+    get_encoding,
+)
 from events.view import str_or_empty as _str
 from events.view import tool_calls
 from worker.summarize import (
@@ -75,6 +83,7 @@ from worker.summarize import (
     canonical_summary,
     fenced_line_starts,
     in_fenced_blocks,
+    lines_holding,
     says_nothing,
     split_sections,
 )
@@ -128,32 +137,51 @@ _SEGMENT = r"(?:[\w.+-]|(?<=[\w.+-])@(?=[\w.+-])|\[\[?[\w.+-]+\]\]?|\([\w.+-]+\)
 # a segment's characters too: pnpm's ``.pnpm/react@18.2.0/``, Go's ``bar@v1.2.3/``)
 _DIRECTORY = rf"@?{_SEGMENT}+/"  # (a scope's ``@`` opens a segment only: anywhere in one, a run of ``@a@a``
 # was scanned to its end from each of its letters)
-_PATH = re.compile(
-    r"(?<![\w/.<\\+\])@-])(?!(?<=[\[(])[\[(])@?(?!@)("
+_EXTENSIONS = (r"py|pyi|ipynb|js|mjs|cjs|ts|mts|cts|tsx|jsx|"
+               r"go|rs|java|rb|c|h|cpp|cc|hpp|cs|md|mdx|rst|json|jsonc|ya?ml|toml|ini|cfg|conf|sh|bash|zsh|ps1|bat|sql|"
+               r"html|css|scss|sass|less|txt|lock|vue|svelte|astro|kt|kts|swift|php|gradle|mod|sum|scala|ex|exs|dart|tf|"
+               r"proto|xml|env|lua|zig|jl|pl|pm|hs|ml|mli|erl|clj|nim|cmake|graphql|gql|prisma|csv|tsv|log|patch|diff")
+_DOTFILES = (r"env|gitignore|gitattributes|gitmodules|dockerignore|npmrc|nvmrc|yarnrc|prettierrc|prettierignore|"
+             r"eslintrc|eslintignore|editorconfig|babelrc|bashrc|zshrc|profile|bash_profile|pylintrc|flake8|coveragerc|"
+             r"python-version|node-version|tool-versions|pre-commit-config|golangci|clang-format|stylelintrc|"
+             r"browserslistrc|htaccess|vimrc|tmux\.conf")
+_NAMES = r"Makefile|Dockerfile|Containerfile|Procfile|Gemfile|Rakefile|Jenkinsfile|Vagrantfile|README|LICENSE"
+_END = r"(?![\w/\\])"  # where a path ends
+_EXTENSION_END = rf"\.[A-Za-z0-9]{{1,8}}{_END}"
+# ``_PATH``'s alternatives, each with what any path it matches holds (patterns, all found in it): a stretch of
+# text holding none of an alternative's is searched without it (``_plain_paths``: on a run of 4 MB of path
+# characters, ``./a-b_c/...``, the alternatives that could not end there went over all of it, 70 s a summary)
+_PATH_ALTERNATIVES = (
     # Windows: from a drive (C:\src\app), or relative with an extension (src\app\main.py); its
     # basename alone was listed
-    r"[A-Za-z]:\\(?:[\w.-]+\\)*[\w.-]*[\w-]\\?|(?:\.{1,2}\\)?(?:[\w.-]+\\)+[\w.-]+\.[A-Za-z0-9]{1,8}"
+    (r"[A-Za-z]:\\(?:[\w.-]+\\)*[\w.-]*[\w-]\\?", (r":\\",)),
+    (r"(?:\.{1,2}\\)?(?:[\w.-]+\\)+[\w.-]+\.[A-Za-z0-9]{1,8}", (r"\\", _EXTENSION_END)),
     # ... from a drive with forward slashes (C:/Users/me/app.py was listed as /Users/me/app.py: another path)
-    rf"|[A-Za-z]:/(?:{_DIRECTORY})*{_SEGMENT}*[\w-]/?"
-    rf"|(?:~|\.{{1,2}})?/?(?:{_DIRECTORY})+{_SEGMENT}+\.[A-Za-z0-9]{{1,8}}"
+    (rf"[A-Za-z]:/(?:{_DIRECTORY})*{_SEGMENT}*[\w-]/?", (":/",)),
+    (rf"(?:~|\.{{1,2}})?/?(?:{_DIRECTORY})+{_SEGMENT}+\.[A-Za-z0-9]{{1,8}}", ("/", _EXTENSION_END)),
     # a bare name, dotted ones too (``app.component.ts``, ``index.d.ts``; a framework's, ``Next.js``, is
     # dropped: ``_paths``)
-    r"|"
-    r"[\w-]+(?:\.[\w-]+)*\.(?:py|pyi|ipynb|js|mjs|cjs|ts|mts|cts|tsx|jsx|"
-    r"go|rs|java|rb|c|h|cpp|cc|hpp|cs|md|mdx|rst|json|jsonc|ya?ml|toml|ini|cfg|conf|sh|bash|zsh|ps1|bat|sql|"
-    r"html|css|scss|sass|less|txt|lock|vue|svelte|astro|kt|kts|swift|php|gradle|mod|sum|scala|ex|exs|dart|tf|"
-    r"proto|xml|env|lua|zig|jl|pl|pm|hs|ml|mli|erl|clj|nim|cmake|graphql|gql|prisma|csv|tsv|log|patch|diff)"
+    (rf"[\w-]+(?:\.[\w-]+)*\.(?:{_EXTENSIONS})", (rf"\.(?:{_EXTENSIONS}){_END}",)),
     # a known dotfile (``.env.local``, ``.gitignore``, ``.eslintrc.json``)
-    r"|\.(?:env|gitignore|gitattributes|gitmodules|dockerignore|npmrc|nvmrc|yarnrc|prettierrc|prettierignore|"
-    r"eslintrc|eslintignore|editorconfig|babelrc|bashrc|zshrc|profile|bash_profile|pylintrc|flake8|coveragerc|"
-    r"python-version|node-version|tool-versions|pre-commit-config|golangci|clang-format|stylelintrc|"
-    r"browserslistrc|htaccess|vimrc|tmux\.conf)(?:\.[\w-]+)*"
-    rf"|(?:~|\.{{1,2}})?/(?:{_DIRECTORY})*{_SEGMENT}*[\w-]/?"  # absolute, home or dot-relative, no extension needed
-    # (``Dockerfile.dev`` was listed as ``Dockerfile``: another file)
-    r"|(?:Makefile|Dockerfile|Containerfile|Procfile|Gemfile|Rakefile|Jenkinsfile|Vagrantfile|README|LICENSE)"
-    r"(?:\.[\w-]+)?)"
-    r"(?![\w/\\])"
+    (rf"\.(?:{_DOTFILES})(?:\.[\w-]+)*", (rf"\.(?:{_DOTFILES})",)),
+    (rf"(?:~|\.{{1,2}})?/(?:{_DIRECTORY})*{_SEGMENT}*[\w-]/?", ("/",)),  # absolute, home or dot-relative, no
+    # extension needed (``Dockerfile.dev`` was listed as ``Dockerfile``: another file)
+    (rf"(?:{_NAMES})(?:\.[\w-]+)?", (_NAMES,)),
 )
+_PATH_NEEDS = tuple(tuple(re.compile(need) for need in needs) for _, needs in _PATH_ALTERNATIVES)
+
+
+@functools.cache
+def _path_pattern(kept: tuple[bool, ...]) -> re.Pattern[str]:
+    """``_PATH`` with only the alternatives ``kept`` says (one flag per ``_PATH_ALTERNATIVES``)."""
+    return re.compile(r"(?<![\w/.<\\+\])@-])(?!(?<=[\[(])[\[(])@?(?!@)("
+                      + "|".join(alternative for (alternative, _), keep in zip(_PATH_ALTERNATIVES, kept) if keep)
+                      + ")" + _END)
+
+
+_ALL = (True,) * len(_PATH_ALTERNATIVES)
+_PATH = _path_pattern(_ALL)
+
 # names that look like a file's but are a library's (checked on a match: a lookahead cost every position)
 _FRAMEWORKS = frozenset(f"{name.lower()}.js" for name in (
     "Node Next Nuxt Vue Express Three Chart Ember Backbone Alpine Solid Nest React Angular Svelte Socket Moment "
@@ -196,7 +224,35 @@ def _paths(text: str) -> list[str]:
 
 
 def _plain_paths(text: str) -> list[str]:
-    return [path for match in _PATH.finditer(text) if not _library_or_member(path := match.group(1))]
+    """``_PATH``'s paths in ``text`` (no ``file://`` URL in it), libraries and members aside. Only the runs
+    of non-blanks holding what a path holds (``_PATH_ALTERNATIVES``: a ``/``, ``\\``, ``.`` or a name) are
+    searched, a stretch of ``_PATH_SPAN`` characters from each at a time, with only the alternatives the
+    stretch allows: ``_PATH`` matches no blank, and its look-arounds read a blank as the text's start or
+    end (each word was a start tried for every alternative, 0.3 s a megabyte at each rendering)."""
+    hint = _PATH_OR_NAME_HINT if "file" in text or "README" in text or "LICENSE" in text else _PATH_HINT
+    found: list[str] = []
+    end = 0
+    while (hinted := hint.search(text, end)) is not None:
+        at = hinted.start()
+        run = _RUN_START.search(text, max(end, at - _PATH_SPAN), at) or _RUN_START.search(text, end, at)
+        assert run is not None  # (``end`` is the text's start or a blank)
+        start = run.start()
+        blank = _BLANK.search(text, max(hinted.end(), start + _PATH_SPAN))
+        end = blank.start() if blank else len(text)
+        kept = _ALL if end - start < _PATH_SPAN else tuple(  # (a short text: looked at whole)
+            all(need.search(text, start, end) for need in needs) for needs in _PATH_NEEDS)
+        if any(kept):  # (with none, the pattern would match nothing at all: an empty path)
+            found += [path for match in _path_pattern(kept).finditer(text, start, end)
+                      if not _library_or_member(path := match.group(1))]
+    return found
+
+
+_PATH_HINT = re.compile(r"[/\\.]")  # what every path but a bare name of ``_NAMES`` holds
+_PATH_OR_NAME_HINT = re.compile(rf"[/\\.]|{_NAMES}")  # (each name holds "file", "README" or "LICENSE")
+_RUN_START = re.compile(r"(?<!\S)\S*\Z")  # (with the position of a character of a run as the end: the run's start)
+_BLANK = re.compile(r"\s")
+_PATH_SPAN = 1_024  # (the least read from a run holding a hint: a search per hint, and per stretch the look
+# for each alternative's needs, cost more than they saved in a dense listing)
 
 
 _FILE_URL = re.compile(r"\bfile://(?:localhost)?(/[^\s\"'<>`\[\]{}|]+)")  # its path, up to a blank or a quote
@@ -303,56 +359,115 @@ def extractive_summary(events: Sequence[dict[str, Any]], previous_summary: str |
     # a previous summary in no section (a producer's free text) is carried whole, as one item
     carried: list[str | _Message] = _carried_messages(previous.get("All User Messages")) \
         if previous or not previous_summary else [_Message(previous_summary)]
+    read = _read(events, outputs)
     try:
-        return _summary(events, previous_summary, previous, carried, encoding, limit_tokens, outputs)
+        return _summary(events, previous_summary, previous, carried, encoding, limit_tokens, read)
     except SummaryInvalid:  # a previous summary this module did not write split where it should not be
         return _summary(events, previous_summary, {}, [_Message(previous_summary or "")], encoding, limit_tokens,
-                        outputs)
+                        read)
 
 
 def _summary(events: Sequence[dict[str, Any]], previous_summary: str | None, previous: dict[str, str],
-             carried: list[str | _Message], encoding: str, limit_tokens: int | None,
-             outputs: Mapping[int, str]) -> str:
+             carried: list[str | _Message], encoding: str, limit_tokens: int | None, read: _Read) -> str:
     """``extractive_summary`` with the previous summary's sections (``previous``) and user
-    messages (``carried``) read already."""
+    messages (``carried``), and the events (``read``), read already."""
     users = [_str(e.get("content")) for e in events if e.get("type") == "user"]
     messages = carried + [_Message(text) for text in users]
-    text = _render(_sections(events, previous, users, BOUNDS, outputs), messages)
-    tokens = count_tokens(text, encoding) + MESSAGE_OVERHEAD_TOKENS
-    cap = tokens if limit_tokens is None else min(tokens, limit_tokens + MESSAGE_OVERHEAD_TOKENS)
+    counter = _Counter(encoding)
+    text = _render(_sections(events, previous, users, BOUNDS, read), messages)
+    if limit_tokens is not None and _fewest_tokens(text, encoding) > limit_tokens:  # (over the cap: not
+        tokens, cap = None, limit_tokens + MESSAGE_OVERHEAD_TOKENS  # counted, a message of 4 MB took seconds)
+    else:
+        tokens = counter(text) + MESSAGE_OVERHEAD_TOKENS
+        cap = tokens if limit_tokens is None else min(tokens, limit_tokens + MESSAGE_OVERHEAD_TOKENS)
     replaced = _replaced_tokens(events, previous_summary, encoding, enough=cap)
-    if tokens <= min(replaced, cap):
+    if tokens is not None and tokens <= replaced:
         return text
     # (all counted when under ``cap``: the count stops early only at it)
-    budget = min(replaced, cap) - MESSAGE_OVERHEAD_TOKENS
-    text = _fit(_sections(events, previous, users, TIGHT_BOUNDS, outputs), messages, budget, encoding)
-    if count_tokens(text, encoding) > budget:  # (an LLM summary's lists, carried: larger than what it replaced)
-        minimal = _fit(_sections(events, previous, users, MINIMAL_BOUNDS, outputs), messages, budget, encoding)
-        if count_tokens(minimal, encoding) < count_tokens(text, encoding):
+    budget = replaced - MESSAGE_OVERHEAD_TOKENS
+    text = _fit(_sections(events, previous, users, TIGHT_BOUNDS, read), messages, budget, counter)
+    if not _within(text, budget, counter):  # (an LLM summary's lists, carried: larger than what it replaced)
+        minimal = _fit(_sections(events, previous, users, MINIMAL_BOUNDS, read), messages, budget, counter)
+        if counter(minimal) < counter(text):
             text = minimal
-    if limit_tokens is None or count_tokens(text, encoding) <= limit_tokens:
+    if limit_tokens is None or _within(text, limit_tokens, counter):
         return text
-    return _within_limit(_sections(events, previous, users, MINIMAL_BOUNDS, outputs), messages, limit_tokens,
-                         encoding)
+    return _within_limit(_sections(events, previous, users, MINIMAL_BOUNDS, read), messages, limit_tokens,
+                         counter)
 
 
 def _sections(events: Sequence[dict[str, Any]], previous: dict[str, str], users: list[str],
-              bounds: Bounds, outputs: Mapping[int, str]) -> dict[str, str]:
-    """The body of every section but *All User Messages* (``outputs``: the whole outputs of the
-    events shown elided, by ``id()``)."""
+              bounds: Bounds, read: _Read) -> dict[str, str]:
+    """The body of every section but *All User Messages* (``read``: what they take from the events
+    whatever the bounds)."""
     assistants = [e for e in events if e.get("type") == "assistant"]
     results = [e for e in events if e.get("type") == "tool_result"]
     return {
         "Primary Request": _primary_request(previous, users, bounds),
         "Key Technical Concepts": _concepts(previous, assistants, bounds),
-        "Files and Code Sections": _files(previous, events, bounds, outputs),
-        "Errors and Fixes": _errors(previous, events, results, bounds, outputs),
+        "Files and Code Sections": _files(previous, read, bounds),
+        "Errors and Fixes": _errors(previous, read, bounds),
         "Problem Solving": _problem_solving(previous, events, assistants, results, bounds),
-        "Decision Rationale": _decisions(previous, assistants, bounds),
-        "Pending Tasks": _pending(previous, events, bounds),
+        "Decision Rationale": _decisions(previous, read, bounds),
+        "Pending Tasks": _pending(previous, read, bounds),
         "Current Work": _current_work(previous, assistants, bounds),
         "Optional Next Step": _next_step(previous, users, bounds),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """What the sections take from the events whatever the bounds, read once: the sections are
+    rendered at up to four bounds, and each rendering read every message again (a transcript of
+    three 4 MB messages took a minute)."""
+
+    paths: list[str]  # the paths named, in order (``_files``)
+    listed: set[int]  # the positions in ``paths`` of those only a tool's output showed
+    errors: list[tuple[str | None, str]]  # (the tool's name, on one line, None for the user's; the error line,
+    # stripped): each at its last place (the sections keep the latest of each)
+    decisions: list[str]  # the sentences giving a reason, on one line, each at its last place
+    tasks: list[tuple[bool, str]]  # in order, a task ticked (True, its ``_task``) or an item added (False, its text)
+
+
+def _read(events: Sequence[dict[str, Any]], outputs: Mapping[int, str]) -> _Read:
+    """The events read for the sections (``outputs``: the whole outputs of the events shown elided,
+    by ``id()``)."""
+    paths, listed = _read_paths(events)
+    return _Read(paths, listed, _read_errors(events, outputs), _read_decisions(events), _read_tasks(events))
+
+
+class _Counter:
+    """``count_tokens`` in one encoding for one summary, the last texts' counts kept: a summary counts
+    the same rendering, or the same message, more than once (0.2 s each time for a 1 MB path listed
+    whole)."""
+
+    def __init__(self, encoding: str) -> None:
+        self.encoding = encoding
+        self._counted: list[tuple[str, int]] = []
+
+    def __call__(self, text: str) -> int:
+        count = next((count for counted, count in self._counted if counted == text), None)
+        if count is None:
+            count = count_tokens(text, self.encoding)
+            self._counted = [(text, count), *self._counted[:5]]
+        return count
+
+
+def _within(text: str, limit: int, counter: _Counter) -> bool:
+    """Whether ``text`` is at most ``limit`` tokens (not counted when it cannot be: ``_fewest_tokens``)."""
+    return _fewest_tokens(text, counter.encoding) <= limit and counter(text) <= limit
+
+
+def _fewest_tokens(text: str, encoding: str) -> int:
+    """The fewest tokens ``text`` can count (``count_tokens``): every token of ``encoding`` is at most
+    so many bytes, and every character at least one (a lone surrogate, replaced, three)."""
+    return -(-len(text) // _longest_token(encoding))
+
+
+@functools.cache
+def _longest_token(encoding: str) -> int:
+    """The most bytes a token of ``encoding`` stands for (128 in cl100k_base and o200k_base)."""
+    return max(map(len, get_encoding(encoding).token_byte_values()))
 
 
 def _render(sections: dict[str, str], messages: list[str | _Message]) -> str:
@@ -369,26 +484,39 @@ def _render(sections: dict[str, str], messages: list[str | _Message]) -> str:
 def _replaced_tokens(events: Sequence[dict[str, Any]], previous_summary: str | None, encoding: str,
                      enough: int) -> int:
     """What the summary replaces, in SPEC §4.5 tokens (the previous summary and the events as
-    shown), counted only until it reaches ``enough``: a short summary of a long transcript
-    tokenizes little of it."""
-    total = count_tokens(previous_summary, encoding) + MESSAGE_OVERHEAD_TOKENS if previous_summary else 0
+    shown), or ``enough`` when that is less, counted only until it reaches ``enough``: a short summary
+    of a long transcript tokenizes little of it (nor any of a text long enough to reach it alone)."""
+    total = 0
+    if previous_summary:
+        if _fewest_tokens(previous_summary, encoding) + MESSAGE_OVERHEAD_TOKENS >= enough:
+            return enough
+        total = count_tokens(previous_summary, encoding) + MESSAGE_OVERHEAD_TOKENS
     for event in events:
         if total >= enough:
             break
+        # (``event_tokens``: its text's tokens, the message's overhead, and for some more)
+        field = _COUNTED_TEXT.get(_str(event.get("type")))
+        if field and total + _fewest_tokens(_str(event.get(field)), encoding) + MESSAGE_OVERHEAD_TOKENS >= enough:
+            return enough
         total += event_tokens(event, encoding)
-    return total
+    return min(total, enough)
 
 
-def _fit(sections: dict[str, str], messages: list[str | _Message], budget: int, encoding: str) -> str:
+_COUNTED_TEXT = {"user": "content", "assistant": "content", "tool_result": "output", "summary": "summaryText"}
+
+
+def _fit(sections: dict[str, str], messages: list[str | _Message], budget: int, counter: _Counter) -> str:
     """The summary with the longest user messages cut, round by round, until it fits ``budget``
     tokens or no message can be cut further (each round cuts at least one: it terminates)."""
     while True:
         text = _render(sections, messages)
-        over = count_tokens(text, encoding) - budget
+        if all(m.kept <= MIN_KEPT_CHARS for m in messages if isinstance(m, _Message)):  # (none left to cut: it
+            return text  # fits or not, this is it; a count of a 4 MB path listed whole took seconds)
+        over = counter(text) - budget
         if over <= 0:
             return text
         quoted = "\n".join(m.head + m.tail for m in messages if isinstance(m, _Message))
-        chars_per_token = len(quoted) / max(count_tokens(quoted, encoding), 1)
+        chars_per_token = len(quoted) / max(counter(quoted), 1)
         cap = _cap([m.kept for m in messages if isinstance(m, _Message)], math.ceil(over * chars_per_token))
         cut = [m.cut(cap) if isinstance(m, _Message) else m for m in messages]
         if cut == messages:
@@ -396,7 +524,7 @@ def _fit(sections: dict[str, str], messages: list[str | _Message], budget: int, 
         messages = cut
 
 
-def _within_limit(sections: dict[str, str], messages: list[str | _Message], limit: int, encoding: str) -> str:
+def _within_limit(sections: dict[str, str], messages: list[str | _Message], limit: int, counter: _Counter) -> str:
     """The summary at most ``limit`` tokens when even every message cut to its floor is more: the
     sections at ``MINIMAL_BOUNDS``, each message at its floor, and the fewest oldest messages
     folded into one line that counts them (``_folded``; they stay in the session's log).
@@ -408,7 +536,7 @@ def _within_limit(sections: dict[str, str], messages: list[str | _Message], limi
     messages = [m.cut(MIN_KEPT_CHARS) if isinstance(m, _Message) else m for m in messages]
 
     def fits(sections: dict[str, str], dropped: int) -> bool:
-        return count_tokens(_render(sections, _folded(messages, dropped)), encoding) <= limit
+        return _within(_render(sections, _folded(messages, dropped)), limit, counter)
 
     def fewest_folded(sections: dict[str, str]) -> int | None:
         """The fewest oldest messages folded for ``sections`` to fit, None when even all do not."""
@@ -627,8 +755,7 @@ _TOOL_COUNT = re.compile(r"(.+) \((\d+)x\)")
 _MORE_TOOLS = re.compile(r"\+\d+ more")
 
 
-def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: Bounds,
-           outputs: Mapping[int, str]) -> str:
+def _files(previous: dict[str, str], read: _Read, bounds: Bounds) -> str:
     found: list[str] = []
     ours = any(_SUMMARIZED.match(line) for line in _carried(previous.get("Problem Solving")))
     for line in _carried(previous.get("Files and Code Sections")):
@@ -637,14 +764,8 @@ def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: B
             continue
         item = _unwrapped(line[2:].strip())  # another's (an LLM's) may say more around them
         found.extend([item] if _PATH.fullmatch(item) or not any(c.isspace() for c in item) else _paths(item))
-    listed: set[int] = set()  # positions in ``found`` of paths only a tool's output showed
-    for event in events:
-        for text in _texts(event):
-            found.extend(_paths(text))
-        start = len(found)  # (as shown: a long listing, whole, pushed the edited files out)
-        found.extend(_paths(_str(event.get("output"))))
-        listed.update(range(start, len(found)))
-        found.extend(_path_arguments(event))
+    listed = {len(found) + index for index in read.listed}  # positions in ``found`` of paths only a tool's
+    found.extend(read.paths)  # output showed
     # the most recently named, each at its last mention: the first ones kept froze the list (a
     # rolling summary still listed turn 1's files after a hundred turns on other ones); those an
     # output alone listed take the places the others leave (a `find` of 80 paths after an edit
@@ -655,6 +776,23 @@ def _files(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: B
     named = sorted((index for path, index in last.items() if path in said), reverse=True)[:bounds.files]
     rest = sorted((index for path, index in last.items() if path not in said), reverse=True)[:bounds.files - len(named)]
     return "\n".join(f"- {found[index]}" for index in sorted(named + rest))
+
+
+def _read_paths(events: Sequence[dict[str, Any]]) -> tuple[list[str], set[int]]:
+    """The paths the events name, in order, and the positions of those only a tool's output showed
+    (``_Read``); a text named again is read once."""
+    found: list[str] = []
+    listed: set[int] = set()
+    known: dict[str, list[str]] = {}
+    for event in events:
+        for text in _texts(event):
+            found.extend(known[text] if text in known else known.setdefault(text, _paths(text)))
+        start = len(found)  # (as shown: a long listing, whole, pushed the edited files out)
+        output = _str(event.get("output"))
+        found.extend(known[output] if output in known else known.setdefault(output, _paths(output)))
+        listed.update(range(start, len(found)))
+        found.extend(_path_arguments(event))
+    return found, listed
 
 
 def _unwrapped(item: str) -> str:
@@ -668,34 +806,90 @@ def _unwrapped(item: str) -> str:
         item = item[len(wrapper):-len(wrapper)].strip()
 
 
-def _errors(previous: dict[str, str], events: Sequence[dict[str, Any]], results: list[dict[str, Any]],
-            bounds: Bounds, outputs: Mapping[int, str]) -> str:
+def _errors(previous: dict[str, str], read: _Read, bounds: Bounds) -> str:
     # (an item is ``[tool] `` and a line, each clipped to ``line_chars``: clipped to that whole, an error
     # that came again was listed twice, carried clipped and new whole)
     carried = _carried(previous.get("Errors and Fixes"), 2 * bounds.line_chars + 3)
-    lines: list[str] = []
+    lines = [f"- [{'user' if name is None else _clip(name, bounds.line_chars)}] {_clip(line, bounds.line_chars)}"
+             for name, line in read.errors]
+    return "\n".join(_latest_errors(carried, lines, bounds.error_lines))
+
+
+def _read_errors(events: Sequence[dict[str, Any]], outputs: Mapping[int, str]) -> list[tuple[str | None, str]]:
+    """The error lines of the events (``_Read.errors``): the user's pasted ones, the tool results'."""
+    errors: list[tuple[str | None, str]] = []
     shown = _content_results(events)
-    wanted = {id(event) for event in results}
     for event in events:
         if event.get("type") == "user":  # an error the user pasted or quoted (SPEC §1: "with user feedback")
-            lines.extend(f"- [user] {_clip(line.strip(), bounds.line_chars)}" for line in _str(event.get("content"))
-                         .splitlines() if _pasted_error(line[:MAX_PASTED_ERROR_CHARS]))
+            errors.extend((None, line.strip()) for line in _error_lines(
+                _str(event.get("content")), lambda line, _: _pasted_error(line[:MAX_PASTED_ERROR_CHARS])))
             continue
-        if id(event) not in wanted:
+        if event.get("type") != "tool_result":
             continue
         content = _str(event.get("toolName", "")).lower() in _CONTENT_TOOLS
         command = not content and id(event) in shown
-        lines_out = (outputs.get(id(event)) or _str(event.get("output"))).splitlines()
-        for index, line in enumerate(lines_out):
-            # (a content tool's own failure is a short output: "Error: old_string not found", "File not found";
-            # a content command's, its own line: "cat: x: No such file or directory", "fatal: not a git ...",
-            # and a compiler's, run before it: ``npm run build && ls dist/``)
-            if (_is_error(line, content or command) or (content and len(lines_out) <= 3 and _FAILURE_SAID.match(line))
-                    or (command and ((_COMMAND_SAID.match(line) and _is_error(line)) or _compiler_said(line)
-                                     or _GIT_FAILED.match(line.strip())))):
-                name = _clip(_one_line(_str(event.get("toolName", ""))), bounds.line_chars)
-                lines.append(f"- [{name}] {_clip(line.strip(), bounds.line_chars)}")
-    return "\n".join(_latest_errors(carried, lines, bounds.error_lines))
+        name = _one_line(_str(event.get("toolName", "")))
+        errors.extend((name, line.strip()) for line in _error_lines(
+            outputs.get(id(event)) or _str(event.get("output")), functools.partial(_output_error, content, command)))
+    return list(dict.fromkeys(reversed(errors)))[::-1]  # (only an item's last place counts: ``_latest_errors``)
+
+
+def _output_error(content: bool, command: bool, line: str, count: int) -> bool:
+    """Whether ``line`` of a tool's output of ``count`` lines reports an error (``content``: a content
+    tool's output; ``command``: a command's showing content, ``_content_results``)."""
+    # (a content tool's own failure is a short output: "Error: old_string not found", "File not found";
+    # a content command's, its own line: "cat: x: No such file or directory", "fatal: not a git ...",
+    # and a compiler's, run before it: ``npm run build && ls dist/``)
+    return bool(_is_error(line, content or command) or (content and count <= 3 and _FAILURE_SAID.match(line))
+                or (command and ((_COMMAND_SAID.match(line) and _is_error(line)) or _compiler_said(line)
+                                 or _GIT_FAILED.match(line.strip()))))
+
+
+def _error_lines(text: str, says: Callable[[str, int], bool]) -> list[str]:
+    """The lines of ``text`` that ``says`` is an error (given the line and the count of lines), in order:
+    only the distinct lines holding a word of ``_ERROR_HINT`` are looked at (a call per line of a
+    million blank ones, or of the same one, took seconds)."""
+    if not _holds(text, _ERROR_WORDS, _DIAGNOSTIC_PLACE):
+        return []
+    lines = text.splitlines()
+    distinct = list(dict.fromkeys(lines))
+    errors = {distinct[index] for index in _holding(distinct, _ERROR_HINT) if says(distinct[index], len(lines))}
+    return [line for line in lines if line in errors] if errors else []
+
+
+# What every line ``_read_errors`` takes holds, lowercased (``_lowered``): a word of ``_ERROR``, ``_ERROR_PRINTED``,
+# ``_USER_PASTED_ERROR``, ``_FAILURE_SAID``, ``_GIT_FAILED`` or ``_COMPILER`` (each "error"), an ``E   `` or an
+# exception's name (``_CAPITAL_WORD``: "error", "exception"), or a diagnostic's place (``_DIAGNOSTIC``)
+_ERROR_WORDS = ("error", "exception", "traceback", "fail", "fatal", "panic", "segmentation fault", "denied", "not found",
+                "abort", "timed out", "undefined reference", "no such file", "exit", "err!", "killed", "critical",
+                "cannot", "could not", "unable to", "conflict (", "rejected]", "e  ")
+_DIAGNOSTIC_PLACE = re.compile(r":\d+:\d+: ")
+_ERROR_HINT = re.compile("|".join(map(re.escape, _ERROR_WORDS)) + "|" + _DIAGNOSTIC_PLACE.pattern)
+# what ``(?i)`` matches to an ASCII letter that ``str.lower`` does not lower to it (İ, ı, ſ; İ is two characters)
+_UNFOLDED = re.compile("[\u0130\u0131\u017f]")
+
+
+def _lowered(text: str) -> str | None:
+    """``text`` lowercased, each character one (so a lowercase word found in it is there in any case, as
+    ``(?i)`` reads it: such a search is 10 times faster), or None when it cannot be (``_UNFOLDED``)."""
+    return None if _UNFOLDED.search(text) else text.lower()
+
+
+def _holds(text: str, words: tuple[str, ...], place: re.Pattern[str] | None = None) -> bool:
+    """Whether ``text`` may hold one of ``words`` (lowercase) in any case (``_lowered``), or a match of ``place``
+    (one a search for one of them at each character took 0.5 s on 4 MB)."""
+    lowered = _lowered(text)
+    return lowered is None or any(word in lowered for word in words) or bool(place and place.search(lowered))
+
+
+def _holding(parts: list[str], hint: re.Pattern[str], folded: bool = True) -> list[int]:
+    """The indices of ``parts`` in which ``hint`` (matching no line break) may match (in any case when
+    ``folded``, ``_holds``), in order: one search over them all, not one per part."""
+    joined = "\n".join(parts)
+    text = _lowered(joined) if folded else joined
+    if text is None or joined.count("\n") != len(parts) - 1:  # (a character not lowered, or a part holding a
+        return list(range(len(parts)))  # line break: each may)
+    return [index for index, _ in lines_holding(text, hint)]
 
 
 def _pasted_error(line: str) -> bool:
@@ -841,49 +1035,82 @@ def _problem_solving(previous: dict[str, str], events: Sequence[dict[str, Any]],
 _SUMMARIZED = re.compile(r"- turns (\d+)-\d+ summarized extractively \(no LLM\)")
 
 
-def _decisions(previous: dict[str, str], assistants: list[dict[str, Any]], bounds: Bounds) -> str:
+def _decisions(previous: dict[str, str], read: _Read, bounds: Bounds) -> str:
     lines = _carried(previous.get("Decision Rationale"), bounds.line_chars)
-    for event in assistants:
-        for sentence in re.split(r"(?<=[.!?])\s+|\n", _str(event.get("content"))):
-            if _DECISION.search(sentence):
-                lines.append(f"- {_clip(_one_line(sentence), bounds.line_chars)}")  # (``\r###`` ended its line)
+    lines.extend(f"- {_clip(sentence, bounds.line_chars)}" for sentence in read.decisions)
     return "\n".join(_latest(lines, bounds.decisions))
 
 
-def _pending(previous: dict[str, str], events: Sequence[dict[str, Any]], bounds: Bounds) -> str:
+def _read_decisions(events: Sequence[dict[str, Any]]) -> list[str]:
+    """The sentences of the assistant's messages that give a reason, on one line (``\\r###`` ended its
+    line), each at its last place (only that counts: ``_latest``); only the sentences holding a word
+    of ``_DECISION`` are looked at."""
+    found: list[str] = []
+    for event in events:
+        content = _str(event.get("content")) if event.get("type") == "assistant" else ""
+        if _holds(content, _DECISION_WORDS):
+            sentences = re.split(r"(?<=[.!?])\s+|\n", content)
+            found.extend(_one_line(sentences[index]) for index in _holding(sentences, _DECISION_HINT)
+                         if _DECISION.search(sentences[index]))
+    return list(dict.fromkeys(reversed(found)))[::-1]
+
+
+_DECISION_WORDS = ("because", "decided", "instead of", "so that", "rather than", "chose", "trade")  # (``_DECISION``'s,
+_DECISION_HINT = re.compile("|".join(_DECISION_WORDS))  # lowercased: ``_holds``)
+
+
+def _pending(previous: dict[str, str], read: _Read, bounds: Bounds) -> str:
     """Open checkbox items and TODO / FIXME lines of the messages (not in their fenced code: a code
     block's ``# TODO`` is the code's), less those ticked later (``[x]``), carried ones included."""
     tasks = _OpenTasks(_carried(previous.get("Pending Tasks"), bounds.line_chars))
+    for ticked, text in read.tasks:
+        if ticked:
+            tasks.tick(text)
+        else:
+            tasks.add(f"- {_clip(text, bounds.line_chars)}")
+    return "\n".join(list(tasks.items)[-bounds.pending:] if bounds.pending else [])
+
+
+def _read_tasks(events: Sequence[dict[str, Any]]) -> list[tuple[bool, str]]:
+    """The tasks the messages tick and the items they add, in order (``_Read.tasks``)."""
+    found: list[tuple[bool, str]] = []
     listed_before: set[str] = set()  # the tasks of the last todo list seen in this batch
     for event in events:
         if event.get("type") not in ("user", "assistant"):
             continue
-        lines = _str(event.get("content")).splitlines()
-        # (fences as the summary's own reading finds them: a toggle at any line starting ```, one of
-        # inline code (```npm install```) or indented 4 spaces, hid every task after it)
-        for line, fenced in zip(lines, in_fenced_blocks(lines)):
-            if fenced:
-                continue
-            done = _DONE.match(line)
-            if done:  # (it was listed open, and stayed "pending" for good)
-                tasks.tick(_task(done.group(1)))
-            elif _PENDING.search(line) or (event.get("type") == "user"
-                                           and _PENDING_SAID.search(_INLINE_CODE.sub("", line))):
-                tasks.add(f"- {_clip(line.strip().lstrip('-* ').strip(), bounds.line_chars)}")
+        content = _str(event.get("content"))
+        hint = _USER_TASK_HINT if event.get("type") == "user" else _TASK_HINT
+        if hint.search(content):  # (only a line holding one can be a task: a look at each line of a
+            lines = content.splitlines()  # million took seconds)
+            holding = _holding(lines, hint, folded=False)
+            # (fences as the summary's own reading finds them: a toggle at any line starting ```, one of
+            # inline code (```npm install```) or indented 4 spaces, hid every task after it)
+            fenced = in_fenced_blocks(lines) if holding else []
+            for line in (lines[index] for index in holding if not fenced[index]):
+                done = _DONE.match(line)
+                if done:  # (it was listed open, and stayed "pending" for good)
+                    found.append((True, _task(done.group(1))))
+                elif _PENDING.search(line) or (event.get("type") == "user"
+                                               and _PENDING_SAID.search(_INLINE_CODE.sub("", line))):
+                    found.append((False, line.strip().lstrip("-* ").strip()))
         for todos, whole in _todo_lists(event):  # (an agent's todo list tool, Claude Code's ``TodoWrite``)
             listed = {_task(todo["content"]) for todo in todos}
             if whole:  # (a list sent whole: an item it no longer holds was dropped, and stayed pending for good;
-                for task in [task for task in listed_before if task not in listed]:  # ``merge: true``, Cursor's
-                    tasks.tick(task)  # update of some items, leaves the others as they are)
-                listed_before = listed
+                found.extend((True, task) for task in listed_before if task not in listed)  # ``merge: true``,
+                listed_before = listed  # Cursor's update of some items, leaves the others as they are)
             else:
                 listed_before |= listed
             for todo in todos:
                 if todo["status"] in _TODO_CLOSED:
-                    tasks.tick(_task(todo["content"]))
+                    found.append((True, _task(todo["content"])))
                 else:
-                    tasks.add(f"- {_clip('[ ] ' + _one_line(todo['content']), bounds.line_chars)}")
-    return "\n".join(list(tasks.items)[-bounds.pending:] if bounds.pending else [])
+                    found.append((False, "[ ] " + _one_line(todo["content"])))
+    return found
+
+
+# what a line ``_DONE``, ``_PENDING`` or (a user's, with its inline code removed) ``_PENDING_SAID`` matches holds
+_TASK_HINT = re.compile(r"\[[ xX]\]|TODO|FIXME")
+_USER_TASK_HINT = re.compile(r"\[[ xX]\]|TODO|FIXME|`")
 
 
 _TODO_CLOSED = frozenset({"completed", "cancelled", "canceled"})  # a todo item's statuses that leave it done

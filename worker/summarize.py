@@ -37,6 +37,7 @@ import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
+from itertools import accumulate
 from typing import Any, Protocol
 
 import orjson
@@ -363,23 +364,75 @@ def in_fenced_blocks(lines: list[str]) -> list[bool]:
     """Per line, whether it belongs to a fenced code block: its opening line, its content or its
     closing line (the rules of ``_headings``: a backtick line holding another backtick,
     `` ```npm install``` ``, is inline code, and one indented 4 spaces is no fence)."""
-    inside, _ = _inside_fences(lines)
-    return [fenced or _FENCE.match(line) is not None for line, fenced in zip(lines, inside)]
+    marked = _fence_lines(lines)
+    fenced, _ = _inside_fences(lines, marked)
+    for index in marked:  # (no other line is a fence's)
+        fenced[index] = fenced[index] or _FENCE.match(lines[index]) is not None
+    return fenced
 
 
-def _inside_fences(lines: list[str]) -> tuple[list[bool], str]:
+def _inside_fences(lines: list[str], marked: list[int] | None = None) -> tuple[list[bool], str]:
     """Per line, whether it is inside a fenced code block (its closing line too; the rules of
-    ``_headings``), and the fence left open after the last ("" when none)."""
+    ``_headings``), and the fence left open after the last ("" when none). Only a line holding three
+    backticks or tildes opens or closes one (``marked``: ``_fence_lines``): the others take the state
+    as it is, a run at a time (a line at a time, a message of a million lines took a second per look)."""
     inside: list[bool] = []
     fence = ""
-    for line in lines:
+    for index in _fence_lines(lines) if marked is None else marked:
+        inside += [bool(fence)] * (index - len(inside))
+        line = lines[index]
         inside.append(bool(fence))
         if fence:
             if _closes(line, fence):
                 fence = ""
         elif opening := _FENCE.match(line):
             fence = opening.group(1)
+    inside += [bool(fence)] * (len(lines) - len(inside))
     return inside, fence
+
+
+_FENCE_MARK = re.compile(r"```|~~~")  # what a line opening or closing a fence holds (``_FENCE``, ``_CLOSER``)
+_MARK = re.compile(r"##|```|~~~")  # ... or a heading line (``_heading_title``, ``_OTHER_HEADING``)
+
+
+def _fence_lines(lines: list[str]) -> list[int]:
+    """The indices of ``lines`` holding three backticks or tildes, in order: one search over them all."""
+    text = "\n".join(lines)
+    if text.count("\n") != len(lines) - 1:  # (a line holding a line break: none of ``split``'s or ``splitlines``')
+        return [index for index, line in enumerate(lines) if "```" in line or "~~~" in line]
+    return [index for index, _ in lines_holding(text, _FENCE_MARK)]
+
+
+def lines_holding(text: str, mark: re.Pattern[str]) -> list[tuple[int, str]]:
+    """Each line of ``text`` (split at ``\n``) in which ``mark`` (no line break in what it matches) matches,
+    as its index and itself, in order: found by one search over the text, not a look at each line."""
+    found = []
+    index = offset = 0
+    while (match := mark.search(text, offset)) is not None:
+        start = text.rfind("\n", offset, match.start()) + 1 or offset
+        index += text.count("\n", offset, start)
+        end = text.find("\n", match.end())
+        found.append((index, text[start:] if end < 0 else text[start:end]))
+        if end < 0:
+            break
+        offset, index = end + 1, index + 1
+    return found
+
+
+def _marked_lines(text: str) -> list[tuple[int, str, bool]]:
+    """Each line of ``text`` (split at ``\n``) holding ``##``, three backticks or three tildes, the only ones
+    that can be a heading (``_heading_title``, ``_OTHER_HEADING``) or open or close a fence: its index,
+    itself, and whether it is inside a fenced block (``_inside_fences``)."""
+    marked = []
+    fence = ""
+    for index, line in lines_holding(text, _MARK):
+        marked.append((index, line, bool(fence)))
+        if fence:
+            if _closes(line, fence):
+                fence = ""
+        elif opening := _FENCE.match(line):
+            fence = opening.group(1)
+    return marked
 
 
 # A fence's closing line (CommonMark): indented 3 spaces at most, no tab, nothing after but blanks. One
@@ -426,8 +479,7 @@ def _section_lines(text: str, headings: list[tuple[int, str | None]]) -> list[in
         before = [0] * (len(lines) + 1)  # before[i]: the candidate heading lines among lines[:i]
         for index, _, _ in candidates:
             before[index + 1] = 1
-        for i in range(len(lines)):
-            before[i + 1] += before[i]
+        before = list(accumulate(before))
         chosen = _quotes_together([[index for index, title, _ in candidates if title == want]
                                    for want in SECTION_TITLES], before)
         if chosen is not None:
@@ -649,10 +701,14 @@ def canonical_summary(text: str) -> str:
 
 
 def _canonical(text: str) -> tuple[str, list[int]]:
-    """``canonical_summary``, and the line of each section's heading in ``text``."""
-    headings = _headings(text)
+    """``canonical_summary``, and the line of each section's heading in ``text``. Only the lines that
+    can be headings or fences' are looked at (``_marked_lines``; the others are body text, inside a
+    fence or not): all of them, a summary quoting a message of a million lines took seconds."""
+    marked = _marked_lines(text)
+    # (``_headings`` of those lines only: ``_section_lines`` reads only the lines with a title)
+    headings = [(index, None if fenced else _heading_title(line)) for index, line, fenced in marked]
     sections = _sections_or_invalid(text, headings)
-    return _canonical_headings(text, sections, headings), sections
+    return _canonical_headings(text, sections, marked, headings), sections
 
 
 def _fences_closed(text: str) -> str | None:
@@ -740,9 +796,11 @@ _OTHER_HEADING = re.compile(r" {0,3}###(?:[ \t]|$)")  # a markdown heading at th
 _HEADING_LINE = re.compile(r"^(?= {0,3}#{1,6}(?:[ \t]|$))", re.MULTILINE)  # where each markdown heading starts
 
 
-def _canonical_headings(text: str, sections: list[int], headings: list[tuple[int, str | None]]) -> str:
+def _canonical_headings(text: str, sections: list[int], marked: list[tuple[int, str, bool]],
+                        headings: list[tuple[int, str | None]]) -> str:
     """``text`` with each section's heading line (``sections``: ``_section_lines``) written
-    ``### Title`` (``headings``: the text's ``_headings``): a summary is stored with the headings
+    ``### Title`` (``marked``: the text's ``_marked_lines``, ``headings`` their ``_headings``; no other
+    line is a heading): a summary is stored with the headings
     the prompt asked for, however the model wrote them. A heading line in a body that names a section (a quoted ``## Current
     Work``, outside a fenced block) is escaped, ``\\## Current Work``: the sections found at
     the model's level, once all at ``###``, could not be told from such a quote at that level,
@@ -750,18 +808,22 @@ def _canonical_headings(text: str, sections: list[int], headings: list[tuple[int
     So is any other ``###`` heading outside a fenced block (``### Notes`` after the last
     section): the summary has the 10 sections SPEC §1 fixes, not an 11th the agent reads as
     one of them; other levels stay (a model's sub-headings)."""
-    lines = text.split("\n")
-    changed = False
+    edits: dict[int, str] = {}
     chosen = set(sections)
-    fenced = _inside_fences(lines)[0] if "#" in text else [False] * len(lines)
-    for (index, title), line, inside in zip(headings, lines, fenced):
+    for (index, line, inside), (_, title) in zip(marked, headings):
         if index not in chosen and (title is not None or (_OTHER_HEADING.match(line) and not inside)):
             at = line.index("#")
-            lines[index], changed = f"{line[:at]}\\{line[at:]}", True
+            edits[index] = f"{line[:at]}\\{line[at:]}"
+    written = {index: line for index, line, _ in marked}  # (a section's heading line is one of them)
     for index, title in zip(sections, SECTION_TITLES):
-        if lines[index] != f"### {title}":
-            lines[index], changed = f"### {title}", True
-    return "\n".join(lines) if changed else text
+        if written[index] != f"### {title}":
+            edits[index] = f"### {title}"
+    if not edits:
+        return text
+    lines = text.split("\n")
+    for index, line in edits.items():
+        lines[index] = line
+    return "\n".join(lines)
 
 
 def validate_summary_text(text: str) -> list[int]:
