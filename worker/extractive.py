@@ -83,7 +83,7 @@ from worker.summarize import (
     canonical_summary,
     fenced_line_starts,
     in_fenced_blocks,
-    lines_holding,
+    parts_holding,
     says_nothing,
     split_sections,
 )
@@ -853,7 +853,8 @@ def _error_lines(text: str, says: Callable[[str, int], bool]) -> list[str]:
         return []
     lines = text.splitlines()
     distinct = list(dict.fromkeys(lines))
-    errors = {distinct[index] for index in _holding(distinct, _ERROR_HINT) if says(distinct[index], len(lines))}
+    errors = {distinct[index] for index in parts_holding(distinct, _ERROR_HINT, _lowered)
+              if says(distinct[index], len(lines))}
     return [line for line in lines if line in errors] if errors else []
 
 
@@ -880,16 +881,6 @@ def _holds(text: str, words: tuple[str, ...], place: re.Pattern[str] | None = No
     (one a search for one of them at each character took 0.5 s on 4 MB)."""
     lowered = _lowered(text)
     return lowered is None or any(word in lowered for word in words) or bool(place and place.search(lowered))
-
-
-def _holding(parts: list[str], hint: re.Pattern[str], folded: bool = True) -> list[int]:
-    """The indices of ``parts`` in which ``hint`` (matching no line break) may match (in any case when
-    ``folded``, ``_holds``), in order: one search over them all, not one per part."""
-    joined = "\n".join(parts)
-    text = _lowered(joined) if folded else joined
-    if text is None or joined.count("\n") != len(parts) - 1:  # (a character not lowered, or a part holding a
-        return list(range(len(parts)))  # line break: each may)
-    return [index for index, _ in lines_holding(text, hint)]
 
 
 def _pasted_error(line: str) -> bool:
@@ -1050,7 +1041,8 @@ def _read_decisions(events: Sequence[dict[str, Any]]) -> list[str]:
         content = _str(event.get("content")) if event.get("type") == "assistant" else ""
         if _holds(content, _DECISION_WORDS):
             sentences = re.split(r"(?<=[.!?])\s+|\n", content)
-            found.extend(_one_line(sentences[index]) for index in _holding(sentences, _DECISION_HINT)
+            found.extend(_one_line(sentences[index])
+                         for index in parts_holding(sentences, _DECISION_HINT, _lowered)
                          if _DECISION.search(sentences[index]))
     return list(dict.fromkeys(reversed(found)))[::-1]
 
@@ -1082,7 +1074,7 @@ def _read_tasks(events: Sequence[dict[str, Any]]) -> list[tuple[bool, str]]:
         hint = _USER_TASK_HINT if event.get("type") == "user" else _TASK_HINT
         if hint.search(content):  # (only a line holding one can be a task: a look at each line of a
             lines = content.splitlines()  # million took seconds)
-            holding = _holding(lines, hint, folded=False)
+            holding = parts_holding(lines, hint)
             # (fences as the summary's own reading finds them: a toggle at any line starting ```, one of
             # inline code (```npm install```) or indented 4 spaces, hid every task after it)
             fenced = in_fenced_blocks(lines) if holding else []

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
 from itertools import accumulate
@@ -396,11 +396,21 @@ _MARK = re.compile(r"##|```|~~~")  # ... or a heading line (``_heading_title``, 
 
 
 def _fence_lines(lines: list[str]) -> list[int]:
-    """The indices of ``lines`` holding three backticks or tildes, in order: one search over them all."""
-    text = "\n".join(lines)
-    if text.count("\n") != len(lines) - 1:  # (a line holding a line break: none of ``split``'s or ``splitlines``')
-        return [index for index, line in enumerate(lines) if "```" in line or "~~~" in line]
-    return [index for index, _ in lines_holding(text, _FENCE_MARK)]
+    """The indices of ``lines`` that may hold three backticks or tildes, in order (``parts_holding``)."""
+    return parts_holding(lines, _FENCE_MARK)
+
+
+def parts_holding(parts: list[str], mark: re.Pattern[str],
+                  fold: Callable[[str], str | None] | None = None) -> list[int]:
+    """The indices of ``parts`` in which ``mark`` (matching no line break) may match, in order: one search
+    over them all, not one per part. ``fold``: applied to them first (each character one, or None: then
+    every part may), as ``mark`` is; a part holding a line break (none of ``split``'s or ``splitlines``'):
+    every part may."""
+    joined = "\n".join(parts)
+    text = joined if fold is None else fold(joined)
+    if text is None or joined.count("\n") != len(parts) - 1:
+        return list(range(len(parts)))
+    return [index for index, _ in lines_holding(text, mark)]
 
 
 def lines_holding(text: str, mark: re.Pattern[str]) -> list[tuple[int, str]]:
