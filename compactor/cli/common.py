@@ -332,7 +332,15 @@ def check_access_if_up(settings: Settings, *, data_dir: bool = False) -> None:
         return  # the embedded Redis, no ACL (and inside the data dir: that data dir's)
     client = redis.Redis.from_url(settings.redis.url, socket_timeout=5, socket_connect_timeout=2)
     try:
-        client.ping()
+        try:
+            client.ping()
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            if not isinstance(e, redis.AuthenticationError):
+                raise  # (down, or loading its data: waited for)
+            fail(f"Redis refused at {redacted(settings.redis.url)}: {e}")
+        except redis.RedisError as e:  # answered, and refused: a database it does not have ("DB index is out
+            # of range"), an ACL's no permission to ping; the API started, then answered every request a 500
+            fail(f"Redis refused at {redacted(settings.redis.url)}: {e}")
         _access_or_exit(client, settings, settings.redis.url)
         shards_or_exit(client, settings)
         if data_dir:

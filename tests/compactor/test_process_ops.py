@@ -287,6 +287,28 @@ def external_redis(tmp_path: Path) -> Iterator[PasswordRedis]:
     server.stop()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("refusal", ["database", "password"])
+def test_api_on_a_redis_that_refuses_it_exits_1_naming_why(external_redis: PasswordRedis, tmp_path: Path,
+                                                          refusal: str) -> None:
+    """A Redis that answers and refuses (a database it does not have, a wrong password) is a
+    configuration error, as watch and work say at start: the API started, then answered every
+    request, /healthz included, a 500 (``DB index is out of range``)."""
+    url = (external_redis.url.rsplit("/", 1)[0] + "/99999" if refusal == "database"
+           else external_redis.url.replace(PASSWORD, "wrong-pw"))
+    process = compactor("api", "--port", str(free_port()), "--redis-url", url, "--data-dir", str(tmp_path / "data"))
+    try:
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            kill_all(process, [])
+    assert process.returncode == 1
+    [line] = err.strip().splitlines()
+    assert line.startswith("compactor: Redis refused at redis://:***@127.0.0.1:"), line
+    assert ("DB index is out of range" if refusal == "database" else "invalid username-password") in line
+    assert PASSWORD not in line and "wrong-pw" not in line
+
+
 def serve_children(process: subprocess.Popen[str]) -> dict[str, int]:
     """The pid of serve's running ``api``, ``watch`` and ``work`` children, by command."""
     found = {}
