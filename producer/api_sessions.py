@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +35,7 @@ from compactor.queue import pending_job_id
 from compactor.store import READER_LOCK_WAIT_S, SessionStore, bound_elsewhere, check_logged_cwd, recent_sessions
 from events.config import Settings
 from events.errors import CompactorError, InvalidInput, LogLocked, LogWriteFailed, SessionNotFound
-from events.log import SessionLog
+from events.log import LOG_SUFFIX, SessionLog
 from events.models import validate_cwd, validate_session_id
 from events.state import SessionState, rebuild
 from events.view import build_view
@@ -224,14 +225,44 @@ def _ranked_bodies(client: redis.Redis, settings: Settings, store: SessionStore,
     bodies = []
     for index, (sid, activity) in enumerate(recent):
         state = stored.get(sid)
-        if state is None or not store.log(sid, state.cwd).exists():  # (no log: unknown, SPEC §7's 404; the
-            continue  # dataDir changed, or the log was deleted: it was listed, with its old numbers)
-        state = _as_logged(store, store.up_to_date(state))
+        if state is None:  # (lost by Redis, or deleted by hand: the session was left out, "without a log")
+            state = _unstored(store, sid)
+        elif store.log(sid, state.cwd).exists():
+            state = _as_logged(store, store.up_to_date(state))
+        else:  # (no log: unknown, SPEC §7's 404; the dataDir changed, or the log was deleted: it was listed,
+            state = None  # with its old numbers)
+        if state is None:
+            continue
         failures = _count(replies[2 * index])
         job_id = as_text(replies[2 * index + 1]) if replies[2 * index + 1] else None
         body = _body(settings, state, failures, _job_status(client, job_id), _held(held[index], replies[-1], holders))
         bodies.append((body, activity))
     return bodies
+
+
+def _unstored(store: SessionStore, session_id: str) -> SessionState | None:
+    """A listed session whose state Redis no longer holds (evicted, or dropped by hand after a
+    repair of its log, as the README says) while its log stays: the state its log gives, read without
+    the lock and not stored (the session's next write stores it). The log is found by its file
+    name under the data dir, and bound to the cwd its ``session_meta`` records; None when no log
+    of that name records one that leads back to it, or two do (the same id under two cwds), or it
+    cannot be read."""
+    root = os.path.abspath(os.path.expanduser(store.settings.data_dir))
+    found: list[tuple[SessionLog, str]] = []
+    try:
+        with os.scandir(root) as entries:  # (as ``SessionLog.elsewhere``: a stat per project)
+            paths = [Path(entry.path) / "sessions" / f"{session_id}{LOG_SUFFIX}" for entry in entries if entry.is_dir()]
+        for path in sorted(path for path in paths if path.is_file()):
+            cwd = (SessionLog.at_path(path).first_of_type("session_meta") or {}).get("cwd")
+            if isinstance(cwd, str) and (log := store.log(session_id, cwd, create=False)).path == path:
+                found.append((log, cwd))
+        if len(found) != 1:
+            return None
+        [(log, cwd)] = found
+        return rebuilt_lock_free(log, session_id, cwd, store.settings, log.complete_size())
+    except (CompactorError, OSError, ValueError) as e:
+        logger.info("session=%s with no stored state left out of the list: %s", session_id, e)
+        return None
 
 
 def _as_logged(store: SessionStore, state: SessionState) -> SessionState:

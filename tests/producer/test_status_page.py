@@ -220,6 +220,30 @@ def test_the_list_and_the_session_route_agree_on_a_log_changed_outside_the_state
     assert alone["currentTurnId"] == 2 and alone["lastCompaction"] is None
 
 
+def test_a_session_whose_state_redis_lost_is_listed_from_its_log(sessions: Settings, r: redis.Redis) -> None:
+    """Its state dropped (evicted, or deleted by hand after a repair of its log, as the README says)
+    while its log stays: it was left out of the list and counted "without a log", while
+    ``GET /api/sessions/{id}`` rebuilt it from the log and answered 200. Listed now as that route
+    shows it, the state not stored by the list (a read is no write); left out when two logs of
+    that id, under two cwds, could each be it."""
+    keys = Keys(sessions.redis.prefix, sessions.redis.shards)
+    with TestClient(create_app(sessions, r)) as client:
+        [before] = [row for row in client.get("/api/sessions").json() if row["sessionId"] == BUSY]
+        r.delete(keys.session(BUSY))
+        [listed] = [row for row in client.get("/api/sessions").json() if row["sessionId"] == BUSY]
+        assert not r.exists(keys.session(BUSY))
+        alone = client.get(f"/api/sessions/{BUSY}", params={"cwd": CWD}).json()
+        other = "/home/dev/other"
+        r.delete(keys.session(BUSY))
+        SessionStore(r, sessions).log(BUSY, other).append([{"type": "session_meta", "sessionId": BUSY, "cwd": other,
+                                                             "uuid": "u-other", "timestamp": "2025-01-01T00:00:00.000Z"}])
+        ambiguous = [row["sessionId"] for row in client.get("/api/sessions").json()]
+    fields = ("cwd", "promptEstimate", "currentTurnId", "lastCompaction", "contextWindow")
+    assert {f: listed[f] for f in fields} == {f: alone[f] for f in fields} == {f: before[f] for f in fields}
+    assert listed["lastActivity"] == before["lastActivity"]
+    assert BUSY not in ambiguous and BROKEN in ambiguous
+
+
 def test_reading_a_session_after_a_settings_change_leaves_its_last_activity(
         sessions: Settings, r: redis.Redis) -> None:
     """After an operator changed a context setting, reading a session rebuilt its state from the
