@@ -55,7 +55,7 @@ import psutil
 import redis
 import yaml
 
-from compactor import write_or_drop
+from compactor import ignored_at_start, write_or_drop
 from compactor.datadir import ID_FILE, data_dir_id
 from compactor.embedded import OWNER_LOCK_FILE, EmbeddedRedis
 from compactor.logging import json_configured
@@ -591,13 +591,6 @@ class _StopRequested:
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # Ctrl-C, a stop, a closed terminal
 
 
-def hangup_ignored() -> bool:
-    """Whether SIGHUP is ignored in this process, as ``nohup`` leaves it: then a closed terminal
-    must not stop it, and no process of the stack takes SIGHUP as a stop (each did, overriding
-    nohup's intent)."""
-    return signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-
-
 @contextmanager
 def stop_signals_held() -> Iterator[None]:
     """``STOP_SIGNALS`` held back in the block (main thread only) and handed to their handlers
@@ -626,8 +619,9 @@ def stop_signals_held() -> Iterator[None]:
 @contextmanager
 def stop_signals_handled(handler: Callable[[int, Any], None]) -> Iterator[None]:
     """``handler`` for each of ``STOP_SIGNALS`` while in the block; the previous ones restored after.
-    A SIGHUP ignored at the start (``nohup compactor serve &``) stays ignored (``hangup_ignored``)."""
-    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS if not (s == signal.SIGHUP and hangup_ignored())}
+    A signal ignored at the start (SIGHUP: ``nohup compactor serve &``; SIGINT: a script's background
+    job) stays ignored (``compactor.ignored_at_start``)."""
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS if not ignored_at_start(s)}
     try:
         yield
     finally:

@@ -78,7 +78,7 @@ from rq.timeouts import JobTimeoutException, TimerDeathPenalty
 from rq.utils import as_text
 from rq.worker import WorkerStatus
 
-from compactor import metrics
+from compactor import ignored_at_start, metrics
 from compactor.heap import freeze_heap
 from compactor.keys import Keys
 from compactor.queue import (
@@ -95,7 +95,7 @@ from compactor.queue import (
     sessions_to_look_at,
     sync_clock,
 )
-from compactor.serve import exit_with_parent, hangup_ignored, stop_signals_handled
+from compactor.serve import exit_with_parent, stop_signals_handled
 from events.config import Settings
 from events.errors import CompactorError
 from events.models import escaped
@@ -269,7 +269,9 @@ class CompactionWorker(SimpleWorker):
         (a closed terminal killed ``compactor work`` outright, its job cut mid-run; a second
         signal within a second, the terminal's and its supervisor's, is one for RQ)."""
         super()._install_signal_handlers()  # type: ignore[no-untyped-call]
-        if not hangup_ignored():  # (nohup: stays ignored)
+        if ignored_at_start(signal.SIGINT):  # (a script's background job: stays ignored; RQ took it over)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if not ignored_at_start(signal.SIGHUP):  # (nohup: stays ignored)
             signal.signal(signal.SIGHUP, self.request_stop)
 
     def request_stop(self, signum: int, frame: Any) -> None:
@@ -837,7 +839,7 @@ class _Supervisor:
         self._mp = multiprocessing.get_context("fork")
 
     def run(self) -> None:
-        stops = (signal.SIGTERM, signal.SIGINT) + (() if hangup_ignored() else (signal.SIGHUP,))  # (nohup)
+        stops = [s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP) if not ignored_at_start(s)]  # (nohup)
         previous = {sig: signal.signal(sig, self._on_signal) for sig in stops}
         try:
             self.children = [self._spawn(i) for i in range(self.count)]
@@ -914,6 +916,6 @@ def _orphan_safe_child(settings: Settings, burst: bool, parent_pid: int) -> None
 
 def _child(settings: Settings, burst: bool) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (the worker installs its own)
-        if signum != signal.SIGHUP or not hangup_ignored():  # (under nohup it stays ignored)
+        if not ignored_at_start(signum):  # (one ignored at the start, nohup's SIGHUP, stays ignored)
             signal.signal(signum, signal.SIG_DFL)
     run_worker(settings, burst=burst)

@@ -13,9 +13,11 @@ starts anything, so its banner and the API agree.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Annotated
@@ -160,7 +162,8 @@ def api(
     """Serve the HTTP API (binds 127.0.0.1:8080 unless told otherwise)."""
     import uvicorn
 
-    from compactor.serve import exit_with_parent, hangup_ignored
+    from compactor import ignored_at_start
+    from compactor.serve import exit_with_parent
     from producer.api import create_app
 
     setup_logging(log_level, log_format)
@@ -179,6 +182,13 @@ def api(
             application.state.stopping.set()  # a waiting forced compaction answers 202 now (not 500 after the grace)
             super().handle_exit(sig, frame)
 
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                if ignored_at_start(signal.SIGINT):  # (a script's background job: stays ignored)
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
+                yield
+
     server = Server(uvicorn.Config(application, host=settings.api.host, port=settings.api.port,
                                    log_level=log_level.lower(), log_config=None,
                                    timeout_graceful_shutdown=API_STOP_GRACE_S))
@@ -187,7 +197,7 @@ def api(
     # uvicorn re-raises the signal it stopped on once it is done: exit 0 then, as watch, work and serve
     # do (a SIGTERM killed the process by the signal); a SIGHUP (the terminal closed) stops it the same way
     signal.signal(signal.SIGTERM, _stopped)
-    if not hangup_ignored():  # (nohup: stays ignored)
+    if not ignored_at_start(signal.SIGHUP):  # (nohup: stays ignored)
         signal.signal(signal.SIGHUP, lambda _signum, frame: server.handle_exit(signal.SIGTERM, frame))
     try:
         server.run(sockets=[sock])

@@ -60,13 +60,12 @@ from typing import Any
 import redis
 from rq.utils import as_text
 
-from compactor import metrics
+from compactor import ignored_at_start, metrics
 from compactor.datadir import DataDirChanged, DataDirWatch
 from compactor.heap import freeze_heap
 from compactor.held import HELD_RECORD_TTL_S, HOLD, PRUNE
 from compactor.keys import Keys
 from compactor.queue import UNCHECKED, Trigger, parse_job_id, trigger_compactions
-from compactor.serve import hangup_ignored
 from compactor.shards import ShardCountMismatch, gone_quiet
 from compactor.signal_safe import SignalSafeEvent
 from compactor.store import UNREAD, Lookup, SessionStore
@@ -692,8 +691,8 @@ def main(settings: Settings, *, name: str | None = None) -> None:
         stop.set()
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # (a closed terminal killed it outright,
-        if signum != signal.SIGHUP or not hangup_ignored():         # its leases held until they ran out;
-            signal.signal(signum, _stop)                            # under nohup it stays ignored)
+        if not ignored_at_start(signum):                            # its leases held until they ran out;
+            signal.signal(signum, _stop)                            # one ignored at the start stays so)
     client = redis.Redis.from_url(settings.redis.url)
     try:
         watcher = Watcher(client, settings, name=name)

@@ -106,6 +106,44 @@ def test_work_children_stop_when_their_parent_is_killed(r: redis.Redis, settings
         kill_all(process, children)
 
 
+READY = {"watch": "watcher started", "work": "*** Listening on", "api": "Application startup complete",
+         "serve": "compactor serve: API"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("command", ["watch", "work", "api", "serve"])
+def test_a_ctrl_c_ignored_at_the_start_stays_ignored(settings: Settings, tmp_path: Path, command: str) -> None:
+    """A shell without job control starts a background job with SIGINT ignored (``compactor serve &``
+    in a script: the terminal's Ctrl-C, meant for the script's foreground command, reaches the whole
+    process group). Each process took SIGINT over once its handlers were set, a moment after its
+    start: a Ctrl-C then stopped it, one in its first fraction of a second did not. Now ignored
+    throughout, by the process and its children (``work``'s forked workers, in its group), as
+    ``nohup``'s SIGHUP is; SIGTERM still stops it, exit 0."""
+    args = {"serve": ["--workers", "1", "--port", "0"], "work": ["--count", "2"],
+            "api": ["--port", str(free_port())]}.get(command, [])
+    env = process_env(COMPACTION_DATA_DIR=str(tmp_path / "data"),
+                      **({} if command == "serve" else {"REDIS_URL": settings.redis.url}))
+    with open(tmp_path / "err.log", "w") as err:
+        process = subprocess.Popen([sys.executable, "-m", "compactor", command, *args], env=env, text=True,
+                                   stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        ready = 2 if command == "work" else 1
+        wait_for(lambda: (tmp_path / "err.log").read_text().count(READY[command]) >= ready
+                 or process.poll() is not None, 90, f"{command} to be ready")
+        time.sleep(0.5)
+        os.killpg(process.pid, signal.SIGINT)  # (a Ctrl-C: the whole group)
+        time.sleep(2.0)
+        assert process.poll() is None, (tmp_path / "err.log").read_text()[-3000:]
+        assert "stopping" not in (tmp_path / "err.log").read_text().split(READY[command])[-1].lower()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 0, (tmp_path / "err.log").read_text()[-3000:]
+    finally:
+        if process.poll() is None:
+            kill_all(process, [])
+
+
 ORPHAN = textwrap.dedent("""
     import os, signal, subprocess, sys, time
     if sys.argv[1:] == ["child"]:
