@@ -223,10 +223,12 @@ def _ranked_bodies(client: redis.Redis, settings: Settings, store: SessionStore,
     replies = pipe.execute() if ids else []
     held, holders = (replies[-3], lease_holders(replies[-2])) if ids else ([], {})
     bodies = []
+    projects: list[Path] | None = None  # (the data dir's, looked through once for those without a state)
     for index, (sid, activity) in enumerate(recent):
         state = stored.get(sid)
         if state is None:  # (lost by Redis, or deleted by hand: the session was left out, "without a log")
-            state = _unstored(store, sid)
+            projects = _projects(store) if projects is None else projects
+            state = _unstored(store, sid, projects)
         elif store.log(sid, state.cwd).exists():
             state = _as_logged(store, store.up_to_date(state))
         else:  # (no log: unknown, SPEC §7's 404; the dataDir changed, or the log was deleted: it was listed,
@@ -240,18 +242,27 @@ def _ranked_bodies(client: redis.Redis, settings: Settings, store: SessionStore,
     return bodies
 
 
-def _unstored(store: SessionStore, session_id: str) -> SessionState | None:
+def _projects(store: SessionStore) -> list[Path]:
+    """The project directories of the data dir (as ``SessionLog.elsewhere`` looks: a symlink to one
+    counts); none when it cannot be listed."""
+    try:
+        with os.scandir(os.path.abspath(os.path.expanduser(store.settings.data_dir))) as entries:
+            return [Path(entry.path) for entry in entries if entry.is_dir()]
+    except OSError as e:
+        logger.info("the data dir cannot be listed: %s", e)
+        return []
+
+
+def _unstored(store: SessionStore, session_id: str, projects: list[Path]) -> SessionState | None:
     """A listed session whose state Redis no longer holds (evicted, or dropped by hand after a
     repair of its log, as the README says) while its log stays: the state its log gives, read without
     the lock and not stored (the session's next write stores it). The log is found by its file
     name under the data dir, and bound to the cwd its ``session_meta`` records; None when no log
     of that name records one that leads back to it, or two do (the same id under two cwds), or it
     cannot be read."""
-    root = os.path.abspath(os.path.expanduser(store.settings.data_dir))
     found: list[tuple[SessionLog, str]] = []
     try:
-        with os.scandir(root) as entries:  # (as ``SessionLog.elsewhere``: a stat per project)
-            paths = [Path(entry.path) / "sessions" / f"{session_id}{LOG_SUFFIX}" for entry in entries if entry.is_dir()]
+        paths = (project / "sessions" / f"{session_id}{LOG_SUFFIX}" for project in projects)
         for path in sorted(path for path in paths if path.is_file()):
             cwd = (SessionLog.at_path(path).first_of_type("session_meta") or {}).get("cwd")
             if isinstance(cwd, str) and (log := store.log(session_id, cwd, create=False)).path == path:
