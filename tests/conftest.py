@@ -9,12 +9,21 @@ someone else uses.
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
+
+# The test run's processes, and the commands they start, take the stop signals as ones started from a
+# terminal do, whatever the run inherited (a CI runner's background job ignores SIGINT, nohup SIGHUP):
+# the service keeps an inherited ignore (``compactor.ignored_at_start``, read at its first import,
+# below), and the tests of Ctrl-C and hang-ups would fail for it. The tests of an inherited ignore
+# set it on the process they start.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 # Offline token counting and no price-map download, before anything imports litellm.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
