@@ -71,6 +71,18 @@ def kill_all(process: subprocess.Popen[str], others: list[int]) -> str:
     return process.communicate(timeout=30)[1]
 
 
+def ended_with_one_line(process: subprocess.Popen[str]) -> tuple[int, str]:
+    """The exit code of a command that is to end by itself (killed past 30 s), and the one line it
+    wrote on stderr."""
+    try:
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            kill_all(process, [])
+    [line] = err.strip().splitlines()
+    return process.returncode, line
+
+
 def registered_workers(r: redis.Redis, settings: Settings) -> list[Worker]:
     return Worker.all(connection=r, queue=Queue(Keys(settings.redis.prefix).queue, connection=r))
 
@@ -275,14 +287,8 @@ def test_health_workers_fails_soon_after_the_workers_are_killed(r: redis.Redis, 
 def test_watch_with_an_unreachable_redis_exits_1_at_once(tmp_path: Path) -> None:
     """It logged a retry every few seconds, forever, where `work` says so and exits 1."""
     url = f"redis://:{PASSWORD}@127.0.0.1:{free_port()}/0"
-    process = compactor("watch", "--redis-url", url, "--data-dir", str(tmp_path / "data"))
-    try:
-        _, err = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            kill_all(process, [])
-    assert process.returncode == 1
-    [line] = err.strip().splitlines()
+    code, line = ended_with_one_line(compactor("watch", "--redis-url", url, "--data-dir", str(tmp_path / "data")))
+    assert code == 1
     assert line.startswith("compactor: Redis unreachable at redis://:***@127.0.0.1:") and PASSWORD not in line
 
 
@@ -334,14 +340,9 @@ def test_api_on_a_redis_that_refuses_it_exits_1_naming_why(external_redis: Passw
     request, /healthz included, a 500 (``DB index is out of range``)."""
     url = (external_redis.url.rsplit("/", 1)[0] + "/99999" if refusal == "database"
            else external_redis.url.replace(PASSWORD, "wrong-pw"))
-    process = compactor("api", "--port", str(free_port()), "--redis-url", url, "--data-dir", str(tmp_path / "data"))
-    try:
-        _, err = process.communicate(timeout=30)
-    finally:
-        if process.poll() is None:
-            kill_all(process, [])
-    assert process.returncode == 1
-    [line] = err.strip().splitlines()
+    code, line = ended_with_one_line(compactor("api", "--port", str(free_port()), "--redis-url", url,
+                                               "--data-dir", str(tmp_path / "data")))
+    assert code == 1
     assert line.startswith("compactor: Redis refused at redis://:***@127.0.0.1:"), line
     assert ("DB index is out of range" if refusal == "database" else "invalid username-password") in line
     assert PASSWORD not in line and "wrong-pw" not in line
