@@ -35,6 +35,7 @@ EXPOSE 8080
 HEALTHCHECK --interval=15s --timeout=10s --start-period=30s \
   CMD ["compactor", "health", "--check", "--api", "config"]
 
-# With REDIS_URL unset, `serve` runs an embedded Redis under /data/.redis. It listens on
-# COMPACTION_API_HOST (0.0.0.0 above; `docker run -e COMPACTION_API_HOST=...` changes it).
+# With REDIS_URL unset, `serve` runs an embedded Redis under /data/.redis (a unix socket, no TCP
+# port). Its API listens on COMPACTION_API_HOST (0.0.0.0 above; `docker run -e
+# COMPACTION_API_HOST=...` changes it).
 CMD ["compactor", "serve"]

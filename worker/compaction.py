@@ -140,6 +140,7 @@ from worker.summarize import (
     extract_summary,
     merged_summaries,
     neutralized,
+    quoted_headings,
     render_event,
     render_transcript,
     says_nothing,
@@ -731,7 +732,8 @@ class Compactor:
             # the whole targets in one call: the pass rendered them already
             transcript = "\n\n".join(reading.blocks) if chunk is targets.events else render_transcript(chunk)
             messages = build_messages(transcript, running, limit)
-            summary = extract_summary(self.summarizer.complete(model, messages), user_messages=_user_messages_in(chunk))
+            summary = extract_summary(self.summarizer.complete(model, messages), user_messages=_user_messages_in(chunk),
+                                      quoted=quoted_headings(messages))
             kept = with_messages_kept(summary, whole_previous if done == 0 else running)
             if kept is not summary and count_tokens(kept, view.encoding) > limit:  # (the service's addition is
                 logger.warning("the previous summary's user messages not put back in the summary: over the "  # no

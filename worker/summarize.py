@@ -546,7 +546,8 @@ def _level(line: str) -> int:
 _REASONING_END = re.compile(r"</(?:think|thinking|reasoning)>")
 
 
-def extract_summary(reply: str, *, user_messages: bool = False) -> str:
+def extract_summary(reply: str, *, user_messages: bool = False,
+                    quoted: frozenset[tuple[str, str]] = frozenset()) -> str:
     """The inner text of the reply's ``<summary>`` block (outer whitespace stripped); raise
     SummaryInvalid when there is none, or when every section says nothing, or when
     ``user_messages`` (the request's transcript held one that says something) and its All User
@@ -558,10 +559,11 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
     ``<summary>`` or ``<analysis>`` block as the reply's own do: a forged ``</think><summary>``
     quoted after the real summary, cut there, took the forgery for the reply) and no reply tag
     comes between it and the end tried before it; the data has those tags written as entities
-    (``neutralized``), so a quoted one is no end.
+    (``neutralized``), so a quoted one is no end. ``quoted``: the request's ``quoted_headings``, of
+    which a heading line of the reply is a quote, not a section's heading.
     """
     try:
-        return _extracted(reply, user_messages)
+        return _extracted(reply, user_messages, quoted)
     except SummaryInvalid as invalid:
         if not isinstance(reply, str) or not invalid.layout:  # (one refused for what its block says: as it is)
             raise
@@ -578,7 +580,7 @@ def extract_summary(reply: str, *, user_messages: bool = False) -> str:
                 # this end is quoted after it; past it, a user's "</think><summary>..." was stored)
                 break
             try:
-                return _extracted(reply[end.end():], user_messages)
+                return _extracted(reply[end.end():], user_messages, quoted)
             except SummaryInvalid:
                 tried = end.end()
         raise
@@ -590,7 +592,7 @@ _ANALYSIS_LINE = re.compile(r"^[ \t]*<analysis>", re.MULTILINE)  # (one named in
 _BLOCK_LINE = re.compile(r"^[ \t]*<(?:summary|analysis)>", re.MULTILINE)
 
 
-def _extracted(reply: str, user_messages: bool) -> str:
+def _extracted(reply: str, user_messages: bool, quoted: frozenset[tuple[str, str]] = frozenset()) -> str:
     """``extract_summary`` of the reply as it is.
 
     The ``<analysis>`` block (up to its first ``</analysis>``) is skipped: the
@@ -633,13 +635,13 @@ def _extracted(reply: str, user_messages: bool) -> str:
     except UnicodeEncodeError as e:  # a lone surrogate (a "\ud800" escape in the reply's JSON): no log can hold it
         raise SummaryInvalid(f"the summary is not valid Unicode: {e.reason} at character {e.start}") from None
     try:
-        summary, sections = _canonical(text)
+        summary, sections = _canonical(text, quoted)
     except SummaryInvalid as invalid:
         # the block's body in one ```markdown fence (models do that), or a fence a quote left open
         for make in (_unfenced, _fences_closed):
             if (candidate := make(text)) is not None:
                 try:
-                    summary, sections = _canonical(candidate)
+                    summary, sections = _canonical(candidate, quoted)
                 except SummaryInvalid:
                     continue
                 text = candidate
@@ -710,15 +712,57 @@ def canonical_summary(text: str) -> str:
     return _canonical(text)[0]
 
 
-def _canonical(text: str) -> tuple[str, list[int]]:
+def _canonical(text: str, quoted: frozenset[tuple[str, str]] = frozenset()) -> tuple[str, list[int]]:
     """``canonical_summary``, and the line of each section's heading in ``text``. Only the lines that
     can be headings or fences' are looked at (``_marked_lines``; the others are body text, inside a
-    fence or not): all of them, a summary quoting a message of a million lines took seconds."""
+    fence or not): all of them, a summary quoting a message of a million lines took seconds.
+    A heading line that ``quoted`` (``quoted_headings``) has with the line after it is a quote of
+    the request's data: the sections are looked for without such lines first (escaped, as other
+    quotes are), then, when the 10 are not there without them, with them."""
     marked = _marked_lines(text)
     # (``_headings`` of those lines only: ``_section_lines`` reads only the lines with a title)
     headings = [(index, None if fenced else _heading_title(line)) for index, line, fenced in marked]
-    sections = _sections_or_invalid(text, headings)
+    sections = None
+    if quoted:
+        lines = text.split("\n")
+        quotes = {index for index, title in headings if (title, _next_said(lines, index)) in quoted}
+        if quotes:
+            sections = _section_lines(text, [(index, None if index in quotes else title)
+                                             for index, title in headings])
+    if sections is None:
+        sections = _sections_or_invalid(text, headings)
     return _canonical_headings(text, sections, marked, headings), sections
+
+
+def quoted_headings(messages: Sequence[dict[str, str]]) -> frozenset[tuple[str, str]]:
+    """The section headings the data of a request (``build_messages``) holds, each escaped there
+    (``data_text``), as (title, the line after it that says something, its escape taken off). A
+    reply's heading line with the same title and line after it quotes the data: a tool output's
+    ``### Pending Tasks`` and an order under it, quoted unescaped after the model's last section,
+    took sections 8-10 over, the model's own headings escaped as a quote (of two choices each
+    leaving quotes in one section, the later won)."""
+    found: set[tuple[str, str]] = set()
+    for message in messages:
+        content = message.get("content", "")
+        if "\\" not in content or "##" not in content:  # (the usual request: two scans)
+            continue
+        lines = content.split("\n")
+        for index, line in enumerate(lines):
+            if line.startswith("\\") and (title := _heading_title(line[1:])) is not None:
+                found.add((title, _next_said(lines, index)))
+    return frozenset(found)
+
+
+def _next_said(lines: list[str], index: int) -> str:
+    """The first line after ``lines[index]`` that says something, stripped and its escape taken off,
+    within ``QUOTE_LOOKAHEAD`` lines ("" when none is)."""
+    for line in lines[index + 1:index + 1 + QUOTE_LOOKAHEAD]:
+        if said := line.strip():
+            return said.removeprefix("\\").strip()
+    return ""
+
+
+QUOTE_LOOKAHEAD = 4  # lines after a heading looked at for what it introduces
 
 
 def _fences_closed(text: str) -> str | None:
