@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -224,11 +225,13 @@ def _ranked_bodies(client: redis.Redis, settings: Settings, store: SessionStore,
     held, holders = (replies[-3], lease_holders(replies[-2])) if ids else ([], {})
     bodies = []
     projects: list[Path] | None = None  # (the data dir's, looked through once for those without a state)
+    rebuilding_until = time.monotonic() + UNSTORED_BUDGET_S
     for index, (sid, activity) in enumerate(recent):
         state = stored.get(sid)
-        if state is None:  # (lost by Redis, or deleted by hand: the session was left out, "without a log")
-            projects = _projects(store) if projects is None else projects
-            state = _unstored(store, sid, projects)
+        if state is None:  # (lost by Redis, or deleted by hand: the session was left out, "without a log";
+            if time.monotonic() < rebuilding_until:  # past the budget it still is)
+                projects = _projects(store) if projects is None else projects
+                state = _unstored(store, sid, projects)
         elif store.log(sid, state.cwd).exists():
             state = _as_logged(store, store.up_to_date(state))
         else:  # (no log: unknown, SPEC §7's 404; the dataDir changed, or the log was deleted: it was listed,
@@ -240,6 +243,11 @@ def _ranked_bodies(client: redis.Redis, settings: Settings, store: SessionStore,
         body = _body(settings, state, failures, _job_status(client, job_id), _held(held[index], replies[-1], holders))
         bodies.append((body, activity))
     return bodies
+
+
+UNSTORED_BUDGET_S = 0.25  # a page's rebuilds of sessions without a state, from their logs (not stored:
+# each refresh rebuilt them again; Redis evicting idle sessions' states under ``volatile-lru``, 100 logs of
+# 1.2 MB held every refresh of the page seconds)
 
 
 def _projects(store: SessionStore) -> list[Path]:

@@ -284,7 +284,11 @@ class CompactionWorker(SimpleWorker):
         STOPPING.set()
         if self._shutdown_requested_date is not None:
             return
-        super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
+        try:
+            super().request_stop(signum, frame)  # type: ignore[no-untyped-call]
+        finally:  # (RQ pointed SIGINT at its cold stop, then raised StopRequested when idle: a script's
+            if ignored_at_start(signal.SIGINT):  # Ctrl-C, meant for its foreground command, cut the job in hand)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def set_shutdown_requested_date(self) -> None:
         """RQ's record of when the stop was asked for (``rq info`` shows it), skipped while Redis

@@ -334,12 +334,12 @@ def check_access_if_up(settings: Settings, *, data_dir: bool = False) -> None:
     try:
         try:
             client.ping()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-            if not isinstance(e, redis.AuthenticationError):
-                raise  # (down, or loading its data: waited for)
-            fail(f"Redis refused at {redacted(settings.redis.url)}: {e}")
-        except redis.RedisError as e:  # answered, and refused: a database it does not have ("DB index is out
-            # of range"), an ACL's no permission to ping; the API started, then answered every request a 500
+        except redis.RedisError as e:
+            if not isinstance(e, (redis.AuthenticationError, redis.exceptions.AuthorizationError)) and (
+                    isinstance(e, (redis.ConnectionError, redis.TimeoutError)) or is_refusal(e)):
+                raise  # (down, loading its data, busy running a script...: waited for, as during an outage)
+            # answered, and refused for good: a database it does not have ("DB index is out of range"), a
+            # wrong password, an ACL's no permission to ping; the API started, then answered every request a 500
             fail(f"Redis refused at {redacted(settings.redis.url)}: {e}")
         _access_or_exit(client, settings, settings.redis.url)
         shards_or_exit(client, settings)

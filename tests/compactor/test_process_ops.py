@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -116,6 +117,28 @@ def test_work_children_stop_when_their_parent_is_killed(r: redis.Redis, settings
         assert registered_workers(r, settings) == []  # a warm stop: each left RQ's registry
     finally:
         kill_all(process, children)
+
+
+def test_the_startup_check_waits_for_a_redis_busy_running_a_script(tmp_path: Path) -> None:
+    """``BUSY`` (another client's script past the busy threshold) passes by itself, as a Redis
+    that is down or loading does: the API and serve start and ride it out. Only a refusal for good
+    (a database Redis does not have, a wrong password, an ACL) ends them at start."""
+    from compactor.cli.common import check_access_if_up
+
+    server = EmbeddedRedis(tmp_path / "redis", persist=False).start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        client.config_set("busy-reply-threshold", 200)
+        script = threading.Thread(target=lambda: redis.Redis.from_url(server.url).eval(
+            "local t = redis.call('TIME')[1]; while redis.call('TIME')[1] - t < 3 do end return 1", 0))
+        script.start()
+        time.sleep(0.6)
+        with pytest.raises(redis.ResponseError, match="BUSY"):
+            redis.Redis.from_url(server.url).ping()
+        check_access_if_up(Settings.model_validate({"dataDir": str(tmp_path / "data"), "redis": {"url": server.url}}))
+        script.join(10)
+    finally:
+        server.stop()
 
 
 READY = {"watch": "watcher started", "work": "*** Listening on", "api": "Application startup complete",

@@ -244,6 +244,21 @@ def test_a_session_whose_state_redis_lost_is_listed_from_its_log(sessions: Setti
     assert BUSY not in ambiguous and BROKEN in ambiguous
 
 
+def test_rebuilding_sessions_without_a_state_stops_at_the_pages_budget(
+        sessions: Settings, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rebuilds are not stored: with Redis evicting idle sessions' states, every refresh rebuilt
+    every such log again (100 logs of 1.2 MB: seconds). Past ``UNSTORED_BUDGET_S`` the rest are
+    left out, as before."""
+    from producer import api_sessions
+
+    keys = Keys(sessions.redis.prefix, sessions.redis.shards)
+    r.delete(keys.session(BUSY), keys.session(BROKEN))
+    with TestClient(create_app(sessions, r)) as client:
+        assert {row["sessionId"] for row in client.get("/api/sessions").json()} == {BUSY, BROKEN}
+        monkeypatch.setattr(api_sessions, "UNSTORED_BUDGET_S", 0.0)
+        assert client.get("/api/sessions").json() == []
+
+
 def test_reading_a_session_after_a_settings_change_leaves_its_last_activity(
         sessions: Settings, r: redis.Redis) -> None:
     """After an operator changed a context setting, reading a session rebuilt its state from the

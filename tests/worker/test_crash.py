@@ -487,6 +487,33 @@ def test_a_worker_started_while_redis_refuses_writes_waits_and_then_takes_jobs(
         assert "worker process died" not in output and "Traceback" not in output, output
 
 
+def test_a_ctrl_c_ignored_at_the_start_stays_ignored_once_a_warm_stop_began(
+    r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RQ points SIGINT at its cold stop when a warm one begins (a SIGTERM: ``kill``, serve, the
+    supervisor passing one on): a worker started with SIGINT ignored (a script's background job)
+    then had the job in hand cut by the terminal's Ctrl-C, meant for the script's foreground
+    command. It stays ignored through the stop."""
+    import compactor
+    from rq.worker import WorkerStatus
+
+    from worker.runner import CompactionWorker
+
+    monkeypatch.setattr(compactor, "_IGNORED_AT_START", frozenset({signal.SIGINT}))
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        worker = CompactionWorker.for_settings(r, wsettings)
+        worker._install_signal_handlers()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        worker.set_state(WorkerStatus.BUSY)  # (a job in hand)
+        worker.request_stop(signal.SIGTERM, None)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == worker.request_force_stop  # (RQ's own, as before)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def test_a_worker_loop_ended_by_an_error_ends_its_process_so_it_is_replaced(
     r: redis.Redis, wsettings: Settings, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
