@@ -497,6 +497,7 @@ def test_a_ctrl_c_ignored_at_the_start_stays_ignored_once_a_warm_stop_began(
     import compactor
     from rq.worker import WorkerStatus
 
+    from worker.compaction import STOPPING
     from worker.runner import CompactionWorker
 
     monkeypatch.setattr(compactor, "_IGNORED_AT_START", frozenset({signal.SIGINT}))
@@ -509,7 +510,8 @@ def test_a_ctrl_c_ignored_at_the_start_stays_ignored_once_a_warm_stop_began(
         worker.request_stop(signal.SIGTERM, None)
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
         assert signal.getsignal(signal.SIGTERM) == worker.request_force_stop  # (RQ's own, as before)
-    finally:
+    finally:  # (the process's: the tests after this one in it run jobs, which a set STOPPING cuts short)
+        STOPPING.clear()
         for s, handler in previous.items():
             signal.signal(s, handler)
 
