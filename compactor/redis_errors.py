@@ -47,6 +47,14 @@ def is_refusal(error: BaseException) -> bool:
     return isinstance(error, redis.ResponseError) and _REFUSAL.search(str(error)) is not None
 
 
+def is_transient(error: BaseException) -> bool:
+    """A Redis error that passes by itself: a refusal, a dropped or timed-out connection (not a
+    refused password or ACL, which are ``ConnectionError``s too in redis-py but need an operator)."""
+    if isinstance(error, (redis.AuthenticationError, redis.exceptions.AuthorizationError)):
+        return False
+    return isinstance(error, (redis.ConnectionError, redis.TimeoutError)) or is_refusal(error)
+
+
 def is_permission_error(error: BaseException) -> bool:
     """Whether ``error`` is Redis's ACL refusing a command, a key or a channel (in a script too)."""
     if isinstance(error, redis.exceptions.NoPermissionError):

@@ -87,6 +87,17 @@ def _project_dir_name(cwd: str) -> str:
     return encoded
 
 
+def project_dirs(data_dir: str | os.PathLike[str]) -> list[Path]:
+    """The project directories of a data dir (one scan of it); none when it cannot be listed. (A
+    project directory that is a symlink counts: the writers follow it, and skipped, a session
+    logged there was taken by another cwd after Redis lost its state.)"""
+    try:
+        with os.scandir(os.path.abspath(os.path.expanduser(data_dir))) as entries:
+            return [Path(entry.path) for entry in entries if entry.is_dir()]
+    except OSError:
+        return []
+
+
 def session_log_path(data_dir: str | os.PathLike[str], cwd: str, session_id: str) -> Path:
     """The log file of a session; validates both ids; the result is always inside ``data_dir``, and
     a path the system takes (``InvalidEvent`` on ``cwd`` else: a path over ``PATH_MAX`` answered
@@ -207,13 +218,8 @@ class SessionLog:
         """The logs of this session under the other projects of the data dir (the same session id,
         another cwd's directory): one scan of the data dir, a ``stat`` per project."""
         name, own = self.path.name, self.path.parent.parent
-        try:
-            # (a project directory that is a symlink counts: the writers follow it, and skipped here a
-            # session logged there was taken by another cwd after Redis lost its state)
-            projects = [Path(entry.path) for entry in os.scandir(self._root) if entry.is_dir()]
-        except OSError:
-            return []
-        return [SessionLog.at_path(path) for path in sorted(project / "sessions" / name for project in projects)
+        return [SessionLog.at_path(path)
+                for path in sorted(project / "sessions" / name for project in project_dirs(self._root))
                 if path.parent.parent != own and path.is_file()]
 
     def exists(self) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from compactor.queue import pending_job_id
 from compactor.store import READER_LOCK_WAIT_S, SessionStore, bound_elsewhere, check_logged_cwd, recent_sessions
 from events.config import Settings
 from events.errors import CompactorError, InvalidInput, LogLocked, LogWriteFailed, SessionNotFound
-from events.log import LOG_SUFFIX, SessionLog
+from events.log import LOG_SUFFIX, SessionLog, project_dirs
 from events.models import validate_cwd, validate_session_id
 from events.state import SessionState, rebuild
 from events.view import build_view
@@ -230,7 +229,7 @@ def _ranked_bodies(client: redis.Redis, settings: Settings, store: SessionStore,
         state = stored.get(sid)
         if state is None:  # (lost by Redis, or deleted by hand: the session was left out, "without a log";
             if time.monotonic() < rebuilding_until:  # past the budget it still is)
-                projects = _projects(store) if projects is None else projects
+                projects = project_dirs(store.settings.data_dir) if projects is None else projects
                 state = _unstored(store, sid, projects)
         elif store.log(sid, state.cwd).exists():
             state = _as_logged(store, store.up_to_date(state))
@@ -248,17 +247,6 @@ def _ranked_bodies(client: redis.Redis, settings: Settings, store: SessionStore,
 UNSTORED_BUDGET_S = 0.25  # a page's rebuilds of sessions without a state, from their logs (not stored:
 # each refresh rebuilt them again; Redis evicting idle sessions' states under ``volatile-lru``, 100 logs of
 # 1.2 MB held every refresh of the page seconds)
-
-
-def _projects(store: SessionStore) -> list[Path]:
-    """The project directories of the data dir (as ``SessionLog.elsewhere`` looks: a symlink to one
-    counts); none when it cannot be listed."""
-    try:
-        with os.scandir(os.path.abspath(os.path.expanduser(store.settings.data_dir))) as entries:
-            return [Path(entry.path) for entry in entries if entry.is_dir()]
-    except OSError as e:
-        logger.info("the data dir cannot be listed: %s", e)
-        return []
 
 
 def _unstored(store: SessionStore, session_id: str, projects: list[Path]) -> SessionState | None:

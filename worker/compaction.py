@@ -92,6 +92,7 @@ from rq.job import Job, JobStatus
 
 from compactor.deferred import Deferred
 from compactor.queue import pending_job_id, queue_release, redis_time_s, released_trigger
+from compactor.redis_errors import is_transient
 from compactor.signal_safe import SignalSafeEvent
 from compactor.store import UNREAD, ApplyResult, SessionStore, Stored
 from events.config import ContextSettings, Settings
@@ -132,7 +133,6 @@ from events.view import (
 )
 from worker.extractive import EXTRACTIVE_MODEL, extractive_summary
 from worker.failures import FailureCounter
-from worker.redis_wait import is_transient
 from worker.summarize import (
     SYSTEM_PROMPT,
     Summarizer,

@@ -51,6 +51,7 @@ from compactor.queue import (
     release_pending,
     settle_trigger,
 )
+from compactor.redis_errors import is_transient
 from events.config import Settings
 from events.errors import (
     JobAbandoned,
@@ -65,7 +66,6 @@ from events.models import LLM_ERROR_FIELD, MICRO_STEP_FIELD, REQUEUED_AS_FIELD, 
 from events.state import decide
 from worker.compaction import STOPPING, JobRun, LlmFailure
 from worker.context import WorkerContext, current
-from worker.redis_wait import is_transient
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ Invariant: a worker's loop never ends because Redis refused a command or dropped
 its connection. It waits (1, 2, 4 … ``WAIT_MAX_S`` seconds between tries) and
 logs one line when it starts, one every ``REPEAT_S`` while it lasts, and one
 when Redis serves again; a job whose start or end could not be recorded is left
-to the janitor (``worker.runner``), as a killed worker's is.
+to the janitor (``worker.runner``), as a killed worker's is. What passes by itself
+is ``compactor.redis_errors.is_transient``.
 """
 
 from __future__ import annotations
@@ -19,23 +20,10 @@ import logging
 import threading
 import time
 
-import redis
-from redis.exceptions import AuthenticationError, AuthorizationError
-
-from compactor.redis_errors import is_refusal
-
 logger = logging.getLogger(__name__)
 
 WAIT_MAX_S = 10.0  # the longest wait between two tries
 REPEAT_S = 60.0  # how often a lasting refusal is logged again
-
-
-def is_transient(error: BaseException) -> bool:
-    """A Redis error that passes by itself: a refusal, a dropped or timed-out connection (not a
-    refused password or ACL, which are ``ConnectionError``s too in redis-py but need an operator)."""
-    if isinstance(error, (AuthenticationError, AuthorizationError)):
-        return False
-    return isinstance(error, (redis.ConnectionError, redis.TimeoutError)) or is_refusal(error)
 
 
 class RedisWait:

@@ -95,6 +95,7 @@ from compactor.queue import (
     sessions_to_look_at,
     sync_clock,
 )
+from compactor.redis_errors import is_transient
 from compactor.serve import exit_with_parent, stop_signals_handled
 from events.config import Settings
 from events.errors import CompactorError
@@ -104,7 +105,7 @@ from worker import context as worker_context
 from worker.compaction import STOPPING
 from worker.context import WorkerContext
 from worker.jobs import finish, replace_abandoned
-from worker.redis_wait import RedisWait, is_transient
+from worker.redis_wait import RedisWait
 from worker.summarize import warm_up_litellm
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ from rich.console import Console
 
 from compactor import to_devnull
 from compactor.logging import json_configured
-from compactor.redis_errors import AccessDenied, check_access, is_permission_error, is_refusal
+from compactor.redis_errors import AccessDenied, check_access, is_permission_error, is_refusal, is_transient
 from compactor.urls import host_port, redacted
 from events.config import ENV_OVERRIDES, Settings, load_settings
 from events.errors import CompactorError, InvalidConfig, InvalidInput
@@ -335,8 +335,7 @@ def check_access_if_up(settings: Settings, *, data_dir: bool = False) -> None:
         try:
             client.ping()
         except redis.RedisError as e:
-            if not isinstance(e, (redis.AuthenticationError, redis.exceptions.AuthorizationError)) and (
-                    isinstance(e, (redis.ConnectionError, redis.TimeoutError)) or is_refusal(e)):
+            if is_transient(e):
                 raise  # (down, loading its data, busy running a script...: waited for, as during an outage)
             # answered, and refused for good: a database it does not have ("DB index is out of range"), a
             # wrong password, an ACL's no permission to ping; the API started, then answered every request a 500

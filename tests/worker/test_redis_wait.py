@@ -7,7 +7,8 @@ import logging
 import pytest
 import redis
 
-from worker.redis_wait import WAIT_MAX_S, RedisWait, is_transient
+from compactor.redis_errors import is_transient
+from worker.redis_wait import WAIT_MAX_S, RedisWait
 
 
 def test_an_outage_is_logged_once_and_waited_out_with_a_growing_capped_wait(
