@@ -68,7 +68,9 @@ class StubResponse:
     with an error status, ``text`` is the error's message);
     with ``trickle_s``, the headers at once and the body 64 bytes at a time, ``trickle_s`` apart;
     ``raw``: the body sent as it is, with ``content_type`` (a proxy's page, a stream, bad bytes);
-    ``finish_reason``: the choice's ("length": a reply cut at the model's output limit)."""
+    ``finish_reason``: the choice's ("length": a reply cut at the model's output limit);
+    ``hang_up``: the request read, the connection closed with no reply (a provider that closed a
+    kept-alive connection as the request came)."""
 
     status: int = 200
     text: str | None = None
@@ -77,6 +79,7 @@ class StubResponse:
     raw: bytes | None = None
     content_type: str = "application/json"
     finish_reason: str = "stop"
+    hang_up: bool = False
 
 
 @dataclass
@@ -228,7 +231,10 @@ def _handler_for(stub: LLMStub) -> type[BaseHTTPRequestHandler]:
             response = stub._record(RecordedRequest(self.path, dict(self.headers), body))
             if response.delay_s:
                 time.sleep(response.delay_s)
-            if response.raw is not None:
+            if response.hang_up:
+                self.close_connection = True
+                self.request.shutdown(socket.SHUT_RDWR)
+            elif response.raw is not None:
                 self._send_bytes(response.status, response.raw, response.content_type, response.trickle_s)
             elif response.status == 200:
                 text = stub._reply_text(response, body)

@@ -82,8 +82,10 @@ class SummaryInvalid(CompactorError):
 
 
 class LLMUnavailable(CompactorError):
-    """The LLM call failed. ``transient`` errors (rate limit, 5xx, timeout) may succeed later."""
+    """The LLM call failed. ``transient`` errors (rate limit, 5xx, timeout) may succeed later.
+    ``job_timed_out``: the job's own timeout (RQ's) ran out during the call: nothing more is called."""
 
-    def __init__(self, message: str, *, transient: bool) -> None:
+    def __init__(self, message: str, *, transient: bool, job_timed_out: bool = False) -> None:
         self.transient = transient
+        self.job_timed_out = job_timed_out
         super().__init__(message)

@@ -586,31 +586,40 @@ class Compactor:
         plan = self.plan(reading.targets, view, reading.target_tokens)
         try:
             text = self._summarize_with(plan.model, reading, view, plan, run=run)
-        except (LLMUnavailable, SummaryInvalid) as error:
-            if self._handed_on(session_id, run):  # (a call that ran out while the worker was paused is
-                # no failure of the LLM: counted after the job that replaced it succeeded, it left the
-                # session a failure short of an open breaker)
-                raise _abandoned(run, f"its LLM call's failure is not counted: {error}") from None
-            kind = self._count_failure(session_id, plan.model, error, run.job_id if run is not None else None)
-            if not fallback or fallback == plan.model:
-                raise
-            if STOPPING.is_set() and fallback != EXTRACTIVE_MODEL:  # (the extractive one calls no LLM)
-                logger.warning("llm failed session=%s: the worker is stopping, no call to the fallback %s",
-                               session_id, fallback)
-                raise
-            logger.warning("llm failed session=%s: using fallback %s", session_id, fallback)
-            try:  # (with ``run``: its chunks stop before the job's timeout, or the worker's stop, as the
-                # first model's do; without, a backlog of chunks timed out every job, never summarized)
-                text = self._summarize_with(fallback, reading, view, run=run)
-            except LLMUnavailable as failed:  # the job's error names both: the fallback's alone hid the first
-                raise LLMUnavailable(f"{failed}; the fallback was called after: {error}",
-                                     transient=failed.transient) from None
-            except SummaryInvalid as failed:
-                raise SummaryInvalid(f"{failed}; the fallback {fallback} was called after: {error}") from None
-            if run is not None:
-                run.llm_failure = LlmFailure(kind, str(error), plan.model, fallback)
-            return text, False
-        return text, plan.model != EXTRACTIVE_MODEL
+        except (LLMUnavailable, SummaryInvalid) as failure:
+            error: LLMUnavailable | SummaryInvalid = failure
+        else:
+            return text, plan.model != EXTRACTIVE_MODEL
+        # (past the handler: a fallback's call made inside it had the first call's error for its
+        # context, and its own error was classified, and named, by that one's causes)
+        if self._handed_on(session_id, run):  # (a call that ran out while the worker was paused is
+            # no failure of the LLM: counted after the job that replaced it succeeded, it left the
+            # session a failure short of an open breaker)
+            raise _abandoned(run, f"its LLM call's failure is not counted: {error}")
+        kind = self._count_failure(session_id, plan.model, error, run.job_id if run is not None else None)
+        if not fallback or fallback == plan.model:
+            raise error
+        if isinstance(error, LLMUnavailable) and error.job_timed_out:  # (RQ's alarm is spent: a fallback's
+            # call ran on unbounded by it, 5 s past a 2 s job timeout for a 5 s llmTimeoutSeconds)
+            logger.warning("llm failed session=%s: the job's timeout ran out, no call to the fallback %s",
+                           session_id, fallback)
+            raise error
+        if STOPPING.is_set() and fallback != EXTRACTIVE_MODEL:  # (the extractive one calls no LLM)
+            logger.warning("llm failed session=%s: the worker is stopping, no call to the fallback %s",
+                           session_id, fallback)
+            raise error
+        logger.warning("llm failed session=%s: using fallback %s", session_id, fallback)
+        try:  # (with ``run``: its chunks stop before the job's timeout, or the worker's stop, as the
+            # first model's do; without, a backlog of chunks timed out every job, never summarized)
+            text = self._summarize_with(fallback, reading, view, run=run)
+        except LLMUnavailable as failed:  # the job's error names both: the fallback's alone hid the first
+            raise LLMUnavailable(f"{failed}; the fallback was called after: {error}",
+                                 transient=failed.transient, job_timed_out=failed.job_timed_out) from None
+        except SummaryInvalid as failed:
+            raise SummaryInvalid(f"{failed}; the fallback {fallback} was called after: {error}") from None
+        if run is not None:
+            run.llm_failure = LlmFailure(kind, str(error), plan.model, fallback)
+        return text, False
 
     def check_not_handed_on(self, session_id: str, run: JobRun) -> None:
         """Raise JobAbandoned when ``run``'s job, about to start, was declared abandoned already and

@@ -1085,22 +1085,33 @@ class LiteLLMSummarizer:
         whole by ``timeout_s``: the HTTP client's timeout bounds each read, and a server trickling
         its reply a few bytes at a time held a call (and the job, past SIGTERM's grace) for as long
         as it liked. The call runs in a thread of its own; one past the deadline is left to end
-        there (its reads are bounded) and the job gets a transient timeout."""
+        there (its reads are bounded) and the job gets a transient timeout.
+        A call whose connection failed before any reply (``_connection_failed``: a pooled
+        keep-alive connection the provider had closed, a reset) is made once more within the same
+        ``timeout_s``: with the client's own retries off, one such reset counted an LLM failure."""
         kwargs: dict[str, Any] = {"timeout": self.timeout_s, "max_retries": 0, "num_retries": 0}
         kwargs.update(self.completion_kwargs)
-        if (still_open := _Call.open_calls()) >= MAX_OPEN_CALLS:
-            raise LLMUnavailable(f"transient LLM failure (model {model}): {still_open} earlier calls are still open past "
-                                 "context.llmTimeoutSeconds (the provider answers too slowly); no call made",
-                                 transient=True)
-        call = _Call(self._litellm.completion, model=model, messages=messages, **kwargs)
-        started = time.monotonic()
-        try:
-            response = call.result(self.timeout_s)
-        except Exception as e:  # (RQ's JobTimeoutException too: raised in this thread, while it waits)
-            metrics.LLM_CALL_SECONDS.labels("error").observe(time.monotonic() - started)
-            if _unreadable_reply(e):
-                raise SummaryInvalid(f"the reply is no chat completion (model {model}): {_detail(e)}") from None
-            raise classify_llm_error(e, model) from None  # (the cause may quote a key: see without_secrets)
+        deadline = time.monotonic() + self.timeout_s
+        for attempt in range(1 + CONNECTION_RETRIES):
+            if (still_open := _Call.open_calls(model)) >= MAX_OPEN_CALLS:
+                raise LLMUnavailable(f"transient LLM failure (model {model}): {still_open} earlier calls to it are still "
+                                     "open past context.llmTimeoutSeconds (the provider answers too slowly); no call "
+                                     "made", transient=True)
+            call = _Call(self._litellm.completion, model, model=model, messages=messages, **kwargs)
+            started = time.monotonic()
+            try:
+                response = call.result(max(deadline - started, 0.0), setting_s=self.timeout_s)
+            except Exception as e:  # (RQ's JobTimeoutException too: raised in this thread, while it waits)
+                metrics.LLM_CALL_SECONDS.labels("error").observe(time.monotonic() - started)
+                if (attempt < CONNECTION_RETRIES and _connection_failed(e)
+                        and deadline - time.monotonic() >= CONNECTION_RETRY_MIN_S):
+                    logger.warning("LLM call's connection failed before any reply (model %s): %s; calling again",
+                                   model, _detail(e))
+                    continue
+                if _unreadable_reply(e):
+                    raise SummaryInvalid(f"the reply is no chat completion (model {model}): {_detail(e)}") from None
+                raise classify_llm_error(e, model) from None  # (the cause may quote a key: see without_secrets)
+            break
         metrics.LLM_CALL_SECONDS.labels("ok").observe(time.monotonic() - started)
         try:
             content = response.choices[0].message.content
@@ -1122,25 +1133,31 @@ class CallTimedOut(TimeoutError):
     """An LLM call that gave no complete reply within ``context.llmTimeoutSeconds`` as a whole."""
 
 
-# LLM calls of a worker process left running past their deadline (a provider trickling its reply
-# keeps each read alive) before a new call is refused: each holds a thread, a socket and a slot of
-# the HTTP client's pool, and a worker runs one job at a time.
+# LLM calls to one model left running past their deadline in a worker process (a provider trickling
+# its reply keeps each read alive) before a new call to it is refused: each holds a thread, a socket
+# and a slot of the HTTP client's pool, and a worker runs one job at a time. (Counted per model: one
+# count for all refused the fallback model too, the one that was answering, for as long as the
+# trickled calls took: 27 minutes for a 1.6 kB reply at a byte a second.)
 MAX_OPEN_CALLS = 4
+CONNECTION_RETRIES = 1  # a call whose connection failed before any reply is made again this many times
+CONNECTION_RETRY_MIN_S = 1.0  # ... when at least this much of its timeout is left
 WAIT_SLICE_S = 0.2  # the longest a job waiting for its LLM call goes without looking at its signals
 
 
 class _Call:
-    """``fn(**kwargs)`` run in a daemon thread, its result waited for with a deadline."""
+    """``fn(**kwargs)`` run in a daemon thread, its result waited for with a deadline; counted
+    among the open calls of ``key`` (the model) while its thread runs."""
 
-    _open = 0  # calls whose thread runs, in this process
+    _open: dict[str, int] = {}  # calls whose thread runs, in this process, by key
     _open_lock = threading.Lock()
 
-    def __init__(self, fn: Any, **kwargs: Any) -> None:
+    def __init__(self, fn: Any, key: str, **kwargs: Any) -> None:
         self._done = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
+        self._key = key
         with _Call._open_lock:
-            _Call._open += 1
+            _Call._open[key] = _Call._open.get(key, 0) + 1
         try:
             threading.Thread(target=self._run, args=(fn, kwargs), name="llm-call", daemon=True).start()
         except BaseException:
@@ -1148,14 +1165,18 @@ class _Call:
             raise
 
     @classmethod
-    def open_calls(cls) -> int:
+    def open_calls(cls, key: str | None = None) -> int:
+        """The open calls of ``key``; of every key with None."""
         with cls._open_lock:
-            return cls._open
+            return sum(cls._open.values()) if key is None else cls._open.get(key, 0)
 
-    @staticmethod
-    def _ended() -> None:
+    def _ended(self) -> None:
         with _Call._open_lock:
-            _Call._open -= 1
+            left = _Call._open[self._key] - 1
+            if left:
+                _Call._open[self._key] = left
+            else:
+                del _Call._open[self._key]
 
     def _run(self, fn: Any, kwargs: dict[str, Any]) -> None:
         try:
@@ -1166,17 +1187,23 @@ class _Call:
             self._ended()
             self._done.set()
 
-    def result(self, timeout_s: float) -> Any:
+    def result(self, timeout_s: float, setting_s: float | None = None) -> Any:
         """The call's result, waited for ``timeout_s`` at most, in slices: a stop signal the kernel
         handed to another thread of the process (the call's, the heartbeat's) runs its Python
         handler only once the main thread is back in Python code, and one long wait held a worker's
-        stop (its log's "got signal" too) until the call ended, up to llmTimeoutSeconds."""
+        stop (its log's "got signal" too) until the call ended, up to llmTimeoutSeconds.
+        ``setting_s``: the llmTimeoutSeconds the error names (``timeout_s`` is what is left of it)."""
         deadline = time.monotonic() + timeout_s
         while not self._done.wait(min(WAIT_SLICE_S, max(deadline - time.monotonic(), 0.0))):
             if time.monotonic() >= deadline:
-                raise CallTimedOut(f"no complete reply within context.llmTimeoutSeconds ({timeout_s:g} s)")
-        if self._error is not None:
-            raise self._error
+                raise CallTimedOut("no complete reply within context.llmTimeoutSeconds "
+                                   f"({timeout_s if setting_s is None else setting_s:g} s)")
+        if (error := self._error) is not None:
+            context = error.__context__  # (raised here, the error's context became whatever this thread
+            try:  # was handling: a fallback's call made in the first call's handler read that one's chain)
+                raise error
+            finally:
+                error.__context__ = context
         return self._result
 
 
@@ -1185,7 +1212,7 @@ def classify_llm_error(error: BaseException, model: str) -> LLMUnavailable:
     name = type(error).__name__
     status = getattr(error, "status_code", None)
     status = status if isinstance(status, int) else None
-    if _before_any_request(error):
+    if _before_any_request(error) or _too_large(error):
         transient = False
     elif name in _TRANSIENT_ERRORS or isinstance(error, CallTimedOut):
         transient = True
@@ -1199,16 +1226,21 @@ def classify_llm_error(error: BaseException, model: str) -> LLMUnavailable:
     detail = _detail(error)
     if any(type(cause).__name__ == "JobTimeoutException" for cause in _causes(error)):  # RQ's, wrapped as a 500
         return LLMUnavailable(f"transient LLM failure (the job's worker.jobTimeoutSeconds ran out during the call, "
-                              f"model {model}): {detail}", transient=True)
+                              f"model {model}): {detail}", transient=True, job_timed_out=True)
     return LLMUnavailable(f"{kind} LLM failure ({name}, model {model}): {detail}", transient=transient)
 
 
 def _detail(error: BaseException) -> str:
-    """The first line of ``error``'s message (its type's name when it has none), keys masked and
-    surrogates written as ``\\udxxx`` (a gateway's message cut mid-pair: RQ could not store the
-    job's error, and the worker quit)."""
-    text = str(error).strip()
-    return escaped(without_secrets(text).splitlines()[0][:300] if text else type(error).__name__)  # (masked whole)
+    """The first line of ``error``'s message (its type's name when it has none; a traceback litellm
+    quoted in it left out), keys masked and surrogates written as ``\\udxxx`` (a gateway's message
+    cut mid-pair: RQ could not store the job's error, and the worker quit). For a connection that
+    failed, the network's own error follows: litellm says only "Connection error." for a refused
+    connection, a name that does not resolve and a reply cut off alike."""
+    text = str(error).split("Traceback (most recent call last)", 1)[0].strip()
+    line = without_secrets(text).splitlines()[0][:300] if text else type(error).__name__  # (masked whole)
+    if _connection_failed(error) and (root := str(_causes(error)[-1]).strip()) and root not in line:
+        line = f"{line} ({without_secrets(root).splitlines()[0][:200]})"
+    return escaped(line)
 
 
 # What litellm raises, as a 500, for an HTTP 200 whose body is no chat completion: not JSON, not
@@ -1259,6 +1291,24 @@ def _causes(error: BaseException) -> list[BaseException]:
         chain.append(cause)
         cause = cause.__cause__ or cause.__context__
     return chain
+
+
+def _connection_failed(error: BaseException) -> bool:
+    """Whether ``error`` is the OpenAI client's for a connection that failed before a complete
+    reply (refused, reset, closed, a name that does not resolve): an ``APIConnectionError`` among
+    its causes that is no timeout (those are bounded already: not made again)."""
+    return any(type(c).__name__ == "APIConnectionError" and type(c).__module__.partition(".")[0] == "openai"
+               for c in _causes(error)) and not isinstance(error, CallTimedOut) \
+        and not any(type(c).__name__ in ("APITimeoutError", "JobTimeoutException") for c in _causes(error))
+
+
+def _too_large(error: BaseException) -> bool:
+    """Whether ``error`` says the request is too large for the provider (an HTTP 413, or its
+    "Request too large": OpenAI's over the tokens-per-minute limit): it is so at every try.
+    (litellm gives a 413 with a JSON body as a 429 ``RateLimitError``: counted transient.)"""
+    return any(getattr(c, "status_code", None) == 413
+               or getattr(getattr(c, "response", None), "status_code", None) == 413
+               or "request too large" in str(c).lower() for c in _causes(error))
 
 
 def _before_any_request(error: BaseException) -> bool:

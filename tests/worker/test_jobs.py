@@ -855,6 +855,70 @@ def test_a_fallback_that_fails_too_fails_the_job_naming_both_failures(
     assert [request.body["model"] for request in stub.requests] == ["stub-model", "backup"]
 
 
+def test_a_fallbacks_own_failure_is_told_by_its_own_error(
+    r: redis.Redis, settings: Settings, stub: LLMStub,
+) -> None:
+    """The fallback was called in the handler of the first model's error: its own error took that
+    one for its context, and was read by that one's causes: a 500 of the fallback, after a reply
+    of the first model that was no JSON, was "the reply is no chat completion (model
+    openai/backup)", counted and reported invalid."""
+    wsettings = make_settings(settings, llm_timeout_seconds=5.0, compaction_model="openai/stub-model",
+                              fallback_model="openai/backup")
+    write_session(r, wsettings, "s1", 3, output="short")
+    stub.script(StubResponse(raw=b"<html>a proxy's page</html>"), StubResponse(status=500))
+    job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FAILED
+    error = (job.latest_result().exc_string or "").strip().splitlines()[-1]  # type: ignore[union-attr]
+    assert error.startswith("events.errors.LLMUnavailable: transient LLM failure (InternalServerError, model "
+                            "openai/backup)"), error
+    assert "the fallback was called after: the reply is no chat completion (model openai/stub-model)" in error
+    assert [request.body["model"] for request in stub.requests] == ["stub-model", "backup"]
+
+
+def test_no_fallback_is_called_once_the_jobs_timeout_ran_out(
+    r: redis.Redis, settings: Settings, stub: LLMStub,
+) -> None:
+    """RQ's alarm rings once: the job's timeout ran out during the first model's call, and the
+    fallback's call that followed ran on unbounded by it (the job ended 5 s past its 2 s timeout,
+    its error blaming the job's timeout for the fallback's own)."""
+    wsettings = make_settings(settings, llm_timeout_seconds=5.0, compaction_model="openai/stub-model",
+                              fallback_model="openai/backup")
+    wsettings = wsettings.model_copy(update={"worker": wsettings.worker.model_copy(
+        update={"job_timeout_seconds": 2})})
+    write_session(r, wsettings, "s1", 3, output="short")
+    stub.script(StubResponse(delay_s=8), StubResponse(delay_s=8))
+    started = time.monotonic()
+    job = _run(r, wsettings, "s1", forced=True)
+    assert time.monotonic() - started < 4.5
+    assert job.get_status() == JobStatus.FAILED
+    error = (job.latest_result().exc_string or "").strip().splitlines()[-1]  # type: ignore[union-attr]
+    assert "worker.jobTimeoutSeconds ran out during the call, model openai/stub-model" in error, error
+    assert [request.body["model"] for request in stub.requests] == ["stub-model"]
+    assert r.get(Keys().failures("s1")) == b"1"
+
+
+def test_a_connection_closed_before_any_reply_is_tried_once_more(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The provider closed a kept-alive connection as the request came (its idle timeout): with
+    the client's retries off, one such close failed the job and counted an LLM failure."""
+    write_session(r, wsettings, "s1", 3, output="short")
+    stub.script(StubResponse(hang_up=True))
+    with caplog.at_level(logging.WARNING, logger="worker.summarize"):
+        job = _run(r, wsettings, "s1", forced=True)
+    assert job.get_status() == JobStatus.FINISHED and job.return_value()["didCompress"] is True
+    assert len(stub.requests) == 2 and len(_summaries(wsettings, "s1")) == 1
+    assert r.get(Keys().failures("s1")) is None
+    assert "connection failed before any reply (model openai/stub-model)" in caplog.text
+    stub.script(StubResponse(hang_up=True), StubResponse(hang_up=True))  # closed twice: a failure, counted once
+    write_session(r, wsettings, "s1", 3, first=4, output="short")
+    job = _run(r, wsettings, "s1", forced=True)
+    error = (job.latest_result().exc_string or "").strip().splitlines()[-1]  # type: ignore[union-attr]
+    assert job.get_status() == JobStatus.FAILED and "transient LLM failure" in error, error
+    assert "Connection error. (" in error  # the network's own words follow litellm's
+    assert len(stub.requests) == 4 and r.get(Keys().failures("s1")) == b"1"
+
+
 @pytest.mark.parametrize("fallback", ["", "extractive"])
 def test_a_summary_over_a_quarter_of_the_window_is_an_invalid_reply(
     r: redis.Redis, settings: Settings, stub: LLMStub, fallback: str,

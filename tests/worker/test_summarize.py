@@ -534,10 +534,18 @@ def test_litellm_call_reaches_the_stub_once_with_the_messages(stub: LLMStub) -> 
     assert stub.requests[0].messages == messages
 
 
-@pytest.mark.parametrize(("status", "transient"), [(500, True), (503, True), (429, True),
-                                                    (401, False), (404, False), (400, False)])
-def test_http_errors_are_classified_transient_or_permanent(stub: LLMStub, status: int, transient: bool) -> None:
-    stub.script(StubResponse(status=status))
+@pytest.mark.parametrize(("status", "transient", "message"), [
+    (500, True, None), (503, True, None), (429, True, None), (401, False, None), (404, False, None),
+    (400, False, None),
+    # too large at every try: litellm makes the 413 a 429 RateLimitError, and OpenAI words its own
+    # over-the-tokens-per-minute refusal so (both were counted transient)
+    (413, False, "Request too large"),
+    (429, False, "Request too large for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, "
+                 "Requested 41000."),
+])
+def test_http_errors_are_classified_transient_or_permanent(stub: LLMStub, status: int, transient: bool,
+                                                           message: str | None) -> None:
+    stub.script(StubResponse(status=status, text=message))
     with pytest.raises(LLMUnavailable) as caught:
         LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, build_messages("x", None))
     assert caught.value.transient is transient
@@ -602,9 +610,10 @@ def test_a_reply_trickled_past_the_timeout_is_a_transient_failure_at_the_timeout
     """The HTTP client's timeout bounds each read: a server sending its reply a few bytes at a time
     held the call ~10 s past a 1 s llmTimeoutSeconds (and a job past its stop grace)."""
     stub.script(StubResponse(trickle_s=0.1))  # ~1.4 kB in 64-byte pieces: ~2.3 s in all
+    summarizer = LiteLLMSummarizer(timeout_s=1)  # (its warm-up, the first in a process, outside the time taken)
     started = time.monotonic()
     with pytest.raises(LLMUnavailable) as caught:
-        LiteLLMSummarizer(timeout_s=1).complete(STUB_MODEL, build_messages("x", None))
+        summarizer.complete(STUB_MODEL, build_messages("x", None))
     took = time.monotonic() - started
     assert 1 <= took < 2, took
     assert caught.value.transient is True
@@ -639,15 +648,19 @@ def test_calls_left_open_past_their_deadline_are_bounded(stub: LLMStub, monkeypa
 
     wait_for(lambda: summarize._Call.open_calls() == 0, 30, "the calls other tests left open to end")
     monkeypatch.setattr(summarize, "MAX_OPEN_CALLS", 2)
-    stub.script(*[StubResponse(trickle_s=0.1)] * 3)  # each reply ~2 s long, a few bytes every 0.1 s
+    stub.script(*[StubResponse(trickle_s=0.1)] * 2)  # each reply ~2 s long, a few bytes every 0.1 s
     summarizer = LiteLLMSummarizer(timeout_s=0.3)
     for _ in range(2):
         with pytest.raises(LLMUnavailable, match="llmTimeoutSeconds"):
             summarizer.complete(STUB_MODEL, build_messages("x", None))
-    with pytest.raises(LLMUnavailable, match="2 earlier calls are still open") as caught:
+    with pytest.raises(LLMUnavailable, match="2 earlier calls to it are still open") as caught:
         summarizer.complete(STUB_MODEL, build_messages("x", None))
     assert caught.value.transient is True
     assert len(stub.requests) == 2  # the third call was not made
+    # another model (the fallback's, on another provider) is called all the same: one count for all
+    # refused it too, the one that was answering, until the trickled calls ended
+    assert "<summary>" in summarizer.complete("openai/fallback-model", build_messages("x", None))
+    assert len(stub.requests) == 3
 
 
 @pytest.mark.parametrize("status", [401, 429, 500])
@@ -668,6 +681,15 @@ def test_a_key_a_provider_quotes_in_its_error_is_masked(stub: LLMStub, monkeypat
         assert secret not in message, message
 
 
+def test_a_traceback_litellm_quotes_in_its_message_is_left_out_of_the_error() -> None:
+    """A 200 whose content is a list of parts: the job's error ended "Invalid response object
+    Traceback (most recent call last):", the first line of litellm's message and its traceback's."""
+    from worker.summarize import _detail
+
+    error = ValueError("Invalid response object Traceback (most recent call last):\n  File \"x.py\", line 1")
+    assert _detail(error) == "Invalid response object"
+
+
 def test_connection_refused_is_a_transient_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     with LLMStub() as dead:
         url = dead.base_url
@@ -675,6 +697,9 @@ def test_connection_refused_is_a_transient_failure(monkeypatch: pytest.MonkeyPat
     with pytest.raises(LLMUnavailable) as caught:
         LiteLLMSummarizer(timeout_s=2, api_base=url).complete(STUB_MODEL, build_messages("x", None))
     assert caught.value.transient is True
+    # litellm says "Connection error." for a refusal, a name that does not resolve and a reply cut off
+    # alike: the network's own error follows
+    assert str(caught.value).endswith("Connection error. ([Errno 111] Connection refused)"), str(caught.value)
 
 
 def test_missing_credentials_are_a_permanent_failure(stub: LLMStub, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -829,7 +854,7 @@ def test_a_signal_another_thread_takes_reaches_a_job_waiting_for_its_llm_call() 
     other.start()
     previous = signal.signal(signal.SIGUSR1, stop)
     try:
-        call = summarize._Call(lambda seconds: time.sleep(seconds), seconds=3)
+        call = summarize._Call(lambda seconds: time.sleep(seconds), "test", seconds=3)
         threading.Timer(0.3, signal.pthread_kill, args=(other.ident, signal.SIGUSR1)).start()
         started = time.monotonic()
         with pytest.raises(Stop):
