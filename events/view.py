@@ -45,6 +45,7 @@ appended, in one reverse and one forward pass; elided targets carry
 from __future__ import annotations
 
 import logging
+import math
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -493,14 +494,22 @@ def _tool_call(call: Event) -> Message:
 def _pair(messages: list[Message], call_ids: list[list[str] | None]) -> list[Message]:
     """Drop assistants with an unanswered call and tool messages that answer no kept call.
 
-    A call's answer is the first tool message with its id *after* it that no
-    earlier kept call took (a call id may come back: a stray result logged
-    ahead of its call, or an id reused by a later assistant, costs nothing else).
+    A call's answer is the first tool message with its id *after* it, and before the next
+    assistant calling that id, that no earlier kept call took (a call id may come back: a
+    stray result logged ahead of its call, or an id reused by a later assistant, costs
+    nothing else). (Without the bound, a call left unanswered (an interrupted turn) took the
+    answer to the next call of its id, providers reusing ids: that call was dropped, and the
+    answer followed a user message in the chat.)
     """
     answers: dict[str, list[int]] = {}  # call id -> positions of the tool messages with it
+    callers: dict[Any, list[int]] = {}  # call id -> positions of the assistants calling it (each once)
     for position, message in enumerate(messages):
         if message["role"] == "tool" and type(answered := message["tool_call_id"]) is str:
             answers.setdefault(answered, []).append(position)  # (a hand-edited id that is no string answers nothing)
+        elif (ids := call_ids[position]) is not None:
+            for call in ids:
+                if type(call) is str and ((at := callers.setdefault(call, [])) == [] or at[-1] != position):
+                    at.append(position)
     first_free: dict[Any, int] = {}  # call id -> index in answers[id] of the first not taken nor passed
     taken: set[int] = set()
     kept: list[Message] = []
@@ -523,6 +532,8 @@ def _pair(messages: list[Message], call_ids: list[list[str] | None]) -> list[Mes
             first_free[call] = index
             if index == len(found):
                 break
+            if found[index] > _next_caller(callers[call], position):
+                break  # (its first answer is the next call's)
             chosen[call] = index
         else:
             for call, index in chosen.items():
@@ -530,6 +541,12 @@ def _pair(messages: list[Message], call_ids: list[list[str] | None]) -> list[Mes
                 first_free[call] = index + 1
             kept.append(message)
     return kept
+
+
+def _next_caller(positions: list[int], position: int) -> int | float:
+    """The position of the next assistant after ``position`` in ``positions`` (ascending), else infinity."""
+    at = bisect_right(positions, position)
+    return positions[at] if at < len(positions) else math.inf
 
 
 def _mergeable(message: Message) -> bool:

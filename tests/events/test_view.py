@@ -322,6 +322,22 @@ def test_a_call_id_reused_by_a_later_assistant_is_answered_by_the_result_after_i
         ("user", "hi"), ("assistant", "a1"), ("tool", "r1"), ("assistant", "a2"), ("tool", "r2")]
 
 
+def test_a_call_left_unanswered_does_not_take_the_answer_to_the_next_call_of_its_id() -> None:
+    """An interrupted turn's call (no result) took the result of the next turn's call of the same id
+    (providers reuse ids): that call was dropped, and its answer followed a user message in the chat."""
+    events = [user(1, "read t1"), assistant(1, "", [call("call_0")]), user(2, "read t2"),
+              assistant(2, "", [call("call_0")]), result(2, "call_0", "contents of t2"), assistant(2, "done")]
+    messages = build_view(events, CTX).messages
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("user", "read t1\n\nread t2"), ("assistant", ""), ("tool", "contents of t2"), ("assistant", "done")]
+    assert messages[1]["tool_calls"][0]["id"] == "call_0"
+    # parallel calls of one id in two assistants before their answers: the later call takes them
+    events = [user(1), assistant(1, "a1", [call("c1")]), assistant(1, "a2", [call("c1")]),
+              result(1, "c1", "r1"), result(1, "c1", "r2")]
+    assert [(m["role"], m["content"]) for m in build_view(events, CTX).messages] == [
+        ("user", "hi"), ("assistant", "a2"), ("tool", "r1")]
+
+
 def test_an_answer_taken_by_a_dropped_assistant_is_free_for_nobody_before_it() -> None:
     """An assistant dropped for another unanswered call takes no answer; its result answers nothing else."""
     events = [user(1), assistant(1, "a1", [call("c1"), call("c2")]), result(1, "c1", "r1"),
