@@ -207,6 +207,13 @@ def _check_against_session(client: redis.Redis, settings: Settings, session_id: 
     if state is not None:
         if state.cwd != cwd:
             raise bound_elsewhere(session_id, state.cwd, cwd)
+        log = store.log(session_id, cwd)
+        if log.complete_size() < state.log_size:  # the log shrank under its state (restored from an older
+            # copy): its uuid index holds the uuids of lines no longer there, and the events sent again
+            # were answered duplicates, never applied; the log says which it holds (the watcher rebuilds
+            # the state and the index at the session's next event)
+            asked = {uuid for event in wires if isinstance(uuid := event.get("uuid"), str)}
+            taken = log.uuids_among(asked)
     else:  # Redis lost it (or never had it): the log's session_meta keeps the binding (a path that is
         # no file: LogCorrupted naming it, a 500, not a 202 the watcher holds back)
         log = store.log(session_id, cwd)

@@ -1377,6 +1377,34 @@ def test_after_redis_lost_a_session_a_retry_of_logged_events_is_a_duplicate(
     assert json.loads(fields[b"event"])["uuid"] == "new-3"
 
 
+def test_events_sent_again_after_the_log_was_restored_from_an_older_copy_are_not_duplicates(
+        client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
+    """The stored uuid index still held the uuids of the lines the restore took away: the events
+    sent again were answered duplicates (202, accepted 0) and never applied, where the Python
+    publisher's were (the watcher rebuilds the state of a log that shrank)."""
+    from producer.watcher import Watcher
+    from tests.producer.conftest import drain
+
+    path = f"/api/sessions/{SID}/events"
+    first = [{"type": "session_meta", "model": "gpt-4"}, *turn(1)]
+    second = [{**event, "uuid": f"t2-{index}"} for index, event in enumerate(turn(2))]
+    watcher = Watcher(r, api_settings, name="w")
+    assert client.post(path, json={"cwd": CWD, "events": first}).status_code == 202
+    drain(watcher, r, api_settings)
+    log = SessionLog(api_settings.data_dir, CWD, SID)
+    backup = log.path.read_bytes()
+    assert client.post(path, json={"cwd": CWD, "events": second}).json()["accepted"] == 4
+    drain(watcher, r, api_settings)
+    log.path.write_bytes(backup)  # restored from the copy taken before turn 2
+    r.delete(Keys(api_settings.redis.prefix, api_settings.redis.shards).sent(SID))  # (past its 10 minutes)
+    again = client.post(path, json={"cwd": CWD, "events": second}).json()
+    assert (again["accepted"], again["duplicates"]) == (4, [])
+    drain(watcher, r, api_settings)
+    assert [e["uuid"] for e in log.read()][-4:] == [f"t2-{index}" for index in range(4)]
+    replay = client.post(path, json={"cwd": CWD, "events": second}).json()  # applied now: duplicates again
+    assert (replay["accepted"], replay["duplicates"]) == (0, [0, 1, 2, 3])
+
+
 def test_a_batch_sent_again_under_its_idempotency_key_is_applied_once(
         client: TestClient, r: redis.Redis, api_settings: Settings) -> None:
     """Without uuids of its own an agent's retry (after a lost reply, or a 503 whose batch had been
