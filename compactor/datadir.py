@@ -26,16 +26,30 @@ A running watcher checks again at each tick (``DataDirWatch``): the data dir's i
 its own (a volume unmounted under it, leaving the empty mount point), and the record still its
 id (written back when Redis lost it); else it stops, exit 2. The Redis that ``serve`` embeds
 lives inside its data dir: it takes that data dir's id whatever it recorded.
+
+A copy of the data dir (a backup restored beside it, a staging copy) has its id too. So each
+running watcher keeps a mark in its data dir (``{dataDir}/.compactor-marks/{name}``, an empty
+file made at its first tick) and records it in Redis (``{p}:datadir:marks``: the file's inode
+and change time, refreshed each tick, forgotten ``MARK_TTL_S`` after the last). A process
+whose data dir lacks the mark of a live watcher, or holds a file of that name that is another
+file (inode and change time both other: a copy's), is on another data dir than that watcher:
+``watch``, ``work`` and ``serve`` refuse to start (``check_data_dir``), and a running watcher
+stops, exit 2 (``DataDirWatch``): both watchers of a split see it within a tick. (Two watchers
+on a copy each took every other shard, and each data dir got a part of every session's events,
+without a word.)
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import secrets
+import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 from rq.utils import as_text
@@ -124,6 +138,7 @@ def check_data_dir(client: redis.Redis, settings: Settings, *, embedded: bool = 
     mine = data_dir_id(data_dir)  # id, so a record read here has its file there; the other way round,
     # starts at once refused each other)
     if recorded is not None and recorded == mine:
+        check_marks(client, keys, data_dir, mine)
         return mine
     known = 0 if embedded else int(client.zcard(keys.sessions))
     if recorded is not None and not embedded:  # (never replaced on its own: a worker given a volume of its
@@ -201,8 +216,11 @@ class DataDirWatch:
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.client = client
         self.data_dir = settings.data_dir
-        self.key = Keys(settings.redis.prefix, settings.redis.shards).data_dir
+        self.keys = Keys(settings.redis.prefix, settings.redis.shards)
+        self.key = self.keys.data_dir
         self.id = data_dir_id(self.data_dir)
+        self.mark: Mark | None = None  # this watcher's, made at its first check
+        self.ttl_s = max(MARK_TTL_S, 3 * settings.watcher.lease_ms / 1000)  # (a tick: a third of a lease)
 
     def check(self) -> None:
         """Raise ``DataDirChanged`` when the id file or Redis's record says another data dir."""
@@ -227,3 +245,134 @@ class DataDirWatch:
                 f"Redis now records another data dir ({recorded}, in {self.key}) than this watcher's "
                 f"{self.data_dir} ({self.id}): a process on another data dir took the record (Redis lost "
                 f"its data?); see OPERATIONS: The data dir's id"))
+        if self.mark is None:
+            self.mark = Mark.make(self.data_dir)
+        check_marks(self.client, self.keys, self.data_dir, self.id, mine=self.mark, ttl_s=self.ttl_s,
+                    error=DataDirChanged)
+
+    def close(self) -> None:
+        """Forget this watcher's mark (a clean stop; a crashed one's is forgotten ``MARK_TTL_S`` later)."""
+        if self.mark is not None:
+            try:
+                self.client.hdel(self.keys.data_dir_marks, self.mark.name)
+            except redis.RedisError:
+                pass
+            self.mark.remove(self.data_dir)
+            self.mark = None
+
+
+MARKS_DIR = ".compactor-marks"
+MARK_TTL_S = 60.0  # a watcher's mark counts this long after its last tick refreshed it
+STALE_MARK_S = 600.0  # a mark file no live watcher records, this old, is removed (a crashed watcher's)
+
+# KEYS: the marks' hash. ARGV: a mark's name and record (none: only read), the TTL (s). The marks
+# refreshed within the TTL, by Redis's clock, as name, "time record" pairs; older ones forgotten.
+LIVE_MARKS = """
+local now = tonumber(redis.call('TIME')[1])
+if ARGV[1] ~= '' then redis.call('HSET', KEYS[1], ARGV[1], now .. ' ' .. ARGV[2]) end
+local all = redis.call('HGETALL', KEYS[1])
+local live = {}
+for i = 1, #all, 2 do
+  local at = tonumber(string.match(all[i + 1], '^(%d+) '))
+  if at == nil or now - at > tonumber(ARGV[3]) then
+    redis.call('HDEL', KEYS[1], all[i])
+  else
+    live[#live + 1] = all[i]
+    live[#live + 1] = all[i + 1]
+  end
+end
+return live
+"""
+
+
+class Mark:
+    """A watcher's mark: an empty file in its data dir, known by its inode and change time."""
+
+    def __init__(self, name: str, inode: int, changed_ns: int) -> None:
+        self.name, self.inode, self.changed_ns = name, inode, changed_ns
+
+    @classmethod
+    def make(cls, data_dir: Path) -> Mark:
+        """A new mark in ``data_dir`` (and the removal of marks no watcher recorded for long)."""
+        folder = data_dir / MARKS_DIR
+        name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            folder.mkdir(exist_ok=True)
+            path = folder / name
+            path.touch(exist_ok=False)
+            made = path.stat()
+        except OSError as e:
+            raise InvalidConfig("dataDir", f"cannot write {folder / name}: {e.strerror or e}") from e
+        return cls(name, made.st_ino, made.st_ctime_ns)
+
+    def record(self, data_dir: Path) -> str:
+        return json.dumps({"inode": self.inode, "ctime": self.changed_ns, "host": socket.gethostname(),
+                           "pid": os.getpid(), "dataDir": str(data_dir)}, separators=(",", ":"))
+
+    def remove(self, data_dir: Path) -> None:
+        try:
+            (data_dir / MARKS_DIR / self.name).unlink()
+        except OSError:
+            pass
+
+
+def check_marks(client: redis.Redis, keys: Keys, data_dir: Path, data_id: str, *, mine: Mark | None = None,
+                ttl_s: float = MARK_TTL_S, error: type[InvalidConfig] = InvalidConfig) -> None:
+    """Raise ``error`` on ``dataDir`` when a live watcher's mark is not in ``data_dir`` (missing,
+    or another file of its name: a copy's); with ``mine``, record (refresh) this watcher's first."""
+    flat = client.eval(LIVE_MARKS, 1, keys.data_dir_marks, mine.name if mine else "",
+                       mine.record(data_dir) if mine else "", int(ttl_s))
+    live = {as_text(flat[i]): as_text(flat[i + 1]) for i in range(0, len(flat), 2)}
+    for name, value in live.items():
+        if mine is not None and name == mine.name:
+            continue
+        record = _record(value)
+        if record is None or "/" in name or name.startswith("."):
+            continue  # (not one of ours: passed over)
+        path = data_dir / MARKS_DIR / name
+        try:
+            here = path.stat()
+        except FileNotFoundError:
+            here = None
+        except OSError as e:  # (unreadable now: looked at again next tick)
+            logger.warning("could not look at the mark %s: %s", path, e)
+            continue
+        if here is not None and (here.st_ino == record.get("inode") or here.st_ctime_ns == record.get("ctime")):
+            continue
+        what = "is not in it" if here is None else "in it is another file (a copy's)"
+        if mine is not None:  # (recorded, it would stop the watcher on the other data dir too, at its next tick)
+            client.hdel(keys.data_dir_marks, mine.name)
+        raise error("dataDir", (
+            f"{data_dir} is not the data dir a running watcher writes to, though it has the same id ({data_id}): "
+            f"the mark of watcher {record.get('host')} pid {record.get('pid')} (its dataDir "
+            f"{record.get('dataDir')}) {what}: one of the two is a copy of the other (a backup restored "
+            f"beside it, a staging copy), and each would get a part of every session's events; stop "
+            f"the processes on the copy, or give the copy a Redis of its own; a watcher that is not running any "
+            f"more (killed) is forgotten {ttl_s:.0f} s after its last tick (OPERATIONS: The data dir's id)"))
+    if mine is not None:
+        _remove_stale(data_dir, set(live))
+
+
+def _record(value: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(value.partition(" ")[2])
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _remove_stale(data_dir: Path, live: set[str]) -> None:
+    """Remove the mark files no live watcher records that are ``STALE_MARK_S`` old (crashed
+    watchers'; a new one's file is made before it is recorded, and is younger)."""
+    folder = data_dir / MARKS_DIR
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    cutoff = time.time() - STALE_MARK_S
+    for entry in entries:
+        try:
+            if entry.name not in live and entry.stat().st_mtime < cutoff:
+                os.unlink(entry.path)
+        except OSError:
+            pass

@@ -146,6 +146,11 @@ class Keys:
         return f"{self.prefix}:datadir"
 
     @property
+    def data_dir_marks(self) -> str:
+        """The running watchers' marks in the data dir (``compactor.datadir``: a copy has none of them)."""
+        return f"{self.prefix}:datadir:marks"
+
+    @property
     def shard_count(self) -> str:
         return f"{self.prefix}:shards"
 

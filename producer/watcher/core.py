@@ -160,6 +160,8 @@ class Watcher:
         except redis.RedisError as e:
             logger.warning("watcher stop: could not release leases id=%s error=%s", self.id, e)
         self.cursors.clear()
+        if self._data_dir is not None:  # (its mark in the data dir, recorded in Redis)
+            self._data_dir.close()
         logger.info("watcher stopped id=%s", self.id)
 
     def _start(self) -> None:

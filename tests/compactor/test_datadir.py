@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from compactor.datadir import ID_FILE, DataDirChanged, check_data_dir, data_dir_id
+from compactor.datadir import ID_FILE, DataDirChanged, Mark, check_data_dir, data_dir_id
 from compactor.keys import Keys
 from events.config import Settings
 from events.errors import InvalidConfig
@@ -111,6 +111,59 @@ def test_a_running_watcher_stops_when_its_data_dir_changes_under_it(r: redis.Red
     watcher = Watcher(r, fast, name="w2")
     with pytest.raises(DataDirChanged, match="Redis now records another data dir"):
         watcher.run_once()
+
+
+def test_a_copy_of_the_data_dir_is_refused_while_a_watcher_runs_on_the_original(
+        r: redis.Redis, settings: Settings, tmp_path: Path) -> None:
+    """A copy (a backup restored beside it, a staging copy) has the same id: a second watcher on it,
+    sharing the Redis, was let start, the two took half the shards each, and each data dir got a
+    part of every session's events, without a word from either."""
+    import shutil
+
+    from producer.publisher import Publisher
+    from producer.watcher import Watcher
+    from tests.producer.conftest import drain, fast_settings, turn_end, user
+
+    fast = fast_settings(settings.data_dir, settings.redis.url)
+    check_data_dir(r, fast)
+    first = Watcher(r, fast, name="w1")
+    Publisher(r, fast).publish("s1", CWD, [user(1), turn_end(1)])
+    drain(first, r, fast)
+    copy = _on(fast, tmp_path / "copy")
+    shutil.copytree(fast.data_dir, copy.data_dir, symlinks=True)  # (its id, and the first watcher's mark)
+    assert data_dir_id(copy.data_dir) == data_dir_id(fast.data_dir)
+    with pytest.raises(InvalidConfig, match=(
+            rf"^dataDir: {re.escape(str(copy.data_dir))} is not the data dir a running watcher writes to, though "
+            r"it has the same id \([0-9a-f]+\): the mark of watcher \S+ pid \d+ \(its dataDir "
+            rf"{re.escape(str(fast.data_dir))}\) in it is another file \(a copy's\)")):
+        check_data_dir(r, copy)  # what watch, work and serve run at their start
+    second = Watcher(r, copy, name="w2")  # (one run without the start's check)
+    with pytest.raises(DataDirChanged, match="in it is another file"):
+        second.run_once()
+    first._next_tick = 0.0  # (the refused one's mark is not left recorded: the first goes on)
+    first.run_once()
+    # a watcher on the copy that started first: the one on the original sees its mark missing from
+    # its own data dir at its next tick (both stop: which one is the copy, only the operator knows)
+    second._data_dir.mark = Mark.make(copy.data_dir)  # type: ignore[union-attr]
+    r.hset(Keys().data_dir_marks, second._data_dir.mark.name,  # type: ignore[union-attr]
+           f"{r.time()[0]} " + second._data_dir.mark.record(copy.data_dir))  # type: ignore[union-attr]
+    with pytest.raises(DataDirChanged, match=rf"the mark of watcher \S+ pid \d+ \(its dataDir "
+                                             rf"{re.escape(str(copy.data_dir))}\) is not in it"):
+        first._next_tick = 0.0
+        first.run_once()
+    second.close()  # a clean stop forgets its mark: the first goes on, and a new watcher on the same data
+    first._next_tick = 0.0  # dir (a shared volume) is welcome
+    first.run_once()
+    third = Watcher(r, fast, name="w3")
+    third.run_once()
+    first._next_tick = 0.0
+    first.run_once()
+    assert check_data_dir(r, fast) == data_dir_id(fast.data_dir)
+    marks = {path.name for path in (fast.data_dir / ".compactor-marks").iterdir()}
+    assert marks == {first._data_dir.mark.name, third._data_dir.mark.name}  # type: ignore[union-attr]
+    first.close()
+    third.close()
+    assert list((fast.data_dir / ".compactor-marks").iterdir()) == [] and not r.exists(Keys().data_dir_marks)
 
 
 @pytest.mark.parametrize("command", ["watch", "work"])
