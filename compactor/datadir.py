@@ -134,11 +134,14 @@ def check_data_dir(client: redis.Redis, settings: Settings, *, embedded: bool = 
     belongs to it whatever is recorded (its id is recorded)."""
     keys = Keys(settings.redis.prefix, settings.redis.shards)
     data_dir = settings.data_dir
+    if embedded:  # (no other data dir shares serve's own Redis: the marks it holds are this one's watcher's,
+        client.delete(keys.data_dir_marks)  # recorded again at its next tick, or a copy's, come with the copy)
     recorded = _text(client.get(keys.data_dir))  # (first: a process writes the file before it records the
     mine = data_dir_id(data_dir)  # id, so a record read here has its file there; the other way round,
     # starts at once refused each other)
     if recorded is not None and recorded == mine:
-        check_marks(client, keys, data_dir, mine)
+        if not embedded:
+            check_marks(client, keys, data_dir, mine)
         return mine
     known = 0 if embedded else int(client.zcard(keys.sessions))
     if recorded is not None and not embedded:  # (never replaced on its own: a worker given a volume of its

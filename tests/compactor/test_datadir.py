@@ -164,6 +164,13 @@ def test_a_copy_of_the_data_dir_is_refused_while_a_watcher_runs_on_the_original(
     first.close()
     third.close()
     assert list((fast.data_dir / ".compactor-marks").iterdir()) == [] and not r.exists(Keys().data_dir_marks)
+    # a copy with serve's own Redis inside it (copied along, the original's marks in it): its own
+    fourth = Watcher(r, fast, name="w4")
+    fourth.run_once()
+    assert r.exists(Keys().data_dir_marks)
+    assert check_data_dir(r, copy, embedded=True) == data_dir_id(copy.data_dir)
+    assert not r.exists(Keys().data_dir_marks)
+    fourth.close()
 
 
 @pytest.mark.parametrize("command", ["watch", "work"])
