@@ -29,8 +29,9 @@ lives inside its data dir: it takes that data dir's id whatever it recorded.
 
 A copy of the data dir (a backup restored beside it, a staging copy) has its id too. So each
 running watcher keeps a mark in its data dir (``{dataDir}/.compactor-marks/{name}``, an empty
-file made at its first tick) and records it in Redis (``{p}:datadir:marks``: the file's inode
-and change time, refreshed each tick, forgotten ``MARK_TTL_S`` after the last). A process
+file made at its first tick, and again when it is gone) and records it in Redis
+(``{p}:datadir:marks``: the file's inode and change time, refreshed each tick, forgotten
+``MARK_TTL_S``, or 3 leases, after the last: each by its own). A process
 whose data dir lacks the mark of a live watcher, or holds a file of that name that is another
 file (inode and change time both other: a copy's), is on another data dir than that watcher:
 ``watch``, ``work`` and ``serve`` refuse to start (``check_data_dir``), and a running watcher
@@ -248,8 +249,8 @@ class DataDirWatch:
                 f"Redis now records another data dir ({recorded}, in {self.key}) than this watcher's "
                 f"{self.data_dir} ({self.id}): a process on another data dir took the record (Redis lost "
                 f"its data?); see OPERATIONS: The data dir's id"))
-        if self.mark is None:
-            self.mark = Mark.make(self.data_dir)
+        if self.mark is None or not self.mark.there(self.data_dir):  # (its file removed as stale while this
+            self.mark = Mark.make(self.data_dir)  # watcher was paused past its TTL: recorded, it stopped the others)
         check_marks(self.client, self.keys, self.data_dir, self.id, mine=self.mark, ttl_s=self.ttl_s,
                     error=DataDirChanged)
 
@@ -268,16 +269,17 @@ MARKS_DIR = ".compactor-marks"
 MARK_TTL_S = 60.0  # a watcher's mark counts this long after its last tick refreshed it
 STALE_MARK_S = 600.0  # a mark file no live watcher records, this old, is removed (a crashed watcher's)
 
-# KEYS: the marks' hash. ARGV: a mark's name and record (none: only read), the TTL (s). The marks
-# refreshed within the TTL, by Redis's clock, as name, "time record" pairs; older ones forgotten.
+# KEYS: the marks' hash. ARGV: a mark's name, its TTL (s) and record (no name: only read). The
+# marks refreshed within their own TTL, by Redis's clock, as name, "time TTL record" pairs; older
+# ones forgotten. (Each by its own: a caller's shorter one forgot a live watcher's of a long lease.)
 LIVE_MARKS = """
 local now = tonumber(redis.call('TIME')[1])
-if ARGV[1] ~= '' then redis.call('HSET', KEYS[1], ARGV[1], now .. ' ' .. ARGV[2]) end
+if ARGV[1] ~= '' then redis.call('HSET', KEYS[1], ARGV[1], now .. ' ' .. ARGV[2] .. ' ' .. ARGV[3]) end
 local all = redis.call('HGETALL', KEYS[1])
 local live = {}
 for i = 1, #all, 2 do
-  local at = tonumber(string.match(all[i + 1], '^(%d+) '))
-  if at == nil or now - at > tonumber(ARGV[3]) then
+  local at, ttl = string.match(all[i + 1], '^(%d+) (%d+) ')
+  if at == nil or now - tonumber(at) > tonumber(ttl) then
     redis.call('HDEL', KEYS[1], all[i])
   else
     live[#live + 1] = all[i]
@@ -312,6 +314,14 @@ class Mark:
         return json.dumps({"inode": self.inode, "ctime": self.changed_ns, "host": socket.gethostname(),
                            "pid": os.getpid(), "dataDir": str(data_dir)}, separators=(",", ":"))
 
+    def there(self, data_dir: Path) -> bool:
+        """Whether this mark's file is still in ``data_dir``."""
+        try:
+            here = (data_dir / MARKS_DIR / self.name).stat()
+        except OSError:
+            return False
+        return here.st_ino == self.inode or here.st_ctime_ns == self.changed_ns
+
     def remove(self, data_dir: Path) -> None:
         try:
             (data_dir / MARKS_DIR / self.name).unlink()
@@ -322,10 +332,10 @@ class Mark:
 def check_marks(client: redis.Redis, keys: Keys, data_dir: Path, data_id: str, *, mine: Mark | None = None,
                 ttl_s: float = MARK_TTL_S, error: type[InvalidConfig] = InvalidConfig) -> None:
     """Raise ``error`` on ``dataDir`` when a live watcher's mark is not in ``data_dir`` (missing,
-    or another file of its name: a copy's); with ``mine``, record (refresh) this watcher's first."""
-    flat = client.eval(LIVE_MARKS, 1, keys.data_dir_marks, mine.name if mine else "",
-                       mine.record(data_dir) if mine else "", int(ttl_s))
-    live = {as_text(flat[i]): as_text(flat[i + 1]) for i in range(0, len(flat), 2)}
+    or another file of its name: a copy's); with ``mine``, then record (refresh) this watcher's,
+    kept ``ttl_s`` (recorded before the check, a refused one's stopped the watcher on the other
+    data dir too, when that one's tick fell between)."""
+    live = _live_marks(client, keys)
     for name, value in live.items():
         if mine is not None and name == mine.name:
             continue
@@ -343,8 +353,6 @@ def check_marks(client: redis.Redis, keys: Keys, data_dir: Path, data_id: str, *
         if here is not None and (here.st_ino == record.get("inode") or here.st_ctime_ns == record.get("ctime")):
             continue
         what = "is not in it" if here is None else "in it is another file (a copy's)"
-        if mine is not None:  # (recorded, it would stop the watcher on the other data dir too, at its next tick)
-            client.hdel(keys.data_dir_marks, mine.name)
         raise error("dataDir", (
             f"{data_dir} is not the data dir a running watcher writes to, though it has the same id ({data_id}): "
             f"the mark of watcher {record.get('host')} pid {record.get('pid')} (its dataDir "
@@ -353,20 +361,28 @@ def check_marks(client: redis.Redis, keys: Keys, data_dir: Path, data_id: str, *
             f"the processes on the copy, or give the copy a Redis of its own; a watcher that is not running any "
             f"more (killed) is forgotten {ttl_s:.0f} s after its last tick (OPERATIONS: The data dir's id)"))
     if mine is not None:
+        live = _live_marks(client, keys, mine.name, int(ttl_s), mine.record(data_dir))
         _remove_stale(data_dir, set(live))
+
+
+def _live_marks(client: redis.Redis, keys: Keys, *record: Any) -> dict[str, str]:
+    """The live marks (``LIVE_MARKS``), this one's ``(name, ttl_s, record)`` recorded first when given."""
+    flat = client.eval(LIVE_MARKS, 1, keys.data_dir_marks, *(record or ("", "", "")))
+    return {as_text(flat[i]): as_text(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
 def _record(value: str) -> dict[str, Any] | None:
     try:
-        record = json.loads(value.partition(" ")[2])
-    except ValueError:
+        record = json.loads(value.split(" ", 2)[2])
+    except (ValueError, IndexError):
         return None
     return record if isinstance(record, dict) else None
 
 
 def _remove_stale(data_dir: Path, live: set[str]) -> None:
     """Remove the mark files no live watcher records that are ``STALE_MARK_S`` old (crashed
-    watchers'; a new one's file is made before it is recorded, and is younger)."""
+    watchers'; a new one's file is made before it is recorded, and is younger; a live one's
+    removed while it was paused past its TTL is made again at its next tick, before it records it)."""
     folder = data_dir / MARKS_DIR
     try:
         entries = list(os.scandir(folder))

@@ -67,11 +67,11 @@ def encode_project_path(cwd: str) -> str:
     return _SEPARATOR_RUN.sub("-", path).strip("-").lower()
 
 
-# The data dir's own entries (``compactor.datadir``'s id file and its temporary copies, the
-# embedded Redis's directory): a project of that name had its session held back for good, a
-# watcher retrying it every second and its shard never trimmed (or, for ``.redis``, its logs
-# written among the embedded Redis's files).
-RESERVED_NAMES = (".redis",)
+# The data dir's own entries (``compactor.datadir``'s id file and its temporary copies, its
+# watchers' marks, the embedded Redis's directory): a project of that name had its session held
+# back for good, a watcher retrying it every second and its shard never trimmed (or, for
+# ``.redis``, its logs written among the embedded Redis's files).
+RESERVED_NAMES = (".redis", ".compactor-marks")
 RESERVED_PREFIXES = (".compactor-id",)
 
 

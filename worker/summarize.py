@@ -1103,7 +1103,7 @@ class LiteLLMSummarizer:
                 response = call.result(max(deadline - started, 0.0), setting_s=self.timeout_s)
             except Exception as e:  # (RQ's JobTimeoutException too: raised in this thread, while it waits)
                 metrics.LLM_CALL_SECONDS.labels("error").observe(time.monotonic() - started)
-                if (attempt < CONNECTION_RETRIES and _connection_failed(e)
+                if (attempt < CONNECTION_RETRIES and _connection_failed(e) and not _stopping()
                         and deadline - time.monotonic() >= CONNECTION_RETRY_MIN_S):
                     logger.warning("LLM call's connection failed before any reply (model %s): %s; calling again",
                                    model, _detail(e))
@@ -1127,6 +1127,14 @@ class LiteLLMSummarizer:
             raise SummaryInvalid(f"the reply was cut before its <summary> block ended it (finish_reason "
                                  f"{json.dumps(str(finish)[:40])}, model {model})")
         return content
+
+
+def _stopping() -> bool:
+    """Whether the worker is stopping (``worker.compaction.STOPPING``): it makes no LLM call past
+    the one it is in, a connection's retry neither."""
+    from worker.compaction import STOPPING  # (that module imports this one)
+
+    return STOPPING.is_set()
 
 
 class CallTimedOut(TimeoutError):

@@ -140,13 +140,14 @@ def test_a_copy_of_the_data_dir_is_refused_while_a_watcher_runs_on_the_original(
     second = Watcher(r, copy, name="w2")  # (one run without the start's check)
     with pytest.raises(DataDirChanged, match="in it is another file"):
         second.run_once()
-    first._next_tick = 0.0  # (the refused one's mark is not left recorded: the first goes on)
+    assert r.hkeys(Keys().data_dir_marks) == [first._data_dir.mark.name.encode()]  # type: ignore[union-attr]
+    first._next_tick = 0.0  # (the refused one's mark is never recorded: the first goes on)
     first.run_once()
     # a watcher on the copy that started first: the one on the original sees its mark missing from
     # its own data dir at its next tick (both stop: which one is the copy, only the operator knows)
     second._data_dir.mark = Mark.make(copy.data_dir)  # type: ignore[union-attr]
     r.hset(Keys().data_dir_marks, second._data_dir.mark.name,  # type: ignore[union-attr]
-           f"{r.time()[0]} " + second._data_dir.mark.record(copy.data_dir))  # type: ignore[union-attr]
+           f"{r.time()[0]} 60 " + second._data_dir.mark.record(copy.data_dir))  # type: ignore[union-attr]
     with pytest.raises(DataDirChanged, match=rf"the mark of watcher \S+ pid \d+ \(its dataDir "
                                              rf"{re.escape(str(copy.data_dir))}\) is not in it"):
         first._next_tick = 0.0
@@ -171,6 +172,48 @@ def test_a_copy_of_the_data_dir_is_refused_while_a_watcher_runs_on_the_original(
     assert check_data_dir(r, copy, embedded=True) == data_dir_id(copy.data_dir)
     assert not r.exists(Keys().data_dir_marks)
     fourth.close()
+
+
+def test_a_live_watchers_mark_is_neither_forgotten_nor_removed_by_another_process(
+        r: redis.Redis, settings: Settings) -> None:
+    """A start's check forgot the record of a watcher with a long lease (ticking every minute or
+    more) by its own 60 s, and a mark file no live watcher recorded, 10 minutes old, was removed:
+    that watcher, recording its old mark again, stopped every other one, and every start after."""
+    import os
+    import time
+
+    from producer.watcher import Watcher
+    from tests.producer.conftest import fast_settings
+
+    fast = fast_settings(settings.data_dir, settings.redis.url)
+    check_data_dir(r, fast)
+    slow = fast.model_copy(update={"watcher": fast.watcher.model_copy(update={"lease_ms": 300_000})})
+    first, second = Watcher(r, slow, name="w1"), Watcher(r, fast, name="w2")
+    first.run_once()
+    second.run_once()
+    marks = Keys().data_dir_marks
+    name = first._data_dir.mark.name  # type: ignore[union-attr]
+    at, ttl, record = r.hget(marks, name).decode().split(" ", 2)  # type: ignore[union-attr]
+    assert ttl == "900"  # 3 leases of 300 s
+    r.hset(marks, name, f"{int(at) - 120} {ttl} {record}")  # its last tick 2 minutes ago, as a long lease's
+    assert check_data_dir(r, fast) == data_dir_id(fast.data_dir)
+    assert r.hexists(marks, name)
+    # paused past its own TTL: forgotten, and its file (10 minutes old) removed by the other's tick
+    r.hset(marks, name, f"{int(at) - 1_000} {ttl} {record}")
+    path = fast.data_dir / ".compactor-marks" / name
+    os.utime(path, (time.time() - 700, time.time() - 700))
+    second._next_tick = 0.0
+    second.run_once()
+    assert not path.exists() and not r.hexists(marks, name)
+    first._next_tick = 0.0  # resumed: a new mark, made before it is recorded
+    first.run_once()
+    assert first._data_dir.mark.name != name and (  # type: ignore[union-attr]
+        fast.data_dir / ".compactor-marks" / first._data_dir.mark.name).exists()  # type: ignore[union-attr]
+    second._next_tick = 0.0
+    second.run_once()
+    assert check_data_dir(r, fast) == data_dir_id(fast.data_dir)
+    first.close()
+    second.close()
 
 
 @pytest.mark.parametrize("command", ["watch", "work"])

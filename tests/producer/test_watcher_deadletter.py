@@ -341,7 +341,7 @@ def test_a_new_sessions_refused_first_entry_leaves_no_log(r: redis.Redis, small:
     assert [line["streamId"] for line in log_lines(small, "s1")] == good and r.exists(Keys().session("s1"))
 
 
-@pytest.mark.parametrize("cwd", ["/.compactor-id", "/.redis", "/.compactor-id.17.tmp"])
+@pytest.mark.parametrize("cwd", ["/.compactor-id", "/.redis", "/.compactor-id.17.tmp", "/.compactor-marks"])
 def test_a_cwd_encoding_to_a_name_the_service_keeps_is_refused_not_held(
         r: redis.Redis, settings: Settings, cwd: str) -> None:
     """``/.compactor-id`` encodes to the data dir's id file: its session was held back for good

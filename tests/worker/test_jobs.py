@@ -910,13 +910,23 @@ def test_a_connection_closed_before_any_reply_is_tried_once_more(
     assert len(stub.requests) == 2 and len(_summaries(wsettings, "s1")) == 1
     assert r.get(Keys().failures("s1")) is None
     assert "connection failed before any reply (model openai/stub-model)" in caplog.text
+    from worker.summarize import LiteLLMSummarizer
+
+    worker_compaction.STOPPING.set()  # a stopping worker makes no call past the one it is in: no retry
+    try:
+        stub.script(StubResponse(hang_up=True))
+        with pytest.raises(Exception, match="Connection error") as caught:
+            LiteLLMSummarizer(timeout_s=5).complete(STUB_MODEL, [{"role": "user", "content": "x"}])
+        assert len(stub.requests) == 3 and type(caught.value).__name__ == "LLMUnavailable"
+    finally:
+        worker_compaction.STOPPING.clear()
     stub.script(StubResponse(hang_up=True), StubResponse(hang_up=True))  # closed twice: a failure, counted once
     write_session(r, wsettings, "s1", 3, first=4, output="short")
     job = _run(r, wsettings, "s1", forced=True)
     error = (job.latest_result().exc_string or "").strip().splitlines()[-1]  # type: ignore[union-attr]
     assert job.get_status() == JobStatus.FAILED and "transient LLM failure" in error, error
     assert "Connection error. (" in error  # the network's own words follow litellm's
-    assert len(stub.requests) == 4 and r.get(Keys().failures("s1")) == b"1"
+    assert len(stub.requests) == 5 and r.get(Keys().failures("s1")) == b"1"
 
 
 @pytest.mark.parametrize("fallback", ["", "extractive"])
