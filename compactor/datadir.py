@@ -320,13 +320,19 @@ class Mark:
             here = (data_dir / MARKS_DIR / self.name).stat()
         except OSError:
             return False
-        return here.st_ino == self.inode or here.st_ctime_ns == self.changed_ns
+        return _same_file(here, self.inode, self.changed_ns)
 
     def remove(self, data_dir: Path) -> None:
         try:
             (data_dir / MARKS_DIR / self.name).unlink()
         except OSError:
             pass
+
+
+def _same_file(here: os.stat_result, inode: Any, changed_ns: Any) -> bool:
+    """Whether ``here`` is the mark file recorded with ``inode`` and change time ``changed_ns``: a
+    copy differs in both (a file system whose inodes are not stable keeps the change time)."""
+    return bool(here.st_ino == inode or here.st_ctime_ns == changed_ns)
 
 
 def check_marks(client: redis.Redis, keys: Keys, data_dir: Path, data_id: str, *, mine: Mark | None = None,
@@ -350,7 +356,7 @@ def check_marks(client: redis.Redis, keys: Keys, data_dir: Path, data_id: str, *
         except OSError as e:  # (unreadable now: looked at again next tick)
             logger.warning("could not look at the mark %s: %s", path, e)
             continue
-        if here is not None and (here.st_ino == record.get("inode") or here.st_ctime_ns == record.get("ctime")):
+        if here is not None and _same_file(here, record.get("inode"), record.get("ctime")):
             continue
         what = "is not in it" if here is None else "in it is another file (a copy's)"
         raise error("dataDir", (

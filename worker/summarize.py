@@ -1305,9 +1305,11 @@ def _connection_failed(error: BaseException) -> bool:
     """Whether ``error`` is the OpenAI client's for a connection that failed before a complete
     reply (refused, reset, closed, a name that does not resolve): an ``APIConnectionError`` among
     its causes that is no timeout (those are bounded already: not made again)."""
-    return any(type(c).__name__ == "APIConnectionError" and type(c).__module__.partition(".")[0] == "openai"
-               for c in _causes(error)) and not isinstance(error, CallTimedOut) \
-        and not any(type(c).__name__ in ("APITimeoutError", "JobTimeoutException") for c in _causes(error))
+    chain = _causes(error)
+    return (not isinstance(error, CallTimedOut)
+            and any(type(c).__name__ == "APIConnectionError" and type(c).__module__.partition(".")[0] == "openai"
+                    for c in chain)
+            and not any(type(c).__name__ in ("APITimeoutError", "JobTimeoutException") for c in chain))
 
 
 def _too_large(error: BaseException) -> bool:
