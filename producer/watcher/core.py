@@ -93,6 +93,10 @@ DEFAULT_ENCODING = "cl100k_base"
 LOG_LOCK_WAIT_S = 0.5
 WARM_UP_MODEL = "gpt-4"  # any model litellm knows: the first lookup imports litellm
 NOT_A_STREAM_LOG_EVERY_S = 60.0  # a shard key holding another type is logged when met, then this often
+# a Redis that restarted (another run_id) may have lost its last writes, the triggers and jobs of the
+# turn_ends applied then among them: the sessions with a turn_end applied this recently are re-checked
+RESTART_RECHECK_S = 900.0
+RESTART_RECHECK_FIRE_EVERY = 100  # claim and enqueue the re-check's triggers this many sessions at a time
 
 
 class Watcher:
@@ -109,6 +113,9 @@ class Watcher:
         self.store = SessionStore(self.redis, settings, lock_wait_s=LOG_LOCK_WAIT_S)
         self.cursors: dict[int, ShardCursor] = {}
         self._sessions: OrderedDict[str, tuple[SessionState, SessionLogRef]] = OrderedDict()
+        self._turn_ends: OrderedDict[str, tuple[str, float]] = OrderedDict()  # session -> cwd, last turn_end (monotonic)
+        self._run_id: str | None = None  # the Redis server's run_id, read at each tick (``_check_server``)
+        self._info_refused = False
         self._triggers: list[tuple[Trigger, SessionState]] = []  # this round's, in stream order
         self._saves: dict[int, str] = {}  # this round: the position of each state save in its pipeline -> session
         self._stop = threading.Event()
@@ -219,6 +226,7 @@ class Watcher:
     def _tick(self) -> None:
         if self._data_dir is not None:  # (its id file and Redis's record: DataDirChanged, exit 2)
             self._data_dir.check()
+        self._check_server()
         live = self.leases.heartbeat()
         self._next_beat = time.monotonic() + self.settings.watcher.lease_ms * RENEW_FRACTION / 1000
         self.leases.renew_due()
@@ -252,6 +260,64 @@ class Watcher:
         under_quota = len(self.leases.owned) < self.leases.quota(live)
         interval = UNDER_QUOTA_TICK_S if under_quota else self.settings.watcher.lease_ms * RENEW_FRACTION / 1000
         self._next_tick = time.monotonic() + interval
+
+    def _server_run_id(self) -> str | None:
+        """Redis's run_id (INFO server): another one each time the server starts. None when INFO
+        is refused (an ACL, a managed Redis): restarts then go unnoticed (``_check_server``)."""
+        try:
+            info = self.redis.info("server")
+        except redis.ResponseError as e:
+            if not self._info_refused:
+                self._info_refused = True
+                logger.warning("Redis refuses INFO: a restart that lost its last writes is not noticed, "
+                               "and a trigger lost with them waits for the session's next turn_end error=%s", e)
+            return None
+        run_id = info.get("run_id")
+        return as_text(run_id) if run_id else None
+
+    def _check_server(self) -> None:
+        """A Redis that restarted since the last tick (another run_id) may have lost its last
+        writes: with ``appendfsync everysec`` up to a second or two of them (a write held back
+        behind a slow fsync), without persistence all of them. A ``turn_end`` applied then was in
+        the log, its entry acked, its job's claim and RQ job lost with Redis: nothing asked for
+        that compaction again until the session's next ``turn_end`` (a session ending its work
+        there stayed over its threshold). So the cached states go (as after an error: each is
+        loaded from Redis again and caught up from its log, the lines Redis lost indexed again),
+        and every session with a ``turn_end`` applied in the last ``RESTART_RECHECK_S`` is
+        re-checked: its state caught up from its log and stored, its thresholds checked, a due
+        job claimed (coalesced into one Redis kept). The run_id is recorded once that is done,
+        so a re-check that met an error is made again."""
+        run_id = self._server_run_id()
+        if run_id is None:
+            return
+        if self._run_id is None or self._run_id == run_id:
+            self._run_id = run_id
+            return
+        self._sessions.clear()
+        for cursor in self.cursors.values():
+            cursor.restart_sweep()
+        since = time.monotonic() - RESTART_RECHECK_S
+        recent = [(session_id, cwd) for session_id, (cwd, at) in self._turn_ends.items() if at >= since]
+        logger.warning("Redis restarted (run_id %s, was %s): it may have lost its last writes; re-checking "
+                       "the %d sessions with a turn_end applied in the last %.0f s",
+                       run_id, self._run_id, len(recent), RESTART_RECHECK_S)
+        for n, (session_id, cwd) in enumerate(recent, 1):
+            self._beat_if_due()
+            try:
+                log = self.store.log(session_id, cwd, create=False)
+                if not log.exists():  # (deleted meanwhile)
+                    continue
+                state = self.store.apply(session_id, cwd, [], log=log).state  # (caught up, stored)
+            except CompactorError as e:  # (its log locked past LOG_LOCK_WAIT_S, unreadable: its next turn_end)
+                logger.warning("session not re-checked after the Redis restart session=%s error=%s", session_id, e,
+                               extra={"session_id": session_id})
+                continue
+            self._check_thresholds(session_id, cwd, state)
+            if n % RESTART_RECHECK_FIRE_EVERY == 0 and self._triggers:
+                self._fire()
+        if self._triggers:
+            self._fire()
+        self._run_id = run_id
 
     def _take(self, shard: int) -> None:
         """A shard just acquired: make sure its group exists, adopt strays, sweep its PEL first.
@@ -545,6 +611,7 @@ class Watcher:
             else:
                 outcome.acks.append(entry.id)
         if run[-1].event["type"] == "turn_end" and run[-1].id not in refused:
+            self._turn_ended(session_id, cwd)
             self._check_thresholds(session_id, cwd, result.state)
         logger.debug("applied session=%s shard=%d entries=%d appended=%d duplicates=%d",
                      session_id, shard, len(run), len(result.appended), result.duplicates)
@@ -644,6 +711,13 @@ class Watcher:
         if cached is not None and cached[1].cwd == cwd:
             return cached[1].log
         return SessionLogRef(cwd, self.store.log(session_id, cwd)).log
+
+    def _turn_ended(self, session_id: str, cwd: str) -> None:
+        """Note a turn_end applied (re-checked if Redis restarts: ``_check_server``)."""
+        self._turn_ends[session_id] = (cwd, time.monotonic())
+        self._turn_ends.move_to_end(session_id)
+        if len(self._turn_ends) > STATE_CACHE_SESSIONS:
+            self._turn_ends.popitem(last=False)
 
     def _remember(self, session_id: str, state: SessionState, log: SessionLog) -> None:
         """Keep the state the store returned (it checks it against the log size before use)."""

@@ -394,7 +394,22 @@ def assert_never_stuck(client: redis.Redis, settings: Settings, sessions: list[s
         failures = int(client.get(keys.failures(sid)) or 0)
         if not has_summary and failures == 0:
             unsummarized.append(sid)
-    assert unsummarized == [], f"sessions over 0.9·W with no summary, no failure, no breaker: {unsummarized}"
+    assert unsummarized == [], (f"sessions over 0.9·W with no summary, no failure, no breaker: {unsummarized}; "
+                                f"{[_what_redis_holds(client, settings, sid, cwd) for sid in unsummarized]}")
+
+
+def _what_redis_holds(client: redis.Redis, settings: Settings, sid: str, cwd: str) -> dict[str, object]:
+    """What a stuck session's failure message shows: its claim, coalesced trigger, stored state and
+    last log lines (a run that failed once on CI named the session only)."""
+    keys = Keys(settings.redis.prefix, settings.redis.shards)
+    state = {k.decode(): v.decode(errors="replace")[:40] for k, v in client.hgetall(keys.session(sid)).items()}
+    return {
+        "session": sid,
+        "claim": client.get(keys.job(sid)),
+        "retrigger": client.get(keys.retrigger(sid)),
+        "state": {k: state[k] for k in sorted(state) if k in ("prompt_estimate", "window", "log_size", "events")},
+        "log_tail": [(line["type"], line.get("turnId")) for line in read_lines(settings, sid, cwd)[-4:]],
+    }
 
 
 def wait_quiet(client: redis.Redis, settings: Settings, timeout_s: float) -> None:
