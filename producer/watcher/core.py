@@ -369,7 +369,12 @@ class Watcher:
         starts = {n: c.start for n, c in self.cursors.items() if self.leases.holds(n)}
         if not starts:
             return {}
-        return self.streams.read_many(starts, self.settings.watcher.batch_size)
+        results = self.streams.read_many(starts, self.settings.watcher.batch_size)
+        if self.streams.scripts_lost:  # Redis restarted (or flushed its scripts) since the last read: the
+            self.streams.scripts_lost = False  # cached states may be ahead of what it kept (``_check_server``),
+            self._sessions.clear()  # so this round's entries are applied from its states, caught up from
+            self._next_tick = 0.0  # the logs; the tick right after it re-checks the recent sessions
+        return results
 
     def _wait(self, block_ms: int) -> None:
         """Block until new entries or the next tick, whichever comes first."""

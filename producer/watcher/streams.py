@@ -340,6 +340,7 @@ class ShardStreams:
         self._first: int | None = None  # the shard the last read began with
         self._next: int | None = None  # the first shard the last read deferred: the next one begins with it
         self._entry_bytes: dict[int, float] = {}  # per shard, the mean size of the entries its last read brought
+        self.scripts_lost = False  # a read found Redis without its script: it restarted (or flushed them)
         self._ack = client.register_script(_ACK)
         self._claim = client.register_script(_CLAIM)
         self._trim = client.register_script(_TRIM)
@@ -403,6 +404,7 @@ class ShardStreams:
         try:
             reply = self.redis.evalsha(self._read.sha, len(keys), *keys, *args)
         except redis.exceptions.NoScriptError:  # Redis restarted or flushed its scripts: nothing ran
+            self.scripts_lost = True
             reply = self._read(keys=keys, args=args)
         results = {n: self._result(n, shard_reply) for n, shard_reply in zip(shards, reply)}
         self._next = next((n for n in shards if results[n].deferred), None)

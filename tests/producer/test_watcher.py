@@ -1226,6 +1226,35 @@ def test_a_redis_restarted_without_its_data_still_refuses_a_re_sent_uuid(tmp_pat
         server.stop()
 
 
+def test_a_re_sent_uuid_redis_lost_with_its_last_writes_is_refused_by_a_watcher_that_cached_it(
+        r: redis.Redis, fast: Settings) -> None:
+    """Redis restarted and lost its last second of writes (AOF ``everysec``): the round that
+    applied ``u-2`` had its state save and uuid index entry lost, the line stays in the log. The
+    watcher's cached state matched the log, so it was used as is, and the agent's re-send of
+    ``u-2`` (its reply lost with Redis) was looked up in the index alone: appended twice. A read
+    that finds Redis without the watcher's script (a restart, or a script flush) now drops the
+    cached states first, so each is caught up from its log and the lost uuids indexed again."""
+    keys = Keys()
+    publisher = Publisher(r, fast)
+    watcher = Watcher(r, fast, name="w")
+    publisher.publish("tl", CWD, [{**user(1, "a"), "uuid": "u-1"}])
+    drain(watcher, r, fast)
+    kept = {k: v for k, v in r.hgetall(keys.session("tl")).items()}
+    publisher.publish("tl", CWD, [{**user(2, "b"), "uuid": "u-2"}])
+    drain(watcher, r, fast)
+    # what Redis keeps of it after the restart: the state before that round, no u-2 anywhere
+    r.hset(keys.session("tl"), mapping=kept)
+    r.srem(keys.uuids("tl"), "u-2")
+    r.delete(keys.sent("tl"))
+    r.script_flush()
+    publisher.publish("tl", CWD, [{**user(3, "b again"), "uuid": "u-2"}])
+    drain(watcher, r, fast)
+    watcher.close()
+    assert [line["uuid"] for line in log_lines(fast, "tl")] == ["u-1", "u-2"]
+    refused = [fields[b"reason"].decode() for _, fields in r.xrange(keys.dead)]
+    assert refused == ["uuid: 'u-2' duplicates an event already in this session"]
+
+
 def test_after_redis_lost_a_session_a_re_sent_uuid_in_a_later_run_of_the_round_is_refused(
         r: redis.Redis, fast: Settings) -> None:
     """The session's state and uuid index gone (its idle TTL, a Redis restarted empty), then
