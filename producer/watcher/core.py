@@ -116,6 +116,7 @@ class Watcher:
         self._turn_ends: OrderedDict[str, tuple[str, float]] = OrderedDict()  # session -> cwd, last turn_end (monotonic)
         self._run_id: str | None = None  # the Redis server's run_id, read at each tick (``_check_server``)
         self._info_refused = False
+        self._behind_shards: set[int] = set()  # shards whose sessions' logs are to be compared with their states
         self._triggers: list[tuple[Trigger, SessionState]] = []  # this round's, in stream order
         self._saves: dict[int, str] = {}  # this round: the position of each state save in its pipeline -> session
         self._stop = threading.Event()
@@ -243,6 +244,9 @@ class Watcher:
                     logger.error("taking shard %d failed; retried next tick id=%s error=%s", n, self.id, e)
         for n in [n for n in self.cursors if n not in self.leases.owned]:
             del self.cursors[n]
+        self._behind_shards &= set(self.cursors)
+        if self._behind_shards:
+            self._recheck_behind()
         self._trim_due()
         if time.monotonic() >= self._next_orphan_sweep:
             self._next_orphan_sweep = time.monotonic() + ORPHAN_SWEEP_INTERVAL_S
@@ -283,10 +287,10 @@ class Watcher:
         that compaction again until the session's next ``turn_end`` (a session ending its work
         there stayed over its threshold). So the cached states go (as after an error: each is
         loaded from Redis again and caught up from its log, the lines Redis lost indexed again),
-        and every session with a ``turn_end`` applied in the last ``RESTART_RECHECK_S`` is
-        re-checked: its state caught up from its log and stored, its thresholds checked, a due
-        job claimed (coalesced into one Redis kept). The run_id is recorded once that is done,
-        so a re-check that met an error is made again."""
+        every session with a ``turn_end`` applied here in the last ``RESTART_RECHECK_S`` is
+        re-checked (``_recheck``), and so is every session of the owned shards whose log is
+        ahead of its stored state (``_recheck_behind``: those another watcher applied). The
+        run_id is recorded once that is done, so a re-check that met an error is made again."""
         run_id = self._server_run_id()
         if run_id is None:
             return
@@ -301,7 +305,48 @@ class Watcher:
         logger.warning("Redis restarted (run_id %s, was %s): it may have lost its last writes; re-checking "
                        "the %d sessions with a turn_end applied in the last %.0f s",
                        run_id, self._run_id, len(recent), RESTART_RECHECK_S)
-        for n, (session_id, cwd) in enumerate(recent, 1):
+        self._recheck(recent)
+        self._behind_shards.update(self.cursors)
+        self._run_id = run_id
+
+    def _recheck_behind(self) -> None:
+        """The sessions of the shards just taken (or of every owned shard after a restart) active
+        in the last ``RESTART_RECHECK_S`` (``{p}:sessions``, by Redis's clock) whose log is longer
+        than their stored state says, re-checked (``_recheck``). A log ahead of its state is a
+        write whose state save did not land: its watcher died between the two (its entries,
+        unacked, come again and trigger again), or Redis lost its last writes, the entries'
+        with them, and so their trigger too; when the watcher that applied them died as well (a
+        host's crash, a killed ``serve``), none remembered them, and the session stayed over its
+        threshold, its status showing the old estimate. (A session Redis holds no state of at
+        all, one that began in the writes it lost, is not found so: its next ``turn_end``.)"""
+        shards = set(self._behind_shards)
+        since = int(self.redis.time()[0]) - RESTART_RECHECK_S
+        shard_of = self.keys.shard_of
+        active = self.redis.zrangebyscore(self.keys.sessions, since, "+inf")
+        mine = [sid for sid in (as_text(m) for m in active if isinstance(m, (bytes, str))) if shard_of(sid) in shards]
+        pipe = self.redis.pipeline(transaction=False)
+        for session_id in mine:
+            pipe.hmget(self.keys.session(session_id), "log_size", "cwd")
+        behind = []
+        for session_id, (size, cwd) in zip(mine, pipe.execute() if mine else []):
+            if not size or not cwd:
+                continue
+            try:
+                log = self.store.log(session_id, as_text(cwd), create=False)
+                if log.size() > int(size):
+                    behind.append((session_id, as_text(cwd)))
+            except (CompactorError, ValueError, OSError):  # (the next write says what is wrong with it)
+                continue
+        self._behind_shards -= shards
+        if behind:
+            logger.info("re-checking %d sessions whose log is ahead of their stored state shards=%s",
+                        len(behind), sorted(shards))
+            self._recheck(behind)
+
+    def _recheck(self, sessions: list[tuple[str, str]]) -> None:
+        """Each ``(session_id, cwd)``: its state caught up from its log and stored, its thresholds
+        checked, a due job claimed (coalesced into one pending), as a worker's end re-checks one."""
+        for n, (session_id, cwd) in enumerate(sessions, 1):
             self._beat_if_due()
             try:
                 log = self.store.log(session_id, cwd, create=False)
@@ -309,7 +354,7 @@ class Watcher:
                     continue
                 state = self.store.apply(session_id, cwd, [], log=log).state  # (caught up, stored)
             except CompactorError as e:  # (its log locked past LOG_LOCK_WAIT_S, unreadable: its next turn_end)
-                logger.warning("session not re-checked after the Redis restart session=%s error=%s", session_id, e,
+                logger.warning("session not re-checked session=%s error=%s", session_id, e,
                                extra={"session_id": session_id})
                 continue
             self._check_thresholds(session_id, cwd, state)
@@ -317,7 +362,6 @@ class Watcher:
                 self._fire()
         if self._triggers:
             self._fire()
-        self._run_id = run_id
 
     def _take(self, shard: int) -> None:
         """A shard just acquired: make sure its group exists, adopt strays, sweep its PEL first.
@@ -331,6 +375,7 @@ class Watcher:
         claimed = self.streams.claim_foreign(shard, self.settings.watcher.claim_idle_ms)
         self.streams.trim(shard)  # (before reading: a producer's trim of unread entries is seen)
         self.cursors[shard] = ShardCursor(claimed=claimed)
+        self._behind_shards.add(shard)  # (``_recheck_behind``, at the end of the tick)
         if self._not_streams.pop(shard, None) is not None:
             logger.warning("shard %d is read again: %s is a stream id=%s", shard, self.keys.stream(shard), self.id)
 

@@ -317,3 +317,48 @@ def test_a_trigger_redis_lost_in_a_restart_is_raised_again_without_another_turn_
         watcher.close()
     finally:
         server.stop()
+
+
+def test_a_trigger_lost_with_redis_and_the_watcher_that_applied_it_is_raised_by_the_next_owner(
+        tmp_path: Path) -> None:
+    """A host's crash: Redis comes back from a snapshot taken before turn 3 (its last writes lost:
+    turn 3's entries, state save, claim and RQ job), and the watcher that applied turn 3 to the log
+    is gone too, so nothing remembers the trigger: the session, over its threshold, got no job
+    before its next turn_end and its status kept turn 2's estimate. The watcher that takes the
+    shard re-checks its active sessions whose log is ahead of their stored state."""
+    from compactor.embedded import EmbeddedRedis
+    from compactor.store import SessionStore
+
+    server = EmbeddedRedis(tmp_path / "redis", persist=False).start()  # (it loads the RDB SAVE writes)
+    try:
+        r = redis.Redis.from_url(server.url)
+        fast = fast_settings(tmp_path / "data", server.url)
+        publisher = Publisher(r, fast)
+        crashed = Watcher(r, fast, name="crashed")
+        publisher.publish("s1", CWD, [user(1), turn_end(1, window=WINDOW), user(2), turn_end(2, window=WINDOW)])
+        drain(crashed, r, fast)
+        assert pending_job_id(r, fast, "s1") is None
+        r.save()  # the snapshot Redis comes back from
+        publisher.publish("s1", CWD, [padded_user(3, 950), turn_end(3, window=WINDOW)])
+        drain(crashed, r, fast)
+        assert pending_job_id(r, fast, "s1") is not None
+        lines = log_lines(fast, "s1")
+        server.kill()  # (the crashed watcher is never run again)
+        server.start()
+        assert pending_job_id(r, fast, "s1") is None and SessionStore(r, fast).load("s1").prompt_estimate < 100  # type: ignore[union-attr]
+
+        watcher = Watcher(r, fast, name="next")
+        deadline = time.monotonic() + 20
+        while pending_job_id(r, fast, "s1") is None:  # (once the crashed watcher's leases ran out)
+            assert time.monotonic() < deadline, "no job for the session over its threshold"
+            watcher.run_once()
+            time.sleep(0.05)
+        job_id = pending_job_id(r, fast, "s1")
+        assert parse_job_id(job_id)[1] == "llm"  # type: ignore[arg-type,index]
+        assert rq.Queue(fast.redis.prefix, connection=r).job_ids == [job_id]
+        state = SessionStore(r, fast).load("s1")
+        assert state is not None and state.prompt_estimate > 0.9 * WINDOW and state.current_turn_id == 4
+        assert log_lines(fast, "s1") == lines
+        watcher.close()
+    finally:
+        server.stop()
