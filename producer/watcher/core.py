@@ -246,7 +246,14 @@ class Watcher:
             del self.cursors[n]
         self._behind_shards &= set(self.cursors)
         if self._behind_shards:
-            self._recheck_behind()
+            try:
+                self._recheck_behind()
+            except redis.RedisError:
+                raise
+            except Exception:  # noqa: BLE001 - a bug here must not stop the tick (nor every read after it)
+                logger.exception("re-check of the sessions ahead of their state failed shards=%s",
+                                 sorted(self._behind_shards))
+                self._behind_shards.clear()
         self._trim_due()
         if time.monotonic() >= self._next_orphan_sweep:
             self._next_orphan_sweep = time.monotonic() + ORPHAN_SWEEP_INTERVAL_S
@@ -337,11 +344,11 @@ class Watcher:
                     behind.append((session_id, as_text(cwd)))
             except (CompactorError, ValueError, OSError):  # (the next write says what is wrong with it)
                 continue
-        self._behind_shards -= shards
         if behind:
             logger.info("re-checking %d sessions whose log is ahead of their stored state shards=%s",
                         len(behind), sorted(shards))
             self._recheck(behind)
+        self._behind_shards -= shards  # (last: a Redis error meanwhile has them looked through again)
 
     def _recheck(self, sessions: list[tuple[str, str]]) -> None:
         """Each ``(session_id, cwd)``: its state caught up from its log and stored, its thresholds
@@ -356,6 +363,11 @@ class Watcher:
             except CompactorError as e:  # (its log locked past LOG_LOCK_WAIT_S, unreadable: its next turn_end)
                 logger.warning("session not re-checked session=%s error=%s", session_id, e,
                                extra={"session_id": session_id})
+                continue
+            except redis.RedisError:
+                raise
+            except Exception:  # noqa: BLE001 - a bug in one session's re-check must not stop the others
+                logger.exception("session not re-checked session=%s", session_id, extra={"session_id": session_id})
                 continue
             self._check_thresholds(session_id, cwd, state)
             if n % RESTART_RECHECK_FIRE_EVERY == 0 and self._triggers:

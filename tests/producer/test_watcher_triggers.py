@@ -14,6 +14,7 @@ import rq.job
 
 from compactor.keys import Keys
 from compactor.queue import parse_job_id, pending_job_id
+from compactor.store import SessionStore
 from events.config import Settings
 from events.models import parse_event, to_wire
 from events.tokens import count_tokens, event_tokens
@@ -327,7 +328,6 @@ def test_a_trigger_lost_with_redis_and_the_watcher_that_applied_it_is_raised_by_
     before its next turn_end and its status kept turn 2's estimate. The watcher that takes the
     shard re-checks its active sessions whose log is ahead of their stored state."""
     from compactor.embedded import EmbeddedRedis
-    from compactor.store import SessionStore
 
     server = EmbeddedRedis(tmp_path / "redis", persist=False).start()  # (it loads the RDB SAVE writes)
     try:
@@ -362,3 +362,29 @@ def test_a_trigger_lost_with_redis_and_the_watcher_that_applied_it_is_raised_by_
         watcher.close()
     finally:
         server.stop()
+
+
+def test_a_failing_re_check_stops_neither_the_tick_nor_the_reads(
+        r: redis.Redis, fast: Settings, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The re-check of a session whose log is ahead of its state runs inside the tick: an error
+    there (a bug) skipped the rest of the tick, and, the re-check being retried at each tick, every
+    read after it. It is logged and the watcher goes on."""
+    publisher = Publisher(r, fast)
+    first = Watcher(r, fast, name="first")
+    publisher.publish("s1", CWD, [user(1), turn_end(1, window=WINDOW)])
+    drain(first, r, fast)
+    first.close()
+    r.hset(Keys().session("s1"), "log_size", 10)  # (a state save that did not land)
+    real = SessionStore.apply
+
+    def failing(self: SessionStore, session_id: str, cwd: str, events: Any, **kwargs: Any) -> Any:
+        if not events:
+            raise RuntimeError("a bug in the re-check")
+        return real(self, session_id, cwd, events, **kwargs)
+
+    monkeypatch.setattr(SessionStore, "apply", failing)
+    publisher.publish("s2", CWD, [user(1), turn_end(1, window=WINDOW)])
+    with caplog.at_level(logging.ERROR, logger=watcher_core.__name__):
+        drain(Watcher(r, fast, name="next"), r, fast)
+    assert [e["type"] for e in log_lines(fast, "s2")] == ["user", "turn_end"]
+    assert any("session not re-checked session=s1" in m for m in caplog.messages)
