@@ -58,7 +58,9 @@ the lock and answered while the job frees its memory, logs and counts
 A micro job makes the same two round trips: its stored state (no counter) read
 while the log is, and the state save that frees its claim.
 The worker's own lines carry new random uuids (uuid4), which no log holds: they
-are not looked up.
+are not looked up. A forced job's summary (and micro step) carry uuids derived
+from its job id (``job_line_uuid``), unique too: a forced job that runs again
+finds its summary by it and answers with that run's result (``_answered``).
 
 Model choice: ``compactionModel``, else the session's model. When the
 compaction model's window (litellm's max input tokens, else the default)
@@ -263,6 +265,9 @@ class JobRun:
     deadline: float | None = None  # time.monotonic() the job's timeout ends at (RQ's), when known
     covered: int | None = None  # the targets summarized, when the chunks stopped short of the deadline
     micro_step: CompressResult | None = None  # a failed LLM job's micro step, applied (the job still fails)
+    # a forced job: the ids of the jobs whose summary answers its request (its own, and the one it was queued
+    # in the place of): its lines' uuids derive from its id (``job_line_uuid``), found again if it runs twice
+    answers: tuple[str, ...] = ()
     reset_owed: bool = False  # the failures' reset was sent with the last writes, its reply not yet read
     started: float = field(default_factory=time.monotonic)
     started_at: float = field(default_factory=time.time)  # (the wall clock: a suspended VM stops the other)
@@ -410,6 +415,13 @@ class Compactor:
                 events = log.read()  # while Redis answers
             breaker_open = not forced and stored.failures >= self.failures.max_failures
             events, state = self._current(session_id, cwd, log, events, stored.state)
+            if forced and run is not None and run.answers:
+                answered = _answered(events, run.answers, self.ctx)
+                if answered is not None:
+                    logger.warning("forced job already answered session=%s job=%s: its summary is in the log "
+                                   "(the job ran again: Redis lost that it had ended)", session_id, run.job_id,
+                                   extra={"session_id": session_id})
+                    return answered
             before = state.prompt_estimate
             # a forced job skips both thresholds (SPEC §5): its micro step runs whenever there are candidates
             # and something to summarize (with nothing, SPEC §5 fixes the answer: nothing written, DESIGN)
@@ -487,7 +499,9 @@ class Compactor:
         replaces, end_turn = reading.replaces, reading.targets.end_turn
         if covered is not None:  # the turns before the first target not summarized
             replaces, end_turn = _covered(reading, covered)
-        event = _new_line("summary", replaces=replaces, summaryText=text, lastSummarizedTurnId=end_turn)
+        mine = run.job_id if forced and run is not None and run.job_id else None  # (``_answered``)
+        event = _new_line("summary", replaces=replaces, summaryText=text, lastSummarizedTurnId=end_turn,
+                          line_uuid=job_line_uuid(mine, "summary") if mine else None)
         lines = [event] if snapshot.compact is None else [snapshot.compact, event]
         with log.lock(), _past_the_timeout():
             if self._handed_on(session_id, run):
@@ -509,6 +523,8 @@ class Compactor:
             if not forced and reading.exact and covered is None and not _smaller(event, reading):
                 return self._not_smaller(session_id, cwd, log, event, reading, snapshot, reset)
             known = snapshot.events + since if since else snapshot.events
+            if mine and snapshot.compact is not None:  # (its place in the log in its uuid: unique per run)
+                lines[0] = {**snapshot.compact, "uuid": job_line_uuid(mine, f"compact:{len(known)}")}
             pipe = self.store.redis.pipeline(transaction=False) if reset or run else None
             if pipe is not None and reset:
                 self.failures.reset(session_id, pipe)
@@ -519,7 +535,7 @@ class Compactor:
             try:
                 applied = self.store.apply(
                     session_id, cwd, lines, log=log, pipeline=pipe, cached=snapshot.state, known=known,
-                    derive=derive, taken=set(),  # new uuid4s: in no log
+                    derive=derive, taken=set(),  # new uuids (uuid4, or a forced job's own): in no log
                 )
             except Exception:
                 if reset:  # the LLM call did succeed
@@ -961,11 +977,39 @@ def _overtaken(since: list[dict[str, Any]], end_turn: int, compact: dict[str, An
         compact is not None and compact["endTurnId"] >= current - 1)
 
 
-def _new_line(kind: str, **fields: Any) -> dict[str, Any]:
+def _new_line(kind: str, *, line_uuid: str | None = None, **fields: Any) -> dict[str, Any]:
     """A line of the worker's own, as ``to_wire(with_identity(<model>(...)))`` makes it (a new
-    uuid, the time, then the fields), without the pydantic round trip: the worker's values
-    (turn ids and uuids read from the log, the checked summary text) need no validation."""
-    return {"uuid": str(uuid.uuid4()), "timestamp": iso_time(redis_time_s()), "type": kind, **fields}
+    uuid, or ``line_uuid``, the time, then the fields), without the pydantic round trip: the
+    worker's values (turn ids and uuids read from the log, the checked summary text) need no
+    validation."""
+    return {"uuid": line_uuid or str(uuid.uuid4()), "timestamp": iso_time(redis_time_s()), "type": kind, **fields}
+
+
+def job_line_uuid(job_id: str, what: str) -> str:
+    """The uuid of the line ``what`` a forced job writes: ``summary``, or ``compact:{n}`` (its micro
+    step's ``compact``, ``n`` the lines before it: a job that ran again writes another)."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"compactor:job:{job_id}:{what}"))
+
+
+def _answered(events: list[dict[str, Any]], job_ids: tuple[str, ...], ctx: ContextSettings) -> CompressResult | None:
+    """The result of the forced job (of ``job_ids``) whose summary the log holds, as it was: the
+    estimate right before its lines (its micro step's compact included) and right after its
+    summary; None when none of them wrote one. A job that ran again (Redis restored from a
+    snapshot taken while it was queued put it back in the queue; its worker died after its
+    append, before its end was recorded, and the job queued in its place runs) answered its
+    request "nothing compacted", or wrote a second summary over the turns since."""
+    summaries = {job_line_uuid(job_id, "summary") for job_id in job_ids}
+    for i in range(len(events) - 1, -1, -1):
+        line = events[i]
+        if line.get("type") != "summary" or line.get("uuid") not in summaries:
+            continue
+        start = i
+        if i > 0 and events[i - 1].get("type") == "compact" and events[i - 1].get("uuid") in {
+                job_line_uuid(job_id, f"compact:{i - 1}") for job_id in job_ids}:
+            start = i - 1
+        before = build_view(events[:start], ctx, messages=False).prompt_estimate
+        return _result(True, before, build_view(events[:i + 1], ctx, messages=False).prompt_estimate)
+    return None
 
 
 def _covered(reading: LlmPass, covered: int) -> tuple[list[str], int]:

@@ -114,6 +114,8 @@ def _run(kind: str, session_id: str, cwd: str, *, forced: bool, started: float |
     result: CompressResult | None = None
     llm_failed = write_failed = False
     run = JobRun(job_id)
+    if forced and job_id:  # (its summary found in the log if it runs again: ``Compactor.llm``)
+        run.answers = tuple(j for j in (job_id, (job.meta or {}).get(REQUEUED_FROM_FIELD) if job else None) if j)
     if job is not None and isinstance(job.timeout, (int, float)) and job.timeout > 0:
         run.deadline = started + job.timeout  # (a chunked summary stops short of it: JobRun.covered)
     try:

@@ -359,7 +359,8 @@ class Watcher:
                 log = self.store.log(session_id, cwd, create=False)
                 if not log.exists():  # (deleted meanwhile)
                     continue
-                state = self.store.apply(session_id, cwd, [], log=log).state  # (caught up, stored)
+                # (caught up, stored; a long catch-up renews the leases as it goes, as an apply does)
+                state = self.store.apply(session_id, cwd, [], log=log, progress=self._beat_if_due).state
             except CompactorError as e:  # (its log locked past LOG_LOCK_WAIT_S, unreadable: its next turn_end)
                 logger.warning("session not re-checked session=%s error=%s", session_id, e,
                                extra={"session_id": session_id})

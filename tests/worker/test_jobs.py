@@ -3065,3 +3065,59 @@ def test_the_supervisor_passes_its_first_stop_on_as_sigterm_and_a_later_ctrl_c_a
     for signum in signals:
         supervisor._on_signal(signum, None)
     assert sent == [(4242, signum) for signum in forwarded]
+
+
+def _snapshot_rq(r: redis.Redis) -> list[tuple[bytes, int, bytes]]:
+    """RQ's keys as a Redis snapshot holds them (DUMP, with their TTLs)."""
+    return [(key, max(0, r.pttl(key)), r.dump(key)) for key in r.scan_iter("rq:*")]  # type: ignore[misc]
+
+
+def _restore_rq(r: redis.Redis, snapshot: list[tuple[bytes, int, bytes]]) -> None:
+    """RQ's keys back as the snapshot had them (Redis restored from it, for what RQ knows)."""
+    for key in list(r.scan_iter("rq:*")):
+        r.delete(key)
+    for key, ttl, value in snapshot:
+        r.restore(key, ttl, value, replace=True)
+
+
+@pytest.mark.parametrize("turns_between", [0, 2])
+def test_a_forced_job_run_again_answers_with_the_summary_it_wrote(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub, turns_between: int,
+) -> None:
+    """Redis restored from a snapshot taken while a forced job was queued puts it back in the
+    queue after it ran: it ran again, found its summary written, and its result, "nothing
+    compacted", replaced the first's (the request was answered `didCompress: false, released: 0`);
+    with turns added in between it wrote a second summary nobody asked for. A forced job's summary
+    carries a uuid derived from its id: run again, the job answers with the result it had."""
+    write_session(r, wsettings, "s1", 4)
+    job_id = enqueue_forced_compaction(r, wsettings, "s1", CWD)
+    snapshot = _snapshot_rq(r)
+    run_burst(r, wsettings)
+    first = Job.fetch(job_id, connection=r).return_value()
+    assert first["didCompress"] and first["released"] > 0
+    lines = read_log(wsettings, "s1")
+    write_session(r, wsettings, "s1", turns_between, first=5)
+    _restore_rq(r, snapshot)
+    assert Job.fetch(job_id, connection=r).get_status() == JobStatus.QUEUED
+    calls = len(stub.requests)
+    run_burst(r, wsettings)
+    job = Job.fetch(job_id, connection=r)
+    assert job.get_status() == JobStatus.FINISHED and job.return_value() == first
+    assert len(stub.requests) == calls  # (no second LLM call)
+    assert read_log(wsettings, "s1")[:len(lines)] == lines and len(_summaries(wsettings, "s1")) == 1
+
+
+def test_the_job_queued_in_the_place_of_a_forced_job_that_wrote_its_summary_answers_with_it(
+    r: redis.Redis, wsettings: Settings, stub: LLMStub,
+) -> None:
+    """A forced job whose worker died after its append, before its end was recorded, is queued
+    again in its place by the janitor: the replacement wrote a second summary. It answers with
+    the first's now."""
+    write_session(r, wsettings, "s1", 4)
+    first_id = enqueue_forced_compaction(r, wsettings, "s1", CWD)
+    run_burst(r, wsettings)
+    first = Job.fetch(first_id, connection=r).return_value()
+    again = enqueue_forced_compaction(r, wsettings, "s1", CWD, meta={"requeuedFrom": first_id})
+    run_burst(r, wsettings)
+    assert Job.fetch(again, connection=r).return_value() == first
+    assert len(_summaries(wsettings, "s1")) == 1
