@@ -415,7 +415,7 @@ class Compactor:
                 events = log.read()  # while Redis answers
             breaker_open = not forced and stored.failures >= self.failures.max_failures
             events, state = self._current(session_id, cwd, log, events, stored.state)
-            if forced and run is not None and run.answers:
+            if run is not None and run.answers:  # (a forced job's: ``worker.jobs``)
                 answered = _answered(events, run.answers, self.ctx)
                 if answered is not None:
                     logger.warning("forced job already answered session=%s job=%s: its summary is in the log "
@@ -499,7 +499,7 @@ class Compactor:
         replaces, end_turn = reading.replaces, reading.targets.end_turn
         if covered is not None:  # the turns before the first target not summarized
             replaces, end_turn = _covered(reading, covered)
-        mine = run.job_id if forced and run is not None and run.job_id else None  # (``_answered``)
+        mine = run.answers[0] if run is not None and run.answers else None  # (a forced job's own id: ``_answered``)
         event = _new_line("summary", replaces=replaces, summaryText=text, lastSummarizedTurnId=end_turn,
                           line_uuid=job_line_uuid(mine, "summary") if mine else None)
         lines = [event] if snapshot.compact is None else [snapshot.compact, event]

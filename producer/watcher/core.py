@@ -217,10 +217,15 @@ class Watcher:
             logger.error("redis error id=%s attempt=%d error=%s", self.id, attempt, error)
         else:
             logger.exception("watcher loop error id=%s attempt=%d", self.id, attempt)
+        self._start_afresh()
+        self._next_tick = 0.0
+
+    def _start_afresh(self) -> None:
+        """Forget the cached states and sweep every owned shard's PEL again (after an error, and
+        after Redis restarted: what Redis holds may be behind what this watcher saw)."""
         self._sessions.clear()
         for cursor in self.cursors.values():
             cursor.restart_sweep()
-        self._next_tick = 0.0
 
     # -- tick: registry, leases, trimming -----------------------------------------
 
@@ -304,9 +309,7 @@ class Watcher:
         if self._run_id is None or self._run_id == run_id:
             self._run_id = run_id
             return
-        self._sessions.clear()
-        for cursor in self.cursors.values():
-            cursor.restart_sweep()
+        self._start_afresh()
         since = time.monotonic() - RESTART_RECHECK_S
         recent = [(session_id, cwd) for session_id, (cwd, at) in self._turn_ends.items() if at >= since]
         logger.warning("Redis restarted (run_id %s, was %s): it may have lost its last writes; re-checking "
