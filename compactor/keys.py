@@ -16,6 +16,7 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
     {p}:datadir                 string: the id of the data dir the sessions are written to
                                 (``{dataDir}/.compactor-id``): a watcher or worker on another refuses
                                 to start (compactor.datadir)
+    {p}:datadir:marks           hash: the running watchers' marks in the data dir (a copy has none)
     {p}:shards                  string: the redis.shards of the watchers (each heartbeat writes it;
                                 a watcher with another count is refused while one of these lives)
     {p}:job:{sessionId}         string: id of the one compaction job queued/running
@@ -32,6 +33,8 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
                                 (its log cannot be written: compactor.held)
     {p}:sent:{sessionId}        zset: uuid -> when the HTTP API published it (last 10 minutes):
                                 a retry sent before the first copy is applied is not published again
+    {p}:cwd:{sessionId}         string: the cwd a session's first published batch was sent with
+                                (10 minutes: while an entry of it waits, the API refuses another cwd)
     {p}:lettered:{n}            hash: id -> digest of the entry, of shard n's entries dead-lettered
                                 ahead of their ack (a run's refused entries, right before its
                                 append): their letter is not written again by a retry, a takeover,
@@ -51,6 +54,9 @@ Layout (``{p}`` is ``redis.prefix``; fixed by SPEC §6 where marked):
                                 unread ones (a producer's XDEL), once dead-lettered: not lettered
                                 twice (a trim's loss is lettered once by the group's counter);
                                 followed by " unsettled" until the group has read across it
+
+docs/OPERATIONS.md "Redis keys" lists them for operators, with their lifetimes and the
+state hash's fields.
 
 Consumer group on every shard: ``{p}-watchers``, with one consumer per shard,
 ``shard-{n}``, read only by the watcher holding the shard's lease (stable

@@ -54,3 +54,37 @@ def test_the_docs_xadd_examples_name_their_sessions_shard() -> None:
     assert {name for name, _, _ in found} == {"README.md", "STREAM_PROTOCOL.md"}
     for name, shard, sid in found:
         assert shard == Keys().shard_of(sid), f"{name}: {sid} goes to shard {Keys().shard_of(sid)}, not {shard}"
+
+
+def test_operations_lists_every_key_and_every_state_field() -> None:
+    """SPEC §6 leaves the keys beyond its own to the project "to choose and document": an operator
+    reading Redis (or granting an ACL) had only this module's docstring, and two keys were missing
+    from it. Every key a ``Keys`` builder makes, and every field of the stored state, is named in
+    OPERATIONS.md's "Redis keys" (a key added without its line fails here)."""
+    import inspect
+    import re
+    from dataclasses import fields
+    from pathlib import Path
+
+    from events.state import SessionState
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "OPERATIONS.md").read_text()
+    section = text.split("### Redis keys", 1)[1].split("\n## ", 1)[0]
+    k = Keys(prefix="{p}")
+    placeholder = {"session_id": "{sessionId}", "shard": "{n}", "job_id": "{jobId}"}
+    built = {}
+    for name, member in inspect.getmembers(Keys):
+        if name.startswith("_") or name in ("shard_of", "stream_for", "all_streams", "queue", "consumer"):
+            continue  # (a number, the same key by its session, all shards, RQ's queue name, a consumer's name)
+        if isinstance(member, property):
+            built[name] = getattr(k, name)
+        elif callable(member):
+            [param] = list(inspect.signature(member).parameters)[1:]
+            built[name] = getattr(k, name)(placeholder[param])
+    assert len(built) >= 28, sorted(built)  # (the filter above did not drop the builders)
+    rows = set(re.findall(r"^\| `([^`]+)` \|", section, re.M))
+    missing = {name: key for name, key in built.items() if key not in rows}
+    assert not missing, f"keys not in OPERATIONS.md's Redis keys: {missing}"
+    first_cells = re.findall(r"^\| (`[^|]+`) \|", section, re.M)
+    state_rows = {name for cell in first_cells for name in re.findall(r"`(\w+)`", cell)}
+    assert not {f.name for f in fields(SessionState)} - state_rows, "state fields not in OPERATIONS.md"
