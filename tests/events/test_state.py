@@ -438,3 +438,44 @@ def test_an_llm_pass_folds_in_every_visible_summary_it_can_replace() -> None:
     reading = llm_pass(events, ContextSettings(keep_recent_turns=1), micro=False, render=_render)
     assert reading.targets.previous_summaries == [older, latest]
     assert reading.replaces[-2:] == [older["uuid"], latest["uuid"]]
+
+
+# What a state's derivation computes, digested, per STATE_DERIVATION: token counts of texts that
+# took fixes (long runs of blanks, short texts counted by their own cache, special-token text, other
+# scripts) in both encodings, and the estimate of a log whose outputs sit at the elision's edges.
+# A run of blanks counted a piece at a time changed a count by one and STATE_DERIVATION stayed: the
+# states an earlier version stored were trusted as they were (an upgrade audit found the estimate
+# off by one against a rebuild). A change to what this digests fails here until STATE_DERIVATION
+# is bumped and the new digest recorded beside it.
+DERIVATION_DIGESTS = {3: "bd7589e276716c77"}
+
+
+def _derivation_digest() -> str:
+    import hashlib
+
+    from events.tokens import count_tokens
+
+    texts = ["", "hello world", "x" * 64, "x" * 65, "start" + " " * 8_200 + "end", "\t\n " * 7_000 + "y",
+             "caf\u00e9 \u4e2d\u6587 \U0001f600 \u0645\u0631\u062d\u0628\u0627", "<|endoftext|> <|fim_prefix|> x",
+             "def f(x):\n    return x * 2\n\n" * 40]
+    counts = [count_tokens(text, encoding) for encoding in ("cl100k_base", "o200k_base") for text in texts]
+    events: list[dict[str, Any]] = [{"type": "session_meta", "sessionId": "d", "cwd": "/w", "model": "gpt-4o"}]
+    for turn, size in enumerate((119, 120, 121, 181, 999, 10_001), 1):
+        output = "".join(chr(97 + (i * 7 + turn) % 26) for i in range(size))
+        events += [{"type": "user", "turnId": turn, "content": f"step {turn}"},
+                   {"type": "assistant", "turnId": turn, "content": "",
+                    "toolCalls": [{"id": f"c{turn}", "name": "read_file", "arguments": {"path": f"f{turn}"}}]},
+                   {"type": "tool_result", "turnId": turn, "toolCallId": f"c{turn}", "toolName": "read_file",
+                    "output": output},
+                   {"type": "turn_end", "turnId": turn, "model": "gpt-4o", "contextWindow": 128_000}]
+    estimates = [rebuild("d", "/w", events, CTX, 0).prompt_estimate]
+    events.append({"type": "compact", "startTurnId": 1, "endTurnId": 5, "uuid": "k"})
+    estimates.append(rebuild("d", "/w", events, CTX, 0).prompt_estimate)
+    estimates.append(rebuild("d", "/w", events, ContextSettings(micro_compact_keep_chars=7), 0).prompt_estimate)
+    return hashlib.sha256(repr((counts, estimates)).encode()).hexdigest()[:16]
+
+
+def test_a_change_in_what_a_state_derives_bumps_state_derivation() -> None:
+    assert DERIVATION_DIGESTS.get(config.STATE_DERIVATION) == _derivation_digest(), (
+        "what a state's derivation computes changed: bump STATE_DERIVATION (events/config.py) so that stored "
+        "states are rebuilt, and record the new digest in DERIVATION_DIGESTS")
