@@ -468,10 +468,14 @@ def _derivation_digest() -> str:
                    {"type": "tool_result", "turnId": turn, "toolCallId": f"c{turn}", "toolName": "read_file",
                     "output": output},
                    {"type": "turn_end", "turnId": turn, "model": "gpt-4o", "contextWindow": 128_000}]
-    estimates = [rebuild("d", "/w", events, CTX, 0).prompt_estimate]
+    # (the settings the fingerprint names, given: a change of a default is no change of the derivation)
+    ctx = ContextSettings(micro_compact_min_chars=120, micro_compact_keep_chars=40, default_context_window=128_000,
+                          compactable_tools=("read_file",))
+    estimates = [rebuild("d", "/w", events, ctx, 0).prompt_estimate]
     events.append({"type": "compact", "startTurnId": 1, "endTurnId": 5, "uuid": "k"})
-    estimates.append(rebuild("d", "/w", events, CTX, 0).prompt_estimate)
-    estimates.append(rebuild("d", "/w", events, ContextSettings(micro_compact_keep_chars=7), 0).prompt_estimate)
+    estimates.append(rebuild("d", "/w", events, ctx, 0).prompt_estimate)
+    estimates.append(rebuild("d", "/w", events, ctx.model_copy(update={"micro_compact_keep_chars": 7}), 0)
+                     .prompt_estimate)
     return hashlib.sha256(repr((counts, estimates)).encode()).hexdigest()[:16]
 
 
